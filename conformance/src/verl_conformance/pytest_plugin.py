@@ -1,0 +1,3 @@
+"""pytest plugin of the conformance suite (import-light)."""
+
+from __future__ import annotations

@@ -1,0 +1,672 @@
+"""TensorBatch: the immutable, validated batch every protocol takes and returns.
+
+Construction checks names, ranks, dtypes, devices and shared dim sizes (cheap: no pass over the
+data). Value checks (NaN/inf, padding sides, pad values) cost a pass over the data and run only at
+protocol boundaries through :meth:`TensorBatch.check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+
+from verl_core.errors import BatchValidationError, NonFiniteError
+from verl_core.schema import FIELDS, Dim, FieldSpec
+
+__all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "partition_by_token_budget"]
+
+_FORMAT: Final = "verl.TensorBatch/1"
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """What the whole batch shares; every op carries it through.
+
+    Attributes:
+        temperature: Sampling temperature T; log-probs are of softmax(logits / T).
+        top_p: Nucleus sampling threshold used to generate the batch (1.0 = off).
+        top_k: Top-k used to generate the batch (0 = off).
+        pad_token_id: The tokenizer's pad id, which fills padding positions of id fields.
+        weight_version: Version of the weights that generated the batch.
+        step: Trainer step that produced the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    pad_token_id: int = 0
+    weight_version: int = 0
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise BatchValidationError(
+                f"BatchMeta.temperature must be a finite number > 0, got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise BatchValidationError(f"BatchMeta.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BatchValidationError(f"BatchMeta.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.pad_token_id < 0:
+            raise BatchValidationError(f"BatchMeta.pad_token_id must be >= 0, got {self.pad_token_id}")
+
+
+_SAMPLING_KEYS: Final = ("temperature", "top_p", "top_k", "pad_token_id")
+
+
+def _describe(spec: FieldSpec) -> str:
+    return f"[{', '.join(spec.dims)}] {spec.dtype}"
+
+
+def _validate_field(
+    name: str, value: object, sizes: dict[Dim, tuple[int, str]], device: list[torch.device]
+) -> Tensor:
+    spec = FIELDS.get(name)
+    if spec is None:
+        known = ", ".join(sorted(FIELDS))
+        raise BatchValidationError(
+            f"unknown field {name!r}; known fields: {known}. "
+            "Register a custom field with verl_core.register_field(FieldSpec(...))."
+        )
+    if not isinstance(value, Tensor):
+        raise BatchValidationError(
+            f"field {name!r}: expected a torch.Tensor {_describe(spec)}, got {type(value).__name__}"
+        )
+    if value.dim() != len(spec.dims):
+        raise BatchValidationError(
+            f"field {name!r}: expected rank {len(spec.dims)} {_describe(spec)}, "
+            f"got shape {tuple(value.shape)}"
+        )
+    if value.dtype != spec.dtype:
+        raise BatchValidationError(
+            f"field {name!r}: expected dtype {spec.dtype} {_describe(spec)}, got {value.dtype}"
+        )
+    if device:
+        if value.device != device[0]:
+            raise BatchValidationError(
+                f"field {name!r}: on device {value.device}, but other fields are on {device[0]}"
+            )
+    else:
+        device.append(value.device)
+    for dim, size in zip(spec.dims, value.shape, strict=True):
+        seen = sizes.get(dim)
+        if seen is None:
+            sizes[dim] = (size, name)
+        elif seen[0] != size:
+            raise BatchValidationError(
+                f"field {name!r}: dim {dim!r} has size {size}, but field {seen[1]!r} has {seen[0]}"
+            )
+    return value
+
+
+class TensorBatch(Mapping[str, Tensor]):
+    """An immutable mapping from schema fields to tensors sharing a batch dimension.
+
+    Also carries per-sample non-tensor ``extras`` (e.g. ground-truth answers; one value per sample)
+    and :class:`BatchMeta`. Every op returns a new batch; tensors are shared, not copied, so do not
+    modify them in place.
+
+    Raises:
+        BatchValidationError: on an unknown field, a wrong rank, dtype or device, a dim size that
+            disagrees with another field, or extras of the wrong length. The message names the
+            field, the expected and the actual value.
+    """
+
+    __slots__ = ("_extras", "_meta", "_size", "_tensors")
+
+    _tensors: dict[str, Tensor]
+    _extras: dict[str, tuple[Any, ...]]
+    _meta: BatchMeta
+    _size: int
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        extras: Mapping[str, Sequence[Any]] | None = None,
+        meta: BatchMeta | None = None,
+        *,
+        batch_size: int | None = None,
+    ) -> None:
+        sizes: dict[Dim, tuple[int, str]] = {}
+        device: list[torch.device] = []
+        checked = {name: _validate_field(name, t, sizes, device) for name, t in tensors.items()}
+        size = sizes["batch"][0] if "batch" in sizes else None
+        ext = _validate_extras(extras or {}, size if size is not None else batch_size)
+        if size is None:
+            size = batch_size if batch_size is not None else _extras_size(ext)
+        if batch_size is not None and batch_size != size:
+            raise BatchValidationError(f"batch_size={batch_size} but the fields have batch size {size}")
+        self._init(checked, ext, meta or BatchMeta(), size)
+
+    def _init(
+        self, tensors: dict[str, Tensor], extras: dict[str, tuple[Any, ...]], meta: BatchMeta, size: int
+    ) -> None:
+        object.__setattr__(self, "_tensors", tensors)
+        object.__setattr__(self, "_extras", extras)
+        object.__setattr__(self, "_meta", meta)
+        object.__setattr__(self, "_size", size)
+
+    @classmethod
+    def _trusted(
+        cls, tensors: dict[str, Tensor], extras: dict[str, tuple[Any, ...]], meta: BatchMeta, size: int
+    ) -> TensorBatch:
+        """Build without validation: only for ops whose output is valid by construction."""
+        out = cls.__new__(cls)
+        out._init(tensors, extras, meta, size)
+        return out
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("TensorBatch is immutable; use update() to get a new batch")
+
+    # ----------------------------------------------------------------- mapping and access
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(
+                f"field {name!r} is not in this batch; it has: {', '.join(self._tensors) or 'none'}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        """Number of fields (use :attr:`batch_size` for the number of samples)."""
+        return len(self._tensors)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of samples."""
+        return self._size
+
+    @property
+    def extras(self) -> Mapping[str, tuple[Any, ...]]:
+        """Per-sample non-tensor values, one tuple of ``batch_size`` values per key."""
+        return dict(self._extras)
+
+    @property
+    def meta(self) -> BatchMeta:
+        """What the whole batch shares (temperature, pad id, weight version, step)."""
+        return self._meta
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors (cpu for a batch without tensors)."""
+        for t in self._tensors.values():
+            return t.device
+        return torch.device("cpu")
+
+    @property
+    def prompt_len(self) -> int:
+        """Padded prompt width (0 without prompt fields)."""
+        t = self._tensors.get("prompt_ids", self._tensors.get("prompt_mask"))
+        return 0 if t is None else int(t.shape[1])
+
+    @property
+    def response_len(self) -> int:
+        """Padded response width (0 without per-token fields)."""
+        for name, t in self._tensors.items():
+            if FIELDS[name].dims == ("batch", "response"):
+                return int(t.shape[1])
+        return 0
+
+    def require(self, *names: str, where: str = "this operation") -> None:
+        """Raise BatchValidationError naming every missing field that ``where`` needs."""
+        missing = [n for n in names if n not in self._tensors]
+        if missing:
+            raise BatchValidationError(
+                f"{where} needs field(s) {', '.join(missing)}, but the batch has only: "
+                f"{', '.join(self._tensors) or 'none'}"
+            )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self._tensors.items())
+        return f"TensorBatch(batch_size={self._size}, {fields}, extras={list(self._extras)})"
+
+    # ----------------------------------------------------------------- derived views
+    def seq_lengths(self) -> Tensor:
+        """Real tokens per sample: prompt tokens plus response tokens (int64 [batch])."""
+        total = torch.zeros(self._size, dtype=torch.int64, device=self.device)
+        if "prompt_mask" in self._tensors:
+            total += self._tensors["prompt_mask"].sum(1)
+        if "response_mask" in self._tensors:
+            total += self._tensors["response_mask"].sum(1)
+        return total
+
+    # ----------------------------------------------------------------- ops
+    def select(self, *names: str, extras: bool | Sequence[str] = True) -> TensorBatch:
+        """A batch with only the named fields (and all, none, or the named extras)."""
+        self.require(*names, where="select()")
+        ext = self._pick_extras(extras)
+        return TensorBatch._trusted({n: self._tensors[n] for n in names}, ext, self._meta, self._size)
+
+    def drop(self, *names: str) -> TensorBatch:
+        """A batch without the named fields (missing names are ignored)."""
+        kept = {k: v for k, v in self._tensors.items() if k not in names}
+        return TensorBatch._trusted(kept, dict(self._extras), self._meta, self._size)
+
+    def _pick_extras(self, extras: bool | Sequence[str]) -> dict[str, tuple[Any, ...]]:
+        if extras is True:
+            return dict(self._extras)
+        if extras is False:
+            return {}
+        missing = [k for k in extras if k not in self._extras]
+        if missing:
+            raise BatchValidationError(f"extras {missing} are not in the batch: {list(self._extras)}")
+        return {k: self._extras[k] for k in extras}
+
+    def update(
+        self,
+        tensors: Mapping[str, Tensor] | None = None,
+        /,
+        *,
+        extras: Mapping[str, Sequence[Any]] | None = None,
+        meta: BatchMeta | None = None,
+        **fields: Tensor,
+    ) -> TensorBatch:
+        """A new batch with fields added or replaced (validated against the existing ones)."""
+        new = dict(tensors or {})
+        new.update(fields)
+        sizes: dict[Dim, tuple[int, str]] = {"batch": (self._size, "<batch>")}
+        device: list[torch.device] = []
+        for name, t in self._tensors.items():
+            if name not in new:
+                for dim, size in zip(FIELDS[name].dims, t.shape, strict=True):
+                    sizes.setdefault(dim, (size, name))
+                if not device:
+                    device.append(t.device)
+        merged = dict(self._tensors)
+        for name, t in new.items():
+            merged[name] = _validate_field(name, t, sizes, device)
+        ext = dict(self._extras)
+        ext.update(_validate_extras(extras or {}, self._size))
+        return TensorBatch._trusted(merged, ext, meta or self._meta, self._size)
+
+    def with_meta(self, **changes: Any) -> TensorBatch:
+        """A new batch whose meta has the given attributes replaced."""
+        meta = dataclasses.replace(self._meta, **changes)
+        return TensorBatch._trusted(dict(self._tensors), dict(self._extras), meta, self._size)
+
+    def index(self, indices: Tensor | Sequence[int] | slice) -> TensorBatch:
+        """The samples at ``indices`` (any order, repeats allowed), or a slice of them."""
+        if isinstance(indices, slice):
+            rows = range(self._size)[indices]
+            tensors = {k: v[indices] for k, v in self._tensors.items()}
+            ext = {k: v[indices] for k, v in self._extras.items()}
+            return TensorBatch._trusted(tensors, ext, self._meta, len(rows))
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        if idx.dim() != 1:
+            raise BatchValidationError(f"index() takes a 1-D index, got shape {tuple(idx.shape)}")
+        if idx.numel() and (int(idx.min()) < -self._size or int(idx.max()) >= self._size):
+            raise BatchValidationError(
+                f"index() got indices in [{int(idx.min())}, {int(idx.max())}] for a batch of {self._size}"
+            )
+        idx = idx % max(self._size, 1)
+        tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self._tensors.items()}
+        picked: list[int] = idx.tolist()
+        ext = {k: tuple(v[i] for i in picked) for k, v in self._extras.items()}
+        return TensorBatch._trusted(tensors, ext, self._meta, len(picked))
+
+    def split(self, sizes: Sequence[int]) -> list[TensorBatch]:
+        """Consecutive pieces of the given sizes (must sum to the batch size; zeros allowed)."""
+        if any(s < 0 for s in sizes) or sum(sizes) != self._size:
+            raise BatchValidationError(
+                f"split() sizes {list(sizes)} must be >= 0 and sum to the batch size {self._size}"
+            )
+        out: list[TensorBatch] = []
+        start = 0
+        for s in sizes:
+            out.append(self.index(slice(start, start + s)))
+            start += s
+        return out
+
+    def chunk(self, n: int) -> list[TensorBatch]:
+        """``n`` consecutive pieces whose sizes differ by at most one (the first ones larger)."""
+        if n <= 0:
+            raise BatchValidationError(f"chunk() needs n >= 1, got {n}")
+        base, extra = divmod(self._size, n)
+        return self.split([base + (1 if i < extra else 0) for i in range(n)])
+
+    def repeat_interleave(self, n: int) -> TensorBatch:
+        """Each sample repeated ``n`` times in place (s0, s0, s1, s1, ...).
+
+        Repeats keep their ``group_ids`` and get ``sample_index`` 0..n-1 when the batch has
+        ``group_ids`` (the n samples of one prompt form one group).
+        """
+        if n < 1:
+            raise BatchValidationError(f"repeat_interleave() needs n >= 1, got {n}")
+        idx = torch.arange(self._size).repeat_interleave(n)
+        out = self.index(idx)
+        if "group_ids" in self._tensors:
+            sample_index = torch.arange(n, device=out.device).repeat(self._size)
+            out = out.update(sample_index=sample_index)
+        return out
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TensorBatch:
+        """The batch with every tensor on ``device``."""
+        dev = torch.device(device)
+        tensors = {k: v.to(dev, non_blocking=non_blocking) for k, v in self._tensors.items()}
+        return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
+
+    @staticmethod
+    def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
+        """Concatenate along the batch dim, re-padding prompts (left) and responses (right).
+
+        All batches must have the same fields and extras keys, and agree on temperature, top_p,
+        top_k and pad id; the result's step and weight version are the oldest of the inputs.
+        """
+        if not batches:
+            raise BatchValidationError("concat() needs at least one batch")
+        first = batches[0]
+        for i, b in enumerate(batches[1:], 1):
+            if set(b._tensors) != set(first._tensors):
+                raise BatchValidationError(
+                    f"concat(): batch {i} has fields {sorted(b._tensors)}, batch 0 has {sorted(first._tensors)}"
+                )
+            if set(b._extras) != set(first._extras):
+                raise BatchValidationError(
+                    f"concat(): batch {i} has extras {sorted(b._extras)}, batch 0 has {sorted(first._extras)}"
+                )
+            for key in _SAMPLING_KEYS:
+                if getattr(b.meta, key) != getattr(first.meta, key):
+                    raise BatchValidationError(
+                        f"concat(): batch {i} has meta.{key}={getattr(b.meta, key)!r}, "
+                        f"batch 0 has {getattr(first.meta, key)!r}; batches sampled differently "
+                        "cannot share one batch"
+                    )
+        meta = dataclasses.replace(
+            first.meta,
+            step=min(b.meta.step for b in batches),
+            weight_version=min(b.meta.weight_version for b in batches),
+        )
+        pad_id = meta.pad_token_id
+        tensors: dict[str, Tensor] = {}
+        for name in first._tensors:
+            spec = FIELDS[name]
+            parts = [b._tensors[name] for b in batches]
+            if len(spec.dims) == 2:
+                width = max(p.shape[1] for p in parts)
+                left = spec.dims[1] == "prompt"
+                fill = pad_id if spec.pad_value is None else spec.pad_value
+                parts = [_pad_cols(p, width, left=left, value=fill) for p in parts]
+            tensors[name] = torch.cat(parts, 0)
+        ext = {k: tuple(v for b in batches for v in b._extras[k]) for k in first._extras}
+        return TensorBatch._trusted(tensors, ext, meta, sum(b._size for b in batches))
+
+    def trim(self) -> TensorBatch:
+        """Drop padding columns: all-padding prompt columns on the left, response columns on the right."""
+        tensors = dict(self._tensors)
+        if "prompt_mask" in tensors and self._size:
+            used = tensors["prompt_mask"].any(0).nonzero()
+            start = int(used[0]) if used.numel() else tensors["prompt_mask"].shape[1]
+            for name, t in tensors.items():
+                if FIELDS[name].dims[1:] == ("prompt",):
+                    tensors[name] = t[:, start:]
+        if "response_mask" in tensors and self._size:
+            used = tensors["response_mask"].any(0).nonzero()
+            stop = int(used[-1]) + 1 if used.numel() else 0
+            for name, t in tensors.items():
+                if FIELDS[name].dims[1:] == ("response",):
+                    tensors[name] = t[:, :stop]
+        return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
+
+    def pad_to_multiple(self, divisor: int) -> tuple[TensorBatch, int]:
+        """Append padding samples so the batch size divides by ``divisor``.
+
+        Padding samples copy the last sample with ``response_mask`` all False, so every loss and
+        aggregation ignores them. Returns the padded batch and the number of samples added, which
+        :meth:`unpad` removes.
+        """
+        if divisor < 1:
+            raise BatchValidationError(f"pad_to_multiple() needs divisor >= 1, got {divisor}")
+        n_pad = -self._size % divisor
+        if n_pad == 0:
+            return self, 0
+        if self._size == 0:
+            raise BatchValidationError("pad_to_multiple(): an empty batch has no sample to pad with")
+        pad = self.index([self._size - 1] * n_pad)
+        if "response_mask" in pad._tensors:
+            pad = pad.update(response_mask=torch.zeros_like(pad._tensors["response_mask"]))
+            zeroed = {
+                k: torch.zeros_like(v)
+                for k, v in pad._tensors.items()
+                if FIELDS[k].kind == "float" and FIELDS[k].dims == ("batch", "response")
+            }
+            pad = pad.update(zeroed)
+        return TensorBatch.concat([self, pad]), n_pad
+
+    def unpad(self, n_pad: int) -> TensorBatch:
+        """Remove the last ``n_pad`` samples added by :meth:`pad_to_multiple`."""
+        if not 0 <= n_pad <= self._size:
+            raise BatchValidationError(f"unpad({n_pad}) on a batch of {self._size}")
+        return self.index(slice(0, self._size - n_pad))
+
+    def micro_batches(
+        self, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True
+    ) -> MicroBatches:
+        """Split into micro-batches by a token budget or a fixed size.
+
+        With ``max_tokens``, samples are partitioned so each micro-batch's padded cost (size x its
+        longest sequence, prompt plus response) stays within the budget, grouping similar lengths;
+        with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is trimmed
+        of all-padding columns unless ``trim`` is False. :meth:`MicroBatches.restore` undoes the
+        reordering.
+        """
+        if (max_tokens is None) == (size is None):
+            raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")
+        lengths = self.seq_lengths()
+        if max_tokens is not None:
+            groups = partition_by_token_budget(lengths.tolist(), max_tokens)
+        else:
+            assert size is not None
+            if size < 1:
+                raise BatchValidationError(f"micro_batches(size={size}) needs size >= 1")
+            groups = [list(range(i, min(i + size, self._size))) for i in range(0, self._size, size)]
+        order = torch.tensor([i for g in groups for i in g], dtype=torch.int64)
+        parts = []
+        for g in groups:
+            mb = self.index(g)
+            parts.append(mb.trim() if trim else mb)
+        return MicroBatches(tuple(parts), order, lengths)
+
+    # ----------------------------------------------------------------- value checks
+    def check(self, *, where: str = "input", vocab_size: int | None = None) -> TensorBatch:
+        """Check values (a pass over the data): run this at protocol boundaries.
+
+        Checks that float fields are finite, prompt masks are left-padded and response masks
+        right-padded, ids lie in ``[0, vocab_size)`` when given, and ``group_ids`` are not negative.
+        Returns the batch itself so calls chain.
+
+        Raises:
+            NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
+            BatchValidationError: any other violation, naming ``where``, the field and the sample.
+        """
+        for name, t in self._tensors.items():
+            spec = FIELDS[name]
+            if spec.kind == "float" and t.numel():
+                bad = ~torch.isfinite(t)
+                if bool(bad.any()):
+                    row = int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0])
+                    raise NonFiniteError(
+                        f"{where}: field {name!r} holds NaN/inf (first at sample {row}); "
+                        "only finite values are allowed"
+                    )
+            elif spec.kind == "ids" and t.numel():
+                lo = int(t.min())
+                if lo < 0 or (vocab_size is not None and int(t.max()) >= vocab_size):
+                    raise BatchValidationError(
+                        f"{where}: field {name!r} holds ids in [{lo}, {int(t.max())}], "
+                        f"expected ids in [0, {vocab_size if vocab_size is not None else 'vocab'})"
+                    )
+        _check_padding_side(self._tensors.get("prompt_mask"), "prompt_mask", left=True, where=where)
+        _check_padding_side(self._tensors.get("response_mask"), "response_mask", left=False, where=where)
+        if "group_ids" in self._tensors and self._size and int(self._tensors["group_ids"].min()) < 0:
+            raise BatchValidationError(f"{where}: group_ids must be >= 0")
+        return self
+
+    # ----------------------------------------------------------------- persistence
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the batch atomically (write to a temporary file, then rename).
+
+        Extras must be JSON values (str, int, float, bool, None, lists and dicts of them).
+        """
+        try:
+            extras_json = json.dumps({k: list(v) for k, v in self._extras.items()})
+        except TypeError as e:
+            raise BatchValidationError(f"save(): extras must be JSON values: {e}") from None
+        payload = {
+            "format": _FORMAT,
+            "tensors": {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()},
+            "extras": extras_json,
+            "meta": json.dumps(dataclasses.asdict(self._meta)),
+            "batch_size": self._size,
+        }
+        dest = Path(path)
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        try:
+            torch.save(payload, tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> TensorBatch:
+        """Read a batch written by :meth:`save` (never unpickles arbitrary objects)."""
+        try:
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise BatchValidationError(f"load({str(path)!r}): not a readable TensorBatch file: {e}") from e
+        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+            raise BatchValidationError(f"load({str(path)!r}): not a {_FORMAT} file")
+        meta = BatchMeta(**json.loads(payload["meta"]))
+        return TensorBatch(
+            payload["tensors"], json.loads(payload["extras"]), meta, batch_size=payload["batch_size"]
+        )
+
+
+def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> dict[str, tuple[Any, ...]]:
+    out: dict[str, tuple[Any, ...]] = {}
+    for key, values in extras.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise BatchValidationError(
+                f"extra {key!r}: expected a sequence of one value per sample, got {type(values).__name__}"
+            )
+        if size is not None and len(values) != size:
+            raise BatchValidationError(
+                f"extra {key!r}: expected {size} values (one per sample), got {len(values)}"
+            )
+        size = len(values)
+        out[key] = tuple(values)
+    return out
+
+
+def _extras_size(extras: Mapping[str, tuple[Any, ...]]) -> int:
+    for v in extras.values():
+        return len(v)
+    raise BatchValidationError("a TensorBatch without fields or extras needs batch_size=")
+
+
+def _pad_cols(t: Tensor, width: int, *, left: bool, value: float | bool) -> Tensor:
+    missing = width - t.shape[1]
+    if missing == 0:
+        return t
+    pad = torch.full((t.shape[0], missing), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t] if left else [t, pad], 1)
+
+
+def _check_padding_side(mask: Tensor | None, name: str, *, left: bool, where: str) -> None:
+    if mask is None or mask.numel() == 0:
+        return
+    m = mask.to(torch.int8)
+    step = m[:, 1:] - m[:, :-1]
+    # left padding: False* True*  -> never 1 -> 0;  right padding: True* False* -> never 0 -> 1
+    bad = (step < 0) if left else (step > 0)
+    if bool(bad.any()):
+        row = int(bad.any(1).nonzero()[0])
+        side = "left" if left else "right"
+        raise BatchValidationError(
+            f"{where}: {name} of sample {row} is not {side}-padded (expected padding only on the "
+            f"{side} and real tokens contiguous)"
+        )
+
+
+def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Partition sample indices into groups whose size x longest length stays within ``max_tokens``.
+
+    Samples are sorted by length (longest first) and cut into consecutive runs, so each group holds
+    similar lengths and padding waste stays small. Every index appears exactly once.
+
+    Raises:
+        BatchValidationError: ``max_tokens`` is smaller than the longest sample.
+    """
+    if max_tokens < 1:
+        raise BatchValidationError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if order and lengths[order[0]] > max_tokens:
+        raise BatchValidationError(
+            f"sample {order[0]} has {lengths[order[0]]} tokens, more than the micro-batch budget "
+            f"max_tokens={max_tokens}; raise the budget to at least the longest sequence"
+        )
+    groups: list[list[int]] = []
+    i = 0
+    while i < len(order):
+        longest = max(lengths[order[i]], 1)
+        take = max(1, max_tokens // longest)
+        groups.append(order[i : i + take])
+        i += take
+    return groups
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """Micro-batches of a batch and the order that restores the original sample order.
+
+    Attributes:
+        batches: The micro-batches, in the order they should run.
+        order: ``concat(batches)`` holds the original samples ``order[0], order[1], ...``.
+        lengths: Real tokens per original sample (prompt plus response).
+    """
+
+    batches: tuple[TensorBatch, ...]
+    order: Tensor
+    lengths: Tensor
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[TensorBatch]:
+        return iter(self.batches)
+
+    def restore(self, outputs: Sequence[TensorBatch]) -> TensorBatch:
+        """Concatenate per-micro-batch outputs and put the samples back in the original order."""
+        if [o.batch_size for o in outputs] != [b.batch_size for b in self.batches]:
+            raise BatchValidationError(
+                "restore(): outputs have sizes "
+                f"{[o.batch_size for o in outputs]}, micro-batches {[b.batch_size for b in self.batches]}"
+            )
+        inverse = torch.empty_like(self.order)
+        inverse[self.order] = torch.arange(self.order.numel())
+        return TensorBatch.concat(outputs).index(inverse)
+
+    def utilisation(self) -> float:
+        """Real tokens / sum over micro-batches of (size x its longest sequence)."""
+        real = int(self.lengths.sum())
+        cost = 0
+        start = 0
+        for b in self.batches:
+            idx = self.order[start : start + b.batch_size]
+            start += b.batch_size
+            if idx.numel():
+                cost += idx.numel() * int(self.lengths[idx].max())
+        return real / cost if cost else 1.0

@@ -1,0 +1,103 @@
+"""Capabilities: what a backend declares it supports, per role.
+
+The conformance suite skips checks of what is declared unsupported and fails what is declared
+supported but behaves wrong. One line of docstring per capability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "Capabilities",
+    "RewardCapabilities",
+    "RolloutCapabilities",
+    "SeedingMode",
+    "TrainingCapabilities",
+]
+
+SeedingMode = Literal["per_sample", "per_batch", "none"]
+"""How sampling is seeded: per (seed, group id, sample index), per call, or not reproducibly."""
+
+
+@dataclass(frozen=True)
+class TrainingCapabilities:
+    """Capabilities of a training engine (actor, reference or critic role)."""
+
+    log_probs: bool = True
+    """forward computes log_probs of the response tokens."""
+    entropy: bool = True
+    """forward computes the entropy of the token distribution."""
+    values: bool = False
+    """forward computes critic values (a value head)."""
+    tensor_parallel: bool = False
+    """Runs with parallel.tp > 1."""
+    pipeline_parallel: bool = False
+    """Runs with parallel.pp > 1."""
+    data_parallel: bool = False
+    """Runs with parallel.dp > 1 (gradients reduced over data-parallel ranks)."""
+    micro_batch_tokens: bool = True
+    """Honours EngineSpec.micro_batch_tokens (token-budget micro-batching)."""
+    packed_sequences: bool = False
+    """Packs sequences without padding; the token budget then counts real tokens."""
+    gradient_checkpointing: bool = False
+    """Honours EngineSpec.gradient_checkpointing."""
+    offload: bool = False
+    """offload()/onload() move parameters and optimizer state off the device and back."""
+    checkpoint: bool = True
+    """save_checkpoint/load_checkpoint round-trip model, optimizer, scheduler, RNG and step exactly."""
+    dtypes: frozenset[str] = field(default_factory=lambda: frozenset({"float32"}))
+    """Parameter dtypes the engine runs in."""
+    devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
+    """Device types the engine runs on (cpu, cuda)."""
+
+
+@dataclass(frozen=True)
+class RolloutCapabilities:
+    """Capabilities of a rollout engine."""
+
+    temperature: bool = True
+    """Samples at any temperature > 0 and reports log-probs at that temperature."""
+    top_p: bool = True
+    """Supports nucleus sampling."""
+    top_k: bool = True
+    """Supports top-k sampling."""
+    stop_token_ids: bool = True
+    """Stops at any of SamplingParams.stop_token_ids (the stop token is part of the response)."""
+    seeding: SeedingMode = "per_sample"
+    """How sampling is seeded (see SeedingMode)."""
+    exact_log_probs: bool = True
+    """rollout_log_probs follow the schema's definition for untruncated sampling (no top-k/top-p)."""
+    exact_log_probs_truncated: bool = False
+    """rollout_log_probs are exact even with top-k/top-p (log softmax(logits/T) before truncation)."""
+    weight_update: bool = True
+    """update_weights applies a WeightChunk stream."""
+    sleep_frees_memory: bool = False
+    """sleep() releases device memory (otherwise it only pauses)."""
+    tensor_parallel: bool = False
+    """Runs with parallel.tp > 1."""
+    pipeline_parallel: bool = False
+    """Runs with parallel.pp > 1."""
+    dtypes: frozenset[str] = field(default_factory=lambda: frozenset({"float32"}))
+    """Model dtypes the engine runs in."""
+    devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
+    """Device types the engine runs on."""
+
+
+@dataclass(frozen=True)
+class RewardCapabilities:
+    """Capabilities of a reward engine."""
+
+    scores: bool = True
+    """Produces sequence-level scores."""
+    token_scores: bool = False
+    """Produces per-token scores."""
+    needs_text: bool = False
+    """Scores decoded text (and so needs a tokenizer), not token ids."""
+    devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
+    """Device types the engine runs on."""
+
+
+Capabilities = TrainingCapabilities | RolloutCapabilities | RewardCapabilities
+"""The capabilities object of one role."""

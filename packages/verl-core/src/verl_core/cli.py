@@ -1,0 +1,112 @@
+"""The ``verl`` command: ``verl --version``, ``verl backends``, and the subcommands that backends
+and the trainer add (``train``, ``conformance``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from verl_core.errors import VerlError
+from verl_core.version import PROTOCOL_VERSION, __version__
+
+__all__ = ["main"]
+
+_SUBCOMMANDS: Final[dict[str, str]] = {
+    # name -> "module:register" of a function(subparsers) -> handler; imported only when used
+    "train": "verl_core.trainer.cli:register",
+    "conformance": "verl_conformance.cli:register",
+}
+
+
+def _capability_summary(caps: object) -> str:
+    on = []
+    for f in dataclasses.fields(caps):  # type: ignore[arg-type]
+        value = getattr(caps, f.name)
+        if value is True:
+            on.append(f.name)
+        elif isinstance(value, frozenset):
+            on.append(f"{f.name}={'/'.join(sorted(value))}")
+        elif isinstance(value, str):
+            on.append(f"{f.name}={value}")
+    return ", ".join(on)
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from verl_core.registry import available_backends
+
+    backends = available_backends()
+    if args.json:
+        out = {
+            name: {
+                "distribution": b.distribution,
+                "version": b.version,
+                "protocol_version": b.spec.protocol_version,
+                "roles": {
+                    role: {k: sorted(v) if isinstance(v, frozenset) else v
+                           for k, v in dataclasses.asdict(b.capabilities(role)).items()}
+                    for role in b.spec.roles
+                },
+            }
+            for name, b in backends.items()
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    if not backends:
+        print("no verl backends installed (try: pip install verl-hf)")
+        return 0
+    header = f"{'backend':<10} {'distribution':<18} {'version':<9} {'protocol':<8} role: capabilities"
+    print(header)
+    print("-" * len(header))
+    for name, b in backends.items():
+        first = True
+        for role in b.spec.roles:
+            lead = (f"{name:<10} {b.distribution:<18} {b.version:<9} {b.spec.protocol_version:<8}"
+                    if first else " " * 48)
+            print(f"{lead} {role}: {_capability_summary(b.capabilities(role))}")
+            first = False
+    return 0
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+    parser = argparse.ArgumentParser(
+        prog="verl", description="Reinforcement-learning post-training of language models, on any backend."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"verl-core {__version__} (protocol {PROTOCOL_VERSION})"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
+    p = sub.add_parser("backends", help="list installed backends, their versions and capabilities")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    handlers["backends"] = _cmd_backends
+    from verl_core.registry import import_string
+
+    for name, target in _SUBCOMMANDS.items():
+        try:
+            register = import_string(target)
+        except VerlError:
+            continue  # the package providing this subcommand is not installed
+        handlers[name] = register(sub)
+    return parser, handlers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``verl`` command; returns the exit code."""
+    parser, handlers = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return handlers[args.command](args)
+    except VerlError as e:
+        print(f"verl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The typed registry facade over pluggy: backends, engines, weight-sync paths, algorithm parts.
+
+Plugins are discovered through the ``verl.plugins`` entry-point group on first use (set
+``VERL_DISABLE_PLUGIN_AUTOLOAD=1`` to skip discovery; built-in algorithms stay registered).
+Listing backends reads only their BackendSpecs and imports no engine library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata as md
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Final, TypeVar, cast
+
+import pluggy
+
+from verl_core import hookspecs
+from verl_core.algorithm import AlgorithmComponent, ComponentKind
+from verl_core.capabilities import (
+    Capabilities,
+    RewardCapabilities,
+    RolloutCapabilities,
+    TrainingCapabilities,
+)
+from verl_core.engine import ROLES, EngineSpec, Role
+from verl_core.errors import ConfigError, PluginError, UnknownNameError
+from verl_core.reward import RewardEngine
+from verl_core.rollout import RolloutEngine
+from verl_core.training import TrainingEngine
+from verl_core.version import PROTOCOL_VERSION, protocol_compatible
+from verl_core.weights import StreamWeightSync, WeightSync
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendSpec",
+    "InstalledBackend",
+    "Registry",
+    "available_backends",
+    "get_backend",
+    "get_registry",
+    "get_reward_engine",
+    "get_rollout_engine",
+    "get_training_engine",
+    "get_weight_sync",
+    "import_string",
+    "parse_options",
+]
+
+ENTRY_POINT_GROUP: Final = "verl.plugins"
+AUTOLOAD_ENV: Final = "VERL_DISABLE_PLUGIN_AUTOLOAD"
+_INSTALL_HINTS: Final = {
+    "hf": "pip install verl-hf",
+    "megatron": "pip install verl-megatron",
+    "vllm": "pip install 'verl-vllm[cuda]' (GPU) or 'verl-vllm[cpu]' (CPU)",
+}
+_ROLE_CAPS: Final[dict[Role, type]] = {
+    "actor": TrainingCapabilities,
+    "reference": TrainingCapabilities,
+    "critic": TrainingCapabilities,
+    "rollout": RolloutCapabilities,
+    "reward": RewardCapabilities,
+}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend plugin declares (returned by its ``verl_backend`` hook).
+
+    Attributes:
+        name: Backend name users type; equals the plugin's entry-point name.
+        roles: Role -> import string ``"module:factory"`` of a callable taking an EngineSpec.
+        capabilities: Static capabilities per role.
+        protocol_version: The verl-core protocol version the backend implements (``"MAJOR.MINOR"``).
+        config_class: Import string of the dataclass that validates ``EngineSpec.options``, or None.
+        description: One line about the backend.
+    """
+
+    name: str
+    roles: Mapping[Role, str]
+    capabilities: Mapping[Role, Capabilities]
+    protocol_version: str
+    config_class: str | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for role in self.roles:
+            if role not in ROLES:
+                raise PluginError(f"backend {self.name!r} declares unknown role {role!r}; roles: {ROLES}")
+            if ":" not in self.roles[role]:
+                raise PluginError(
+                    f"backend {self.name!r} role {role!r}: factory must be 'module:attr', got {self.roles[role]!r}"
+                )
+        for role, caps in self.capabilities.items():
+            if role not in self.roles:
+                raise PluginError(f"backend {self.name!r} declares capabilities for role {role!r} it does not provide")
+            if not isinstance(caps, _ROLE_CAPS[role]):
+                raise PluginError(
+                    f"backend {self.name!r} role {role!r}: capabilities must be {_ROLE_CAPS[role].__name__}, "
+                    f"got {type(caps).__name__}"
+                )
+
+
+@dataclass(frozen=True)
+class InstalledBackend:
+    """A discovered backend: its spec and the distribution that installed it."""
+
+    spec: BackendSpec
+    distribution: str
+    version: str
+
+    def capabilities(self, role: Role) -> Capabilities:
+        """Declared capabilities of ``role`` (defaults when the backend declares none)."""
+        caps = self.spec.capabilities.get(role)
+        return caps if caps is not None else cast(Capabilities, _ROLE_CAPS[role]())
+
+
+_T = TypeVar("_T")
+
+
+def import_string(path: str) -> Any:
+    """Import ``"package.module:attr"`` and return the attribute."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PluginError(f"cannot import {module_name!r} (from {path!r}): {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"{module_name!r} has no attribute {attr!r} (from {path!r})") from None
+    return obj
+
+
+def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: str = "options") -> _T:
+    """Build a dataclass config from a mapping; unknown keys are an error listing the valid ones."""
+    if not dataclasses.is_dataclass(config_class):
+        raise TypeError(f"{config_class!r} is not a dataclass")
+    names = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names)) or 'none'}"
+        )
+    try:
+        return config_class(**options)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+class Registry:
+    """Plugin manager plus typed lookups. Most code uses the module functions over one instance.
+
+    Args:
+        autoload: Discover entry-point plugins (default: unless ``VERL_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    """
+
+    def __init__(self, *, autoload: bool | None = None) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._autoload = (not os.environ.get(AUTOLOAD_ENV)) if autoload is None else autoload
+        self._loaded = False
+        self._lock = threading.RLock()
+        self._backends: dict[str, InstalledBackend] = {}
+        self._components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
+        from verl_core.algorithms import builtin
+
+        self._register_module(builtin, "verl-core.algorithms", "verl-core", _core_version())
+
+    # ------------------------------------------------------------- loading
+    def _ensure_loaded(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            if self._autoload:
+                self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        by_name: dict[str, list[md.EntryPoint]] = {}
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            dists = by_name.setdefault(ep.name, [])
+            if all(_dist_name(d) != _dist_name(ep) for d in dists):
+                dists.append(ep)
+        for name, eps in sorted(by_name.items()):
+            if len(eps) > 1:
+                owners = " and ".join(f"{_dist_name(e)} ({e.value})" for e in eps)
+                raise PluginError(
+                    f"two distributions claim the verl backend name {name!r}: {owners}; uninstall one"
+                )
+            ep = eps[0]
+            try:
+                module = ep.load()
+            except Exception as e:
+                raise PluginError(f"cannot load verl plugin {name!r} ({ep.value}) from {_dist_name(ep)}: {e}") from e
+            dist = ep.dist
+            self._register_module(module, name, _dist_name(ep), dist.version if dist else "unknown")
+
+    def register(self, plugin: ModuleType | object, name: str, *, distribution: str = "<in-process>",
+                 version: str = "0") -> None:
+        """Register a plugin object in-process (for third-party code and tests without installing)."""
+        with self._lock:
+            self._ensure_loaded()
+            self._register_module(plugin, name, distribution, version)
+
+    def _register_module(self, plugin: object, name: str, dist: str, version: str) -> None:
+        if self.pm.has_plugin(name):
+            raise PluginError(f"a verl plugin named {name!r} is already registered")
+        self.pm.register(plugin, name=name)
+        try:
+            self._collect(plugin, name, dist, version)
+        except Exception:
+            self.pm.unregister(plugin, name=name)
+            raise
+
+    def _collect(self, plugin: object, name: str, dist: str, version: str) -> None:
+        backend_fn = getattr(plugin, "verl_backend", None)
+        spec = backend_fn() if backend_fn is not None else None
+        if spec is not None:
+            if not isinstance(spec, BackendSpec):
+                raise PluginError(f"plugin {name!r}: verl_backend() must return a BackendSpec, got {type(spec).__name__}")
+            if spec.name != name:
+                raise PluginError(
+                    f"plugin {name!r} (from {dist}) returns a BackendSpec named {spec.name!r}; "
+                    "the spec name must equal the entry-point name"
+                )
+            if not protocol_compatible(spec.protocol_version):
+                raise PluginError(
+                    f"backend {name!r} ({dist} {version}) implements verl protocol {spec.protocol_version}, "
+                    f"but this verl-core speaks {PROTOCOL_VERSION} (same major, minor <= ours); "
+                    f"upgrade {dist} or verl-core so they match"
+                )
+            if name in self._backends:
+                other = self._backends[name].distribution
+                raise PluginError(f"two distributions claim the verl backend name {name!r}: {other} and {dist}")
+            self._backends[name] = InstalledBackend(spec, dist, version)
+        comps_fn = getattr(plugin, "verl_algorithm_components", None)
+        for comp in (comps_fn() if comps_fn is not None else []) or []:
+            key = (comp.kind, comp.name)
+            if key in self._components:
+                raise PluginError(
+                    f"{comp.kind} {comp.name!r} is registered by both {self._components[key][1]} and {dist}"
+                )
+            self._components[key] = (comp, dist)
+
+    # ------------------------------------------------------------- backends
+    def backends(self) -> dict[str, InstalledBackend]:
+        """Installed backends by name (imports no engine library)."""
+        self._ensure_loaded()
+        return dict(sorted(self._backends.items()))
+
+    def backend(self, name: str) -> InstalledBackend:
+        """The backend ``name``; an unknown name lists the installed ones and how to add it."""
+        backends = self.backends()
+        if name not in backends:
+            hint = _INSTALL_HINTS.get(name, f"pip install verl-{name}")
+            raise UnknownNameError(
+                f"unknown verl backend {name!r}; installed: {', '.join(backends) or 'none'}. "
+                f"To add it: {hint}"
+                + (f" (plugin autoload is off: unset {AUTOLOAD_ENV})" if not self._autoload else "")
+            )
+        return backends[name]
+
+    def build(self, name: str, spec: EngineSpec) -> Any:
+        """Build the engine of ``spec.role`` from backend ``name`` (imports the engine here)."""
+        backend = self.backend(name)
+        factory_path = backend.spec.roles.get(spec.role)
+        if factory_path is None:
+            raise UnknownNameError(
+                f"backend {name!r} does not provide role {spec.role!r}; it provides: "
+                f"{', '.join(backend.spec.roles) or 'none'}"
+            )
+        if backend.spec.config_class is not None:
+            parse_options(import_string(backend.spec.config_class), spec.options,
+                          where=f"backend {name!r} options")
+        elif spec.options:
+            raise ConfigError(f"backend {name!r} takes no options, got {', '.join(spec.options)}")
+        factory = import_string(factory_path)
+        return factory(spec)
+
+    def weight_sync(self, source: str, target: str) -> WeightSync:
+        """A direct WeightSync for the pair when a plugin registers one, else the canonical stream."""
+        self._ensure_loaded()
+        direct = self.pm.hook.verl_weight_sync(source=source, target=target)
+        if direct is not None:
+            return cast(WeightSync, _checked(direct, WeightSync, f"{source}->{target}", "weight sync"))
+        return StreamWeightSync()
+
+    # ------------------------------------------------------------- algorithms
+    def components(self, kind: ComponentKind) -> dict[str, AlgorithmComponent]:
+        """Registered components of ``kind`` by name."""
+        self._ensure_loaded()
+        return {n: c for (k, n), (c, _) in sorted(self._components.items()) if k == kind}
+
+    def component(self, kind: ComponentKind, name: str) -> AlgorithmComponent:
+        """The component ``name`` of ``kind``; an unknown name lists the registered ones."""
+        comps = self.components(kind)
+        if name not in comps:
+            raise UnknownNameError(
+                f"unknown {kind} {name!r}; registered: {', '.join(comps) or 'none'}"
+            )
+        return comps[name]
+
+
+def _dist_name(ep: md.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "<unknown distribution>"
+
+
+def _core_version() -> str:
+    from verl_core.version import __version__
+
+    return __version__
+
+
+_registry: Registry | None = None
+_registry_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (created on first use)."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            _registry = Registry()
+        return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry so the next use rediscovers plugins (for tests)."""
+    global _registry
+    with _registry_lock:
+        _registry = None
+
+
+def available_backends() -> dict[str, InstalledBackend]:
+    """Installed backends by name."""
+    return get_registry().backends()
+
+
+def get_backend(name: str) -> InstalledBackend:
+    """The installed backend ``name``."""
+    return get_registry().backend(name)
+
+
+def get_training_engine(name: str, spec: EngineSpec) -> TrainingEngine:
+    """Build a training engine (actor, reference or critic) of backend ``name``."""
+    if spec.role not in ("actor", "reference", "critic"):
+        raise ConfigError(f"get_training_engine needs role actor, reference or critic, got {spec.role!r}")
+    return cast(TrainingEngine, _checked(get_registry().build(name, spec), TrainingEngine, name, spec.role))
+
+
+def get_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
+    """Build a rollout engine of backend ``name``."""
+    if spec.role != "rollout":
+        raise ConfigError(f"get_rollout_engine needs role 'rollout', got {spec.role!r}")
+    return cast(RolloutEngine, _checked(get_registry().build(name, spec), RolloutEngine, name, spec.role))
+
+
+def get_reward_engine(name: str, spec: EngineSpec) -> RewardEngine:
+    """Build a reward engine of backend ``name``."""
+    if spec.role != "reward":
+        raise ConfigError(f"get_reward_engine needs role 'reward', got {spec.role!r}")
+    return cast(RewardEngine, _checked(get_registry().build(name, spec), RewardEngine, name, spec.role))
+
+
+def get_weight_sync(source: str, target: str) -> WeightSync:
+    """The WeightSync from training backend ``source`` to rollout backend ``target``."""
+    return get_registry().weight_sync(source, target)
+
+
+def _checked(obj: object, proto: type, name: str, role: str) -> object:
+    if proto not in type(obj).__mro__:
+        raise PluginError(
+            f"backend {name!r} built a {type(obj).__name__} for {role}, which does not subclass "
+            f"{proto.__name__}; engines must inherit the verl_core protocol explicitly"
+        )
+    return obj
+

@@ -1,0 +1,142 @@
+"""The field schema of TensorBatch: names, dims, dtypes and meaning of every canonical field.
+
+Layout rules (DESIGN.md "Batch layout"):
+
+* prompts are LEFT-padded (``prompt_ids``, ``prompt_mask``), responses RIGHT-padded
+  (``response_ids``, ``response_mask``); masks are ``bool``, ids ``int64``;
+* per-token float fields are ``float32`` of shape ``[batch, response]`` and hold 0 at masked positions;
+* pad positions of id fields hold the tokenizer's pad id (``BatchMeta.pad_token_id``);
+* ``log_probs[b, t] = log softmax(logits / T)[response_ids[b, t]]`` where the logits are those at the
+  position of the preceding token and ``T`` is ``BatchMeta.temperature``, before any top-k/top-p/min-p
+  truncation or penalty, computed in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+__all__ = [
+    "FIELDS",
+    "Dim",
+    "FieldKind",
+    "FieldSpec",
+    "register_field",
+]
+
+Dim = Literal["batch", "prompt", "response"]
+"""A named dimension. All fields share ``batch``; prompt fields share ``prompt``; per-token fields
+share ``response``."""
+
+FieldKind = Literal["ids", "mask", "float", "index", "flag"]
+"""What a field holds, which decides its padding value and whether it is checked for NaN/inf."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """The declared shape, dtype and meaning of one batch field.
+
+    Attributes:
+        name: Field name, a valid Python identifier.
+        dims: Named dims, always starting with ``"batch"``.
+        dtype: The exact torch dtype the field must have.
+        kind: ``ids`` (padded with the pad id), ``mask`` (padded with False), ``float`` (padded with 0,
+            must be finite), ``index`` (int64 per-sample ids), ``flag`` (bool per sample).
+        doc: One-paragraph meaning of the field.
+    """
+
+    name: str
+    dims: tuple[Dim, ...]
+    dtype: torch.dtype
+    kind: FieldKind
+    doc: str
+
+    @property
+    def pad_value(self) -> float | bool | None:
+        """Value that fills padding positions, or None for ids (the batch's pad id is used)."""
+        if self.kind == "ids":
+            return None
+        if self.kind in ("mask", "flag"):
+            return False
+        return 0
+
+
+_F32: Final = torch.float32
+_TOKEN: Final[tuple[Dim, ...]] = ("batch", "response")
+_SEQ: Final[tuple[Dim, ...]] = ("batch",)
+
+FIELDS: dict[str, FieldSpec] = {}
+"""Every field a TensorBatch accepts, by name. Extend it with :func:`register_field`."""
+
+
+def register_field(spec: FieldSpec) -> FieldSpec:
+    """Add a field to the schema so batches accept it.
+
+    Registering the same spec twice is a no-op; registering a different spec under an existing name
+    raises ``ValueError`` naming both.
+    """
+    if not spec.name.isidentifier():
+        raise ValueError(f"field name {spec.name!r} is not a valid identifier")
+    if not spec.dims or spec.dims[0] != "batch":
+        raise ValueError(f"field {spec.name!r}: dims must start with 'batch', got {spec.dims}")
+    old = FIELDS.get(spec.name)
+    if old is not None and old != spec:
+        raise ValueError(f"field {spec.name!r} is already registered as {old}; refusing {spec}")
+    FIELDS[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    FieldSpec("prompt_ids", ("batch", "prompt"), torch.int64, "ids",
+              "Prompt token ids, LEFT-padded with the pad id."),
+    FieldSpec("prompt_mask", ("batch", "prompt"), torch.bool, "mask",
+              "True at real prompt tokens; padding (on the left) is False."),
+    FieldSpec("response_ids", _TOKEN, torch.int64, "ids",
+              "Generated token ids, RIGHT-padded with the pad id. A generated EOS/stop token is part of "
+              "the response (mask True); a response cut at the length limit has no EOS."),
+    FieldSpec("response_mask", _TOKEN, torch.bool, "mask",
+              "True at real response tokens (actions), including a terminating EOS; may be all False "
+              "(an empty response is legal)."),
+    FieldSpec("rollout_log_probs", _TOKEN, _F32, "float",
+              "Log-probs reported by the rollout engine for response_ids, with the semantics of "
+              "log_probs; exact only where the engine declares it (RolloutEngine.log_probs_exact)."),
+    FieldSpec("log_probs", _TOKEN, _F32, "float",
+              "log softmax(logits / T)[response_ids] of the current model at the batch temperature T, "
+              "before top-k/top-p truncation and penalties, in float32; 0 where the mask is False."),
+    FieldSpec("old_log_probs", _TOKEN, _F32, "float",
+              "log_probs of the policy that generated the batch (the behaviour policy), as recomputed "
+              "by the training engine before the update."),
+    FieldSpec("ref_log_probs", _TOKEN, _F32, "float",
+              "log_probs of the frozen reference policy, used by KL penalties and losses."),
+    FieldSpec("entropy", _TOKEN, _F32, "float",
+              "Entropy of the same distribution as log_probs (softmax(logits / T)), in float32."),
+    FieldSpec("values", _TOKEN, _F32, "float",
+              "Critic value of the state before response token t (read at the same position as the "
+              "log-prob of token t)."),
+    FieldSpec("old_values", _TOKEN, _F32, "float",
+              "Critic values computed before the update, used by value clipping."),
+    FieldSpec("token_scores", _TOKEN, _F32, "float",
+              "Per-token scores from a reward engine (dense rewards)."),
+    FieldSpec("token_rewards", _TOKEN, _F32, "float",
+              "Per-token rewards after shaping (scores placed on the last token, minus any KL penalty)."),
+    FieldSpec("advantages", _TOKEN, _F32, "float",
+              "Advantage of response token t, 0 where the mask is False."),
+    FieldSpec("returns", _TOKEN, _F32, "float",
+              "Return (value target) of response token t, 0 where the mask is False."),
+    FieldSpec("scores", _SEQ, _F32, "float",
+              "Sequence-level score of each response from the reward engine."),
+    FieldSpec("baseline_scores", _SEQ, _F32, "float",
+              "Score of a baseline response per sample (ReMax: the greedy response's score)."),
+    FieldSpec("group_ids", _SEQ, torch.int64, "index",
+              "Id of the prompt group a sample belongs to; unique for the whole run, so concatenating "
+              "batches never merges groups."),
+    FieldSpec("sample_index", _SEQ, torch.int64, "index",
+              "Index of the sample within its group (0..n-1); with group_ids and the seed it fixes the "
+              "sampling random stream of the sample."),
+    FieldSpec("truncated", _SEQ, torch.bool, "flag",
+              "True when the response was cut at the maximum length without an EOS/stop token."),
+):
+    register_field(_spec)
+del _spec

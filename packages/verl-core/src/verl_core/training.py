@@ -1,0 +1,239 @@
+"""The TrainingEngine protocol and the loss-function contract it runs.
+
+Loss and distribution (DESIGN.md): the controller holds the global batch and computes
+:class:`GlobalBatchStats` for each optimizer step's mini-batch. ``forward_backward`` is called once
+per optimizer step with this rank's share of the mini-batch; the engine splits it into
+micro-batches. A :class:`LossFn` returns a scalar already normalised by the *global* counts, so the
+sum of its gradients over all micro-batches and ranks is the gradient of the global loss. Engines
+undo framework averaging (DDP/FSDP mean over ranks, Megatron's division by the number of
+micro-batches), so results do not depend on micro-batch size or data-parallel degree.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from verl_core.batch import TensorBatch
+from verl_core.capabilities import TrainingCapabilities
+from verl_core.engine import EngineSpec
+
+if TYPE_CHECKING:
+    from verl_core.tokenizer import Tokenizer
+    from verl_core.weights import WeightMessage
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GlobalBatchStats",
+    "LossFn",
+    "LossOutput",
+    "Metrics",
+    "ModelOutput",
+    "StepMetrics",
+    "TrainingEngine",
+    "dp_shard",
+]
+
+Metrics = dict[str, float]
+"""Named scalar metrics of one call."""
+
+ModelOutput = Literal["log_probs", "entropy", "values"]
+"""An output a training engine's forward computes, named as the batch field it fills."""
+
+_LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Default size of one weight-stream bucket (bytes)."""
+
+
+@dataclass(frozen=True)
+class GlobalBatchStats:
+    """Counts over the whole mini-batch of one optimizer step, across all data-parallel ranks.
+
+    Attributes:
+        num_samples: Samples in the mini-batch, including empty responses and padding samples.
+        num_sequences: Samples with at least one response token (mask True).
+        num_tokens: Response tokens (mask True) in the mini-batch.
+        max_response_len: Padded response width of the mini-batch (for length-normalised modes).
+    """
+
+    num_samples: int
+    num_sequences: int
+    num_tokens: int
+    max_response_len: int
+
+    @classmethod
+    def of(cls, batch: TensorBatch) -> GlobalBatchStats:
+        """Counts of a global mini-batch (needs ``response_mask``)."""
+        batch.require("response_mask", where="GlobalBatchStats.of")
+        mask = batch["response_mask"]
+        per_seq = mask.sum(1)
+        return cls(
+            num_samples=batch.batch_size,
+            num_sequences=int((per_seq > 0).sum()),
+            num_tokens=int(per_seq.sum()),
+            max_response_len=int(mask.shape[1]),
+        )
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss function returns for one micro-batch.
+
+    Attributes:
+        loss: Scalar tensor, this micro-batch's contribution to the global loss (already divided by
+            the global counts); backward of it accumulates this share of the global gradient.
+        metrics: Detached scalar contributions; summing each over micro-batches and ranks gives the
+            global value (e.g. clip fraction = clipped tokens / global tokens).
+    """
+
+    loss: Tensor
+    metrics: Mapping[str, Tensor] = field(default_factory=dict)
+
+
+class LossFn(Protocol):
+    """A loss over a micro-batch whose model outputs the engine has filled in (with gradients)."""
+
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        """The model outputs the engine must compute and put in the batch (with autograd)."""
+        ...
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        """Compute the loss of ``batch`` (a micro-batch holding the fields of ``needs``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Result of one optimizer step.
+
+    Attributes:
+        grad_norm: Global L2 norm of the gradients before clipping (inf/nan when not finite).
+        lr: Learning rate used for this step.
+        skipped: True when the update was skipped on every rank because the grad norm was not finite.
+    """
+
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+def dp_shard(batch: TensorBatch, rank: int, world: int) -> TensorBatch:
+    """The share of ``batch`` that data-parallel ``rank`` of ``world`` processes.
+
+    Pieces are consecutive and differ in size by at most one sample.
+    """
+    return batch.chunk(world)[rank]
+
+
+class TrainingEngine(Protocol):
+    """A model that computes log-probs, entropy and values, and trains under any Algorithm loss.
+
+    Inputs are validated at the boundary: a batch missing a needed field, with a wrong dtype or
+    shape, NaN/inf in a float field, wrong padding sides or ids outside the vocabulary raises
+    :class:`~verl_core.errors.BatchValidationError` before any model code runs, and the engine's
+    state (weights, optimizer, accumulated gradients) is unchanged.
+    """
+
+    @property
+    @abstractmethod
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> TrainingCapabilities:
+        """What this engine supports."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """Tokenizer of the model."""
+
+    @abstractmethod
+    def forward(
+        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
+    ) -> TensorBatch:
+        """Compute ``outputs`` for the response tokens, without gradients.
+
+        Needs ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``; the temperature is
+        ``batch.meta.temperature``. Position ids are ``cumsum(attention_mask) - 1`` clipped at 0.
+        Log-probs and entropy are computed in float32 from float32-upcast logits, with the
+        semantics of the schema's ``log_probs`` field; values are read at the same positions.
+
+        Returns:
+            The input batch updated with the requested fields (float32, 0 where the mask is False).
+        """
+
+    @abstractmethod
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats
+    ) -> Metrics:
+        """Accumulate gradients of ``loss_fn`` over this rank's share of one optimizer step.
+
+        Splits ``mini_batch`` into micro-batches (by ``spec.micro_batch_tokens`` or
+        ``micro_batch_size``), fills the outputs ``loss_fn.needs`` with autograd, calls ``loss_fn``
+        with the global ``stats`` and backpropagates. Every data-parallel rank runs the same number
+        of micro-batches (padded with empty ones).
+
+        Returns:
+            ``loss`` and every metric of the loss function, summed over micro-batches and ranks
+            (so they are global values), plus ``num_micro_batches``.
+        """
+
+    @abstractmethod
+    def optimizer_step(self) -> StepMetrics:
+        """Clip gradients, step the optimizer and schedule, and zero the gradients.
+
+        If the global grad norm is not finite on any rank, every rank skips the update (agreed by
+        all-reduce), the weights and optimizer state are untouched, and ``skipped`` is True.
+        """
+
+    @abstractmethod
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """Stream the full weights in transformers naming: a manifest, chunks, then a commit.
+
+        Tensors are cast to ``dtype`` (the receiver's) when given; a chunk is valid only until the
+        next one is requested. A tied lm_head is not sent. See :mod:`verl_core.weights`.
+        """
+
+    @abstractmethod
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save model, optimizer, scheduler, RNG states and step atomically to the folder ``path``.
+
+        A crash at any point leaves a previous checkpoint at ``path`` loadable.
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` exactly (weights-only loading)."""
+
+    @abstractmethod
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state off the accelerator (no-op on CPU)."""
+
+    @abstractmethod
+    def onload(self) -> None:
+        """Undo :meth:`offload`."""
+
+    def close(self) -> None:
+        """Release resources (processes, memory). The engine is unusable afterwards."""
+
+
+def sum_metrics(parts: Collection[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Sum metric contributions key by key (helper for engines)."""
+    out: dict[str, Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            v = v.detach().float()
+            out[k] = out[k] + v if k in out else v
+    return out

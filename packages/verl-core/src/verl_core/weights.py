@@ -1,0 +1,306 @@
+"""The weight-sync contract: a stream of WeightManifest, WeightChunks and a WeightCommit.
+
+The interchange is transformers naming, so N training backends and M rollout backends need N + M
+adapters. A sender streams a manifest (names, shapes, dtypes, bytes, tied embeddings), then chunks
+bucketed by bytes that never split a fusion group (a layer's q/k/v travel together, gate/up
+together), then a commit. A receiver checks the manifest against its model before applying
+anything, applies on commit, and on any failure marks itself stale so generation raises until a
+complete sync succeeds.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from verl_core.errors import WeightSyncError
+
+if TYPE_CHECKING:
+    from verl_core.rollout import RolloutEngine
+    from verl_core.training import TrainingEngine
+
+__all__ = [
+    "StreamWeightSync",
+    "SyncReport",
+    "TensorInfo",
+    "WeightChunk",
+    "WeightCommit",
+    "WeightManifest",
+    "WeightMessage",
+    "WeightSync",
+    "apply_weight_stream",
+    "fusion_group",
+    "stream_weights",
+]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one streamed tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor in bytes."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """First message of a weight stream: everything the receiver checks before applying.
+
+    Attributes:
+        version: Weight version the stream carries (the trainer's step count).
+        tensors: Name -> shape and dtype of every tensor that will follow, in transformers naming.
+        tied_embeddings: True when lm_head shares the input embedding (and is not sent).
+    """
+
+    version: int
+    tensors: Mapping[str, TensorInfo]
+    tied_embeddings: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all tensors in the stream."""
+        return sum(info.nbytes for info in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class WeightChunk:
+    """One bucket of (name, tensor) pairs; valid only until the next message is requested."""
+
+    tensors: tuple[tuple[str, Tensor], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in this chunk."""
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+@dataclass(frozen=True)
+class WeightCommit:
+    """Last message of a weight stream: the receiver may now serve the new version."""
+
+    version: int
+
+
+WeightMessage = WeightManifest | WeightChunk | WeightCommit
+"""One message of a weight stream."""
+
+_LAYER_PART = re.compile(r"^(.*\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def fusion_group(name: str) -> str:
+    """Key of the fusion group a tensor belongs to; tensors with one key travel in one chunk.
+
+    q/k/v projections of a layer share a key, as do gate/up; every other tensor is its own group.
+    """
+    m = _LAYER_PART.match(name)
+    if m is None:
+        return name
+    prefix, part, _ = m.groups()
+    return prefix + ("qkv" if part in ("q_proj", "k_proj", "v_proj") else "gate_up")
+
+
+def stream_weights(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    manifest: WeightManifest,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+) -> Iterator[WeightMessage]:
+    """Yield ``manifest``, then buckets of at most ``bucket_bytes`` (a fusion group larger than a
+    bucket travels alone), then the commit. Tensors are cast to ``dtype`` when given.
+
+    ``named_tensors`` must yield exactly the manifest's names, fusion groups contiguous.
+    """
+    if bucket_bytes < 1:
+        raise WeightSyncError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    yield manifest
+    bucket: list[tuple[str, Tensor]] = []
+    group: list[tuple[str, Tensor]] = []
+    group_key: str | None = None
+    size = 0
+
+    def group_bytes() -> int:
+        return sum(t.numel() * t.element_size() for _, t in group)
+
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        key = fusion_group(name)
+        if key != group_key and group:
+            gb = group_bytes()
+            if bucket and size + gb > bucket_bytes:
+                yield WeightChunk(tuple(bucket))
+                bucket, size = [], 0
+            bucket.extend(group)
+            size += gb
+            group = []
+        group_key = key
+        group.append((name, t))
+    if group:
+        gb = group_bytes()
+        if bucket and size + gb > bucket_bytes:
+            yield WeightChunk(tuple(bucket))
+            bucket = []
+        bucket.extend(group)
+    if bucket:
+        yield WeightChunk(tuple(bucket))
+    yield WeightCommit(manifest.version)
+
+
+def apply_weight_stream(
+    stream: Iterable[WeightMessage],
+    expected: Mapping[str, TensorInfo],
+    apply_chunk: Callable[[list[tuple[str, Tensor]]], None],
+    *,
+    optional: frozenset[str] = frozenset(),
+) -> WeightManifest:
+    """Receive a weight stream: check it against the receiver's model, then apply it chunk by chunk.
+
+    The manifest must come first and name exactly the receiver's tensors (those in ``optional``,
+    such as a tied lm_head, may be absent) with the same shapes and dtypes; every chunk may only
+    hold manifest names, each once; the commit must come last, after every name arrived.
+    ``apply_chunk`` gets copies it may keep. A malformed stream raises before ``apply_chunk`` sees
+    a chunk when the manifest is wrong, or part-way otherwise, so receivers must treat any raise
+    as "stale until the next complete sync".
+
+    Returns:
+        The manifest of the applied stream.
+
+    Raises:
+        WeightSyncError: naming the first mismatch (missing, unexpected, mis-shaped or repeated
+            tensors, wrong message order, version mismatch).
+    """
+    it = iter(stream)
+    first = next(it, None)
+    if not isinstance(first, WeightManifest):
+        raise WeightSyncError(
+            f"weight stream must start with a WeightManifest, got {type(first).__name__}"
+        )
+    manifest = first
+    names = set(manifest.tensors)
+    unexpected = sorted(names - set(expected))
+    missing = sorted(set(expected) - names - optional)
+    if unexpected or missing:
+        raise WeightSyncError(
+            "weight manifest does not match the receiving model: "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}, "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        )
+    for name, info in manifest.tensors.items():
+        want = expected[name]
+        if tuple(info.shape) != tuple(want.shape) or info.dtype != want.dtype:
+            raise WeightSyncError(
+                f"weight {name!r}: manifest says {tuple(info.shape)} {info.dtype}, "
+                f"the receiving model has {tuple(want.shape)} {want.dtype}"
+            )
+    seen: set[str] = set()
+    for msg in it:
+        if isinstance(msg, WeightCommit):
+            if msg.version != manifest.version:
+                raise WeightSyncError(
+                    f"weight commit version {msg.version} != manifest version {manifest.version}"
+                )
+            left = sorted(names - seen)
+            if left:
+                raise WeightSyncError(
+                    f"weight stream committed with {len(left)} tensor(s) never sent, e.g. {left[:3]}"
+                )
+            if next(it, None) is not None:
+                raise WeightSyncError("weight stream has messages after the commit")
+            return manifest
+        if not isinstance(msg, WeightChunk):
+            raise WeightSyncError(f"unexpected message {type(msg).__name__} in a weight stream")
+        batch: list[tuple[str, Tensor]] = []
+        for name, t in msg.tensors:
+            if name not in manifest.tensors:
+                raise WeightSyncError(f"weight chunk holds {name!r}, which the manifest does not list")
+            info = manifest.tensors[name]
+            if name in seen:
+                raise WeightSyncError(f"weight {name!r} was sent twice")
+            if tuple(t.shape) != tuple(info.shape) or t.dtype != info.dtype:
+                raise WeightSyncError(
+                    f"weight {name!r}: chunk tensor is {tuple(t.shape)} {t.dtype}, manifest says "
+                    f"{tuple(info.shape)} {info.dtype}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise WeightSyncError(f"weight {name!r} holds NaN/inf; refusing to load it")
+            seen.add(name)
+            batch.append((name, t.clone()))
+        apply_chunk(batch)
+    raise WeightSyncError("weight stream ended without a WeightCommit (incomplete sync)")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one weight sync moved and how long it took."""
+
+    version: int
+    num_tensors: int
+    bytes: int
+    seconds: float
+    details: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput in GB/s (1e9 bytes)."""
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+class WeightSync(Protocol):
+    """Moves an actor's weights into a rollout engine.
+
+    After :meth:`sync` returns, the rollout engine's log-probs equal the training engine's (up to
+    the dtype tier). A failed sync leaves the rollout engine stale (generate raises) until a
+    complete sync succeeds.
+    """
+
+    @abstractmethod
+    def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
+        """Move ``source``'s current weights into ``target`` as ``version``."""
+
+
+class StreamWeightSync(WeightSync):
+    """The canonical path: ``target.update_weights(source.export_weights(...))``.
+
+    Args:
+        bucket_bytes: Bytes per chunk of the stream.
+    """
+
+    def __init__(self, bucket_bytes: int = 64 * 1024 * 1024) -> None:
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
+        """Stream the weights in the target's dtype and report the volume and time."""
+        t0 = time.perf_counter()
+        counted: list[int] = [0, 0]
+
+        def counting(stream: Iterable[WeightMessage]) -> Iterator[WeightMessage]:
+            for msg in stream:
+                if isinstance(msg, WeightManifest):
+                    msg = WeightManifest(version, msg.tensors, msg.tied_embeddings)
+                elif isinstance(msg, WeightCommit):
+                    msg = WeightCommit(version)
+                elif isinstance(msg, WeightChunk):
+                    counted[0] += len(msg.tensors)
+                    counted[1] += msg.nbytes
+                yield msg
+
+        stream = source.export_weights(dtype=target.weight_dtype, bucket_bytes=self.bucket_bytes)
+        target.update_weights(counting(stream))
+        return SyncReport(version, counted[0], counted[1], time.perf_counter() - t0)

