@@ -1,0 +1,47 @@
+"""The test kit every package's tests use: tiny models, the float64 reference, tolerances, torchrun.
+
+* :func:`tiny_model` / :func:`build_tiny_model`: Llama-, Qwen2- (QKV bias) and Qwen3- (QK norm)
+  shaped transformers folders, tied or untied, with an offline character-level tokenizer; sizes
+  divide by 2 so TP=2 and PP=2 work; head_dim >= 32 (vLLM's CPU attention needs it).
+* :func:`reference_forward`: log-probs, entropy and values in float64 with transformers.
+* :data:`TOLERANCES` / :func:`assert_close`: the tolerance tiers per dtype, declared once.
+* :func:`random_batch`: ragged, correctly padded TensorBatches for tests.
+* :func:`launch_torchrun`: multi-rank runs that return results through files.
+"""
+
+from __future__ import annotations
+
+from verl_conformance.testkit.batches import random_batch
+from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
+from verl_conformance.testkit.models import (
+    ARCHS,
+    Arch,
+    CharTokenizer,
+    ModelHead,
+    TinyModelSpec,
+    build_tiny_model,
+    load_tokenizer,
+    tiny_model,
+)
+from verl_conformance.testkit.reference import reference_forward
+from verl_conformance.testkit.tolerances import TOLERANCES, Tolerance, assert_close, tolerance
+
+__all__ = [
+    "ARCHS",
+    "TOLERANCES",
+    "Arch",
+    "CharTokenizer",
+    "LaunchError",
+    "ModelHead",
+    "TinyModelSpec",
+    "Tolerance",
+    "assert_close",
+    "build_tiny_model",
+    "launch_torchrun",
+    "load_tokenizer",
+    "random_batch",
+    "reference_forward",
+    "tiny_model",
+    "tolerance",
+    "write_rank_result",
+]

@@ -1,0 +1,94 @@
+"""Tolerance tiers per dtype and quantity, declared once and used by every check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+from torch import Tensor
+
+__all__ = ["TOLERANCES", "Tolerance", "assert_close", "tolerance"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol + rtol * |expected|`` elementwise, and for gradients the
+    relative L2 error ``||actual - expected|| / ||expected|| <= rel_l2``."""
+
+    atol: float
+    rtol: float
+    rel_l2: float
+
+
+TOLERANCES: Final[dict[str, dict[str, Tolerance]]] = {
+    # float32 engines against the float64 reference on tiny models (seen: ~1e-6 on log-probs).
+    "float32": {
+        "log_probs": Tolerance(atol=5e-5, rtol=1e-5, rel_l2=1e-5),
+        "entropy": Tolerance(atol=5e-5, rtol=1e-5, rel_l2=1e-5),
+        "values": Tolerance(atol=5e-5, rtol=1e-5, rel_l2=1e-5),
+        "loss": Tolerance(atol=5e-5, rtol=1e-4, rel_l2=1e-4),
+        "grad": Tolerance(atol=1e-5, rtol=1e-3, rel_l2=1e-3),
+        "weights": Tolerance(atol=1e-6, rtol=1e-5, rel_l2=1e-5),
+    },
+    # bfloat16 has 8 mantissa bits: logits carry ~1e-2 relative error.
+    "bfloat16": {
+        "log_probs": Tolerance(atol=1e-1, rtol=5e-2, rel_l2=5e-2),
+        "entropy": Tolerance(atol=1e-1, rtol=5e-2, rel_l2=5e-2),
+        "values": Tolerance(atol=5e-2, rtol=5e-2, rel_l2=5e-2),
+        "loss": Tolerance(atol=5e-2, rtol=5e-2, rel_l2=5e-2),
+        "grad": Tolerance(atol=1e-2, rtol=1e-1, rel_l2=1e-1),
+        "weights": Tolerance(atol=1e-2, rtol=1e-2, rel_l2=1e-2),
+    },
+    "float16": {
+        "log_probs": Tolerance(atol=2e-2, rtol=1e-2, rel_l2=1e-2),
+        "entropy": Tolerance(atol=2e-2, rtol=1e-2, rel_l2=1e-2),
+        "values": Tolerance(atol=1e-2, rtol=1e-2, rel_l2=1e-2),
+        "loss": Tolerance(atol=1e-2, rtol=1e-2, rel_l2=1e-2),
+        "grad": Tolerance(atol=5e-3, rtol=5e-2, rel_l2=5e-2),
+        "weights": Tolerance(atol=5e-3, rtol=5e-3, rel_l2=5e-3),
+    },
+}
+
+
+def tolerance(dtype: str | torch.dtype, quantity: str) -> Tolerance:
+    """The tier for ``quantity`` (log_probs, entropy, values, loss, grad, weights) in ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return TOLERANCES[name][quantity]
+    except KeyError:
+        raise KeyError(f"no tolerance for dtype {name!r} / quantity {quantity!r}; tiers: "
+                       f"{ {k: sorted(v) for k, v in TOLERANCES.items()} }") from None
+
+
+def assert_close(
+    actual: Tensor, expected: Tensor, *, dtype: str | torch.dtype, quantity: str, what: str = ""
+) -> None:
+    """Raise AssertionError naming the worst element when ``actual`` is outside the tier.
+
+    Gradients (``quantity="grad"``) are compared by relative L2 error; everything else elementwise.
+    """
+    tol = tolerance(dtype, quantity)
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    label = what or quantity
+    if a.shape != e.shape:
+        raise AssertionError(f"{label}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    if not bool(torch.isfinite(a).all()):
+        raise AssertionError(f"{label}: non-finite values in the result")
+    if quantity == "grad":
+        denom = float(e.norm())
+        err = float((a - e).norm()) / max(denom, 1e-30)
+        if err > tol.rel_l2 and float((a - e).abs().max()) > tol.atol:
+            raise AssertionError(f"{label}: relative L2 error {err:.3g} > {tol.rel_l2:g} ({dtype} tier)")
+        return
+    diff = (a - e).abs()
+    bound = tol.atol + tol.rtol * e.abs()
+    bad = diff > bound
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in torch.unravel_index((diff - bound).flatten().argmax(), diff.shape))
+        raise AssertionError(
+            f"{label}: {int(bad.sum())} of {bad.numel()} elements outside the {dtype} tier "
+            f"(atol={tol.atol:g}, rtol={tol.rtol:g}); worst at {idx}: got {float(a[idx]):.8g}, "
+            f"expected {float(e[idx]):.8g} (|diff| {float(diff[idx]):.3g})"
+        )
