@@ -1,0 +1,325 @@
+"""DynamicBatchScheduler: micro-batch token budgets from free memory, with OOM back-off and replay.
+
+The budget (padded tokens per micro-batch: size x longest sequence, prompt plus response) is
+picked from the free memory a probe reports, clamped to ``[min_tokens, max_tokens]`` and to a
+ceiling learned from out-of-memory errors. On ``torch.OutOfMemoryError`` the ceiling halves and the
+same micro-batch is split and retried, so no sample is lost or repeated; after ``grow_after``
+successful micro-batches the ceiling doubles again. Every call's final partition is recorded as a
+:class:`Decision`; a scheduler given those decisions (``replay=``) reuses the recorded partition for
+the same call keys instead of probing, so a resumed run executes the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from verl_core.batch import TensorBatch
+from verl_core.errors import ConfigError, VerlError
+
+__all__ = [
+    "Decision",
+    "DynamicBatchScheduler",
+    "MemoryInfo",
+    "MemoryProbe",
+    "MicroBatchOOMError",
+    "SchedulerConfig",
+    "cuda_memory_probe",
+    "default_memory_probe",
+    "host_memory_probe",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Free and total bytes of the device that runs the micro-batches."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+MemoryProbe = Callable[[], MemoryInfo]
+"""A function reporting the memory available now."""
+
+
+def host_memory_probe() -> MemoryInfo:
+    """Host memory: ``MemAvailable`` and ``MemTotal`` of /proc/meminfo (sysconf where it is absent)."""
+    try:
+        fields: dict[str, int] = {}
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    fields[key] = int(parts[0]) * 1024
+        return MemoryInfo(fields["MemAvailable"], fields["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+        avail = os.sysconf("SC_AVPHYS_PAGES")
+        return MemoryInfo(avail * size, pages * size)
+
+
+def cuda_memory_probe(device: str | torch.device = "cuda") -> MemoryProbe:
+    """A probe reading ``torch.cuda.mem_get_info`` of ``device``."""
+
+    def probe() -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return MemoryInfo(int(free), int(total))
+
+    return probe
+
+
+def default_memory_probe(device: str | torch.device = "cpu") -> MemoryProbe:
+    """The CUDA probe for a CUDA device when CUDA is available, else the host-memory probe."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return cuda_memory_probe(dev)
+    return host_memory_probe
+
+
+class MicroBatchOOMError(VerlError, RuntimeError):
+    """A single sample does not fit in memory even alone, or the budget cannot shrink further."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Bounds and policy of the dynamic micro-batch scheduler.
+
+    Attributes:
+        min_tokens: Smallest budget (padded tokens per micro-batch).
+        max_tokens: Largest budget.
+        bytes_per_token: Estimated activation bytes one padded token costs (forward plus backward).
+        memory_fraction: Share of the free memory the budget may use.
+        grow_after: Successful micro-batches after which an OOM-lowered ceiling doubles again.
+    """
+
+    min_tokens: int = 64
+    max_tokens: int = 16384
+    bytes_per_token: int = 256 * 1024
+    memory_fraction: float = 0.5
+    grow_after: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(
+                f"SchedulerConfig needs 1 <= min_tokens <= max_tokens, got {self.min_tokens} and {self.max_tokens}"
+            )
+        if self.bytes_per_token < 1:
+            raise ConfigError(f"SchedulerConfig.bytes_per_token must be >= 1, got {self.bytes_per_token}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"SchedulerConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.grow_after < 1:
+            raise ConfigError(f"SchedulerConfig.grow_after must be >= 1, got {self.grow_after}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The recorded plan of one scheduler call.
+
+    Attributes:
+        key: Caller-chosen identifier of the call (e.g. ``"step3/actor_update/0"``).
+        groups: The micro-batches that ran, as sample indices of the call's batch, in run order.
+        budget: Budget in force when the call finished.
+        ooms: Out-of-memory errors handled during the call.
+        ceiling: The scheduler's OOM ceiling after the call (restored when the call is replayed).
+        successes: The scheduler's success counter after the call.
+    """
+
+    key: str
+    groups: tuple[tuple[int, ...], ...]
+    budget: int
+    ooms: int = 0
+    ceiling: int = 0
+    successes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable form."""
+        return {"key": self.key, "groups": [list(g) for g in self.groups], "budget": self.budget,
+                "ooms": self.ooms, "ceiling": self.ceiling, "successes": self.successes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Decision:
+        """Inverse of :meth:`to_json`."""
+        return cls(str(data["key"]), tuple(tuple(int(i) for i in g) for g in data["groups"]),
+                   int(data["budget"]), int(data.get("ooms", 0)), int(data.get("ceiling", 0)),
+                   int(data.get("successes", 0)))
+
+
+@dataclass
+class _Stats:
+    ooms: int = 0
+    micro_batches: int = 0
+    replayed: int = 0
+    last_budget: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def partition_in_order(lengths: Sequence[int], budget: int) -> list[tuple[int, ...]]:
+    """Cut consecutive samples into groups whose size x longest length stays within ``budget``.
+
+    A sample longer than the budget forms a group of its own. Order is kept.
+    """
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        n = max(int(n), 1)
+        if current and (len(current) + 1) * max(longest, n) > budget:
+            groups.append(tuple(current))
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+class DynamicBatchScheduler:
+    """Splits batches into micro-batches sized by free memory and survives out-of-memory errors.
+
+    Args:
+        config: Bounds and policy.
+        probe: Memory probe (default: :func:`default_memory_probe` of ``device``); inject one to
+            simulate memory pressure.
+        device: Device whose memory the default probe reads.
+        replay: Decisions of an earlier run; calls with a recorded key run the recorded partition.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        probe: MemoryProbe | None = None,
+        device: str | torch.device = "cpu",
+        replay: Iterable[Decision] = (),
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self._probe = probe or default_memory_probe(device)
+        self._ceiling = self.config.max_tokens
+        self._successes = 0
+        self._replay = {d.key: d for d in replay}
+        self._plan: list[Decision] = []
+        self._stats = _Stats()
+
+    # ------------------------------------------------------------------ budget
+    def probe_budget(self) -> int:
+        """The budget the free memory allows now, within the bounds and the OOM ceiling."""
+        info = self._probe()
+        allowed = int(info.free_bytes * self.config.memory_fraction) // self.config.bytes_per_token
+        return max(self.config.min_tokens, min(allowed, self._ceiling, self.config.max_tokens))
+
+    @property
+    def ceiling(self) -> int:
+        """Largest budget allowed after the out-of-memory errors seen so far."""
+        return self._ceiling
+
+    @property
+    def plan(self) -> tuple[Decision, ...]:
+        """Every decision recorded by this scheduler, in call order."""
+        return tuple(self._plan)
+
+    def add_replay(self, decisions: Iterable[Decision]) -> None:
+        """Add decisions to replay (e.g. read back from an interrupted run's plan file)."""
+        for d in decisions:
+            self._replay[d.key] = d
+
+    # ------------------------------------------------------------------ run
+    def run(self, batch: TensorBatch, fn: Callable[[TensorBatch], T], *, key: str) -> list[tuple[tuple[int, ...], T]]:
+        """Call ``fn`` on micro-batches of ``batch`` covering every sample exactly once.
+
+        Returns:
+            ``(indices, result)`` per micro-batch in run order; ``indices`` are rows of ``batch``.
+
+        Raises:
+            MicroBatchOOMError: a single sample ran out of memory, or the budget reached
+                ``min_tokens`` and the micro-batch still did not fit.
+        """
+        lengths = batch.seq_lengths().tolist()
+        recorded = self._replay.pop(key, None)
+        if recorded is not None:
+            queue = [tuple(g) for g in recorded.groups]
+            covered = sorted(i for g in queue for i in g)
+            if covered != list(range(batch.batch_size)):
+                raise ConfigError(
+                    f"replayed plan for {key!r} covers {len(covered)} samples, the batch has "
+                    f"{batch.batch_size}; the resumed run differs from the recorded one"
+                )
+            budget = recorded.budget
+            self._stats.replayed += 1
+        else:
+            budget = self.probe_budget()
+            queue = partition_in_order(lengths, budget)
+        done: list[tuple[tuple[int, ...], T]] = []
+        ooms = 0
+        while queue:
+            group = queue.pop(0)
+            try:
+                result = fn(batch.index(list(group)))
+            except torch.OutOfMemoryError as e:
+                ooms += 1
+                self._stats.ooms += 1
+                self._successes = 0
+                cost = len(group) * max(max(lengths[i] for i in group), 1)
+                if len(group) == 1:
+                    raise MicroBatchOOMError(
+                        f"{key}: one sample of {lengths[group[0]]} tokens ran out of memory on its own; "
+                        "lower max_prompt_len/max_response_len, use a smaller model or free memory"
+                    ) from e
+                new_budget = max(self.config.min_tokens, min(budget, cost) // 2)
+                pieces = partition_in_order([lengths[i] for i in group], new_budget)
+                if len(pieces) == 1:  # cannot split at this budget: force halves
+                    half = len(group) // 2
+                    pieces = [tuple(range(half)), tuple(range(half, len(group)))]
+                budget = new_budget
+                self._ceiling = max(self.config.min_tokens, new_budget)
+                queue = [tuple(group[j] for j in p) for p in pieces] + queue
+                continue
+            done.append((group, result))
+            self._stats.micro_batches += 1
+            self._successes += 1
+            if self._successes >= self.config.grow_after and self._ceiling < self.config.max_tokens:
+                self._ceiling = min(self.config.max_tokens, self._ceiling * 2)
+                self._successes = 0
+        if recorded is not None and recorded.ceiling:
+            self._ceiling, self._successes = recorded.ceiling, recorded.successes
+        self._stats.last_budget = budget
+        self._plan.append(
+            Decision(key, tuple(g for g, _ in done), budget, ooms, self._ceiling, self._successes)
+        )
+        return done
+
+    def run_forward(self, batch: TensorBatch, fn: Callable[[TensorBatch], TensorBatch], *, key: str) -> TensorBatch:
+        """Run a batch-to-batch function per micro-batch and reassemble the samples in input order."""
+        parts = self.run(batch, fn, key=key)
+        order = torch.tensor([i for g, _ in parts for i in g], dtype=torch.int64)
+        merged = TensorBatch.concat([out for _, out in parts])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        return merged.index(inverse)
+
+    # ------------------------------------------------------------------ state
+    def metrics(self) -> dict[str, float]:
+        """Counters since construction: OOMs handled, micro-batches run, replayed calls, budgets."""
+        return {
+            "scheduler/ooms": float(self._stats.ooms),
+            "scheduler/micro_batches": float(self._stats.micro_batches),
+            "scheduler/replayed_calls": float(self._stats.replayed),
+            "scheduler/budget": float(self._stats.last_budget),
+            "scheduler/ceiling": float(self._ceiling),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The learned ceiling and success counter (what a resumed run needs besides the plan)."""
+        return {"ceiling": self._ceiling, "successes": self._successes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._ceiling = int(state["ceiling"])
+        self._successes = int(state["successes"])

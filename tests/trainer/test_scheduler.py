@@ -1,0 +1,173 @@
+"""DynamicBatchScheduler: budgets from an injected probe, OOM back-off without loss, plan replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_core.batch import TensorBatch
+from verl_core.errors import ConfigError
+from verl_core.trainer.scheduler import (
+    Decision,
+    DynamicBatchScheduler,
+    MemoryInfo,
+    MicroBatchOOMError,
+    SchedulerConfig,
+    host_memory_probe,
+    partition_in_order,
+)
+
+GiB = 1 << 30
+
+
+def make_batch(lengths: list[int]) -> TensorBatch:
+    width = max(lengths)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    n = len(lengths)
+    return TensorBatch(
+        {
+            "prompt_ids": torch.ones(n, 2, dtype=torch.int64),
+            "prompt_mask": torch.ones(n, 2, dtype=torch.bool),
+            "response_ids": torch.where(mask, 5, 0),
+            "response_mask": mask,
+            "group_ids": torch.arange(n),
+        }
+    )
+
+
+class DeviceWithLimit:
+    """An engine stand-in for memory: raises the real torch.OutOfMemoryError over a token limit."""
+
+    def __init__(self, limit_tokens: int) -> None:
+        self.limit = limit_tokens
+        self.seen: list[int] = []
+        self.calls = 0
+        self.ooms = 0
+
+    def forward(self, mb: TensorBatch) -> TensorBatch:
+        self.calls += 1
+        cost = mb.batch_size * int(mb.seq_lengths().max())
+        if cost > self.limit:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"tried to allocate for {cost} tokens")
+        self.seen.extend(mb["group_ids"].tolist())
+        return mb.update(scores=mb["group_ids"].float() * 2)
+
+
+def probe_of(free: int) -> MemoryInfo:
+    return MemoryInfo(free, 16 * GiB)
+
+
+def test_budget_follows_the_probe_within_bounds() -> None:
+    cfg = SchedulerConfig(min_tokens=32, max_tokens=4096, bytes_per_token=1024, memory_fraction=0.5)
+    free = [1 << 20]
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(free[0]))
+    assert sched.probe_budget() == 512  # 1 MiB * 0.5 / 1 KiB
+    free[0] = 1 << 30
+    assert sched.probe_budget() == 4096  # clamped to max
+    free[0] = 1000
+    assert sched.probe_budget() == 32  # clamped to min
+
+
+def test_host_probe_reads_real_memory() -> None:
+    info = host_memory_probe()
+    assert 0 < info.free_bytes <= info.total_bytes
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    limit=st.integers(14, 200),
+)
+def test_oom_halves_and_retries_without_losing_or_repeating_samples(lengths: list[int], limit: int) -> None:
+    batch = make_batch(lengths)
+    device = DeviceWithLimit(limit)
+    cfg = SchedulerConfig(min_tokens=1, max_tokens=1024, bytes_per_token=1, memory_fraction=1.0, grow_after=1000)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    out = sched.run_forward(batch, device.forward, key="k")
+    assert sorted(device.seen) == list(range(len(lengths)))  # each sample processed exactly once
+    assert torch.equal(out["scores"], torch.arange(len(lengths)).float() * 2)  # input order restored
+    assert torch.equal(out["response_ids"], batch["response_ids"])
+    assert sched.metrics()["scheduler/ooms"] == device.ooms
+    if device.ooms:
+        assert sched.ceiling < 1024
+    (decision,) = sched.plan
+    assert sorted(i for g in decision.groups for i in g) == list(range(len(lengths)))
+
+
+def test_ceiling_grows_back_after_successes() -> None:
+    batch = make_batch([4] * 16)  # 16 x 6 tokens
+    device = DeviceWithLimit(48)
+    cfg = SchedulerConfig(min_tokens=6, max_tokens=96, bytes_per_token=1, memory_fraction=1.0, grow_after=2)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    sched.run(batch, device.forward, key="a")
+    assert device.ooms == 1
+    assert sched.ceiling == 96  # halved to 48, then doubled back after 2 successes
+    lowered = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    device2 = DeviceWithLimit(48)
+    lowered.run(make_batch([4] * 8), device2.forward, key="b")  # 8 x 6 = 48 fits in one
+    assert device2.ooms == 0
+    # a long run of successes at a lowered ceiling doubles it
+    s3 = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    dev3 = DeviceWithLimit(24)
+    s3.run(make_batch([4] * 16), dev3.forward, key="c")
+    assert dev3.ooms >= 1
+    ceilings = []
+    for i in range(4):
+        s3.run(make_batch([4] * 2), dev3.forward, key=f"d{i}")
+        ceilings.append(s3.ceiling)
+    assert max(ceilings) > min(ceilings)
+
+
+def test_single_sample_oom_is_a_clear_error() -> None:
+    device = DeviceWithLimit(3)
+    sched = DynamicBatchScheduler(SchedulerConfig(min_tokens=1, bytes_per_token=1), probe=lambda: probe_of(1 << 40))
+    with pytest.raises(MicroBatchOOMError, match="one sample of 12 tokens ran out of memory") as info:
+        sched.run(make_batch([10]), device.forward, key="x")
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_other_errors_are_not_swallowed() -> None:
+    def broken(mb: TensorBatch) -> int:
+        raise RuntimeError("not memory")
+
+    sched = DynamicBatchScheduler(probe=lambda: probe_of(1 << 40))
+    with pytest.raises(RuntimeError, match="not memory"):
+        sched.run(make_batch([3, 3]), broken, key="x")
+
+
+def test_resumed_run_replays_the_recorded_plan() -> None:
+    lengths = [5, 3, 8, 2, 7, 7, 1, 4, 6, 2]
+    cfg = SchedulerConfig(min_tokens=4, max_tokens=1000, bytes_per_token=1, memory_fraction=1.0, grow_after=3)
+    first = DynamicBatchScheduler(cfg, probe=lambda: probe_of(60))
+    dev = DeviceWithLimit(40)
+    for step in range(3):
+        first.run(make_batch(lengths), dev.forward, key=f"step{step}")
+    plan = [Decision.from_json(d.to_json()) for d in first.plan]
+    # the resumed run sees plenty of memory, yet runs the same micro-batches
+    resumed = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40), replay=plan[1:])
+    resumed.load_state_dict({"ceiling": plan[0].ceiling, "successes": plan[0].successes})
+    dev2 = DeviceWithLimit(40)
+    for step in (1, 2):
+        resumed.run(make_batch(lengths), dev2.forward, key=f"step{step}")
+    assert [d.groups for d in resumed.plan] == [d.groups for d in plan[1:]]
+    assert dev2.ooms == 0  # the recorded partition already fits
+    assert resumed.metrics()["scheduler/replayed_calls"] == 2
+    # a plan that does not cover the batch is refused
+    bad = DynamicBatchScheduler(cfg, replay=[Decision("z", ((0,),), 4)])
+    with pytest.raises(ConfigError, match="covers 1 samples, the batch has 2"):
+        bad.run(make_batch([1, 1]), dev.forward, key="z")
+
+
+def test_partition_in_order_respects_budget() -> None:
+    groups = partition_in_order([3, 3, 3, 10, 1], 9)
+    assert groups == [(0, 1, 2), (3,), (4,)]
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="min_tokens <= max_tokens"):
+        SchedulerConfig(min_tokens=10, max_tokens=5)
+    with pytest.raises(ConfigError, match="memory_fraction"):
+        SchedulerConfig(memory_fraction=0)
