@@ -1,0 +1,529 @@
+"""Typed configuration of a training run, loaded from TOML or YAML plus ``key.sub=value`` overrides.
+
+Every section is a dataclass; :func:`load_config` reads a file, applies command-line overrides
+(values parsed as TOML literals, bare words taken as strings) and builds :class:`RunConfig`. Any
+unknown key, wrong type or out-of-range value raises :class:`~verl_core.errors.ConfigError` naming
+the full dotted key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+from verl_core.engine import OptimConfig
+from verl_core.errors import ConfigError
+
+__all__ = [
+    "AlgorithmConfig",
+    "BackendsConfig",
+    "BatchConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimSection",
+    "RolloutConfig",
+    "RunConfig",
+    "TaskConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+    "parse_override",
+    "read_config_file",
+]
+
+TaskName = Literal["copy", "reverse", "add"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model: a transformers folder, or a tiny random model built at start.
+
+    Attributes:
+        path: A transformers-format folder; empty = build a tiny random model with the fields below
+            into ``<output_dir>/model`` (needs verl-conformance's test kit).
+        arch: Tiny-model architecture (llama, qwen2, qwen3).
+        hidden_size: Tiny-model width.
+        num_layers: Tiny-model decoder layers.
+        num_heads: Tiny-model attention heads.
+        num_kv_heads: Tiny-model key/value heads.
+        head_dim: Tiny-model head width.
+        intermediate_size: Tiny-model MLP width.
+        vocab_size: Tiny-model vocabulary (>= the char tokenizer's 95 symbols).
+        tied: Tie the tiny model's lm_head to its embedding.
+        init_std: Std of the tiny model's random init.
+        dtype: Parameter dtype of every engine.
+        device: Device of every engine (cpu, cuda, cuda:N).
+    """
+
+    path: str = ""
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 128
+    vocab_size: int = 96
+    tied: bool = True
+    init_std: float = 0.02
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The built-in task that supplies prompts and rewards.
+
+    Attributes:
+        name: ``copy`` (repeat the digits), ``reverse`` (reverse them) or ``add`` (a+b=).
+        digits: Digits per number.
+        eval_prompts: Prompts of the fixed greedy evaluation set (0 = no evaluation).
+        eval_every: Steps between evaluations (0 = only at the end).
+    """
+
+    name: TaskName = "copy"
+    digits: int = 3
+    eval_prompts: int = 0
+    eval_every: int = 0
+
+
+@dataclass(frozen=True)
+class BackendsConfig:
+    """Backend name per role (as listed by ``verl backends``).
+
+    Attributes:
+        actor: Backend of the trained policy.
+        rollout: Backend that generates responses.
+        reference: Backend of the frozen reference policy (used when the algorithm needs KL).
+        critic: Backend of the value model (used when the algorithm needs values).
+        reward: ``rule`` (the task's exact-match reward) or a backend with a reward-model engine.
+    """
+
+    actor: str = "hf"
+    rollout: str = "hf"
+    reference: str = "hf"
+    critic: str = "hf"
+    reward: str = "rule"
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL algorithm, by registered name, and its options.
+
+    Attributes:
+        name: Algorithm name (grpo, dr_grpo, dapo, rloo, reinforce_pp, remax, ppo, ...).
+        options: Options of the algorithm, validated by the algorithm's own config.
+        use_reference: Compute reference log-probs (needed for a KL loss or KL reward penalty).
+        use_critic: Train a critic (PPO with GAE); None = as the algorithm needs.
+        dynamic_sampling: Drop groups whose scores are all equal (DAPO) before the update.
+    """
+
+    name: str = "grpo"
+    options: dict[str, Any] = field(default_factory=dict)
+    use_reference: bool = False
+    use_critic: bool | None = None
+    dynamic_sampling: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling parameters of the rollout.
+
+    Attributes:
+        n: Samples per prompt (the group size).
+        temperature: Sampling temperature (> 0).
+        top_p: Nucleus threshold in (0, 1].
+        top_k: Top-k (0 = off).
+        max_new_tokens: Longest response.
+    """
+
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch sizes.
+
+    Attributes:
+        prompts_per_step: Prompts sampled per step (each gives ``rollout.n`` samples).
+        mini_batch_size: Samples per optimizer step (0 = the whole step's batch, one update).
+        epochs: Passes over the step's samples.
+        micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it from free memory).
+        min_tokens: Smallest dynamic budget.
+        max_tokens: Largest dynamic budget.
+    """
+
+    prompts_per_step: int = 16
+    mini_batch_size: int = 0
+    epochs: int = 1
+    micro_batch_tokens: int = 0
+    min_tokens: int = 64
+    max_tokens: int = 16384
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """Optimizer settings of a trainable engine (see :class:`verl_core.OptimConfig`)."""
+
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+    def to_optim(self, total_steps: int) -> OptimConfig:
+        """The engine-level OptimConfig."""
+        return OptimConfig(
+            lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
+            warmup_steps=self.warmup_steps, total_steps=total_steps, schedule=self.schedule,
+            min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing.
+
+    Attributes:
+        every: Steps between checkpoints (0 = only the final one).
+        keep: Most recent checkpoints kept (older ones are deleted).
+        final: Write a checkpoint at the end of the run.
+    """
+
+    every: int = 0
+    keep: int = 2
+    final: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the run reports.
+
+    Attributes:
+        progress: A progress line with the live reward on stderr.
+        plot: A PNG of the curves at the end (needs the ``plot`` extra: matplotlib).
+        jsonl: Metrics as one JSON line per step in ``<output_dir>/metrics.jsonl``.
+    """
+
+    progress: bool = True
+    plot: bool = True
+    jsonl: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs.
+
+    Attributes:
+        steps: Training steps.
+        seed: Seed of prompts, sampling and initialisation.
+        output_dir: Folder for metrics, checkpoints, the plot and the built model.
+        model: The policy model.
+        critic_model: Folder of the critic's model (empty = the policy model).
+        task: The built-in task.
+        backends: Backend per role.
+        algorithm: Algorithm and options.
+        rollout: Sampling parameters.
+        batch: Batch sizes.
+        optim: Actor optimizer.
+        critic_optim: Critic optimizer.
+        checkpoint: Checkpointing.
+        logging: Reporting.
+    """
+
+    steps: int = 100
+    seed: int = 0
+    output_dir: str = "runs/verl"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    critic_model: str = ""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    backends: BackendsConfig = field(default_factory=BackendsConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+    critic_optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-3))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------- building
+_D = TypeVar("_D")
+
+# key -> (predicate, allowed range text) checked after building
+_RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "steps": (lambda v: v >= 1, ">= 1"),
+    "model.hidden_size": (lambda v: v >= 1, ">= 1"),
+    "model.num_layers": (lambda v: v >= 1, ">= 1"),
+    "model.num_heads": (lambda v: v >= 1, ">= 1"),
+    "model.num_kv_heads": (lambda v: v >= 1, ">= 1"),
+    "model.head_dim": (lambda v: v >= 1, ">= 1"),
+    "model.intermediate_size": (lambda v: v >= 1, ">= 1"),
+    "model.vocab_size": (lambda v: v >= 95, ">= 95 (the char tokenizer's symbols)"),
+    "model.init_std": (lambda v: v > 0, "> 0"),
+    "task.digits": (lambda v: 1 <= v <= 9, "1 to 9"),
+    "task.eval_prompts": (lambda v: v >= 0, ">= 0"),
+    "task.eval_every": (lambda v: v >= 0, ">= 0"),
+    "rollout.n": (lambda v: v >= 1, ">= 1"),
+    "rollout.temperature": (lambda v: v > 0, "> 0"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.top_k": (lambda v: v >= 0, ">= 0"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "batch.prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "batch.mini_batch_size": (lambda v: v >= 0, ">= 0 (0 = whole batch)"),
+    "batch.epochs": (lambda v: v >= 1, ">= 1"),
+    "batch.micro_batch_tokens": (lambda v: v >= 0, ">= 0 (0 = dynamic)"),
+    "batch.min_tokens": (lambda v: v >= 1, ">= 1"),
+    "batch.max_tokens": (lambda v: v >= 1, ">= 1"),
+    "optim.lr": (lambda v: v > 0, "> 0"),
+    "optim.grad_clip": (lambda v: v >= 0, ">= 0"),
+    "optim.warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "critic_optim.lr": (lambda v: v > 0, "> 0"),
+    "critic_optim.grad_clip": (lambda v: v >= 0, ">= 0"),
+    "critic_optim.warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "critic_optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "checkpoint.every": (lambda v: v >= 0, ">= 0 (0 = final only)"),
+    "checkpoint.keep": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is tuple:
+        return "a list of " + ", ".join(_type_name(a) for a in get_args(tp))
+    if origin is dict:
+        return "a table"
+    if tp is type(None):
+        return "none"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"config key {key!r}: {value!r} is not valid; choices: {', '.join(repr(c) for c in choices)}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r}: expected a table of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+        return _build(typing.cast(type, tp), value, key + ".")
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r}: expected a table, got {value!r}")
+        return dict(value)
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
+            raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r}: expected a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(f"config key {key!r}: unsupported type {tp!r}")  # pragma: no cover
+
+
+def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = prefix + str(key)
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key {full!r}; valid keys{' in ' + repr(prefix[:-1]) if prefix else ''}: "
+                f"{', '.join(names)}"
+            )
+        kwargs[key] = _convert(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"config section {prefix[:-1] or 'top level'!r}: {e}") from e
+
+
+def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from nested mappings (as read from TOML/YAML).
+
+    Raises:
+        ConfigError: naming the full dotted key of the first unknown key or invalid value.
+    """
+    cfg = _build(RunConfig, data, "")
+    flat = _flatten(config_to_dict(cfg))
+    for key, (ok, allowed) in _RANGES.items():
+        if not ok(flat[key]):
+            raise ConfigError(f"config key {key!r} = {flat[key]!r} is out of range; allowed: {allowed}")
+    if cfg.batch.min_tokens > cfg.batch.max_tokens:
+        raise ConfigError(
+            f"config keys 'batch.min_tokens' ({cfg.batch.min_tokens}) must be <= 'batch.max_tokens' "
+            f"({cfg.batch.max_tokens})"
+        )
+    if cfg.task.name == "add" and cfg.rollout.max_new_tokens < cfg.task.digits + 2:
+        raise ConfigError(
+            f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for task "
+            f"'add' with {cfg.task.digits} digits (answers take up to {cfg.task.digits + 2} tokens with EOS)"
+        )
+    if cfg.task.name in ("copy", "reverse") and cfg.rollout.max_new_tokens < cfg.task.digits + 1:
+        raise ConfigError(
+            f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for task "
+            f"{cfg.task.name!r} with {cfg.task.digits} digits (answers take {cfg.task.digits + 1} tokens with EOS)"
+        )
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as nested plain values (tuples as lists), e.g. to save as JSON."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out[f.name] = config_to_dict(v)
+        elif isinstance(v, tuple):
+            out[f.name] = list(v)
+        elif isinstance(v, dict):
+            out[f.name] = dict(v)
+        else:
+            out[f.name] = v
+    return out
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and k != "options":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------- files and overrides
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into its key path and value (a TOML literal, or a bare string).
+
+    Raises:
+        ConfigError: no ``=`` or an empty key part.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r} must look like key.sub=value (e.g. optim.lr=1e-3)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``key.sub=value`` override set (tables created as needed)."""
+    out = _deep_copy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {text!r}: {'.'.join(path[: i + 1])!r} is a value, not a table"
+                )
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _deep_copy(d: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into nested mappings."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    suffix = p.suffix.lower()
+    if suffix == ".toml":
+        try:
+            return tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    if suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                f"config file {str(p)!r} is YAML, which needs PyYAML: pip install 'verl-core[yaml]' "
+                "(or write the config as TOML)"
+            ) from None
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        return data
+    raise ConfigError(f"config file {str(p)!r}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read ``path`` (or start from the defaults), apply ``overrides`` and build the RunConfig."""
+    data = read_config_file(path) if path is not None else {}
+    return config_from_dict(apply_overrides(data, overrides))
