@@ -34,6 +34,7 @@ from verl_core.registry import (
     get_rollout_engine,
     get_training_engine,
     get_weight_sync,
+    parse_options,
 )
 from verl_core.reward import FunctionReward, RewardEngine, ScoreFn
 from verl_core.rollout import RolloutEngine, SamplingParams
@@ -125,6 +126,7 @@ __all__ = [
     "get_training_engine",
     "get_weight_sync",
     "hookimpl",
+    "parse_options",
     "partition_by_token_budget",
     "register_field",
     "stream_weights",

@@ -38,6 +38,7 @@ class RewardEngine(Protocol):
 
     def close(self) -> None:
         """Release resources."""
+        return None
 
 
 ScoreFn = Callable[[str, str, Mapping[str, Any]], float]

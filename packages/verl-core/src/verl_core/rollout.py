@@ -129,9 +129,12 @@ class RolloutEngine(Protocol):
 
     def sleep(self) -> None:
         """Release device memory while training runs (a no-op where unsupported)."""
+        return None
 
     def wake(self) -> None:
         """Restore what :meth:`sleep` released."""
+        return None
 
     def close(self) -> None:
         """Release resources; the engine is unusable afterwards."""
+        return None

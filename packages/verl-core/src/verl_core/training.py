@@ -227,6 +227,7 @@ class TrainingEngine(Protocol):
 
     def close(self) -> None:
         """Release resources (processes, memory). The engine is unusable afterwards."""
+        return None
 
 
 def sum_metrics(parts: Collection[Mapping[str, Tensor]]) -> dict[str, Tensor]:

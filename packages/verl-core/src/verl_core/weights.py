@@ -121,43 +121,42 @@ def stream_weights(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
 ) -> Iterator[WeightMessage]:
-    """Yield ``manifest``, then buckets of at most ``bucket_bytes`` (a fusion group larger than a
-    bucket travels alone), then the commit. Tensors are cast to ``dtype`` when given.
+    """Yield ``manifest``, then buckets of at most ``bucket_bytes``, then the commit.
 
-    ``named_tensors`` must yield exactly the manifest's names, fusion groups contiguous.
+    A fusion group (see :func:`fusion_group`) is held back until all of its manifest tensors have
+    arrived and then travels in one chunk; a group larger than a bucket travels alone. Tensors are
+    cast to ``dtype`` when given. ``named_tensors`` must yield exactly the manifest's names.
     """
     if bucket_bytes < 1:
         raise WeightSyncError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    group_size: dict[str, int] = {}
+    for name in manifest.tensors:
+        key = fusion_group(name)
+        group_size[key] = group_size.get(key, 0) + 1
     yield manifest
+    pending: dict[str, list[tuple[str, Tensor]]] = {}
     bucket: list[tuple[str, Tensor]] = []
-    group: list[tuple[str, Tensor]] = []
-    group_key: str | None = None
     size = 0
-
-    def group_bytes() -> int:
-        return sum(t.numel() * t.element_size() for _, t in group)
-
     for name, tensor in named_tensors:
+        if name not in manifest.tensors:
+            raise WeightSyncError(f"sender produced {name!r}, which its manifest does not list")
         t = tensor.detach()
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         key = fusion_group(name)
-        if key != group_key and group:
-            gb = group_bytes()
-            if bucket and size + gb > bucket_bytes:
-                yield WeightChunk(tuple(bucket))
-                bucket, size = [], 0
-            bucket.extend(group)
-            size += gb
-            group = []
-        group_key = key
+        group = pending.setdefault(key, [])
         group.append((name, t))
-    if group:
-        gb = group_bytes()
-        if bucket and size + gb > bucket_bytes:
+        if len(group) < group_size[key]:
+            continue
+        del pending[key]
+        nbytes = sum(x.numel() * x.element_size() for _, x in group)
+        if bucket and size + nbytes > bucket_bytes:
             yield WeightChunk(tuple(bucket))
-            bucket = []
+            bucket, size = [], 0
         bucket.extend(group)
+        size += nbytes
+    if pending:
+        raise WeightSyncError(f"sender ended with incomplete fusion groups: {sorted(pending)[:3]}")
     if bucket:
         yield WeightChunk(tuple(bucket))
     yield WeightCommit(manifest.version)

@@ -1,0 +1,139 @@
+"""Plugin discovery through real installed distributions, the typed facade and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_core import (
+    PROTOCOL_VERSION,
+    BackendSpec,
+    ConfigError,
+    EngineSpec,
+    PluginError,
+    RewardCapabilities,
+    StreamWeightSync,
+    TensorBatch,
+    UnknownNameError,
+    hookimpl,
+)
+from verl_core.registry import Registry, get_reward_engine, reset_registry
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry() -> None:
+    reset_registry()
+
+
+def test_installed_test_plugin_is_discovered_through_its_entry_point() -> None:
+    backends = Registry().backends()
+    toy = backends["toy"]
+    assert toy.distribution == "verl-toy-plugin"
+    assert toy.version == "0.0.1"
+    assert toy.spec.protocol_version == PROTOCOL_VERSION
+    assert isinstance(toy.capabilities("reward"), RewardCapabilities)
+
+
+def test_engine_is_built_through_the_registry_with_validated_options() -> None:
+    spec = EngineSpec(model_path="unused", role="reward", options={"bonus": 0.5})
+    engine = get_reward_engine("toy", spec)
+    batch = TensorBatch({"response_mask": torch.tensor([[True, True], [True, False]])})
+    assert engine.score(batch)["scores"].tolist() == [2.5, 1.5]
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) bogus; valid keys: bonus"):
+        get_reward_engine("toy", EngineSpec(model_path="x", role="reward", options={"bogus": 1}))
+
+
+def test_unknown_backend_lists_installed_and_the_install_command() -> None:
+    with pytest.raises(UnknownNameError, match=r"unknown verl backend 'megatrom'; installed: .*toy.*pip install verl-megatrom"):
+        Registry().backend("megatrom")
+    reg = Registry(autoload=False)
+    with pytest.raises(UnknownNameError, match="pip install 'verl-vllm\\[cuda\\]'.*autoload is off"):
+        reg.backend("vllm")
+
+
+def test_role_not_provided() -> None:
+    with pytest.raises(UnknownNameError, match="does not provide role 'actor'; it provides: reward"):
+        Registry().build("toy", EngineSpec(model_path="x", role="actor"))
+
+
+def test_third_party_algorithm_registered_through_the_same_hook() -> None:
+    reg = Registry()
+    assert "toy_zero" in reg.components("advantage")
+    with pytest.raises(UnknownNameError, match="unknown advantage 'nope'; registered: .*toy_zero"):
+        reg.component("advantage", "nope")
+
+
+def test_autoload_off_keeps_builtin_algorithms_and_drops_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VERL_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reg = Registry()
+    assert "toy" not in reg.backends()
+    assert "toy_zero" not in reg.components("advantage")
+    builtin = Registry(autoload=False).components("advantage")
+    assert builtin == reg.components("advantage")
+
+
+def test_two_distributions_claiming_one_name_is_an_error_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second real distribution (metadata on sys.path) claiming the name "toy".
+    info = tmp_path / "verl_toy_clone-9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: verl-toy-clone\nVersion: 9.9\n")
+    (info / "entry_points.txt").write_text("[verl.plugins]\ntoy = verl_toy_plugin.plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match=r"two distributions claim the verl backend name 'toy': .*verl-toy-clone.*verl-toy-plugin|verl-toy-plugin.*verl-toy-clone"):
+        Registry().backends()
+
+
+def test_incompatible_protocol_version_is_refused_with_a_clear_message() -> None:
+    class Future:
+        @hookimpl
+        def verl_backend(self) -> BackendSpec:
+            return BackendSpec("future", {"reward": "x:y"}, {}, protocol_version="2.0")
+
+    with pytest.raises(PluginError, match=r"implements verl protocol 2.0, but this verl-core speaks 1.0"):
+        Registry(autoload=False).register(Future(), "future")
+
+
+def test_spec_name_must_match_entry_name_and_capabilities_match_role() -> None:
+    class Wrong:
+        @hookimpl
+        def verl_backend(self) -> BackendSpec:
+            return BackendSpec("other", {"reward": "x:y"}, {}, protocol_version=PROTOCOL_VERSION)
+
+    with pytest.raises(PluginError, match="spec name must equal the entry-point name"):
+        Registry(autoload=False).register(Wrong(), "wrong")
+    with pytest.raises(PluginError, match="capabilities must be TrainingCapabilities"):
+        BackendSpec("b", {"actor": "x:y"}, {"actor": RewardCapabilities()}, protocol_version="1.0")
+
+
+def test_weight_sync_falls_back_to_the_canonical_stream() -> None:
+    assert isinstance(Registry(autoload=False).weight_sync("a", "b"), StreamWeightSync)
+
+
+def test_importing_core_and_listing_backends_imports_no_engine_library() -> None:
+    code = (
+        "import sys, io, contextlib, verl_core\n"
+        "from verl_core.cli import main\n"
+        "verl_core.available_backends()\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['backends'])\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'megatron', 'vllm'})\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_cli_version_and_backends_json() -> None:
+    version = subprocess.run([sys.executable, "-m", "verl_core.cli", "--version"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"verl-core 0.1.0 (protocol {PROTOCOL_VERSION})"
+    out = subprocess.run([sys.executable, "-m", "verl_core.cli", "backends", "--json"],
+                         capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["toy"]["distribution"] == "verl-toy-plugin"
+    assert data["toy"]["roles"]["reward"]["scores"] is True

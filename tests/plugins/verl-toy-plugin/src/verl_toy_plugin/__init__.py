@@ -1,0 +1,1 @@
+"""A test plugin distribution for the verl registry."""
