@@ -1,0 +1,152 @@
+"""Built-in tasks: generated prompt sets with rule-based exact-match rewards, needing no download.
+
+* ``copy``: ``"c123="`` -> ``"123"``; ``reverse``: ``"r123="`` -> ``"321"``; ``add``: ``"12+345="`` ->
+  ``"357"``. Every answer spans several tokens of a character-level tokenizer and must be followed
+  by EOS: :class:`TaskReward` gives 1 only to a response that is exactly the answer and then EOS.
+* Prompts are a deterministic function of (seed, step), so a resumed run draws the same prompts,
+  and group ids are ``step * prompts_per_step + i``: unique for the whole run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from verl_core.batch import BatchMeta, TensorBatch
+from verl_core.capabilities import RewardCapabilities
+from verl_core.errors import ConfigError
+from verl_core.reward import RewardEngine
+from verl_core.tokenizer import Tokenizer
+
+__all__ = ["TASKS", "DigitTask", "TaskReward", "get_task", "prompt_batch"]
+
+TASKS: Final = ("copy", "reverse", "add")
+
+
+@dataclass(frozen=True)
+class DigitTask:
+    """A generated task over decimal numbers.
+
+    Attributes:
+        name: ``copy``, ``reverse`` or ``add``.
+        digits: Digits of each number (copy/reverse use exactly this many; add draws operands
+            of 1 to ``digits`` digits).
+    """
+
+    name: str
+    digits: int = 3
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ConfigError(f"unknown task {self.name!r}; built-in tasks: {', '.join(TASKS)}")
+        if not 1 <= self.digits <= 9:
+            raise ConfigError(f"task digits must be in 1..9, got {self.digits}")
+
+    def example(self, rng: random.Random) -> tuple[str, str]:
+        """One (prompt, answer) pair drawn with ``rng``."""
+        if self.name == "add":
+            hi = 10**self.digits - 1
+            a, b = rng.randint(0, hi), rng.randint(0, hi)
+            return f"{a}+{b}=", str(a + b)
+        number = "".join(rng.choice("0123456789") for _ in range(self.digits))
+        if self.name == "copy":
+            return f"c{number}=", number
+        return f"r{number}=", number[::-1]
+
+    def examples(self, n: int, *, seed: int, step: int) -> list[tuple[str, str]]:
+        """The ``n`` (prompt, answer) pairs of ``step`` of a run seeded with ``seed`` (deterministic)."""
+        rng = random.Random(f"{self.name}/{self.digits}/{seed}/{step}")
+        return [self.example(rng) for _ in range(n)]
+
+    def max_answer_len(self) -> int:
+        """Characters of the longest answer (EOS not counted)."""
+        return self.digits + 1 if self.name == "add" else self.digits
+
+    def max_prompt_len(self) -> int:
+        """Characters of the longest prompt."""
+        return 2 * self.digits + 2 if self.name == "add" else self.digits + 2
+
+    @staticmethod
+    def score(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
+        """Exact match of the response text with ``extras["answer"]``: 1.0 or 0.0.
+
+        Usable as the function of :class:`verl_core.FunctionReward` (which does not see EOS);
+        :class:`TaskReward` additionally requires the response to end with EOS.
+        """
+        return 1.0 if response == str(extras["answer"]) else 0.0
+
+
+def get_task(name: str, digits: int = 3) -> DigitTask:
+    """The built-in task ``name``."""
+    return DigitTask(name, digits)
+
+
+class TaskReward(RewardEngine):
+    """Scores 1.0 when a response is exactly the answer followed by EOS, else 0.0.
+
+    Args:
+        task: The task whose :meth:`DigitTask.score` judges the text.
+        tokenizer: Decodes the response (special tokens dropped) and names EOS.
+    """
+
+    def __init__(self, task: DigitTask, tokenizer: Tokenizer) -> None:
+        self._task = task
+        self._tok = tokenizer
+        self._caps = RewardCapabilities(needs_text=True)
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        """Sequence scores from text."""
+        return self._caps
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Score every sample; the batch needs ``response_ids``, ``response_mask`` and the ``answer`` extra."""
+        batch.require("response_ids", "response_mask", where="TaskReward.score")
+        if "answer" not in batch.extras:
+            raise ConfigError("TaskReward.score needs the per-sample extra 'answer' (set by prompt_batch)")
+        ids = batch["response_ids"].cpu().tolist()
+        mask = batch["response_mask"].cpu().tolist()
+        answers = batch.extras["answer"]
+        eos = self._tok.eos_token_id
+        out = []
+        for i in range(batch.batch_size):
+            toks = [t for t, m in zip(ids[i], mask[i]) if m]
+            if not toks or toks[-1] != eos or eos in toks[:-1]:
+                out.append(0.0)
+                continue
+            text = self._tok.decode(toks[:-1])
+            out.append(self._task.score("", text, {"answer": answers[i]}))
+        return batch.update(scores=torch.tensor(out, dtype=torch.float32, device=batch.device))
+
+
+def prompt_batch(
+    prompts: Sequence[str],
+    tokenizer: Tokenizer,
+    *,
+    group_ids: Sequence[int],
+    extras: Mapping[str, Sequence[Any]] | None = None,
+    meta: BatchMeta | None = None,
+) -> TensorBatch:
+    """Encode prompt texts into a left-padded TensorBatch with ``group_ids`` and extras."""
+    if len(group_ids) != len(prompts):
+        raise ConfigError(f"prompt_batch: {len(prompts)} prompts but {len(group_ids)} group ids")
+    encoded = [tokenizer.encode(p) for p in prompts]
+    if any(not e for e in encoded):
+        raise ConfigError("prompt_batch: a prompt encodes to no tokens")
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(encoded), width), pad, dtype=torch.int64)
+    mask = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):] = torch.tensor(e, dtype=torch.int64)
+        mask[i, width - len(e):] = True
+    meta = meta or BatchMeta(pad_token_id=pad)
+    return TensorBatch(
+        {"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.tensor(list(group_ids), dtype=torch.int64)},
+        extras=extras,
+        meta=meta,
+    )
