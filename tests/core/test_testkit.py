@@ -1,0 +1,56 @@
+"""The test kit every package's tests rely on: tiny models, tokenizer, reference, tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_conformance.testkit import (
+    ARCHS,
+    TinyModelSpec,
+    assert_close,
+    load_tokenizer,
+    random_batch,
+    reference_forward,
+    tiny_model,
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_models_load_and_reference_matches_a_float32_forward(arch: str) -> None:
+    import transformers
+
+    path = tiny_model(TinyModelSpec(arch=arch, tied=arch == "qwen2"))  # type: ignore[arg-type]
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert config.head_dim >= 32
+    assert config.num_key_value_heads % 2 == 0 and config.num_hidden_layers % 2 == 0
+    batch = random_batch(batch_size=3, empty_responses=1, temperature=0.7)
+    ref = reference_forward(path, batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    pos = (mask.long().cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    p, r = batch.prompt_len, batch.response_len
+    logp = torch.log_softmax(logits[:, p - 1 : p + r - 1].float() / 0.7, -1)
+    lp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
+    assert_close(lp, ref["log_probs"], dtype="float32", quantity="log_probs")
+    assert not bool(ref["log_probs"][2].any()), "empty response gives zeros"
+    with pytest.raises(AssertionError, match="outside the float32 tier"):
+        assert_close(lp + 1e-3 * batch["response_mask"], ref["log_probs"], dtype="float32", quantity="log_probs")
+
+
+def test_tokenizer_is_offline_char_level_with_pad_and_eos() -> None:
+    tok = load_tokenizer(tiny_model())
+    ids = tok.encode("12+30=42")
+    assert len(ids) == 8
+    assert tok.decode([*ids, tok.eos_token_id, tok.pad_token_id]) == "12+30=42"
+    assert (tok.pad_token_id, tok.eos_token_id, tok.vocab_size) == (0, 1, 128)
+
+
+def test_random_batch_is_well_formed() -> None:
+    b = random_batch(batch_size=6, group_size=2, empty_responses=2, with_rl_fields=True)
+    b.check(vocab_size=128)
+    assert b["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert b["response_mask"][-2:].sum() == 0
