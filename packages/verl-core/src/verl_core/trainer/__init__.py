@@ -1,8 +1,10 @@
 """The RL trainer: a single controller composing engines, the HybridPipeline that runs a step's
-stages concurrently, the replay buffer, the dynamic micro-batch scheduler and typed run configs."""
+stages concurrently, the replay buffer, the dynamic micro-batch scheduler, typed run configs and
+the built-in tasks. Importing this package loads no engine library."""
 
 from __future__ import annotations
 
+from verl_core.trainer.config import RunConfig, load_config
 from verl_core.trainer.pipeline import (
     HybridPipeline,
     PipelineError,
@@ -10,5 +12,37 @@ from verl_core.trainer.pipeline import (
     Stage,
     StageError,
 )
+from verl_core.trainer.replay import BufferFullError, HybridReplayBuffer
+from verl_core.trainer.scheduler import (
+    Decision,
+    DynamicBatchScheduler,
+    MemoryInfo,
+    MicroBatchOOMError,
+    SchedulerConfig,
+)
+from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
+from verl_core.trainer.trainer import Trainer, build_algorithm, latest_checkpoint
 
-__all__ = ["HybridPipeline", "PipelineError", "PipelineResult", "Stage", "StageError"]
+__all__ = [
+    "BufferFullError",
+    "Decision",
+    "DigitTask",
+    "DynamicBatchScheduler",
+    "HybridPipeline",
+    "HybridReplayBuffer",
+    "MemoryInfo",
+    "MicroBatchOOMError",
+    "PipelineError",
+    "PipelineResult",
+    "RunConfig",
+    "SchedulerConfig",
+    "Stage",
+    "StageError",
+    "TaskReward",
+    "Trainer",
+    "build_algorithm",
+    "get_task",
+    "latest_checkpoint",
+    "load_config",
+    "prompt_batch",
+]

@@ -1,0 +1,685 @@
+"""The single-controller RL trainer: rollout -> reward/reference/critic -> advantages -> updates -> sync.
+
+One step:
+
+1. sample ``prompts_per_step`` prompts of the task (a deterministic function of seed and step);
+2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline);
+3. concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
+   reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values;
+4. (optional) DAPO dynamic sampling drops groups whose scores are all equal;
+5. advantages on the global batch (:class:`verl_core.algorithms.Algorithm`);
+6. mini-batches from the replay buffer; per mini-batch ``forward_backward`` over micro-batches
+   picked by the :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`, then
+   ``optimizer_step`` (actor, and critic when the algorithm has one);
+7. weight sync actor -> rollout.
+
+Engines are built by backend name through :mod:`verl_core.registry`; nothing here knows which
+backend it talks to.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from verl_core.batch import BatchMeta, TensorBatch
+from verl_core.engine import EngineSpec
+from verl_core.errors import ConfigError, VerlError
+from verl_core.registry import (
+    get_reward_engine,
+    get_rollout_engine,
+    get_training_engine,
+    get_weight_sync,
+)
+from verl_core.reward import RewardEngine
+from verl_core.rollout import RolloutEngine, SamplingParams
+from verl_core.trainer.config import RunConfig, config_to_dict
+from verl_core.trainer.pipeline import HybridPipeline, Stage
+from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.scheduler import (
+    Decision,
+    DynamicBatchScheduler,
+    MemoryProbe,
+    SchedulerConfig,
+)
+from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
+from verl_core.training import GlobalBatchStats, LossFn, TrainingEngine
+from verl_core.weights import WeightSync
+
+__all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
+
+_STATE_FILE = "trainer_state.json"
+_NOT_COMPARABLE = "not comparable"
+
+
+def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
+    """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
+
+    ``dapo`` is GRPO with clip-higher (``clip_high=0.28``) and no KL loss; the trainer turns on
+    dynamic sampling for it.
+
+    Raises:
+        ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``).
+    """
+    import inspect
+
+    from verl_core.algorithms import PRESETS, Algorithm
+
+    opts = dict(options)
+    preset = name
+    if name == "dapo":
+        preset = "grpo"
+        opts = {"clip_high": 0.28, "kl_loss_coef": 0.0, **opts}
+    if preset not in PRESETS:
+        raise ConfigError(
+            f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join((*PRESETS, 'dapo'))}"
+        )
+    factory = getattr(Algorithm, preset)
+    params = [p for p in inspect.signature(factory).parameters if p not in ("cls", "self", "kwargs")]
+    if preset == "reinforce_pp_baseline":
+        params = [p for p in inspect.signature(Algorithm.reinforce_pp).parameters if p != "baseline"]
+    unknown = sorted(set(opts) - set(params))
+    if unknown:
+        raise ConfigError(
+            f"config key 'algorithm.options.{unknown[0]}' is not an option of algorithm {name!r}; "
+            f"valid options: {', '.join(params)}"
+        )
+    try:
+        return factory(**opts)
+    except VerlError as e:
+        raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
+    except TypeError as e:
+        raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint folder under ``<output_dir>/checkpoints`` (None when none)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step-*") if (p / _STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+def _rng_state() -> dict[str, Any]:
+    buf = io.BytesIO()
+    torch.save(torch.get_rng_state(), buf)
+    return {
+        "torch": base64.b64encode(buf.getvalue()).decode(),
+        "python": repr(random.getstate()),
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    import ast
+
+    raw = base64.b64decode(state["torch"])
+    torch.set_rng_state(torch.load(io.BytesIO(raw), weights_only=True))
+    random.setstate(ast.literal_eval(state["python"]))
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    n = int(mask.sum())
+    return float((values * mask).sum() / n) if n else 0.0
+
+
+class Trainer:
+    """Runs an RL training loop from a :class:`RunConfig`.
+
+    Args:
+        config: The run.
+        memory_probe: Memory probe of the micro-batch scheduler (default: the device's real memory).
+        stream: Where the progress line goes (default stderr).
+
+    Use :meth:`train` (optionally resuming from the newest checkpoint of the output dir); engines
+    are built on first use and released by :meth:`close`.
+    """
+
+    def __init__(
+        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None
+    ) -> None:
+        self.config = config
+        self.out = Path(config.output_dir)
+        self._probe = memory_probe
+        self._stream = stream if stream is not None else sys.stderr
+        self.task: DigitTask = get_task(config.task.name, config.task.digits)
+        self.algorithm = build_algorithm(config.algorithm.name, config.algorithm.options)
+        self.use_critic = (
+            config.algorithm.use_critic if config.algorithm.use_critic is not None else self.algorithm.uses_critic
+        )
+        if self.use_critic and not self.algorithm.uses_critic:
+            raise ConfigError(
+                f"config key 'algorithm.use_critic' is true but algorithm {config.algorithm.name!r} has no "
+                "critic loss; use algorithm.name='ppo' or set use_critic=false"
+            )
+        if not self.use_critic and self.algorithm.estimator == "gae":
+            raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
+        self.use_reference = config.algorithm.use_reference or self.algorithm.uses_reference
+        self.dynamic_sampling = config.algorithm.dynamic_sampling or config.algorithm.name == "dapo"
+        self.step = 0
+        self.weight_version = 0
+        self.history: list[dict[str, Any]] = []
+        self._built = False
+        self.actor: TrainingEngine
+        self.rollout: RolloutEngine
+        self.reward: RewardEngine
+        self.reference: TrainingEngine | None = None
+        self.critic: TrainingEngine | None = None
+        self.sync: WeightSync
+        self.schedulers: dict[str, DynamicBatchScheduler] = {}
+        self._plan_written: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ setup
+    def model_path(self) -> str:
+        """The policy model folder (built as a tiny random model when ``model.path`` is empty)."""
+        m = self.config.model
+        if m.path:
+            return m.path
+        dest = self.out / "model"
+        if (dest / "config.json").is_file():
+            return str(dest)
+        try:
+            from verl_conformance.testkit import TinyModelSpec, build_tiny_model
+        except ImportError:
+            raise ConfigError(
+                "config key 'model.path' is empty, which builds a tiny random model; that needs the test "
+                "kit: pip install verl-conformance (or set model.path to a transformers folder)"
+            ) from None
+        spec = TinyModelSpec(
+            arch=m.arch, tied=m.tied, hidden_size=m.hidden_size, num_layers=m.num_layers,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size, vocab_size=m.vocab_size,
+            max_position=max(64, self.task.max_prompt_len() + self.config.rollout.max_new_tokens + 8),
+            init_std=m.init_std, seed=self.config.seed,
+        )
+        tmp = self.out / ".model-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tmp, spec)
+        os.replace(tmp, dest)
+        return str(dest)
+
+    def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
+        m = self.config.model
+        kwargs: dict[str, Any] = {}
+        if optim is not None:
+            kwargs["optim"] = optim
+        return EngineSpec(
+            model_path=path, role=role,  # type: ignore[arg-type]
+            dtype=m.dtype, device=m.device, seed=self.config.seed,
+            max_prompt_len=self.task.max_prompt_len(), max_response_len=self.config.rollout.max_new_tokens,
+            **kwargs,
+        )
+
+    def setup(self) -> None:
+        """Create the output folder, the model (if tiny) and every engine."""
+        if self._built:
+            return
+        cfg = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        path = self.model_path()
+        b = cfg.backends
+        self.actor = get_training_engine(b.actor, self._spec("actor", path, cfg.optim.to_optim(cfg.steps)))
+        self.rollout = get_rollout_engine(b.rollout, self._spec("rollout", path))
+        if self.use_reference:
+            self.reference = get_training_engine(b.reference, self._spec("reference", path))
+        if self.use_critic:
+            critic_path = cfg.critic_model or path
+            self.critic = get_training_engine(
+                b.critic, self._spec("critic", critic_path, cfg.critic_optim.to_optim(cfg.steps))
+            )
+        tokenizer = self.rollout.tokenizer
+        if b.reward == "rule":
+            self.reward = TaskReward(self.task, tokenizer)
+        else:
+            self.reward = get_reward_engine(b.reward, self._spec("reward", path))
+        self.sync = get_weight_sync(b.actor, b.rollout)
+        bc = cfg.batch
+        if bc.micro_batch_tokens:
+            sched_cfg = SchedulerConfig(min_tokens=bc.micro_batch_tokens, max_tokens=bc.micro_batch_tokens)
+        else:
+            sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens)
+        for role in ("actor", "reference", "critic"):
+            self.schedulers[role] = DynamicBatchScheduler(sched_cfg, probe=self._probe, device=cfg.model.device)
+        self.buffer = HybridReplayBuffer(spill_dir=self.out / "spill")
+        self._built = True
+
+    # ------------------------------------------------------------------ one step
+    def sampling_params(self) -> SamplingParams:
+        """Sampling parameters of a step (the seed makes every sample reproducible)."""
+        r = self.config.rollout
+        return SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            n=r.n, seed=self.config.seed * 1_000_003 + self.step,
+        )
+
+    def prompts(self, step: int) -> TensorBatch:
+        """The prompt batch of ``step`` (deterministic; group ids unique for the run)."""
+        n = self.config.batch.prompts_per_step
+        examples = self.task.examples(n, seed=self.config.seed, step=step)
+        tok = self.rollout.tokenizer
+        r = self.config.rollout
+        meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                         pad_token_id=tok.pad_token_id, weight_version=self.weight_version, step=step)
+        return prompt_batch(
+            [p for p, _ in examples], tok, group_ids=[step * n + i for i in range(n)],
+            extras={"answer": [a for _, a in examples]}, meta=meta,
+        )
+
+    def _forward(self, role: str, engine: TrainingEngine, batch: TensorBatch, outputs: tuple[str, ...]) -> TensorBatch:
+        def fn(mb: TensorBatch) -> TensorBatch:
+            return engine.forward(mb, outputs)  # type: ignore[arg-type]
+
+        return self.schedulers[role].run_forward(batch, fn, key=f"step{self.step}/{role}/forward")
+
+    def _pipeline(self) -> HybridPipeline:
+        params = self.sampling_params()
+
+        def rollout(prompts: TensorBatch) -> Mapping[str, Any]:
+            self.rollout.wake()
+            return {"samples": self.rollout.generate(prompts, params)}
+
+        def baseline(prompts: TensorBatch) -> Mapping[str, Any]:
+            greedy = dataclasses.replace(params, n=1, greedy=True)
+            scored = self.reward.score(self.rollout.generate(prompts, greedy))
+            return {"baseline": scored["scores"].repeat_interleave(params.n)}
+
+        def reward(samples: TensorBatch) -> Mapping[str, Any]:
+            scored = self.reward.score(samples)
+            out: dict[str, Any] = {"scores": scored["scores"]}
+            return out
+
+        def select(samples: TensorBatch, scores: torch.Tensor) -> Mapping[str, Any]:
+            batch = samples.update(scores=scores)
+            if not self.dynamic_sampling:
+                return {"batch": batch, "dropped_groups": 0}
+            keep = _groups_with_signal(batch["group_ids"], scores)
+            dropped = int(torch.unique(batch["group_ids"]).numel()) - int(torch.unique(batch["group_ids"][keep]).numel())
+            return {"batch": batch.index(keep.nonzero()[:, 0]), "dropped_groups": dropped}
+
+        def reference(batch: TensorBatch) -> Mapping[str, Any]:
+            if self.reference is None or batch.batch_size == 0:
+                return {"ref_log_probs": None}
+            return {"ref_log_probs": self._forward("reference", self.reference, batch, ("log_probs",))["log_probs"]}
+
+        def actor(batch: TensorBatch) -> Mapping[str, Any]:
+            if batch.batch_size == 0:
+                return {"old_log_probs": None, "entropy": None}
+            out = self._forward("actor", self.actor, batch, ("log_probs", "entropy"))
+            return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
+
+        def critic(batch: TensorBatch) -> Mapping[str, Any]:
+            if self.critic is None or batch.batch_size == 0:
+                return {"values": None}
+            return {"values": self._forward("critic", self.critic, batch, ("values",))["values"]}
+
+        stages = [
+            Stage("rollout", rollout, ("prompts",), ("samples",)),
+            Stage("reward", reward, ("samples",), ("scores",)),
+            Stage("select", select, ("samples", "scores"), ("batch", "dropped_groups")),
+            Stage("reference", reference, ("batch",), ("ref_log_probs",)),
+            Stage("actor_forward", actor, ("batch",), ("old_log_probs", "entropy")),
+            Stage("critic_forward", critic, ("batch",), ("values",)),
+        ]
+        if self.algorithm.estimator == "remax":
+            stages.append(Stage("baseline", baseline, ("prompts",), ("baseline",), after=("rollout",)))
+        return HybridPipeline(stages, inputs=("prompts",))
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one step and return its metrics (also appended to :attr:`history`)."""
+        self.setup()
+        t_step = time.perf_counter()
+        params = self.sampling_params()
+        res = self._pipeline().run(prompts=self.prompts(self.step))
+        self.rollout.sleep()
+        timings: dict[str, float] = dict(res.timings)
+        samples: TensorBatch = res["samples"]
+        batch: TensorBatch = res["batch"]
+        metrics: dict[str, Any] = {"step": self.step + 1}
+        scores: torch.Tensor = res["scores"]
+        rmask = samples["response_mask"]
+        lengths = rmask.sum(1).float()
+        eos = self.rollout.tokenizer.eos_token_id
+        ended = (samples["response_ids"] == eos) & rmask
+        metrics.update({
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+            "reward/max": float(scores.max()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/eos_fraction": float(ended.any(1).float().mean()),
+            "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
+            "samples": samples.batch_size,
+        })
+        if self.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = res["dropped_groups"]
+            metrics["dynamic_sampling/kept_samples"] = batch.batch_size
+        if batch.batch_size == 0:
+            metrics["update/skipped"] = 1
+            return self._finish_step(metrics, timings, t_step, samples)
+        batch = batch.update(old_log_probs=res["old_log_probs"])
+        entropy = res["entropy"]
+        metrics["actor/entropy"] = _masked_mean(entropy, batch["response_mask"])
+        if res["ref_log_probs"] is not None:
+            batch = batch.update(ref_log_probs=res["ref_log_probs"])
+            metrics["actor/kl_ref"] = _masked_mean(batch["old_log_probs"] - batch["ref_log_probs"],
+                                                   batch["response_mask"])
+        if res["values"] is not None:
+            batch = batch.update(values=res["values"], old_values=res["values"])
+        if "baseline" in res.outputs:
+            baseline = res["baseline"]
+            if self.dynamic_sampling:
+                baseline = baseline[_groups_with_signal(samples["group_ids"], res["scores"])]
+            batch = batch.update(baseline_scores=baseline)
+        # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact)
+        if "rollout_log_probs" in batch and self.rollout.log_probs_exact(params):
+            delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
+            n = int(batch["response_mask"].sum())
+            metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
+            metrics["logprob_mismatch/max"] = float(delta.max()) if n else 0.0
+        else:
+            metrics["logprob_mismatch/mean"] = _NOT_COMPARABLE
+            metrics["logprob_mismatch/max"] = _NOT_COMPARABLE
+        t = time.perf_counter()
+        batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
+        timings["time/advantages"] = time.perf_counter() - t
+        metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
+        metrics["algorithm/advantage_abs_mean"] = _masked_mean(batch["advantages"].abs(), batch["response_mask"])
+        t = time.perf_counter()
+        metrics.update(self._update(batch))
+        timings["time/update"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.rollout.wake()
+        report = self.sync.sync(self.actor, self.rollout, version=self.weight_version + 1)
+        self.weight_version += 1
+        timings["time/weight_sync"] = time.perf_counter() - t
+        metrics["weight_sync/bytes"] = report.bytes
+        return self._finish_step(metrics, timings, t_step, samples)
+
+    def _update(self, batch: TensorBatch) -> dict[str, float]:
+        cfg = self.config.batch
+        fields_drop = [f for f in ("log_probs", "entropy", "values") if f in batch]
+        batch = batch.drop(*fields_drop)
+        self.buffer.add(batch)
+        size = cfg.mini_batch_size or batch.batch_size
+        sums: dict[str, float] = {}
+        updates = 0
+
+        def add(prefix: str, values: Mapping[str, float]) -> None:
+            for k, v in values.items():
+                sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
+
+        try:
+            seed = self.config.seed * 1_000_003 + self.step
+            for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
+                stats = GlobalBatchStats.of(mb)
+                add("actor", self._train_engine("actor", self.actor, mb, self.algorithm.actor_loss, stats, i))
+                if self.critic is not None and self.algorithm.critic_loss is not None:
+                    add("critic", self._train_engine("critic", self.critic, mb, self.algorithm.critic_loss, stats, i))
+                updates += 1
+        finally:
+            self.buffer.clear()
+        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out["update/optimizer_steps"] = float(updates)
+        return out
+
+    def _train_engine(
+        self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, stats: GlobalBatchStats, index: int
+    ) -> dict[str, float]:
+        def fn(micro: TensorBatch) -> Mapping[str, float]:
+            return engine.forward_backward(micro, loss, stats)
+
+        parts = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
+        total: dict[str, float] = {}
+        for _, m in parts:
+            for k, v in m.items():
+                total[k] = total.get(k, 0.0) + float(v)
+        step = engine.optimizer_step()
+        total["grad_norm"] = step.grad_norm
+        total["lr"] = step.lr
+        total["skipped"] = float(step.skipped)
+        return total
+
+    def _finish_step(
+        self, metrics: dict[str, Any], timings: dict[str, float], t_step: float, samples: TensorBatch
+    ) -> dict[str, Any]:
+        wall = time.perf_counter() - t_step
+        timings["time/step"] = wall
+        metrics.update(timings)
+        tokens = int(samples["response_mask"].sum())
+        metrics["throughput/response_tokens"] = tokens
+        metrics["throughput/tokens_per_s"] = tokens / wall if wall > 0 else 0.0
+        rollout_t = timings.get("time/rollout", 0.0)
+        metrics["throughput/rollout_tokens_per_s"] = tokens / rollout_t if rollout_t > 0 else 0.0
+        for role, sched in self.schedulers.items():
+            if sched.plan:
+                for k, v in sched.metrics().items():
+                    metrics[f"scheduler/{role}/{k.removeprefix('scheduler/')}"] = v
+        metrics["weight_version"] = self.weight_version
+        self.step += 1
+        self.history.append(metrics)
+        if self.config.logging.jsonl:
+            with open(self.out / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(metrics) + "\n")
+        self._write_plan()
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _write_plan(self) -> None:
+        with open(self.out / "scheduler_plan.jsonl", "a") as fh:
+            for role, sched in self.schedulers.items():
+                plan = sched.plan
+                for d in plan[self._plan_written.get(role, 0):]:
+                    fh.write(json.dumps({"role": role, **d.to_json()}) + "\n")
+                self._plan_written[role] = len(plan)
+
+    def save_checkpoint(self) -> Path:
+        """Write an atomic checkpoint of every trainable engine and the trainer state; returns its folder."""
+        self.setup()
+        root = self.out / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.step:06d}"
+        tmp = root / f".tmp-step-{self.step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.actor.save_checkpoint(tmp / "actor")
+        if self.critic is not None:
+            self.critic.save_checkpoint(tmp / "critic")
+        state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "rng": _rng_state(),
+            "schedulers": {r: s.state_dict() for r, s in self.schedulers.items()},
+            "algorithm": self.algorithm.state_dict(),
+            "config": config_to_dict(self.config),
+        }
+        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        keep = self.config.checkpoint.keep
+        done = sorted(p for p in root.glob("step-*") if (p / _STATE_FILE).is_file())
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine."""
+        self.setup()
+        ckpt = Path(path)
+        state = json.loads((ckpt / _STATE_FILE).read_text())
+        saved = state["config"]
+        now = config_to_dict(self.config)
+        for key in ("seed", "task", "algorithm", "rollout", "batch", "model"):
+            if saved.get(key) != now.get(key):
+                raise ConfigError(
+                    f"cannot resume from {str(ckpt)!r}: config key {key!r} differs from the checkpoint's "
+                    f"({saved.get(key)!r} there, {now.get(key)!r} now); resume with the same config"
+                )
+        self.actor.load_checkpoint(ckpt / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(ckpt / "critic")
+        self.step = int(state["step"])
+        self.weight_version = int(state["weight_version"])
+        for role, s in state["schedulers"].items():
+            self.schedulers[role].load_state_dict(s)
+        self.algorithm.load_state_dict(state["algorithm"])
+        _set_rng_state(state["rng"])
+        self.rollout.wake()
+        self.sync.sync(self.actor, self.rollout, version=self.weight_version)
+        self._restore_logs()
+
+    def _restore_logs(self) -> None:
+        """Keep the metrics of steps up to the checkpoint; replay the recorded scheduler plan after it."""
+        metrics = self.out / "metrics.jsonl"
+        if metrics.is_file():
+            kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            metrics.write_text("".join(ln + "\n" for ln in kept))
+            self.history = [json.loads(ln) for ln in kept]
+        plan = self.out / "scheduler_plan.jsonl"
+        if plan.is_file():
+            by_role: dict[str, list[Decision]] = {}
+            kept_plan = []
+            for ln in plan.read_text().splitlines():
+                if not ln:
+                    continue
+                d = json.loads(ln)
+                step = int(str(d["key"]).split("/")[0].removeprefix("step"))
+                if step >= self.step:
+                    by_role.setdefault(d.pop("role"), []).append(Decision.from_json(d))
+                else:
+                    kept_plan.append(ln)
+            for role, decisions in by_role.items():
+                self.schedulers[role].add_replay(decisions)
+            plan.write_text("".join(ln + "\n" for ln in kept_plan))
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
+        """Run until ``config.steps``; with ``resume`` continue from the newest checkpoint.
+
+        Returns the metrics of every step (including those before a resume).
+        """
+        self.setup()
+        cfg = self.config
+        (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+        if resume:
+            ckpt = latest_checkpoint(self.out)
+            if ckpt is None:
+                raise ConfigError(
+                    f"--resume: no checkpoint under {str(self.out / 'checkpoints')!r}; "
+                    "run without --resume to start fresh"
+                )
+            self.load_checkpoint(ckpt)
+            self._progress(f"resumed from {ckpt} at step {self.step}")
+        else:
+            for name in ("metrics.jsonl", "scheduler_plan.jsonl"):
+                (self.out / name).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        while self.step < cfg.steps:
+            m = self.train_step()
+            if cfg.logging.progress:
+                self._progress_step(m, time.perf_counter() - t0)
+            every = cfg.checkpoint.every
+            if every and self.step % every == 0 and self.step < cfg.steps:
+                self.save_checkpoint()
+        if cfg.checkpoint.final:
+            self.save_checkpoint()
+        if cfg.logging.progress:
+            self._stream.write("\n")
+        if cfg.logging.plot:
+            self._progress(plot_metrics(self.history, self.out / "curves.png"))
+        return self.history
+
+    def _progress(self, text: str) -> None:
+        if self.config.logging.progress:
+            self._stream.write(text + "\n")
+            self._stream.flush()
+
+    def _progress_step(self, m: Mapping[str, Any], elapsed: float) -> None:
+        total = self.config.steps
+        done = int(m["step"])
+        width = 20
+        filled = int(width * done / total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"[{bar}] step {done}/{total}  reward {m['reward/mean']:.3f} +- {m['reward/std']:.3f}  "
+            f"len {m['response/length_mean']:.1f}  {m['time/step']:.2f}s/step  {elapsed:.0f}s"
+        )
+        tty = getattr(self._stream, "isatty", lambda: False)()
+        self._stream.write(("\r" + line) if tty else (line + "\n"))
+        self._stream.flush()
+
+    def close(self) -> None:
+        """Release every engine and the buffer's spill files."""
+        if not self._built:
+            return
+        for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
+            if engine is not None:
+                close: Callable[[], None] | None = getattr(engine, "close", None)
+                if close is not None:
+                    close()
+        self.buffer.close()
+        self._built = False
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Bool mask of samples whose group's scores are not all equal (DAPO dynamic sampling)."""
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    n = uniq.numel()
+    lo = torch.full((n,), math.inf).scatter_reduce(0, inverse, scores.float(), "amin")
+    hi = torch.full((n,), -math.inf).scatter_reduce(0, inverse, scores.float(), "amax")
+    return (hi > lo)[inverse]
+
+
+_PLOTTED = (
+    ("reward/mean", "mean reward"),
+    ("response/length_mean", "response length"),
+    ("actor/entropy", "entropy"),
+    ("actor/kl_ref", "KL to reference"),
+    ("actor/grad_norm", "actor grad norm"),
+    ("time/step", "seconds per step"),
+)
+
+
+def plot_metrics(history: list[dict[str, Any]], path: Path) -> str:
+    """Write a PNG of the main curves; returns a line saying where (or why not)."""
+    if not history:
+        return "no steps: no plot written"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install 'verl-core[plot]')"
+    keys = [(k, t) for k, t in _PLOTTED if any(isinstance(m.get(k), (int, float)) for m in history)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys):
+        pts = [(m["step"], m[key]) for m in history if isinstance(m.get(key), (int, float))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return f"curves written to {path}"
