@@ -1,17 +1,47 @@
-"""Algorithm parts: the protocols of advantage estimators, policy losses, KL estimators and loss
-aggregation, and the AlgorithmComponent record through which they are registered by name.
+"""Algorithm parts: the protocols of advantage estimators, policy losses, KL estimators, loss
+aggregation and value losses, and the AlgorithmComponent record through which they are registered.
 
-Every part is a pure function of TensorBatch fields and a typed config. Implementations of the
-built-in parts live in :mod:`verl_core.algorithms`.
+Every part is a pure function of TensorBatch fields (or of the tensors they hold) and a typed
+config. Implementations of the built-in parts live in :mod:`verl_core.algorithms`; a third party
+adds its own through the ``verl_algorithm_components`` hook, with the signature of its kind:
+
+========================  ==================================================================
+kind                      signature of ``AlgorithmComponent.impl``
+========================  ==================================================================
+``advantage``             :class:`AdvantageEstimator`: ``(batch, config) -> batch`` with
+                          ``advantages`` and ``returns``
+``policy_loss``           :class:`PolicyLoss`: ``(log_probs, old_log_probs, advantages, mask,
+                          config) -> PolicyLossTerms`` (per-token, not aggregated)
+``kl``                    :class:`KLEstimator`: ``(log_probs, ref_log_probs) -> kl`` per token
+``aggregation``           :class:`Aggregation`: ``(loss_mat, mask, stats, norm_length) -> scalar``
+``value_loss``            :class:`ValueLoss`: ``(values, old_values, returns, mask, config) ->
+                          ValueLossTerms`` (per-token)
+========================  ==================================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-__all__ = ["AlgorithmComponent", "ComponentKind"]
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from verl_core.batch import TensorBatch
+    from verl_core.training import GlobalBatchStats
+
+__all__ = [
+    "Aggregation",
+    "AdvantageEstimator",
+    "AlgorithmComponent",
+    "ComponentKind",
+    "KLEstimator",
+    "PolicyLoss",
+    "PolicyLossTerms",
+    "ValueLoss",
+    "ValueLossTerms",
+]
 
 ComponentKind = Literal["advantage", "policy_loss", "kl", "aggregation", "value_loss"]
 """The kinds of algorithm components that are registered by name."""
@@ -24,7 +54,7 @@ class AlgorithmComponent:
     Attributes:
         kind: What the component is.
         name: The name users select it by (unique per kind).
-        impl: The function (its signature is fixed per kind; see :mod:`verl_core.algorithms`).
+        impl: The function (its signature is fixed per kind; see the table in this module).
         config_class: Dataclass of its options, or None.
         doc: One line describing it.
     """
@@ -34,3 +64,82 @@ class AlgorithmComponent:
     impl: Callable[..., Any]
     config_class: type | None = None
     doc: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyLossTerms:
+    """Per-token output of a policy loss, before aggregation.
+
+    Attributes:
+        loss: ``[batch, response]`` loss of each token (carries autograd through ``log_probs``);
+            values at masked positions are ignored by the aggregation.
+        clipped: ``[batch, response]`` bool, True where the clip changed the objective.
+        clipped_lower: ``[batch, response]`` bool, True where the dual clip (the lower bound for
+            negative advantages) was active; all False for losses without one.
+        log_ratio: ``[batch, response]`` detached ``log_probs - old_log_probs`` (for the
+            ``ppo_kl`` metric).
+    """
+
+    loss: Tensor
+    clipped: Tensor
+    clipped_lower: Tensor
+    log_ratio: Tensor
+
+
+@dataclass(frozen=True)
+class ValueLossTerms:
+    """Per-token output of a value loss, before aggregation.
+
+    Attributes:
+        loss: ``[batch, response]`` loss of each token (carries autograd through ``values``).
+        clipped: ``[batch, response]`` bool, True where the clipped prediction gave the larger loss.
+    """
+
+    loss: Tensor
+    clipped: Tensor
+
+
+class AdvantageEstimator(Protocol):
+    """Turns a global batch with rewards into one with ``advantages`` and ``returns``."""
+
+    def __call__(self, batch: TensorBatch, config: Any) -> TensorBatch:
+        """Return ``batch`` updated with ``advantages`` and ``returns`` (float32, 0 where masked)."""
+        ...
+
+
+class PolicyLoss(Protocol):
+    """A per-token policy objective (to minimise) of the current and the behaviour log-probs."""
+
+    def __call__(
+        self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: Any
+    ) -> PolicyLossTerms:
+        """Per-token loss and clip indicators; gradients flow through ``log_probs`` only."""
+        ...
+
+
+class KLEstimator(Protocol):
+    """An elementwise estimator of KL(pi || pi_ref) from sampled-token log-probs."""
+
+    def __call__(self, log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+        """The per-token estimate (same shape as the inputs)."""
+        ...
+
+
+class Aggregation(Protocol):
+    """Reduces a per-token loss to this micro-batch's share of the global loss."""
+
+    def __call__(
+        self, loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None
+    ) -> Tensor:
+        """Scalar contribution, normalised by the global counts in ``stats``."""
+        ...
+
+
+class ValueLoss(Protocol):
+    """A per-token critic objective."""
+
+    def __call__(
+        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, config: Any
+    ) -> ValueLossTerms:
+        """Per-token loss and clip indicator; gradients flow through ``values`` only."""
+        ...

@@ -1,5 +1,113 @@
-"""The built-in RL algorithms: advantage estimators, policy and value losses, KL, aggregation."""
+"""The built-in RL algorithms: advantage estimators, policy and value losses, KL, aggregation.
+
+Everything here is registered by name through the ``verl_algorithm_components`` hook (see
+:mod:`verl_core.algorithms.builtin`); :class:`Algorithm` bundles the parts an RL step uses.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from verl_core.algorithms.advantages import (
+    discounted_cumsum,
+    gae,
+    group_index,
+    grpo,
+    masked_whiten,
+    outcome_rewards,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    remax,
+    rloo,
+)
+from verl_core.algorithms.aggregation import AGGREGATIONS, aggregate
+from verl_core.algorithms.bundle import PRESETS, Algorithm
+from verl_core.algorithms.config import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    ActorLossConfig,
+    AggMode,
+    CriticLossConfig,
+    GAEConfig,
+    GRPOConfig,
+    KLName,
+    PolicyLossConfig,
+    ReinforcePPBaselineConfig,
+    ReinforcePPConfig,
+    ReMaxConfig,
+    RewardConfig,
+    RLOOConfig,
+    TISConfig,
+)
+from verl_core.algorithms.kl import (
+    KL_FUNCTIONS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    compute_token_rewards,
+    kl_estimate,
+    make_kl_controller,
+)
+from verl_core.algorithms.losses import (
+    POLICY_LOSSES,
+    ActorLoss,
+    CriticLoss,
+    actor_loss,
+    cispo_loss,
+    clipped_value_loss,
+    critic_loss,
+    gspo_loss,
+    importance_sampling_loss,
+    ppo_loss,
+    reinforce_loss,
+    tis_weights,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "KL_FUNCTIONS",
+    "POLICY_LOSSES",
+    "PRESETS",
+    "ActorLoss",
+    "ActorLossConfig",
+    "AdaptiveKLController",
+    "AggMode",
+    "Algorithm",
+    "CriticLoss",
+    "CriticLossConfig",
+    "FixedKLController",
+    "GAEConfig",
+    "GRPOConfig",
+    "KLController",
+    "KLName",
+    "PolicyLossConfig",
+    "RLOOConfig",
+    "ReMaxConfig",
+    "ReinforcePPBaselineConfig",
+    "ReinforcePPConfig",
+    "RewardConfig",
+    "TISConfig",
+    "actor_loss",
+    "aggregate",
+    "cispo_loss",
+    "clipped_value_loss",
+    "compute_token_rewards",
+    "critic_loss",
+    "discounted_cumsum",
+    "gae",
+    "group_index",
+    "grpo",
+    "gspo_loss",
+    "importance_sampling_loss",
+    "kl_estimate",
+    "make_kl_controller",
+    "masked_whiten",
+    "outcome_rewards",
+    "ppo_loss",
+    "reinforce_loss",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "rloo",
+    "tis_weights",
+]

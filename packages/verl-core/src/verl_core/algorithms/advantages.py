@@ -1,0 +1,291 @@
+"""Advantage estimators: GAE, GRPO (and Dr. GRPO), RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax.
+
+Each estimator is a function ``(batch, config) -> batch`` of the *global* batch (the whitening
+estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[batch, response]``,
+0 where ``response_mask`` is False). Everything is vectorised: groups (from ``group_ids``) are
+reduced with ``torch.unique`` + ``index_add``; discounted sums over time use blocked matrix
+products, with no Python loop over samples, groups or tokens.
+
+Rewards: the outcome estimators (GRPO, RLOO, REINFORCE++-baseline) use each sample's total reward
+:func:`outcome_rewards` (as verl's ``token_level_rewards.sum(-1)``); the per-token estimators (GAE,
+REINFORCE++, ReMax) use ``token_rewards``. When the batch has no ``token_rewards`` they are derived
+from ``scores`` / ``token_scores`` without a KL penalty (:func:`~verl_core.algorithms.kl.compute_token_rewards`).
+
+Conventions of verl 0.9.1 ``core_algos`` that are kept: GRPO's epsilon 1e-6 with the unbiased std
+(``torch.std``), a group of one has mean 0 and std 1 (its advantage is the raw score); RLOO's group
+of one keeps the raw score (as verl's ``rloo``; its ``rloo_vectorized`` gives 0); GAE and
+REINFORCE++ (both kinds) whiten over the batch's response tokens with the unbiased variance and
+``rsqrt(var + 1e-8)``. Where this differs, deliberately:
+
+* masked positions of ``advantages`` and ``returns`` are 0 (verl's GAE leaves whitened non-zero
+  values at padding, and ``values`` at padding in its returns);
+* the response mask must be right-padded (the canonical layout, checked by ``TensorBatch.check``);
+  verl's loops also skip masked "observation" tokens inside a response, which this layout excludes;
+* whitening a batch with a single response token gives 0 and with none gives all zeros (verl raises);
+  masked means divide by the exact count (verl adds 1e-8);
+* group statistics are computed in float64 (verl: float32), then rounded to float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from verl_core.algorithms.config import (
+    GAEConfig,
+    GRPOConfig,
+    ReinforcePPBaselineConfig,
+    ReinforcePPConfig,
+    ReMaxConfig,
+    RLOOConfig,
+)
+from verl_core.algorithms.kl import compute_token_rewards
+from verl_core.batch import TensorBatch
+from verl_core.errors import BatchValidationError
+
+__all__ = [
+    "discounted_cumsum",
+    "gae",
+    "group_index",
+    "grpo",
+    "masked_whiten",
+    "outcome_rewards",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "rloo",
+    "token_rewards",
+]
+
+_BLOCK = 64
+_WHITEN_EPS = 1e-8
+
+
+# ----------------------------------------------------------------------------- helpers
+def group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Dense group index of each sample and the size of each group.
+
+    Returns:
+        ``(inverse, counts)``: ``inverse[b]`` in ``[0, G)`` numbers the group of sample ``b``;
+        ``counts[g]`` is the size of group ``g`` (int64).
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return inverse, counts
+
+
+def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+
+
+def outcome_rewards(batch: TensorBatch) -> Tensor:
+    """Total reward of each sample (float64 ``[batch]``).
+
+    ``sum_t token_rewards`` when the batch has ``token_rewards`` (an empty response, which has no
+    token to hold a reward, gets its ``scores`` when present); otherwise ``scores`` plus the sum of
+    ``token_scores`` (either may be absent, not both).
+    """
+    batch.require("response_mask", where="an outcome advantage estimator")
+    mask = batch["response_mask"]
+    if "token_rewards" in batch:
+        total = batch["token_rewards"].where(mask, 0.0).sum(-1, dtype=torch.float64)
+        if "scores" in batch:
+            total = torch.where(mask.any(-1), total, batch["scores"].double())
+        return total
+    if "scores" not in batch and "token_scores" not in batch:
+        raise BatchValidationError(
+            "an outcome advantage estimator needs 'token_rewards', 'scores' or 'token_scores'; "
+            f"the batch has only: {', '.join(batch) or 'none'}"
+        )
+    total = torch.zeros(batch.batch_size, dtype=torch.float64, device=mask.device)
+    if "scores" in batch:
+        total = total + batch["scores"].double()
+    if "token_scores" in batch:
+        total = total + batch["token_scores"].where(mask, 0.0).sum(-1, dtype=torch.float64)
+    return total
+
+
+def token_rewards(batch: TensorBatch) -> Tensor:
+    """``token_rewards`` of the batch, 0 where masked (derived from scores when absent)."""
+    if "token_rewards" not in batch:
+        batch, _ = compute_token_rewards(batch)
+    return batch["token_rewards"].where(batch["response_mask"], 0.0)
+
+
+def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor:
+    """Reverse discounted sum along the last dim: ``y[..., t] = sum_{k >= t} gamma**(k - t) x[..., k]``.
+
+    Computed without a loop over time: blocks of ``block`` steps are reduced by a matrix product
+    with the ``[block, block]`` matrix of discounts, and the blocks are chained by a second
+    product over block start values. ``gamma`` must lie in [0, 1] (powers only shrink, so
+    nothing overflows; discounts below the dtype's range round to 0).
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"discounted_cumsum needs gamma in [0, 1], got {gamma}")
+    if x.shape[-1] == 0 or gamma == 0.0:
+        return x.clone()
+    if gamma == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    lead, T = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, T)
+    L = min(block, T)
+    nb = -(-T // L)
+    if nb * L != T:
+        flat = torch.nn.functional.pad(flat, (0, nb * L - T))
+    blocks = flat.view(-1, nb, L)
+    log_g = math.log(gamma)
+
+    def powers(n: int, scale: int) -> Tensor:
+        i = torch.arange(n, dtype=torch.float64)
+        e = (i[:, None] - i[None, :]) * scale  # e[k, t] = (k - t) * scale
+        m = torch.where(e >= 0, torch.exp(e.clamp_min(0) * log_g), torch.zeros((), dtype=torch.float64))
+        return m.to(device=x.device, dtype=x.dtype)
+
+    local = blocks @ powers(L, 1)  # within-block returns
+    if nb > 1:
+        starts = local[:, :, 0] @ powers(nb, L)  # true return at each block start
+        carry = torch.zeros_like(starts)
+        carry[:, :-1] = starts[:, 1:]
+        tail = torch.exp((L - torch.arange(L, dtype=torch.float64)) * log_g).to(device=x.device, dtype=x.dtype)
+        local = local + carry.unsqueeze(-1) * tail
+    return local.reshape(-1, nb * L)[:, :T].reshape(*lead, T)
+
+
+def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
+    """``(v - mean) * rsqrt(var + 1e-8)`` over the masked positions (unbiased var), 0 elsewhere.
+
+    With one masked position the result is 0 there; with none, all zeros (verl raises in both).
+    """
+    n = int(mask.sum())
+    if n == 0:
+        return torch.zeros_like(values)
+    mean = values.where(mask, 0.0).sum() / n
+    centered = (values - mean).where(mask, 0.0)
+    if n == 1:
+        return centered  # 0 at the one position
+    var = centered.square().sum() / (n - 1)
+    return centered * torch.rsqrt(var + _WHITEN_EPS)
+
+
+def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, per_seq.to(torch.float32).unsqueeze(-1), 0.0)
+
+
+def _finish(batch: TensorBatch, advantages: Tensor, returns: Tensor) -> TensorBatch:
+    return batch.update(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
+
+
+# ----------------------------------------------------------------------------- estimators
+@torch.no_grad()
+def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
+    """Generalised advantage estimation (Schulman et al. 2016) with a critic's ``values``.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 after the last response token (the end
+    is terminal, no bootstrap), ``A_t = sum_k (gamma * lam)**k delta_{t+k}``, ``returns = A + V``
+    (before whitening), ``advantages`` = masked whitening of ``A`` over the batch (``whiten``).
+    Needs ``response_mask``, ``values`` and rewards.
+    """
+    config = config or GAEConfig()
+    batch.require("response_mask", "values", where="GAE")
+    mask = batch["response_mask"]
+    r = token_rewards(batch)
+    v = batch["values"].where(mask, 0.0)
+    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
+    delta = (r + config.gamma * next_v - v).where(mask, 0.0)
+    adv = discounted_cumsum(delta, config.gamma * config.lam).where(mask, 0.0)
+    returns = (adv + v).where(mask, 0.0)
+    if config.whiten:
+        adv = masked_whiten(adv, mask)
+    return _finish(batch, adv, returns)
+
+
+@torch.no_grad()
+def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
+    """GRPO: ``(R - mean_group) / (std_group + eps)`` (or ``R - mean_group`` for Dr. GRPO).
+
+    ``R`` is :func:`outcome_rewards`; ``std`` is the unbiased std of the group. A group of one has
+    mean 0 and std 1 (its advantage is ``R / (1 + eps)``, verl's convention); a group of identical
+    rewards gets 0. The scalar is broadcast over the response tokens; ``returns`` = ``advantages``.
+    Needs ``response_mask``, ``group_ids`` and rewards.
+    """
+    config = config or GRPOConfig()
+    batch.require("response_mask", "group_ids", where="GRPO")
+    scores = outcome_rewards(batch)
+    inv, counts = group_index(batch["group_ids"])
+    n = counts.to(torch.float64)
+    single = counts == 1
+    mean = torch.where(single, 0.0, _group_sum(scores, inv, len(counts)) / n)
+    centered = scores - mean[inv]
+    if config.norm_by_std:
+        var = _group_sum(centered.square(), inv, len(counts)) / (n - 1).clamp_min(1)
+        std = torch.where(single, 1.0, var.sqrt())
+        centered = centered / (std[inv] + config.epsilon)
+    adv = _broadcast(centered, batch["response_mask"])
+    return _finish(batch, adv, adv)
+
+
+@torch.no_grad()
+def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
+    """RLOO: ``R_i - mean_{j != i} R_j`` over the other samples of the group.
+
+    A group of one keeps its raw reward (verl's ``rloo``). ``returns`` = ``advantages``. Needs
+    ``response_mask``, ``group_ids`` and rewards.
+    """
+    batch.require("response_mask", "group_ids", where="RLOO")
+    scores = outcome_rewards(batch)
+    inv, counts = group_index(batch["group_ids"])
+    n = counts.to(torch.float64)[inv]
+    total = _group_sum(scores, inv, len(counts))[inv]
+    adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp_min(1), scores)
+    out = _broadcast(adv, batch["response_mask"])
+    return _finish(batch, out, out)
+
+
+@torch.no_grad()
+def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) -> TensorBatch:
+    """REINFORCE++: discounted returns ``G_t = sum_k gamma**k r_{t+k}``, whitened over the batch.
+
+    ``returns`` = ``G`` (unwhitened). Needs ``response_mask`` and rewards.
+    """
+    config = config or ReinforcePPConfig()
+    batch.require("response_mask", where="REINFORCE++")
+    mask = batch["response_mask"]
+    returns = discounted_cumsum(token_rewards(batch), config.gamma).where(mask, 0.0)
+    adv = masked_whiten(returns, mask) if config.whiten else returns
+    return _finish(batch, adv, returns)
+
+
+@torch.no_grad()
+def reinforce_pp_baseline(
+    batch: TensorBatch, config: ReinforcePPBaselineConfig | None = None
+) -> TensorBatch:
+    """REINFORCE++ with baseline: ``R - mean_group``, broadcast over tokens, whitened over the batch.
+
+    A group of one has baseline 0. ``returns`` = ``advantages`` (as verl). Needs ``response_mask``,
+    ``group_ids`` and rewards.
+    """
+    config = config or ReinforcePPBaselineConfig()
+    batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
+    mask = batch["response_mask"]
+    scores = outcome_rewards(batch)
+    inv, counts = group_index(batch["group_ids"])
+    mean = torch.where(counts == 1, 0.0, _group_sum(scores, inv, len(counts)) / counts.to(torch.float64))
+    adv = _broadcast(scores - mean[inv], mask)
+    if config.whiten:
+        adv = masked_whiten(adv, mask)
+    return _finish(batch, adv, adv)
+
+
+@torch.no_grad()
+def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
+    """ReMax: reward-to-go ``G_t = sum_{k >= t} r_k`` minus the greedy response's score.
+
+    ``advantages = G_t - baseline_scores``, ``returns = G_t``. Needs ``response_mask``,
+    ``baseline_scores`` and rewards.
+    """
+    batch.require("response_mask", "baseline_scores", where="ReMax")
+    mask = batch["response_mask"]
+    returns = discounted_cumsum(token_rewards(batch), 1.0).where(mask, 0.0)
+    adv = returns - _broadcast(batch["baseline_scores"], mask)
+    return _finish(batch, adv, returns)

@@ -1,0 +1,110 @@
+"""Loss aggregation over the global mini-batch.
+
+Each mode reduces a per-token loss ``l[b, t]`` (mask ``m[b, t]``) of one micro-batch to that
+micro-batch's share of the global loss, normalised by the counts of the whole mini-batch across
+data-parallel ranks (:class:`~verl_core.training.GlobalBatchStats`). Every normaliser is a global
+constant, so the sum over micro-batches and ranks of the shares (and of their gradients) is the
+global loss (and its gradient) whatever the split. With ``N`` = ``stats.num_tokens``,
+``S`` = ``stats.num_sequences`` (samples with >= 1 response token) and ``n_b = sum_t m[b, t]``:
+
+* ``token-mean``: ``sum_{b,t} m l / N``.
+* ``seq-mean-token-sum``: ``sum_b (sum_t m l) / S``.
+* ``seq-mean-token-mean``: ``sum_{b: n_b > 0} (sum_t m l / n_b) / S``.
+* ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_b (sum_t m l) / (S * L)`` where ``L`` is
+  ``norm_length`` when given, else ``stats.max_response_len``.
+
+Empty responses contribute 0 and are not counted; a mini-batch without tokens gives 0 (the
+normalisers are clamped at 1), never NaN.
+
+Differences from verl 0.9.1's ``agg_loss`` (all deliberate):
+
+* ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` divides by ``loss_mask.shape[-1]``, the
+  width of the *micro-batch*, which changes with the micro-batch split when micro-batches are
+  trimmed; here the default is the mini-batch's padded width (a global constant).
+* verl's trainer passes ``global_batch_size`` = the number of samples of the mini-batch (empty
+  responses included) to the seq-mean modes; here ``S`` counts only samples with >= 1 token, as
+  verl's local fallback (``seq_mask.sum()``) does.
+* verl multiplies by ``dp_size`` to undo DDP/FSDP gradient averaging; here engines undo framework
+  averaging themselves (DESIGN.md "Loss and distribution"), so no factor appears.
+* ``seq-mean-token-mean`` divides each sequence by ``n_b`` exactly (verl: ``n_b + 1e-8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from torch import Tensor
+
+from verl_core.errors import ConfigError
+from verl_core.training import GlobalBatchStats
+
+__all__ = [
+    "AGGREGATIONS",
+    "aggregate",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "token_mean",
+]
+
+
+def _masked(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    # where(), not multiply: a non-finite value at a masked position must not leak into the sum
+    return loss_mat.where(mask, 0.0)
+
+
+def token_mean(loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None) -> Tensor:
+    """Sum of the masked per-token loss divided by the global token count."""
+    return _masked(loss_mat, mask).sum() / max(stats.num_tokens, 1)
+
+
+def seq_mean_token_sum(
+    loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None
+) -> Tensor:
+    """Per-sequence token sums, averaged over the global count of non-empty sequences."""
+    return _masked(loss_mat, mask).sum() / max(stats.num_sequences, 1)
+
+
+def seq_mean_token_mean(
+    loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None
+) -> Tensor:
+    """Per-sequence token means, averaged over the global count of non-empty sequences."""
+    per_seq = _masked(loss_mat, mask).sum(-1) / mask.sum(-1).clamp_min(1).to(loss_mat.dtype)
+    return per_seq.sum() / max(stats.num_sequences, 1)
+
+
+def seq_mean_token_sum_norm(
+    loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None
+) -> Tensor:
+    """Per-sequence token sums divided by a constant length, averaged over non-empty sequences."""
+    length = norm_length if norm_length is not None else max(stats.max_response_len, 1)
+    return _masked(loss_mat, mask).sum() / (max(stats.num_sequences, 1) * length)
+
+
+AGGREGATIONS: Final[dict[str, Callable[[Tensor, Tensor, GlobalBatchStats, int | None], Tensor]]] = {
+    "token-mean": token_mean,
+    "seq-mean-token-sum": seq_mean_token_sum,
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+}
+"""The built-in aggregation modes by name."""
+
+
+def aggregate(
+    loss_mat: Tensor, mask: Tensor, mode: str, stats: GlobalBatchStats, norm_length: int | None = None
+) -> Tensor:
+    """Reduce ``loss_mat`` with the aggregation ``mode`` (a built-in or a registered plugin's).
+
+    Raises:
+        UnknownNameError: ``mode`` is not registered (the message lists the registered modes).
+    """
+    fn = AGGREGATIONS.get(mode)
+    if fn is None:
+        from verl_core.registry import get_registry
+
+        fn = get_registry().component("aggregation", mode).impl
+    if norm_length is not None and norm_length < 1:
+        raise ConfigError(f"norm_length must be None or >= 1, got {norm_length}")
+    out: Tensor = fn(loss_mat, mask, stats, norm_length)
+    return out

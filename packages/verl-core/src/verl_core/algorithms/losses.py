@@ -1,0 +1,341 @@
+"""Policy losses, truncated importance sampling, the value loss, and the LossFn objects engines run.
+
+Per-token policy losses (``r = exp(clamp(log_probs - old_log_probs, +-log_ratio_clamp))``, ``A``
+the advantage, all to be minimised), matching verl 0.9.1 ``core_algos``:
+
+* ``ppo``: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and for ``A < 0`` with dual clip
+  ``min(that, -A c)`` (verl's ``vanilla``; ``clip_ratio_c`` None turns the dual clip off).
+* ``gspo``: as ppo without dual clip, with the sequence ratio
+  ``s = exp(mean_t log r)`` applied per token as ``sg[s] * pi / sg[pi]`` (log clamped at 10, as verl).
+* ``cispo``: ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * log_probs``.
+* ``reinforce``: ``-A * log_probs`` (verl's ``gpg``; on-policy REINFORCE).
+* ``importance_sampling``: ``-A * r`` (unclipped importance-sampled policy gradient).
+
+The actor loss is ``agg(policy) - entropy_coef * agg(entropy) + kl_loss_coef * agg(kl)`` with one
+aggregation mode for all three terms (as verl's actor), each normalised by the global counts (see
+:mod:`verl_core.algorithms.aggregation`). Metrics follow the same summing rule; the per-token
+statistics (clip fractions, ``ppo_kl``, ``entropy``, ``kl``, TIS weights) are token means over the
+global mini-batch whatever the loss's aggregation mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from verl_core.algorithm import PolicyLossTerms, ValueLossTerms
+from verl_core.algorithms.aggregation import aggregate
+from verl_core.algorithms.config import (
+    ActorLossConfig,
+    CriticLossConfig,
+    PolicyLossConfig,
+    TISConfig,
+)
+from verl_core.algorithms.kl import kl_estimate
+from verl_core.batch import TensorBatch
+from verl_core.training import GlobalBatchStats, LossOutput, ModelOutput
+
+__all__ = [
+    "POLICY_LOSSES",
+    "VALUE_LOSSES",
+    "ActorLoss",
+    "CriticLoss",
+    "actor_loss",
+    "clipped_value_loss",
+    "cispo_loss",
+    "critic_loss",
+    "gspo_loss",
+    "importance_sampling_loss",
+    "ppo_loss",
+    "reinforce_loss",
+    "tis_weights",
+]
+
+_GSPO_LOG_CLAMP: Final = 10.0
+
+
+def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig) -> Tensor:
+    c = config.log_ratio_clamp
+    return (log_probs - old_log_probs).clamp(-c, c)
+
+
+def _no(t: Tensor) -> Tensor:
+    return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+
+
+def ppo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> PolicyLossTerms:
+    """PPO clipped objective with asymmetric clip (clip-low / clip-high) and optional dual clip."""
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    ratio = log_ratio.exp()
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    clipped_loss = torch.maximum(loss1, loss2)
+    clipped = loss2 > loss1
+    if config.clip_ratio_c is not None:
+        loss3 = -advantages * config.clip_ratio_c
+        negative = advantages < 0
+        lower = negative & (clipped_loss > loss3)
+        loss = torch.where(negative, torch.minimum(clipped_loss, loss3), clipped_loss)
+    else:
+        lower = _no(mask)
+        loss = clipped_loss
+    return PolicyLossTerms(loss, clipped, lower, log_ratio.detach())
+
+
+def gspo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> PolicyLossTerms:
+    """GSPO: clipped objective with the length-normalised sequence ratio (Zheng et al. 2025)."""
+    raw = (log_probs - old_log_probs).where(mask, 0.0)
+    seq = raw.sum(-1) / mask.sum(-1).clamp_min(1).to(raw.dtype)
+    log_s = (log_probs - log_probs.detach() + seq.detach().unsqueeze(-1)).clamp(max=_GSPO_LOG_CLAMP)
+    s = log_s.exp()
+    loss1 = -advantages * s
+    loss2 = -advantages * s.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    return PolicyLossTerms(torch.maximum(loss1, loss2), loss2 > loss1, _no(mask), raw.detach())
+
+
+def cispo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> PolicyLossTerms:
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio (MiniMax-M1)."""
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    loss = -clipped_ratio.detach() * advantages * log_probs
+    return PolicyLossTerms(loss, (ratio != clipped_ratio).detach(), _no(mask), log_ratio.detach())
+
+
+def reinforce_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> PolicyLossTerms:
+    """Plain REINFORCE: ``-A * log_probs`` (no ratio, no clip)."""
+    log_ratio = (log_probs - old_log_probs).detach()
+    return PolicyLossTerms(-advantages * log_probs, _no(mask), _no(mask), log_ratio)
+
+
+def importance_sampling_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> PolicyLossTerms:
+    """Unclipped importance-sampled policy gradient: ``-A * pi / pi_old``."""
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    return PolicyLossTerms(-advantages * log_ratio.exp(), _no(mask), _no(mask), log_ratio.detach())
+
+
+POLICY_LOSSES: Final = {
+    "ppo": ppo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "reinforce": reinforce_loss,
+    "importance_sampling": importance_sampling_loss,
+}
+"""The built-in policy losses by name."""
+
+
+def tis_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, config: TISConfig
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` (detached), 0 where masked.
+
+    Token level: one weight per token; sequence level: ``exp(sum_t log ratio)`` shared by the
+    sequence's tokens. Log ratios are clamped to +-20 before exp (as verl).
+
+    Returns:
+        ``(weights, truncated)``: the weights and where the cap was hit (bool).
+    """
+    log_ratio = (old_log_probs - rollout_log_probs).detach().where(mask, 0.0)
+    if config.level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    raw = log_ratio.clamp(-20.0, 20.0).exp()
+    truncated = (raw > config.cap) & mask
+    return raw.clamp(max=config.cap).where(mask, 0.0), truncated
+
+
+def _token_mean(x: Tensor, mask: Tensor, stats: GlobalBatchStats) -> Tensor:
+    return x.detach().where(mask, 0.0).sum() / max(stats.num_tokens, 1)
+
+
+def actor_loss(
+    config: ActorLossConfig,
+    stats: GlobalBatchStats,
+    *,
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None = None,
+    ref_log_probs: Tensor | None = None,
+    rollout_log_probs: Tensor | None = None,
+) -> LossOutput:
+    """The actor loss of one micro-batch from tensors (any float dtype; see :class:`ActorLoss`)."""
+    fn = POLICY_LOSSES.get(config.policy_loss)
+    if fn is None:
+        from verl_core.registry import get_registry
+
+        fn = get_registry().component("policy_loss", config.policy_loss).impl
+    terms = fn(log_probs, old_log_probs, advantages, mask, config.policy)
+    per_token = terms.loss
+    metrics: dict[str, Tensor] = {}
+    if config.tis is not None:
+        if rollout_log_probs is None:
+            raise ValueError("truncated importance sampling (tis) needs rollout_log_probs")
+        w, truncated = tis_weights(old_log_probs, rollout_log_probs, mask, config.tis)
+        per_token = per_token * w
+        metrics["tis_weight"] = _token_mean(w, mask, stats)
+        metrics["tis_truncated_frac"] = _token_mean(truncated.to(w.dtype), mask, stats)
+    mode, L = config.loss_agg_mode, config.norm_length
+    pg = aggregate(per_token, mask, mode, stats, L)
+    loss = pg
+    dtype = per_token.dtype
+    metrics["pg_loss"] = pg.detach()
+    metrics["pg_clipfrac"] = _token_mean(terms.clipped.to(dtype), mask, stats)
+    metrics["pg_clipfrac_lower"] = _token_mean(terms.clipped_lower.to(dtype), mask, stats)
+    metrics["ppo_kl"] = _token_mean(-terms.log_ratio, mask, stats)
+    if entropy is not None:
+        metrics["entropy"] = _token_mean(entropy, mask, stats)
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * aggregate(entropy, mask, mode, stats, L)
+    if config.kl_loss_coef:
+        if ref_log_probs is None:
+            raise ValueError("kl_loss_coef > 0 needs ref_log_probs")
+        kld = kl_estimate(log_probs, ref_log_probs, config.kl_loss_estimator)
+        kl_term = aggregate(kld, mask, mode, stats, L)
+        loss = loss + config.kl_loss_coef * kl_term
+        metrics["kl_loss"] = kl_term.detach()
+        metrics["kl"] = _token_mean(kld, mask, stats)
+    return LossOutput(loss, metrics)
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """The actor's :class:`~verl_core.training.LossFn`: policy loss, entropy bonus, KL loss, TIS.
+
+    Reads from the micro-batch ``response_mask``, ``old_log_probs``, ``advantages``, the model's
+    ``log_probs`` (and ``entropy`` when declared in :attr:`needs`), ``ref_log_probs`` when
+    ``kl_loss_coef`` > 0 and ``rollout_log_probs`` when ``tis`` is set.
+
+    Metrics (each a contribution; summed over micro-batches and ranks it is the global value):
+    ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (token mean of
+    ``old_log_probs - log_probs``), and when enabled ``entropy``, ``kl_loss``, ``kl``,
+    ``tis_weight``, ``tis_truncated_frac``.
+    """
+
+    config: ActorLossConfig = field(default_factory=ActorLossConfig)
+
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        """``log_probs``, plus ``entropy`` when the entropy bonus or metric is on."""
+        if self.config.entropy_coef or self.config.entropy_metric:
+            return frozenset({"log_probs", "entropy"})
+        return frozenset({"log_probs"})
+
+    @property
+    def batch_fields(self) -> frozenset[str]:
+        """Fields the micro-batch must hold besides the model outputs."""
+        out = {"response_mask", "old_log_probs", "advantages"}
+        if self.config.kl_loss_coef:
+            out.add("ref_log_probs")
+        if self.config.tis is not None:
+            out.add("rollout_log_probs")
+        return frozenset(out)
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        """The loss of one micro-batch, normalised by the global ``stats``."""
+        batch.require(*sorted(self.batch_fields | {"log_probs"} | self.needs), where="ActorLoss")
+        return actor_loss(
+            self.config,
+            stats,
+            log_probs=batch["log_probs"],
+            old_log_probs=batch["old_log_probs"],
+            advantages=batch["advantages"],
+            mask=batch["response_mask"],
+            entropy=batch["entropy"] if "entropy" in self.needs else None,
+            ref_log_probs=batch["ref_log_probs"] if self.config.kl_loss_coef else None,
+            rollout_log_probs=batch["rollout_log_probs"] if self.config.tis is not None else None,
+        )
+
+
+# ----------------------------------------------------------------------------- value loss
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, config: CriticLossConfig
+) -> ValueLossTerms:
+    """``max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = old_V + clip(V - old_V, +-c)`` (verl).
+
+    Without ``clip_range_value`` it is ``(V - R)^2``. The aggregated loss is halved (see
+    :func:`critic_loss`).
+    """
+    loss1 = (values - returns).square()
+    if config.clip_range_value is None:
+        return ValueLossTerms(loss1, _no(mask))
+    c = config.clip_range_value
+    clipped_v = old_values + (values - old_values).clamp(-c, c)
+    loss2 = (clipped_v - returns).square()
+    return ValueLossTerms(torch.maximum(loss1, loss2), (loss2 > loss1).detach())
+
+
+VALUE_LOSSES: Final = {"clipped_mse": clipped_value_loss}
+"""The built-in value losses by name."""
+
+
+def critic_loss(
+    config: CriticLossConfig,
+    stats: GlobalBatchStats,
+    *,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+) -> LossOutput:
+    """The critic loss ``0.5 * agg(value loss)`` of one micro-batch from tensors."""
+    fn = VALUE_LOSSES.get(config.value_loss)
+    if fn is None:
+        from verl_core.registry import get_registry
+
+        fn = get_registry().component("value_loss", config.value_loss).impl
+    terms = fn(values, old_values, returns, mask, config)
+    vf = 0.5 * aggregate(terms.loss, mask, config.loss_agg_mode, stats, config.norm_length)
+    metrics: Mapping[str, Tensor] = {
+        "vf_loss": vf.detach(),
+        "vf_clipfrac": _token_mean(terms.clipped.to(values.dtype), mask, stats),
+        "vpred_mean": _token_mean(values, mask, stats),
+    }
+    return LossOutput(vf, metrics)
+
+
+@dataclass(frozen=True)
+class CriticLoss:
+    """The critic's :class:`~verl_core.training.LossFn`: clipped value loss.
+
+    Reads ``response_mask``, ``old_values``, ``returns`` and the model's ``values``. Metrics:
+    ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (contributions, as for :class:`ActorLoss`).
+    """
+
+    config: CriticLossConfig = field(default_factory=CriticLossConfig)
+
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        """``values``."""
+        return frozenset({"values"})
+
+    @property
+    def batch_fields(self) -> frozenset[str]:
+        """Fields the micro-batch must hold besides the model outputs."""
+        return frozenset({"response_mask", "old_values", "returns"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        """The loss of one micro-batch, normalised by the global ``stats``."""
+        batch.require(*sorted(self.batch_fields | {"values"}), where="CriticLoss")
+        return critic_loss(
+            self.config,
+            stats,
+            values=batch["values"],
+            old_values=batch["old_values"],
+            returns=batch["returns"],
+            mask=batch["response_mask"],
+        )
