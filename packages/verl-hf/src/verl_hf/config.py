@@ -1,0 +1,56 @@
+"""HFOptions: the ``hf`` backend's options, validated from ``EngineSpec.options``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from verl_core.errors import ConfigError
+
+__all__ = ["HFOptions"]
+
+DataParallelMode = Literal["auto", "fsdp2", "allreduce"]
+"""How gradients are reduced over data-parallel ranks (see :class:`HFOptions`)."""
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """Options of the ``hf`` backend (``EngineSpec.options``).
+
+    Attributes:
+        attn_implementation: transformers attention kernel: ``sdpa`` (default) or ``eager``.
+        data_parallel: ``fsdp2`` shards parameters, gradients and optimizer state with
+            ``torch.distributed.fsdp.fully_shard``; ``allreduce`` keeps a full replica per rank and
+            sums gradients with one all-reduce per bucket before the optimizer step; ``auto`` picks
+            ``fsdp2`` on CUDA and ``allreduce`` on CPU.
+        allreduce_bucket_bytes: Bytes per gradient all-reduce bucket in ``allreduce`` mode.
+        forward_micro_batch_tokens: Token budget of the no-grad ``forward`` micro-batches (None
+            uses the spec's training budget or size).
+        rollout_batch_size: Most sequences one ``generate`` step decodes together (None = all).
+    """
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    data_parallel: DataParallelMode = "auto"
+    allreduce_bucket_bytes: int = 64 * 1024 * 1024
+    forward_micro_batch_tokens: int | None = None
+    rollout_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ConfigError(
+                f"HFOptions.attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}"
+            )
+        if self.data_parallel not in ("auto", "fsdp2", "allreduce"):
+            raise ConfigError(
+                f"HFOptions.data_parallel must be 'auto', 'fsdp2' or 'allreduce', got {self.data_parallel!r}"
+            )
+        if self.allreduce_bucket_bytes < 1:
+            raise ConfigError(
+                f"HFOptions.allreduce_bucket_bytes must be >= 1, got {self.allreduce_bucket_bytes}"
+            )
+        if self.forward_micro_batch_tokens is not None and self.forward_micro_batch_tokens < 1:
+            raise ConfigError(
+                f"HFOptions.forward_micro_batch_tokens must be >= 1, got {self.forward_micro_batch_tokens}"
+            )
+        if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
+            raise ConfigError(f"HFOptions.rollout_batch_size must be >= 1, got {self.rollout_batch_size}")

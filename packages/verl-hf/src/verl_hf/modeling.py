@@ -1,0 +1,190 @@
+"""Loading transformers models for the engines and the per-token math they share.
+
+Every forward passes explicit position ids ``cumsum(mask) - 1`` clipped at 0 (left padding would
+otherwise shift positions), and reads the logits of response token t at the position of the
+preceding token. Log-probs and entropy are computed in float32 from upcast logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from verl_core.batch import TensorBatch
+from verl_core.errors import BatchValidationError, ConfigError
+
+__all__ = [
+    "ModelKind",
+    "disable_dropout",
+    "load_model",
+    "position_ids",
+    "quiet_transformers",
+    "sequence_inputs",
+    "token_outputs",
+]
+
+ModelKind = Literal["causal_lm", "value", "reward"]
+"""Which head a loaded model carries: the LM head, a one-label token head, a one-label sequence head."""
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' loading progress bars and load reports while inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn every dropout off: RL log-probs must be a deterministic function of the weights."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+
+
+def _architectures(path: str) -> list[str]:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return list(getattr(config, "architectures", None) or [])
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    kind: ModelKind,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> Any:
+    """Load the transformers model of ``path`` with the head of ``kind``, dropout off.
+
+    A ``value`` model is read with ``AutoModelForTokenClassification`` (one label) so every backend
+    reads the same value head; when the folder holds a causal LM its backbone is loaded and the
+    value head is initialised from ``seed``. A ``reward`` model is read with
+    ``AutoModelForSequenceClassification`` and must have one label.
+
+    Raises:
+        ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label.
+    """
+    import transformers
+
+    path = str(path)
+    auto: Any = {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "value": transformers.AutoModelForTokenClassification,
+        "reward": transformers.AutoModelForSequenceClassification,
+    }[kind]
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if kind != "causal_lm":
+        kwargs["num_labels"] = 1
+    try:
+        with quiet_transformers(), torch.random.fork_rng(devices=[]):
+            # Missing heads (a value head over a causal-LM folder) are initialised from the seed.
+            torch.manual_seed(seed)
+            model = auto.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"cannot load {path!r} as a {kind} model with transformers ({type(e).__name__}: {e}); "
+            "expected a transformers folder with config.json and safetensors weights"
+        ) from e
+    if kind == "reward":
+        archs = _architectures(path)
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ConfigError(
+                f"reward model {path!r} has architectures {archs}; expected a "
+                "*ForSequenceClassification model with one label (a trained reward model)"
+            )
+    disable_dropout(model)
+    model.to(device)
+    model.eval()
+    return model
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """``cumsum(attention_mask) - 1`` clipped at 0 (never arange: prompts are left-padded)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def sequence_inputs(batch: TensorBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """Input ids, attention mask (bool) and position ids of prompt + response."""
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    return ids, mask, position_ids(mask)
+
+
+def check_prompts_nonempty(batch: TensorBatch, where: str) -> None:
+    """Every sample needs at least one prompt token (the first response token is read from it)."""
+    pm = batch["prompt_mask"]
+    if batch.batch_size and (pm.shape[1] == 0 or not bool(pm[:, -1].all())):
+        rows = (
+            list(range(batch.batch_size)) if pm.shape[1] == 0 else (~pm[:, -1]).nonzero()[:, 0].tolist()
+        )
+        raise BatchValidationError(
+            f"{where}: sample(s) {rows[:5]} have no prompt token; every sample needs at least one "
+            "real prompt token (left-padded prompt_mask ending in True)"
+        )
+
+
+def token_outputs(
+    model: Any,
+    batch: TensorBatch,
+    outputs: Collection[str],
+    *,
+    kind: ModelKind,
+    temperature: float,
+) -> dict[str, Tensor]:
+    """Per-response-token ``log_probs``/``entropy`` (causal LM) or ``values`` (value model).
+
+    Runs one forward (with autograd when enabled by the caller) and returns float32 tensors
+    [batch, response] that hold 0 where ``response_mask`` is False.
+    """
+    ids, mask, pos = sequence_inputs(batch)
+    p, r = batch.prompt_len, batch.response_len
+    rmask = batch["response_mask"]
+    result: dict[str, Tensor] = {}
+    if r == 0:
+        zeros = torch.zeros(batch.batch_size, 0, dtype=torch.float32, device=ids.device)
+        return {name: zeros for name in outputs}
+    if kind == "value":
+        out = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
+        values = out.logits[:, p - 1 : p + r - 1, 0].float()
+        result["values"] = torch.where(rmask, values, 0.0)
+        return result
+    # Only the r + 1 last positions need the LM head: p - 1 .. p + r - 1, of which the last is unused.
+    out = model(
+        input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
+        logits_to_keep=r + 1,
+    )
+    logits = out.logits[:, :r].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1)
+    if "log_probs" in outputs:
+        lp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
+        result["log_probs"] = torch.where(rmask, lp, 0.0)
+    if "entropy" in outputs:
+        ent = -(logp.exp() * logp).sum(-1)
+        result["entropy"] = torch.where(rmask, ent, 0.0)
+    return result

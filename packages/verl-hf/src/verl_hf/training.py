@@ -1,0 +1,560 @@
+"""HFTrainingEngine: actor, frozen reference and critic over transformers models.
+
+Layout of one ``forward_backward``: the rank's share of the mini-batch is split into micro-batches
+(by token budget or size), every rank runs the same number of them (padding with empty ones that
+contribute zero gradient), the outputs the loss needs are computed with autograd, and each
+micro-batch's loss (already normalised by the global counts) is backpropagated. Gradients are
+summed over micro-batches and ranks, so results do not depend on micro-batch size or data-parallel
+degree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from verl_core.batch import BatchMeta, TensorBatch
+from verl_core.capabilities import TrainingCapabilities
+from verl_core.engine import EngineSpec
+from verl_core.errors import BatchValidationError, ConfigError
+from verl_core.registry import parse_options
+from verl_core.training import (
+    DEFAULT_BUCKET_BYTES,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    ModelOutput,
+    StepMetrics,
+    TrainingEngine,
+)
+from verl_core.weights import (
+    TensorInfo,
+    WeightManifest,
+    WeightMessage,
+    fusion_group,
+    stream_weights,
+)
+from verl_hf import checkpoint as ckpt
+from verl_hf.capabilities import training_capabilities
+from verl_hf.config import HFOptions
+from verl_hf.distributed import DataParallel, init_data_parallel
+from verl_hf.modeling import ModelKind, check_prompts_nonempty, load_model, token_outputs
+from verl_hf.tokenizer import HFTokenizer, load_tokenizer
+
+__all__ = ["HFTrainingEngine", "build_training_engine"]
+
+_INPUT_FIELDS: Final = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_LOG_PROBS_ONLY: Final[frozenset[ModelOutput]] = frozenset({"log_probs"})
+
+
+class HFTrainingEngine(TrainingEngine):
+    """A transformers model as a verl TrainingEngine (roles actor, reference and critic).
+
+    The actor and reference load ``AutoModelForCausalLM``; the critic loads
+    ``AutoModelForTokenClassification`` with one label (a value head on the final hidden state),
+    initialising the head from ``spec.seed`` when the folder holds a causal LM. Dropout is off.
+    Parameters are kept in ``spec.dtype`` (bfloat16 trains in pure bfloat16; log-probs, entropy
+    and values are always computed in float32 from upcast logits). The optimizer is AdamW with
+    linear warmup and constant or cosine decay (``spec.optim``), applying weight decay to every
+    parameter.
+
+    Args:
+        spec: The engine spec (role actor, reference or critic; ``parallel.tp == parallel.pp == 1``).
+        options: Backend options (default: parsed from ``spec.options``).
+
+    Raises:
+        ConfigError: wrong role, tensor/pipeline parallel requested, dp > 1 outside torchrun, or
+            a model folder that cannot be loaded as needed.
+    """
+
+    def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
+        if spec.role not in ("actor", "reference", "critic"):
+            raise ConfigError(
+                f"HFTrainingEngine serves roles actor, reference and critic, got {spec.role!r}; "
+                "use verl_hf.rollout / verl_hf.reward for the other roles"
+            )
+        if spec.parallel.tp != 1 or spec.parallel.pp != 1:
+            raise ConfigError(
+                f"the hf backend is data parallel only, got tp={spec.parallel.tp}, pp={spec.parallel.pp}; "
+                "use the megatron backend for tensor or pipeline parallelism"
+            )
+        if spec.dtype == "float16":
+            raise ConfigError(
+                "the hf training engine runs float32 or bfloat16 (float16 would need loss scaling); "
+                "set EngineSpec.dtype to 'bfloat16'"
+            )
+        self._spec = spec
+        self._options = options if options is not None else parse_options(
+            HFOptions, spec.options, where="hf backend options"
+        )
+        self._kind: ModelKind = "value" if spec.role == "critic" else "causal_lm"
+        self._dp: DataParallel = init_data_parallel(spec.parallel.dp, spec.device)
+        self._device = self._dp.device
+        self._caps = training_capabilities(spec.role)
+        self._trainable = spec.role != "reference"
+        mode = self._options.data_parallel
+        if mode == "auto":
+            mode = "fsdp2" if self._device.type == "cuda" else "allreduce"
+        self._dp_mode = mode
+        model = load_model(
+            spec.model_path, self._kind, dtype=spec.torch_dtype, device=self._device,
+            attn_implementation=self._options.attn_implementation, seed=spec.seed,
+        )
+        self._tied = bool(getattr(model.config, "tie_word_embeddings", False)) and self._kind == "causal_lm"
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not self._trainable:
+            model.requires_grad_(False)
+        self._names = self._export_names(model)
+        self._fsdp = self._dp.active and self._dp_mode == "fsdp2"
+        if self._fsdp:
+            _apply_fsdp2(model)
+        self._model: Any = model
+        self._tokenizer: HFTokenizer | None = None
+        self._step = 0
+        self._offloaded = False
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if self._trainable:
+            self._build_optimizer()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """What this engine supports."""
+        return self._caps
+
+    @property
+    def tokenizer(self) -> HFTokenizer:
+        """Tokenizer of the model."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._spec.model_path, self._vocab_size)
+        return self._tokenizer
+
+    @property
+    def model(self) -> Any:
+        """The underlying transformers model (FSDP2-wrapped under data parallel ``fsdp2``)."""
+        return self._model
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (skipped steps do not count)."""
+        return self._step
+
+    @property
+    def data_parallel_mode(self) -> str:
+        """``fsdp2`` or ``allreduce`` (what ``HFOptions.data_parallel='auto'`` resolved to)."""
+        return self._dp_mode
+
+    # ------------------------------------------------------------------ setup helpers
+    def _build_optimizer(self) -> None:
+        optim = self._spec.optim
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        self._optimizer = torch.optim.AdamW(
+            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+        )
+        lr = optim.lr
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self._optimizer, lambda step: optim.lr_at(step) / lr
+        )
+
+    def _export_names(self, model: Any) -> list[str]:
+        names = [n for n in model.state_dict() if not (self._tied and n == "lm_head.weight")]
+        # Keep each fusion group (q/k/v, gate/up) contiguous, in first-appearance order.
+        order: dict[str, int] = {}
+        for n in names:
+            order.setdefault(fusion_group(n), len(order))
+        return sorted(names, key=lambda n: order[fusion_group(n)])
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, batch: TensorBatch, where: str) -> None:
+        batch.require(*_INPUT_FIELDS, where=where)
+        batch.check(where=where, vocab_size=self._vocab_size)
+        check_prompts_nonempty(batch, where)
+        if batch.batch_size:
+            p = int(batch["prompt_mask"].sum(1).max())
+            r = int(batch["response_mask"].sum(1).max())
+            if p > self._spec.max_prompt_len or r > self._spec.max_response_len:
+                raise BatchValidationError(
+                    f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
+                    f"was built for max_prompt_len={self._spec.max_prompt_len}, "
+                    f"max_response_len={self._spec.max_response_len}; raise them in the EngineSpec"
+                )
+
+    def _check_outputs(self, outputs: Collection[str], where: str) -> None:
+        allowed = {"values"} if self._kind == "value" else {"log_probs", "entropy"}
+        unknown = set(outputs) - {"log_probs", "entropy", "values"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown model outputs {sorted(unknown)}; known: log_probs, entropy, values")
+        bad = set(outputs) - allowed
+        if bad:
+            raise ConfigError(
+                f"{where}: the {self._spec.role} engine computes {sorted(allowed)}, not {sorted(bad)}"
+                + ("; values need a critic engine" if "values" in bad else "; log-probs need a causal-LM engine")
+            )
+
+    def _require_onloaded(self, where: str) -> None:
+        if self._offloaded:
+            raise ConfigError(f"{where}: the engine is offloaded; call onload() first")
+
+    # ------------------------------------------------------------------ micro-batches
+    def _plan(self, batch: TensorBatch, max_tokens: int | None, size: int | None) -> list[tuple[Tensor, TensorBatch]]:
+        """Micro-batches of ``batch`` with the original sample indices of each."""
+        if batch.batch_size == 0:
+            return []
+        if max_tokens is not None:
+            mbs = batch.micro_batches(max_tokens=max_tokens)
+        else:
+            mbs = batch.micro_batches(size=size or batch.batch_size)
+        out: list[tuple[Tensor, TensorBatch]] = []
+        start = 0
+        for mb in mbs.batches:
+            out.append((mbs.order[start : start + mb.batch_size], mb))
+            start += mb.batch_size
+        return out
+
+    def _padding_micro_batch(self, meta: BatchMeta) -> TensorBatch:
+        """A one-sample micro-batch with an empty response: it contributes exactly zero."""
+        pad = meta.pad_token_id
+        dev = self._device
+        return TensorBatch(
+            {
+                "prompt_ids": torch.full((1, 1), pad, dtype=torch.int64, device=dev),
+                "prompt_mask": torch.ones(1, 1, dtype=torch.bool, device=dev),
+                "response_ids": torch.full((1, 1), pad, dtype=torch.int64, device=dev),
+                "response_mask": torch.zeros(1, 1, dtype=torch.bool, device=dev),
+            },
+            meta=meta,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
+    ) -> TensorBatch:
+        """Compute ``outputs`` (float32, 0 where the response mask is False) without gradients."""
+        where = f"HFTrainingEngine.forward ({self._spec.role})"
+        wanted = set(outputs)
+        self._check_outputs(wanted, where)
+        self._require_onloaded(where)
+        self._validate(batch, where)
+        src_device = batch.device
+        work = batch.to(self._device)
+        max_tokens = self._options.forward_micro_batch_tokens or self._spec.micro_batch_tokens
+        size = None if max_tokens is not None else self._spec.micro_batch_size
+        plan = self._plan(work, max_tokens, size)
+        n = self._dp.max_int(len(plan)) if self._fsdp else len(plan)
+        results: dict[str, Tensor] = {
+            name: torch.zeros(batch.batch_size, batch.response_len, dtype=torch.float32, device=self._device)
+            for name in wanted
+        }
+        self._model.eval()
+        temperature = batch.meta.temperature
+        with torch.no_grad():
+            for i in range(n):
+                if i < len(plan):
+                    idx, mb = plan[i]
+                    out = token_outputs(self._model, mb, wanted, kind=self._kind, temperature=temperature)
+                    width = mb.response_len
+                    for name, value in out.items():
+                        results[name][idx, :width] = value
+                else:
+                    token_outputs(
+                        self._model, self._padding_micro_batch(batch.meta), wanted,
+                        kind=self._kind, temperature=temperature,
+                    )
+        return batch.update({k: v.to(src_device) for k, v in results.items()})
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats
+    ) -> Metrics:
+        """Accumulate the gradients of ``loss_fn`` over this rank's share of one optimizer step."""
+        where = f"HFTrainingEngine.forward_backward ({self._spec.role})"
+        if not self._trainable:
+            raise ConfigError(f"{where}: the reference engine is frozen; train the actor or critic")
+        needs = set(loss_fn.needs)
+        self._check_outputs(needs, where)
+        self._require_onloaded(where)
+        self._validate(mini_batch, where)
+        work = mini_batch.to(self._device)
+        plan = self._plan(work, self._spec.micro_batch_tokens, self._spec.micro_batch_size)
+        n = self._dp.max_int(len(plan))
+        temperature = mini_batch.meta.temperature
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
+        metric_sums: dict[str, Tensor] = {}
+        self._model.train()
+        try:
+            for i in range(n):
+                if self._fsdp:
+                    self._set_grad_sync(i == n - 1)
+                if i < len(plan):
+                    mb = plan[i][1]
+                    out = token_outputs(self._model, mb, needs, kind=self._kind, temperature=temperature)
+                    result = loss_fn(mb.update(out), stats)
+                    loss = result.loss
+                    if loss.dim() != 0:
+                        raise ConfigError(f"{where}: the loss function returned shape {tuple(loss.shape)}, expected a scalar")
+                    for k, v in result.metrics.items():
+                        v = v.detach().float().to(self._device).reshape(())
+                        metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+                else:
+                    pad = self._padding_micro_batch(mini_batch.meta)
+                    out = token_outputs(self._model, pad, needs, kind=self._kind, temperature=temperature)
+                    # Touches every parameter so collectives match across ranks; its gradient is 0.
+                    loss = sum((v.sum() for v in out.values()), torch.zeros((), device=self._device)) * 0.0
+                loss_sum += loss.detach().float()
+                if loss.requires_grad:
+                    loss.backward()  # type: ignore[no-untyped-call]
+        finally:
+            self._model.eval()
+            if self._fsdp:
+                self._set_grad_sync(True)
+        keys = self._dp.union_keys(list(metric_sums))
+        packed = torch.stack(
+            [loss_sum] + [metric_sums.get(k, torch.zeros((), device=self._device)) for k in keys]
+        )
+        packed = self._dp.sum_tensor(packed).cpu()
+        metrics: Metrics = {"loss": float(packed[0])}
+        metrics.update({k: float(packed[j + 1]) for j, k in enumerate(keys)})
+        metrics["num_micro_batches"] = float(n)
+        return metrics
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        fn = getattr(self._model, "set_requires_gradient_sync", None)
+        if fn is not None:
+            fn(sync)
+
+    def optimizer_step(self) -> StepMetrics:
+        """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm."""
+        where = f"HFTrainingEngine.optimizer_step ({self._spec.role})"
+        if self._optimizer is None or self._scheduler is None:
+            raise ConfigError(f"{where}: the reference engine has no optimizer")
+        self._require_onloaded(where)
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        if self._dp.active and not self._fsdp:
+            self._dp.sum_grads(params, self._options.allreduce_bucket_bytes)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self._device)
+        full = getattr(norm, "full_tensor", None)
+        if full is not None:
+            norm = full()
+        norm = norm.float()
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        if not self._dp.all_finite(norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            return StepMetrics(grad_norm=float(norm), lr=lr, skipped=True)
+        clip = self._spec.optim.grad_clip
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        self._optimizer.step()
+        self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        return StepMetrics(grad_norm=float(norm), lr=lr, skipped=False)
+
+    # ------------------------------------------------------------------ weights
+    def _full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        state = self._model.state_dict()
+        for name in self._names:
+            t = state[name]
+            full = getattr(t, "full_tensor", None)
+            yield name, (full() if full is not None else t)
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """Stream the weights in transformers naming (manifest, chunks, commit).
+
+        Under FSDP2 every rank must consume the stream (each tensor is gathered collectively).
+        """
+        self._require_onloaded("HFTrainingEngine.export_weights")
+        state = self._model.state_dict()
+        infos = {
+            n: TensorInfo(tuple(state[n].shape), dtype if dtype is not None else state[n].dtype)
+            for n in self._names
+        }
+        manifest = WeightManifest(version=self._step, tensors=infos, tied_embeddings=self._tied)
+        return stream_weights(self._full_tensors(), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _full_model_state(self) -> dict[str, Tensor]:
+        if self._fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            sd = get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            sd = self._model.state_dict()
+        keep = set(self._names)
+        return {k: v.detach().cpu().contiguous() for k, v in sd.items() if k in keep and isinstance(v, Tensor)}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        assert self._optimizer is not None
+        if self._fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+            )
+
+            return dict[str, Any](get_optimizer_state_dict(
+                self._model, self._optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ))
+        state: dict[str, Any] = _to_cpu(self._optimizer.state_dict())
+        return state
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save model (safetensors), optimizer, scheduler, RNG and step atomically under ``path``.
+
+        ``path`` is a folder holding committed states and a ``latest`` pointer; a crash at any
+        point leaves the previous state loadable. Every data-parallel rank must call this.
+        """
+        self._require_onloaded("HFTrainingEngine.save_checkpoint")
+        root = Path(path)
+        name = self._dp.broadcast_str(ckpt.new_state_name(self._step))
+        part = ckpt.partial_dir(root, name)
+        if self._dp.rank == 0:
+            part.mkdir(parents=True, exist_ok=False)
+        self._dp.barrier()
+        model_state = self._full_model_state()
+        optim_state = self._optimizer_state() if self._optimizer is not None else None
+        if self._dp.rank == 0:
+            save_file(model_state, str(part / "model.safetensors"), metadata={"format": "pt"})
+            torch.save(
+                {
+                    "format": ckpt.CHECKPOINT_FORMAT,
+                    "step": self._step,
+                    "role": self._spec.role,
+                    "optimizer": optim_state,
+                    "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+                },
+                part / "trainer_state.pt",
+            )
+        torch.save(ckpt.get_rng_state(), part / f"rng_rank{self._dp.rank}.pt")
+        self._dp.barrier()
+        if self._dp.rank == 0:
+            ckpt.commit_state_dir(root, name)
+        self._dp.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore the state :meth:`save_checkpoint` committed under ``path`` exactly."""
+        self._require_onloaded("HFTrainingEngine.load_checkpoint")
+        state_dir = ckpt.current_state_dir(path)
+        weights = load_file(str(state_dir / "model.safetensors"))
+        missing = set(self._names) - set(weights)
+        unexpected = set(weights) - set(self._names)
+        if missing or unexpected:
+            raise ConfigError(
+                f"checkpoint {str(state_dir)!r} does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}; load it into an engine of the same model"
+            )
+        trainer = torch.load(state_dir / "trainer_state.pt", map_location="cpu", weights_only=True)
+        if trainer.get("format") != ckpt.CHECKPOINT_FORMAT:
+            raise ConfigError(f"{str(state_dir)!r} is not a {ckpt.CHECKPOINT_FORMAT} checkpoint")
+        if self._fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self._model, dict[str, Any](weights), options=opts)
+            if self._optimizer is not None and trainer["optimizer"] is not None:
+                set_optimizer_state_dict(self._model, self._optimizer, trainer["optimizer"], options=opts)
+        else:
+            with torch.no_grad():
+                params = dict(self._model.state_dict())
+                for name, value in weights.items():
+                    params[name].copy_(value.to(params[name].device))
+            if self._optimizer is not None and trainer["optimizer"] is not None:
+                self._optimizer.load_state_dict(trainer["optimizer"])
+        if self._scheduler is not None and trainer["scheduler"] is not None:
+            self._scheduler.load_state_dict(trainer["scheduler"])
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        self._step = int(trainer["step"])
+        rng_file = state_dir / f"rng_rank{self._dp.rank}.pt"
+        if not rng_file.exists():
+            rng_file = state_dir / "rng_rank0.pt"
+        ckpt.set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+
+    # ------------------------------------------------------------------ memory
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to CPU (a no-op on CPU)."""
+        if self._device.type == "cpu" or self._offloaded:
+            self._offloaded = self._device.type != "cpu"
+            return
+        self._move(torch.device("cpu"))
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Move everything back to the engine's device."""
+        if not self._offloaded:
+            return
+        self._move(self._device)
+        self._offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        self._model.to(device)
+        if self._optimizer is not None:
+            for state in self._optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, Tensor) and k != "step":
+                        state[k] = v.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def close(self) -> None:
+        """Drop the model and optimizer."""
+        self._optimizer = None
+        self._scheduler = None
+        self._model = None
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _apply_fsdp2(model: Any) -> None:
+    """Shard each decoder layer, then the root; gradients are summed (divide factor 1)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError(
+            f"FSDP2 data parallel needs a decoder with .model.layers; {type(model).__name__} has none. "
+            "Set options={'data_parallel': 'allreduce'}"
+        )
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+
+
+def build_training_engine(spec: EngineSpec) -> HFTrainingEngine:
+    """Factory of the ``hf`` backend's actor, reference and critic engines."""
+    return HFTrainingEngine(spec)

@@ -1,0 +1,165 @@
+"""forward_backward, optimizer_step and export_weights of the hf training engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PPOClipLoss, ValueLoss, actor_spec, flat_grads, grpo_advantages, model_path
+from verl_conformance.testkit import assert_close, random_batch
+from verl_core import (
+    GlobalBatchStats,
+    LossOutput,
+    OptimConfig,
+    TensorBatch,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+)
+from verl_core.training import ModelOutput
+from verl_core.weights import fusion_group
+from verl_hf.training import HFTrainingEngine
+
+
+def _ppo_batch(engine: HFTrainingEngine, seed: int = 0, batch_size: int = 6) -> TensorBatch:
+    batch = random_batch(batch_size=batch_size, max_prompt=7, max_response=6, seed=seed,
+                         with_rl_fields=True, empty_responses=1)
+    old = engine.forward(batch, ["log_probs"])["log_probs"]
+    return batch.update(old_log_probs=old, ref_log_probs=old)
+
+
+@pytest.mark.parametrize("layout", [{"micro_batch_size": 1}, {"micro_batch_size": 2}, {"micro_batch_tokens": 24}])
+def test_gradients_do_not_depend_on_micro_batching(layout: dict[str, int]) -> None:
+    path = model_path("qwen2")
+    full = HFTrainingEngine(actor_spec(path))
+    batch = _ppo_batch(full)
+    stats = GlobalBatchStats.of(batch)
+    loss = PPOClipLoss()
+    m_full = full.forward_backward(batch, loss, stats)
+    split = HFTrainingEngine(actor_spec(path, **layout))
+    m_split = split.forward_backward(batch, loss, stats)
+    assert m_split["num_micro_batches"] > 1
+    assert m_full["num_micro_batches"] == 1
+    assert_close(torch.tensor(m_split["loss"]), torch.tensor(m_full["loss"]), dtype="float32", quantity="loss")
+    assert m_split["pg_clipfrac"] == pytest.approx(m_full["pg_clipfrac"], abs=1e-6)
+    assert_close(flat_grads(split.model), flat_grads(full.model), dtype="float32", quantity="grad")
+    assert float(flat_grads(full.model).norm()) > 0
+
+
+def test_ppo_update_lowers_the_loss() -> None:
+    path = model_path("llama")
+    engine = HFTrainingEngine(actor_spec(path, micro_batch_size=2, optim=OptimConfig(lr=1e-3, grad_clip=1.0)))
+    batch = _ppo_batch(engine, seed=1)
+    stats = GlobalBatchStats.of(batch)
+    loss = PPOClipLoss()
+    before = engine.forward_backward(batch, loss, stats)["loss"]
+    step = engine.optimizer_step()
+    assert not step.skipped and step.grad_norm > 0 and step.lr == pytest.approx(1e-3)
+    after = engine.forward_backward(batch, loss, stats)["loss"]
+    assert after < before
+
+
+def test_grpo_update_lowers_the_loss() -> None:
+    path = model_path("qwen3", tied=True)
+    engine = HFTrainingEngine(actor_spec(path, micro_batch_tokens=30))
+    batch = random_batch(batch_size=8, max_prompt=6, max_response=6, seed=2, with_rl_fields=True, group_size=4)
+    old = engine.forward(batch, ["log_probs"])["log_probs"]
+    batch = batch.update(old_log_probs=old, ref_log_probs=old, advantages=grpo_advantages(batch))
+    stats = GlobalBatchStats.of(batch)
+    loss = PPOClipLoss(kl_coef=0.01)
+    before = engine.forward_backward(batch, loss, stats)["loss"]
+    assert not engine.optimizer_step().skipped
+    after = engine.forward_backward(batch, loss, stats)["loss"]
+    assert after < before
+
+
+def test_critic_update_lowers_value_loss() -> None:
+    path = model_path("llama", head="value")
+    engine = HFTrainingEngine(actor_spec(path, role="critic", micro_batch_size=3))
+    batch = random_batch(batch_size=5, max_prompt=5, max_response=5, seed=3, with_rl_fields=True)
+    stats = GlobalBatchStats.of(batch)
+    before = engine.forward_backward(batch, ValueLoss(), stats)["loss"]
+    engine.optimizer_step()
+    after = engine.forward_backward(batch, ValueLoss(), stats)["loss"]
+    assert after < before
+
+
+class _NaNLoss:
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        return frozenset({"log_probs"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        return LossOutput(batch["log_probs"].sum() * float("nan"))
+
+
+def test_non_finite_grad_norm_skips_the_step() -> None:
+    engine = HFTrainingEngine(actor_spec(model_path()))
+    batch = _ppo_batch(engine)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.forward_backward(batch, _NaNLoss(), GlobalBatchStats.of(batch))
+    step = engine.optimizer_step()
+    assert step.skipped and not torch.isfinite(torch.tensor(step.grad_norm))
+    assert engine.step == 0
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in engine.model.parameters())
+    # The next good step runs from a clean slate.
+    engine.forward_backward(batch, PPOClipLoss(), GlobalBatchStats.of(batch))
+    assert not engine.optimizer_step().skipped and engine.step == 1
+
+
+def test_lr_schedule_warmup_and_cosine() -> None:
+    optim = OptimConfig(lr=1e-3, warmup_steps=2, total_steps=6, schedule="cosine", min_lr_ratio=0.1)
+    engine = HFTrainingEngine(actor_spec(model_path(), optim=optim))
+    batch = _ppo_batch(engine)
+    seen = []
+    for _ in range(4):
+        engine.forward_backward(batch, PPOClipLoss(), GlobalBatchStats.of(batch))
+        seen.append(engine.optimizer_step().lr)
+    assert seen == pytest.approx([optim.lr_at(i) for i in range(4)])
+
+
+def test_gradient_clipping_bounds_the_update() -> None:
+    path = model_path()
+    engine = HFTrainingEngine(actor_spec(path, optim=OptimConfig(lr=1e-3, grad_clip=1e-3)))
+    batch = _ppo_batch(engine)
+    engine.forward_backward(batch, PPOClipLoss(), GlobalBatchStats.of(batch))
+    raw = float(flat_grads(engine.model).norm())
+    step = engine.optimizer_step()
+    assert step.grad_norm == pytest.approx(raw, rel=1e-5)
+    assert raw > 1e-3
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    path = model_path("qwen3")
+    plain = HFTrainingEngine(actor_spec(path))
+    ckpt = HFTrainingEngine(actor_spec(path, gradient_checkpointing=True))
+    batch = _ppo_batch(plain)
+    stats = GlobalBatchStats.of(batch)
+    plain.forward_backward(batch, PPOClipLoss(), stats)
+    ckpt.forward_backward(batch, PPOClipLoss(), stats)
+    assert_close(flat_grads(ckpt.model), flat_grads(plain.model), dtype="float32", quantity="grad")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_weights_stream(tied: bool) -> None:
+    engine = HFTrainingEngine(actor_spec(model_path("qwen2", tied=tied)))
+    msgs = list(engine.export_weights(dtype=torch.bfloat16, bucket_bytes=20_000))
+    manifest, chunks, commit = msgs[0], msgs[1:-1], msgs[-1]
+    assert isinstance(manifest, WeightManifest) and isinstance(commit, WeightCommit)
+    assert manifest.tied_embeddings is tied
+    assert ("lm_head.weight" in manifest.tensors) is not tied
+    assert all(isinstance(c, WeightChunk) for c in chunks) and len(chunks) > 2
+    sent = [(n, t) for c in chunks if isinstance(c, WeightChunk) for n, t in c.tensors]
+    assert [n for n, _ in sent] == list(manifest.tensors)
+    assert all(t.dtype == torch.bfloat16 for _, t in sent)
+    where = {}
+    for i, c in enumerate(chunks):
+        assert isinstance(c, WeightChunk)
+        for n, _ in c.tensors:
+            where.setdefault(fusion_group(n), set()).add(i)
+    assert all(len(v) == 1 for v in where.values())
+    state = engine.model.state_dict()
+    for n, t in sent:
+        assert torch.equal(t, state[n].to(torch.bfloat16))
