@@ -70,6 +70,11 @@ def test_reward_needs_exact_answer_then_eos(tok: CharTokenizer) -> None:
     scored = TaskReward(get_task("copy"), tok).score(response_batch(tok, answers, responses))
     assert scored["scores"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert scored["scores"].dtype == torch.float32
+    assert TaskReward(get_task("copy"), tok).exact_match(response_batch(tok, answers, responses)).tolist() == [
+        1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    partial = TaskReward(get_task("copy"), tok, mode="partial").score(response_batch(tok, answers, responses))
+    # answer-then-EOS is 4 tokens: no EOS 3/4, wrong last digit "12"+EOS 2/4, extra token 3/5
+    assert partial["scores"].tolist() == pytest.approx([1.0, 0.75, 0.5, 0.6, 0.0, 1.0])
     # the plain score function works with FunctionReward (text only; EOS is not visible there)
     fr = FunctionReward(DigitTask.score, tok).score(response_batch(tok, answers, responses))
     assert fr["scores"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]

@@ -86,12 +86,15 @@ class TaskConfig:
     Attributes:
         name: ``copy`` (repeat the digits), ``reverse`` (reverse them) or ``add`` (a+b=).
         digits: Digits per number.
+        reward: ``exact`` (1 for the answer then EOS, else 0) or ``partial`` (share of matching
+            positions; 1 only for an exact match). The strict exact-match rate is always logged.
         eval_prompts: Prompts of the fixed greedy evaluation set (0 = no evaluation).
         eval_every: Steps between evaluations (0 = only at the end).
     """
 
     name: TaskName = "copy"
     digits: int = 3
+    reward: Literal["exact", "partial"] = "partial"
     eval_prompts: int = 0
     eval_every: int = 0
 

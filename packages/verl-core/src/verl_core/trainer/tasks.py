@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 
@@ -22,7 +22,7 @@ from verl_core.errors import ConfigError
 from verl_core.reward import RewardEngine
 from verl_core.tokenizer import Tokenizer
 
-__all__ = ["TASKS", "DigitTask", "TaskReward", "get_task", "prompt_batch"]
+__all__ = ["TASKS", "DigitTask", "RewardMode", "TaskReward", "get_task", "prompt_batch"]
 
 TASKS: Final = ("copy", "reverse", "add")
 
@@ -85,17 +85,32 @@ def get_task(name: str, digits: int = 3) -> DigitTask:
     return DigitTask(name, digits)
 
 
+RewardMode = Literal["exact", "partial"]
+"""``exact``: 1 for the answer then EOS, else 0. ``partial``: the share of positions of
+answer-then-EOS that the response matches, over the longer of the two (1 only for an exact match)."""
+
+
 class TaskReward(RewardEngine):
-    """Scores 1.0 when a response is exactly the answer followed by EOS, else 0.0.
+    """Scores a response against the task's answer followed by EOS, in [0, 1].
+
+    With ``mode="exact"`` the score is 1.0 for exactly the answer then EOS and 0.0 otherwise. With
+    ``mode="partial"`` it is the number of positions where the response's tokens equal those of
+    answer-then-EOS, divided by the longer length, so only an exact match scores 1.0 and a random
+    policy scores about 1/vocab; it gives a learning signal before the first exact match.
+    :meth:`exact_match` always reports the strict success.
 
     Args:
         task: The task whose :meth:`DigitTask.score` judges the text.
-        tokenizer: Decodes the response (special tokens dropped) and names EOS.
+        tokenizer: Encodes the answers, decodes responses and names EOS.
+        mode: ``exact`` or ``partial``.
     """
 
-    def __init__(self, task: DigitTask, tokenizer: Tokenizer) -> None:
+    def __init__(self, task: DigitTask, tokenizer: Tokenizer, mode: RewardMode = "exact") -> None:
+        if mode not in ("exact", "partial"):
+            raise ConfigError(f"TaskReward mode must be 'exact' or 'partial', got {mode!r}")
         self._task = task
         self._tok = tokenizer
+        self._mode = mode
         self._caps = RewardCapabilities(needs_text=True)
 
     @property
@@ -103,24 +118,40 @@ class TaskReward(RewardEngine):
         """Sequence scores from text."""
         return self._caps
 
-    def score(self, batch: TensorBatch) -> TensorBatch:
-        """Score every sample; the batch needs ``response_ids``, ``response_mask`` and the ``answer`` extra."""
+    def _responses(self, batch: TensorBatch) -> tuple[list[list[int]], tuple[Any, ...]]:
         batch.require("response_ids", "response_mask", where="TaskReward.score")
         if "answer" not in batch.extras:
             raise ConfigError("TaskReward.score needs the per-sample extra 'answer' (set by prompt_batch)")
         ids = batch["response_ids"].cpu().tolist()
         mask = batch["response_mask"].cpu().tolist()
-        answers = batch.extras["answer"]
+        return [[t for t, m in zip(r, mk) if m] for r, mk in zip(ids, mask)], batch.extras["answer"]
+
+    def exact_match(self, batch: TensorBatch) -> torch.Tensor:
+        """1.0 where the response is exactly the answer then EOS, else 0.0 (float32 [batch])."""
+        responses, answers = self._responses(batch)
         eos = self._tok.eos_token_id
         out = []
-        for i in range(batch.batch_size):
-            toks = [t for t, m in zip(ids[i], mask[i]) if m]
+        for toks, answer in zip(responses, answers):
             if not toks or toks[-1] != eos or eos in toks[:-1]:
                 out.append(0.0)
-                continue
-            text = self._tok.decode(toks[:-1])
-            out.append(self._task.score("", text, {"answer": answers[i]}))
-        return batch.update(scores=torch.tensor(out, dtype=torch.float32, device=batch.device))
+            else:
+                out.append(self._task.score("", self._tok.decode(toks[:-1]), {"answer": answer}))
+        return torch.tensor(out, dtype=torch.float32, device=batch.device)
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Score every sample; the batch needs ``response_ids``, ``response_mask`` and the ``answer`` extra."""
+        exact = self.exact_match(batch)
+        if self._mode == "exact":
+            return batch.update(scores=exact)
+        responses, answers = self._responses(batch)
+        eos = self._tok.eos_token_id
+        out = []
+        for toks, answer in zip(responses, answers):
+            target = [*self._tok.encode(str(answer)), eos]
+            hits = sum(1 for a, b in zip(toks, target) if a == b)
+            out.append(hits / max(len(toks), len(target)))
+        scores = torch.tensor(out, dtype=torch.float32, device=batch.device)
+        return batch.update(scores=torch.where(exact > 0, exact, scores.clamp(max=0.99)))
 
 
 def prompt_batch(

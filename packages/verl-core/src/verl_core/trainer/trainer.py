@@ -244,7 +244,7 @@ class Trainer:
             )
         tokenizer = self.rollout.tokenizer
         if b.reward == "rule":
-            self.reward = TaskReward(self.task, tokenizer)
+            self.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
         else:
             self.reward = get_reward_engine(b.reward, self._spec("reward", path))
         self.sync = get_weight_sync(b.actor, b.rollout)
@@ -300,8 +300,7 @@ class Trainer:
 
         def reward(samples: TensorBatch) -> Mapping[str, Any]:
             scored = self.reward.score(samples)
-            out: dict[str, Any] = {"scores": scored["scores"]}
-            return out
+            return {"scores": scored["scores"]}
 
         def select(samples: TensorBatch, scores: torch.Tensor) -> Mapping[str, Any]:
             batch = samples.update(scores=scores)
@@ -365,6 +364,8 @@ class Trainer:
             "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
             "samples": samples.batch_size,
         })
+        if isinstance(self.reward, TaskReward):
+            metrics["reward/exact_match"] = float(self.reward.exact_match(samples).mean())
         if self.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = res["dropped_groups"]
             metrics["dynamic_sampling/kept_samples"] = batch.batch_size
