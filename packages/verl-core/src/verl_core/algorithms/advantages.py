@@ -33,6 +33,7 @@ import math
 import torch
 from torch import Tensor
 
+from verl_core.algorithms.aggregation import mask_weights, masked_row_sums, masked_total
 from verl_core.algorithms.config import (
     GAEConfig,
     GRPOConfig,
@@ -79,7 +80,11 @@ def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
 
 
-def outcome_rewards(batch: TensorBatch) -> Tensor:
+def _weights(batch: TensorBatch) -> Tensor:
+    return mask_weights(batch["response_mask"], torch.float32)
+
+
+def outcome_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
     """Total reward of each sample (float64 ``[batch]``).
 
     ``sum_t token_rewards`` when the batch has ``token_rewards`` (an empty response, which has no
@@ -88,8 +93,9 @@ def outcome_rewards(batch: TensorBatch) -> Tensor:
     """
     batch.require("response_mask", where="an outcome advantage estimator")
     mask = batch["response_mask"]
+    w = _weights(batch) if weights is None else weights
     if "token_rewards" in batch:
-        total = batch["token_rewards"].where(mask, 0.0).sum(-1, dtype=torch.float64)
+        total = masked_row_sums(batch["token_rewards"], w).double()
         if "scores" in batch:
             total = torch.where(mask.any(-1), total, batch["scores"].double())
         return total
@@ -102,15 +108,15 @@ def outcome_rewards(batch: TensorBatch) -> Tensor:
     if "scores" in batch:
         total = total + batch["scores"].double()
     if "token_scores" in batch:
-        total = total + batch["token_scores"].where(mask, 0.0).sum(-1, dtype=torch.float64)
+        total = total + masked_row_sums(batch["token_scores"], w).double()
     return total
 
 
-def token_rewards(batch: TensorBatch) -> Tensor:
-    """``token_rewards`` of the batch, 0 where masked (derived from scores when absent)."""
+def token_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
+    """``token_rewards`` of the batch, 0 where masked (derived from scores when absent); a new tensor."""
     if "token_rewards" not in batch:
         batch, _ = compute_token_rewards(batch)
-    return batch["token_rewards"].where(batch["response_mask"], 0.0)
+    return batch["token_rewards"] * (_weights(batch) if weights is None else weights)
 
 
 def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor:
@@ -145,31 +151,33 @@ def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor
     local = blocks @ powers(L, 1)  # within-block returns
     if nb > 1:
         starts = local[:, :, 0] @ powers(nb, L)  # true return at each block start
-        carry = torch.zeros_like(starts)
-        carry[:, :-1] = starts[:, 1:]
         tail = torch.exp((L - torch.arange(L, dtype=torch.float64)) * log_g).to(device=x.device, dtype=x.dtype)
-        local = local + carry.unsqueeze(-1) * tail
+        # block j also receives the discounted return from the start of block j + 1
+        local[:, :-1, :].addcmul_(starts[:, 1:, None], tail)
     return local.reshape(-1, nb * L)[:, :T].reshape(*lead, T)
 
 
 def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
     """``(v - mean) * rsqrt(var + 1e-8)`` over the masked positions (unbiased var), 0 elsewhere.
 
-    With one masked position the result is 0 there; with none, all zeros (verl raises in both).
+    ``mask`` is bool or 0/1 of the values' dtype (masked values must be finite). With one masked
+    position the result is 0 there; with none, all zeros (verl raises in both).
     """
-    n = int(mask.sum())
+    w = mask_weights(mask, values.dtype)
+    n = int(w.sum())
     if n == 0:
         return torch.zeros_like(values)
-    mean = values.where(mask, 0.0).sum() / n
-    centered = (values - mean).where(mask, 0.0)
+    mean = masked_total(values, w) / n
+    centered = (values - mean).mul_(w)
     if n == 1:
         return centered  # 0 at the one position
-    var = centered.square().sum() / (n - 1)
-    return centered * torch.rsqrt(var + _WHITEN_EPS)
+    flat = centered.reshape(-1)
+    var = torch.dot(flat, flat) / (n - 1)
+    return centered.mul_(torch.rsqrt(var + _WHITEN_EPS))
 
 
-def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, per_seq.to(torch.float32).unsqueeze(-1), 0.0)
+def _broadcast(per_seq: Tensor, w: Tensor) -> Tensor:
+    return per_seq.to(w.dtype).unsqueeze(-1) * w
 
 
 def _finish(batch: TensorBatch, advantages: Tensor, returns: Tensor) -> TensorBatch:
@@ -188,15 +196,16 @@ def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
     """
     config = config or GAEConfig()
     batch.require("response_mask", "values", where="GAE")
-    mask = batch["response_mask"]
-    r = token_rewards(batch)
-    v = batch["values"].where(mask, 0.0)
-    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
-    delta = (r + config.gamma * next_v - v).where(mask, 0.0)
-    adv = discounted_cumsum(delta, config.gamma * config.lam).where(mask, 0.0)
-    returns = (adv + v).where(mask, 0.0)
+    w = _weights(batch)
+    v = batch["values"] * w
+    # delta_t = r_t + gamma V_{t+1} - V_t; with right padding and V = 0 at masked positions the
+    # next value of the last token is 0 and delta is 0 at masked positions
+    delta = token_rewards(batch, w).sub_(v)
+    delta[:, :-1].add_(v[:, 1:], alpha=config.gamma)
+    adv = discounted_cumsum(delta, config.gamma * config.lam).mul_(w)
+    returns = adv + v
     if config.whiten:
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, w)
     return _finish(batch, adv, returns)
 
 
@@ -211,7 +220,8 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     """
     config = config or GRPOConfig()
     batch.require("response_mask", "group_ids", where="GRPO")
-    scores = outcome_rewards(batch)
+    w = _weights(batch)
+    scores = outcome_rewards(batch, w)
     inv, counts = group_index(batch["group_ids"])
     n = counts.to(torch.float64)
     single = counts == 1
@@ -221,7 +231,7 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
         var = _group_sum(centered.square(), inv, len(counts)) / (n - 1).clamp_min(1)
         std = torch.where(single, 1.0, var.sqrt())
         centered = centered / (std[inv] + config.epsilon)
-    adv = _broadcast(centered, batch["response_mask"])
+    adv = _broadcast(centered, w)
     return _finish(batch, adv, adv)
 
 
@@ -233,12 +243,13 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     ``response_mask``, ``group_ids`` and rewards.
     """
     batch.require("response_mask", "group_ids", where="RLOO")
-    scores = outcome_rewards(batch)
+    w = _weights(batch)
+    scores = outcome_rewards(batch, w)
     inv, counts = group_index(batch["group_ids"])
     n = counts.to(torch.float64)[inv]
     total = _group_sum(scores, inv, len(counts))[inv]
     adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp_min(1), scores)
-    out = _broadcast(adv, batch["response_mask"])
+    out = _broadcast(adv, w)
     return _finish(batch, out, out)
 
 
@@ -250,9 +261,9 @@ def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) ->
     """
     config = config or ReinforcePPConfig()
     batch.require("response_mask", where="REINFORCE++")
-    mask = batch["response_mask"]
-    returns = discounted_cumsum(token_rewards(batch), config.gamma).where(mask, 0.0)
-    adv = masked_whiten(returns, mask) if config.whiten else returns
+    w = _weights(batch)
+    returns = discounted_cumsum(token_rewards(batch, w), config.gamma).mul_(w)
+    adv = masked_whiten(returns, w) if config.whiten else returns
     return _finish(batch, adv, returns)
 
 
@@ -267,13 +278,13 @@ def reinforce_pp_baseline(
     """
     config = config or ReinforcePPBaselineConfig()
     batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
-    mask = batch["response_mask"]
-    scores = outcome_rewards(batch)
+    w = _weights(batch)
+    scores = outcome_rewards(batch, w)
     inv, counts = group_index(batch["group_ids"])
     mean = torch.where(counts == 1, 0.0, _group_sum(scores, inv, len(counts)) / counts.to(torch.float64))
-    adv = _broadcast(scores - mean[inv], mask)
+    adv = _broadcast(scores - mean[inv], w)
     if config.whiten:
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, w)
     return _finish(batch, adv, adv)
 
 
@@ -285,7 +296,7 @@ def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     ``baseline_scores`` and rewards.
     """
     batch.require("response_mask", "baseline_scores", where="ReMax")
-    mask = batch["response_mask"]
-    returns = discounted_cumsum(token_rewards(batch), 1.0).where(mask, 0.0)
-    adv = returns - _broadcast(batch["baseline_scores"], mask)
+    w = _weights(batch)
+    returns = discounted_cumsum(token_rewards(batch, w), 1.0).mul_(w)
+    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0)
     return _finish(batch, adv, returns)

@@ -14,7 +14,9 @@ global loss (and its gradient) whatever the split. With ``N`` = ``stats.num_toke
   ``norm_length`` when given, else ``stats.max_response_len``.
 
 Empty responses contribute 0 and are not counted; a mini-batch without tokens gives 0 (the
-normalisers are clamped at 1), never NaN.
+normalisers are clamped at 1), never NaN. ``mask`` may be bool or 0/1 of the loss dtype; masked
+positions are multiplied by 0, so they must hold finite values (batches are checked for that at
+protocol boundaries).
 
 Differences from verl 0.9.1's ``agg_loss`` (all deliberate):
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
+import torch
 from torch import Tensor
 
 from verl_core.errors import ConfigError
@@ -42,6 +45,9 @@ from verl_core.training import GlobalBatchStats
 __all__ = [
     "AGGREGATIONS",
     "aggregate",
+    "mask_weights",
+    "masked_row_sums",
+    "masked_total",
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
@@ -49,28 +55,48 @@ __all__ = [
 ]
 
 
-def _masked(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    # where(), not multiply: a non-finite value at a masked position must not leak into the sum
-    return loss_mat.where(mask, 0.0)
+def mask_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as 0/1 values of ``dtype`` (returned as is when it already has that dtype).
+
+    Multiplying by a float mask is several times faster on CPU than ``torch.where`` with a bool
+    one, and converting through a ``uint8`` view is an order of magnitude faster than ``bool.to``.
+    """
+    if mask.dtype == dtype:
+        return mask
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8).to(dtype)
+    return mask.to(dtype)
+
+
+def masked_total(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    """``sum_{b,t} mask * loss_mat`` as one fused dot product (inputs must be finite)."""
+    w = mask_weights(mask, loss_mat.dtype)
+    return torch.dot(loss_mat.reshape(-1), w.reshape(-1))
+
+
+def masked_row_sums(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    """``sum_t mask * loss_mat`` per row."""
+    return (loss_mat * mask_weights(mask, loss_mat.dtype)).sum(-1)
 
 
 def token_mean(loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None) -> Tensor:
     """Sum of the masked per-token loss divided by the global token count."""
-    return _masked(loss_mat, mask).sum() / max(stats.num_tokens, 1)
+    return masked_total(loss_mat, mask) / max(stats.num_tokens, 1)
 
 
 def seq_mean_token_sum(
     loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None
 ) -> Tensor:
     """Per-sequence token sums, averaged over the global count of non-empty sequences."""
-    return _masked(loss_mat, mask).sum() / max(stats.num_sequences, 1)
+    return masked_total(loss_mat, mask) / max(stats.num_sequences, 1)
 
 
 def seq_mean_token_mean(
     loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None = None
 ) -> Tensor:
     """Per-sequence token means, averaged over the global count of non-empty sequences."""
-    per_seq = _masked(loss_mat, mask).sum(-1) / mask.sum(-1).clamp_min(1).to(loss_mat.dtype)
+    w = mask_weights(mask, loss_mat.dtype)
+    per_seq = masked_row_sums(loss_mat, w) / w.sum(-1).clamp_min(1)
     return per_seq.sum() / max(stats.num_sequences, 1)
 
 
@@ -79,7 +105,7 @@ def seq_mean_token_sum_norm(
 ) -> Tensor:
     """Per-sequence token sums divided by a constant length, averaged over non-empty sequences."""
     length = norm_length if norm_length is not None else max(stats.max_response_len, 1)
-    return _masked(loss_mat, mask).sum() / (max(stats.num_sequences, 1) * length)
+    return masked_total(loss_mat, mask) / (max(stats.num_sequences, 1) * length)
 
 
 AGGREGATIONS: Final[dict[str, Callable[[Tensor, Tensor, GlobalBatchStats, int | None], Tensor]]] = {

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithm import PolicyLossTerms, ValueLossTerms
-from verl_core.algorithms.aggregation import aggregate
+from verl_core.algorithms.aggregation import aggregate, mask_weights, masked_total
 from verl_core.algorithms.config import (
     ActorLossConfig,
     CriticLossConfig,
@@ -73,31 +73,31 @@ def ppo_loss(
     """PPO clipped objective with asymmetric clip (clip-low / clip-high) and optional dual clip."""
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.exp()
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    neg_adv = -advantages
+    loss1 = neg_adv * ratio
+    loss2 = neg_adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     clipped_loss = torch.maximum(loss1, loss2)
     clipped = loss2 > loss1
-    if config.clip_ratio_c is not None:
-        loss3 = -advantages * config.clip_ratio_c
-        negative = advantages < 0
-        lower = negative & (clipped_loss > loss3)
-        loss = torch.where(negative, torch.minimum(clipped_loss, loss3), clipped_loss)
-    else:
-        lower = _no(mask)
-        loss = clipped_loss
-    return PolicyLossTerms(loss, clipped, lower, log_ratio.detach())
+    if config.clip_ratio_c is None:
+        return PolicyLossTerms(clipped_loss, clipped, _no(mask), log_ratio.detach())
+    # dual clip: for A < 0 the loss is capped at -A * c
+    loss3 = neg_adv * config.clip_ratio_c
+    lower = (advantages < 0) & (clipped_loss > loss3)
+    return PolicyLossTerms(torch.where(lower, loss3, clipped_loss), clipped, lower, log_ratio.detach())
 
 
 def gspo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
     """GSPO: clipped objective with the length-normalised sequence ratio (Zheng et al. 2025)."""
-    raw = (log_probs - old_log_probs).where(mask, 0.0)
-    seq = raw.sum(-1) / mask.sum(-1).clamp_min(1).to(raw.dtype)
+    w = mask_weights(mask, log_probs.dtype)
+    raw = (log_probs - old_log_probs) * w
+    seq = raw.sum(-1) / w.sum(-1).clamp_min(1)
     log_s = (log_probs - log_probs.detach() + seq.detach().unsqueeze(-1)).clamp(max=_GSPO_LOG_CLAMP)
     s = log_s.exp()
-    loss1 = -advantages * s
-    loss2 = -advantages * s.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    neg_adv = -advantages
+    loss1 = neg_adv * s
+    loss2 = neg_adv * s.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     return PolicyLossTerms(torch.maximum(loss1, loss2), loss2 > loss1, _no(mask), raw.detach())
 
 
@@ -149,16 +149,21 @@ def tis_weights(
     Returns:
         ``(weights, truncated)``: the weights and where the cap was hit (bool).
     """
-    log_ratio = (old_log_probs - rollout_log_probs).detach().where(mask, 0.0)
+    w = mask_weights(mask, old_log_probs.dtype)
+    log_ratio = (old_log_probs - rollout_log_probs).detach() * w
     if config.level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     raw = log_ratio.clamp(-20.0, 20.0).exp()
-    truncated = (raw > config.cap) & mask
-    return raw.clamp(max=config.cap).where(mask, 0.0), truncated
+    truncated = (raw > config.cap) & (w > 0)
+    return raw.clamp(max=config.cap) * w, truncated
 
 
-def _token_mean(x: Tensor, mask: Tensor, stats: GlobalBatchStats) -> Tensor:
-    return x.detach().where(mask, 0.0).sum() / max(stats.num_tokens, 1)
+def _token_mean(x: Tensor, w: Tensor, stats: GlobalBatchStats) -> Tensor:
+    return masked_total(x.detach(), w) / max(stats.num_tokens, 1)
+
+
+def _token_frac(flags: Tensor, mask: Tensor, stats: GlobalBatchStats, dtype: torch.dtype) -> Tensor:
+    return torch.count_nonzero(flags & mask).to(dtype) / max(stats.num_tokens, 1)
 
 
 def actor_loss(
@@ -181,34 +186,36 @@ def actor_loss(
         fn = get_registry().component("policy_loss", config.policy_loss).impl
     terms = fn(log_probs, old_log_probs, advantages, mask, config.policy)
     per_token = terms.loss
+    dtype = per_token.dtype
+    w = mask_weights(mask, dtype)
+    flags = mask if mask.dtype == torch.bool else mask > 0
     metrics: dict[str, Tensor] = {}
     if config.tis is not None:
         if rollout_log_probs is None:
             raise ValueError("truncated importance sampling (tis) needs rollout_log_probs")
-        w, truncated = tis_weights(old_log_probs, rollout_log_probs, mask, config.tis)
-        per_token = per_token * w
-        metrics["tis_weight"] = _token_mean(w, mask, stats)
-        metrics["tis_truncated_frac"] = _token_mean(truncated.to(w.dtype), mask, stats)
+        tis, truncated = tis_weights(old_log_probs, rollout_log_probs, w, config.tis)
+        per_token = per_token * tis
+        metrics["tis_weight"] = _token_mean(tis, w, stats)
+        metrics["tis_truncated_frac"] = _token_frac(truncated, flags, stats, dtype)
     mode, L = config.loss_agg_mode, config.norm_length
-    pg = aggregate(per_token, mask, mode, stats, L)
+    pg = aggregate(per_token, w, mode, stats, L)
     loss = pg
-    dtype = per_token.dtype
     metrics["pg_loss"] = pg.detach()
-    metrics["pg_clipfrac"] = _token_mean(terms.clipped.to(dtype), mask, stats)
-    metrics["pg_clipfrac_lower"] = _token_mean(terms.clipped_lower.to(dtype), mask, stats)
-    metrics["ppo_kl"] = _token_mean(-terms.log_ratio, mask, stats)
+    metrics["pg_clipfrac"] = _token_frac(terms.clipped, flags, stats, dtype)
+    metrics["pg_clipfrac_lower"] = _token_frac(terms.clipped_lower, flags, stats, dtype)
+    metrics["ppo_kl"] = -_token_mean(terms.log_ratio, w, stats)
     if entropy is not None:
-        metrics["entropy"] = _token_mean(entropy, mask, stats)
+        metrics["entropy"] = _token_mean(entropy, w, stats)
         if config.entropy_coef:
-            loss = loss - config.entropy_coef * aggregate(entropy, mask, mode, stats, L)
+            loss = loss - config.entropy_coef * aggregate(entropy, w, mode, stats, L)
     if config.kl_loss_coef:
         if ref_log_probs is None:
             raise ValueError("kl_loss_coef > 0 needs ref_log_probs")
         kld = kl_estimate(log_probs, ref_log_probs, config.kl_loss_estimator)
-        kl_term = aggregate(kld, mask, mode, stats, L)
+        kl_term = aggregate(kld, w, mode, stats, L)
         loss = loss + config.kl_loss_coef * kl_term
         metrics["kl_loss"] = kl_term.detach()
-        metrics["kl"] = _token_mean(kld, mask, stats)
+        metrics["kl"] = _token_mean(kld, w, stats)
     return LossOutput(loss, metrics)
 
 
@@ -299,11 +306,13 @@ def critic_loss(
 
         fn = get_registry().component("value_loss", config.value_loss).impl
     terms = fn(values, old_values, returns, mask, config)
-    vf = 0.5 * aggregate(terms.loss, mask, config.loss_agg_mode, stats, config.norm_length)
+    w = mask_weights(mask, values.dtype)
+    flags = mask if mask.dtype == torch.bool else mask > 0
+    vf = 0.5 * aggregate(terms.loss, w, config.loss_agg_mode, stats, config.norm_length)
     metrics: Mapping[str, Tensor] = {
         "vf_loss": vf.detach(),
-        "vf_clipfrac": _token_mean(terms.clipped.to(values.dtype), mask, stats),
-        "vpred_mean": _token_mean(values, mask, stats),
+        "vf_clipfrac": _token_frac(terms.clipped, flags, stats, values.dtype),
+        "vpred_mean": _token_mean(values, w, stats),
     }
     return LossOutput(vf, metrics)
 
