@@ -8,7 +8,9 @@ KL(pi || pi_ref) (J. Schulman, "Approximating KL divergence", 2020) are, as in v
 * ``k1+``, ``k3+``, ``abs+`` (straight-through): the value of the named estimator with the
   gradient of ``k2`` (whose expected gradient is the gradient of the KL).
 
-verl's names ``kl``, ``mse``, ``low_var_kl`` are accepted for k1, k2, k3.
+verl's names ``kl``, ``mse``, ``low_var_kl`` are accepted for k1, k2, k3. Gradients w.r.t.
+``log_probs`` are attached analytically (see :mod:`verl_core.algorithms._autograd`); the
+reference log-probs get none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
+from verl_core.algorithms._autograd import with_gradient
 from verl_core.algorithms.config import RewardConfig
 from verl_core.batch import TensorBatch
 from verl_core.errors import BatchValidationError
@@ -43,31 +46,51 @@ __all__ = [
 
 def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """k1 = log pi - log pi_ref (unbiased, high variance, can be negative)."""
-    return log_probs - ref_log_probs
+    with torch.no_grad():
+        d = log_probs.detach() - ref_log_probs
+    return with_gradient(log_probs, d, torch.ones_like(d))
 
 
 def kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """|log pi - log pi_ref|."""
-    return (log_probs - ref_log_probs).abs()
+    with torch.no_grad():
+        d = log_probs.detach() - ref_log_probs
+    return with_gradient(log_probs, d.abs(), d.sign())
 
 
 def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """k2 = (log pi - log pi_ref)^2 / 2 (its gradient is an unbiased KL gradient estimate)."""
-    return 0.5 * (log_probs - ref_log_probs).square()
+    with torch.no_grad():
+        d = log_probs.detach() - ref_log_probs
+    return with_gradient(log_probs, 0.5 * d.square(), d)
+
+
+def _k3(log_probs: Tensor, ref_log_probs: Tensor) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        raw = ref_log_probs - log_probs.detach()
+        log_r = raw.clamp(-20.0, 20.0)
+        r = log_r.exp()
+        k = r - log_r - 1.0
+        value = k.clamp(-10.0, 10.0)
+        # d value / d log pi = (1 - r) where neither clamp binds
+        grad = (1.0 - r).mul_((log_r == raw) & (value == k))
+    return value, grad
 
 
 def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """k3 = r - log r - 1 with r = pi_ref / pi (unbiased, low variance, >= 0); clamped as verl."""
-    log_r = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
-    return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
+    value, grad = _k3(log_probs, ref_log_probs)
+    return with_gradient(log_probs, value, grad)
 
 
 def straight_through(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-    """The estimator with ``fn``'s value and k2's gradient."""
+    """The estimator with ``fn``'s value and k2's gradient (``log pi - log pi_ref``)."""
 
     def st(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-        k2 = kl_k2(log_probs, ref_log_probs)
-        return k2 - k2.detach() + fn(log_probs, ref_log_probs).detach()
+        with torch.no_grad():
+            value = fn(log_probs.detach(), ref_log_probs)
+            d = log_probs.detach() - ref_log_probs
+        return with_gradient(log_probs, value, d)
 
     st.__name__ = f"{getattr(fn, '__name__', 'kl')}_straight_through"
     st.__doc__ = f"Value of {getattr(fn, '__name__', 'the estimator')}, gradient of k2."

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithm import PolicyLossTerms, ValueLossTerms
+from verl_core.algorithms._autograd import with_gradient
 from verl_core.algorithms.aggregation import aggregate, mask_weights, masked_total
 from verl_core.algorithms.config import (
     ActorLossConfig,
@@ -58,74 +59,116 @@ __all__ = [
 _GSPO_LOG_CLAMP: Final = 10.0
 
 
-def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig) -> Tensor:
-    c = config.log_ratio_clamp
-    return (log_probs - old_log_probs).clamp(-c, c)
-
-
 def _no(t: Tensor) -> Tensor:
     return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+
+
+def _clipped_ratio_loss(
+    ratio: Tensor, advantages: Tensor, config: PolicyLossConfig, dual: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Value of ``max(-A r, -A clip(r))`` (and the dual clip), its derivative in ``r``, and the flags."""
+    neg_adv = -advantages
+    loss1 = neg_adv * ratio
+    loss2 = neg_adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    clipped = loss2 > loss1  # then the clipped branch is active and has no gradient
+    value = torch.maximum(loss1, loss2)
+    keep = ~clipped
+    if dual and config.clip_ratio_c is not None:
+        # dual clip: for A < 0 the loss is capped at -A * c (no gradient there)
+        loss3 = neg_adv * config.clip_ratio_c
+        lower = (advantages < 0) & (value > loss3)
+        value = torch.where(lower, loss3, value)
+        keep &= ~lower
+    else:
+        lower = _no(ratio)
+    return value, neg_adv * keep, clipped, lower
+
+
+@torch.no_grad()
+def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig) -> tuple[Tensor, Tensor]:
+    """``clamp(log_probs - old, +-c)`` and where the clamp did not bind (the gradient passes)."""
+    raw = log_probs.detach() - old_log_probs
+    c = config.log_ratio_clamp
+    clamped = raw.clamp(-c, c)
+    return clamped, clamped == raw
 
 
 def ppo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
-    """PPO clipped objective with asymmetric clip (clip-low / clip-high) and optional dual clip."""
-    log_ratio = _log_ratio(log_probs, old_log_probs, config)
-    ratio = log_ratio.exp()
-    neg_adv = -advantages
-    loss1 = neg_adv * ratio
-    loss2 = neg_adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-    clipped_loss = torch.maximum(loss1, loss2)
-    clipped = loss2 > loss1
-    if config.clip_ratio_c is None:
-        return PolicyLossTerms(clipped_loss, clipped, _no(mask), log_ratio.detach())
-    # dual clip: for A < 0 the loss is capped at -A * c
-    loss3 = neg_adv * config.clip_ratio_c
-    lower = (advantages < 0) & (clipped_loss > loss3)
-    return PolicyLossTerms(torch.where(lower, loss3, clipped_loss), clipped, lower, log_ratio.detach())
+    """PPO clipped objective with asymmetric clip (clip-low / clip-high) and optional dual clip.
+
+    ``r = exp(clamp(log_probs - old_log_probs, +-log_ratio_clamp))``; the loss is
+    ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, capped at ``-A c`` for ``A < 0`` with the
+    dual clip (verl's ``vanilla``). Its gradient w.r.t. ``log_probs`` is ``-A r`` where no clip
+    binds and 0 elsewhere, attached analytically (see :mod:`verl_core.algorithms._autograd`).
+    """
+    with torch.no_grad():
+        log_ratio, inside = _log_ratio(log_probs, old_log_probs, config)
+        ratio = log_ratio.exp()
+        value, d_ratio, clipped, lower = _clipped_ratio_loss(ratio, advantages, config, dual=True)
+        coef = d_ratio.mul_(ratio).mul_(inside)
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), clipped, lower, log_ratio)
 
 
 def gspo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
-    """GSPO: clipped objective with the length-normalised sequence ratio (Zheng et al. 2025)."""
-    w = mask_weights(mask, log_probs.dtype)
-    raw = (log_probs - old_log_probs) * w
-    seq = raw.sum(-1) / w.sum(-1).clamp_min(1)
-    log_s = (log_probs - log_probs.detach() + seq.detach().unsqueeze(-1)).clamp(max=_GSPO_LOG_CLAMP)
-    s = log_s.exp()
-    neg_adv = -advantages
-    loss1 = neg_adv * s
-    loss2 = neg_adv * s.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-    return PolicyLossTerms(torch.maximum(loss1, loss2), loss2 > loss1, _no(mask), raw.detach())
+    """GSPO: clipped objective with the length-normalised sequence ratio (Zheng et al. 2025).
+
+    ``s_i = exp(mean_t (log_probs - old_log_probs))`` over the sequence's tokens, applied per token
+    as ``sg[s_i] * pi / sg[pi]`` (its log clamped at 10, as verl), then
+    ``max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high))``. Gradient w.r.t. ``log_probs[t]``:
+    ``-A s_i`` where neither clip binds, else 0.
+    """
+    with torch.no_grad():
+        w = mask_weights(mask, log_probs.dtype)
+        raw = (log_probs.detach() - old_log_probs).mul_(w)
+        seq = raw.sum(-1) / w.sum(-1).clamp_min(1)
+        log_s = seq.clamp(max=_GSPO_LOG_CLAMP)
+        s = log_s.exp().unsqueeze(-1).expand_as(raw)
+        value, d_s, clipped, lower = _clipped_ratio_loss(s, advantages, config, dual=False)
+        coef = d_s.mul_(s).mul_((seq <= _GSPO_LOG_CLAMP).unsqueeze(-1))
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), clipped, lower, raw)
 
 
 def cispo_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
-    """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio (MiniMax-M1)."""
-    log_ratio = _log_ratio(log_probs, old_log_probs, config)
-    ratio = log_ratio.exp()
-    clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-    loss = -clipped_ratio.detach() * advantages * log_probs
-    return PolicyLossTerms(loss, (ratio != clipped_ratio).detach(), _no(mask), log_ratio.detach())
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio (MiniMax-M1).
+
+    ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * log_probs``; gradient ``-clip(r) A``.
+    """
+    with torch.no_grad():
+        log_ratio, _ = _log_ratio(log_probs, old_log_probs, config)
+        ratio = log_ratio.exp()
+        clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+        coef = -clipped_ratio * advantages
+        value = coef * log_probs.detach()
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), ratio != clipped_ratio, _no(mask), log_ratio)
 
 
 def reinforce_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
     """Plain REINFORCE: ``-A * log_probs`` (no ratio, no clip)."""
-    log_ratio = (log_probs - old_log_probs).detach()
-    return PolicyLossTerms(-advantages * log_probs, _no(mask), _no(mask), log_ratio)
+    with torch.no_grad():
+        log_ratio = log_probs.detach() - old_log_probs
+        coef = -advantages
+        value = coef * log_probs.detach()
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), _no(mask), _no(mask), log_ratio)
 
 
 def importance_sampling_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> PolicyLossTerms:
-    """Unclipped importance-sampled policy gradient: ``-A * pi / pi_old``."""
-    log_ratio = _log_ratio(log_probs, old_log_probs, config)
-    return PolicyLossTerms(-advantages * log_ratio.exp(), _no(mask), _no(mask), log_ratio.detach())
+    """Unclipped importance-sampled policy gradient: ``-A * pi / pi_old`` (gradient ``-A r``)."""
+    with torch.no_grad():
+        log_ratio, inside = _log_ratio(log_probs, old_log_probs, config)
+        ratio = log_ratio.exp()
+        value = -advantages * ratio
+        coef = value * inside
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), _no(mask), _no(mask), log_ratio)
 
 
 POLICY_LOSSES: Final = {
@@ -272,18 +315,26 @@ class ActorLoss:
 def clipped_value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, config: CriticLossConfig
 ) -> ValueLossTerms:
-    """``max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = old_V + clip(V - old_V, +-c)`` (verl).
+    """``max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = clamp(V, old_V - c, old_V + c)`` (verl).
 
     Without ``clip_range_value`` it is ``(V - R)^2``. The aggregated loss is halved (see
     :func:`critic_loss`).
     """
-    loss1 = (values - returns).square()
     if config.clip_range_value is None:
-        return ValueLossTerms(loss1, _no(mask))
-    c = config.clip_range_value
-    clipped_v = old_values + (values - old_values).clamp(-c, c)
-    loss2 = (clipped_v - returns).square()
-    return ValueLossTerms(torch.maximum(loss1, loss2), (loss2 > loss1).detach())
+        with torch.no_grad():
+            err = values.detach() - returns
+            value, coef = err.square(), 2.0 * err
+        return ValueLossTerms(with_gradient(values, value, coef), _no(mask))
+    with torch.no_grad():
+        err = values.detach() - returns
+        c = config.clip_range_value
+        # clamp into [old - c, old + c] as verl: inside the band the prediction is kept bit for bit
+        err_clipped = torch.clamp(values.detach(), old_values - c, old_values + c).sub_(returns)
+        loss1, loss2 = err.square(), err_clipped.square()
+        clipped = loss2 > loss1  # the clipped prediction wins and has no gradient
+        coef = err.mul(2.0).mul_(~clipped)
+        value = torch.maximum(loss1, loss2)
+    return ValueLossTerms(with_gradient(values, value, coef), clipped)
 
 
 VALUE_LOSSES: Final = {"clipped_mse": clipped_value_loss}
