@@ -1,0 +1,178 @@
+"""Build this rank's megatron-core GPTModel stage from a transformers folder and load its weights."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
+
+__all__ = ["ValueHead", "build_stage", "load_hf_state_dict", "transformer_config"]
+
+
+class ValueHead(nn.Module):
+    """A critic's scalar head on the final hidden states, replicated on every TP rank.
+
+    Takes the place of GPTModel's output layer (same call signature), so the rest of the model is
+    Megatron's own. The input (after the final norm) is identical on all TP ranks, hence so are
+    this head's gradients.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = False
+
+    def forward(self, hidden: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
+        """Values [seq, batch, 1] of hidden states [seq, batch, hidden]."""
+        return F.linear(hidden, self.weight, self.bias), None
+
+
+def transformer_config(
+    dims: ModelDims, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False
+) -> Any:
+    """Megatron's TransformerConfig for ``dims`` (CPU-safe fusions off, float32 reductions)."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs: dict[str, Any] = {}
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        batch_p2p_comm=False,
+        batch_p2p_sync=False,
+        calculate_per_token_loss=True,
+        **kwargs,
+    )
+
+
+def load_hf_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """All tensors of a transformers folder's safetensors files (single or sharded)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{folder} holds no *.safetensors weights; save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def build_stage(
+    dims: ModelDims,
+    *,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    recompute: bool = False,
+) -> Any:
+    """This rank's GPTModel stage (local layer spec), with uninitialised weights."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(dims, tp=tp, pp=pp, dtype=dtype, recompute=recompute)
+    spec = get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=dims.vocab_size,
+        max_sequence_length=dims.max_position,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=dims.tied,
+        position_embedding_type="rope",
+        rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
+    )
+    if dims.head == "value" and pp_rank == pp - 1:
+        model.output_layer = ValueHead(dims.hidden_size, dtype)
+    return model.to(device)
+
+
+def load_stage_weights(
+    model: nn.Module,
+    adapter: StateDictAdapter,
+    full: dict[str, Tensor],
+    *,
+    tp_rank: int,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+) -> None:
+    """Copy this rank's shards of the full Megatron state dict ``full`` into ``model``.
+
+    Raises:
+        RuntimeError: a tensor is missing, unexpected or of the wrong shape.
+    """
+    params = dict(model.named_parameters())
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for global_name, local in adapter.stage_names(pp_rank, pp):
+            if local not in params:
+                raise RuntimeError(f"Megatron model has no parameter {local!r} (for {global_name!r})")
+            shard = adapter.shard(_partition_name(global_name, local), full[global_name], tp_rank, tp)
+            p = params[local]
+            if tuple(shard.shape) != tuple(p.shape):
+                raise RuntimeError(
+                    f"{local}: converted shard has shape {tuple(shard.shape)}, the model expects "
+                    f"{tuple(p.shape)} (tp={tp}, pp={pp})"
+                )
+            p.copy_(shard.to(p.dtype))
+            loaded.add(local)
+    left = sorted(expected - loaded)
+    if left:
+        raise RuntimeError(f"no weights were loaded for {left[:5]}")
+
+
+def _partition_name(global_name: str, local: str) -> str:
+    # A tied output layer on the last stage is split like the output layer (by vocabulary rows).
+    return local if local == "output_layer.weight" else global_name
+
+
+def model_dims(path: str | os.PathLike[str], head: HeadKind) -> ModelDims:
+    """The dims of the transformers folder ``path``."""
+    from transformers import AutoConfig
+
+    return ModelDims.from_hf_config(AutoConfig.from_pretrained(str(path)), head)

@@ -1,0 +1,160 @@
+"""Parallel layout and process-group setup: torch.distributed plus Megatron's parallel state.
+
+:func:`init_distributed` reads the launcher's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun), initialises
+torch.distributed (gloo on CPU, nccl on GPU) and Megatron's tensor/pipeline/data-parallel groups.
+Without a launcher it starts a single-process group, so TP=PP=DP=1 runs in a plain ``python``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl_core import ConfigError, ParallelSizes
+
+__all__ = ["ParallelConfig", "ParallelState", "init_distributed"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor, pipeline and data-parallel degrees of a Megatron run.
+
+    Attributes:
+        tp: Tensor-parallel size (must divide attention heads, KV groups and vocabulary).
+        pp: Pipeline-parallel size (must divide the number of layers).
+        dp: Data-parallel size; None derives it as ``world_size // (tp * pp)``.
+        virtual_pp: Virtual pipeline stages per rank (interleaved 1F1B); None disables it.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    virtual_pp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp is not None and self.dp < 1:
+            raise ConfigError(f"ParallelConfig.dp must be >= 1 or None, got {self.dp}")
+        if self.virtual_pp is not None:
+            raise ConfigError(
+                "ParallelConfig.virtual_pp is not supported by this version of verl-megatron; "
+                "leave it None"
+            )
+
+    @classmethod
+    def from_sizes(cls, sizes: ParallelSizes) -> ParallelConfig:
+        """The config of an EngineSpec's parallel sizes (dp is checked against the world size)."""
+        return cls(tp=sizes.tp, pp=sizes.pp, dp=sizes.dp)
+
+    def resolve(self, world_size: int) -> ParallelState:
+        """Check the layout against ``world_size`` and fill in dp.
+
+        Raises:
+            ConfigError: tp * pp does not divide the world size, or dp disagrees with it.
+        """
+        mp = self.tp * self.pp
+        if world_size % mp != 0:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp * pp = {self.tp} * {self.pp} = {mp}; "
+                f"launch a multiple of {mp} processes (torchrun --nproc_per_node) or change tp/pp"
+            )
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(
+                f"tp={self.tp} x pp={self.pp} x dp={self.dp} needs {mp * self.dp} processes, but the "
+                f"world size is {world_size}; launch {mp * self.dp} processes or set dp={dp}"
+            )
+        return ParallelState(tp=self.tp, pp=self.pp, dp=dp)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """The resolved layout of this process group (dp filled in)."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout spans."""
+        return self.tp * self.pp * self.dp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(config: ParallelConfig, *, device: str = "auto", seed: int = 0) -> ParallelState:
+    """Initialise torch.distributed and Megatron's parallel state for ``config``.
+
+    Idempotent: a second call with the same layout returns the existing state; a different layout
+    in the same process raises.
+
+    Args:
+        config: The parallel layout.
+        device: ``cpu``, ``cuda`` or ``auto`` (cuda when available). Picks gloo or nccl.
+        seed: Seed of Megatron's model-parallel RNG streams.
+
+    Raises:
+        ConfigError: the layout does not fit the world size, or differs from an existing one.
+    """
+    from verl_megatron.cpu_shims import apply_cpu_shims
+
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was requested but no CUDA device is available; use device='cpu'")
+    if not use_cuda:
+        apply_cpu_shims()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    state = config.resolve(world)
+
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0"))
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if use_cuda else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        else:
+            if world != 1:
+                raise ConfigError(
+                    f"WORLD_SIZE={world} but MASTER_ADDR is not set; launch with torchrun"
+                )
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+    elif dist.get_world_size() != world:
+        raise ConfigError(
+            f"torch.distributed is initialised with world size {dist.get_world_size()}, "
+            f"but WORLD_SIZE={world}"
+        )
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (state.tp, state.pp):
+            raise ConfigError(
+                f"Megatron's parallel state is already initialised with tp={have[0]}, pp={have[1]}; "
+                f"this process cannot also run tp={state.tp}, pp={state.pp}. Use one layout per "
+                "process group"
+            )
+        return state
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=state.tp, pipeline_model_parallel_size=state.pp
+    )
+    # On CPU there is no CUDA generator to fork: the inference tracker's fork() is a no-op
+    # (dropout is off in these models, so no RNG stream is consumed inside the forks).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda)
+    return state

@@ -1,0 +1,590 @@
+"""The Megatron TrainingEngine: megatron-core GPTModel under tensor, pipeline and data parallelism.
+
+Layout of one forward: Megatron's RoPE takes arange positions, so each row of ``[prompt;
+response]`` is shifted left until its first real token sits at column 0. Real tokens are
+contiguous (prompts are left-padded, responses right-padded), so their positions become
+``0..L-1``, which is exactly ``cumsum(attention_mask) - 1`` of the padded layout, and the padding
+now trails every real token, so a causal mask alone keeps it out of every real token's attention.
+
+Training runs through Megatron's pipeline schedules (``get_forward_backward_func``: 1F1B under
+PP). The loss function's scalar is already normalised by the global counts, so the schedules run
+with ``calculate_per_token_loss`` (no division by the number of micro-batches). Gradients are
+then made global: summed over the tensor-parallel group for the replicated QK-norm weights,
+over the embedding group for a tied embedding split across pipeline stages, and over
+data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from verl_core import (
+    BatchValidationError,
+    ConfigError,
+    EngineSpec,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    ModelOutput,
+    StepMetrics,
+    TensorBatch,
+    TensorInfo,
+    Tokenizer,
+    TrainingCapabilities,
+    TrainingEngine,
+    WeightManifest,
+    WeightMessage,
+    stream_weights,
+)
+from verl_core.registry import parse_options
+from verl_core.training import DEFAULT_BUCKET_BYTES
+from verl_megatron.convert import StateDictAdapter
+from verl_megatron.logprobs import vocab_parallel_log_probs
+from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
+from verl_megatron.options import MegatronOptions
+from verl_megatron.parallel import ParallelConfig, init_distributed
+from verl_megatron.plugin import training_capabilities
+from verl_megatron.tokenizer import HFTokenizer
+
+__all__ = ["MegatronTrainingEngine", "build_training_engine"]
+
+_LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
+_CKPT_META = "verl_megatron_checkpoint.json"
+
+
+def build_training_engine(spec: EngineSpec) -> MegatronTrainingEngine:
+    """Factory of the actor, reference and critic roles (the plugin's import string)."""
+    return MegatronTrainingEngine(spec)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A micro-batch in the model's layout."""
+
+    batch: TensorBatch
+    tokens: Tensor  # [b, s] shifted left, padding trailing
+    gather_idx: Tensor  # [b, R] column of the logits that predicts response token t
+    response_mask: Tensor  # [b, R]
+    real: int  # samples that are not padding added for uniform pipeline shapes
+
+
+class MegatronTrainingEngine(TrainingEngine):
+    """A megatron-core GPTModel (local layer spec) loaded from a transformers folder.
+
+    Every rank of the SPMD group builds the engine with the same spec and makes the same calls in
+    the same order (collectives). ``forward`` computes the batch it is given on every data-parallel
+    replica; ``forward_backward`` takes this data-parallel rank's share of the mini-batch.
+
+    Args:
+        spec: The engine spec; ``spec.parallel`` must match the launcher's world size.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if spec.role not in ("actor", "reference", "critic"):
+            raise ConfigError(f"the Megatron training engine plays actor, reference or critic, not {spec.role!r}")
+        self._spec = spec
+        self._options = parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
+        self._device = self._resolve_device(spec.device)
+        self._state = init_distributed(
+            ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed
+        )
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        self.tp, self.pp, self.dp = self._state.tp, self._state.pp, self._state.dp
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dims = model_dims(spec.model_path, "value" if spec.role == "critic" else "lm")
+        self.dims.check_parallel(self.tp, self.pp)
+        self.adapter = StateDictAdapter(self.dims)
+        self._dtype: torch.dtype = spec.torch_dtype
+        self.model = build_stage(
+            self.dims, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank, dtype=self._dtype,
+            device=self._device, recompute=spec.gradient_checkpointing,
+        )
+        self._load_hf(spec.model_path)
+        self._tokenizer = HFTokenizer(spec.model_path)
+        self._trainable = spec.role in ("actor", "critic")
+        self._step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self._trainable:
+            o = spec.optim
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=o.lr_at(0), betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+            )
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    def _resolve_device(device: str) -> torch.device:
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(f"EngineSpec.device={device!r} but no CUDA device is available; use 'cpu'")
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if device != "cpu":
+            raise ConfigError(f"EngineSpec.device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        return torch.device("cpu")
+
+    def _load_hf(self, path: str | os.PathLike[str]) -> None:
+        hf = load_hf_state_dict(path)
+        full = self.adapter.from_hf(hf)
+        load_stage_weights(
+            self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=self.pp_rank, pp=self.pp
+        )
+
+    # ------------------------------------------------------------------ protocol properties
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """What this engine supports."""
+        return training_capabilities(self._spec.role)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Tokenizer of the model folder."""
+        return self._tokenizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (the weight version of an export)."""
+        return self._step
+
+    # ------------------------------------------------------------------ input handling
+    def _validate(self, batch: TensorBatch, where: str, outputs: Collection[str]) -> None:
+        batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
+        batch.check(where=where, vocab_size=self.dims.vocab_size)
+        unknown = set(outputs) - {"log_probs", "entropy", "values"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown outputs {sorted(unknown)}; valid: log_probs, entropy, values")
+        if self.dims.head == "value" and set(outputs) - {"values"}:
+            raise ConfigError(f"{where}: a critic computes only 'values', got {sorted(outputs)}")
+        if self.dims.head == "lm" and "values" in outputs:
+            raise ConfigError(f"{where}: 'values' needs role='critic' (a value head); this engine is {self._spec.role}")
+        no_prompt = (batch["prompt_mask"].sum(1) == 0) & batch["response_mask"].any(1)
+        if bool(no_prompt.any()):
+            row = int(no_prompt.nonzero()[0])
+            raise BatchValidationError(
+                f"{where}: sample {row} has response tokens but an empty prompt; every scored "
+                "response needs at least one prompt token to condition on"
+            )
+
+    def _prepare(self, mb: TensorBatch, real: int) -> _Prepared:
+        prompt_mask, response_mask = mb["prompt_mask"], mb["response_mask"]
+        ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)
+        mask = torch.cat([prompt_mask, response_mask], 1)
+        b, s = ids.shape
+        lengths = mask.sum(1)
+        left_pad = (~prompt_mask).sum(1)
+        cols = torch.arange(s, device=ids.device).unsqueeze(0)
+        src = (cols + left_pad.unsqueeze(1)).clamp(max=s - 1)
+        tokens = ids.gather(1, src).masked_fill(cols >= lengths.unsqueeze(1), mb.meta.pad_token_id)
+        r = response_mask.shape[1]
+        prompt_len = prompt_mask.sum(1)
+        gather_idx = (prompt_len.unsqueeze(1) + torch.arange(r, device=ids.device) - 1).clamp(0, s - 1)
+        if self.pp == 1 and b:
+            # Without pipeline stages shapes may vary per micro-batch: drop trailing padding.
+            width = max(int(lengths.max()), 1)
+            tokens = tokens[:, :width]
+            gather_idx = gather_idx.clamp(max=width - 1)
+        dev = self._device
+        return _Prepared(mb, tokens.to(dev), gather_idx.to(dev), response_mask.to(dev), real)
+
+    def _micro_batches(self, batch: TensorBatch) -> tuple[list[_Prepared], Any]:
+        spec = self._spec
+        if spec.micro_batch_tokens is not None:
+            mbs = batch.micro_batches(max_tokens=spec.micro_batch_tokens, trim=self.pp == 1)
+        else:
+            mbs = batch.micro_batches(size=spec.micro_batch_size or max(batch.batch_size, 1), trim=self.pp == 1)
+        parts = list(mbs.batches)
+        if self.pp > 1 and parts:
+            # Pipeline stages exchange activations of one fixed shape.
+            size = max(p.batch_size for p in parts)
+            parts = [p.pad_to_multiple(size)[0] if p.batch_size < size else p for p in parts]
+        real = [b.batch_size for b in mbs.batches]
+        return [self._prepare(p, n) for p, n in zip(parts, real, strict=True)], mbs
+
+    # ------------------------------------------------------------------ model execution
+    def _causal_mask(self, s: int) -> Tensor:
+        return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self._device), 1).view(1, 1, s, s)
+
+    def _outputs(self, out: Tensor, prep: _Prepared, needed: Collection[str], temperature: float) -> dict[str, Tensor]:
+        """Model outputs at the response positions ([b, R] float32, 0 where masked)."""
+        result: dict[str, Tensor] = {}
+        idx = prep.gather_idx
+        rmask = prep.response_mask
+        zero = torch.zeros((), dtype=torch.float32, device=out.device)
+        if "values" in needed:
+            vals = out[..., 0].float().gather(1, idx)
+            result["values"] = torch.where(rmask, vals, zero)
+        if {"log_probs", "entropy"} & set(needed):
+            logits = out.gather(1, idx.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+            n_local = out.shape[-1]
+            lp, ent = vocab_parallel_log_probs(
+                logits,
+                prep.batch["response_ids"].to(out.device),
+                vocab_start=self.tp_rank * n_local,
+                tp_group=self._ps.get_tensor_model_parallel_group() if self.tp > 1 else None,
+                tp_size=self.tp,
+                temperature=temperature,
+                entropy="entropy" in needed,
+            )
+            if "log_probs" in needed:
+                result["log_probs"] = torch.where(rmask, lp, zero)
+            if ent is not None:
+                result["entropy"] = torch.where(rmask, ent, zero)
+        return result
+
+    def _run(
+        self,
+        preps: list[_Prepared],
+        loss_of: Any,
+        *,
+        forward_only: bool,
+    ) -> list[dict[str, Tensor]]:
+        """Run Megatron's schedule over ``preps``; returns the last stage's per-micro-batch dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        it = iter(preps)
+
+        def forward_step(data_iterator: Iterator[_Prepared], model: Any) -> tuple[Tensor, Any]:
+            prep = next(data_iterator)
+            b, s = prep.tokens.shape
+            positions = torch.arange(s, device=self._device).unsqueeze(0).expand(b, s)
+            out = model(prep.tokens, positions, self._causal_mask(s))
+            return out, partial(loss_of, prep)
+
+        fb = get_forward_backward_func()
+        shape = preps[0].tokens.shape
+        out: list[dict[str, Tensor]] = fb(
+            forward_step_func=forward_step,
+            data_iterator=it,
+            model=[self.model],
+            num_microbatches=len(preps),
+            seq_length=int(shape[1]),
+            micro_batch_size=int(shape[0]),
+            forward_only=forward_only,
+        )
+        return out
+
+    def _pp_last_rank(self) -> int:
+        ranks = dist.get_process_group_ranks(self._ps.get_pipeline_model_parallel_group())
+        return int(ranks[-1])
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
+    ) -> TensorBatch:
+        """Compute ``outputs`` for the response tokens, without gradients (see TrainingEngine)."""
+        needed = frozenset(outputs)
+        self._validate(batch, "MegatronTrainingEngine.forward", needed)
+        if batch.batch_size == 0 or not needed:
+            return batch
+        preps, mbs = self._micro_batches(batch)
+        temperature = batch.meta.temperature
+
+        def loss_of(prep: _Prepared, out: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            res = {k: v[: prep.real].detach().cpu() for k, v in self._outputs(out, prep, needed, temperature).items()}
+            zero = torch.zeros((), device=out.device, dtype=torch.float32)
+            return zero, torch.ones((), dtype=torch.int, device=out.device), res
+
+        self.model.eval()
+        with torch.no_grad():
+            stored = self._run(preps, loss_of, forward_only=True)
+        fields = sorted(needed)
+        per_mb: list[TensorBatch] = []
+        for i, prep in enumerate(preps):
+            r = prep.batch.response_len
+            tensors: dict[str, Tensor] = {}
+            for name in fields:
+                t = stored[i][name] if self.pp_rank == self.pp - 1 else torch.empty(prep.real, r)
+                if self.pp > 1:
+                    t = t.to(self._comm_device()).contiguous()
+                    dist.broadcast(t, src=self._pp_last_rank(), group=self._ps.get_pipeline_model_parallel_group())
+                tensors[name] = t.cpu()
+            per_mb.append(mbs.batches[i].select(*mbs.batches[i].keys()).update(tensors))
+        restored: TensorBatch = mbs.restore(per_mb)
+        width = batch.response_len
+        result: dict[str, Tensor] = {}
+        for k in fields:
+            t = restored[k]
+            if t.shape[1] < width:  # micro-batches were trimmed of all-padding columns
+                t = torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], 1)
+            result[k] = t.to(batch.device)
+        return batch.update(result)
+
+    def _comm_device(self) -> torch.device:
+        return self._device
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
+        """Accumulate gradients of ``loss_fn`` over this rank's share of one optimizer step."""
+        if not self._trainable:
+            raise ConfigError(f"forward_backward needs role actor or critic; this engine is {self._spec.role}")
+        needed = frozenset(loss_fn.needs)
+        self._validate(mini_batch, "MegatronTrainingEngine.forward_backward", needed)
+        if mini_batch.batch_size == 0:
+            raise BatchValidationError("forward_backward got an empty mini-batch; every data-parallel rank needs >= 1 sample")
+        preps, _ = self._micro_batches(mini_batch)
+        n_mb = torch.tensor([len(preps)], dtype=torch.int64, device=self._device)
+        if self.dp > 1:
+            dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=self._ps.get_data_parallel_group())
+        if int(n_mb) > len(preps):
+            # Every data-parallel rank runs the same number of micro-batches: pad with empty ones.
+            empty = preps[-1].batch.pad_to_multiple(preps[-1].batch.batch_size + 1)[0]
+            empty = empty.index(slice(preps[-1].batch.batch_size, None))
+            if self.pp > 1:
+                empty = empty.pad_to_multiple(preps[-1].batch.batch_size)[0]
+            preps += [self._prepare(empty, 0)] * (int(n_mb) - len(preps))
+        temperature = mini_batch.meta.temperature
+
+        def loss_of(prep: _Prepared, out: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            outs = self._outputs(out, prep, needed, temperature)
+            mb = prep.batch.update({k: v.to(prep.batch.device) for k, v in outs.items()})
+            res = loss_fn(mb, stats)
+            metrics = {k: v.detach().float().reshape(()).cpu() for k, v in res.metrics.items()}
+            metrics["loss"] = res.loss.detach().float().reshape(()).clone().cpu()
+            return res.loss, torch.ones((), dtype=torch.int, device=out.device), metrics
+
+        self.model.train()
+        stored = self._run(preps, loss_of, forward_only=False)
+        self._sync_grads()
+        return self._reduce_metrics(stored, len(preps))
+
+    def _reduce_metrics(self, stored: list[dict[str, Tensor]], n_mb: int) -> Metrics:
+        keys: list[str] = sorted({k for d in stored for k in d}) if self.pp_rank == self.pp - 1 else []
+        if self.pp > 1:
+            obj: list[Any] = [keys]
+            dist.broadcast_object_list(obj, src=self._pp_last_rank(), group=self._ps.get_pipeline_model_parallel_group())
+            keys = obj[0]
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        if self.pp_rank == self.pp - 1:
+            for d in stored:
+                for i, k in enumerate(keys):
+                    if k in d:
+                        vec[i] += float(d[k])
+        vec = vec.to(self._device)
+        if self.pp > 1:
+            dist.broadcast(vec, src=self._pp_last_rank(), group=self._ps.get_pipeline_model_parallel_group())
+        if self.dp > 1:
+            dist.all_reduce(vec, group=self._ps.get_data_parallel_group())
+        out = {k: float(v) for k, v in zip(keys, vec.cpu().tolist(), strict=True)}
+        out["num_micro_batches"] = float(n_mb)
+        return out
+
+    def _sync_grads(self) -> None:
+        ps = self._ps
+        params = dict(self.model.named_parameters())
+        if self.tp > 1 and self.dims.qk_norm:
+            # QK-norm weights are replicated but each TP rank only saw its own heads.
+            for name, p in params.items():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.pp > 1 and self.dims.tied and ps.is_rank_in_embedding_group():
+            shared = self.model.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+        if self.dp > 1:
+            for p in params.values():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the current gradients (each parameter counted once over all ranks)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None or getattr(p, "shared", False):
+                continue  # the last stage's copy of a tied embedding is counted on the first
+            if self.adapter.partition(name) == "replicated" and self.tp_rank != 0:
+                continue  # identical on every TP rank: count it once
+            sq += p.grad.detach().double().pow(2).sum()
+        if self.tp * self.pp > 1:
+            dist.all_reduce(sq, group=self._ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    def optimizer_step(self) -> StepMetrics:
+        """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
+        if self.optimizer is None:
+            raise ConfigError(f"optimizer_step needs role actor or critic; this engine is {self._spec.role}")
+        norm = self.grad_norm()
+        bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(norm)) else 1.0], device=self._device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        lr = self._spec.optim.lr_at(self._step)
+        skipped = bool(bad.item() > 0)
+        if not skipped:
+            clip = self._spec.optim.grad_clip
+            if clip > 0 and norm > clip:
+                coef = clip / (norm + 1e-6)
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepMetrics(grad_norm=norm, lr=lr, skipped=skipped)
+
+    # ------------------------------------------------------------------ weights
+    def _full_tensor(self, name: str, *, grad: bool = False) -> Tensor | None:
+        """Gather the full Megatron tensor ``name`` (TP all-gather, PP broadcast) onto every rank."""
+        ps = self._ps
+        owner = self.adapter.stage_of(name, self.pp)
+        full: Tensor | None = None
+        if self.pp_rank == owner:
+            param = dict(self.model.named_parameters())[self.adapter.local_name(name, self.pp)]
+            local = param.detach()
+            if grad:
+                local = param.grad.detach() if param.grad is not None else torch.zeros_like(local)
+            if self.tp > 1 and self.adapter.partition(name) != "replicated":
+                shards = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+                full = self.adapter.unshard(name, shards)
+            else:
+                full = local
+        if self.pp > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            src = int(dist.get_process_group_ranks(group)[owner])
+            buf = full.contiguous() if full is not None else torch.empty(
+                self.adapter.megatron_shape(name), dtype=self._dtype, device=self._device
+            )
+            dist.broadcast(buf, src=src, group=group)
+            full = buf
+        return full
+
+    def _hf_tensors(self, *, grad: bool = False) -> Iterator[tuple[str, Tensor]]:
+        for name in self.adapter.megatron_names():
+            full = self._full_tensor(name, grad=grad)
+            assert full is not None
+            for hf_name, t in self.adapter.to_hf_tensor(name, full).items():
+                assert t is not None
+                yield hf_name, t.contiguous()
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """Stream the full weights in transformers naming (see TrainingEngine.export_weights).
+
+        Every rank of the group must iterate the stream to the end (the gathers are collectives).
+        With the ``export_ranks="first"`` option only global rank 0's chunks carry tensors.
+        """
+        out_dtype = dtype or self._dtype
+        manifest = WeightManifest(
+            version=self._step,
+            tensors={n: TensorInfo(s, out_dtype) for n, s in self.adapter.hf_shapes().items()},
+            tied_embeddings=self.dims.tied,
+        )
+        if self._options.export_ranks == "first" and dist.get_rank() != 0:
+            def drain() -> Iterator[WeightMessage]:
+                yield manifest
+                for _ in self._hf_tensors():
+                    pass
+                from verl_core import WeightCommit
+
+                yield WeightCommit(manifest.version)
+
+            return drain()
+        return stream_weights(self._hf_tensors(), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def hf_state_dict(self, *, grads: bool = False) -> dict[str, Tensor]:
+        """The full weights (or their accumulated gradients) in transformers naming, on every rank.
+
+        A collective: every rank of the group must call it.
+        """
+        return {n: t.clone() for n, t in self._hf_tensors(grad=grads)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _rank_file(self, folder: Path) -> Path:
+        return folder / f"model_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt"
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save model shards, optimizer, RNG and step atomically to the folder ``path``.
+
+        Data-parallel rank 0 of each (TP, PP) position writes its shard into a temporary folder;
+        global rank 0 then swaps it into place, so a crash leaves the previous checkpoint intact.
+        """
+        dest = Path(path)
+        tmp = dest.with_name(f".{dest.name}.incomplete")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        if self.dp_rank == 0:
+            payload = {
+                "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "step": self._step,
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(payload, self._rank_file(tmp))
+        if dist.get_rank() == 0:
+            meta = {"tp": self.tp, "pp": self.pp, "step": self._step, "role": self._spec.role,
+                    "format": "verl_megatron/1"}
+            (tmp / _CKPT_META).write_text(json.dumps(meta))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            old = dest.with_name(f".{dest.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if dest.exists():
+                os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` at the same TP/PP layout.
+
+        Raises:
+            ConfigError: the checkpoint is missing or was saved at another TP/PP layout.
+        """
+        folder = Path(path)
+        meta_file = folder / _CKPT_META
+        if not meta_file.exists():
+            raise ConfigError(f"{folder} is not a verl-megatron checkpoint (no {_CKPT_META})")
+        meta = json.loads(meta_file.read_text())
+        if (meta["tp"], meta["pp"]) != (self.tp, self.pp):
+            raise ConfigError(
+                f"checkpoint {folder} was saved at tp={meta['tp']}, pp={meta['pp']}; this engine runs "
+                f"tp={self.tp}, pp={self.pp}. Load it at the saved layout"
+            )
+        payload = torch.load(self._rank_file(folder), map_location=self._device, weights_only=True)
+        missing, unexpected = self.model.load_state_dict(payload["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ConfigError(f"checkpoint {folder} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if self.optimizer is not None and payload["optimizer"] is not None:
+            self.optimizer.load_state_dict(payload["optimizer"])
+        torch.set_rng_state(payload["rng"])
+        self._step = int(payload["step"])
+        dist.barrier()
+
+    # ------------------------------------------------------------------ memory
+    def offload(self) -> None:
+        """No-op: parameters and optimizer state stay where they are (capability ``offload`` is False)."""
+
+    def onload(self) -> None:
+        """No-op counterpart of :meth:`offload`."""
+
+    def close(self) -> None:
+        """Drop the model and optimizer (the process group stays for other engines)."""
+        self.optimizer = None
+        self.model = None

@@ -1,0 +1,125 @@
+"""Launched under torchrun by test_engine.py: runs the Megatron engine at one TP/PP layout.
+
+Every rank writes its results; the test compares layouts with each other and with the float64
+transformers reference. Usage: ``engine_checks.py TP PP CKPT_DIR NAMES`` where NAMES is a
+comma-separated subset of the actor archs and ``critic``; the first actor also checks a
+checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, write_rank_result
+from verl_core import (
+    EngineSpec,
+    GlobalBatchStats,
+    LossOutput,
+    OptimConfig,
+    ParallelSizes,
+    TensorBatch,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+)
+from verl_megatron.training import MegatronTrainingEngine
+
+ACTORS = (("llama", False, 1.0), ("qwen2", True, 0.7), ("qwen3", False, 1.0))
+
+
+class TokenMeanPG:
+    """-mean(log_prob * advantage) - 0.01 * mean(entropy) over the global response tokens."""
+
+    needs = frozenset({"log_probs", "entropy"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        m = batch["response_mask"].float()
+        n = max(stats.num_tokens, 1)
+        pg = -(batch["log_probs"] * batch["advantages"] * m).sum() / n
+        ent = (batch["entropy"] * m).sum() / n
+        return LossOutput(pg - 0.01 * ent, {"pg": pg.detach(), "entropy": ent.detach()})
+
+
+class TokenMeanValue:
+    """0.5 * mean((value - return)^2) over the global response tokens."""
+
+    needs = frozenset({"values"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        m = batch["response_mask"].float()
+        err = (batch["values"] - batch["returns"]) * m
+        return LossOutput(0.5 * err.pow(2).sum() / max(stats.num_tokens, 1))
+
+
+def actor_batch(seed: int, temperature: float) -> TensorBatch:
+    return random_batch(batch_size=5, max_prompt=6, max_response=5, seed=seed, with_rl_fields=True,
+                        temperature=temperature, empty_responses=1)
+
+
+def collect(stream: Any) -> dict[str, torch.Tensor]:
+    msgs = list(stream)
+    assert isinstance(msgs[0], WeightManifest) and isinstance(msgs[-1], WeightCommit)
+    out: dict[str, torch.Tensor] = {}
+    for m in msgs[1:-1]:
+        assert isinstance(m, WeightChunk)
+        out.update({n: t.clone() for n, t in m.tensors})
+    assert set(out) == set(msgs[0].tensors), "stream names differ from the manifest"
+    return out
+
+
+def main() -> None:
+    tp, pp, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    names = sys.argv[4].split(",")
+    par = ParallelSizes(tp=tp, pp=pp, dp=1)
+    optim = OptimConfig(lr=1e-2, grad_clip=0.5)
+    result: dict[str, Any] = {}
+    first = True
+    actors = {a: (i, tied, temp) for i, (a, tied, temp) in enumerate(ACTORS)}
+    for arch in names:
+        if arch == "critic":
+            continue
+        i, tied, temp = actors[arch]
+        path = tiny_model(TinyModelSpec(arch=arch, tied=tied))
+        spec = EngineSpec(str(path), "actor", parallel=par, optim=optim, micro_batch_size=2, seed=1)
+        eng = MegatronTrainingEngine(spec)
+        batch = actor_batch(i, temp)
+        out = eng.forward(batch, ("log_probs", "entropy"))
+        r: dict[str, Any] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
+        r["export"] = collect(eng.export_weights(bucket_bytes=20_000))
+        metrics = eng.forward_backward(batch, TokenMeanPG(), GlobalBatchStats.of(batch))
+        r["loss"] = metrics["loss"]
+        r["pg"] = metrics["pg"]
+        r["num_micro_batches"] = metrics["num_micro_batches"]
+        r["grads"] = eng.hf_state_dict(grads=True)
+        step = eng.optimizer_step()
+        r["grad_norm"], r["skipped"] = step.grad_norm, step.skipped
+        r["after"] = eng.hf_state_dict()
+        if first:
+            first = False
+            eng.save_checkpoint(ckpt)
+            after_lp = eng.forward(batch)["log_probs"]
+            fresh = MegatronTrainingEngine(spec)
+            fresh.load_checkpoint(ckpt)
+            r["ckpt_lp"] = (after_lp, fresh.forward(batch)["log_probs"])
+            r["ckpt_step"] = fresh.step
+        result[arch] = r
+    if "critic" in names:
+        result["critic"] = run_critic(par, optim)
+    write_rank_result(result)
+
+
+def run_critic(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
+    path = tiny_model(TinyModelSpec(arch="qwen2", head="value"))
+    critic = MegatronTrainingEngine(EngineSpec(str(path), "critic", parallel=par, optim=optim, micro_batch_tokens=40))
+    batch = actor_batch(7, 1.0)
+    out = critic.forward(batch, ("values",))
+    metrics = critic.forward_backward(batch, TokenMeanValue(), GlobalBatchStats.of(batch))
+    return {"values": out["values"], "loss": metrics["loss"], "grads": critic.hf_state_dict(grads=True),
+            "export": collect(critic.export_weights())}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The Megatron training engine at TP=1, TP=2, PP=2 and TP2xPP2 against each other and the float64 reference.
+
+Each layout is one torchrun launch of ``engine_checks.py`` (several models and checks per launch,
+since a launch costs seconds); the comparisons run here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl_conformance.testkit import (
+    TinyModelSpec,
+    assert_close,
+    launch_torchrun,
+    tiny_model,
+)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("engine_checks.py")
+# What each layout runs (TP=1 runs everything: it is the baseline of the others). TP=2 exercises
+# QKV-bias and QK-norm sharding, PP=2 a tied embedding split across stages.
+RUNS: dict[tuple[int, int], tuple[str, ...]] = {
+    (1, 1): ("llama", "qwen2", "qwen3", "critic"),
+    (2, 1): ("qwen3", "qwen2", "critic"),
+    (1, 2): ("qwen2", "critic"),
+    (2, 2): ("qwen2",),
+}
+LAYOUTS = list(RUNS)
+PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != (1, 1) for name in names]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    import engine_checks  # noqa: F401  (fail fast on an import error, before launching)
+
+    out = {}
+    for tp, pp in LAYOUTS:
+        ckpt = tmp_path_factory.mktemp(f"ckpt-tp{tp}-pp{pp}") / "ckpt"
+        out[(tp, pp)] = launch_torchrun(
+            SCRIPT, tp * pp, [str(tp), str(pp), str(ckpt), ",".join(RUNS[(tp, pp)])], timeout=240,
+            env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        )
+    return out
+
+
+def _batch(arch: str) -> Any:
+    import engine_checks
+
+    for i, (a, _, temp) in enumerate(engine_checks.ACTORS):
+        if a == arch:
+            return engine_checks.actor_batch(i, temp)
+    return engine_checks.actor_batch(7, 1.0)
+
+
+def _path(arch: str) -> Path:
+    import engine_checks
+
+    if arch == "critic":
+        return tiny_model(TinyModelSpec(arch="qwen2", head="value"))
+    tied = {a: t for a, t, _ in engine_checks.ACTORS}[arch]
+    return tiny_model(TinyModelSpec(arch=arch, tied=tied))
+
+
+def _reference(arch: str) -> dict[str, Any]:
+    """Outputs, loss and gradients of the engine_checks losses in float64 with transformers.
+
+    Each sample runs alone without padding (positions 0..L-1), so no attention mask is involved.
+    """
+    import transformers
+
+    path, batch = _path(arch), _batch(arch)
+    critic = arch == "critic"
+    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager")
+    n = max(int(batch["response_mask"].sum()), 1)
+    shape = batch["response_mask"].shape
+    outs = {k: torch.zeros(shape, dtype=torch.float64) for k in ("log_probs", "entropy", "values")}
+    loss = torch.zeros((), dtype=torch.float64)
+    for b in range(batch.batch_size):
+        prompt = batch["prompt_ids"][b][batch["prompt_mask"][b]]
+        r = int(batch["response_mask"][b].sum())
+        if r == 0:
+            continue
+        ids = torch.cat([prompt, batch["response_ids"][b, :r]]).unsqueeze(0)
+        out = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + r - 1]
+        if critic:
+            values = out[:, 0]
+            outs["values"][b, :r] = values.detach()
+            loss = loss + 0.5 * ((values - batch["returns"][b, :r].double()) ** 2).sum() / n
+        else:
+            logp = torch.log_softmax(out / batch.meta.temperature, -1)
+            lp = logp.gather(-1, batch["response_ids"][b, :r].unsqueeze(-1)).squeeze(-1)
+            ent = -(logp.exp() * logp).sum(-1)
+            outs["log_probs"][b, :r], outs["entropy"][b, :r] = lp.detach(), ent.detach()
+            pg = -(lp * batch["advantages"][b, :r].double()).sum() / n
+            loss = loss + pg - 0.01 * ent.sum() / n
+    loss.backward()
+    grads = {name: prm.grad.detach().clone() for name, prm in model.named_parameters() if prm.grad is not None}
+    return {**outs, "loss": float(loss.detach()), "grads": grads}
+
+
+_REFERENCE: dict[str, dict[str, Any]] = {}
+
+
+def reference(arch: str) -> dict[str, Any]:
+    """:func:`_reference`, computed once per arch."""
+    if arch not in _REFERENCE:
+        _REFERENCE[arch] = _reference(arch)
+    return _REFERENCE[arch]
+
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp1_log_probs_and_entropy_match_float64_reference(runs: Any, arch: str) -> None:
+    ref = reference(arch)
+    got = runs[(1, 1)][0][arch]
+    assert_close(got["log_probs"], ref["log_probs"], dtype="float32", quantity="log_probs", what=f"{arch} log_probs")
+    assert_close(got["entropy"], ref["entropy"], dtype="float32", quantity="entropy", what=f"{arch} entropy")
+
+
+def test_critic_values_match_float64_reference(runs: Any) -> None:
+    ref = reference("critic")
+    assert_close(runs[(1, 1)][0]["critic"]["values"], ref["values"], dtype="float32", quantity="values")
+
+
+@pytest.mark.parametrize(("layout", "arch"), PAIRS, ids=[f"tp{a[0]}pp{a[1]}-{n}" for a, n in PAIRS])
+def test_parallel_layouts_match_tp1(runs: Any, layout: tuple[int, int], arch: str) -> None:
+    base = runs[(1, 1)][0][arch]
+    fields = ("values",) if arch == "critic" else ("log_probs", "entropy")
+    for rank, res in enumerate(runs[layout]):
+        got = res[arch]
+        for f in fields:
+            assert_close(got[f], base[f], dtype="float32", quantity=f, what=f"{arch} {f} rank {rank} {layout}")
+        assert got["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+        for name, g in base["grads"].items():
+            assert_close(got["grads"][name], g, dtype="float32", quantity="grad", what=f"{arch} grad {name} {layout}")
+        if arch != "critic":
+            assert got["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
+            assert got["num_micro_batches"] == base["num_micro_batches"] == 3
+            # Adam's first step is ~lr * sign(grad): compare the updates by relative L2 error.
+            initial = load_file(str(_path(arch) / "model.safetensors"))
+            for name, w in base["after"].items():
+                assert_close(got["after"][name] - initial[name], w - initial[name], dtype="float32",
+                             quantity="grad", what=f"{arch} {name} update")
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "critic"])
+def test_gradients_match_float64_transformers(runs: Any, arch: str) -> None:
+    ref = reference(arch)
+    loss, grads = ref["loss"], ref["grads"]
+    got = runs[(1, 1)][0][arch]
+    assert got["loss"] == pytest.approx(loss, rel=1e-4, abs=5e-5)
+    assert set(got["grads"]) in (set(grads), set(grads) - {"lm_head.weight"})
+    for name, g in got["grads"].items():
+        assert_close(g, grads[name], dtype="float32", quantity="grad", what=f"{arch} grad {name}")
+    if arch != "critic":
+        ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+        assert not got["skipped"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}pp{t[1]}")
+def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: tuple[int, int]) -> None:
+    for arch in RUNS[layout]:
+        hf = load_file(str(_path(arch) / "model.safetensors"))
+        for rank, res in enumerate(runs[layout]):
+            exported = res[arch]["export"]
+            assert set(exported) == set(hf) - {"lm_head.weight"} or set(exported) == set(hf)
+            for name, t in exported.items():
+                assert torch.equal(t, hf[name]), f"{arch} {name} differs after export (rank {rank}, {layout})"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}pp{t[1]}")
+def test_checkpoint_round_trip_is_exact(runs: Any, layout: tuple[int, int]) -> None:
+    first = RUNS[layout][0]
+    before, after = runs[layout][0][first]["ckpt_lp"]
+    assert torch.equal(before, after)
+    assert runs[layout][0][first]["ckpt_step"] == 1
+
+
+def test_update_changed_the_weights(runs: Any) -> None:
+    res = runs[(1, 1)][0]["llama"]
+    hf = load_file(str(_path("llama") / "model.safetensors"))
+    moved = max(float((res["after"][n] - hf[n]).abs().max()) for n in hf)
+    assert moved > 1e-3
+
