@@ -1,3 +1,209 @@
-"""pytest plugin of the conformance suite (import-light)."""
+"""pytest plugin of the conformance suite (import-light: heavy modules load inside hooks and fixtures).
+
+Options: ``--verl-backend NAME`` (or ``$VERL_BACKEND``) selects the installed backend under test,
+``--verl-against NAME`` adds differential checks against a second backend, ``--verl-xfails-file
+PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine`` and
+``make_rollout_engine`` (override them to test engines that are not installed as a plugin),
+``verl_harness`` (what each check runs against). Markers: ``verl_check(id)`` on every suite
+test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+_AREAS = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness")
+_GAPS_KEY = pytest.StashKey[Any]()
+_UNMATCHED_KEY = pytest.StashKey[list[str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the --verl-* options."""
+    group = parser.getgroup("verl-conformance", "verl conformance suite")
+    group.addoption("--verl-backend", default=None, metavar="NAME",
+                    help="installed verl backend to run the conformance suite on (default: $VERL_BACKEND)")
+    group.addoption("--verl-against", default=None, metavar="NAME",
+                    help="second installed backend for the differential checks")
+    group.addoption("--verl-xfails-file", default=None, metavar="PATH",
+                    help="known gaps: one check id (area::name or TestArea::test_name) per line, '# reason'")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the suite's markers."""
+    config.addinivalue_line("markers", "verl_check(id): a verl conformance check (id = area::name)")
+    for area in _AREAS:
+        config.addinivalue_line("markers", f"verl_{area}: verl conformance checks of the {area} area")
+
+
+def _backend_name(config: pytest.Config) -> str | None:
+    name = config.getoption("--verl-backend", None) or os.environ.get("VERL_BACKEND") or None
+    return str(name) if name else None
+
+
+def _caps_line(caps: object) -> str:
+    on = []
+    for f in dataclasses.fields(caps):  # type: ignore[arg-type]
+        v = getattr(caps, f.name)
+        if v is True:
+            on.append(f.name)
+        elif isinstance(v, frozenset):
+            on.append(f"{f.name}={'/'.join(sorted(v))}")
+        elif isinstance(v, str):
+            on.append(f"{f.name}={v}")
+    return ", ".join(on)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    """Name the backend(s) under test, their versions and declared capabilities."""
+    lines = []
+    for label, name in (("backend", _backend_name(config)), ("against", config.getoption("--verl-against", None))):
+        if not name:
+            continue
+        from verl_core import VerlError, get_backend
+
+        try:
+            b = get_backend(str(name))
+        except VerlError as e:
+            lines.append(f"verl {label}: {name} (NOT AVAILABLE: {e})")
+            continue
+        lines.append(f"verl {label}: {name} ({b.distribution} {b.version}, protocol {b.spec.protocol_version})")
+        for role in b.spec.roles:
+            lines.append(f"  {role}: {_caps_line(b.capabilities(role))}")
+    gaps = config.getoption("--verl-xfails-file", None)
+    if gaps:
+        lines.append(f"verl known gaps: {gaps}")
+    return lines or None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Add area markers, and expected-failure marks for declared known gaps."""
+    suite_items = [(item, m) for item in items if (m := item.get_closest_marker("verl_check")) is not None]
+    for item, marker in suite_items:
+        item.add_marker(f"verl_{str(marker.args[0]).split('::')[0]}")
+    path = config.getoption("--verl-xfails-file", None)
+    if not path:
+        return
+    from verl_conformance.runner import load_known_gaps
+
+    gaps = load_known_gaps(str(path))
+    config.stash[_GAPS_KEY] = gaps
+    unmatched = gaps.unmatched()
+    config.stash[_UNMATCHED_KEY] = unmatched
+    for entry in unmatched:
+        warnings.warn(pytest.PytestWarning(
+            f"known-gaps file {path}: {entry!r} matches no conformance check (typo, or the check was renamed)"
+        ), stacklevel=1)
+    for item, marker in suite_items:
+        why = gaps.reason(str(marker.args[0]), item.nodeid)
+        if why is not None:
+            item.add_marker(pytest.mark.xfail(reason=f"known gap: {why}", strict=False))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Repeat known-gap entries that match nothing, so they are not missed."""
+    unmatched = config.stash.get(_UNMATCHED_KEY, [])
+    if unmatched:
+        terminalreporter.section("verl known gaps")
+        for entry in unmatched:
+            terminalreporter.write_line(f"WARNING: {entry!r} matches no conformance check")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """Attach a reproduction snippet to every failing suite test."""
+    report = yield
+    marker = item.get_closest_marker("verl_check")
+    if marker is not None and report.when == "call" and report.failed:
+        check_id = str(marker.args[0])
+        backend = _backend_name(item.config)
+        against = item.config.getoption("--verl-against", None)
+        cls = getattr(item, "cls", None)
+        if backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
+            from verl_conformance.runner import reproduction
+
+            text = reproduction(check_id, backend, against)
+        else:
+            text = f"pytest '{item.nodeid}'"
+        report.sections.append(("verl conformance: reproduce", f"check {check_id}\n{text}"))
+    return report
+
+
+@pytest.fixture(scope="session")
+def verl_backend_subject(request: pytest.FixtureRequest) -> Any:
+    """The backend named by --verl-backend as a harness Subject (None when no backend is named)."""
+    name = _backend_name(request.config)
+    if not name:
+        return None
+    from verl_conformance.harness import Subject
+    from verl_core import VerlError
+
+    try:
+        return Subject.from_registry(name)
+    except VerlError as e:
+        pytest.fail(f"--verl-backend {name}: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def verl_against_subject(request: pytest.FixtureRequest) -> Any:
+    """The backend named by --verl-against (None when not given)."""
+    name = request.config.getoption("--verl-against", None)
+    if not name:
+        return None
+    from verl_conformance.harness import Subject
+    from verl_core import VerlError
+
+    try:
+        return Subject.from_registry(str(name))
+    except VerlError as e:
+        pytest.fail(f"--verl-against {name}: {e}", pytrace=False)
+
+
+@pytest.fixture
+def make_training_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
+    """Builds training engines from an EngineSpec (override to test your own engines)."""
+    return None if verl_backend_subject is None else verl_backend_subject.make_training
+
+
+@pytest.fixture
+def make_rollout_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
+    """Builds rollout engines from an EngineSpec (override to test your own engines)."""
+    return None if verl_backend_subject is None else verl_backend_subject.make_rollout
+
+
+@pytest.fixture(scope="session")
+def verl_engine_cache() -> Generator[Any, None, None]:
+    """Engines shared across the session's checks (closed at the end)."""
+    from verl_conformance.harness import EngineCache
+
+    cache = EngineCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def verl_harness(
+    request: pytest.FixtureRequest,
+    make_training_engine: Any,
+    make_rollout_engine: Any,
+    verl_backend_subject: Any,
+    verl_against_subject: Any,
+    verl_engine_cache: Any,
+) -> Any:
+    """What each conformance check runs against."""
+    from verl_conformance.harness import Harness, Subject
+
+    subject = verl_backend_subject
+    if make_training_engine is None and make_rollout_engine is None:
+        pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: "
+                    "`verl backends`), or override the make_training_engine / make_rollout_engine fixtures")
+    if subject is None or (make_training_engine is not subject.make_training
+                           or make_rollout_engine is not subject.make_rollout):
+        label = request.cls.__name__ if request.cls is not None else "custom"
+        subject = Subject(label, make_training_engine, make_rollout_engine)
+    return Harness(subject, verl_against_subject, verl_engine_cache)

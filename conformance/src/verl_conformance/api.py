@@ -1,0 +1,93 @@
+"""The callable API for use outside pytest: check_backend and check_backends_match."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from verl_conformance.errors import ConformanceError
+from verl_conformance.harness import EngineCache, EngineFactory, Harness, Subject
+from verl_conformance.runner import (
+    ConformanceReport,
+    load_known_gaps,
+    reproduction,
+    run_checks,
+    select_checks,
+)
+
+__all__ = ["check_backend", "check_backends_match", "run_conformance"]
+
+
+def run_conformance(
+    backend: str | Subject,
+    *,
+    against: str | Subject | None = None,
+    checks: Sequence[str] | None = None,
+    areas: Sequence[str] | None = None,
+    known_gaps: str | os.PathLike[str] | None = None,
+) -> ConformanceReport:
+    """Run checks on a backend and return the report (never raises for failing checks)."""
+    subject = backend if isinstance(backend, Subject) else Subject.from_registry(backend)
+    other = None if against is None else against if isinstance(against, Subject) else Subject.from_registry(against)
+    harness = Harness(subject, other, EngineCache())
+    gaps = load_known_gaps(known_gaps) if known_gaps is not None else None
+    try:
+        return run_checks(harness, select_checks(checks, areas), gaps)
+    finally:
+        harness.cache.close()
+
+
+def _raise_failures(report: ConformanceReport) -> ConformanceReport:
+    failures = report.failures
+    if not failures:
+        return report
+    parts = [f"backend {report.backend!r} failed {len(failures)} conformance check(s)"
+             + (f" against {report.against!r}" if report.against else "") + ":"]
+    for r in failures:
+        parts.append(f"\n- {r.id}: {r.message}\n  reproduce:\n    "
+                     + reproduction(r.id, report.backend, report.against).replace("\n", "\n    "))
+    raise ConformanceError("\n".join(parts), report)
+
+
+def check_backend(
+    backend: str,
+    *,
+    against: str | None = None,
+    checks: Sequence[str] | None = None,
+    areas: Sequence[str] | None = None,
+    known_gaps: str | os.PathLike[str] | None = None,
+    make_training_engine: EngineFactory | None = None,
+    make_rollout_engine: EngineFactory | None = None,
+) -> ConformanceReport:
+    """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
+
+    Args:
+        backend: Installed backend name, or a label when factories are given.
+        against: A second installed backend for the differential checks.
+        checks: Check ids to run (``area::name``, wildcards allowed); default all.
+        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness).
+        known_gaps: A known-gaps file (failures of listed checks are expected).
+        make_training_engine: Build training engines with this instead of the registry.
+        make_rollout_engine: Build rollout engines with this instead of the registry.
+
+    Returns:
+        The report (every check passed, was skipped with a reason, or is a declared gap).
+
+    Raises:
+        ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
+    """
+    if make_training_engine is not None or make_rollout_engine is not None:
+        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine)
+    else:
+        subject = backend
+    report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps)
+    return _raise_failures(report)
+
+
+def check_backends_match(
+    a: str, b: str, *, checks: Sequence[str] | None = None, known_gaps: str | os.PathLike[str] | None = None
+) -> ConformanceReport:
+    """Run the differential checks of backend ``a`` against backend ``b``; raise ConformanceError on a mismatch."""
+    report = run_conformance(a, against=b, checks=list(checks or ["differential::against_*"]),
+                             known_gaps=known_gaps)
+    return _raise_failures(report)

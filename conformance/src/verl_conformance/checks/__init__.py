@@ -1,0 +1,19 @@
+"""The conformance checks, registered by area: each is a function of a Harness.
+
+Importing this package imports every area module, which registers its checks in :data:`CHECKS`
+(in the order of :data:`AREAS`, then definition order).
+"""
+
+from __future__ import annotations
+
+from verl_conformance.checks import (  # noqa: F401  (registration by import)
+    differential,
+    invariance,
+    numerics,
+    robustness,
+    schema,
+    weight_sync,
+)
+from verl_conformance.checks._registry import AREAS, CHECKS, Area, Check, check
+
+__all__ = ["AREAS", "CHECKS", "Area", "Check", "check"]

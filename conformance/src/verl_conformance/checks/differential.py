@@ -1,0 +1,166 @@
+"""Differential: trajectories and greedy sampling vs the reference, and everything vs a second backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.numerics import one_update
+from verl_conformance.harness import SUITE_OPTIM, Harness, Subject, exported_weights
+from verl_conformance.losses import PPO_CLIP, TOKEN_MEAN_PG, grpo_advantages
+from verl_conformance.reference import ReferenceModel, greedy_reference
+from verl_core import GlobalBatchStats, SamplingParams, TensorBatch, TrainingEngine
+
+TRAJECTORY_STEPS = 3
+
+
+@dataclass
+class Trajectory:
+    """Per-step losses and grad norms, and the final log-probs, of a fixed-rollout GRPO run."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    final_log_probs: Tensor
+
+
+def fixed_rollouts(h: Harness, step: int) -> TensorBatch:
+    """The fixed rollouts of step ``step``: 2 groups of 3 samples with scores (no sampling involved)."""
+    b = h.batch(seed=40 + step, group_size=3, rl_fields=True, empty=0)
+    return b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "scores")
+
+
+def _grpo_batch(batch: TensorBatch, old_log_probs: Tensor) -> TensorBatch:
+    adv = grpo_advantages(batch["scores"], batch["group_ids"], batch["response_mask"])
+    return batch.update(old_log_probs=old_log_probs.float() * batch["response_mask"], advantages=adv.float())
+
+
+def engine_trajectory(h: Harness, engine: TrainingEngine) -> Trajectory:
+    """Run the fixed-rollout GRPO trajectory on ``engine`` (old log-probs from its own forward)."""
+    losses, norms = [], []
+    for step in range(TRAJECTORY_STEPS):
+        batch = fixed_rollouts(h, step)
+        old = engine.forward(batch)["log_probs"]
+        batch = _grpo_batch(batch, old)
+        m = engine.forward_backward(batch, PPO_CLIP, GlobalBatchStats.of(batch))
+        s = engine.optimizer_step()
+        losses.append(m["loss"])
+        norms.append(s.grad_norm)
+    final = engine.forward(fixed_rollouts(h, 0))["log_probs"]
+    return Trajectory(losses, norms, final)
+
+
+def reference_trajectory(h: Harness, model: str = "llama") -> Trajectory:
+    """The same trajectory in float64 with transformers and torch AdamW."""
+    ref = ReferenceModel(h.model_path(model), SUITE_OPTIM)
+    losses, norms = [], []
+    for step in range(TRAJECTORY_STEPS):
+        batch = fixed_rollouts(h, step)
+        old = ref.outputs(batch)["log_probs"]
+        batch = _grpo_batch(batch, old)
+        r = ref.step(batch, PPO_CLIP, GlobalBatchStats.of(batch))
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    final = ref.outputs(fixed_rollouts(h, 0))["log_probs"]
+    return Trajectory(losses, norms, final)
+
+
+def compare_trajectories(h: Harness, got: Trajectory, want: Trajectory, label: str) -> None:
+    """Fail at the first step where the trajectories part."""
+    for i, (a, b) in enumerate(zip(got.losses, want.losses, strict=True)):
+        h.scalar_close(a, b, "loss", f"{label}: loss at step {i}")
+    for i, (a, b) in enumerate(zip(got.grad_norms, want.grad_norms, strict=True)):
+        h.scalar_close(a, b, "loss", f"{label}: grad norm at step {i}")
+    mask = fixed_rollouts(h, 0)["response_mask"]
+    # After a few steps float32 rounding compounds: compare at the loss tier.
+    h.close_to(got.final_log_probs, want.final_log_probs, "loss",
+               f"{label}: log_probs after {TRAJECTORY_STEPS} steps", mask=mask)
+
+
+@check("differential")
+def check_trajectory_matches_reference(h: Harness) -> None:
+    """A 3-step GRPO trajectory on fixed rollouts (teacher forcing) follows the float64 reference."""
+    engine = h.training(fresh=True, micro_batch_size=2)
+    compare_trajectories(h, engine_trajectory(h, engine), reference_trajectory(h),
+                         f"{TRAJECTORY_STEPS}-step GRPO trajectory vs float64 reference")
+
+
+def _greedy(h: Harness, subject: Subject | None = None) -> TensorBatch:
+    engine = h.rollout(subject=subject)
+    prompts = h.batch(seed=30, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
+    return engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
+
+
+@check("differential")
+def check_greedy_matches_reference(h: Harness) -> None:
+    """Greedy decoding gives the float64 reference's tokens (up to the first near-tie)."""
+    out = _greedy(h)
+    eos = h.rollout().tokenizer.eos_token_id
+    for b in range(out.batch_size):
+        prompt = out["prompt_ids"][b][out["prompt_mask"][b]]
+        toks = out["response_ids"][b][out["response_mask"][b]].tolist()
+        want, decided = greedy_reference(h.model_path("llama"), prompt, 8, {eos})
+        n = min(decided, len(want))
+        h.expect(toks[:n] == want[:n],
+                 f"greedy sample {b}: got tokens {toks}, the float64 reference gives {want} "
+                 f"(first {n} decided without near-ties)")
+
+
+@check("differential")
+def check_against_log_probs(h: Harness) -> None:
+    """log_probs and entropy equal those of the --verl-against backend on the same weights."""
+    other = h.require_against()
+    for model in ("llama", "qwen3-tied"):
+        batch = h.batch(seed=31, temperature=0.8)
+        a = h.training(model=model).forward(batch, ["log_probs"])["log_probs"]
+        b = h.training(model=model, subject=other).forward(batch, ["log_probs"])["log_probs"]
+        h.close_to(a, b, "log_probs", f"log_probs of {model}: {h.subject.name} vs {other.name}",
+                   mask=batch["response_mask"])
+
+
+@check("differential")
+def check_against_one_update(h: Harness) -> None:
+    """One update's loss, grad norm and gradients equal those of the --verl-against backend."""
+    other = h.require_against()
+    batch = h.batch(seed=32, rl_fields=True)
+    ma, na, ga = one_update(h, h.training(fresh=True, micro_batch_size=2), batch, TOKEN_MEAN_PG)
+    mb, nb, gb = one_update(h, h.training(fresh=True, subject=other, micro_batch_size=3), batch, TOKEN_MEAN_PG)
+    label = f"{h.subject.name} vs {other.name}"
+    h.scalar_close(ma["loss"], mb["loss"], "loss", f"loss: {label}")
+    h.scalar_close(na, nb, "loss", f"grad norm: {label}")
+    for name, g in gb.items():
+        h.expect(name in ga, f"{h.subject.name} does not export {name}, which {other.name} does")
+        h.close_to(ga[name], g, "grad", f"gradient of {name}: {label}")  # type: ignore[arg-type]
+
+
+@check("differential")
+def check_against_trajectory(h: Harness) -> None:
+    """A 3-step GRPO trajectory on fixed rollouts equals the --verl-against backend's."""
+    other = h.require_against()
+    a = engine_trajectory(h, h.training(fresh=True))
+    b = engine_trajectory(h, h.training(fresh=True, subject=other))
+    compare_trajectories(h, a, b, f"trajectory: {h.subject.name} vs {other.name}")
+
+
+@check("differential")
+def check_against_greedy(h: Harness) -> None:
+    """Greedy decoding gives the same tokens as the --verl-against backend."""
+    other = h.require_against()
+    a, b = _greedy(h), _greedy(h, other)
+    for i in range(a.batch_size):
+        ta = a["response_ids"][i][a["response_mask"][i]].tolist()
+        tb = b["response_ids"][i][b["response_mask"][i]].tolist()
+        h.expect(ta == tb, f"greedy sample {i}: {h.subject.name} gives {ta}, {other.name} gives {tb}")
+
+
+@check("differential")
+def check_against_weights(h: Harness) -> None:
+    """Both backends export the same weights for the same folder (names, shapes, values)."""
+    other = h.require_against()
+    wa = exported_weights(h.training())
+    wb = exported_weights(h.training(subject=other))
+    h.expect(set(wa) == set(wb), f"exported names differ: only {h.subject.name}: {sorted(set(wa) - set(wb))[:4]}, "
+             f"only {other.name}: {sorted(set(wb) - set(wa))[:4]}")
+    for name in wa:
+        h.close_to(wa[name].float(), wb[name].float(), "weights", f"exported {name}")

@@ -1,0 +1,125 @@
+"""Invariances: results do not change with micro-batching, padding, batch order; sampling is seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.numerics import one_update
+from verl_conformance.harness import Harness
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_core import ModelOutput, SamplingParams, TensorBatch
+
+
+def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> TensorBatch:
+    """The same samples with extra padding columns: prompts on the left, responses on the right."""
+    pad = batch.meta.pad_token_id
+    b = batch.batch_size
+    fields: dict[str, torch.Tensor] = {}
+    for name, t in batch.items():
+        if name in ("prompt_ids", "prompt_mask"):
+            fill = torch.full((b, prompt_cols), pad if name == "prompt_ids" else False, dtype=t.dtype)
+            fields[name] = torch.cat([fill, t], 1)
+        elif t.dim() == 2:
+            fill_value = pad if name == "response_ids" else (False if t.dtype == torch.bool else 0)
+            fields[name] = torch.cat([t, torch.full((b, response_cols), fill_value, dtype=t.dtype)], 1)
+    return batch.update(fields)
+
+
+@check("invariance")
+def check_micro_batch_invariance(h: Harness) -> None:
+    """log-probs, loss and gradients do not depend on micro_batch_size or micro_batch_tokens."""
+    batch = h.batch(seed=20, rl_fields=True)
+    variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
+    if h.training().capabilities.micro_batch_tokens:
+        variants.append({"micro_batch_tokens": 24})
+    base_lp = None
+    for kw in variants:
+        lp = h.training(**kw).forward(batch)["log_probs"]  # type: ignore[arg-type]
+        if base_lp is None:
+            base_lp = lp
+        else:
+            h.close_to(lp, base_lp, "log_probs", f"log_probs with {kw} vs one micro-batch", mask=batch["response_mask"])
+    base = None
+    for kw in variants:
+        engine = h.training(fresh=True, **kw)  # type: ignore[arg-type]
+        metrics, norm, grads = one_update(h, engine, batch, TOKEN_MEAN_PG)
+        if base is None:
+            base = (metrics, norm, grads)
+            continue
+        label = f"with {kw} vs one micro-batch"
+        h.scalar_close(metrics["loss"], base[0]["loss"], "loss",
+                       f"loss {label} (the loss is normalised by global counts: an engine that averages "
+                       "per micro-batch or over micro-batches changes it)")
+        h.scalar_close(norm, base[1], "loss", f"grad norm {label}")
+        for name, g in base[2].items():
+            h.close_to(grads[name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
+
+
+@check("invariance")
+def check_padding_invariance(h: Harness) -> None:
+    """Extra left padding of prompts and right padding of responses changes no output on real tokens."""
+    engine = h.training()
+    outputs: tuple[ModelOutput, ...] = ("log_probs", "entropy") if engine.capabilities.entropy else ("log_probs",)
+    batch = h.batch(seed=21)
+    base = engine.forward(batch, outputs)
+    padded = pad_more(batch, 5, 3)
+    out = engine.forward(padded, outputs)
+    r = batch.response_len
+    for name in outputs:
+        h.close_to(out[name][:, :r], base[name], name,
+                   f"{name} with 5 more left-pad prompt columns and 3 more right-pad response columns "
+                   "(position ids must be cumsum(mask) - 1, padding must be masked)",
+                   mask=batch["response_mask"])
+        h.expect(bool((out[name][:, r:] == 0).all()), f"{name} is not 0 in the added response padding")
+
+
+@check("invariance")
+def check_batch_order_invariance(h: Harness) -> None:
+    """Permuting the samples of a batch permutes the outputs and changes nothing else."""
+    engine = h.training()
+    batch = h.batch(seed=22)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    base = engine.forward(batch)["log_probs"]
+    out = engine.forward(batch.index(perm))["log_probs"]
+    h.close_to(out, base[perm], "log_probs", "log_probs of a permuted batch vs the permuted log_probs",
+               mask=batch["response_mask"][perm])
+
+
+@check("invariance")
+def check_seeded_sampling_reproducible(h: Harness) -> None:
+    """The same seed gives the same samples; per-sample seeding does not depend on batch order; seeds differ."""
+    engine = h.rollout()
+    seeding = engine.capabilities.seeding
+    if seeding == "none":
+        h.skip("backend declares seeding='none' (sampling is not reproducible)")
+    prompts = h.batch(seed=23, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1234)
+    a = engine.generate(prompts, params)
+    b = engine.generate(prompts, params)
+    for name in ("response_ids", "response_mask"):
+        h.expect(bool(torch.equal(a[name], b[name])),
+                 f"two generate() calls with seed={params.seed} gave different {name}: sampling is not "
+                 "reproducible under a fixed seed")
+    c = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=99))
+    h.expect(not bool(torch.equal(a["response_ids"], c["response_ids"])),
+             "seeds 1234 and 99 gave identical samples: the seed is ignored")
+    if seeding != "per_sample":
+        return
+    rev = torch.arange(prompts.batch_size - 1, -1, -1)
+    d = engine.generate(prompts.index(rev), params)
+    order = torch.arange(a.batch_size).view(-1, 2)[rev].flatten()
+    w = min(a.response_len, d.response_len)
+    same = torch.equal(d["response_ids"][:, :w], a["response_ids"][order][:, :w]) and torch.equal(
+        d["response_mask"].sum(1), a["response_mask"][order].sum(1))
+    h.expect(bool(same), "with seeding='per_sample', reversing the prompt order changed the samples of "
+             "(group_id, sample_index); each sample's stream must depend only on (seed, group id, index)")
+
+
+@check("invariance")
+def check_data_parallel_invariance(h: Harness) -> None:
+    """Results do not change with the data-parallel degree (multi-rank; needs torchrun)."""
+    engine = h.training()
+    if not engine.capabilities.data_parallel:
+        h.skip("backend declares data_parallel=False")
+    h.skip("multi-rank checks are not in this version of the suite; the backend's own tests cover dp>1")

@@ -1,0 +1,126 @@
+"""Numerics: log-probs, entropy, values, losses and gradients against the float64 reference."""
+
+from __future__ import annotations
+
+from verl_conformance.checks._registry import check
+from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights, recover_grads
+from verl_conformance.losses import VALUE_MSE, SuiteLoss, suite_losses
+from verl_conformance.reference import ReferenceModel, cached_outputs
+from verl_core import GlobalBatchStats, SamplingParams, TensorBatch, TrainingEngine
+
+_ARCH_MODELS = ("llama", "llama-tied", "qwen2", "qwen3-tied")
+_TEMPERATURES = (1.0, 0.7)
+
+
+@check("numerics")
+def check_log_probs_match_reference(h: Harness) -> None:
+    """log_probs equal the float64 reference for Llama, Qwen2 and Qwen3 (tied and untied) at T=1 and T=0.7."""
+    for model in _ARCH_MODELS:
+        engine = h.training(model=model)
+        for temp in _TEMPERATURES:
+            batch = h.batch(seed=10, temperature=temp)
+            got = engine.forward(batch, ["log_probs"])["log_probs"]
+            ref = cached_outputs(h.model_path(model), batch)["log_probs"]
+            h.close_to(got, ref, "log_probs", f"log_probs of {model} at temperature {temp} vs float64 reference",
+                       mask=batch["response_mask"])
+
+
+@check("numerics")
+def check_entropy_matches_reference(h: Harness) -> None:
+    """entropy equals the float64 reference (same tempered distribution as the log-probs)."""
+    engine = h.training()
+    if not engine.capabilities.entropy:
+        h.skip("backend declares entropy=False")
+    for temp in _TEMPERATURES:
+        batch = h.batch(seed=11, temperature=temp)
+        got = engine.forward(batch, ["entropy"])["entropy"]
+        ref = cached_outputs(h.model_path("llama"), batch, ("entropy",))["entropy"]
+        h.close_to(got, ref, "entropy", f"entropy at temperature {temp} vs float64 reference", mask=batch["response_mask"])
+
+
+@check("numerics")
+def check_values_match_reference(h: Harness) -> None:
+    """A critic's values equal the float64 reference of the value-head folder."""
+    critic = h.training("critic")
+    if not critic.capabilities.values:
+        h.skip("backend declares values=False (no value head)")
+    batch = h.batch(seed=12)
+    got = critic.forward(batch, ["values"])["values"]
+    ref = cached_outputs(h.model_path("value"), batch, ("values",))["values"]
+    h.close_to(got, ref, "values", "critic values vs float64 reference", mask=batch["response_mask"])
+
+
+def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: SuiteLoss
+               ) -> tuple[dict[str, float], float, dict[str, object]]:
+    """Run forward_backward + optimizer_step; return metrics, grad norm and recovered gradients."""
+    before = exported_weights(engine)
+    metrics = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch))
+    step = engine.optimizer_step()
+    after = exported_weights(engine)
+    h.expect(set(after) == set(before), "export_weights names changed after a step")
+    return metrics, step.grad_norm, recover_grads(before, after, engine.spec.optim)  # type: ignore[return-value]
+
+
+def compare_update(h: Harness, loss: SuiteLoss, model: str, batch: TensorBatch, **spec_kw: object) -> None:
+    """One update of a fresh actor vs the float64 reference: loss, grad norm, every gradient."""
+    engine = h.training(model=model, fresh=True, **spec_kw)  # type: ignore[arg-type]
+    metrics, grad_norm, grads = one_update(h, engine, batch, loss)
+    ref = ReferenceModel(h.model_path(model), SUITE_OPTIM).loss_and_grads(batch, loss, GlobalBatchStats.of(batch))
+    label = f"{loss.name} on {model} ({', '.join(f'{k}={v}' for k, v in spec_kw.items()) or 'one micro-batch'})"
+    h.scalar_close(metrics["loss"], ref.loss, "loss", f"loss of {label} vs float64 reference")
+    h.scalar_close(grad_norm, ref.grad_norm, "loss", f"grad norm of {label} vs float64 reference")
+    missing = sorted(set(ref.grads) - set(grads))
+    h.expect(not missing, f"exported weights lack parameters of the reference: {missing[:4]}")
+    for name, g in ref.grads.items():
+        h.close_to(grads[name], g, "grad", f"gradient of {name} under {label} vs float64 reference "  # type: ignore[arg-type]
+                   "(recovered from the first AdamW step)")
+
+
+@check("numerics")
+def check_loss_and_grads_match_reference(h: Harness) -> None:
+    """For each policy loss: one update's loss, grad norm and gradients equal the float64 reference (micro-batches of 2)."""
+    batch = h.batch(seed=13, rl_fields=True)
+    for loss in suite_losses():
+        if "entropy" in loss.needs and not h.training().capabilities.entropy:
+            continue
+        compare_update(h, loss, "llama", batch, micro_batch_size=2)
+    compare_update(h, suite_losses()[0], "qwen3-tied", batch)
+
+
+@check("numerics")
+def check_value_loss_matches_reference(h: Harness) -> None:
+    """A critic's value loss, grad norm and gradients equal the float64 reference."""
+    critic = h.training("critic")
+    if not critic.capabilities.values:
+        h.skip("backend declares values=False (no value head)")
+    batch = h.batch(seed=14, rl_fields=True)
+    engine = h.training("critic", fresh=True, micro_batch_size=2)
+    metrics, grad_norm, grads = one_update(h, engine, batch, VALUE_MSE)
+    ref = ReferenceModel(h.model_path("value"), SUITE_OPTIM).loss_and_grads(batch, VALUE_MSE, GlobalBatchStats.of(batch))
+    h.scalar_close(metrics["loss"], ref.loss, "loss", "critic value loss vs float64 reference")
+    h.scalar_close(grad_norm, ref.grad_norm, "loss", "critic grad norm vs float64 reference")
+    for name, g in ref.grads.items():
+        h.expect(name in grads, f"critic export lacks {name}")
+        h.close_to(grads[name], g, "grad", f"critic gradient of {name} vs float64 reference")  # type: ignore[arg-type]
+
+
+@check("numerics")
+def check_rollout_log_probs_match_reference(h: Harness) -> None:
+    """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact."""
+    engine = h.rollout()
+    prompts = h.batch(seed=15, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
+    cases = [SamplingParams(temperature=t, max_new_tokens=6, n=2, seed=3) for t in _TEMPERATURES]
+    cases.append(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=6, n=2, seed=3))
+    checked = 0
+    for params in cases:
+        if not engine.log_probs_exact(params):
+            continue
+        out = engine.generate(prompts, params)
+        ref = cached_outputs(h.model_path("llama"), out)["log_probs"]
+        what = (f"rollout_log_probs at temperature {params.temperature}"
+                + (f", top_k {params.top_k}, top_p {params.top_p}" if params.truncates else ""))
+        h.close_to(out["rollout_log_probs"], ref, "log_probs", f"{what} vs float64 reference of log softmax(logits/T)",
+                   mask=out["response_mask"])
+        checked += 1
+    if not checked:
+        h.skip("the engine declares its rollout_log_probs inexact for every sampling configuration")

@@ -1,0 +1,215 @@
+"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.errors import CheckSkipped
+from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.reference import cached_outputs
+from verl_core import (
+    BatchMeta,
+    BatchValidationError,
+    GlobalBatchStats,
+    SamplingParams,
+    TensorBatch,
+    TrainingEngine,
+)
+
+_EOS = 1
+_PAD = 0
+
+
+def edge_batch() -> TensorBatch:
+    """Four samples: an empty response, EOS as the first token, maximum lengths, and a ragged one."""
+    p, r = MAX_PROMPT, MAX_RESPONSE
+    g = torch.Generator().manual_seed(60)
+    prompt_ids = torch.randint(4, 128, (4, p), generator=g)
+    prompt_len = torch.tensor([3, 1, p, 5])
+    prompt_mask = torch.arange(p).unsqueeze(0) >= (p - prompt_len).unsqueeze(1)
+    response_ids = torch.randint(4, 128, (4, r), generator=g)
+    resp_len = torch.tensor([0, 1, r, 4])
+    response_mask = torch.arange(r).unsqueeze(0) < resp_len.unsqueeze(1)
+    response_ids[1, 0] = _EOS
+    response_ids[3, 3] = _EOS
+    fields = {
+        "prompt_ids": prompt_ids.masked_fill(~prompt_mask, _PAD),
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids.masked_fill(~response_mask, _PAD),
+        "response_mask": response_mask,
+        "group_ids": torch.arange(4),
+        "truncated": torch.tensor([False, False, True, False]),
+    }
+    g2 = torch.Generator().manual_seed(61)
+    m = response_mask.float()
+    fields["old_log_probs"] = (torch.randn(4, r, generator=g2) * 0.5 - 2.0) * m
+    fields["advantages"] = torch.randn(4, r, generator=g2) * m
+    return TensorBatch(fields, meta=BatchMeta(pad_token_id=_PAD))
+
+
+@check("robustness")
+def check_edge_lengths(h: Harness) -> None:
+    """Empty responses, EOS as first token and maximum prompt/response lengths give finite, exact outputs."""
+    engine = h.training()
+    batch = edge_batch()
+    out = engine.forward(batch, ["log_probs"])["log_probs"]
+    ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
+    h.close_to(out, ref, "log_probs", "log_probs of [empty, EOS-first, max-length, ragged] responses",
+               mask=batch["response_mask"])
+    h.expect(bool((out[0] == 0).all()), "an empty response must have all-zero log_probs")
+
+
+@check("robustness")
+def check_empty_responses_train(h: Harness) -> None:
+    """A mini-batch whose responses are all empty trains to loss 0, grad norm 0, with no NaN."""
+    engine = h.training(fresh=True, micro_batch_size=2)
+    batch = edge_batch()
+    empty = batch.update(response_mask=torch.zeros_like(batch["response_mask"]),
+                         response_ids=torch.full_like(batch["response_ids"], _PAD),
+                         old_log_probs=torch.zeros_like(batch["old_log_probs"]),
+                         advantages=torch.zeros_like(batch["advantages"]))
+    m = engine.forward_backward(empty, TOKEN_MEAN_PG, GlobalBatchStats.of(empty))
+    h.expect(m["loss"] == 0.0, f"an all-empty mini-batch must give loss 0, got {m['loss']} (never divide by zero)")
+    s = engine.optimizer_step()
+    h.expect(s.grad_norm == 0.0 and not s.skipped,
+             f"an all-empty mini-batch must give grad norm 0 and no skip, got {s.grad_norm}, skipped={s.skipped}")
+    m = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    s = engine.optimizer_step()
+    h.expect(bool(torch.isfinite(torch.tensor([m["loss"], s.grad_norm])).all()),
+             f"edge-length mini-batch gave loss {m['loss']}, grad norm {s.grad_norm}: must be finite")
+
+
+@check("robustness")
+def check_batch_of_one(h: Harness) -> None:
+    """A batch of one sample works in forward, forward_backward and generate."""
+    batch = h.batch(seed=62, batch_size=1, empty=0, rl_fields=True)
+    engine: TrainingEngine | None
+    try:
+        engine = h.training(fresh=True)
+    except CheckSkipped:
+        engine = None
+    if engine is not None:
+        lp = engine.forward(batch)["log_probs"]
+        ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
+        h.close_to(lp, ref, "log_probs", "log_probs of a batch of one", mask=batch["response_mask"])
+        m = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+        h.expect(bool(torch.isfinite(torch.tensor(m["loss"]))), f"batch of one: loss {m['loss']} is not finite")
+    if h.subject.make_rollout is not None and (h.subject.roles is None or "rollout" in h.subject.roles):
+        r = h.rollout()
+        out = r.generate(batch.select("prompt_ids", "prompt_mask", "group_ids"), SamplingParams(max_new_tokens=4, seed=0))
+        h.expect(out.batch_size == 1, f"generate on one prompt returned {out.batch_size} samples")
+
+
+def _bad_training_inputs(batch: TensorBatch) -> dict[str, tuple[Callable[[], TensorBatch], tuple[str, ...]]]:
+    """Named bad inputs and the field names a clear error should mention."""
+    t = dict(batch.items())
+
+    def raw(**changes: torch.Tensor) -> TensorBatch:
+        # Built without validation, as a buggy caller could: the engine must still reject it.
+        return TensorBatch._trusted({**t, **changes}, {}, batch.meta, batch.batch_size)
+
+    adv = t["advantages"].clone()
+    adv[2, 0] = float("nan")
+    right = t["prompt_mask"].flip(1)
+    return {
+        "NaN in advantages": (lambda: batch.update(advantages=adv), ("advantages",)),
+        "token id beyond the vocabulary": (
+            lambda: batch.update(response_ids=t["response_ids"].masked_fill(t["response_mask"], 100000)),
+            ("response_ids",)),
+        "right-padded prompts": (lambda: batch.update(prompt_mask=right, prompt_ids=t["prompt_ids"].flip(1)),
+                                 ("prompt_mask",)),
+        "missing response_mask": (lambda: batch.drop("response_mask"), ("response_mask",)),
+        "int32 response_ids": (lambda: raw(response_ids=t["response_ids"].int()), ("response_ids",)),
+        "response_mask shorter than response_ids": (
+            lambda: raw(response_mask=t["response_mask"][:, :-1]), ("response_mask", "response_ids")),
+        "prompt longer than max_prompt_len": (lambda: _long_prompt(batch), ("prompt",)),
+    }
+
+
+def _long_prompt(batch: TensorBatch) -> TensorBatch:
+    extra = MAX_PROMPT + 4 - batch.prompt_len
+    ids = torch.cat([torch.full((batch.batch_size, extra), 7), batch["prompt_ids"]], 1)
+    mask = torch.cat([torch.ones(batch.batch_size, extra, dtype=torch.bool), batch["prompt_mask"]], 1)
+    ids = torch.where(mask, ids, torch.full_like(ids, _PAD))
+    # make sample 0 a real max-plus-4 prompt: fill its padding too
+    mask[0] = True
+    ids[0] = torch.where(ids[0] == _PAD, torch.full_like(ids[0], 9), ids[0])
+    return batch.update(prompt_ids=ids, prompt_mask=mask)
+
+
+@check("robustness")
+def check_bad_training_input_rejected(h: Harness) -> None:
+    """forward and forward_backward reject NaN, bad ids, wrong padding, missing fields, wrong dtype and mismatched lengths with BatchValidationError, leaving no gradients."""
+    engine = h.training(fresh=True)
+    batch = h.batch(seed=63, rl_fields=True)
+    for what, (make, names) in _bad_training_inputs(batch).items():
+        bad = make()
+        for call in ("forward", "forward_backward"):
+            try:
+                if call == "forward":
+                    engine.forward(bad)
+                else:
+                    engine.forward_backward(bad, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+            except BatchValidationError as e:
+                msg = str(e)
+                h.expect(any(n in msg for n in names),
+                         f"{call}({what}) raised an unclear error {msg!r}: it should name {' or '.join(names)}")
+            except Exception as e:
+                h.fail(f"{call}({what}) raised {type(e).__name__}: {e}; expected a BatchValidationError")
+            else:
+                if call == "forward" and what == "NaN in advantages":
+                    continue  # forward does not read advantages
+                h.fail(f"{call}({what}) was accepted; bad input must raise BatchValidationError "
+                       "before any model code runs")
+    step = engine.optimizer_step()
+    h.expect(step.grad_norm == 0.0,
+             f"rejected inputs left gradients behind (grad norm {step.grad_norm}); the engine's state must "
+             "be unchanged by a rejected call")
+
+
+@check("robustness")
+def check_generate_edge_cases(h: Harness) -> None:
+    """A stop token first ends the response at length 1; hitting max_new_tokens sets truncated; a full-length prompt works."""
+    engine = h.rollout()
+    prompts = edge_batch().select("prompt_ids", "prompt_mask", "group_ids")
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=4))
+    first = int(greedy["response_ids"][2, 0])
+    if engine.capabilities.stop_token_ids:
+        out = engine.generate(prompts.index([2]), SamplingParams(greedy=True, max_new_tokens=4, stop_token_ids=(first,)))
+        n = int(out["response_mask"][0].sum())
+        h.expect(n == 1 and int(out["response_ids"][0, 0]) == first and not bool(out["truncated"][0]),
+                 f"greedy with stop_token_ids=({first},), its first token: expected a response of exactly that "
+                 f"token (mask True, truncated False), got {out['response_ids'][0].tolist()} with "
+                 f"{n} real tokens, truncated={bool(out['truncated'][0])}")
+    long = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=MAX_RESPONSE, seed=3))
+    lengths = long["response_mask"].sum(1)
+    for b in range(long.batch_size):
+        if int(lengths[b]) == MAX_RESPONSE and int(long["response_ids"][b, -1]) != engine.tokenizer.eos_token_id:
+            h.expect(bool(long["truncated"][b]), f"sample {b} reached max_new_tokens without EOS but truncated=False")
+
+
+@check("robustness")
+def check_bad_prompts_rejected(h: Harness) -> None:
+    """generate rejects right-padded prompts, ids beyond the vocabulary, missing group_ids and over-long prompts."""
+    engine = h.rollout()
+    prompts = h.batch(seed=64, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
+    t = dict(prompts.items())
+    cases = {
+        "right-padded prompts": (prompts.update(prompt_mask=t["prompt_mask"].flip(1), prompt_ids=t["prompt_ids"].flip(1)), "prompt_mask"),
+        "token id beyond the vocabulary": (prompts.update(prompt_ids=t["prompt_ids"].masked_fill(t["prompt_mask"], 100000)), "prompt_ids"),
+        "missing group_ids": (prompts.drop("group_ids"), "group_ids"),
+        "prompt longer than max_prompt_len": (_long_prompt(prompts), "prompt"),
+    }
+    for what, (bad, name) in cases.items():
+        try:
+            engine.generate(bad, SamplingParams(max_new_tokens=2, seed=0))
+        except BatchValidationError as e:
+            h.expect(name in str(e), f"generate({what}) raised an unclear error {str(e)!r}: it should name {name}")
+        except Exception as e:
+            h.fail(f"generate({what}) raised {type(e).__name__}: {e}; expected a BatchValidationError")
+        else:
+            h.fail(f"generate({what}) was accepted; bad prompts must raise BatchValidationError")

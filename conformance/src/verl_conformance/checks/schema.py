@@ -1,0 +1,144 @@
+"""Schema: every protocol output is a valid TensorBatch in the canonical layout."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.harness import Harness
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_core import (
+    BatchValidationError,
+    GlobalBatchStats,
+    SamplingParams,
+    StepMetrics,
+    TensorBatch,
+)
+
+_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def _valid(h: Harness, batch: TensorBatch, where: str) -> None:
+    try:
+        TensorBatch(dict(batch.items()), batch.extras, batch.meta, batch_size=batch.batch_size).check(where=where)
+    except BatchValidationError as e:
+        h.fail(f"{where} returned a batch outside the canonical layout: {e}")
+
+
+def _float_outputs(h: Harness, out: TensorBatch, inp: TensorBatch, names: tuple[str, ...], where: str) -> None:
+    for name in names:
+        h.expect(name in out, f"{where}: requested output {name!r} is missing; got fields {list(out)}")
+        t = out[name]
+        h.expect(t.dtype == torch.float32, f"{where}: {name} has dtype {t.dtype}, expected torch.float32")
+        h.expect(tuple(t.shape) == tuple(inp["response_mask"].shape),
+                 f"{where}: {name} has shape {tuple(t.shape)}, expected [batch, response] = "
+                 f"{tuple(inp['response_mask'].shape)} (same width as the input responses)")
+        masked = t[~inp["response_mask"]]
+        if masked.numel() and bool((masked != 0).any()):
+            h.fail(f"{where}: {name} is not 0 where response_mask is False (found "
+                   f"{int((masked != 0).sum())} nonzero masked values, e.g. {float(masked[masked != 0][0]):.4g}); "
+                   "the engine must ignore padding (response_mask)")
+    for name in _INPUTS:
+        h.expect(bool(torch.equal(out[name], inp[name])), f"{where}: input field {name} was changed")
+    _valid(h, out, where)
+
+
+@check("schema")
+def check_forward_layout(h: Harness) -> None:
+    """forward returns the input batch plus float32 [batch, response] outputs, 0 where masked."""
+    engine = h.training()
+    batch = h.batch(seed=1)
+    out = engine.forward(batch, ["log_probs"])
+    _float_outputs(h, out, batch, ("log_probs",), "forward(log_probs)")
+    h.expect(out.batch_size == batch.batch_size, "forward changed the batch size")
+    lp = out["log_probs"][batch["response_mask"]]
+    h.expect(bool((lp <= 1e-6).all()), f"forward: log_probs must be <= 0, max is {float(lp.max()):.4g}")
+    if engine.capabilities.entropy:
+        out = engine.forward(batch, ["log_probs", "entropy"])
+        _float_outputs(h, out, batch, ("log_probs", "entropy"), "forward(log_probs, entropy)")
+        ent = out["entropy"][batch["response_mask"]]
+        h.expect(bool((ent >= -1e-6).all()), f"forward: entropy must be >= 0, min is {float(ent.min()):.4g}")
+
+
+@check("schema")
+def check_critic_layout(h: Harness) -> None:
+    """A critic's forward returns float32 values [batch, response], 0 where masked."""
+    critic = h.training("critic")
+    if not critic.capabilities.values:
+        h.skip("backend declares values=False (no value head)")
+    batch = h.batch(seed=2)
+    _float_outputs(h, critic.forward(batch, ["values"]), batch, ("values",), "critic forward(values)")
+
+
+@check("schema")
+def check_train_step_metrics(h: Harness) -> None:
+    """forward_backward returns global loss, loss metrics and micro-batch count; optimizer_step a finite StepMetrics."""
+    engine = h.training(fresh=True, micro_batch_size=2)
+    batch = h.batch(seed=3, rl_fields=True)
+    m = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    for key in ("loss", "pg_loss", "num_micro_batches"):
+        h.expect(key in m, f"forward_backward metrics lack {key!r}; got {sorted(m)}")
+    h.expect(m["num_micro_batches"] >= 3, f"micro_batch_size=2 on 6 samples must run >= 3 micro-batches, "
+             f"metrics say {m['num_micro_batches']}")
+    h.scalar_close(m["pg_loss"], m["loss"], "loss", "metric pg_loss (summed over micro-batches) vs loss")
+    step = engine.optimizer_step()
+    h.expect(isinstance(step, StepMetrics), f"optimizer_step returned {type(step).__name__}, expected StepMetrics")
+    h.expect(bool(torch.isfinite(torch.tensor(step.grad_norm))) and step.grad_norm > 0,
+             f"optimizer_step grad_norm is {step.grad_norm}, expected a finite positive number")
+    h.expect(not step.skipped, "optimizer_step skipped a finite-gradient update")
+    h.scalar_close(step.lr, engine.spec.optim.lr_at(0), "loss", "optimizer_step lr (OptimConfig.lr_at(0))")
+
+
+@check("schema")
+def check_generate_layout(h: Harness) -> None:
+    """generate returns n right-padded samples per prompt with group ids, sample index, log-probs, truncated and meta."""
+    engine = h.rollout()
+    prompts = h.batch(seed=4, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
+    prompts = prompts.update(group_ids=torch.tensor([7, 3, 11]))
+    params = SamplingParams(temperature=0.9, max_new_tokens=6, n=3, seed=5)
+    stops: tuple[int, ...] = ()
+    if engine.capabilities.stop_token_ids:
+        # Stop on tokens seen mid-response in a first run, so lengths vary and padding shows.
+        first = engine.generate(prompts, params)
+        seen = first["response_ids"]
+        stops = tuple(sorted({int(seen[0, min(1, seen.shape[1] - 1)]), int(seen[4, min(3, seen.shape[1] - 1)])}))
+        params = SamplingParams(temperature=0.9, max_new_tokens=6, n=3, seed=5, stop_token_ids=stops)
+    out = engine.generate(prompts, params)
+    where = "generate"
+    h.expect(out.batch_size == 9, f"{where}: 3 prompts x n=3 must give 9 samples, got {out.batch_size}")
+    for name in ("response_ids", "response_mask", "rollout_log_probs", "truncated", "group_ids", "sample_index"):
+        h.expect(name in out, f"{where}: output lacks {name!r}; got {list(out)}")
+    _valid(h, out, where)
+    h.expect(out["group_ids"].tolist() == [7, 7, 7, 3, 3, 3, 11, 11, 11],
+             f"{where}: group_ids must repeat each prompt's id n times in place, got {out['group_ids'].tolist()}")
+    h.expect(out["sample_index"].tolist() == [0, 1, 2] * 3,
+             f"{where}: sample_index must be 0..n-1 per prompt, got {out['sample_index'].tolist()}")
+    rep = prompts.repeat_interleave(3)
+    h.expect(bool(torch.equal(out["prompt_ids"], rep["prompt_ids"])) and bool(torch.equal(out["prompt_mask"], rep["prompt_mask"])),
+             f"{where}: prompts must be returned unchanged (left-padded), repeated n times in place")
+    mask, ids = out["response_mask"], out["response_ids"]
+    h.expect(mask.shape[1] <= params.max_new_tokens, f"{where}: response width {mask.shape[1]} > max_new_tokens")
+    pad = engine.tokenizer.pad_token_id
+    h.expect(bool((ids[~mask] == pad).all()), f"{where}: padding positions of response_ids must hold the pad id {pad}")
+    lp = out["rollout_log_probs"]
+    h.expect(bool((lp[~mask] == 0).all()), f"{where}: rollout_log_probs must be 0 where response_mask is False")
+    h.expect(bool((lp[mask] <= 1e-6).all()), f"{where}: rollout_log_probs must be <= 0")
+    eos = {engine.tokenizer.eos_token_id, *stops}
+    lengths = mask.sum(1)
+    for b in range(out.batch_size):
+        toks = ids[b, : int(lengths[b])].tolist()
+        at = [i for i, t in enumerate(toks) if t in eos]
+        h.expect(not at or at == [len(toks) - 1],
+                 f"{where}: sample {b} has EOS/stop tokens at {at} inside its response {toks}; "
+                 "a stop token must end it")
+        ended = bool(at)
+        want_trunc = (not ended) and len(toks) == params.max_new_tokens
+        h.expect(bool(out["truncated"][b]) == want_trunc,
+                 f"{where}: sample {b} truncated={bool(out['truncated'][b])}, expected {want_trunc} "
+                 f"(length {len(toks)}, max_new_tokens {params.max_new_tokens}, ends with EOS: {ended})")
+    meta = out.meta
+    h.expect(abs(meta.temperature - 0.9) < 1e-9 and meta.top_p == 1.0 and meta.top_k == 0,
+             f"{where}: meta must carry the sampling params (temperature 0.9, top_p 1, top_k 0), got {meta}")
+    h.expect(meta.pad_token_id == pad, f"{where}: meta.pad_token_id {meta.pad_token_id} != tokenizer pad id {pad}")
+    h.expect(meta.weight_version == engine.weight_version,
+             f"{where}: meta.weight_version {meta.weight_version} != engine.weight_version {engine.weight_version}")

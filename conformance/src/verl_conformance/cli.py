@@ -1,0 +1,51 @@
+"""``verl conformance NAME [--against OTHER]``: run the suite, print a table per area, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
+    """Add the ``conformance`` subcommand to the ``verl`` command; return its handler."""
+    p = subparsers.add_parser(
+        "conformance", help="run the conformance suite on an installed backend",
+        description="Run the conformance suite on an installed backend: print a table per area "
+                    "(passed, failed, skipped with the reason) and write a JSON report.",
+    )
+    p.add_argument("backend", metavar="NAME", help="installed backend (see `verl backends`)")
+    p.add_argument("--against", metavar="OTHER", default=None,
+                   help="second installed backend for the differential checks")
+    p.add_argument("--check", "-k", dest="checks", action="append", default=None, metavar="ID",
+                   help="run only checks matching ID (area::name, wildcards allowed); repeatable")
+    p.add_argument("--area", dest="areas", action="append", default=None, metavar="AREA",
+                   help="run only this area (schema, numerics, invariance, differential, weight_sync, robustness)")
+    p.add_argument("--xfails-file", default=None, metavar="PATH", help="known gaps of the backend")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="where to write the JSON report (default: conformance-NAME.json)")
+    return _handle
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from verl_conformance.api import run_conformance
+    from verl_conformance.runner import reproduction
+
+    try:
+        report = run_conformance(args.backend, against=args.against, checks=args.checks, areas=args.areas,
+                                 known_gaps=args.xfails_file)
+    except ValueError as e:  # an unknown area or check pattern
+        print(f"verl conformance: error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    for r in report.failures:
+        print(f"\nFAILED {r.id}\n  {r.message}\n  reproduce:\n    "
+              + reproduction(r.id, report.backend, report.against).replace("\n", "\n    "))
+    out = Path(args.json_path or f"conformance-{args.backend}.json")
+    out.write_text(report.to_json())
+    print(f"\nJSON report: {out}")
+    return 1 if report.failures else 0

@@ -1,0 +1,328 @@
+"""The harness a check runs against: the backend(s) under test, tiny models, specs and helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, NoReturn
+
+import torch
+from torch import Tensor
+
+from verl_conformance.errors import CheckFailed, CheckSkipped
+from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, tolerance
+from verl_core import (
+    EngineSpec,
+    OptimConfig,
+    Role,
+    RolloutEngine,
+    TensorBatch,
+    TrainingEngine,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+    WeightMessage,
+)
+
+__all__ = [
+    "MODELS",
+    "SUITE_OPTIM",
+    "EngineCache",
+    "EngineFactory",
+    "Harness",
+    "Subject",
+    "collect_stream",
+    "recover_grads",
+]
+
+EngineFactory = Callable[[EngineSpec], Any]
+"""Builds an engine from an EngineSpec (the registry's, or a third party's own)."""
+
+SUITE_OPTIM: Final = OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0)
+"""AdamW whose first update is ``-lr * g / (|g| + eps)``: invertible, so one step's weight change
+recovers the gradient exactly (see :func:`recover_grads`), and well conditioned over a few steps."""
+
+MODELS: Final[dict[str, TinyModelSpec]] = {
+    "llama": TinyModelSpec(),
+    "llama-tied": TinyModelSpec(tied=True),
+    "qwen2": TinyModelSpec(arch="qwen2"),
+    "qwen3-tied": TinyModelSpec(arch="qwen3", tied=True),
+    "llama-alt": TinyModelSpec(seed=1),
+    "value": TinyModelSpec(head="value"),
+}
+"""The test kit's tiny models the suite uses, by short name (``llama-alt``: same shapes, other weights)."""
+
+MAX_PROMPT: Final = 12
+MAX_RESPONSE: Final = 12
+
+
+@dataclass
+class Subject:
+    """One backend under test.
+
+    Attributes:
+        name: Backend name (registry name, or a label for fixture-supplied factories).
+        make_training: Builds training engines (None: the backend has none).
+        make_rollout: Builds rollout engines (None: the backend has none).
+        roles: Roles the backend declares (None when unknown, e.g. fixture-supplied factories).
+        version: Distribution and version, for reports.
+        registered: True when built through verl_core's registry (so ``verl_*`` hooks apply).
+    """
+
+    name: str
+    make_training: EngineFactory | None
+    make_rollout: EngineFactory | None
+    roles: frozenset[str] | None = None
+    version: str = ""
+    registered: bool = False
+
+    @classmethod
+    def from_registry(cls, name: str) -> Subject:
+        """The installed backend ``name`` (raises the registry's error listing installed ones)."""
+        from verl_core import get_backend, get_rollout_engine, get_training_engine
+
+        backend = get_backend(name)
+        roles = frozenset(backend.spec.roles)
+        training = bool(roles & {"actor", "reference", "critic"})
+
+        def make_training(spec: EngineSpec) -> TrainingEngine:
+            return get_training_engine(name, spec)
+
+        def make_rollout(spec: EngineSpec) -> RolloutEngine:
+            return get_rollout_engine(name, spec)
+
+        return cls(
+            name=name,
+            make_training=make_training if training else None,
+            make_rollout=make_rollout if "rollout" in roles else None,
+            roles=roles,
+            version=f"{backend.distribution} {backend.version}",
+            registered=True,
+        )
+
+    @property
+    def key(self) -> str:
+        """Cache key of the subject's engines."""
+        if self.registered:
+            return f"registry:{self.name}"
+        parts = [self.name]
+        for f in (self.make_training, self.make_rollout):
+            parts.append("-" if f is None else f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', id(f))}")
+        return "|".join(parts)
+
+
+class EngineCache:
+    """Engines shared by checks that do not change them (built once per session)."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[str, str], Any] = {}
+
+    def get(self, key: tuple[str, str], build: Callable[[], Any]) -> Any:
+        """The cached engine for ``key``, built on first use."""
+        if key not in self._engines:
+            self._engines[key] = build()
+        return self._engines[key]
+
+    def drop(self, key: tuple[str, str]) -> None:
+        """Forget (and close) one engine, e.g. after a check left it in an unknown state."""
+        engine = self._engines.pop(key, None)
+        if engine is not None:
+            _close(engine)
+
+    def close(self) -> None:
+        """Close every cached engine."""
+        for engine in self._engines.values():
+            _close(engine)
+        self._engines.clear()
+
+
+def _close(engine: Any) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()
+
+
+@dataclass
+class Harness:
+    """What a check sees: the subject, an optional second backend, caches and helpers.
+
+    Attributes:
+        subject: The backend under test.
+        against: A second backend for differential checks (``--verl-against``), or None.
+        cache: Shared engines.
+        dtype: Parameter dtype of every engine the suite builds (selects the tolerance tier).
+    """
+
+    subject: Subject
+    against: Subject | None = None
+    cache: EngineCache = field(default_factory=EngineCache)
+    dtype: str = "float32"
+    _fresh: list[Any] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ outcome helpers
+    @staticmethod
+    def skip(reason: str) -> NoReturn:
+        """Skip the running check, saying why."""
+        raise CheckSkipped(reason)
+
+    @staticmethod
+    def fail(message: str) -> NoReturn:
+        """Fail the running check with a message that points at the fault."""
+        raise CheckFailed(message)
+
+    def expect(self, condition: bool, message: str) -> None:
+        """Fail with ``message`` unless ``condition`` holds."""
+        if not condition:
+            self.fail(message)
+
+    def close_fresh(self) -> None:
+        """Close the engines a check built for itself."""
+        for engine in self._fresh:
+            _close(engine)
+        self._fresh.clear()
+
+    # ------------------------------------------------------------------ models and specs
+    @staticmethod
+    def model_path(name: str = "llama") -> str:
+        """Folder of the suite model ``name`` (see :data:`MODELS`)."""
+        return str(tiny_model(MODELS[name]))
+
+    def spec(self, role: Role, model: str = "llama", **kw: Any) -> EngineSpec:
+        """The EngineSpec the suite builds engines from (tiny limits, the suite's optimizer)."""
+        base: dict[str, Any] = {
+            "model_path": self.model_path(model), "role": role, "dtype": self.dtype, "seed": 0,
+            "max_prompt_len": MAX_PROMPT, "max_response_len": MAX_RESPONSE, "optim": SUITE_OPTIM,
+        }
+        base.update(kw)
+        return EngineSpec(**base)
+
+    def _factory(self, subject: Subject, role: Role) -> EngineFactory:
+        f = subject.make_rollout if role == "rollout" else subject.make_training
+        if f is None or (subject.roles is not None and role not in subject.roles):
+            kind = "a rollout" if role == "rollout" else f"a training ({role})"
+            self.skip(f"backend {subject.name!r} provides no {kind} engine")
+        return f
+
+    def training(self, role: Role = "actor", model: str = "llama", *, fresh: bool = False,
+                 subject: Subject | None = None, **kw: Any) -> TrainingEngine:
+        """A training engine of the subject (``fresh``: built for this check and closed after it)."""
+        if role == "critic" and model == "llama":
+            model = "value"
+        return self._engine(subject or self.subject, self.spec(role, model, **kw), fresh)  # type: ignore[no-any-return]
+
+    def rollout(self, model: str = "llama", *, fresh: bool = False, subject: Subject | None = None,
+                **kw: Any) -> RolloutEngine:
+        """A rollout engine of the subject."""
+        return self._engine(subject or self.subject, self.spec("rollout", model, **kw), fresh)  # type: ignore[no-any-return]
+
+    def _engine(self, subject: Subject, spec: EngineSpec, fresh: bool) -> Any:
+        factory = self._factory(subject, spec.role)
+        if fresh:
+            engine = factory(spec)
+            self._fresh.append(engine)
+            return engine
+        return self.cache.get((subject.key, repr(spec)), lambda: factory(spec))
+
+    def require_against(self) -> Subject:
+        """The second backend, or skip when none was given."""
+        if self.against is None:
+            self.skip("no second backend: pass --verl-against NAME (or against= to check_backend)")
+        return self.against
+
+    # ------------------------------------------------------------------ data
+    def batch(self, *, seed: int = 0, batch_size: int = 6, temperature: float = 1.0,
+              empty: int = 1, rl_fields: bool = False, max_prompt: int = 8,
+              max_response: int = 8, group_size: int = 1) -> TensorBatch:
+        """A ragged, correctly padded batch for the test kit's tokenizer (one empty response)."""
+        b = random_batch(batch_size=batch_size, max_prompt=max_prompt, max_response=max_response,
+                         seed=seed, temperature=temperature, empty_responses=empty,
+                         with_rl_fields=rl_fields, group_size=group_size)
+        if rl_fields:  # keep only fields a policy loss reads, so every engine accepts the batch
+            b = b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids",
+                         "truncated", "old_log_probs", "advantages", "returns", "scores")
+        return b
+
+    # ------------------------------------------------------------------ comparisons
+    def close_to(self, actual: Tensor, expected: Tensor, quantity: str, what: str,
+                 mask: Tensor | None = None) -> None:
+        """Fail when ``actual`` is outside the dtype tier of ``quantity`` around ``expected``."""
+        tol = tolerance(self.dtype, quantity)
+        a = actual.detach().double().cpu()
+        e = expected.detach().double().cpu()
+        if a.shape != e.shape:
+            self.fail(f"{what}: shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+        if not bool(torch.isfinite(a).all()):
+            where = (~torch.isfinite(a)).nonzero()[0].tolist()
+            self.fail(f"{what}: non-finite value at {where}")
+        keep = torch.ones(a.shape, dtype=torch.bool) if mask is None else mask.cpu().bool()
+        if quantity == "grad":
+            a, e = a[keep], e[keep]
+            err = float((a - e).norm()) / max(float(e.norm()), 1e-30)
+            if err > tol.rel_l2 and float((a - e).abs().max()) > tol.atol:
+                self.fail(f"{what}: relative L2 error {err:.3g} > {tol.rel_l2:g} ({self.dtype} tier)")
+            return
+        diff = (a - e).abs()
+        bound = tol.atol + tol.rtol * e.abs()
+        bad = (diff > bound) & keep
+        if bool(bad.any()):
+            excess = torch.where(keep, diff - bound, torch.full_like(diff, -torch.inf))
+            flat = int(excess.flatten().argmax())
+            idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+            at = f"[sample {idx[0]}, token {idx[1]}]" if len(idx) == 2 else str(list(idx))
+            self.fail(
+                f"{what}: {int(bad.sum())} of {int(keep.sum())} values outside the {self.dtype} tier "
+                f"(atol={tol.atol:g}, rtol={tol.rtol:g}); worst at {at}: got {float(a[idx]):.7g}, "
+                f"expected {float(e[idx]):.7g}"
+            )
+
+    def scalar_close(self, actual: float, expected: float, quantity: str, what: str) -> None:
+        """Scalar version of :meth:`close_to`."""
+        self.close_to(torch.tensor([actual]), torch.tensor([expected]), quantity, what)
+
+
+def collect_stream(stream: Iterable[WeightMessage]) -> tuple[list[WeightMessage], dict[str, Tensor]]:
+    """Drain a weight stream; return its messages (chunks emptied) and a copy of every tensor."""
+    msgs: list[WeightMessage] = []
+    tensors: dict[str, Tensor] = {}
+    for msg in stream:
+        if isinstance(msg, WeightChunk):
+            for name, t in msg.tensors:
+                tensors[name] = t.detach().clone().cpu()
+        msgs.append(msg)
+    return msgs, tensors
+
+
+def exported_weights(engine: TrainingEngine) -> dict[str, Tensor]:
+    """The engine's weights in transformers naming, through its export stream."""
+    return collect_stream(engine.export_weights())[1]
+
+
+def recover_grads(before: Mapping[str, Tensor], after: Mapping[str, Tensor],
+                  optim: OptimConfig = SUITE_OPTIM) -> dict[str, Tensor]:
+    """The gradient of AdamW's first step from the weight change (weight decay 0, no clipping).
+
+    Step one moves each weight by ``-lr * g / (|g| + eps)``; solving for g gives
+    ``g = -delta * eps / (lr - |delta|)``.
+    """
+    lr = optim.lr_at(0)
+    out = {}
+    for name, w0 in before.items():
+        delta = after[name].double() - w0.double()
+        out[name] = -delta * optim.eps / (lr - delta.abs()).clamp_min(1e-12)
+    return out
+
+
+def messages_kinds(msgs: Iterable[WeightMessage]) -> list[str]:
+    """Kinds of a stream's messages (for error messages)."""
+    kinds = []
+    for m in msgs:
+        kinds.append("manifest" if isinstance(m, WeightManifest) else "commit" if isinstance(m, WeightCommit) else "chunk")
+    return kinds
+
+
+def replace_spec(spec: EngineSpec, **kw: Any) -> EngineSpec:
+    """A copy of ``spec`` with fields replaced."""
+    return dataclasses.replace(spec, **kw)

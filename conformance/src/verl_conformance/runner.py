@@ -1,0 +1,196 @@
+"""Runs checks outside pytest and reports: results, known gaps, tables and JSON."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from verl_conformance.checks import AREAS, CHECKS, Check
+from verl_conformance.errors import CheckFailed, CheckSkipped
+from verl_conformance.harness import Harness
+
+__all__ = [
+    "CheckResult",
+    "ConformanceReport",
+    "KnownGaps",
+    "load_known_gaps",
+    "reproduction",
+    "run_checks",
+    "select_checks",
+]
+
+Status = Literal["passed", "failed", "skipped", "xfailed", "xpassed"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check."""
+
+    id: str
+    area: str
+    status: Status
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class ConformanceReport:
+    """Every check's result for one backend (and the optional second backend)."""
+
+    backend: str
+    version: str
+    against: str | None
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        """Checks that failed and are not declared known gaps."""
+        return [r for r in self.results if r.status == "failed"]
+
+    def to_json(self) -> str:
+        """The report as JSON."""
+        return json.dumps(asdict(self), indent=1)
+
+    def table(self) -> str:
+        """A text table per area: status, check, time, and the reason for skips and failures."""
+        lines = [f"verl conformance: {self.backend} ({self.version})"
+                 + (f" against {self.against}" if self.against else "")]
+        for area in AREAS:
+            rows = [r for r in self.results if r.area == area]
+            if not rows:
+                continue
+            counts = {s: sum(r.status == s for r in rows) for s in ("passed", "failed", "skipped", "xfailed", "xpassed")}
+            summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+            lines.append("")
+            lines.append(f"[{area}] {summary}")
+            for r in rows:
+                name = r.id.split("::", 1)[1]
+                reason = f"  {r.message.splitlines()[0][:150]}" if r.message and r.status != "passed" else ""
+                lines.append(f"  {r.status.upper():<8} {name:<38} {r.seconds:6.1f}s{reason}")
+        totals = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped", "xfailed", "xpassed")}
+        lines.append("")
+        lines.append("total: " + ", ".join(f"{n} {s}" for s, n in totals.items() if n) + f" in {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KnownGaps:
+    """Declared known gaps: check id (or pattern) -> reason."""
+
+    entries: Mapping[str, str]
+    source: str = ""
+
+    def reason(self, check_id: str, nodeid: str = "") -> str | None:
+        """The reason if ``check_id`` (or a pytest ``nodeid``) is declared a known gap."""
+        c = CHECKS.get(check_id)
+        nodeid = nodeid or (pytest_suffix(c) if c is not None else "")
+        for pattern, why in self.entries.items():
+            if _matches(pattern, check_id, nodeid):
+                return why or "declared known gap"
+        return None
+
+    def unmatched(self) -> list[str]:
+        """Entries that name no known check (typos or removed checks)."""
+        return [p for p in self.entries
+                if not any(_matches(p, c.id, pytest_suffix(c)) for c in CHECKS.values())]
+
+
+def pytest_suffix(c: Check) -> str:
+    """``TestArea::test_name``: how the check's pytest id ends."""
+    return f"Test{''.join(w.title() for w in c.area.split('_'))}::test_{c.name}"
+
+
+def _matches(pattern: str, check_id: str, nodeid: str) -> bool:
+    if fnmatch.fnmatchcase(check_id, pattern):
+        return True
+    return bool(nodeid) and (nodeid == pattern or nodeid.endswith("::" + pattern) or nodeid.endswith("/" + pattern))
+
+
+def load_known_gaps(path: str | os.PathLike[str]) -> KnownGaps:
+    """Read a known-gaps file: one ``check-id  # reason`` per line (``#`` lines are comments).
+
+    A check id is ``area::name`` (``*`` wildcards allowed) or a pytest id ending in
+    ``TestArea::test_name``. Entries that match no check are reported by :meth:`KnownGaps.unmatched`.
+    """
+    entries: dict[str, str] = {}
+    for raw in Path(path).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        ident, _, reason = line.partition("#")
+        entries[ident.strip()] = reason.strip()
+    return KnownGaps(entries, str(path))
+
+
+def select_checks(checks: Sequence[str] | None = None, areas: Sequence[str] | None = None) -> list[Check]:
+    """Checks by id pattern (``area::name``, wildcards allowed) and/or area, in suite order."""
+    if areas:
+        unknown = sorted(set(areas) - set(AREAS))
+        if unknown:
+            raise ValueError(f"unknown area(s) {unknown}; areas: {', '.join(AREAS)}")
+    out = []
+    for c in CHECKS.values():
+        if areas and c.area not in areas:
+            continue
+        if checks and not any(fnmatch.fnmatchcase(c.id, p) or p == c.name for p in checks):
+            continue
+        out.append(c)
+    if checks and not out:
+        raise ValueError(f"no check matches {list(checks)}; checks: {', '.join(CHECKS)}")
+    return out
+
+
+def reproduction(check_id: str, backend: str, against: str | None = None) -> str:
+    """Commands that re-run one check alone."""
+    c = CHECKS[check_id]
+    ag = f" --verl-against {against}" if against else ""
+    ag_py = f", against={against!r}" if against else ""
+    return (
+        f"pytest --pyargs verl_conformance --verl-backend {backend}{ag} -k '{pytest_suffix(c).split('::')[0]} and test_{c.name}'\n"
+        f"python -c \"from verl_conformance import check_backend; check_backend({backend!r}{ag_py}, checks=[{check_id!r}])\""
+    )
+
+
+def run_one(check: Check, harness: Harness) -> tuple[Status, str]:
+    """Run one check; return its status and message (the traceback's last line for crashes)."""
+    try:
+        check.func(harness)
+    except CheckSkipped as e:
+        return "skipped", str(e)
+    except CheckFailed as e:
+        return "failed", str(e)
+    except Exception as e:
+        return "failed", f"{type(e).__name__}: {e}"
+    finally:
+        harness.close_fresh()
+    return "passed", ""
+
+
+def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None = None) -> ConformanceReport:
+    """Run ``checks`` on the harness and collect a report (known gaps turn failures into xfails)."""
+    report = ConformanceReport(harness.subject.name, harness.subject.version,
+                               harness.against.name if harness.against else None)
+    if gaps is not None:
+        for entry in gaps.unmatched():
+            warnings.warn(f"known-gaps file {gaps.source}: {entry!r} matches no conformance check", stacklevel=2)
+    t_all = time.perf_counter()
+    for c in checks:
+        t0 = time.perf_counter()
+        status, message = run_one(c, harness)
+        why = gaps.reason(c.id) if gaps is not None else None
+        if why is not None:
+            if status == "failed":
+                status, message = "xfailed", f"known gap: {why} ({message.splitlines()[0] if message else ''})"
+            elif status == "passed":
+                status, message = "xpassed", f"declared a known gap ({why}) but passed: remove it from {gaps.source}"  # type: ignore[union-attr]
+        report.results.append(CheckResult(c.id, c.area, status, message, time.perf_counter() - t0))
+    report.seconds = time.perf_counter() - t_all
+    return report

@@ -1,0 +1,63 @@
+"""Meta-tests: deliberately broken backends, installed through real entry points, fail the suite.
+
+Each broken backend (tests/plugins/verl-broken-backends) is the example backend with one fault;
+each test runs only the checks that fault targets and asserts the failure message points at it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_conformance import ConformanceError, check_backend
+
+FAULTS = [
+    # (backend, checks to run, checks that must fail, fragments the message must contain)
+    ("broken-shifted-log-probs", ["numerics::log_probs_match_reference"],
+     ["numerics::log_probs_match_reference"], ["log_probs of llama at temperature 1.0", "float64 reference"]),
+    ("broken-temperature", ["numerics::log_probs_match_reference", "numerics::entropy_matches_reference"],
+     ["numerics::log_probs_match_reference", "numerics::entropy_matches_reference"], ["temperature 0.7"]),
+    ("broken-response-mask", ["schema::forward_layout"], ["schema::forward_layout"],
+     ["not 0 where response_mask is False"]),
+    ("broken-padding-side", ["schema::generate_layout"], ["schema::generate_layout"],
+     ["response_mask", "not right-padded"]),
+    ("broken-micro-batch-loss", ["invariance::micro_batch_invariance", "numerics::loss_and_grads_match_reference"],
+     ["invariance::micro_batch_invariance", "numerics::loss_and_grads_match_reference"],
+     ["micro_batch_size", "loss"]),
+    ("broken-weight-sync", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync"],
+     ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync"],
+     ["a sync that does not apply the weights"]),
+    ("broken-unseeded", ["invariance::seeded_sampling_reproducible"], ["invariance::seeded_sampling_reproducible"],
+     ["not reproducible under a fixed seed"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "checks", "must_fail", "fragments"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_broken_backend_fails_targeted_checks(
+    backend: str, checks: list[str], must_fail: list[str], fragments: list[str]
+) -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_backend(backend, checks=checks)
+    report = info.value.report
+    assert report is not None
+    failed = sorted(r.id for r in report.failures)
+    assert failed == sorted(must_fail), f"{backend}: failed {failed}, expected {must_fail}"
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{backend}: the error does not point at the fault ({fragment!r}):\n{message}"
+    assert "reproduce:" in message and f"--verl-backend {backend}" in message
+
+
+@pytest.mark.slow
+def test_example_passes_the_checks_the_faults_target() -> None:
+    """The unbroken example passes every check the meta-tests use (so the faults, not the checks, fail)."""
+    targeted = sorted({c for _, checks, _, _ in FAULTS for c in checks})
+    report = check_backend("example", checks=targeted)
+    assert [r.status for r in report.results] == ["passed"] * len(targeted), report.table()
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    from verl_core import UnknownNameError
+
+    with pytest.raises(UnknownNameError, match="installed:.*example"):
+        check_backend("no-such-backend", checks=["schema::forward_layout"])
