@@ -27,8 +27,12 @@ def llama_path() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen2_path() -> Path:
-    """An untied tiny Qwen2 folder (QKV bias)."""
-    return tiny_model(TinyModelSpec(arch="qwen2"))
+    """An untied tiny Qwen2 folder (QKV bias).
+
+    vLLM's Qwen2 derives the head width as hidden_size / num_heads (it ignores ``head_dim``), and
+    its CPU attention needs >= 32, so the width is 128 (4 heads of 32).
+    """
+    return tiny_model(TinyModelSpec(arch="qwen2", hidden_size=128))
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,21 @@ def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _refresh_tied_lm_head(worker: Any) -> None:
+    """Rebuild the lm_head's kernel state from the (shared) embedding weight, inside a worker.
+
+    vLLM's CPU backend keeps a packed copy of every GEMM weight, the tied lm_head's included; an
+    in-place reload that updates the embedding re-packs only the embedding, so the head would keep
+    computing logits with the old weights. Elsewhere this processing is a no-op.
+    """
+    inner = getattr(worker, "worker", worker)
+    model = inner.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None:
+        method.process_weights_after_loading(head)
+
+
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
     """Factory of the ``vllm`` backend's rollout role (options validated by VllmRolloutConfig)."""
     from verl_core.registry import parse_options
@@ -417,10 +432,22 @@ class VllmRolloutEngine(RolloutEngine):
             raise
         except Exception as e:
             self._fail(f"{type(e).__name__}: {e}")
-            raise WeightSyncError(f"loading weights into vLLM failed: {type(e).__name__}: {e}") from e
+            raise WeightSyncError(
+                f"weight sync failed part-way ({type(e).__name__}: {e}); the engine is stale until a "
+                "complete update_weights() succeeds"
+            ) from e
         except BaseException:
             self._fail("interrupted")
             raise
+        if self._files.tied_embeddings:
+            try:
+                self._llm.collective_rpc(_refresh_tied_lm_head)
+            except Exception as e:
+                self._fail(f"re-packing the tied lm_head failed: {type(e).__name__}: {e}")
+                raise WeightSyncError(
+                    f"weights loaded but re-packing the tied lm_head failed ({type(e).__name__}: {e}); "
+                    "the engine is stale until a complete update_weights() succeeds"
+                ) from e
         t1 = time.perf_counter()
         self._llm.reset_prefix_cache()
         self.last_sync_seconds = {"receive_apply": t1 - t0, "reset_cache": time.perf_counter() - t1}
