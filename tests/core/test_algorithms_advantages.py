@@ -363,6 +363,9 @@ def test_empty_responses_and_groups_of_one_are_finite() -> None:
     all_empty = random_batch(1, [0, 0], 0, [0, 0])
     for est in ESTIMATORS.values():
         assert est(all_empty)["advantages"].shape == (2, 0)
+    no_samples = random_batch(2, [], 70, [])
+    for est in ESTIMATORS.values():
+        assert est(no_samples)["advantages"].shape == (0, 70)
     # a group of one under GRPO is its raw score (mean 0, std 1)
     single = grpo(b)["advantages"]
     assert single[2, 0] != 0

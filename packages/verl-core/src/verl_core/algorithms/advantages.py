@@ -134,12 +134,13 @@ def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor
     if gamma == 1.0:
         return x.flip(-1).cumsum(-1).flip(-1)
     lead, T = x.shape[:-1], x.shape[-1]
-    flat = x.reshape(-1, T)
+    rows = math.prod(lead)
+    flat = x.reshape(rows, T)
     L = min(block, T)
     nb = -(-T // L)
     if nb * L != T:
         flat = torch.nn.functional.pad(flat, (0, nb * L - T))
-    blocks = flat.view(-1, nb, L)
+    blocks = flat.view(rows, nb, L)
     log_g = math.log(gamma)
 
     def powers(n: int, scale: int) -> Tensor:
@@ -154,7 +155,7 @@ def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor
         tail = torch.exp((L - torch.arange(L, dtype=torch.float64)) * log_g).to(device=x.device, dtype=x.dtype)
         # block j also receives the discounted return from the start of block j + 1
         local[:, :-1, :].addcmul_(starts[:, 1:, None], tail)
-    return local.reshape(-1, nb * L)[:, :T].reshape(*lead, T)
+    return local.reshape(rows, nb * L)[:, :T].reshape(*lead, T)
 
 
 def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
@@ -202,7 +203,8 @@ def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
     # next value of the last token is 0 and delta is 0 at masked positions
     delta = token_rewards(batch, w).sub_(v)
     delta[:, :-1].add_(v[:, 1:], alpha=config.gamma)
-    adv = discounted_cumsum(delta, config.gamma * config.lam).mul_(w)
+    # suffix sums of a right-padded masked delta are already 0 at masked positions
+    adv = discounted_cumsum(delta, config.gamma * config.lam)
     returns = adv + v
     if config.whiten:
         adv = masked_whiten(adv, w)
@@ -262,7 +264,7 @@ def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) ->
     config = config or ReinforcePPConfig()
     batch.require("response_mask", where="REINFORCE++")
     w = _weights(batch)
-    returns = discounted_cumsum(token_rewards(batch, w), config.gamma).mul_(w)
+    returns = discounted_cumsum(token_rewards(batch, w), config.gamma)  # 0 after the response
     adv = masked_whiten(returns, w) if config.whiten else returns
     return _finish(batch, adv, returns)
 
@@ -297,6 +299,6 @@ def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     """
     batch.require("response_mask", "baseline_scores", where="ReMax")
     w = _weights(batch)
-    returns = discounted_cumsum(token_rewards(batch, w), 1.0).mul_(w)
+    returns = discounted_cumsum(token_rewards(batch, w), 1.0)  # 0 after the response
     adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0)
     return _finish(batch, adv, returns)
