@@ -242,7 +242,8 @@ class Harness:
                          with_rl_fields=rl_fields, group_size=group_size)
         if rl_fields:  # keep only fields a policy loss reads, so every engine accepts the batch
             b = b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids",
-                         "truncated", "old_log_probs", "advantages", "returns", "scores")
+                         "truncated", "old_log_probs", "ref_log_probs", "advantages", "returns",
+                         "old_values", "scores")
         return b
 
     # ------------------------------------------------------------------ comparisons

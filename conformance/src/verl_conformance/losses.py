@@ -16,9 +16,16 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from verl_core import GlobalBatchStats, LossOutput, ModelOutput, TensorBatch
+from verl_core import GlobalBatchStats, LossFn, LossOutput, ModelOutput, TensorBatch
 
-__all__ = ["SuiteLoss", "grpo_advantages", "suite_losses"]
+__all__ = [
+    "NamedLoss",
+    "SuiteLoss",
+    "grpo_advantages",
+    "registered_critic_loss",
+    "registered_policy_losses",
+    "suite_losses",
+]
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,60 @@ PPO_CLIP: Final = SuiteLoss("ppo_clip", _ppo_clip, inputs=("advantages", "old_lo
 VALUE_MSE: Final = SuiteLoss("value_mse", _value_mse, frozenset({"values"}), inputs=("returns",))
 
 
-def suite_losses() -> list[SuiteLoss]:
-    """The policy losses every actor is checked under (the suite's own plus registered ones)."""
-    return [TOKEN_MEAN_PG, SEQ_MEAN_PG_ENTROPY, PPO_CLIP]
+@dataclass(frozen=True)
+class NamedLoss:
+    """A registered algorithm loss (any :class:`~verl_core.LossFn`) under a display name."""
+
+    name: str
+    loss: LossFn
+
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        """Model outputs the loss reads."""
+        return self.loss.needs
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        """Delegate to the registered loss."""
+        return self.loss(batch, stats)
+
+
+def registered_policy_losses() -> list[NamedLoss]:
+    """The actor loss of every registered policy loss (token-mean, with an entropy bonus and a KL
+    loss on ``ppo``), and ``ppo`` under every registered aggregation mode.
+
+    Empty when this verl-core has no algorithm bundle (the suite's own losses still apply).
+    """
+    try:
+        from verl_core.algorithms import ActorLoss, ActorLossConfig
+    except ImportError:
+        return []
+    from verl_core import get_registry
+
+    reg = get_registry()
+    out = []
+    for name in reg.components("policy_loss"):
+        extra = {"entropy_coef": 0.01, "kl_loss_coef": 0.1} if name == "ppo" else {}
+        out.append(NamedLoss(f"{name} (token-mean)", ActorLoss(ActorLossConfig(policy_loss=name, **extra))))  # type: ignore[arg-type]
+    for mode in reg.components("aggregation"):
+        if mode != "token-mean":
+            out.append(NamedLoss(f"ppo ({mode})", ActorLoss(ActorLossConfig(loss_agg_mode=mode))))  # type: ignore[arg-type]
+    return out
+
+
+def registered_critic_loss() -> NamedLoss | None:
+    """verl-core's clipped value loss, when this verl-core has it."""
+    try:
+        from verl_core.algorithms import CriticLossConfig
+        from verl_core.algorithms.losses import CriticLoss
+    except ImportError:
+        return None
+    return NamedLoss("clipped_mse", CriticLoss(CriticLossConfig()))
+
+
+def suite_losses() -> list[SuiteLoss | NamedLoss]:
+    """The policy losses every actor is checked under: the suite's own plus every registered one."""
+    own: list[SuiteLoss | NamedLoss] = [TOKEN_MEAN_PG, SEQ_MEAN_PG_ENTROPY, PPO_CLIP]
+    return own + list(registered_policy_losses())
 
 
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from verl_conformance.checks._registry import check
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights, recover_grads
-from verl_conformance.losses import VALUE_MSE, SuiteLoss, suite_losses
+from verl_conformance.losses import (
+    VALUE_MSE,
+    NamedLoss,
+    SuiteLoss,
+    registered_critic_loss,
+    suite_losses,
+)
 from verl_conformance.reference import ReferenceModel, cached_outputs
-from verl_core import GlobalBatchStats, SamplingParams, TensorBatch, TrainingEngine
+from verl_core import GlobalBatchStats, LossFn, SamplingParams, TensorBatch, TrainingEngine
 
 _ARCH_MODELS = ("llama", "llama-tied", "qwen2", "qwen3-tied")
 _TEMPERATURES = (1.0, 0.7)
@@ -50,7 +56,7 @@ def check_values_match_reference(h: Harness) -> None:
     h.close_to(got, ref, "values", "critic values vs float64 reference", mask=batch["response_mask"])
 
 
-def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: SuiteLoss
+def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: LossFn
                ) -> tuple[dict[str, float], float, dict[str, object]]:
     """Run forward_backward + optimizer_step; return metrics, grad norm and recovered gradients."""
     before = exported_weights(engine)
@@ -61,7 +67,7 @@ def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: Sui
     return metrics, step.grad_norm, recover_grads(before, after, engine.spec.optim)  # type: ignore[return-value]
 
 
-def compare_update(h: Harness, loss: SuiteLoss, model: str, batch: TensorBatch, **spec_kw: object) -> None:
+def compare_update(h: Harness, loss: SuiteLoss | NamedLoss, model: str, batch: TensorBatch, **spec_kw: object) -> None:
     """One update of a fresh actor vs the float64 reference: loss, grad norm, every gradient."""
     engine = h.training(model=model, fresh=True, **spec_kw)  # type: ignore[arg-type]
     metrics, grad_norm, grads = one_update(h, engine, batch, loss)
@@ -94,14 +100,20 @@ def check_value_loss_matches_reference(h: Harness) -> None:
     if not critic.capabilities.values:
         h.skip("backend declares values=False (no value head)")
     batch = h.batch(seed=14, rl_fields=True)
-    engine = h.training("critic", fresh=True, micro_batch_size=2)
-    metrics, grad_norm, grads = one_update(h, engine, batch, VALUE_MSE)
-    ref = ReferenceModel(h.model_path("value"), SUITE_OPTIM).loss_and_grads(batch, VALUE_MSE, GlobalBatchStats.of(batch))
-    h.scalar_close(metrics["loss"], ref.loss, "loss", "critic value loss vs float64 reference")
-    h.scalar_close(grad_norm, ref.grad_norm, "loss", "critic grad norm vs float64 reference")
-    for name, g in ref.grads.items():
-        h.expect(name in grads, f"critic export lacks {name}")
-        h.close_to(grads[name], g, "grad", f"critic gradient of {name} vs float64 reference")  # type: ignore[arg-type]
+    losses: list[SuiteLoss | NamedLoss] = [VALUE_MSE]
+    registered = registered_critic_loss()
+    if registered is not None:
+        losses.append(registered)
+    for loss in losses:
+        engine = h.training("critic", fresh=True, micro_batch_size=2)
+        metrics, grad_norm, grads = one_update(h, engine, batch, loss)
+        ref = ReferenceModel(h.model_path("value"), SUITE_OPTIM).loss_and_grads(batch, loss, GlobalBatchStats.of(batch))
+        label = f"critic {loss.name}"
+        h.scalar_close(metrics["loss"], ref.loss, "loss", f"{label} loss vs float64 reference")
+        h.scalar_close(grad_norm, ref.grad_norm, "loss", f"{label} grad norm vs float64 reference")
+        for name, g in ref.grads.items():
+            h.expect(name in grads, f"critic export lacks {name}")
+            h.close_to(grads[name], g, "grad", f"{label}: gradient of {name} vs float64 reference")  # type: ignore[arg-type]
 
 
 @check("numerics")
