@@ -10,6 +10,7 @@ import torch
 
 from verl_core import (
     AlgorithmComponent,
+    BatchValidationError,
     ConfigError,
     GlobalBatchStats,
     TensorBatch,
@@ -220,3 +221,15 @@ def test_configs_are_frozen_and_replace_rebuilds() -> None:
     algo = Algorithm.grpo().replace(actor=ActorLossConfig(entropy_coef=0.01))
     assert algo.actor_loss.needs == {"log_probs", "entropy"}
     assert "grpo" in repr(algo)
+
+
+def test_precomputed_token_rewards_are_used_without_kl_penalty() -> None:
+    b = rl_batch()
+    shaped = b.drop("scores").update(token_rewards=b["response_mask"].float() * 0.25)
+    out, metrics = Algorithm.rloo().compute_advantages_with_metrics(shaped)
+    assert metrics == {}
+    assert torch.equal(out["token_rewards"], shaped["token_rewards"])
+    with pytest.raises(BatchValidationError, match="scores"):
+        Algorithm.ppo(kl_coef=0.1).compute_advantages(shaped)
+    with pytest.raises(BatchValidationError, match="token_rewards"):
+        Algorithm.rloo().compute_advantages(b.drop("scores"))

@@ -2,6 +2,22 @@
 
 Everything here is registered by name through the ``verl_algorithm_components`` hook (see
 :mod:`verl_core.algorithms.builtin`); :class:`Algorithm` bundles the parts an RL step uses.
+
+The numerics follow verl 0.9.1's ``verl.trainer.ppo.core_algos`` (cross-checked by
+``benchmarks/bench_algorithms.py --verl``). The deliberate differences, each documented where it
+lives:
+
+* aggregation is normalised by the global mini-batch (``GlobalBatchStats``), and
+  ``seq-mean-token-sum-norm`` divides by a constant length, not the micro-batch's padded width
+  (:mod:`~verl_core.algorithms.aggregation`);
+* advantages and returns are 0 at masked positions; whitening one or no token gives 0 instead of
+  raising; group statistics are computed in float64 (:mod:`~verl_core.algorithms.advantages`);
+* an empty response keeps its score in its group's statistics (verl would place it on the last
+  padding token); the reward-KL metric averages over non-empty responses
+  (:mod:`~verl_core.algorithms.kl`);
+* losses attach their analytic gradient (identical to autograd of verl's formulas except at
+  measure-zero ties between clip branches); gradients flow through the model outputs only
+  (:mod:`~verl_core.algorithms.losses`).
 """
 
 from __future__ import annotations

@@ -128,9 +128,15 @@ class Algorithm:
     def compute_advantages_with_metrics(self, batch: TensorBatch) -> tuple[TensorBatch, Metrics]:
         """Token rewards (with the KL penalty) then advantages and returns, plus reward metrics.
 
-        Updates the adaptive KL controller once per call.
+        The rewards come from ``scores`` / ``token_scores``; a batch that holds only
+        ``token_rewards`` is used as is when the algorithm has no KL penalty in the reward. Updates
+        the adaptive KL controller once per call.
         """
-        batch, metrics = compute_token_rewards(batch, self.reward, self.kl_controller)
+        if "scores" in batch or "token_scores" in batch or self.kl_controller.value > 0:
+            batch, metrics = compute_token_rewards(batch, self.reward, self.kl_controller)
+        else:  # rewards already shaped by the caller (``token_rewards``), no KL penalty to add
+            batch.require("token_rewards", where=f"{self.name} advantages")
+            metrics = {}
         out = self._estimate(batch, self.estimator_config)
         return out, metrics
 
@@ -194,7 +200,12 @@ class Algorithm:
         horizon: float = 10000.0,
         tis: TISConfig | None = None,
     ) -> Algorithm:
-        """PPO with GAE and a critic, KL penalty in the reward (verl's defaults), dual clip."""
+        """PPO: GAE with a critic, clipped policy and value losses, dual clip.
+
+        Defaults are verl's (clip 0.2, dual clip 3, value clip 0.5, gamma = lam = 1, KL coefficient
+        0.001 with the k1 estimator), except that the KL penalty is in the reward by default (verl's
+        ``use_kl_in_reward`` is off by default): pass ``kl_coef=0`` to turn it off.
+        """
         return cls(
             "ppo",
             "gae",
@@ -221,7 +232,11 @@ class Algorithm:
         kl_loss_estimator: KLName = "k3",
         tis: TISConfig | None = None,
     ) -> Algorithm:
-        """GRPO: group-normalised advantages, PPO clip, KL to the reference as a loss (k3)."""
+        """GRPO: group-normalised advantages, PPO clip, KL to the reference as a loss term.
+
+        Defaults follow verl's GRPO recipe: KL loss coefficient 0.001 with k3 (``low_var_kl``),
+        token-mean aggregation, clip 0.2 with dual clip 3; ``clip_high`` gives DAPO's clip-higher.
+        """
         return cls(
             "grpo" if norm_by_std else "dr_grpo",
             "grpo",
@@ -296,7 +311,10 @@ class Algorithm:
         kl_loss_coef: float = 0.0,
         tis: TISConfig | None = None,
     ) -> Algorithm:
-        """REINFORCE++ (``baseline=True``: with the group-mean baseline); KL in the reward."""
+        """REINFORCE++ (``baseline=True``: with the group-mean baseline); KL penalty in the reward.
+
+        The KL coefficient defaults to 0.001 (k1); pass ``kl_coef=0`` to turn the penalty off.
+        """
         estimator = "reinforce_pp_baseline" if baseline else "reinforce_pp"
         config: Any = ReinforcePPBaselineConfig() if baseline else ReinforcePPConfig(gamma=gamma)
         return cls(

@@ -38,7 +38,7 @@ from verl_core.algorithms.config import (
 )
 from verl_core.algorithms.kl import kl_estimate
 from verl_core.batch import TensorBatch
-from verl_core.training import GlobalBatchStats, LossOutput, ModelOutput
+from verl_core.training import GlobalBatchStats, LossFn, LossOutput, ModelOutput
 
 __all__ = [
     "POLICY_LOSSES",
@@ -399,3 +399,8 @@ class CriticLoss:
             returns=batch["returns"],
             mask=batch["response_mask"],
         )
+
+
+def _conforms(actor: ActorLoss, critic: CriticLoss) -> tuple[LossFn, LossFn]:
+    """Static check (mypy) that both loss objects satisfy the LossFn protocol."""
+    return actor, critic
