@@ -466,10 +466,13 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = tokens / wall if wall > 0 else 0.0
         rollout_t = timings.get("time/rollout", 0.0)
         metrics["throughput/rollout_tokens_per_s"] = tokens / rollout_t if rollout_t > 0 else 0.0
+        prefix = f"step{self.step}/"
         for role, sched in self.schedulers.items():
-            if sched.plan:
-                for k, v in sched.metrics().items():
-                    metrics[f"scheduler/{role}/{k.removeprefix('scheduler/')}"] = v
+            decisions = [d for d in sched.plan if d.key.startswith(prefix)]
+            if decisions:
+                metrics[f"scheduler/{role}/micro_batches"] = sum(len(d.groups) for d in decisions)
+                metrics[f"scheduler/{role}/ooms"] = sum(d.ooms for d in decisions)
+                metrics[f"scheduler/{role}/budget"] = decisions[-1].budget
         metrics["weight_version"] = self.weight_version
         self.step += 1
         self.history.append(metrics)
