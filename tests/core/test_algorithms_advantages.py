@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -430,3 +432,29 @@ def test_algorithm_updates_adaptive_coefficient_per_call() -> None:
     fresh = Algorithm.ppo(kl_coef=0.1, kl_controller="adaptive", target_kl=0.01, horizon=10)
     fresh.load_state_dict(state)
     assert fresh.kl_controller.value == algo.kl_controller.value
+
+
+def _python_calls(fn: Callable[[], object]) -> int:
+    """Number of function calls (Python and builtin, so tensor ops count) ``fn`` makes."""
+    count = 0
+
+    def prof(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_no_python_loop_over_samples_or_groups(name: str) -> None:
+    """The Python work is the same for 8 samples in 2 groups and 2048 samples in 512 groups, 200 tokens."""
+    small = random_batch(0, [3] * 8, 200, [i // 4 for i in range(8)])
+    large = random_batch(0, [150] * 2048, 200, [i // 4 for i in range(2048)])
+    ESTIMATORS[name](small)  # warm caches (lazy imports)
+    assert _python_calls(lambda: ESTIMATORS[name](small)) == _python_calls(lambda: ESTIMATORS[name](large))

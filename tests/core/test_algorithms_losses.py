@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core import GlobalBatchStats, TensorBatch
+from verl_core import BatchValidationError, GlobalBatchStats, TensorBatch
 from verl_core.algorithms import (
     ActorLoss,
     ActorLossConfig,
@@ -495,3 +495,45 @@ def test_value_loss_matches_plain_autograd(seed: int, clip: float | None) -> Non
     assert x1.grad is not None and x2.grad is not None
     torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_missing_inputs_say_what_to_do() -> None:
+    t = random_tensors(0, [2, 1], 2)
+    base = {"log_probs": t["log_probs"], "old_log_probs": t["old_log_probs"], "advantages": t["advantages"],
+            "mask": t["mask"]}
+    with pytest.raises(BatchValidationError, match="needs rollout_log_probs.*set tis=None"):
+        actor_loss(ActorLossConfig(tis=TISConfig()), stats_of(t["mask"]), **base)
+    with pytest.raises(BatchValidationError, match="needs ref_log_probs.*kl_loss_coef=0"):
+        actor_loss(ActorLossConfig(kl_loss_coef=0.1), stats_of(t["mask"]), **base)
+    with pytest.raises(BatchValidationError, match="ActorLoss needs field.*advantages"):
+        ActorLoss()(TensorBatch({"response_mask": t["mask"], "log_probs": t["log_probs"].float()}),
+                    stats_of(t["mask"]))
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "reinforce", "importance_sampling"])
+def test_no_python_loop_over_samples_in_losses(name: str) -> None:
+    import sys
+
+    def calls(lengths: list[int]) -> int:
+        t = random_tensors(0, lengths, 64)
+        cfg = ActorLossConfig(policy_loss=name, loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.1,
+                              entropy_coef=0.1, tis=TISConfig("sequence"))
+        count = 0
+
+        def prof(frame: object, event: str, arg: object) -> None:
+            nonlocal count
+            count += event in ("call", "c_call")
+
+        lp = t["log_probs"].clone().requires_grad_(True)
+        sys.setprofile(prof)
+        try:
+            out = actor_loss(cfg, stats_of(t["mask"]), log_probs=lp, old_log_probs=t["old_log_probs"],
+                             advantages=t["advantages"], mask=t["mask"], entropy=t["entropy"],
+                             ref_log_probs=t["ref_log_probs"], rollout_log_probs=t["rollout_log_probs"])
+            out.loss.backward()
+        finally:
+            sys.setprofile(None)
+        return count
+
+    calls([3, 4])
+    assert calls([3, 4]) == calls([40] * 1000)

@@ -38,6 +38,7 @@ from verl_core.algorithms.config import (
 )
 from verl_core.algorithms.kl import kl_estimate
 from verl_core.batch import TensorBatch
+from verl_core.errors import BatchValidationError
 from verl_core.training import GlobalBatchStats, LossFn, LossOutput, ModelOutput
 
 __all__ = [
@@ -235,7 +236,10 @@ def actor_loss(
     metrics: dict[str, Tensor] = {}
     if config.tis is not None:
         if rollout_log_probs is None:
-            raise ValueError("truncated importance sampling (tis) needs rollout_log_probs")
+            raise BatchValidationError(
+                "truncated importance sampling (ActorLossConfig.tis) needs rollout_log_probs; pass the "
+                "rollout engine's log-probs or set tis=None"
+            )
         tis, truncated = tis_weights(old_log_probs, rollout_log_probs, w, config.tis)
         per_token = per_token * tis
         metrics["tis_weight"] = _token_mean(tis, w, stats)
@@ -253,7 +257,10 @@ def actor_loss(
             loss = loss - config.entropy_coef * aggregate(entropy, w, mode, stats, L)
     if config.kl_loss_coef:
         if ref_log_probs is None:
-            raise ValueError("kl_loss_coef > 0 needs ref_log_probs")
+            raise BatchValidationError(
+                f"ActorLossConfig.kl_loss_coef = {config.kl_loss_coef} needs ref_log_probs; compute the "
+                "reference policy's log-probs first or set kl_loss_coef=0"
+            )
         kld = kl_estimate(log_probs, ref_log_probs, config.kl_loss_estimator)
         kl_term = aggregate(kld, w, mode, stats, L)
         loss = loss + config.kl_loss_coef * kl_term
