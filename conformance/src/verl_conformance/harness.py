@@ -202,8 +202,8 @@ class Harness:
     def _factory(self, subject: Subject, role: Role) -> EngineFactory:
         f = subject.make_rollout if role == "rollout" else subject.make_training
         if f is None or (subject.roles is not None and role not in subject.roles):
-            kind = "a rollout" if role == "rollout" else f"a training ({role})"
-            self.skip(f"backend {subject.name!r} provides no {kind} engine")
+            kind = "rollout engine" if role == "rollout" else f"training engine for role {role!r}"
+            self.skip(f"backend {subject.name!r} provides no {kind}")
         return f
 
     def training(self, role: Role = "actor", model: str = "llama", *, fresh: bool = False,
@@ -225,6 +225,11 @@ class Harness:
             self._fresh.append(engine)
             return engine
         return self.cache.get((subject.key, repr(spec)), lambda: factory(spec))
+
+    def provides(self, subject: Subject, role: Role) -> bool:
+        """Whether ``subject`` can build an engine of ``role``."""
+        f = subject.make_rollout if role == "rollout" else subject.make_training
+        return f is not None and (subject.roles is None or role in subject.roles)
 
     def require_against(self) -> Subject:
         """The second backend, or skip when none was given."""

@@ -175,17 +175,22 @@ def check_bad_streams_rejected(h: Harness) -> None:
 
 @check("weight_sync")
 def check_trainer_to_rollout_sync(h: Harness) -> None:
-    """After a training step and a sync, rollout log-probs equal the trainer's log-probs of the same samples."""
-    subject = h.subject
-    actor = h.training(fresh=True)
-    rollout = h.rollout(fresh=True)
+    """After a training step and a sync, rollout log-probs equal the trainer's log-probs of the same samples (pairs with --verl-against for a missing role)."""
+    # A backend with one of the two roles is paired with the --verl-against backend's other role.
+    src = dst = h.subject
+    if not h.provides(src, "actor") and h.against is not None and h.provides(h.against, "actor"):
+        src = h.against
+    if not h.provides(dst, "rollout") and h.against is not None and h.provides(h.against, "rollout"):
+        dst = h.against
+    actor = h.training(fresh=True, subject=src)
+    rollout = h.rollout(fresh=True, subject=dst)
     batch = h.batch(seed=51, rl_fields=True)
     actor.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     actor.optimizer_step()
-    if subject.registered:
+    if src.registered and dst.registered:
         from verl_core import get_weight_sync
 
-        sync = get_weight_sync(subject.name, subject.name)
+        sync = get_weight_sync(src.name, dst.name)
     else:
         sync = StreamWeightSync()
     sync.sync(actor, rollout, version=1)

@@ -1,0 +1,72 @@
+"""Fast unit tests of the suite's machinery: known-gap files, check selection, reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_conformance.checks import AREAS, CHECKS
+from verl_conformance.runner import (
+    CheckResult,
+    ConformanceReport,
+    load_known_gaps,
+    pytest_suffix,
+    select_checks,
+)
+
+
+def test_every_area_has_checks_and_ids_are_area_name() -> None:
+    assert {c.area for c in CHECKS.values()} == set(AREAS)
+    for cid, c in CHECKS.items():
+        assert cid == f"{c.area}::{c.name}"
+        assert c.doc and not c.doc.endswith(":"), cid
+
+
+def test_known_gaps_match_check_ids_patterns_and_pytest_ids(tmp_path: Path) -> None:
+    f = tmp_path / "gaps.txt"
+    f.write_text(
+        "# comment\n\n"
+        "numerics::log_probs_match_reference  # reason one\n"
+        "weight_sync::*  # all sync checks\n"
+        "TestRobustness::test_batch_of_one\n"
+        "schema::not_a_check  # typo\n"
+    )
+    gaps = load_known_gaps(f)
+    assert gaps.reason("numerics::log_probs_match_reference") == "reason one"
+    assert gaps.reason("weight_sync::bad_streams_rejected") == "all sync checks"
+    assert gaps.reason("robustness::batch_of_one") == "declared known gap"
+    assert gaps.reason("numerics::entropy_matches_reference") is None
+    assert gaps.unmatched() == ["schema::not_a_check"]
+
+
+def test_select_checks_by_area_and_pattern() -> None:
+    assert {c.area for c in select_checks(areas=["schema"])} == {"schema"}
+    assert [c.id for c in select_checks(["numerics::log_probs_*"])] == ["numerics::log_probs_match_reference"]
+    with pytest.raises(ValueError, match="no check matches"):
+        select_checks(["nope::*"])
+    with pytest.raises(ValueError, match="unknown area"):
+        select_checks(areas=["speed"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(["passed", "failed", "skipped", "xfailed", "xpassed"]), min_size=1, max_size=12))
+def test_report_counts_and_json_round_trip(statuses: list[str]) -> None:
+    import json
+
+    ids = list(CHECKS)
+    report = ConformanceReport("b", "dist 1", None)
+    for i, s in enumerate(statuses):
+        c = CHECKS[ids[i % len(ids)]]
+        report.results.append(CheckResult(c.id, c.area, s, "why" if s != "passed" else "", 0.1))  # type: ignore[arg-type]
+    assert len(report.failures) == statuses.count("failed")
+    data = json.loads(report.to_json())
+    assert [r["status"] for r in data["results"]] == statuses
+    table = report.table()
+    assert f"{statuses.count('passed')} passed" in table or not statuses.count("passed")
+
+
+def test_pytest_suffix_names_the_collected_test() -> None:
+    assert pytest_suffix(CHECKS["weight_sync::bad_streams_rejected"]) == "TestWeightSync::test_bad_streams_rejected"

@@ -1,0 +1,11 @@
+"""The whole conformance suite on the in-tree `megatron` backend (differential checks against `hf`)."""
+
+from __future__ import annotations
+
+import pytest
+from suite_runner import run_suite
+
+
+@pytest.mark.slow
+def test_suite_megatron() -> None:
+    run_suite("megatron", against="hf")
