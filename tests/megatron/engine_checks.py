@@ -1,13 +1,14 @@
 """Launched under torchrun by test_engine.py: runs the Megatron engine at one TP/PP layout.
 
 Every rank writes its results; the test compares layouts with each other and with the float64
-transformers reference. Usage: ``engine_checks.py TP PP CKPT_DIR NAMES`` where NAMES is a
+transformers reference. Usage: ``engine_checks.py TP PP DP CKPT_DIR NAMES`` where NAMES is a
 comma-separated subset of the actor archs and ``critic``; the first actor also checks a
 checkpoint round trip.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -24,6 +25,8 @@ from verl_core import (
     WeightChunk,
     WeightCommit,
     WeightManifest,
+    dp_shard,
+    get_training_engine,
 )
 from verl_megatron.training import MegatronTrainingEngine
 
@@ -71,15 +74,16 @@ def collect(stream: Any) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    tp, pp, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    names = sys.argv[4].split(",")
-    par = ParallelSizes(tp=tp, pp=pp, dp=1)
+    tp, pp, dp, ckpt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    names = sys.argv[5].split(",")
+    par = ParallelSizes(tp=tp, pp=pp, dp=dp)
+    dp_rank = int(os.environ["RANK"]) // (tp * pp)
     optim = OptimConfig(lr=1e-2, grad_clip=0.5)
     result: dict[str, Any] = {}
     first = True
     actors = {a: (i, tied, temp) for i, (a, tied, temp) in enumerate(ACTORS)}
     for arch in names:
-        if arch == "critic":
+        if arch not in actors:
             continue
         i, tied, temp = actors[arch]
         path = tiny_model(TinyModelSpec(arch=arch, tied=tied))
@@ -89,7 +93,7 @@ def main() -> None:
         out = eng.forward(batch, ("log_probs", "entropy"))
         r: dict[str, Any] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
         r["export"] = collect(eng.export_weights(bucket_bytes=20_000))
-        metrics = eng.forward_backward(batch, TokenMeanPG(), GlobalBatchStats.of(batch))
+        metrics = eng.forward_backward(dp_shard(batch, dp_rank, dp), TokenMeanPG(), GlobalBatchStats.of(batch))
         r["loss"] = metrics["loss"]
         r["pg"] = metrics["pg"]
         r["num_micro_batches"] = metrics["num_micro_batches"]
@@ -107,16 +111,63 @@ def main() -> None:
             r["ckpt_step"] = fresh.step
         result[arch] = r
     if "critic" in names:
-        result["critic"] = run_critic(par, optim)
+        result["critic"] = run_critic(par, optim, dp_rank)
+    if "errors" in names:
+        result["errors"] = boundary_errors(par)
     write_rank_result(result)
 
 
-def run_critic(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
+def boundary_errors(par: ParallelSizes) -> dict[str, str]:
+    """Messages of inputs and configs the engine must reject (empty string: nothing raised)."""
+    path = tiny_model(TinyModelSpec())
+    eng = MegatronTrainingEngine(EngineSpec(str(path), "actor", parallel=par))
+    batch = actor_batch(0, 1.0)
+    before = eng.hf_state_dict()
+    cases: dict[str, Any] = {
+        "nan": lambda: eng.forward_backward(
+            batch.update(advantages=batch["advantages"].masked_fill(batch["response_mask"], float("nan"))),
+            TokenMeanPG(), GlobalBatchStats.of(batch)),
+        "vocab": lambda: eng.forward(batch.update(response_ids=batch["response_ids"].index_fill(1, torch.tensor([0]), 128))),
+        "values_on_actor": lambda: eng.forward(batch, ("values",)),
+        "missing": lambda: eng.forward(batch.drop("response_mask")),
+        "world": lambda: MegatronTrainingEngine(
+            EngineSpec(str(path), "actor", parallel=ParallelSizes(tp=par.tp, pp=par.pp, dp=par.dp + 1))),
+        "option": lambda: get_training_engine("megatron", EngineSpec(str(path), "actor", parallel=par,
+                                                                      options={"bogus": 1})),
+    }
+    out: dict[str, str] = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = ""
+        except Exception as e:  # the test checks the type through the message prefix
+            out[name] = f"{type(e).__name__}: {e}"
+    after = eng.hf_state_dict()
+    out["unchanged"] = "yes" if all(torch.equal(before[k], after[k]) for k in before) else "no"
+    # The CPU shims are active here (no CUDA) and route megatron's CUDA allocations to the CPU.
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    from verl_megatron.cpu_shims import cpu_shims_active
+
+    out["shims"] = "yes" if (
+        cpu_shims_active()
+        and schedules.torch.zeros([], device="cuda").device.type == "cpu"
+        and get_default_causal_mask(3).device.type == "cpu"
+    ) else "no"
+    return out
+
+
+def run_critic(par: ParallelSizes, optim: OptimConfig, dp_rank: int) -> dict[str, Any]:
     path = tiny_model(TinyModelSpec(arch="qwen2", head="value"))
-    critic = MegatronTrainingEngine(EngineSpec(str(path), "critic", parallel=par, optim=optim, micro_batch_tokens=40))
+    # Built through the plugin registry, as the trainer and third parties do.
+    critic = get_training_engine(
+        "megatron", EngineSpec(str(path), "critic", parallel=par, optim=optim, micro_batch_tokens=40)
+    )
     batch = actor_batch(7, 1.0)
     out = critic.forward(batch, ("values",))
-    metrics = critic.forward_backward(batch, TokenMeanValue(), GlobalBatchStats.of(batch))
+    metrics = critic.forward_backward(dp_shard(batch, dp_rank, par.dp), TokenMeanValue(), GlobalBatchStats.of(batch))
+    assert isinstance(critic, MegatronTrainingEngine)
     return {"values": out["values"], "loss": metrics["loss"], "grads": critic.hf_state_dict(grads=True),
             "export": collect(critic.export_weights())}
 

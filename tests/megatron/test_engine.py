@@ -6,6 +6,7 @@ since a launch costs seconds); the comparisons run here.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +25,39 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("engine_checks.py")
 # What each layout runs (TP=1 runs everything: it is the baseline of the others). TP=2 exercises
-# QKV-bias and QK-norm sharding, PP=2 a tied embedding split across stages.
-RUNS: dict[tuple[int, int], tuple[str, ...]] = {
-    (1, 1): ("llama", "qwen2", "qwen3", "critic"),
-    (2, 1): ("qwen3", "qwen2", "critic"),
-    (1, 2): ("qwen2", "critic"),
-    (2, 2): ("qwen2",),
+# QK-norm gradients and the replicated value head, TP=2xPP=2 QKV-bias sharding with a tied
+# embedding split across stages, DP=2 gradient summation over data-parallel ranks.
+# Layouts are (tp, pp, dp).
+RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
+    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors"),
+    (2, 1, 1): ("qwen3", "critic"),
+    (1, 2, 1): ("qwen2", "critic"),
+    (2, 2, 1): ("qwen2",),
+    (1, 1, 2): ("qwen2",),
 }
 LAYOUTS = list(RUNS)
-PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != (1, 1) for name in names]
+BASE = (1, 1, 1)
+PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names]
+
+
+def _id(layout: tuple[int, int, int]) -> str:
+    return "tp{}pp{}dp{}".format(*layout)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list[dict[str, Any]]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], list[dict[str, Any]]]:
     import engine_checks  # noqa: F401  (fail fast on an import error, before launching)
 
     out = {}
-    for tp, pp in LAYOUTS:
-        ckpt = tmp_path_factory.mktemp(f"ckpt-tp{tp}-pp{pp}") / "ckpt"
-        out[(tp, pp)] = launch_torchrun(
-            SCRIPT, tp * pp, [str(tp), str(pp), str(ckpt), ",".join(RUNS[(tp, pp)])], timeout=240,
+    for layout in LAYOUTS:
+        t0 = time.perf_counter()
+        tp, pp, dp = layout
+        ckpt = tmp_path_factory.mktemp(_id(layout)) / "ckpt"
+        out[layout] = launch_torchrun(
+            SCRIPT, tp * pp * dp, [str(tp), str(pp), str(dp), str(ckpt), ",".join(RUNS[layout])], timeout=240,
             env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         )
+        print(f"{_id(layout)}: {time.perf_counter() - t0:.1f}s")
     return out
 
 
@@ -121,19 +133,19 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp1_log_probs_and_entropy_match_float64_reference(runs: Any, arch: str) -> None:
     ref = reference(arch)
-    got = runs[(1, 1)][0][arch]
+    got = runs[BASE][0][arch]
     assert_close(got["log_probs"], ref["log_probs"], dtype="float32", quantity="log_probs", what=f"{arch} log_probs")
     assert_close(got["entropy"], ref["entropy"], dtype="float32", quantity="entropy", what=f"{arch} entropy")
 
 
 def test_critic_values_match_float64_reference(runs: Any) -> None:
     ref = reference("critic")
-    assert_close(runs[(1, 1)][0]["critic"]["values"], ref["values"], dtype="float32", quantity="values")
+    assert_close(runs[BASE][0]["critic"]["values"], ref["values"], dtype="float32", quantity="values")
 
 
-@pytest.mark.parametrize(("layout", "arch"), PAIRS, ids=[f"tp{a[0]}pp{a[1]}-{n}" for a, n in PAIRS])
-def test_parallel_layouts_match_tp1(runs: Any, layout: tuple[int, int], arch: str) -> None:
-    base = runs[(1, 1)][0][arch]
+@pytest.mark.parametrize(("layout", "arch"), PAIRS, ids=[f"{_id(a)}-{n}" for a, n in PAIRS])
+def test_parallel_layouts_match_tp1(runs: Any, layout: tuple[int, int, int], arch: str) -> None:
+    base = runs[BASE][0][arch]
     fields = ("values",) if arch == "critic" else ("log_probs", "entropy")
     for rank, res in enumerate(runs[layout]):
         got = res[arch]
@@ -144,7 +156,8 @@ def test_parallel_layouts_match_tp1(runs: Any, layout: tuple[int, int], arch: st
             assert_close(got["grads"][name], g, dtype="float32", quantity="grad", what=f"{arch} grad {name} {layout}")
         if arch != "critic":
             assert got["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
-            assert got["num_micro_batches"] == base["num_micro_batches"] == 3
+            # micro_batch_size=2: 5 samples -> 3 micro-batches; dp=2 -> shards of 3 and 2 -> 2 each
+            assert got["num_micro_batches"] == (3 if layout[2] == 1 else 2)
             # Adam's first step is ~lr * sign(grad): compare the updates by relative L2 error.
             initial = load_file(str(_path(arch) / "model.safetensors"))
             for name, w in base["after"].items():
@@ -156,7 +169,7 @@ def test_parallel_layouts_match_tp1(runs: Any, layout: tuple[int, int], arch: st
 def test_gradients_match_float64_transformers(runs: Any, arch: str) -> None:
     ref = reference(arch)
     loss, grads = ref["loss"], ref["grads"]
-    got = runs[(1, 1)][0][arch]
+    got = runs[BASE][0][arch]
     assert got["loss"] == pytest.approx(loss, rel=1e-4, abs=5e-5)
     assert set(got["grads"]) in (set(grads), set(grads) - {"lm_head.weight"})
     for name, g in got["grads"].items():
@@ -167,9 +180,11 @@ def test_gradients_match_float64_transformers(runs: Any, arch: str) -> None:
         assert not got["skipped"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}pp{t[1]}")
-def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: tuple[int, int]) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
+def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: tuple[int, int, int]) -> None:
     for arch in RUNS[layout]:
+        if arch == "errors":
+            continue
         hf = load_file(str(_path(arch) / "model.safetensors"))
         for rank, res in enumerate(runs[layout]):
             exported = res[arch]["export"]
@@ -178,8 +193,8 @@ def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: t
                 assert torch.equal(t, hf[name]), f"{arch} {name} differs after export (rank {rank}, {layout})"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}pp{t[1]}")
-def test_checkpoint_round_trip_is_exact(runs: Any, layout: tuple[int, int]) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
+def test_checkpoint_round_trip_is_exact(runs: Any, layout: tuple[int, int, int]) -> None:
     first = RUNS[layout][0]
     before, after = runs[layout][0][first]["ckpt_lp"]
     assert torch.equal(before, after)
@@ -187,8 +202,24 @@ def test_checkpoint_round_trip_is_exact(runs: Any, layout: tuple[int, int]) -> N
 
 
 def test_update_changed_the_weights(runs: Any) -> None:
-    res = runs[(1, 1)][0]["llama"]
+    res = runs[BASE][0]["llama"]
     hf = load_file(str(_path("llama") / "model.safetensors"))
     moved = max(float((res["after"][n] - hf[n]).abs().max()) for n in hf)
     assert moved > 1e-3
 
+
+
+def test_bad_inputs_and_configs_are_rejected_with_clear_errors(runs: Any) -> None:
+    errors = runs[BASE][0]["errors"]
+    assert errors["nan"].startswith("NonFiniteError") and "advantages" in errors["nan"]
+    assert errors["vocab"].startswith("BatchValidationError") and "response_ids" in errors["vocab"]
+    assert errors["values_on_actor"].startswith("ConfigError") and "critic" in errors["values_on_actor"]
+    assert errors["missing"].startswith("BatchValidationError") and "response_mask" in errors["missing"]
+    assert errors["world"].startswith("ConfigError") and "world size is 1" in errors["world"]
+    assert errors["option"].startswith("ConfigError") and "bogus" in errors["option"]
+    assert errors["unchanged"] == "yes"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims apply only without CUDA")
+def test_cpu_shims_are_active_without_cuda(runs: Any) -> None:
+    assert runs[BASE][0]["errors"]["shims"] == "yes"

@@ -1,0 +1,149 @@
+"""Converters, layout validation, the plugin spec and the CPU shims (in-process, no process group)."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_conformance.testkit import TinyModelSpec, tiny_model
+from verl_core import ConfigError
+from verl_megatron.convert import ModelDims, StateDictAdapter
+from verl_megatron.model import load_hf_state_dict, model_dims
+from verl_megatron.parallel import ParallelConfig
+
+SPECS = [
+    TinyModelSpec(arch="llama"),
+    TinyModelSpec(arch="llama", tied=True),
+    TinyModelSpec(arch="qwen2", tied=True),
+    TinyModelSpec(arch="qwen3"),
+    TinyModelSpec(arch="qwen2", head="value"),
+]
+
+
+@functools.cache
+def _load(spec: TinyModelSpec) -> tuple[StateDictAdapter, dict[str, torch.Tensor]]:
+    path = tiny_model(spec)
+    dims = model_dims(path, "value" if spec.head == "value" else "lm")
+    return StateDictAdapter(dims), load_hf_state_dict(path)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.arch}-{s.head}-{'tied' if s.tied else 'untied'}")
+def test_round_trip_is_exact(spec: TinyModelSpec) -> None:
+    adapter, hf = _load(spec)
+    mg = adapter.from_hf(hf)
+    assert list(mg) == adapter.megatron_names()
+    for name, t in mg.items():
+        assert tuple(t.shape) == adapter.megatron_shape(name), name
+    back = adapter.to_hf(mg)
+    assert set(back) == set(hf)
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+    assert list(back) == list(adapter.hf_shapes())
+    assert {n: tuple(t.shape) for n, t in back.items()} == adapter.hf_shapes()
+
+
+def test_qkv_layout_is_grouped_per_query_group() -> None:
+    adapter, hf = _load(TinyModelSpec(arch="qwen2"))
+    d = adapter.dims
+    qkv = adapter.from_hf(hf)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    hpg = d.num_heads // d.num_kv_heads
+    per_group = (hpg + 2) * d.head_dim
+    for g in range(d.num_kv_heads):
+        block = qkv[g * per_group : (g + 1) * per_group]
+        q = hf["model.layers.0.self_attn.q_proj.weight"][g * hpg * d.head_dim : (g + 1) * hpg * d.head_dim]
+        k = hf["model.layers.0.self_attn.k_proj.weight"][g * d.head_dim : (g + 1) * d.head_dim]
+        v = hf["model.layers.0.self_attn.v_proj.weight"][g * d.head_dim : (g + 1) * d.head_dim]
+        assert torch.equal(block, torch.cat([q, k, v]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(tp=st.sampled_from([1, 2]), spec_index=st.integers(0, len(SPECS) - 1), data=st.data())
+def test_tp_shards_rejoin_exactly(tp: int, spec_index: int, data: st.DataObject) -> None:
+    adapter, hf = _load(SPECS[spec_index])
+    full = adapter.from_hf(hf)
+    name = data.draw(st.sampled_from(adapter.megatron_names()))
+    shards = [adapter.shard(name, full[name], r, tp) for r in range(tp)]
+    assert torch.equal(adapter.unshard(name, shards), full[name])
+    if adapter.partition(name) != "replicated" and tp > 1:
+        assert sum(s.numel() for s in shards) == full[name].numel()
+
+
+def test_fc1_shard_holds_its_gate_and_up_slices() -> None:
+    adapter, hf = _load(TinyModelSpec())
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    shard = adapter.shard(name, adapter.from_hf(hf)[name], 1, 2)
+    gate, up = hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(shard, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_cover_every_tensor_once(pp: int, tied: bool) -> None:
+    adapter, _ = _load(TinyModelSpec(tied=tied))
+    seen = [g for rank in range(pp) for g, local in adapter.stage_names(rank, pp) if local != "output_layer.weight" or not tied]
+    assert sorted(seen) == sorted(adapter.megatron_names())
+    last = dict((local, g) for g, local in adapter.stage_names(pp - 1, pp))
+    if tied and pp > 1:
+        assert last["output_layer.weight"] == "embedding.word_embeddings.weight"
+    assert any(local == "decoder.layers.0.input_layernorm.weight" for _, local in adapter.stage_names(pp - 1, pp))
+
+
+def test_parallel_sizes_that_do_not_divide_the_model_are_rejected() -> None:
+    adapter, _ = _load(TinyModelSpec())
+    with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's attention heads \(4\)"):
+        adapter.dims.check_parallel(3, 1)
+    with pytest.raises(ConfigError, match=r"pp=3 does not divide the model's layers \(2\)"):
+        adapter.dims.check_parallel(1, 3)
+    adapter.dims.check_parallel(2, 2)
+
+
+def test_parallel_config_is_checked_against_the_world_size() -> None:
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by tp \\* pp = 2"):
+        ParallelConfig(tp=2).resolve(3)
+    with pytest.raises(ConfigError, match="needs 4 processes, but the world size is 2"):
+        ParallelConfig(tp=2, dp=2).resolve(2)
+    assert ParallelConfig(tp=2, pp=2).resolve(8).dp == 2
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        ParallelConfig(tp=0)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    class Cfg:
+        model_type = "gpt2"
+
+    with pytest.raises(ConfigError, match="model_type='gpt2'"):
+        ModelDims.from_hf_config(Cfg())
+
+
+def test_plugin_is_import_light_and_cpu_shims_do_nothing_with_cuda() -> None:
+    # One fresh interpreter for both checks (each needs a process that never imported megatron).
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from verl_megatron.plugin import verl_backend
+        from verl_core import PROTOCOL_VERSION
+        spec = verl_backend()
+        assert spec.name == "megatron" and spec.protocol_version == PROTOCOL_VERSION
+        assert set(spec.roles) == {"actor", "reference", "critic"}
+        assert spec.capabilities["critic"].values and not spec.capabilities["actor"].values
+        assert spec.capabilities["actor"].tensor_parallel and spec.capabilities["actor"].pipeline_parallel
+        from verl_core.registry import import_string
+        import_string(spec.config_class)(attention="local")
+        assert not any(m.startswith("megatron") for m in sys.modules), "the plugin imported megatron"
+
+        torch.cuda.is_available = lambda: True
+        original = torch.cuda.current_device
+        from verl_megatron.cpu_shims import apply_cpu_shims, cpu_shims_active
+        assert apply_cpu_shims() is False
+        assert torch.cuda.current_device is original and not cpu_shims_active()
+        assert not any(m.startswith("megatron") for m in sys.modules), "the shims imported megatron"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
