@@ -512,6 +512,7 @@ def test_missing_inputs_say_what_to_do() -> None:
 
 @pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "reinforce", "importance_sampling"])
 def test_no_python_loop_over_samples_in_losses(name: str) -> None:
+    import gc
     import sys
 
     def calls(lengths: list[int]) -> int:
@@ -525,6 +526,7 @@ def test_no_python_loop_over_samples_in_losses(name: str) -> None:
             count += event in ("call", "c_call")
 
         lp = t["log_probs"].clone().requires_grad_(True)
+        gc.disable()  # garbage-collector callbacks would add calls at random points
         sys.setprofile(prof)
         try:
             out = actor_loss(cfg, stats_of(t["mask"]), log_probs=lp, old_log_probs=t["old_log_probs"],
@@ -533,7 +535,8 @@ def test_no_python_loop_over_samples_in_losses(name: str) -> None:
             out.loss.backward()
         finally:
             sys.setprofile(None)
+            gc.enable()
         return count
 
     calls([3, 4])
-    assert calls([3, 4]) == calls([40] * 1000)
+    assert calls([3, 4]) == calls([40] * 300)

@@ -141,12 +141,14 @@ def cispo_loss(
     ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * log_probs``; gradient ``-clip(r) A``.
     """
     with torch.no_grad():
-        log_ratio, _ = _log_ratio(log_probs, old_log_probs, config)
+        c = config.log_ratio_clamp
+        log_ratio = (log_probs.detach() - old_log_probs).clamp_(-c, c)
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-        coef = -clipped_ratio * advantages
+        coef = clipped_ratio.mul_(advantages).neg_()
         value = coef * log_probs.detach()
-    return PolicyLossTerms(with_gradient(log_probs, value, coef), ratio != clipped_ratio, _no(mask), log_ratio)
+        clipped = (ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high)
+    return PolicyLossTerms(with_gradient(log_probs, value, coef), clipped, _no(mask), log_ratio)
 
 
 def reinforce_loss(
