@@ -34,7 +34,13 @@ from verl_core.algorithms.advantages import (
     remax,
     rloo,
 )
-from verl_core.algorithms.aggregation import AGGREGATIONS, aggregate
+from verl_core.algorithms.aggregation import (
+    AGGREGATIONS,
+    aggregate,
+    mask_weights,
+    masked_row_sums,
+    masked_total,
+)
 from verl_core.algorithms.bundle import PRESETS, Algorithm
 from verl_core.algorithms.config import (
     AGG_MODES,
@@ -117,6 +123,9 @@ __all__ = [
     "importance_sampling_loss",
     "kl_estimate",
     "make_kl_controller",
+    "mask_weights",
+    "masked_row_sums",
+    "masked_total",
     "masked_whiten",
     "outcome_rewards",
     "ppo_loss",
