@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import actor_spec, model_path, unpadded_reference
 
-from conftest import actor_spec, model_path, unpadded_reference
 from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, tiny_model
-from verl_core import BatchValidationError, ConfigError, EngineSpec, NonFiniteError
+from verl_core import BatchValidationError, ConfigError, EngineSpec, NonFiniteError, ParallelSizes
 from verl_hf.training import HFTrainingEngine
 
 
@@ -90,8 +90,6 @@ def test_bad_input_is_rejected_before_model_code() -> None:
 def test_wrong_role_and_parallel_are_config_errors() -> None:
     path = str(tiny_model(TinyModelSpec()))
     with pytest.raises(ConfigError, match="tensor or pipeline"):
-        from verl_core import ParallelSizes
-
         HFTrainingEngine(EngineSpec(model_path=path, role="actor", parallel=ParallelSizes(tp=2)))
     with pytest.raises(ConfigError, match="roles actor"):
         HFTrainingEngine(EngineSpec(model_path=path, role="rollout"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import actor_spec, model_path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import actor_spec, model_path
 from verl_conformance.testkit import assert_close, random_batch
 from verl_core import (
     EngineSpec,
@@ -162,8 +162,8 @@ def test_failed_weight_sync_makes_the_engine_stale_until_a_complete_one() -> Non
     assert isinstance(msgs[-1], WeightCommit)
     engine.update_weights(actor.export_weights(dtype=engine.weight_dtype, bucket_bytes=10_000))
     assert engine.generate(prompts(1), SamplingParams(max_new_tokens=2)).batch_size == 1
+    bad = WeightManifest(0, {"nope": msgs[0].tensors["model.norm.weight"]})
     with pytest.raises(WeightSyncError, match="does not match"):
-        bad = WeightManifest(0, {"nope": msgs[0].tensors["model.norm.weight"]})
         engine.update_weights([bad, WeightCommit(0)])
     with pytest.raises(StaleWeightsError):
         engine.generate(prompts(1), SamplingParams(max_new_tokens=2))

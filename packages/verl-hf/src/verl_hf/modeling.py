@@ -154,19 +154,27 @@ def token_outputs(
     *,
     kind: ModelKind,
     temperature: float,
+    always_run: bool = False,
 ) -> dict[str, Tensor]:
     """Per-response-token ``log_probs``/``entropy`` (causal LM) or ``values`` (value model).
 
     Runs one forward (with autograd when enabled by the caller) and returns float32 tensors
-    [batch, response] that hold 0 where ``response_mask`` is False.
+    [batch, response] that hold 0 where ``response_mask`` is False. A batch without response
+    columns skips the model unless ``always_run`` (sharded models need every rank's forward).
     """
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
     rmask = batch["response_mask"]
     result: dict[str, Tensor] = {}
     if r == 0:
-        zeros = torch.zeros(batch.batch_size, 0, dtype=torch.float32, device=ids.device)
-        return {name: zeros for name in outputs}
+        if not always_run:
+            zeros = torch.zeros(batch.batch_size, 0, dtype=torch.float32, device=ids.device)
+            return {name: zeros for name in outputs}
+        out = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
+                    **({} if kind == "value" else {"logits_to_keep": 1}))
+        # Zero-width outputs that stay connected to the graph (backward reaches every parameter).
+        empty = out.logits[:, :0, 0].float()
+        return {name: empty for name in outputs}
     if kind == "value":
         out = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
         values = out.logits[:, p - 1 : p + r - 1, 0].float()

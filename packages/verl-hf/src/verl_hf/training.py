@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.capabilities import TrainingCapabilities
@@ -114,8 +114,13 @@ class HFTrainingEngine(TrainingEngine):
             model.requires_grad_(False)
         self._names = self._export_names(model)
         self._fsdp = self._dp.active and self._dp_mode == "fsdp2"
+        # Factor that turns the gradients a backward leaves into the SUM over ranks.
+        self._grad_scale = 1.0
         if self._fsdp:
-            _apply_fsdp2(model)
+            if _apply_fsdp2(model, sum_gradients=self._device.type == "cuda"):
+                self._grad_scale = 1.0
+            else:
+                self._grad_scale = float(self._dp.world)
         self._model: Any = model
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
@@ -265,14 +270,17 @@ class HFTrainingEngine(TrainingEngine):
             for i in range(n):
                 if i < len(plan):
                     idx, mb = plan[i]
-                    out = token_outputs(self._model, mb, wanted, kind=self._kind, temperature=temperature)
+                    out = token_outputs(
+                        self._model, mb, wanted, kind=self._kind, temperature=temperature,
+                        always_run=self._fsdp,
+                    )
                     width = mb.response_len
                     for name, value in out.items():
                         results[name][idx, :width] = value
                 else:
                     token_outputs(
                         self._model, self._padding_micro_batch(batch.meta), wanted,
-                        kind=self._kind, temperature=temperature,
+                        kind=self._kind, temperature=temperature, always_run=True,
                     )
         return batch.update({k: v.to(src_device) for k, v in results.items()})
 
@@ -294,6 +302,12 @@ class HFTrainingEngine(TrainingEngine):
         temperature = mini_batch.meta.temperature
         loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         metric_sums: dict[str, Tensor] = {}
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        # Gradients of earlier calls are already reduced over ranks: set them aside, reduce only
+        # this call's contribution, then add them back.
+        stash = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in stash:
+            p.grad = None
         self._model.train()
         try:
             for i in range(n):
@@ -301,7 +315,10 @@ class HFTrainingEngine(TrainingEngine):
                     self._set_grad_sync(i == n - 1)
                 if i < len(plan):
                     mb = plan[i][1]
-                    out = token_outputs(self._model, mb, needs, kind=self._kind, temperature=temperature)
+                    out = token_outputs(
+                        self._model, mb, needs, kind=self._kind, temperature=temperature,
+                        always_run=self._fsdp,
+                    )
                     result = loss_fn(mb.update(out), stats)
                     loss = result.loss
                     if loss.dim() != 0:
@@ -309,18 +326,30 @@ class HFTrainingEngine(TrainingEngine):
                     for k, v in result.metrics.items():
                         v = v.detach().float().to(self._device).reshape(())
                         metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+                    loss_sum += loss.detach().float()
+                    if self._fsdp or not loss.requires_grad:
+                        # A loss that ignores the model (e.g. only empty responses) still runs
+                        # backward through the whole forward, so FSDP's collectives match across ranks.
+                        loss = loss + _zero_link(out, self._device)
                 else:
                     pad = self._padding_micro_batch(mini_batch.meta)
-                    out = token_outputs(self._model, pad, needs, kind=self._kind, temperature=temperature)
-                    # Touches every parameter so collectives match across ranks; its gradient is 0.
-                    loss = sum((v.sum() for v in out.values()), torch.zeros((), device=self._device)) * 0.0
-                loss_sum += loss.detach().float()
+                    out = token_outputs(
+                        self._model, pad, needs, kind=self._kind, temperature=temperature,
+                        always_run=True,
+                    )
+                    loss = _zero_link(out, self._device)
                 if loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
         finally:
             self._model.eval()
             if self._fsdp:
                 self._set_grad_sync(True)
+        self._reduce_new_grads(params)
+        for p, g in stash:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
         keys = self._dp.union_keys(list(metric_sums))
         packed = torch.stack(
             [loss_sum] + [metric_sums.get(k, torch.zeros((), device=self._device)) for k in keys]
@@ -330,6 +359,18 @@ class HFTrainingEngine(TrainingEngine):
         metrics.update({k: float(packed[j + 1]) for j, k in enumerate(keys)})
         metrics["num_micro_batches"] = float(n)
         return metrics
+
+    def _reduce_new_grads(self, params: list[nn.Parameter]) -> None:
+        """Turn this rank's fresh gradients into the sum over ranks."""
+        if not self._dp.active:
+            return
+        if not self._fsdp:
+            self._dp.sum_grads(params, self._options.allreduce_bucket_bytes)
+        elif self._grad_scale != 1.0:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(self._grad_scale)
 
     def _set_grad_sync(self, sync: bool) -> None:
         fn = getattr(self._model, "set_requires_gradient_sync", None)
@@ -343,8 +384,6 @@ class HFTrainingEngine(TrainingEngine):
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         self._require_onloaded(where)
         params = [p for p in self._model.parameters() if p.requires_grad]
-        if self._dp.active and not self._fsdp:
-            self._dp.sum_grads(params, self._options.allreduce_bucket_bytes)
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self._device)
         full = getattr(norm, "full_tensor", None)
@@ -526,6 +565,14 @@ class HFTrainingEngine(TrainingEngine):
         self._model = None
 
 
+def _zero_link(outputs: dict[str, Tensor], device: torch.device) -> Tensor:
+    """Zero that depends on every output: backward through it touches every parameter, adding 0."""
+    total = torch.zeros((), device=device)
+    for v in outputs.values():
+        total = total + v.sum()
+    return total * 0.0
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
@@ -536,8 +583,13 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _apply_fsdp2(model: Any) -> None:
-    """Shard each decoder layer, then the root; gradients are summed (divide factor 1)."""
+def _apply_fsdp2(model: Any, *, sum_gradients: bool) -> bool:
+    """Shard each decoder layer, then the root.
+
+    With ``sum_gradients`` the reduce-scatter sums over ranks (divide factor 1, which needs a
+    backend with PREMUL_SUM such as NCCL); otherwise FSDP averages and the caller rescales.
+    Returns whether the reduction sums.
+    """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     base = getattr(model, "model", None)
@@ -550,9 +602,11 @@ def _apply_fsdp2(model: Any) -> None:
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+    if sum_gradients:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+    return sum_gradients
 
 
 def build_training_engine(spec: EngineSpec) -> HFTrainingEngine:

@@ -1,0 +1,68 @@
+"""A data-parallel rank of the hf training engine (run by torchrun from test_data_parallel.py).
+
+Usage: ``dp_worker.py MODEL_PATH MICRO_BATCH_TOKENS MODE [MODE ...]``: one engine per mode, one
+after the other in the same process group. The global batch is split unevenly
+(rank 0 gets six samples, rank 1 one) so the ranks need different numbers of micro-batches. Each
+rank reports its gradients (gathered to full tensors), metrics, grad norm, log-probs after the
+step and the exported weights, by mode.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from verl_conformance.testkit import random_batch, write_rank_result
+from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, ParallelSizes, TensorBatch
+from verl_core.algorithms import Algorithm
+from verl_core.weights import WeightChunk
+
+SPLIT = (6, 1)
+
+
+def global_batch() -> TensorBatch:
+    """The global batch of the run (the same on every rank and in the single-process baseline)."""
+    return random_batch(batch_size=sum(SPLIT), max_prompt=7, max_response=6, seed=11,
+                        with_rl_fields=True, empty_responses=1)
+
+
+def run(mode: str, path: str, budget: int) -> dict[str, object]:
+    """Train one step in ``mode`` and return what the test compares."""
+    from verl_hf.training import HFTrainingEngine
+
+    spec = EngineSpec(
+        model_path=path, role="actor", parallel=ParallelSizes(dp=2), micro_batch_tokens=budget,
+        optim=OptimConfig(lr=1e-3, grad_clip=1.0), options={"data_parallel": mode},
+    )
+    engine = HFTrainingEngine(spec)
+    batch = global_batch()
+    shard = batch.split(list(SPLIT))[dist.get_rank()]
+    loss = Algorithm.grpo(kl_loss_coef=0.01).actor_loss
+    metrics = engine.forward_backward(shard, loss, GlobalBatchStats.of(batch))
+    grads = {}
+    for name, p in engine.model.named_parameters():
+        g = p.grad
+        full = getattr(g, "full_tensor", None)
+        grads[name] = (full() if full is not None else g).detach().clone()
+    step = engine.optimizer_step()
+    lp = engine.forward(shard)["log_probs"]
+    weights = {
+        n: t.clone() for m in engine.export_weights() if isinstance(m, WeightChunk) for n, t in m.tensors
+    }
+    return {
+        "grads": grads, "metrics": metrics, "grad_norm": step.grad_norm, "log_probs": lp,
+        "weights": weights, "mode": engine.data_parallel_mode,
+    }
+
+
+def main() -> None:
+    path, budget, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    torch.set_num_threads(1)
+    write_rank_result({mode: run(mode, path, budget) for mode in modes})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The reward-model engine scores prompt + response at the last real token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hf_helpers import model_path
+
+from verl_conformance.testkit import random_batch
+from verl_core import ConfigError, EngineSpec
+from verl_hf.reward import HFRewardEngine
+
+
+def _plain_scores(path: str, ids: list[list[int]]) -> torch.Tensor:
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float64)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for seq in ids:  # one unpadded sequence at a time: no padding semantics involved
+            out.append(model(input_ids=torch.tensor([seq])).logits[0, 0])
+    return torch.stack(out)
+
+
+def test_scores_match_an_unpadded_transformers_forward() -> None:
+    path = model_path("qwen2", head="reward")
+    engine = HFRewardEngine(EngineSpec(model_path=path, role="reward"))
+    batch = random_batch(batch_size=5, max_prompt=6, max_response=5, seed=2, empty_responses=1)
+    # Pad id inside a response must not confuse the scorer (pad may equal EOS in real tokenizers).
+    rid = batch["response_ids"].clone()
+    rid[0, 1] = batch.meta.pad_token_id
+    batch = batch.update(response_ids=rid)
+    out = engine.score(batch)
+    assert out["scores"].dtype == torch.float32 and out["scores"].shape == (5,)
+    seqs = []
+    for i in range(5):
+        p = batch["prompt_ids"][i][batch["prompt_mask"][i]].tolist()
+        r = batch["response_ids"][i][batch["response_mask"][i]].tolist()
+        seqs.append(p + r)
+    expected = _plain_scores(path, seqs)
+    assert torch.allclose(out["scores"].double(), expected, atol=5e-5, rtol=1e-5)
+
+
+def test_batched_and_single_scores_agree() -> None:
+    path = model_path("llama", head="reward")
+    batch = random_batch(batch_size=4, max_prompt=7, max_response=4, seed=5)
+    whole = HFRewardEngine(EngineSpec(model_path=path, role="reward")).score(batch)
+    single = HFRewardEngine(EngineSpec(model_path=path, role="reward", options={"rollout_batch_size": 1}))
+    assert torch.allclose(whole["scores"], single.score(batch)["scores"], atol=1e-5)
+
+
+def test_a_causal_lm_folder_is_not_a_reward_model() -> None:
+    with pytest.raises(ConfigError, match="ForSequenceClassification"):
+        HFRewardEngine(EngineSpec(model_path=model_path("llama"), role="reward"))
