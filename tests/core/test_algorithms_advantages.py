@@ -461,3 +461,15 @@ def test_no_python_loop_over_samples_or_groups(name: str) -> None:
     large = random_batch(0, [150] * 2048, 200, [i // 4 for i in range(2048)])
     ESTIMATORS[name](small)  # warm caches (lazy imports)
     assert _python_calls(lambda: ESTIMATORS[name](small)) == _python_calls(lambda: ESTIMATORS[name](large))
+
+
+@PROPS
+@given(shapes(), st.sampled_from(["k1", "k2", "k3", "abs", "k3+"]), st.floats(0.0, 1.0))
+def test_reward_step_ignores_masked_positions(shape: tuple[int, list[int], int, list[int]], est: str,
+                                              beta: float) -> None:
+    cfg = RewardConfig(kl_coef=beta, kl_estimator=est)  # type: ignore[arg-type]
+    a, ma = compute_token_rewards(random_batch(*shape), cfg)
+    b, mb = compute_token_rewards(random_batch(*shape, masked_junk=True), cfg)
+    assert torch.equal(a["token_rewards"], b["token_rewards"])
+    assert ma == mb
+    assert not a["token_rewards"][~a["response_mask"]].any()

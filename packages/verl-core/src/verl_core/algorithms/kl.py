@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithms._autograd import with_gradient
+from verl_core.algorithms.aggregation import mask_weights
 from verl_core.algorithms.config import RewardConfig
 from verl_core.batch import TensorBatch
 from verl_core.errors import BatchValidationError
@@ -208,9 +209,10 @@ def compute_token_rewards(
             f"the batch has only: {', '.join(batch) or 'none'}"
         )
     mask = batch["response_mask"]
+    w = mask_weights(mask, torch.float32)
     lengths = mask.sum(-1)
     if "token_scores" in batch:
-        rewards = batch["token_scores"].where(mask, 0.0)
+        rewards = batch["token_scores"] * w
     else:
         rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     if "scores" in batch and mask.shape[-1] > 0:
@@ -222,7 +224,7 @@ def compute_token_rewards(
     if beta > 0:
         batch.require("old_log_probs", "ref_log_probs", where="the KL penalty in the reward")
         kld = kl_estimate(batch["old_log_probs"], batch["ref_log_probs"], config.kl_estimator)
-        kld = kld.where(mask, 0.0)
+        kld = kld * w
         rewards = rewards - beta * kld
         nonempty = lengths > 0
         per_seq = kld.sum(-1) / lengths.clamp_min(1)

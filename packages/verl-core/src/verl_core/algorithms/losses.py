@@ -75,10 +75,11 @@ def _clipped_ratio_loss(
     value = torch.maximum(loss1, loss2)
     keep = ~clipped
     if dual and config.clip_ratio_c is not None:
-        # dual clip: for A < 0 the loss is capped at -A * c (no gradient there)
-        loss3 = neg_adv * config.clip_ratio_c
-        lower = (advantages < 0) & (value > loss3)
-        value = torch.where(lower, loss3, value)
+        # dual clip: for A < 0 the loss is capped at -A * c (no gradient there). For A >= 0 the
+        # loss is <= 0, so capping at max(-A, 0) * c = 0 changes nothing: no select is needed
+        cap = neg_adv.clamp(min=0.0).mul_(config.clip_ratio_c)
+        lower = value > cap
+        value = torch.minimum(value, cap)
         keep &= ~lower
     else:
         lower = _no(ratio)
