@@ -1,9 +1,10 @@
 """Launched under torchrun by test_engine.py: runs the Megatron engine at one TP/PP layout.
 
 Every rank writes its results; the test compares layouts with each other and with the float64
-transformers reference. Usage: ``engine_checks.py TP PP DP CKPT_DIR NAMES`` where NAMES is a
-comma-separated subset of the actor archs and ``critic``; the first actor also checks a
-checkpoint round trip.
+transformers reference. Usage: ``engine_checks.py TP PP DP CKPT_DIR NAMES [LOADS]`` where NAMES
+is a comma-separated subset of the actor archs, ``critic`` and ``errors``; the first actor saves
+a checkpoint to CKPT_DIR and checks its round trip. LOADS (``arch=dir;arch=dir``) names
+checkpoints saved by other layouts to restore and train on here.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def collect(stream: Any) -> dict[str, torch.Tensor]:
 def main() -> None:
     tp, pp, dp, ckpt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     names = sys.argv[5].split(",")
+    loads = [x for x in (sys.argv[6] if len(sys.argv) > 6 else "").split(";") if x]
     par = ParallelSizes(tp=tp, pp=pp, dp=dp)
     dp_rank = int(os.environ["RANK"]) // (tp * pp)
     optim = OptimConfig(lr=1e-2, grad_clip=0.5)
@@ -102,14 +104,34 @@ def main() -> None:
         r["grad_norm"], r["skipped"] = step.grad_norm, step.skipped
         r["after"] = eng.hf_state_dict()
         if first:
+            # Checkpoint round trip at this layout: the restored engine must forward and train on
+            # exactly like the original (weights, Adam moments and step restored).
             first = False
             eng.save_checkpoint(ckpt)
-            after_lp = eng.forward(batch)["log_probs"]
             fresh = MegatronTrainingEngine(spec)
             fresh.load_checkpoint(ckpt)
-            r["ckpt_lp"] = (after_lp, fresh.forward(batch)["log_probs"])
+            r["ckpt_lp"] = (eng.forward(batch)["log_probs"], fresh.forward(batch)["log_probs"])
             r["ckpt_step"] = fresh.step
+            second = []
+            for e in (eng, fresh):
+                e.forward_backward(dp_shard(batch, dp_rank, dp), TokenMeanPG(), GlobalBatchStats.of(batch))
+                e.optimizer_step()
+                second.append(e.hf_state_dict())
+            r["ckpt_after2"] = tuple(second)
         result[arch] = r
+    for item in loads:
+        # Checkpoints written by other layouts, restored at this one.
+        arch, path = item.split("=", 1)
+        i, tied, temp = actors[arch]
+        spec = EngineSpec(str(tiny_model(TinyModelSpec(arch=arch, tied=tied))), "actor", parallel=par,
+                          optim=optim, micro_batch_size=2, seed=1)
+        eng = MegatronTrainingEngine(spec)
+        eng.load_checkpoint(path)
+        batch = actor_batch(i, temp)
+        lp = eng.forward(batch)["log_probs"]
+        eng.forward_backward(dp_shard(batch, dp_rank, dp), TokenMeanPG(), GlobalBatchStats.of(batch))
+        eng.optimizer_step()
+        result[f"loaded:{arch}"] = {"log_probs": lp, "after2": eng.hf_state_dict(), "step": eng.step}
     if "critic" in names:
         result["critic"] = run_critic(par, optim, dp_rank)
     if "errors" in names:

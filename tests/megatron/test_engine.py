@@ -28,13 +28,15 @@ SCRIPT = Path(__file__).with_name("engine_checks.py")
 # QK-norm gradients and the replicated value head, TP=2xPP=2 QKV-bias sharding with a tied
 # embedding split across stages, DP=2 gradient summation over data-parallel ranks.
 # Layouts are (tp, pp, dp).
+# TP=1 runs last: it also restores the checkpoints the TP=2 and PP=2 runs saved.
 RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
-    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors"),
     (2, 1, 1): ("qwen3", "critic"),
     (1, 2, 1): ("qwen2", "critic"),
     (2, 2, 1): ("qwen2",),
     (1, 1, 2): ("qwen2",),
+    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors"),
 }
+CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 LAYOUTS = list(RUNS)
 BASE = (1, 1, 1)
 PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names]
@@ -49,12 +51,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int],
     import engine_checks  # noqa: F401  (fail fast on an import error, before launching)
 
     out = {}
+    ckpts = {layout: tmp_path_factory.mktemp(_id(layout)) / "ckpt" for layout in LAYOUTS}
     for layout in LAYOUTS:
         t0 = time.perf_counter()
         tp, pp, dp = layout
-        ckpt = tmp_path_factory.mktemp(_id(layout)) / "ckpt"
+        loads = ";".join(f"{arch}={ckpts[src]}" for src, arch in CROSS_LOADS.items()) if layout == BASE else ""
         out[layout] = launch_torchrun(
-            SCRIPT, tp * pp * dp, [str(tp), str(pp), str(dp), str(ckpt), ",".join(RUNS[layout])], timeout=240,
+            SCRIPT, tp * pp * dp, [str(tp), str(pp), str(dp), str(ckpts[layout]), ",".join(RUNS[layout]), loads],
+            timeout=240,
             env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         )
         print(f"{_id(layout)}: {time.perf_counter() - t0:.1f}s")
@@ -195,10 +199,27 @@ def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: t
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
 def test_checkpoint_round_trip_is_exact(runs: Any, layout: tuple[int, int, int]) -> None:
-    first = RUNS[layout][0]
-    before, after = runs[layout][0][first]["ckpt_lp"]
+    res = runs[layout][0][RUNS[layout][0]]
+    before, after = res["ckpt_lp"]
     assert torch.equal(before, after)
-    assert runs[layout][0][first]["ckpt_step"] == 1
+    assert res["ckpt_step"] == 1
+    original, restored = res["ckpt_after2"]
+    for name, t in original.items():
+        assert torch.equal(t, restored[name]), f"{name} differs after a step from the restored checkpoint"
+
+
+@pytest.mark.parametrize("saved_at", list(CROSS_LOADS), ids=_id)
+def test_checkpoint_saved_at_another_layout_loads_at_tp1(runs: Any, saved_at: tuple[int, int, int]) -> None:
+    arch = CROSS_LOADS[saved_at]
+    saver = runs[saved_at][0][arch]
+    loaded = runs[BASE][0][f"loaded:{arch}"]
+    assert loaded["step"] == 2
+    # log-probs after the first step, at the saving layout and restored at TP=1
+    assert_close(loaded["log_probs"], saver["ckpt_lp"][0], dtype="float32", quantity="log_probs")
+    first = saver["after"]
+    for name, w in saver["ckpt_after2"][0].items():
+        assert_close(loaded["after2"][name] - first[name], w - first[name], dtype="float32",
+                     quantity="grad", what=f"{arch} {name} second update")
 
 
 def test_update_changed_the_weights(runs: Any) -> None:

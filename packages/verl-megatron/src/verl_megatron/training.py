@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,8 @@ __all__ = ["MegatronTrainingEngine", "build_training_engine"]
 
 _LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
 _CKPT_META = "verl_megatron_checkpoint.json"
+_CKPT_STATE = "state.pt"
+_Gatherable = Literal["param", "grad", "exp_avg", "exp_avg_sq"]
 
 
 def build_training_engine(spec: EngineSpec) -> MegatronTrainingEngine:
@@ -445,16 +447,22 @@ class MegatronTrainingEngine(TrainingEngine):
         return StepMetrics(grad_norm=norm, lr=lr, skipped=skipped)
 
     # ------------------------------------------------------------------ weights
-    def _full_tensor(self, name: str, *, grad: bool = False) -> Tensor | None:
-        """Gather the full Megatron tensor ``name`` (TP all-gather, PP broadcast) onto every rank."""
+    def _full_tensor(self, name: str, *, what: _Gatherable = "param") -> Tensor:
+        """Gather the full Megatron tensor ``name`` (TP all-gather, PP broadcast) onto every rank.
+
+        ``what`` picks the parameter, its gradient or one of its Adam moments (zeros when absent).
+        """
         ps = self._ps
         owner = self.adapter.stage_of(name, self.pp)
         full: Tensor | None = None
         if self.pp_rank == owner:
             param = dict(self.model.named_parameters())[self.adapter.local_name(name, self.pp)]
             local = param.detach()
-            if grad:
+            if what == "grad":
                 local = param.grad.detach() if param.grad is not None else torch.zeros_like(local)
+            elif what != "param":
+                state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+                local = state[what].detach() if what in state else torch.zeros_like(local)
             if self.tp > 1 and self.adapter.partition(name) != "replicated":
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
                 dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
@@ -469,12 +477,12 @@ class MegatronTrainingEngine(TrainingEngine):
             )
             dist.broadcast(buf, src=src, group=group)
             full = buf
+        assert full is not None
         return full
 
     def _hf_tensors(self, *, grad: bool = False) -> Iterator[tuple[str, Tensor]]:
         for name in self.adapter.megatron_names():
-            full = self._full_tensor(name, grad=grad)
-            assert full is not None
+            full = self._full_tensor(name, what="grad" if grad else "param")
             for hf_name, t in self.adapter.to_hf_tensor(name, full).items():
                 assert t is not None
                 yield hf_name, t.contiguous()
@@ -513,35 +521,47 @@ class MegatronTrainingEngine(TrainingEngine):
         return {n: t.clone() for n, t in self._hf_tensors(grad=grads)}
 
     # ------------------------------------------------------------------ checkpoints
-    def _rank_file(self, folder: Path) -> Path:
-        return folder / f"model_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt"
-
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Save model shards, optimizer, RNG and step atomically to the folder ``path``.
+        """Save weights, Adam moments, step and RNG atomically to the folder ``path``.
 
-        Data-parallel rank 0 of each (TP, PP) position writes its shard into a temporary folder;
-        global rank 0 then swaps it into place, so a crash leaves the previous checkpoint intact.
+        Tensors are stored whole (TP shards joined, PP stages gathered) under Megatron's global
+        names, so the checkpoint loads at any TP/PP layout. Global rank 0 writes into a temporary
+        folder and swaps it into place, so a crash leaves the previous checkpoint intact. A
+        collective: every rank must call it.
         """
         dest = Path(path)
-        tmp = dest.with_name(f".{dest.name}.incomplete")
-        if dist.get_rank() == 0:
+        rank0 = dist.get_rank() == 0
+        model: dict[str, Tensor] = {}
+        moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for name in self.adapter.megatron_names():
+            t = self._full_tensor(name)
+            if rank0:
+                model[name] = t.detach().cpu().clone()
+            if self.optimizer is not None:
+                for key, store in moments.items():
+                    m = self._full_tensor(name, what=key)  # type: ignore[arg-type]
+                    if rank0:
+                        store[name] = m.detach().cpu().clone()
+        adam_step = 0.0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                adam_step = float(state["step"])
+                break
+        if rank0:
+            tmp = dest.with_name(f".{dest.name}.incomplete")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
-        if self.dp_rank == 0:
             payload = {
-                "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "model": model,
+                "optimizer": moments if self.optimizer is not None else None,
+                "adam_step": adam_step,
                 "step": self._step,
                 "rng": torch.get_rng_state(),
             }
-            torch.save(payload, self._rank_file(tmp))
-        if dist.get_rank() == 0:
-            meta = {"tp": self.tp, "pp": self.pp, "step": self._step, "role": self._spec.role,
-                    "format": "verl_megatron/1"}
+            torch.save(payload, tmp / _CKPT_STATE)
+            meta = {"format": "verl_megatron/1", "tp": self.tp, "pp": self.pp, "step": self._step,
+                    "role": self._spec.role, "names": self.adapter.megatron_names()}
             (tmp / _CKPT_META).write_text(json.dumps(meta))
-        dist.barrier()
-        if dist.get_rank() == 0:
             old = dest.with_name(f".{dest.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             if dest.exists():
@@ -551,28 +571,39 @@ class MegatronTrainingEngine(TrainingEngine):
         dist.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` at the same TP/PP layout.
+        """Restore a checkpoint written by :meth:`save_checkpoint`, at this engine's TP/PP layout.
 
         Raises:
-            ConfigError: the checkpoint is missing or was saved at another TP/PP layout.
+            ConfigError: the folder is not a checkpoint of this model (missing or extra tensors).
         """
         folder = Path(path)
-        meta_file = folder / _CKPT_META
-        if not meta_file.exists():
-            raise ConfigError(f"{folder} is not a verl-megatron checkpoint (no {_CKPT_META})")
-        meta = json.loads(meta_file.read_text())
-        if (meta["tp"], meta["pp"]) != (self.tp, self.pp):
+        if not (folder / _CKPT_META).exists() or not (folder / _CKPT_STATE).exists():
+            raise ConfigError(f"{folder} is not a verl-megatron checkpoint (expected {_CKPT_META} and {_CKPT_STATE})")
+        payload = torch.load(folder / _CKPT_STATE, map_location="cpu", weights_only=True)
+        names = set(self.adapter.megatron_names())
+        if set(payload["model"]) != names:
             raise ConfigError(
-                f"checkpoint {folder} was saved at tp={meta['tp']}, pp={meta['pp']}; this engine runs "
-                f"tp={self.tp}, pp={self.pp}. Load it at the saved layout"
+                f"checkpoint {folder} holds other tensors than this {self._spec.role} model: missing "
+                f"{sorted(names - set(payload['model']))[:3]}, extra {sorted(set(payload['model']) - names)[:3]}"
             )
-        payload = torch.load(self._rank_file(folder), map_location=self._device, weights_only=True)
-        missing, unexpected = self.model.load_state_dict(payload["model"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ConfigError(f"checkpoint {folder} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if self.optimizer is not None and payload["optimizer"] is not None:
-            self.optimizer.load_state_dict(payload["optimizer"])
+        params = dict(self.model.named_parameters())
+        moments = payload["optimizer"]
+        with torch.no_grad():
+            for global_name, local in self.adapter.stage_names(self.pp_rank, self.pp):
+                p = params[local]
+
+                def piece(t: Tensor, *, _g: str = global_name, _p: Tensor = p) -> Tensor:
+                    return self.adapter.shard(_g, t, self.tp_rank, self.tp).to(device=_p.device, dtype=_p.dtype)
+
+                p.copy_(piece(payload["model"][global_name]))
+                if self.optimizer is not None:
+                    self.optimizer.state.pop(p, None)
+                    if moments is not None and payload["adam_step"] > 0:
+                        self.optimizer.state[p] = {
+                            "step": torch.tensor(float(payload["adam_step"])),
+                            "exp_avg": piece(moments["exp_avg"][global_name]).clone(),
+                            "exp_avg_sq": piece(moments["exp_avg_sq"][global_name]).clone(),
+                        }
         torch.set_rng_state(payload["rng"])
         self._step = int(payload["step"])
         dist.barrier()
