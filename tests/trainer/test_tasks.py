@@ -75,6 +75,11 @@ def test_reward_needs_exact_answer_then_eos(tok: CharTokenizer) -> None:
     partial = TaskReward(get_task("copy"), tok, mode="partial").score(response_batch(tok, answers, responses))
     # answer-then-EOS is 4 tokens: no EOS 3/4, wrong last digit "12"+EOS 2/4, extra token 3/5
     assert partial["scores"].tolist() == pytest.approx([1.0, 0.75, 0.5, 0.6, 0.0, 1.0])
+    token = TaskReward(get_task("copy"), tok, mode="token").score(response_batch(tok, answers, responses))
+    assert token["scores"].tolist() == partial["scores"].tolist()
+    # dense scores sum to the partial score and sit on the matching positions
+    assert token["token_scores"].sum(1).tolist() == pytest.approx([1.0, 0.75, 0.5, 0.6, 0.0, 1.0])
+    assert token["token_scores"][2].tolist()[:4] == [0.25, 0.25, 0.0, 0.0]
     # the plain score function works with FunctionReward (text only; EOS is not visible there)
     fr = FunctionReward(DigitTask.score, tok).score(response_batch(tok, answers, responses))
     assert fr["scores"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]

@@ -86,15 +86,16 @@ class TaskConfig:
     Attributes:
         name: ``copy`` (repeat the digits), ``reverse`` (reverse them) or ``add`` (a+b=).
         digits: Digits per number.
-        reward: ``exact`` (1 for the answer then EOS, else 0) or ``partial`` (share of matching
-            positions; 1 only for an exact match). The strict exact-match rate is always logged.
+        reward: ``exact`` (1 for the answer then EOS, else 0), ``partial`` (share of matching
+            positions; 1 only for an exact match) or ``token`` (``partial`` plus dense per-token
+            scores for the ``grpo_token`` estimator). The strict exact-match rate is always logged.
         eval_prompts: Prompts of the fixed greedy evaluation set (0 = no evaluation).
         eval_every: Steps between evaluations (0 = only at the end).
     """
 
     name: TaskName = "copy"
     digits: int = 3
-    reward: Literal["exact", "partial"] = "partial"
+    reward: Literal["exact", "partial", "token"] = "partial"
     eval_prompts: int = 0
     eval_every: int = 0
 
@@ -123,7 +124,7 @@ class AlgorithmConfig:
     """The RL algorithm, by registered name, and its options.
 
     Attributes:
-        name: Algorithm name (grpo, dr_grpo, dapo, rloo, reinforce_pp, remax, ppo, ...).
+        name: Algorithm name (grpo, grpo_token, dr_grpo, dapo, rloo, reinforce_pp, remax, ppo, ...).
         options: Options of the algorithm, validated by the algorithm's own config.
         use_reference: Compute reference log-probs (needed for a KL loss or KL reward penalty).
         use_critic: Train a critic (PPO with GAE); None = as the algorithm needs.

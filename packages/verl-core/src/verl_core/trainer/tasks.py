@@ -85,9 +85,11 @@ def get_task(name: str, digits: int = 3) -> DigitTask:
     return DigitTask(name, digits)
 
 
-RewardMode = Literal["exact", "partial"]
+RewardMode = Literal["exact", "partial", "token"]
 """``exact``: 1 for the answer then EOS, else 0. ``partial``: the share of positions of
-answer-then-EOS that the response matches, over the longer of the two (1 only for an exact match)."""
+answer-then-EOS that the response matches, over the longer of the two (1 only for an exact match).
+``token``: the ``partial`` score plus dense ``token_scores`` (1 / longer length at each matching
+position, so they sum to the partial score) for per-token estimators such as ``grpo_token``."""
 
 
 class TaskReward(RewardEngine):
@@ -96,8 +98,10 @@ class TaskReward(RewardEngine):
     With ``mode="exact"`` the score is 1.0 for exactly the answer then EOS and 0.0 otherwise. With
     ``mode="partial"`` it is the number of positions where the response's tokens equal those of
     answer-then-EOS, divided by the longer length, so only an exact match scores 1.0 and a random
-    policy scores about 1/vocab; it gives a learning signal before the first exact match.
-    :meth:`exact_match` always reports the strict success.
+    policy scores about 1/vocab; it gives a learning signal before the first exact match. With
+    ``mode="token"`` the batch also gets ``token_scores``: at each matching position 1 / the
+    longer length (summing to the partial score). :meth:`exact_match` always reports the strict
+    success.
 
     Args:
         task: The task whose :meth:`DigitTask.score` judges the text.
@@ -106,8 +110,8 @@ class TaskReward(RewardEngine):
     """
 
     def __init__(self, task: DigitTask, tokenizer: Tokenizer, mode: RewardMode = "exact") -> None:
-        if mode not in ("exact", "partial"):
-            raise ConfigError(f"TaskReward mode must be 'exact' or 'partial', got {mode!r}")
+        if mode not in ("exact", "partial", "token"):
+            raise ConfigError(f"TaskReward mode must be 'exact', 'partial' or 'token', got {mode!r}")
         self._task = task
         self._tok = tokenizer
         self._mode = mode
@@ -146,12 +150,19 @@ class TaskReward(RewardEngine):
         responses, answers = self._responses(batch)
         eos = self._tok.eos_token_id
         out = []
-        for toks, answer in zip(responses, answers):
+        dense = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+        for i, (toks, answer) in enumerate(zip(responses, answers)):
             target = [*self._tok.encode(str(answer)), eos]
-            hits = sum(1 for a, b in zip(toks, target) if a == b)
-            out.append(hits / max(len(toks), len(target)))
+            longer = max(len(toks), len(target))
+            hits = [t for t, (a, b) in enumerate(zip(toks, target)) if a == b]
+            out.append(len(hits) / longer)
+            if hits:
+                dense[i, hits] = 1.0 / longer
         scores = torch.tensor(out, dtype=torch.float32, device=batch.device)
-        return batch.update(scores=torch.where(exact > 0, exact, scores.clamp(max=0.99)))
+        scores = torch.where(exact > 0, exact, scores.clamp(max=0.99))
+        if self._mode == "token":
+            return batch.update(scores=scores, token_scores=dense.to(batch.device))
+        return batch.update(scores=scores)
 
 
 def prompt_batch(

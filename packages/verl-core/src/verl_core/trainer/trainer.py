@@ -69,7 +69,8 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
     """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
 
     ``dapo`` is GRPO with clip-higher (``clip_high=0.28``) and no KL loss; the trainer turns on
-    dynamic sampling for it.
+    dynamic sampling for it. ``grpo_token`` is GRPO's loss with the per-position estimator of
+    :mod:`verl_core.trainer.estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
 
     Raises:
         ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``).
@@ -80,12 +81,18 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
 
     opts = dict(options)
     preset = name
+    if name == "grpo_token":
+        from verl_core.trainer.estimators import register
+
+        register()
+        preset = "grpo"
     if name == "dapo":
         preset = "grpo"
         opts = {"clip_high": 0.28, "kl_loss_coef": 0.0, **opts}
     if preset not in PRESETS:
         raise ConfigError(
-            f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join((*PRESETS, 'dapo'))}"
+            f"config key 'algorithm.name': unknown algorithm {name!r}; choices: "
+            f"{', '.join((*PRESETS, 'dapo', 'grpo_token'))}"
         )
     factory = getattr(Algorithm, preset)
     params = [p for p in inspect.signature(factory).parameters if p not in ("cls", "self", "kwargs")]
@@ -98,7 +105,10 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
             f"valid options: {', '.join(params)}"
         )
     try:
-        return factory(**opts)
+        algo = factory(**opts)
+        if name == "grpo_token":
+            algo = algo.replace(name="grpo_token", estimator="grpo_token")
+        return algo
     except VerlError as e:
         raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
     except TypeError as e:
@@ -167,6 +177,11 @@ class Trainer:
             )
         if not self.use_critic and self.algorithm.estimator == "gae":
             raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
+        if self.algorithm.estimator == "grpo_token" and config.task.reward != "token" and config.backends.reward == "rule":
+            raise ConfigError(
+                "algorithm 'grpo_token' needs dense token scores: set config key 'task.reward' to 'token' "
+                f"(it is {config.task.reward!r})"
+            )
         self.use_reference = config.algorithm.use_reference or self.algorithm.uses_reference
         self.dynamic_sampling = config.algorithm.dynamic_sampling or config.algorithm.name == "dapo"
         self.step = 0
@@ -300,10 +315,13 @@ class Trainer:
 
         def reward(samples: TensorBatch) -> Mapping[str, Any]:
             scored = self.reward.score(samples)
-            return {"scores": scored["scores"]}
+            return {"scores": scored["scores"],
+                    "token_scores": scored.get("token_scores")}
 
-        def select(samples: TensorBatch, scores: torch.Tensor) -> Mapping[str, Any]:
+        def select(samples: TensorBatch, scores: torch.Tensor, token_scores: torch.Tensor | None) -> Mapping[str, Any]:
             batch = samples.update(scores=scores)
+            if token_scores is not None:
+                batch = batch.update(token_scores=token_scores)
             if not self.dynamic_sampling:
                 return {"batch": batch, "dropped_groups": 0}
             keep = _groups_with_signal(batch["group_ids"], scores)
@@ -328,8 +346,8 @@ class Trainer:
 
         stages = [
             Stage("rollout", rollout, ("prompts",), ("samples",)),
-            Stage("reward", reward, ("samples",), ("scores",)),
-            Stage("select", select, ("samples", "scores"), ("batch", "dropped_groups")),
+            Stage("reward", reward, ("samples",), ("scores", "token_scores")),
+            Stage("select", select, ("samples", "scores", "token_scores"), ("batch", "dropped_groups")),
             Stage("reference", reference, ("batch",), ("ref_log_probs",)),
             Stage("actor_forward", actor, ("batch",), ("old_log_probs", "entropy")),
             Stage("critic_forward", critic, ("batch",), ("values",)),
