@@ -5,7 +5,9 @@ Computing their value and their derivative ``d loss / d x`` without autograd, th
 derivative to ``x`` with :func:`with_gradient`, gives exactly the loss and gradient of the usual
 autograd formulation (up to float rounding; at measure-zero ties between clip branches the
 subgradient may differ) at a fraction of the cost: the backward pass is one multiplication
-instead of the chain of ``clamp``/``maximum``/``where`` backward kernels.
+instead of the chain of ``clamp``/``maximum``/``where`` backward kernels. The attached gradient
+is constant in ``x`` for the backward pass: second derivatives through these losses are not
+supported (no RL loss here needs them).
 """
 
 from __future__ import annotations

@@ -146,9 +146,9 @@ def cispo_loss(
         log_ratio = (log_probs.detach() - old_log_probs).clamp_(-c, c)
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+        clipped = clipped_ratio != ratio
         coef = clipped_ratio.mul_(advantages).neg_()
         value = coef * log_probs.detach()
-        clipped = (ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high)
     return PolicyLossTerms(with_gradient(log_probs, value, coef), clipped, _no(mask), log_ratio)
 
 
