@@ -1,0 +1,181 @@
+"""Generation throughput and weight-sync bandwidth of the vLLM rollout engine on CPU.
+
+Generation: 64 prompts of 32 tokens, 128 sampled tokens each (T = 1, seeded) on a ~19M-parameter
+Llama-shaped model, with the ``vllm`` rollout engine against the ``hf`` rollout engine (verl-hf's
+own decoding loop with a KV cache) and against a plain ``transformers`` ``generate`` call, all on
+the same weights in the same run. Throughput counts real response tokens (EOS ends a response
+early, so the engines need not produce the same number; the table shows it).
+
+Weight sync: ``update_weights`` of a full canonical stream (64 MiB buckets) into the vLLM engine,
+for the ~19M model and a ~104M one, against a plain copy of the same bytes into preallocated
+tensors, median of a few repeats.
+
+Usage::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vllm.py [--repeats 3] [--skip-generate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+from verl_conformance.testkit import TinyModelSpec, tiny_model
+from verl_core import (
+    BatchMeta,
+    EngineSpec,
+    SamplingParams,
+    TensorBatch,
+    TensorInfo,
+    WeightManifest,
+    get_rollout_engine,
+    stream_weights,
+)
+from verl_core.weights import fusion_group
+
+NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 32, 128
+SMALL = TinyModelSpec(arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                      head_dim=64, intermediate_size=1536, seed=1)
+LARGE = TinyModelSpec(arch="llama", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                      head_dim=64, intermediate_size=3072, seed=2)
+MiB = 1024 * 1024
+
+
+def _params(path: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            shape = f.get_slice(name).get_shape()
+            k = 1
+            for s in shape:
+                k *= s
+            n += k
+    return n
+
+
+def _prompts() -> TensorBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 128, (NUM_PROMPTS, PROMPT_LEN), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    return TensorBatch({"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.arange(NUM_PROMPTS)},
+                       meta=BatchMeta(pad_token_id=0))
+
+
+def _timed(fn: Callable[[], int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    tokens = fn()
+    return time.perf_counter() - t0, tokens
+
+
+def bench_generate(path: Path) -> list[tuple[str, float, int]]:
+    """(name, seconds, response tokens) of each generator on ``path``."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)
+    rows: list[tuple[str, float, int]] = []
+
+    spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS,
+                      options={"kv_cache_bytes": 256 * MiB})
+    t0 = time.perf_counter()
+    vllm_engine = get_rollout_engine("vllm", spec)
+    print(f"vllm engine start: {time.perf_counter() - t0:.1f} s")
+    vllm_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))  # warm-up
+    secs, toks = _timed(lambda: int(vllm_engine.generate(prompts, params)["response_mask"].sum()))
+    rows.append(("vllm rollout engine", secs, toks))
+    vllm_engine.close()
+
+    hf_spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS)
+    hf_engine = get_rollout_engine("hf", hf_spec)
+    hf_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))
+    secs, toks = _timed(lambda: int(hf_engine.generate(prompts, params)["response_mask"].sum()))
+    rows.append(("hf rollout engine", secs, toks))
+    hf_engine.close()
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    def hf_generate() -> int:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=prompts["prompt_ids"], attention_mask=prompts["prompt_mask"].long(),
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+                pad_token_id=0, eos_token_id=1,
+            )
+        resp = out[:, PROMPT_LEN:]
+        ended = (resp == 1).cumsum(1)
+        real = (ended == 0) | ((ended == 1) & (resp == 1))
+        return int(real.sum())
+
+    torch.manual_seed(0)
+    secs, toks = _timed(hf_generate)
+    rows.append(("transformers generate", secs, toks))
+    return rows
+
+
+def bench_sync(path: Path, repeats: int) -> tuple[int, float, float, float]:
+    """(bytes, median sync seconds, median plain-copy seconds, reset/repack share) for ``path``."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    names = sorted(state, key=lambda n: (fusion_group(n), n))
+    spec = EngineSpec(str(path), "rollout", max_prompt_len=32, max_response_len=32,
+                      options={"kv_cache_bytes": 64 * MiB})
+    engine = get_rollout_engine("vllm", spec)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    sync_times, copy_times = [], []
+    dst = {n: torch.empty_like(t) for n, t in state.items()}
+    for r in range(repeats):
+        manifest = WeightManifest(r + 1, {n: TensorInfo(tuple(state[n].shape), state[n].dtype) for n in names})
+        t0 = time.perf_counter()
+        engine.update_weights(stream_weights(((n, state[n]) for n in names), manifest, bucket_bytes=64 * MiB))
+        sync_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for n in names:
+            dst[n].copy_(state[n])
+        copy_times.append(time.perf_counter() - t0)
+    engine.close()
+    return total, statistics.median(sync_times), statistics.median(copy_times), 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-generate", action="store_true")
+    args = ap.parse_args()
+    small, large = tiny_model(SMALL), tiny_model(LARGE)
+    print(f"models: small {_params(small) / 1e6:.1f}M params, large {_params(large) / 1e6:.1f}M params; "
+          f"torch threads {torch.get_num_threads()}")
+    if not args.skip_generate:
+        rows = bench_generate(small)
+        base = rows[1][2] / rows[1][1]
+        print(f"\nGeneration: {NUM_PROMPTS} prompts x {PROMPT_LEN} tokens, up to {NEW_TOKENS} sampled tokens, "
+              f"{_params(small) / 1e6:.1f}M-param model, float32, CPU")
+        print(f"| {'generator':<22} | {'seconds':>8} | {'tokens':>7} | {'tokens/s':>9} | {'vs hf engine':>12} |")
+        print(f"|{'-' * 24}|{'-' * 10}|{'-' * 9}|{'-' * 11}|{'-' * 14}|")
+        for name, secs, toks in rows:
+            print(f"| {name:<22} | {secs:8.2f} | {toks:7d} | {toks / secs:9.0f} | {toks / secs / base:11.2f}x |")
+    print("\nWeight sync (full stream, 64 MiB buckets) vs a plain copy of the same bytes, "
+          f"median of {args.repeats}")
+    print(f"| {'model':<12} | {'MB':>7} | {'sync s':>7} | {'sync GB/s':>9} | {'copy s':>7} | {'copy GB/s':>9} | {'sync/copy':>9} |")
+    print(f"|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
+    for label, path in (("small", small), ("large", large)):
+        total, sync_s, copy_s, _ = bench_sync(path, args.repeats)
+        name = f"{label} {_params(path) / 1e6:.0f}M"
+        print(f"| {name:<12} | {total / 1e6:7.1f} | {sync_s:7.3f} | {total / 1e9 / sync_s:9.2f} | "
+              f"{copy_s:7.4f} | {total / 1e9 / copy_s:9.2f} | {sync_s / copy_s:8.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
