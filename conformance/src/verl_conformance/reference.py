@@ -27,7 +27,15 @@ def _load(path: str, head: str) -> torch.nn.Module:
         "causal_lm": transformers.AutoModelForCausalLM,
         "value": transformers.AutoModelForTokenClassification,
     }[head]
-    model = auto.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a bar per tiny model load only clutters the suite's output
+    try:
+        model = auto.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
     model.eval()
     return model  # type: ignore[no-any-return]
 
