@@ -673,13 +673,13 @@ def _groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.
     return (hi > lo)[inverse]
 
 
-_PLOTTED = (
-    ("reward/mean", "mean reward"),
-    ("response/length_mean", "response length"),
-    ("actor/entropy", "entropy"),
-    ("actor/kl_ref", "KL to reference"),
-    ("actor/grad_norm", "actor grad norm"),
-    ("time/step", "seconds per step"),
+_PLOTTED: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("reward/mean", "reward/exact_match"), "reward"),
+    (("response/length_mean",), "response length"),
+    (("actor/entropy",), "entropy"),
+    (("actor/kl_ref",), "KL to reference"),
+    (("actor/grad_norm",), "actor grad norm"),
+    (("time/step",), "seconds per step"),
 )
 
 
@@ -694,11 +694,19 @@ def plot_metrics(history: list[dict[str, Any]], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'verl-core[plot]')"
-    keys = [(k, t) for k, t in _PLOTTED if any(isinstance(m.get(k), (int, float)) for m in history)]
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys):
-        pts = [(m["step"], m[key]) for m in history if isinstance(m.get(key), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts])
+
+    def has(key: str) -> bool:
+        return any(isinstance(m.get(key), (int, float)) for m in history)
+
+    panels = [(tuple(k for k in keys if has(k)), title) for keys, title in _PLOTTED]
+    panels = [(keys, title) for keys, title in panels if keys]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
+    for ax, (keys, title) in zip(axes[0], panels):
+        for key in keys:
+            pts = [(m["step"], m[key]) for m in history if isinstance(m.get(key), (int, float))]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(title)
         ax.set_xlabel("step")
     fig.tight_layout()
