@@ -40,7 +40,8 @@ def mean(values: list[float]) -> float:
 
 
 def test_grpo_reward_improves(tmp_path: Path) -> None:
-    hist = run(config(tmp_path, "steps=30", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0"))
+    hist = run(config(tmp_path, "steps=30", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0",
+                      "task.eval_prompts=16", "task.eval_every=15"))
     rewards = [m["reward/mean"] for m in hist]
     assert len(hist) == 30
     assert mean(rewards[-5:]) > mean(rewards[:5]) + 0.15, rewards
@@ -48,6 +49,9 @@ def test_grpo_reward_improves(tmp_path: Path) -> None:
     for key in ("reward/std", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm", "response/length_mean",
                 "time/rollout", "time/reward", "time/actor_forward", "time/update", "throughput/tokens_per_s"):
         assert key in last, key
+    assert "eval/exact_match" in hist[14]
+    assert "eval/exact_match" not in hist[15]
+    assert 0.0 <= last["eval/reward_mean"] <= 1.0
     # the hf rollout's log-probs are exact: the mismatch to the actor's forward is a float rounding
     assert isinstance(last["logprob_mismatch/max"], float)
     assert last["logprob_mismatch/max"] < 1e-4
@@ -64,6 +68,16 @@ def test_ppo_with_critic_reward_improves(tmp_path: Path) -> None:
     last = hist[-1]
     assert "critic/vf_loss" in last or "critic/loss" in last, sorted(last)
     assert last["update/optimizer_steps"] == 4  # 64 samples / 32 per mini-batch x 2 epochs
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_pp", "remax", "dr_grpo"])
+def test_other_algorithms_run(name: str, tmp_path: Path) -> None:
+    opts = {"remax": ["algorithm.options.kl_coef=0.0"], "reinforce_pp": ["algorithm.options.kl_coef=0.0"]}
+    hist = run(config(tmp_path, "steps=2", f"algorithm.name={name}", *opts.get(name, [])))
+    assert len(hist) == 2
+    assert hist[-1]["weight_version"] == 2
+    if name == "remax":
+        assert "time/baseline" in hist[-1]
 
 
 def _comparable(m: dict[str, Any]) -> dict[str, Any]:

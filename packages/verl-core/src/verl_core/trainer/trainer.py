@@ -429,6 +429,25 @@ class Trainer:
         metrics["weight_sync/bytes"] = report.bytes
         return self._finish_step(metrics, timings, t_step, samples)
 
+    def evaluate(self) -> dict[str, float]:
+        """Greedy exact-match and mean score on the fixed evaluation prompts (``task.eval_prompts``)."""
+        self.setup()
+        n = self.config.task.eval_prompts
+        examples = self.task.examples(n, seed=-1, step=0)  # the same set for every seed and step
+        tok = self.rollout.tokenizer
+        r = self.config.rollout
+        prompts = prompt_batch(
+            [p for p, _ in examples], tok, group_ids=list(range(n)), extras={"answer": [a for _, a in examples]},
+            meta=BatchMeta(temperature=r.temperature, pad_token_id=tok.pad_token_id, step=self.step),
+        )
+        params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0)
+        self.rollout.wake()
+        out = self.reward.score(self.rollout.generate(prompts, params))
+        metrics = {"eval/reward_mean": float(out["scores"].mean())}
+        if isinstance(self.reward, TaskReward):
+            metrics["eval/exact_match"] = float(self.reward.exact_match(out).mean())
+        return metrics
+
     def _update(self, batch: TensorBatch) -> dict[str, float]:
         cfg = self.config.batch
         fields_drop = [f for f in ("log_probs", "entropy", "values") if f in batch]
@@ -492,6 +511,12 @@ class Trainer:
                 metrics[f"scheduler/{role}/ooms"] = sum(d.ooms for d in decisions)
                 metrics[f"scheduler/{role}/budget"] = decisions[-1].budget
         metrics["weight_version"] = self.weight_version
+        tc = self.config.task
+        last = self.step + 1 == self.config.steps
+        if tc.eval_prompts and (last or (tc.eval_every and (self.step + 1) % tc.eval_every == 0)):
+            t = time.perf_counter()
+            metrics.update(self.evaluate())
+            metrics["time/eval"] = time.perf_counter() - t
         self.step += 1
         self.history.append(metrics)
         if self.config.logging.jsonl:
