@@ -33,7 +33,7 @@ from verl_core.algorithms.kl import AdaptiveKLController, FixedKLController
 from verl_core.errors import BatchValidationError
 
 F64 = torch.float64
-PROPS = settings(max_examples=40, deadline=None)
+PROPS = settings(max_examples=30, deadline=None)
 
 
 def make_mask(lengths: list[int], width: int) -> torch.Tensor:

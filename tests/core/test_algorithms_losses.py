@@ -32,7 +32,7 @@ from verl_core.algorithms import (
 )
 
 F64 = torch.float64
-PROPS = settings(max_examples=30, deadline=None)
+PROPS = settings(max_examples=25, deadline=None)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from verl_core.algorithms.aggregation import mask_weights, masked_row_sums, masked_total
+from verl_core.algorithms.aggregation import mask_weights
 from verl_core.algorithms.config import (
     GAEConfig,
     GRPOConfig,
@@ -81,24 +81,35 @@ def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
 
 
 def _weights(batch: TensorBatch) -> Tensor:
-    return mask_weights(batch["response_mask"], torch.float32)
+    """A fresh float32 0/1 copy of the response mask (callers may overwrite it)."""
+    return batch["response_mask"].view(torch.uint8).to(torch.float32)
 
 
-def outcome_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
-    """Total reward of each sample (float64 ``[batch]``).
+def _refill_weights(buf: Tensor, batch: TensorBatch) -> Tensor:
+    return buf.copy_(batch["response_mask"].view(torch.uint8))
 
-    ``sum_t token_rewards`` when the batch has ``token_rewards`` (an empty response, which has no
-    token to hold a reward, gets its ``scores`` when present); otherwise ``scores`` plus the sum of
-    ``token_scores`` (either may be absent, not both).
+
+def _masked_row_sums_with(values: Tensor, buf: Tensor, batch: TensorBatch) -> Tensor:
+    """``sum_t mask * values`` per row, computed in ``buf`` (the mask weights, restored after).
+
+    Reusing one buffer instead of allocating a product matters on CPU: a fresh ``[batch,
+    response]`` tensor costs page faults that dominate these memory-bound steps.
     """
+    sums = torch.mul(values, buf, out=buf).sum(-1)
+    _refill_weights(buf, batch)
+    return sums
+
+
+def _outcome(batch: TensorBatch) -> tuple[Tensor, Tensor]:
+    """:func:`outcome_rewards` and the float mask weights (a buffer the caller may overwrite)."""
     batch.require("response_mask", where="an outcome advantage estimator")
     mask = batch["response_mask"]
-    w = _weights(batch) if weights is None else weights
+    w = _weights(batch)
     if "token_rewards" in batch:
-        total = masked_row_sums(batch["token_rewards"], w).double()
+        total = _masked_row_sums_with(batch["token_rewards"], w, batch).double()
         if "scores" in batch:
             total = torch.where(mask.any(-1), total, batch["scores"].double())
-        return total
+        return total, w
     if "scores" not in batch and "token_scores" not in batch:
         raise BatchValidationError(
             "an outcome advantage estimator needs 'token_rewards', 'scores' or 'token_scores'; "
@@ -108,8 +119,18 @@ def outcome_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor
     if "scores" in batch:
         total = total + batch["scores"].double()
     if "token_scores" in batch:
-        total = total + masked_row_sums(batch["token_scores"], w).double()
-    return total
+        total = total + _masked_row_sums_with(batch["token_scores"], w, batch).double()
+    return total, w
+
+
+def outcome_rewards(batch: TensorBatch) -> Tensor:
+    """Total reward of each sample (float64 ``[batch]``).
+
+    ``sum_t token_rewards`` when the batch has ``token_rewards`` (an empty response, which has no
+    token to hold a reward, gets its ``scores`` when present); otherwise ``scores`` plus the sum of
+    ``token_scores`` (either may be absent, not both).
+    """
+    return _outcome(batch)[0]
 
 
 def token_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
@@ -165,11 +186,16 @@ def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
     position the result is 0 there; with none, all zeros (verl raises in both).
     """
     w = mask_weights(mask, values.dtype)
+    return _whiten_(values * w, w)
+
+
+def _whiten_(values: Tensor, w: Tensor) -> Tensor:
+    """:func:`masked_whiten` in place, for ``values`` that are already 0 where ``w`` is 0."""
     n = int(w.sum())
     if n == 0:
-        return torch.zeros_like(values)
-    mean = masked_total(values, w) / n
-    centered = (values - mean).mul_(w)
+        return values.zero_()
+    mean = values.sum() / n
+    centered = values.sub_(mean).mul_(w)
     if n == 1:
         return centered  # 0 at the one position
     flat = centered.reshape(-1)
@@ -177,8 +203,9 @@ def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
     return centered.mul_(torch.rsqrt(var + _WHITEN_EPS))
 
 
-def _broadcast(per_seq: Tensor, w: Tensor) -> Tensor:
-    return per_seq.to(w.dtype).unsqueeze(-1) * w
+def _broadcast_(per_seq: Tensor, w: Tensor) -> Tensor:
+    """``per_seq[b] * w[b, t]``, written into ``w``."""
+    return w.mul_(per_seq.to(w.dtype).unsqueeze(-1))
 
 
 def _finish(batch: TensorBatch, advantages: Tensor, returns: Tensor) -> TensorBatch:
@@ -205,9 +232,9 @@ def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
     delta[:, :-1].add_(v[:, 1:], alpha=config.gamma)
     # suffix sums of a right-padded masked delta are already 0 at masked positions
     adv = discounted_cumsum(delta, config.gamma * config.lam)
-    returns = adv + v
+    returns = v.add_(adv)
     if config.whiten:
-        adv = masked_whiten(adv, w)
+        adv = _whiten_(adv, w)
     return _finish(batch, adv, returns)
 
 
@@ -222,8 +249,7 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     """
     config = config or GRPOConfig()
     batch.require("response_mask", "group_ids", where="GRPO")
-    w = _weights(batch)
-    scores = outcome_rewards(batch, w)
+    scores, w = _outcome(batch)
     inv, counts = group_index(batch["group_ids"])
     n = counts.to(torch.float64)
     single = counts == 1
@@ -233,7 +259,7 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
         var = _group_sum(centered.square(), inv, len(counts)) / (n - 1).clamp_min(1)
         std = torch.where(single, 1.0, var.sqrt())
         centered = centered / (std[inv] + config.epsilon)
-    adv = _broadcast(centered, w)
+    adv = _broadcast_(centered, w)
     return _finish(batch, adv, adv)
 
 
@@ -245,13 +271,12 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     ``response_mask``, ``group_ids`` and rewards.
     """
     batch.require("response_mask", "group_ids", where="RLOO")
-    w = _weights(batch)
-    scores = outcome_rewards(batch, w)
+    scores, w = _outcome(batch)
     inv, counts = group_index(batch["group_ids"])
     n = counts.to(torch.float64)[inv]
     total = _group_sum(scores, inv, len(counts))[inv]
     adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp_min(1), scores)
-    out = _broadcast(adv, w)
+    out = _broadcast_(adv, w)
     return _finish(batch, out, out)
 
 
@@ -265,7 +290,7 @@ def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) ->
     batch.require("response_mask", where="REINFORCE++")
     w = _weights(batch)
     returns = discounted_cumsum(token_rewards(batch, w), config.gamma)  # 0 after the response
-    adv = masked_whiten(returns, w) if config.whiten else returns
+    adv = _whiten_(returns.clone(), w) if config.whiten else returns
     return _finish(batch, adv, returns)
 
 
@@ -280,13 +305,13 @@ def reinforce_pp_baseline(
     """
     config = config or ReinforcePPBaselineConfig()
     batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
-    w = _weights(batch)
-    scores = outcome_rewards(batch, w)
+    scores, w = _outcome(batch)
     inv, counts = group_index(batch["group_ids"])
     mean = torch.where(counts == 1, 0.0, _group_sum(scores, inv, len(counts)) / counts.to(torch.float64))
-    adv = _broadcast(scores - mean[inv], w)
     if config.whiten:
-        adv = masked_whiten(adv, w)
+        adv = _whiten_(w * (scores - mean[inv]).to(w.dtype).unsqueeze(-1), w)
+    else:
+        adv = _broadcast_(scores - mean[inv], w)
     return _finish(batch, adv, adv)
 
 
@@ -299,6 +324,10 @@ def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     """
     batch.require("response_mask", "baseline_scores", where="ReMax")
     w = _weights(batch)
-    returns = discounted_cumsum(token_rewards(batch, w), 1.0)  # 0 after the response
-    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0)
+    r = token_rewards(batch, w)
+    # reward-to-go as total - (inclusive prefix sum) + r, in place: no flipped copies
+    returns = r.cumsum(-1)
+    total = returns[:, -1:].clone()
+    returns.neg_().add_(r).add_(total)  # 0 after the response (right padding)
+    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0, out=r)
     return _finish(batch, adv, returns)

@@ -66,15 +66,30 @@ def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return with_gradient(log_probs, 0.5 * d.square(), d)
 
 
+def _within(x: Tensor, lo: float, hi: float) -> bool:
+    if x.numel() == 0:
+        return True
+    mn, mx = torch.aminmax(x)
+    return bool(mn >= lo) and bool(mx <= hi)
+
+
 def _k3(log_probs: Tensor, ref_log_probs: Tensor) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
-        raw = ref_log_probs - log_probs.detach()
-        log_r = raw.clamp(-20.0, 20.0)
+        log_r = ref_log_probs - log_probs.detach()
+        inside: Tensor | None = None
+        if not _within(log_r, -20.0, 20.0):
+            clamped = log_r.clamp(-20.0, 20.0)
+            inside, log_r = clamped == log_r, clamped
         r = log_r.exp()
-        k = r - log_r - 1.0
-        value = k.clamp(-10.0, 10.0)
-        # d value / d log pi = (1 - r) where neither clamp binds
-        grad = (1.0 - r).mul_((log_r == raw) & (value == k))
+        value = (r - log_r).sub_(1.0)
+        if not _within(value, -10.0, 10.0):
+            clamped = value.clamp(-10.0, 10.0)
+            inside = (clamped == value) if inside is None else inside & (clamped == value)
+            value = clamped
+        # d value / d log pi = 1 - r where neither clamp binds
+        grad = r.neg_().add_(1.0)
+        if inside is not None:
+            grad.mul_(inside)
     return value, grad
 
 

@@ -67,30 +67,46 @@ def _no(t: Tensor) -> Tensor:
 def _clipped_ratio_loss(
     ratio: Tensor, advantages: Tensor, config: PolicyLossConfig, dual: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Value of ``max(-A r, -A clip(r))`` (and the dual clip), its derivative in ``r``, and the flags."""
+    """Value of ``max(-A r, -A clip(r))`` (and the dual clip), its derivative in ``r``, and the flags.
+
+    Buffers are reused in place: fresh ``[batch, response]`` tensors cost page faults on CPU that
+    dominate these memory-bound steps.
+    """
     neg_adv = -advantages
-    loss1 = neg_adv * ratio
-    loss2 = neg_adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-    clipped = loss2 > loss1  # then the clipped branch is active and has no gradient
-    value = torch.maximum(loss1, loss2)
+    value = neg_adv * ratio  # the unclipped loss, turned into the result in place
+    loss2 = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high).mul_(neg_adv)
+    clipped = loss2 > value  # then the clipped branch is active and has no gradient
+    torch.maximum(value, loss2, out=value)
     keep = ~clipped
     if dual and config.clip_ratio_c is not None:
         # dual clip: for A < 0 the loss is capped at -A * c (no gradient there). For A >= 0 the
         # loss is <= 0, so capping at max(-A, 0) * c = 0 changes nothing: no select is needed
-        cap = neg_adv.clamp(min=0.0).mul_(config.clip_ratio_c)
+        cap = torch.clamp(neg_adv, min=0.0, out=loss2).mul_(config.clip_ratio_c)
         lower = value > cap
-        value = torch.minimum(value, cap)
+        torch.minimum(value, cap, out=value)
         keep &= ~lower
     else:
         lower = _no(ratio)
-    return value, neg_adv * keep, clipped, lower
+    return value, neg_adv.mul_(keep), clipped, lower
+
+
+def _within(x: Tensor, lo: float, hi: float) -> bool:
+    """True when every element lies in [lo, hi] (one reduction, no temporary)."""
+    if x.numel() == 0:
+        return True
+    mn, mx = torch.aminmax(x)
+    return bool(mn >= lo) and bool(mx <= hi)
 
 
 @torch.no_grad()
-def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig) -> tuple[Tensor, Tensor]:
-    """``clamp(log_probs - old, +-c)`` and where the clamp did not bind (the gradient passes)."""
+def _log_ratio(
+    log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig
+) -> tuple[Tensor, Tensor | None]:
+    """``clamp(log_probs - old, +-c)`` and where the clamp did not bind (None: nowhere)."""
     raw = log_probs.detach() - old_log_probs
     c = config.log_ratio_clamp
+    if _within(raw, -c, c):
+        return raw, None
     clamped = raw.clamp(-c, c)
     return clamped, clamped == raw
 
@@ -109,7 +125,9 @@ def ppo_loss(
         log_ratio, inside = _log_ratio(log_probs, old_log_probs, config)
         ratio = log_ratio.exp()
         value, d_ratio, clipped, lower = _clipped_ratio_loss(ratio, advantages, config, dual=True)
-        coef = d_ratio.mul_(ratio).mul_(inside)
+        coef = d_ratio.mul_(ratio)
+        if inside is not None:
+            coef.mul_(inside)
     return PolicyLossTerms(with_gradient(log_probs, value, coef), clipped, lower, log_ratio)
 
 
@@ -170,8 +188,8 @@ def importance_sampling_loss(
     with torch.no_grad():
         log_ratio, inside = _log_ratio(log_probs, old_log_probs, config)
         ratio = log_ratio.exp()
-        value = -advantages * ratio
-        coef = value * inside
+        value = ratio.mul_(advantages).neg_()
+        coef = value if inside is None else value * inside
     return PolicyLossTerms(with_gradient(log_probs, value, coef), _no(mask), _no(mask), log_ratio)
 
 
@@ -336,14 +354,19 @@ def clipped_value_loss(
             value, coef = err.square(), 2.0 * err
         return ValueLossTerms(with_gradient(values, value, coef), _no(mask))
     with torch.no_grad():
-        err = values.detach() - returns
+        v = values.detach()
+        err = v - returns
         c = config.clip_range_value
-        # clamp into [old - c, old + c] as verl: inside the band the prediction is kept bit for bit
-        err_clipped = torch.clamp(values.detach(), old_values - c, old_values + c).sub_(returns)
-        loss1, loss2 = err.square(), err_clipped.square()
-        clipped = loss2 > loss1  # the clipped prediction wins and has no gradient
-        coef = err.mul(2.0).mul_(~clipped)
-        value = torch.maximum(loss1, loss2)
+        # clamp into [old - c, old + c] as verl (inside the band the prediction is kept bit for
+        # bit), reusing one bound buffer for both bounds
+        bound = old_values - c
+        v_clipped = torch.maximum(v, bound)
+        torch.minimum(v_clipped, torch.add(old_values, c, out=bound), out=v_clipped)
+        loss2 = v_clipped.sub_(returns).square_()
+        value = err.square()
+        clipped = loss2 > value  # the clipped prediction wins and has no gradient
+        torch.maximum(value, loss2, out=value)
+        coef = err.mul_(2.0).mul_(~clipped)
     return ValueLossTerms(with_gradient(values, value, coef), clipped)
 
 
