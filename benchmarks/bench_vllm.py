@@ -10,9 +10,13 @@ Weight sync: ``update_weights`` of a full canonical stream (64 MiB buckets) into
 for the ~19M model and a ~104M one, against a plain copy of the same bytes into preallocated
 tensors, median of a few repeats.
 
+Log-prob parity: on the test kit's tiny Llama (float32), the largest and mean absolute difference
+between the vLLM engine's ``rollout_log_probs`` and the ``hf`` training engine's ``log_probs`` of
+the same tokens, at T = 1 and T = 0.7 (16 prompts x 4 samples x 32 tokens).
+
 Usage::
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vllm.py [--repeats 3] [--skip-generate]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vllm.py [--repeats 3] [--only parity|generate|sync]
 """
 
 from __future__ import annotations
@@ -124,8 +128,8 @@ def bench_generate(path: Path) -> list[tuple[str, float, int]]:
     return rows
 
 
-def bench_sync(path: Path, repeats: int) -> tuple[int, float, float, float]:
-    """(bytes, median sync seconds, median plain-copy seconds, reset/repack share) for ``path``."""
+def bench_sync(path: Path, repeats: int) -> tuple[int, float, float]:
+    """(bytes, median sync seconds, median plain-copy seconds) for ``path``."""
     from safetensors.torch import load_file
 
     state = load_file(str(path / "model.safetensors"))
@@ -146,18 +150,51 @@ def bench_sync(path: Path, repeats: int) -> tuple[int, float, float, float]:
             dst[n].copy_(state[n])
         copy_times.append(time.perf_counter() - t0)
     engine.close()
-    return total, statistics.median(sync_times), statistics.median(copy_times), 0.0
+    return total, statistics.median(sync_times), statistics.median(copy_times)
+
+
+def bench_parity() -> list[tuple[float, float, float, int]]:
+    """(temperature, max |diff|, mean |diff|, tokens) of vLLM vs the hf training engine."""
+    from verl_core import get_training_engine
+
+    path = tiny_model(TinyModelSpec(arch="llama"))
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 17, (16,), generator=g)
+    ids = torch.zeros(16, 16, dtype=torch.int64)
+    mask = torch.arange(16)[None, :] >= (16 - lengths)[:, None]
+    ids[mask] = torch.randint(4, 128, (int(mask.sum()),), generator=g)
+    prompts = TensorBatch({"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.arange(16)},
+                          meta=BatchMeta(pad_token_id=0))
+    spec = EngineSpec(str(path), "rollout", max_prompt_len=16, max_response_len=32,
+                      options={"kv_cache_bytes": 64 * MiB})
+    rollout = get_rollout_engine("vllm", spec)
+    actor = get_training_engine("hf", EngineSpec(str(path), "actor", max_prompt_len=16, max_response_len=32))
+    rows = []
+    for temperature in (1.0, 0.7):
+        out = rollout.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=32, n=4, seed=1))
+        diff = (out["rollout_log_probs"] - actor.forward(out)["log_probs"]).abs()[out["response_mask"]]
+        rows.append((temperature, float(diff.max()), float(diff.mean()), int(diff.numel())))
+    rollout.close()
+    actor.close()
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--only", choices=("parity", "generate", "sync"), default=None)
     args = ap.parse_args()
+    run = {"parity", "generate", "sync"} if args.only is None else {args.only}
+    if "parity" in run:
+        print("\nLog-prob parity, vllm rollout_log_probs vs hf training engine log_probs (float32, tiny Llama)")
+        print(f"| {'T':>4} | {'max |diff|':>10} | {'mean |diff|':>11} | {'tokens':>6} |")
+        print(f"|{'-' * 6}|{'-' * 12}|{'-' * 13}|{'-' * 8}|")
+        for temperature, mx, mean, n in bench_parity():
+            print(f"| {temperature:4.1f} | {mx:10.2e} | {mean:11.2e} | {n:6d} |")
     small, large = tiny_model(SMALL), tiny_model(LARGE)
     print(f"models: small {_params(small) / 1e6:.1f}M params, large {_params(large) / 1e6:.1f}M params; "
           f"torch threads {torch.get_num_threads()}")
-    if not args.skip_generate:
+    if "generate" in run:
         rows = bench_generate(small)
         base = rows[1][2] / rows[1][1]
         print(f"\nGeneration: {NUM_PROMPTS} prompts x {PROMPT_LEN} tokens, up to {NEW_TOKENS} sampled tokens, "
@@ -166,12 +203,14 @@ def main() -> None:
         print(f"|{'-' * 24}|{'-' * 10}|{'-' * 9}|{'-' * 11}|{'-' * 14}|")
         for name, secs, toks in rows:
             print(f"| {name:<22} | {secs:8.2f} | {toks:7d} | {toks / secs:9.0f} | {toks / secs / base:11.2f}x |")
+    if "sync" not in run:
+        return
     print("\nWeight sync (full stream, 64 MiB buckets) vs a plain copy of the same bytes, "
           f"median of {args.repeats}")
     print(f"| {'model':<12} | {'MB':>7} | {'sync s':>7} | {'sync GB/s':>9} | {'copy s':>7} | {'copy GB/s':>9} | {'sync/copy':>9} |")
     print(f"|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
     for label, path in (("small", small), ("large", large)):
-        total, sync_s, copy_s, _ = bench_sync(path, args.repeats)
+        total, sync_s, copy_s = bench_sync(path, args.repeats)
         name = f"{label} {_params(path) / 1e6:.0f}M"
         print(f"| {name:<12} | {total / 1e6:7.1f} | {sync_s:7.3f} | {total / 1e9 / sync_s:9.2f} | "
               f"{copy_s:7.4f} | {total / 1e9 / copy_s:9.2f} | {sync_s / copy_s:8.1f}x |")
