@@ -116,12 +116,11 @@ def check_seeded_sampling_reproducible(h: Harness) -> None:
              "(group_id, sample_index); each sample's stream must depend only on (seed, group id, index)")
 
 
-@check("invariance")
-def check_data_parallel_invariance(h: Harness) -> None:
-    """Results do not change with the data-parallel degree (multi-rank; needs torchrun)."""
+def _layout_invariance(h: Harness, layout: dict[str, int], capability: str) -> None:
+    """One process vs ``layout`` under torchrun: log-probs, loss, grad norm and every gradient."""
     engine = h.training()
-    if not engine.capabilities.data_parallel:
-        h.skip("backend declares data_parallel=False")
+    if not getattr(engine.capabilities, capability):
+        h.skip(f"backend declares {capability}=False")
     if not h.subject.registered:
         h.skip("multi-rank checks build engines through the registry; install the backend as a plugin")
     import json
@@ -134,20 +133,47 @@ def check_data_parallel_invariance(h: Harness) -> None:
     single = h.training(fresh=True, micro_batch_size=2)
     base_lp = single.forward(batch)["log_probs"]
     metrics, norm, grads = one_update(h, single, batch, TOKEN_MEAN_PG)
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    label = ", ".join(f"{k}={v}" for k, v in layout.items())
     try:
-        ranks = launch_torchrun(multirank.__file__, 2, [h.subject.name, h.model_path("llama"),
-                                                        json.dumps({"micro_batch_size": 2})], timeout=400)
+        ranks = launch_torchrun(multirank.__file__, world, [
+            h.subject.name, h.model_path("llama"), json.dumps({"parallel": layout, "micro_batch_size": 2})
+        ], timeout=400)
     except LaunchError as e:
-        h.fail(f"the backend failed under torchrun with parallel.dp=2: {str(e)[-2500:]}")
-    lp = torch.cat([r["log_probs"] for r in ranks], 0)
-    h.close_to(lp, base_lp, "log_probs", "log_probs with dp=2 (shards concatenated) vs one process",
+        h.fail(f"the backend failed under torchrun with {label}: {str(e)[-2500:]}")
+    if layout.get("dp", 1) > 1:
+        lp = torch.cat([r["log_probs"] for r in ranks], 0)
+    else:
+        lp = ranks[0]["log_probs"]
+    h.close_to(lp, base_lp, "log_probs", f"log_probs with {label} (rank 0, dp shards concatenated) vs one process",
                mask=batch["response_mask"])
     for i, r in enumerate(ranks):
         h.scalar_close(r["loss"], metrics["loss"], "loss",
-                       f"rank {i}: loss with dp=2 vs one process (metrics are global: summed over ranks)")
-        h.scalar_close(r["grad_norm"], norm, "loss", f"rank {i}: grad norm with dp=2 vs one process")
-    before = exported_weights(h.training())
-    dp_grads = recover_grads(before, ranks[0]["weights"])
+                       f"rank {i}: loss with {label} vs one process (metrics are global: summed over ranks)")
+        h.scalar_close(r["grad_norm"], norm, "loss", f"rank {i}: grad norm with {label} vs one process")
+    exported = next((r["weights"] for r in ranks if set(r["weights"]) >= set(grads)), None)
+    if exported is None:
+        h.fail(f"with {label} no rank exported the full weights (names per rank: "
+               f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
+    parallel_grads = recover_grads(exported_weights(h.training()), exported)
     for name, g in grads.items():
-        h.close_to(dp_grads[name], g, "grad",  # type: ignore[arg-type]
-                   f"gradient of {name} with dp=2 vs one process (DDP/FSDP averaging must be undone)")
+        h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
+                   f"gradient of {name} with {label} vs one process (framework averaging must be undone)")
+
+
+@check("invariance")
+def check_data_parallel_invariance(h: Harness) -> None:
+    """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
+    _layout_invariance(h, {"dp": 2}, "data_parallel")
+
+
+@check("invariance")
+def check_tensor_parallel_invariance(h: Harness) -> None:
+    """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
+    _layout_invariance(h, {"tp": 2}, "tensor_parallel")
+
+
+@check("invariance")
+def check_pipeline_parallel_invariance(h: Harness) -> None:
+    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
+    _layout_invariance(h, {"pp": 2}, "pipeline_parallel")
