@@ -176,7 +176,7 @@ def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor
         tail = torch.exp((L - torch.arange(L, dtype=torch.float64)) * log_g).to(device=x.device, dtype=x.dtype)
         # block j also receives the discounted return from the start of block j + 1
         local[:, :-1, :].addcmul_(starts[:, 1:, None], tail)
-    return local.reshape(rows, nb * L)[:, :T].reshape(*lead, T)
+    return local.reshape(rows, nb * L)[:, :T].contiguous().reshape(*lead, T)
 
 
 def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
