@@ -9,6 +9,7 @@ step and the exported weights, by mode.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -35,6 +36,7 @@ def run(mode: str, path: str, budget: int) -> dict[str, object]:
     spec = EngineSpec(
         model_path=path, role="actor", parallel=ParallelSizes(dp=2), micro_batch_tokens=budget,
         optim=OptimConfig(lr=1e-3, grad_clip=1.0), options={"data_parallel": mode},
+        device=os.environ.get("VERL_HF_TEST_DEVICE", "cpu"),
     )
     engine = HFTrainingEngine(spec)
     batch = global_batch()
@@ -47,10 +49,11 @@ def run(mode: str, path: str, budget: int) -> dict[str, object]:
         full = getattr(g, "full_tensor", None)
         grads[name] = (full() if full is not None else g).detach().clone()
     step = engine.optimizer_step()
-    lp = engine.forward(shard)["log_probs"]
+    lp = engine.forward(shard)["log_probs"].cpu()
     weights = {
-        n: t.clone() for m in engine.export_weights() if isinstance(m, WeightChunk) for n, t in m.tensors
+        n: t.cpu().clone() for m in engine.export_weights() if isinstance(m, WeightChunk) for n, t in m.tensors
     }
+    grads = {k: v.cpu() for k, v in grads.items()}
     return {
         "grads": grads, "metrics": metrics, "grad_norm": step.grad_norm, "log_probs": lp,
         "weights": weights, "mode": engine.data_parallel_mode,

@@ -176,3 +176,30 @@ def test_export_weights_stream(tied: bool) -> None:
     state = engine.model.state_dict()
     for n, t in sent:
         assert torch.equal(t, state[n].to(torch.bfloat16))
+
+
+def test_bfloat16_training_step() -> None:
+    engine = HFTrainingEngine(actor_spec(model_path("qwen2"), dtype="bfloat16", micro_batch_size=3))
+    batch = _ppo_batch(engine, seed=4)
+    assert batch["old_log_probs"].dtype == torch.float32
+    stats = GlobalBatchStats.of(batch)
+    before = engine.forward_backward(batch, GRPO.actor_loss, stats)["loss"]
+    step = engine.optimizer_step()
+    assert not step.skipped and step.grad_norm > 0
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+    after = engine.forward_backward(batch, GRPO.actor_loss, stats)["loss"]
+    assert after < before
+
+
+def test_offload_round_trip_keeps_training_state() -> None:
+    engine = HFTrainingEngine(actor_spec(model_path()))
+    batch = _ppo_batch(engine)
+    engine.forward_backward(batch, PPO.actor_loss, GlobalBatchStats.of(batch))
+    engine.optimizer_step()
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.offload()
+    engine.onload()
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, state[k])
+    engine.forward_backward(batch, PPO.actor_loss, GlobalBatchStats.of(batch))
+    assert not engine.optimizer_step().skipped
