@@ -54,3 +54,29 @@ def test_unknown_backend_is_a_clear_error() -> None:
 
     with pytest.raises(UnknownNameError, match="installed:.*example"):
         check_backend("no-such-backend", checks=["schema::forward_layout"])
+
+
+@pytest.mark.slow
+def test_check_backends_match_points_at_the_differing_backend() -> None:
+    from verl_conformance import check_backends_match
+
+    with pytest.raises(ConformanceError) as info:
+        check_backends_match("broken-temperature", "example", checks=["differential::against_log_probs"])
+    assert "log_probs of llama: broken-temperature vs example" in str(info.value)
+    report = check_backends_match("broken-unseeded", "example", checks=["differential::against_log_probs"])
+    assert [r.status for r in report.results] == ["passed"]
+
+
+@pytest.mark.slow
+def test_check_backend_with_own_factories() -> None:
+    """Engines that are not installed as a plugin are checked through factories."""
+    from verl_broken_backends.engines import IgnoredWeightSync
+    from verl_example_backend.training import ExampleTrainingEngine
+
+    report = check_backend("mine", make_training_engine=ExampleTrainingEngine,
+                           checks=["schema::forward_layout", "schema::generate_layout"])
+    assert [(r.id, r.status) for r in report.results] == [
+        ("schema::forward_layout", "passed"), ("schema::generate_layout", "skipped")]
+    assert "provides no rollout engine" in report.results[1].message
+    with pytest.raises(ConformanceError, match="a sync that does not apply the weights"):
+        check_backend("mine", make_rollout_engine=IgnoredWeightSync, checks=["weight_sync::rollout_applies_stream"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
@@ -328,7 +327,3 @@ def messages_kinds(msgs: Iterable[WeightMessage]) -> list[str]:
         kinds.append("manifest" if isinstance(m, WeightManifest) else "commit" if isinstance(m, WeightCommit) else "chunk")
     return kinds
 
-
-def replace_spec(spec: EngineSpec, **kw: Any) -> EngineSpec:
-    """A copy of ``spec`` with fields replaced."""
-    return dataclasses.replace(spec, **kw)
