@@ -176,10 +176,11 @@ def check_generate_edge_cases(h: Harness) -> None:
     """A stop token first ends the response at length 1; hitting max_new_tokens sets truncated; a full-length prompt works."""
     engine = h.rollout()
     prompts = edge_batch().select("prompt_ids", "prompt_mask", "group_ids")
-    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=4))
-    first = int(greedy["response_ids"][2, 0])
+    one = prompts.index([2])  # the full-length prompt; the same batch twice, so greedy repeats exactly
+    greedy = engine.generate(one, SamplingParams(greedy=True, max_new_tokens=4))
+    first = int(greedy["response_ids"][0, 0])
     if engine.capabilities.stop_token_ids:
-        out = engine.generate(prompts.index([2]), SamplingParams(greedy=True, max_new_tokens=4, stop_token_ids=(first,)))
+        out = engine.generate(one, SamplingParams(greedy=True, max_new_tokens=4, stop_token_ids=(first,)))
         n = int(out["response_mask"][0].sum())
         h.expect(n == 1 and int(out["response_ids"][0, 0]) == first and not bool(out["truncated"][0]),
                  f"greedy with stop_token_ids=({first},), its first token: expected a response of exactly that "
