@@ -22,11 +22,13 @@ from verl_core import (
     LossOutput,
     OptimConfig,
     ParallelSizes,
+    SamplingParams,
     TensorBatch,
     WeightChunk,
     WeightCommit,
     WeightManifest,
     dp_shard,
+    get_rollout_engine,
     get_training_engine,
 )
 from verl_megatron.training import MegatronTrainingEngine
@@ -136,7 +138,52 @@ def main() -> None:
         result["critic"] = run_critic(par, optim, dp_rank)
     if "errors" in names:
         result["errors"] = boundary_errors(par)
+    if "rollout" in names:
+        result["rollout"] = run_rollout(par, optim)
     write_rank_result(result)
+
+
+def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
+    """Seeded sampling, greedy decoding, training/rollout log-prob agreement and a weight sync."""
+    path = str(tiny_model(TinyModelSpec(arch="qwen3")))
+    rollout = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8))
+    actor = MegatronTrainingEngine(EngineSpec(path, "actor", parallel=par, optim=optim, micro_batch_size=3))
+    prompts = random_batch(batch_size=3, max_prompt=6, max_response=1, seed=11).select(
+        "prompt_ids", "prompt_mask", "group_ids")
+    sampled = SamplingParams(n=2, max_new_tokens=6, seed=3, temperature=0.8, top_k=40, top_p=0.9)
+    first = rollout.generate(prompts, sampled)
+    again = rollout.generate(prompts, sampled)
+    reordered = rollout.generate(prompts.index([2, 1, 0]), sampled)
+    greedy = rollout.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    out: dict[str, Any] = {
+        "first": {k: first[k] for k in ("response_ids", "response_mask", "rollout_log_probs", "truncated",
+                                         "group_ids", "sample_index")},
+        "again_ids": again["response_ids"], "reordered_ids": reordered["response_ids"],
+        "greedy_ids": greedy["response_ids"], "greedy_mask": greedy["response_mask"],
+        "greedy_lp": greedy["rollout_log_probs"],
+        "train_lp": actor.forward(first)["log_probs"],
+        "temperature": first.meta.temperature,
+    }
+    batch = first.update(advantages=torch.randn(first["response_mask"].shape) * first["response_mask"])
+    actor.forward_backward(batch, PGOnly(), GlobalBatchStats.of(batch))
+    actor.optimizer_step()
+    rollout.update_weights(actor.export_weights(dtype=rollout.weight_dtype, bucket_bytes=50_000))
+    synced = rollout.generate(prompts, sampled)
+    out["synced_version"] = rollout.weight_version
+    out["synced_rollout_lp"] = synced["rollout_log_probs"]
+    out["synced_train_lp"] = actor.forward(synced)["log_probs"]
+    out["synced_mask"] = synced["response_mask"]
+    return out
+
+
+class PGOnly:
+    """-mean(log_prob * advantage) over the global response tokens."""
+
+    needs = frozenset({"log_probs"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        m = batch["response_mask"].float()
+        return LossOutput(-(batch["log_probs"] * batch["advantages"] * m).sum() / max(stats.num_tokens, 1))
 
 
 def boundary_errors(par: ParallelSizes) -> dict[str, str]:

@@ -131,7 +131,8 @@ def test_plugin_is_import_light_and_cpu_shims_do_nothing_with_cuda() -> None:
         from verl_core import PROTOCOL_VERSION
         spec = verl_backend()
         assert spec.name == "megatron" and spec.protocol_version == PROTOCOL_VERSION
-        assert set(spec.roles) == {"actor", "reference", "critic"}
+        assert set(spec.roles) == {"actor", "reference", "critic", "rollout"}
+        assert spec.capabilities["rollout"].tensor_parallel and not spec.capabilities["rollout"].pipeline_parallel
         assert spec.capabilities["critic"].values and not spec.capabilities["actor"].values
         assert spec.capabilities["actor"].tensor_parallel and spec.capabilities["actor"].pipeline_parallel
         from verl_core.registry import import_string

@@ -30,16 +30,17 @@ SCRIPT = Path(__file__).with_name("engine_checks.py")
 # Layouts are (tp, pp, dp).
 # TP=1 runs last: it also restores the checkpoints the TP=2 and PP=2 runs saved.
 RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
-    (2, 1, 1): ("qwen3", "critic"),
+    (2, 1, 1): ("qwen3", "critic", "rollout"),
     (1, 2, 1): ("qwen2", "critic"),
     (2, 2, 1): ("qwen2",),
     (1, 1, 2): ("qwen2",),
-    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors"),
+    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
 }
 CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 LAYOUTS = list(RUNS)
 BASE = (1, 1, 1)
-PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names]
+PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names
+         if name not in ("errors", "rollout")]
 
 
 def _id(layout: tuple[int, int, int]) -> str:
@@ -187,7 +188,7 @@ def test_gradients_match_float64_transformers(runs: Any, arch: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
 def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: tuple[int, int, int]) -> None:
     for arch in RUNS[layout]:
-        if arch == "errors":
+        if arch in ("errors", "rollout"):
             continue
         hf = load_file(str(_path(arch) / "model.safetensors"))
         for rank, res in enumerate(runs[layout]):
@@ -244,3 +245,57 @@ def test_bad_inputs_and_configs_are_rejected_with_clear_errors(runs: Any) -> Non
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims apply only without CUDA")
 def test_cpu_shims_are_active_without_cuda(runs: Any) -> None:
     assert runs[BASE][0]["errors"]["shims"] == "yes"
+
+
+ROLLOUT_LAYOUTS = [lay for lay, names in RUNS.items() if "rollout" in names]
+
+
+@pytest.mark.parametrize("layout", ROLLOUT_LAYOUTS, ids=_id)
+def test_rollout_schema_seeding_and_log_probs(runs: Any, layout: tuple[int, int, int]) -> None:
+    res = runs[layout][0]["rollout"]
+    first = res["first"]
+    ids, mask, lp = first["response_ids"], first["response_mask"], first["rollout_log_probs"]
+    assert ids.dtype == torch.int64 and mask.dtype == torch.bool and lp.dtype == torch.float32
+    assert ids.shape[0] == 6 and first["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert first["sample_index"].tolist() == [0, 1, 0, 1, 0, 1]
+    assert bool(mask[:, 0].all())
+    assert bool((ids[~mask] == 0).all()) and bool((lp[~mask] == 0).all())
+    # a response is truncated exactly when it has no EOS (id 1) and fills max_new_tokens
+    eos = ((ids == 1) & mask).any(1)
+    assert first["truncated"].tolist() == (~eos & (mask.sum(1) == 6)).tolist()
+    assert torch.equal(res["again_ids"], ids)
+    # prompts in reverse order: samples follow their (group id, sample index), not the batch position
+    reordered = res["reordered_ids"].view(3, 2, -1).flip(0).reshape(6, -1)
+    width = min(reordered.shape[1], ids.shape[1])
+    assert torch.equal(reordered[:, :width], ids[:, :width])
+    assert res["temperature"] == pytest.approx(0.8)
+    assert_close(lp, res["train_lp"], dtype="float32", quantity="log_probs", what="rollout vs training log-probs")
+    # after one update and a weight sync the rollout engine serves the new weights
+    assert res["synced_version"] == 1
+    assert_close(res["synced_rollout_lp"], res["synced_train_lp"], dtype="float32", quantity="log_probs",
+                 what="log-probs after weight sync")
+    for rank_res in runs[layout][1:]:
+        assert torch.equal(rank_res["rollout"]["first"]["response_ids"], ids), "TP ranks sampled differently"
+
+
+def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
+    import transformers
+
+    base = runs[BASE][0]["rollout"]
+    for layout in ROLLOUT_LAYOUTS:
+        assert torch.equal(runs[layout][0]["rollout"]["greedy_ids"], base["greedy_ids"]), _id(layout)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_model(TinyModelSpec(arch="qwen3"))), dtype=torch.float64, attn_implementation="eager")
+    from verl_conformance.testkit import random_batch
+
+    prompts = random_batch(batch_size=3, max_prompt=6, max_response=1, seed=11)
+    for b in range(3):
+        ids = prompts["prompt_ids"][b][prompts["prompt_mask"][b]].unsqueeze(0)
+        n = int(base["greedy_mask"][b].sum())
+        expected = []
+        with torch.no_grad():
+            for _ in range(n):
+                nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+                expected.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+        assert base["greedy_ids"][b, :n].tolist() == expected

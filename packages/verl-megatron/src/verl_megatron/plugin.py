@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
-from verl_core import PROTOCOL_VERSION, BackendSpec, TrainingCapabilities, hookimpl
+from verl_core import (
+    PROTOCOL_VERSION,
+    BackendSpec,
+    RolloutCapabilities,
+    TrainingCapabilities,
+    hookimpl,
+)
+from verl_core.capabilities import Capabilities
+from verl_core.engine import Role
 
 _TRAINING = "verl_megatron.training:build_training_engine"
+_ROLLOUT = "verl_megatron.rollout:build_rollout_engine"
+
+
+def rollout_capabilities() -> RolloutCapabilities:
+    """Capabilities of the Megatron rollout engine."""
+    return RolloutCapabilities(
+        temperature=True,
+        top_p=True,
+        top_k=True,
+        stop_token_ids=True,
+        seeding="per_sample",
+        exact_log_probs=True,
+        exact_log_probs_truncated=True,
+        weight_update=True,
+        sleep_frees_memory=False,
+        tensor_parallel=True,
+        pipeline_parallel=False,
+        dtypes=frozenset({"float32", "bfloat16"}),
+        devices=frozenset({"cpu", "cuda"}),
+    )
 
 
 def training_capabilities(role: str) -> TrainingCapabilities:
@@ -29,12 +57,15 @@ def training_capabilities(role: str) -> TrainingCapabilities:
 
 @hookimpl
 def verl_backend() -> BackendSpec:
-    """The ``megatron`` backend: megatron-core GPTModel training engines under TP/PP/DP."""
+    """The ``megatron`` backend: megatron-core GPTModel training engines under TP/PP/DP, TP rollout."""
+    roles: tuple[Role, ...] = ("actor", "reference", "critic")
+    caps: dict[Role, Capabilities] = {r: training_capabilities(r) for r in roles}
+    caps["rollout"] = rollout_capabilities()
     return BackendSpec(
         name="megatron",
-        roles={"actor": _TRAINING, "reference": _TRAINING, "critic": _TRAINING},
-        capabilities={r: training_capabilities(r) for r in ("actor", "reference", "critic")},
+        roles={"actor": _TRAINING, "reference": _TRAINING, "critic": _TRAINING, "rollout": _ROLLOUT},
+        capabilities=caps,
         protocol_version=PROTOCOL_VERSION,
         config_class="verl_megatron.options:MegatronOptions",
-        description="megatron-core GPTModel (local layer spec) with tensor, pipeline and data parallelism",
+        description="megatron-core GPTModel (local layer spec): TP/PP/DP training, TP rollout",
     )

@@ -173,6 +173,9 @@ class MegatronTrainingEngine(TrainingEngine):
     # ------------------------------------------------------------------ input handling
     def _validate(self, batch: TensorBatch, where: str, outputs: Collection[str]) -> None:
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
+        # Re-run construction checks (dtypes, ranks, shared dims): a batch built by an op that skips
+        # validation must not reach the model with, e.g., int32 ids.
+        TensorBatch(dict(batch.items()), batch.extras, batch.meta, batch_size=batch.batch_size)
         batch.check(where=where, vocab_size=self.dims.vocab_size)
         unknown = set(outputs) - {"log_probs", "entropy", "values"}
         if unknown:

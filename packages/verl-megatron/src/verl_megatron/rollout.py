@@ -1,0 +1,302 @@
+"""The Megatron RolloutEngine: sampling on a megatron-core GPTModel, tensor parallel.
+
+Decoding recomputes the whole sequence at every step (no KV cache yet), in the same left-shifted
+layout as training (real tokens at positions ``0..L-1``), so the rollout log-probs are those of
+the training engine's forward on the same weights. Under TP each rank computes its vocabulary
+slice of the next-token logits; the slices are all-gathered (one row per sample, not the whole
+sequence) and every TP rank samples the same token from the same per-sample random stream.
+
+Semantics shared with the other backends:
+
+* ``rollout_log_probs`` are ``log softmax(logits / T)`` of the chosen token in float32, before
+  top-k/top-p truncation, so they are exact for every sampling configuration;
+* each sample draws its uniforms from its own generator seeded by a hash of (seed, group id,
+  sample index) and picks a token by inverting the CDF of the (truncated) distribution in
+  vocabulary order, so samples do not depend on batch order or batch composition;
+* a generated EOS or stop token ends the response and is part of it; a response cut at
+  ``max_new_tokens`` has ``truncated`` True. ``greedy`` takes the argmax (ties to the lowest id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from verl_core import (
+    BatchValidationError,
+    ConfigError,
+    EngineSpec,
+    RolloutCapabilities,
+    RolloutEngine,
+    SamplingParams,
+    StaleWeightsError,
+    TensorBatch,
+    TensorInfo,
+    Tokenizer,
+    WeightMessage,
+    apply_weight_stream,
+)
+from verl_core.registry import parse_options
+from verl_core.schema import FIELDS
+from verl_megatron.convert import StateDictAdapter
+from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
+from verl_megatron.options import MegatronOptions
+from verl_megatron.parallel import ParallelConfig, init_distributed
+from verl_megatron.plugin import rollout_capabilities
+from verl_megatron.tokenizer import HFTokenizer
+
+__all__ = ["MegatronRolloutEngine", "build_rollout_engine", "per_sample_seed"]
+
+
+def per_sample_seed(seed: int, group_id: int, sample_index: int) -> int:
+    """Seed of one sample's random stream: 63 bits of a BLAKE2b hash of (seed, group, index)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{seed}:{group_id}:{sample_index}".encode())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def _kept_probs(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """softmax(scaled) with tokens outside the top-k / nucleus set zeroed (not renormalised)."""
+    probs = torch.softmax(scaled, -1)
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(scaled < kth, 0.0)
+    if top_p < 1.0:
+        desc, order = probs.sort(-1, descending=True)
+        mass_before = desc.cumsum(-1) - desc  # the most likely token is always kept
+        keep = mass_before < top_p * desc.sum(-1, keepdim=True)
+        probs = probs * torch.zeros_like(keep).scatter(-1, order, keep)
+    return probs
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Token ids where the (unnormalised) CDF of each row first exceeds ``u`` times its total."""
+    cdf = probs.double().cumsum(-1)
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return ids.clamp_max(probs.shape[-1] - 1)
+
+
+class MegatronRolloutEngine(RolloutEngine):
+    """Generates responses with a megatron-core GPTModel under tensor parallelism (pp must be 1).
+
+    Every rank of the group builds the engine with the same spec and calls ``generate`` with the
+    same prompts; every rank returns the same batch.
+
+    Args:
+        spec: The engine spec (role rollout).
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if spec.role != "rollout":
+            raise ConfigError(f"MegatronRolloutEngine needs role 'rollout', got {spec.role!r}")
+        if spec.parallel.pp != 1:
+            raise ConfigError(
+                f"the megatron rollout engine runs with pp=1 (tensor parallel only), got pp={spec.parallel.pp}"
+            )
+        self._spec = spec
+        parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
+        if spec.device.startswith("cuda") and torch.cuda.is_available():
+            import os
+
+            self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        elif spec.device == "cpu":
+            self._device = torch.device("cpu")
+        else:
+            raise ConfigError(f"EngineSpec.device must be 'cpu' or an available 'cuda[:N]', got {spec.device!r}")
+        state = init_distributed(ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed)
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        self.tp = state.tp
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dims = model_dims(spec.model_path, "lm")
+        self.dims.check_parallel(self.tp, 1)
+        self.adapter = StateDictAdapter(self.dims)
+        self._dtype: torch.dtype = spec.torch_dtype
+        self.model = build_stage(self.dims, tp=self.tp, pp=1, pp_rank=0, dtype=self._dtype, device=self._device)
+        full = self.adapter.from_hf(load_hf_state_dict(spec.model_path))
+        load_stage_weights(self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=0, pp=1)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self._tokenizer = HFTokenizer(spec.model_path)
+        self._version = 0
+        self._stale = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """What this engine supports."""
+        return rollout_capabilities()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Tokenizer of the model folder."""
+        return self._tokenizer
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The model's parameter dtype (weight streams arrive in it)."""
+        return self._dtype
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights serving now."""
+        return self._version
+
+    def log_probs_exact(self, params: SamplingParams) -> bool:
+        """Always True: log-probs are taken before truncation at the sampling temperature."""
+        return True
+
+    # ------------------------------------------------------------------ generation
+    def _validate(self, prompts: TensorBatch, params: SamplingParams) -> None:
+        where = "MegatronRolloutEngine.generate"
+        prompts.require("prompt_ids", "prompt_mask", "group_ids", where=where)
+        TensorBatch(dict(prompts.items()), prompts.extras, prompts.meta, batch_size=prompts.batch_size)
+        prompts.check(where=where, vocab_size=self.dims.vocab_size)
+        lengths = prompts["prompt_mask"].sum(1)
+        if prompts.batch_size and bool((lengths == 0).any()):
+            row = int((lengths == 0).nonzero()[0])
+            raise BatchValidationError(f"{where}: prompt {row} is empty; every prompt needs at least one token")
+        if prompts.batch_size and int(lengths.max()) > self._spec.max_prompt_len:
+            raise BatchValidationError(
+                f"{where}: longest prompt has {int(lengths.max())} tokens, more than max_prompt_len="
+                f"{self._spec.max_prompt_len}; raise it in the EngineSpec or shorten the prompts"
+            )
+        if params.max_new_tokens > self._spec.max_response_len:
+            raise ConfigError(
+                f"{where}: max_new_tokens={params.max_new_tokens} exceeds max_response_len="
+                f"{self._spec.max_response_len}; lower it or raise max_response_len"
+            )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.dims.vocab_size]
+        if bad:
+            raise ConfigError(f"{where}: stop token ids {bad} are outside the vocabulary [0, {self.dims.vocab_size})")
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""
+        if self._stale:
+            raise StaleWeightsError(
+                "MegatronRolloutEngine.generate: the last weight sync failed part-way; run a complete "
+                "update_weights before generating"
+            )
+        self._validate(prompts, params)
+        base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
+        expanded = base.repeat_interleave(params.n)
+        pad = self._tokenizer.pad_token_id
+        meta = dataclasses.replace(
+            prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            pad_token_id=pad, weight_version=self._version,
+        )
+        if expanded.batch_size == 0:
+            empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)
+            return expanded.update(response_ids=empty, response_mask=empty.bool(), rollout_log_probs=empty.float(),
+                                   truncated=torch.zeros(0, dtype=torch.bool, device=prompts.device), meta=meta)
+        seed = params.seed
+        if seed is None:
+            # One draw shared by all ranks, so TP ranks sample the same tokens.
+            s = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            dist.broadcast(s, src=0)
+            seed = int(s)
+        seeds = [per_sample_seed(seed, int(g), int(i))
+                 for g, i in zip(expanded["group_ids"].tolist(), expanded["sample_index"].tolist(), strict=True)]
+        ids, mask, lps, truncated = self._decode(expanded.trim(), seeds, params)
+        dev = prompts.device
+        return expanded.update(response_ids=ids.to(dev), response_mask=mask.to(dev),
+                               rollout_log_probs=lps.to(dev), truncated=truncated.to(dev), meta=meta)
+
+    def _next_logits(self, tokens: Tensor, last: Tensor) -> Tensor:
+        """Full-vocabulary float32 logits at column ``last[b]`` of each row of ``tokens``."""
+        b, s = tokens.shape
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self._device), 1).view(1, 1, s, s)
+        positions = torch.arange(s, device=self._device).unsqueeze(0).expand(b, s)
+        out: Tensor = self.model(tokens, positions, mask)  # [b, s, vocab / tp]
+        local = out[torch.arange(b, device=out.device), last].float().contiguous()
+        if self.tp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp)]
+        dist.all_gather(parts, local, group=self._ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, -1)
+
+    @torch.no_grad()
+    def _decode(self, batch: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        rows = batch.batch_size
+        dev = self._device
+        pad = self._tokenizer.pad_token_id
+        stops = torch.tensor(sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), device=dev)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        prompt_mask = batch["prompt_mask"].to(dev)
+        lengths = prompt_mask.sum(1)
+        p = prompt_mask.shape[1]
+        cols = torch.arange(p, device=dev).unsqueeze(0)
+        src = (cols + (p - lengths).unsqueeze(1)).clamp(max=p - 1)
+        # Left-shift the prompts (real tokens at 0..L-1) and leave room for the response.
+        tokens = torch.full((rows, p + params.max_new_tokens), pad, dtype=torch.int64, device=dev)
+        tokens[:, :p] = batch["prompt_ids"].to(dev).gather(1, src).masked_fill(cols >= lengths.unsqueeze(1), pad)
+        finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        out_ids, out_mask, out_lp = [], [], []
+        for t in range(params.max_new_tokens):
+            width = int(lengths.max()) + t
+            logits = self._next_logits(tokens[:, :width], lengths + t - 1)
+            scaled = logits / params.temperature
+            logp = torch.log_softmax(scaled, -1)
+            if params.greedy:
+                tok = logits.argmax(-1)
+            else:
+                u = torch.tensor([torch.rand((), generator=g, dtype=torch.float64).item() for g in gens],
+                                 dtype=torch.float64, device=dev)
+                tok = _inverse_cdf(_kept_probs(scaled, params.top_k, params.top_p), u)
+            alive = ~finished
+            tok = torch.where(alive, tok, torch.full_like(tok, pad))
+            out_ids.append(tok)
+            out_mask.append(alive)
+            out_lp.append(torch.where(alive, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), 0.0))
+            tokens[torch.arange(rows, device=dev), lengths + t] = tok
+            finished = finished | (alive & torch.isin(tok, stops))
+            if bool(finished.all()):
+                break
+        return torch.stack(out_ids, 1), torch.stack(out_mask, 1), torch.stack(out_lp, 1), ~finished
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply a weight stream in transformers naming; on failure the engine stays stale."""
+        self._stale = True
+        params = dict(self.model.named_parameters())
+        pending = {name: set(self.adapter.to_hf_tensor(name, None)) for name in self.adapter.megatron_names()}
+        received: dict[str, Tensor] = {}
+
+        def apply(chunk: list[tuple[str, Tensor]]) -> None:
+            received.update(chunk)
+            with torch.no_grad():
+                for name in [n for n, srcs in pending.items() if srcs <= received.keys()]:
+                    full = self.adapter.from_hf_tensor(name, received)
+                    shard = self.adapter.shard(name, full, self.tp_rank, self.tp)
+                    params[name].copy_(shard.to(device=params[name].device, dtype=params[name].dtype))
+                    for src in pending.pop(name):
+                        received.pop(src, None)
+
+        expected = {n: TensorInfo(s, self._dtype) for n, s in self.adapter.hf_shapes().items()}
+        optional = frozenset({"lm_head.weight"}) if self.dims.tied else frozenset()
+        manifest = apply_weight_stream(stream, expected, apply, optional=optional)
+        if pending:
+            raise StaleWeightsError(f"weight stream left Megatron tensors unset: {sorted(pending)[:3]}")
+        self._version = manifest.version
+        self._stale = False
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None
+
+
+def build_rollout_engine(spec: EngineSpec) -> MegatronRolloutEngine:
+    """Factory of the ``megatron`` backend's rollout role."""
+    return MegatronRolloutEngine(spec)
+
