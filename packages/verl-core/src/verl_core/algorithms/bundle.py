@@ -42,6 +42,15 @@ class Algorithm:
     (:meth:`ppo`, :meth:`grpo`, ...) set verl's defaults for each algorithm; every part can be
     replaced by passing a config.
 
+    Example::
+
+        algo = Algorithm.grpo(clip_high=0.28)            # DAPO-style clip-higher
+        batch = algo.compute_advantages(batch)            # global batch: scores, group_ids, ...
+        for mini in batch.chunk(num_mini_batches):
+            stats = GlobalBatchStats.of(mini)             # counts of the whole mini-batch
+            actor.forward_backward(dp_shard(mini, rank, world), algo.actor_loss, stats)
+            actor.optimizer_step()
+
     Args:
         name: Display name.
         estimator: Registered advantage-estimator name (``gae``, ``grpo``, ``rloo``,
