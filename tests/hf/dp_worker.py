@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,24 @@ def run(mode: str, path: str, budget: int) -> dict[str, object]:
         n: t.cpu().clone() for m in engine.export_weights() if isinstance(m, WeightChunk) for n, t in m.tensors
     }
     grads = {k: v.cpu() for k, v in grads.items()}
+    # Checkpoint round trip under data parallel: a fresh engine loads the state, and one more
+    # step on each gives the same weights.
+    folder = Path(os.environ["VERL_TESTKIT_RESULT_DIR"]) / f"ckpt-{mode}"
+    engine.save_checkpoint(folder)
+    restored = HFTrainingEngine(spec)
+    restored.load_checkpoint(folder)
+    for e in (engine, restored):
+        e.forward_backward(shard, loss, GlobalBatchStats.of(batch))
+        e.optimizer_step()
+    exported = [
+        {n: t.cpu().clone() for m in e.export_weights() if isinstance(m, WeightChunk) for n, t in m.tensors}
+        for e in (engine, restored)
+    ]
+    ckpt_equal = all(torch.equal(exported[0][n], exported[1][n]) for n in exported[0])
     return {
         "grads": grads, "metrics": metrics, "grad_norm": step.grad_norm, "log_probs": lp,
-        "weights": weights, "mode": engine.data_parallel_mode,
+        "weights": weights, "mode": engine.data_parallel_mode, "ckpt_equal": ckpt_equal,
+        "step_after_load": restored.step,
     }
 
 

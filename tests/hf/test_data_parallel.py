@@ -67,3 +67,12 @@ def test_two_ranks_match_one_process(runs: dict[str, Any], mode: str) -> None:
             assert float((r["weights"][name] - w).abs().max()) < 0.1 * LR, name
     lp = torch.cat([ranks[0]["log_probs"], ranks[1]["log_probs"]])
     assert_close(lp, base["log_probs"], dtype="float32", quantity="log_probs")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_round_trip_under_data_parallel(runs: dict[str, Any], mode: str) -> None:
+    for r in runs["ranks"]:
+        assert r[mode]["step_after_load"] == 2
+        assert r[mode]["ckpt_equal"], "a step after loading must equal a step without the round trip"
