@@ -1,4 +1,4 @@
-"""An elementwise loss given by its value and its analytic gradient (one cheap autograd node).
+"""Elementwise losses given by their value and analytic gradient (one cheap autograd node).
 
 The policy, value and KL losses are elementwise in the model output ``x`` (log-probs or values).
 Computing their value and their derivative ``d loss / d x`` without autograd, then attaching the
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["with_gradient"]
+__all__ = ["all_within", "with_gradient"]
 
 
 class _WithGradient(torch.autograd.Function):
@@ -42,3 +42,17 @@ def with_gradient(x: Tensor, value: Tensor, coef: Tensor) -> Tensor:
         return value
     out: Tensor = _WithGradient.apply(x, value, coef)  # type: ignore[no-untyped-call]
     return out
+
+
+def all_within(x: Tensor, lo: float, hi: float) -> bool:
+    """True when every element of ``x`` is known to lie in [lo, hi], so a clamp to it is a no-op.
+
+    Checked with one reduction on CPU (skipping the clamp saves a fresh tensor and a comparison);
+    on other devices it answers False without looking, to avoid a host synchronisation.
+    """
+    if x.numel() == 0:
+        return True
+    if x.device.type != "cpu":
+        return False
+    mn, mx = torch.aminmax(x)
+    return bool(mn >= lo) and bool(mx <= hi)

@@ -22,7 +22,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from verl_core.algorithms._autograd import with_gradient
+from verl_core.algorithms._autograd import all_within, with_gradient
 from verl_core.algorithms.aggregation import mask_weights
 from verl_core.algorithms.config import RewardConfig
 from verl_core.batch import TensorBatch
@@ -66,23 +66,16 @@ def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return with_gradient(log_probs, 0.5 * d.square(), d)
 
 
-def _within(x: Tensor, lo: float, hi: float) -> bool:
-    if x.numel() == 0:
-        return True
-    mn, mx = torch.aminmax(x)
-    return bool(mn >= lo) and bool(mx <= hi)
-
-
 def _k3(log_probs: Tensor, ref_log_probs: Tensor) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         log_r = ref_log_probs - log_probs.detach()
         inside: Tensor | None = None
-        if not _within(log_r, -20.0, 20.0):
+        if not all_within(log_r, -20.0, 20.0):
             clamped = log_r.clamp(-20.0, 20.0)
             inside, log_r = clamped == log_r, clamped
         r = log_r.exp()
         value = (r - log_r).sub_(1.0)
-        if not _within(value, -10.0, 10.0):
+        if not all_within(value, -10.0, 10.0):
             clamped = value.clamp(-10.0, 10.0)
             inside = (clamped == value) if inside is None else inside & (clamped == value)
             value = clamped

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from verl_core.algorithm import PolicyLossTerms, ValueLossTerms
-from verl_core.algorithms._autograd import with_gradient
+from verl_core.algorithms._autograd import all_within, with_gradient
 from verl_core.algorithms.aggregation import aggregate, mask_weights, masked_total
 from verl_core.algorithms.config import (
     ActorLossConfig,
@@ -90,14 +90,6 @@ def _clipped_ratio_loss(
     return value, neg_adv.mul_(keep), clipped, lower
 
 
-def _within(x: Tensor, lo: float, hi: float) -> bool:
-    """True when every element lies in [lo, hi] (one reduction, no temporary)."""
-    if x.numel() == 0:
-        return True
-    mn, mx = torch.aminmax(x)
-    return bool(mn >= lo) and bool(mx <= hi)
-
-
 @torch.no_grad()
 def _log_ratio(
     log_probs: Tensor, old_log_probs: Tensor, config: PolicyLossConfig
@@ -105,7 +97,7 @@ def _log_ratio(
     """``clamp(log_probs - old, +-c)`` and where the clamp did not bind (None: nowhere)."""
     raw = log_probs.detach() - old_log_probs
     c = config.log_ratio_clamp
-    if _within(raw, -c, c):
+    if all_within(raw, -c, c):
         return raw, None
     clamped = raw.clamp(-c, c)
     return clamped, clamped == raw
