@@ -88,7 +88,8 @@ class TaskConfig:
         digits: Digits per number.
         reward: ``exact`` (1 for the answer then EOS, else 0), ``partial`` (share of matching
             positions; 1 only for an exact match) or ``token`` (``partial`` plus dense per-token
-            scores for the ``grpo_token`` estimator). The strict exact-match rate is always logged.
+            scores summing to it; the algorithm then gets the dense scores alone, for per-token
+            credit with ``grpo_token`` or GAE). The strict exact-match rate is always logged.
         eval_prompts: Prompts of the fixed greedy evaluation set (0 = no evaluation).
         eval_every: Steps between evaluations (0 = only at the end).
     """

@@ -318,13 +318,17 @@ class Trainer:
             return {"scores": scored["scores"],
                     "token_scores": scored.get("token_scores")}
 
+        dense_only = isinstance(self.reward, TaskReward) and self.config.task.reward == "token"
+
         def select(samples: TensorBatch, scores: torch.Tensor, token_scores: torch.Tensor | None) -> Mapping[str, Any]:
-            batch = samples.update(scores=scores)
+            # the task's dense scores sum to its sequence score: the algorithm gets them alone, so the
+            # score is not counted twice (once spread over the tokens, once on the last token)
+            batch = samples if dense_only else samples.update(scores=scores)
             if token_scores is not None:
                 batch = batch.update(token_scores=token_scores)
             if not self.dynamic_sampling:
                 return {"batch": batch, "dropped_groups": 0}
-            keep = _groups_with_signal(batch["group_ids"], scores)
+            keep = _groups_with_signal(samples["group_ids"], scores)
             dropped = int(torch.unique(batch["group_ids"]).numel()) - int(torch.unique(batch["group_ids"][keep]).numel())
             return {"batch": batch.index(keep.nonzero()[:, 0]), "dropped_groups": dropped}
 
