@@ -138,6 +138,9 @@ def main() -> None:
         result["critic"] = run_critic(par, optim, dp_rank)
     if "errors" in names:
         result["errors"] = boundary_errors(par)
+        qwen2 = str(tiny_model(TinyModelSpec(arch="qwen2", tied=True)))
+        bf16 = MegatronTrainingEngine(EngineSpec(qwen2, "reference", dtype="bfloat16", parallel=par))
+        result["bf16"] = bf16.forward(actor_batch(1, 0.7), ("log_probs", "entropy"))["log_probs"]
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
     write_rank_result(result)
@@ -201,6 +204,7 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
         "missing": lambda: eng.forward(batch.drop("response_mask")),
         "world": lambda: MegatronTrainingEngine(
             EngineSpec(str(path), "actor", parallel=ParallelSizes(tp=par.tp, pp=par.pp, dp=par.dp + 1))),
+        "gc": lambda: MegatronTrainingEngine(EngineSpec(str(path), "actor", parallel=par, gradient_checkpointing=True)),
         "option": lambda: get_training_engine("megatron", EngineSpec(str(path), "actor", parallel=par,
                                                                       options={"bogus": 1})),
     }

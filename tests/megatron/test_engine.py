@@ -143,6 +143,11 @@ def test_tp1_log_probs_and_entropy_match_float64_reference(runs: Any, arch: str)
     assert_close(got["entropy"], ref["entropy"], dtype="float32", quantity="entropy", what=f"{arch} entropy")
 
 
+def test_bfloat16_reference_engine_matches_float64_reference(runs: Any) -> None:
+    ref = reference("qwen2")
+    assert_close(runs[BASE][0]["bf16"], ref["log_probs"].float(), dtype="bfloat16", quantity="log_probs")
+
+
 def test_critic_values_match_float64_reference(runs: Any) -> None:
     ref = reference("critic")
     assert_close(runs[BASE][0]["critic"]["values"], ref["values"], dtype="float32", quantity="values")
@@ -239,6 +244,8 @@ def test_bad_inputs_and_configs_are_rejected_with_clear_errors(runs: Any) -> Non
     assert errors["missing"].startswith("BatchValidationError") and "response_mask" in errors["missing"]
     assert errors["world"].startswith("ConfigError") and "world size is 1" in errors["world"]
     assert errors["option"].startswith("ConfigError") and "bogus" in errors["option"]
+    if not torch.cuda.is_available():
+        assert errors["gc"].startswith("ConfigError") and "gradient_checkpointing" in errors["gc"]
     assert errors["unchanged"] == "yes"
 
 

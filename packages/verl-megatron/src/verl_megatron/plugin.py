@@ -47,7 +47,7 @@ def training_capabilities(role: str) -> TrainingCapabilities:
         data_parallel=True,
         micro_batch_tokens=True,
         packed_sequences=False,
-        gradient_checkpointing=True,
+        gradient_checkpointing=False,
         offload=False,
         checkpoint=True,
         dtypes=frozenset({"float32", "bfloat16"}),

@@ -98,6 +98,11 @@ class MegatronTrainingEngine(TrainingEngine):
         self._spec = spec
         self._options = parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
         self._device = self._resolve_device(spec.device)
+        if spec.gradient_checkpointing and self._device.type != "cuda":
+            raise ConfigError(
+                "gradient_checkpointing needs a CUDA device here: megatron-core's activation recompute "
+                "saves and restores the CUDA RNG state; set EngineSpec.gradient_checkpointing=False on CPU"
+            )
         self._state = init_distributed(
             ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed
         )
