@@ -179,7 +179,7 @@ def engine_vs_plain(path: str, reps: int) -> list[tuple[str, str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip the ~100M-parameter model")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[tuple[str, str, str]] = []
@@ -197,8 +197,7 @@ def main() -> None:
                                      max_position=2048, init_std=0.02)
             big = str(build_tiny_model(Path(tmp) / "big", big_spec))
             n_params = sum(p.numel() for p in load_model(big, "causal_lm", dtype=torch.float32).parameters())
-            rows += throughput(big, f"llama {n_params / 1e6:.0f}M", rl_batch(4, 64, 64, 32000, seed=0), 4, 32,
-                               max(2, args.reps // 2))
+            rows += throughput(big, f"llama {n_params / 1e6:.0f}M", rl_batch(4, 64, 64, 32000, seed=0), 4, 32, 2)
     width = max(len(r[0]) for r in rows)
     print(f"hf backend on CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'measurement'.ljust(width)}  {'value':>12}  note")

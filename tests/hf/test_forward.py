@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hf_helpers import actor_spec, model_path, unpadded_reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, tiny_model
 from verl_core import BatchValidationError, ConfigError, EngineSpec, NonFiniteError, ParallelSizes
@@ -93,3 +97,24 @@ def test_wrong_role_and_parallel_are_config_errors() -> None:
         HFTrainingEngine(EngineSpec(model_path=path, role="actor", parallel=ParallelSizes(tp=2)))
     with pytest.raises(ConfigError, match="roles actor"):
         HFTrainingEngine(EngineSpec(model_path=path, role="rollout"))
+
+
+@functools.cache
+def _engine(budget: int | None) -> HFTrainingEngine:
+    return HFTrainingEngine(actor_spec(model_path("qwen3"), micro_batch_tokens=budget))
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), batch_size=st.integers(1, 6), budget=st.integers(12, 40),
+       empty=st.integers(0, 1), temperature=st.sampled_from([0.5, 1.0, 1.7]))
+def test_forward_is_invariant_to_the_micro_batch_budget(
+    seed: int, batch_size: int, budget: int, empty: int, temperature: float
+) -> None:
+    batch = random_batch(batch_size=batch_size, max_prompt=6, max_response=6, seed=seed,
+                         empty_responses=min(empty, batch_size), temperature=temperature)
+    full = _engine(None).forward(batch, ["log_probs", "entropy"])
+    split = _engine(budget).forward(batch, ["log_probs", "entropy"])
+    for name in ("log_probs", "entropy"):
+        assert split[name].shape == batch["response_mask"].shape
+        assert bool((split[name][~batch["response_mask"]] == 0).all())
+        assert_close(split[name], full[name], dtype="float32", quantity=name)
