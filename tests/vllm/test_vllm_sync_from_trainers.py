@@ -1,8 +1,9 @@
-"""Weight sync from the hf training engine into the vLLM rollout engine, through the registry.
+"""Weight sync from the hf and megatron training engines into the vLLM rollout engine.
 
-A tiny tied Qwen3 (QK norm; lm_head shares the embedding and is not streamed): the rollout's
-log-probs equal the trainer's before training, and again after an optimizer step and a sync.
-One rollout engine serves the module.
+Everything goes through the registry and the canonical stream. A tiny tied Qwen3 (QK norm; lm_head
+shares the embedding and is not streamed): the rollout's log-probs equal the trainer's after a
+first sync, and again after an optimizer step and a second sync. One rollout engine serves the
+module; each trainer starts from the folder's weights.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def rollout(qwen3_tied_path: Path) -> Iterator[RolloutEngine]:
     eng.close()
 
 
-@pytest.fixture(scope="module")
-def actor(qwen3_tied_path: Path) -> Iterator[TrainingEngine]:
+@pytest.fixture(params=["hf", "megatron"])
+def trainer(request: pytest.FixtureRequest, qwen3_tied_path: Path) -> Iterator[tuple[str, TrainingEngine]]:
     spec = EngineSpec(
         str(qwen3_tied_path), "actor", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE,
         optim=OptimConfig(lr=2e-2, grad_clip=0.0),
     )
-    eng = get_training_engine("hf", spec)
-    yield eng
+    eng = get_training_engine(request.param, spec)
+    yield request.param, eng
     eng.close()
 
 
@@ -80,14 +81,18 @@ def _parity(rollout_batch: TensorBatch, actor: TrainingEngine, what: str) -> flo
 
 
 def test_rollout_log_probs_track_the_trainer_across_a_step_and_a_sync(
-    rollout: RolloutEngine, actor: TrainingEngine, qwen3_tied_path: Path
+    rollout: RolloutEngine, trainer: tuple[str, TrainingEngine], qwen3_tied_path: Path
 ) -> None:
     prompts = make_prompts(PROMPTS, [0, 1, 2])
     assert rollout.log_probs_exact(PARAMS)
+    name, actor = trainer
+    sync = get_weight_sync(name, "vllm")
+    first = sync.sync(actor, rollout, version=10)
+    assert first.version == 10 and rollout.weight_version == 10
     batch = rollout.generate(prompts, PARAMS)
-    _parity(batch, actor, "before training")
+    _parity(batch, actor, "after the first sync")
     assert_close(batch["rollout_log_probs"], reference_log_probs(qwen3_tied_path, batch),
-                 dtype="float32", quantity="log_probs", what="before training vs float64 reference")
+                 dtype="float32", quantity="log_probs", what="after the first sync vs float64 reference")
 
     stats = GlobalBatchStats.of(batch)
     actor.forward_backward(batch, _NegLogLikelihood(), stats)
@@ -98,13 +103,13 @@ def test_rollout_log_probs_track_the_trainer_across_a_step_and_a_sync(
     stale = actor.forward(batch)["log_probs"]
     assert float((stale - batch["rollout_log_probs"]).abs().max()) > 1e-3
 
-    report = get_weight_sync("hf", "vllm").sync(actor, rollout, version=1)
-    assert report.version == 1 and report.num_tensors > 0 and report.bytes > 0
-    assert rollout.weight_version == 1
+    report = sync.sync(actor, rollout, version=11)
+    assert report.version == 11 and report.num_tensors > 0 and report.bytes > 0
+    assert rollout.weight_version == 11
     after = rollout.generate(prompts, PARAMS)
-    assert after.meta.weight_version == 1
+    assert after.meta.weight_version == 11
     _parity(after, actor, "after an optimizer step and a sync")
-    # The step made the sampled tokens more likely: the policy really changed.
+    # The step really changed the policy the rollout engine now serves.
     assert float(after["rollout_log_probs"][after["response_mask"]].mean()) != pytest.approx(
         float(batch["rollout_log_probs"][batch["response_mask"]].mean()), abs=1e-4
     )
