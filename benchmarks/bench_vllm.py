@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -38,6 +39,7 @@ from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core import (
     BatchMeta,
     EngineSpec,
+    RolloutEngine,
     SamplingParams,
     TensorBatch,
     TensorInfo,
@@ -77,17 +79,21 @@ def _prompts() -> TensorBatch:
                        meta=BatchMeta(pad_token_id=0))
 
 
-def _timed(fn: Callable[[], int]) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], int]) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds of this process (all its threads) and the result of ``fn``.
+
+    On a shared machine the wall time depends on the others' load; the CPU time much less.
+    """
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = fn()
-    return time.perf_counter() - t0, tokens
+    return time.perf_counter() - t0, time.process_time() - c0, tokens
 
 
-def bench_generate(path: Path) -> list[tuple[str, float, int]]:
-    """(name, seconds, response tokens) of each generator on ``path``."""
+def bench_generate(path: Path) -> list[tuple[str, float, float, int]]:
+    """(name, wall seconds, CPU seconds, response tokens) of each generator on ``path``."""
     prompts = _prompts()
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)
-    rows: list[tuple[str, float, int]] = []
+    rows: list[tuple[str, float, float, int]] = []
 
     spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS,
                       options={"kv_cache_bytes": 256 * MiB})
@@ -95,20 +101,23 @@ def bench_generate(path: Path) -> list[tuple[str, float, int]]:
     vllm_engine = get_rollout_engine("vllm", spec)
     print(f"vllm engine start: {time.perf_counter() - t0:.1f} s")
     vllm_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-    secs, toks = _timed(lambda: int(vllm_engine.generate(prompts, params)["response_mask"].sum()))
-    rows.append(("vllm rollout engine", secs, toks))
+    rows.append(("vllm rollout engine",
+                 *_timed(lambda: int(vllm_engine.generate(prompts, params)["response_mask"].sum()))))
+    print(rows[-1], flush=True)
     vllm_engine.close()
 
     hf_spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS)
     hf_engine = get_rollout_engine("hf", hf_spec)
     hf_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))
-    secs, toks = _timed(lambda: int(hf_engine.generate(prompts, params)["response_mask"].sum()))
-    rows.append(("hf rollout engine", secs, toks))
+    rows.append(("hf rollout engine",
+                 *_timed(lambda: int(hf_engine.generate(prompts, params)["response_mask"].sum()))))
+    print(rows[-1], flush=True)
     hf_engine.close()
 
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
 
     def hf_generate() -> int:
         with torch.no_grad():
@@ -123,13 +132,12 @@ def bench_generate(path: Path) -> list[tuple[str, float, int]]:
         return int(real.sum())
 
     torch.manual_seed(0)
-    secs, toks = _timed(hf_generate)
-    rows.append(("transformers generate", secs, toks))
+    rows.append(("transformers generate", *_timed(hf_generate)))
     return rows
 
 
-def bench_sync(path: Path, repeats: int) -> tuple[int, float, float]:
-    """(bytes, median sync seconds, median plain-copy seconds) for ``path``."""
+def bench_sync(path: Path, repeats: int) -> tuple[int, float, float, float, float]:
+    """(bytes, median sync wall s, median copy wall s, median sync CPU s, median copy CPU s)."""
     from safetensors.torch import load_file
 
     state = load_file(str(path / "model.safetensors"))
@@ -138,19 +146,32 @@ def bench_sync(path: Path, repeats: int) -> tuple[int, float, float]:
                       options={"kv_cache_bytes": 64 * MiB})
     engine = get_rollout_engine("vllm", spec)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    sync_times, copy_times = [], []
+    sync_times, copy_times, sync_cpu, copy_cpu = [], [], [], []
     dst = {n: torch.empty_like(t) for n, t in state.items()}
     for r in range(repeats):
         manifest = WeightManifest(r + 1, {n: TensorInfo(tuple(state[n].shape), state[n].dtype) for n in names})
-        t0 = time.perf_counter()
-        engine.update_weights(stream_weights(((n, state[n]) for n in names), manifest, bucket_bytes=64 * MiB))
-        sync_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for n in names:
-            dst[n].copy_(state[n])
-        copy_times.append(time.perf_counter() - t0)
+        wall, cpu, _ = _timed(functools.partial(_sync, engine, state, names, manifest))
+        sync_times.append(wall)
+        sync_cpu.append(cpu)
+        wall, cpu, _ = _timed(lambda: _copy(dst, state, names))
+        copy_times.append(wall)
+        copy_cpu.append(cpu)
     engine.close()
-    return total, statistics.median(sync_times), statistics.median(copy_times)
+    med = statistics.median
+    return total, med(sync_times), med(copy_times), med(sync_cpu), med(copy_cpu)
+
+
+def _sync(engine: RolloutEngine, state: dict[str, torch.Tensor], names: list[str], manifest: WeightManifest) -> int:
+    engine.update_weights(
+        stream_weights(((n, state[n]) for n in names), manifest, bucket_bytes=64 * MiB)
+    )
+    return 0
+
+
+def _copy(dst: dict[str, torch.Tensor], state: dict[str, torch.Tensor], names: list[str]) -> int:
+    for n in names:
+        dst[n].copy_(state[n])
+    return 0
 
 
 def bench_parity() -> list[tuple[float, float, float, int]]:
@@ -196,24 +217,27 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     if "generate" in run:
         rows = bench_generate(small)
-        base = rows[1][2] / rows[1][1]
+        base_wall, base_cpu = rows[1][3] / rows[1][1], rows[1][3] / rows[1][2]
         print(f"\nGeneration: {NUM_PROMPTS} prompts x {PROMPT_LEN} tokens, up to {NEW_TOKENS} sampled tokens, "
               f"{_params(small) / 1e6:.1f}M-param model, float32, CPU")
-        print(f"| {'generator':<22} | {'seconds':>8} | {'tokens':>7} | {'tokens/s':>9} | {'vs hf engine':>12} |")
-        print(f"|{'-' * 24}|{'-' * 10}|{'-' * 9}|{'-' * 11}|{'-' * 14}|")
-        for name, secs, toks in rows:
-            print(f"| {name:<22} | {secs:8.2f} | {toks:7d} | {toks / secs:9.0f} | {toks / secs / base:11.2f}x |")
+        print(f"| {'generator':<22} | {'wall s':>7} | {'CPU s':>7} | {'tokens':>6} | {'tok/wall s':>10} | "
+              f"{'tok/CPU s':>9} | {'vs hf (wall)':>12} | {'vs hf (CPU)':>11} |")
+        print(f"|{'-' * 24}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 12}|{'-' * 11}|{'-' * 14}|{'-' * 13}|")
+        for name, wall, cpu, toks in rows:
+            print(f"| {name:<22} | {wall:7.1f} | {cpu:7.1f} | {toks:6d} | {toks / wall:10.0f} | {toks / cpu:9.0f} | "
+                  f"{toks / wall / base_wall:11.2f}x | {toks / cpu / base_cpu:10.2f}x |")
     if "sync" not in run:
         return
     print("\nWeight sync (full stream, 64 MiB buckets) vs a plain copy of the same bytes, "
           f"median of {args.repeats}")
-    print(f"| {'model':<12} | {'MB':>7} | {'sync s':>7} | {'sync GB/s':>9} | {'copy s':>7} | {'copy GB/s':>9} | {'sync/copy':>9} |")
-    print(f"|{'-' * 14}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
+    print(f"| {'model':<12} | {'MB':>6} | {'sync s':>6} | {'sync GB/s':>9} | {'copy s':>7} | {'copy GB/s':>9} | "
+          f"{'sync/copy':>9} | {'sync CPU s':>10} | {'copy CPU s':>10} |")
+    print(f"|{'-' * 14}|{'-' * 8}|{'-' * 8}|{'-' * 11}|{'-' * 9}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 12}|")
     for label, path in (("small", small), ("large", large)):
-        total, sync_s, copy_s = bench_sync(path, args.repeats)
+        total, sync_s, copy_s, sync_c, copy_c = bench_sync(path, args.repeats)
         name = f"{label} {_params(path) / 1e6:.0f}M"
-        print(f"| {name:<12} | {total / 1e6:7.1f} | {sync_s:7.3f} | {total / 1e9 / sync_s:9.2f} | "
-              f"{copy_s:7.4f} | {total / 1e9 / copy_s:9.2f} | {sync_s / copy_s:8.1f}x |")
+        print(f"| {name:<12} | {total / 1e6:6.1f} | {sync_s:6.3f} | {total / 1e9 / sync_s:9.2f} | "
+              f"{copy_s:7.4f} | {total / 1e9 / copy_s:9.2f} | {sync_s / copy_s:8.1f}x | {sync_c:10.3f} | {copy_c:10.4f} |")
 
 
 if __name__ == "__main__":
