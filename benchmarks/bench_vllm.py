@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -116,7 +117,7 @@ def bench_generate(path: Path) -> list[tuple[str, float, float, int]]:
 
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
 
     def hf_generate() -> int:
