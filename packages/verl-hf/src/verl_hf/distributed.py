@@ -1,8 +1,8 @@
 """Data parallelism of the training engine over torch.distributed (torchrun), FSDP2 or all-reduce.
 
 Loss functions return contributions already normalised by the global counts, so the gradient of
-the global loss is the SUM of the ranks' gradients: FSDP2's mean over ranks is undone by a divide
-factor of 1, and the all-reduce mode sums.
+the global loss is the SUM of the ranks' gradients: FSDP2's mean over ranks is undone by scaling
+with the world size, and the all-reduce mode sums.
 """
 
 from __future__ import annotations

@@ -117,10 +117,10 @@ class HFTrainingEngine(TrainingEngine):
         # Factor that turns the gradients a backward leaves into the SUM over ranks.
         self._grad_scale = 1.0
         if self._fsdp:
-            if _apply_fsdp2(model, sum_gradients=self._device.type == "cuda"):
-                self._grad_scale = 1.0
-            else:
-                self._grad_scale = float(self._dp.world)
+            _apply_fsdp2(model)
+            # FSDP averages over ranks; scaling by the world size gives the sum (exact for
+            # power-of-two worlds). A divide factor of 1 would need PREMUL_SUM, which gloo lacks.
+            self._grad_scale = float(self._dp.world)
         self._model: Any = model
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
@@ -583,14 +583,9 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _apply_fsdp2(model: Any, *, sum_gradients: bool) -> bool:
-    """Shard each decoder layer, then the root.
-
-    With ``sum_gradients`` the reduce-scatter sums over ranks (divide factor 1, which needs a
-    backend with PREMUL_SUM such as NCCL); otherwise FSDP averages and the caller rescales.
-    Returns whether the reduction sums.
-    """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def _apply_fsdp2(model: Any) -> None:
+    """Shard each decoder layer, then the root (``torch.distributed.fsdp.fully_shard``)."""
+    from torch.distributed.fsdp import fully_shard
 
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -602,11 +597,6 @@ def _apply_fsdp2(model: Any, *, sum_gradients: bool) -> bool:
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
-    if sum_gradients:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-    return sum_gradients
 
 
 def build_training_engine(spec: EngineSpec) -> HFTrainingEngine:
