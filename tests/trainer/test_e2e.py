@@ -84,9 +84,12 @@ def _comparable(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
-    extra = ("steps=6", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.001", "checkpoint.every=3",
-             "checkpoint.final=false")
+@pytest.mark.parametrize("algo", [
+    ("algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.001"),  # actor + reference
+    ("algorithm.name=ppo", "algorithm.options.kl_coef=0.001", "batch.mini_batch_size=32"),  # + critic
+], ids=["grpo", "ppo"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, algo: tuple[str, ...]) -> None:
+    extra = ("steps=6", *algo, "checkpoint.every=3", "checkpoint.final=false")
     full = run(config(tmp_path / "full", *extra))
     # the interrupted run: stops after step 4 (checkpoint at 3), then resumes from step 3
     cfg = config(tmp_path / "cut", *extra)
