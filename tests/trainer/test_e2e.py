@@ -119,10 +119,13 @@ def test_micro_batching_under_memory_pressure_gives_the_same_update(tmp_path: Pa
 
     extra = ("steps=2", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0", "batch.min_tokens=16")
     base = run(config(tmp_path / "a", *extra))
-    cfg = config(tmp_path / "b", *extra)
+    # small micro-batches and a replay buffer that spills every batch to disk
+    cfg = config(tmp_path / "b", *extra, "batch.buffer_memory_bytes=1")
     with Trainer(cfg, memory_probe=lambda: MemoryInfo(16 * 256 * 1024 * 2, 1 << 34)) as trainer:
         squeezed = trainer.train()
     assert squeezed[-1]["scheduler/actor/budget"] == 16
+    assert squeezed[-1]["buffer/spilled_samples"] == 64
+    assert base[-1]["buffer/spilled_samples"] == 0
     assert squeezed[-1]["actor/num_micro_batches"] > base[-1]["actor/num_micro_batches"]
     for a, b in zip(base, squeezed):
         assert a["reward/mean"] == b["reward/mean"]

@@ -169,6 +169,8 @@ class BatchConfig:
         micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it from free memory).
         min_tokens: Smallest dynamic budget.
         max_tokens: Largest dynamic budget.
+        buffer_memory_bytes: Tensor bytes the replay buffer keeps in memory before it spills
+            whole batches to ``<output_dir>/spill`` (0 = no bound).
     """
 
     prompts_per_step: int = 16
@@ -177,6 +179,7 @@ class BatchConfig:
     micro_batch_tokens: int = 0
     min_tokens: int = 64
     max_tokens: int = 16384
+    buffer_memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batch.micro_batch_tokens": (lambda v: v >= 0, ">= 0 (0 = dynamic)"),
     "batch.min_tokens": (lambda v: v >= 1, ">= 1"),
     "batch.max_tokens": (lambda v: v >= 1, ">= 1"),
+    "batch.buffer_memory_bytes": (lambda v: v >= 0, ">= 0 (0 = no bound)"),
     "optim.lr": (lambda v: v > 0, "> 0"),
     "optim.grad_clip": (lambda v: v >= 0, ">= 0"),
     "optim.warmup_steps": (lambda v: v >= 0, ">= 0"),

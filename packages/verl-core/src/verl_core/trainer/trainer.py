@@ -270,7 +270,7 @@ class Trainer:
             sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens)
         for role in ("actor", "reference", "critic"):
             self.schedulers[role] = DynamicBatchScheduler(sched_cfg, probe=self._probe, device=cfg.model.device)
-        self.buffer = HybridReplayBuffer(spill_dir=self.out / "spill")
+        self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=self.out / "spill")
         self._built = True
 
     # ------------------------------------------------------------------ one step
@@ -457,6 +457,7 @@ class Trainer:
         fields_drop = [f for f in ("log_probs", "entropy", "values") if f in batch]
         batch = batch.drop(*fields_drop)
         self.buffer.add(batch)
+        spilled = self.buffer.samples_on_disk
         size = cfg.mini_batch_size or batch.batch_size
         sums: dict[str, float] = {}
         updates = 0
@@ -476,6 +477,7 @@ class Trainer:
         finally:
             self.buffer.clear()
         out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out["buffer/spilled_samples"] = float(spilled)
         out["update/optimizer_steps"] = float(updates)
         return out
 
