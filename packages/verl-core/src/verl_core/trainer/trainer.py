@@ -63,6 +63,7 @@ __all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
 
 _STATE_FILE = "trainer_state.json"
 _NOT_COMPARABLE = "not comparable"
+_EVAL_GROUP_BASE = 1 << 48
 
 
 def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
@@ -441,7 +442,9 @@ class Trainer:
         tok = self.rollout.tokenizer
         r = self.config.rollout
         prompts = prompt_batch(
-            [p for p, _ in examples], tok, group_ids=list(range(n)), extras={"answer": [a for _, a in examples]},
+            # ids far above any training group (step * prompts_per_step + i), so they never collide
+            [p for p, _ in examples], tok, group_ids=[_EVAL_GROUP_BASE + i for i in range(n)],
+            extras={"answer": [a for _, a in examples]},
             meta=BatchMeta(temperature=r.temperature, pad_token_id=tok.pad_token_id, step=self.step),
         )
         params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0)
