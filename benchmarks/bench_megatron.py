@@ -1,12 +1,15 @@
 """Training throughput of the Megatron engine at TP=1 and TP=2 against plain transformers.
 
 Run: .venv/bin/python benchmarks/bench_megatron.py [--size small|gpu] [--tp 1,2] [--steps N]
+     [--attention sdpa,local]
 
 Each row times ``forward_backward`` + ``optimizer_step`` of one policy-gradient mini-batch (micro-batch
 of ``--batch`` samples x ``--seq`` tokens, half prompt, half response) after one warm-up step, and
 reports tokens/s and the ratio to the plain-transformers baseline measured in the same run (the
 same model, batch, loss and AdamW, ``attn_implementation="sdpa"``). Megatron rows run under
-torchrun with ``tp`` processes. ``--size small`` is a tiny CPU model; ``--size gpu`` is the
+torchrun with ``tp`` processes; TP=1 is timed with each core attention of ``--attention``
+(``sdpa``: torch's scaled_dot_product_attention, ``local``: megatron-core's DotProductAttention),
+larger TP with SDPA. ``--size small`` is a tiny CPU model; ``--size gpu`` is the
 0.89B Llama shape (hidden 2048, 16 layers, 16 heads, 8 KV groups, FFN 5632, vocab 32000) in
 bfloat16 with 8 x 2048-token micro-batches.
 """
@@ -68,7 +71,7 @@ class PGLoss:
         return LossOutput(-(batch["log_probs"] * batch["advantages"] * m).sum() / max(stats.num_tokens, 1))
 
 
-def worker(size: str, path: str, steps: int) -> None:
+def worker(size: str, path: str, steps: int, attention: str) -> None:
     from verl_conformance.testkit import write_rank_result
     from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, ParallelSizes
     from verl_megatron.training import MegatronTrainingEngine
@@ -76,7 +79,8 @@ def worker(size: str, path: str, steps: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = EngineSpec(path, "actor", dtype=SIZES[size]["dtype"], device=dev, parallel=ParallelSizes(tp=world),
-                      optim=OptimConfig(lr=1e-5), max_prompt_len=4096, max_response_len=4096)
+                      optim=OptimConfig(lr=1e-5), max_prompt_len=4096, max_response_len=4096,
+                      options={"attention": attention})
     engine = MegatronTrainingEngine(spec)
     batch = make_batch(size).to(dev)
     stats = GlobalBatchStats.of(batch)
@@ -137,12 +141,13 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes to time")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--attention", default="sdpa,local", help="comma-separated core attentions to time at TP=1")
     parser.add_argument("--root", default=os.environ.get("VERL_BENCH_DIR", tempfile.gettempdir()))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.size, args.path, args.steps)
+        worker(args.size, args.path, args.steps, args.attention)
         return
     from verl_conformance.testkit import launch_torchrun
 
@@ -150,19 +155,22 @@ def main() -> None:
     s = SIZES[args.size]
     tokens = s["batch"] * s["seq"]
     rows: list[tuple[str, float]] = [("transformers (sdpa)", transformers_baseline(args.size, path, args.steps))]
-    for tp in (int(x) for x in args.tp.split(",")):
+    runs = [(1, a) for a in args.attention.split(",")]
+    runs += [(int(tp), "sdpa") for tp in args.tp.split(",") if int(tp) != 1]
+    for tp, attention in runs:
         res = launch_torchrun(
-            Path(__file__), tp, ["--worker", "--size", args.size, "--path", str(path), "--steps", str(args.steps)],
+            Path(__file__), tp, ["--worker", "--size", args.size, "--path", str(path), "--steps", str(args.steps),
+                                 "--attention", attention],
             timeout=3600, env={"PYTHONWARNINGS": "ignore"},
         )
-        rows.append((f"megatron tp={tp}", max(r["seconds"] for r in res)))
+        rows.append((f"megatron tp={tp} {attention}", max(r["seconds"] for r in res)))
     base = rows[0][1]
     print(f"model {args.size}: {json.dumps({k: v for k, v in s.items() if k not in ('batch', 'seq')})}")
     print(f"batch {s['batch']} x {s['seq']} tokens, {args.steps} timed steps, device "
           f"{'cuda' if torch.cuda.is_available() else 'cpu'}, torch threads {torch.get_num_threads()}")
-    print(f"{'engine':<22} {'s/step':>9} {'tokens/s':>11} {'vs transformers':>16}")
+    print(f"{'engine':<26} {'s/step':>9} {'tokens/s':>11} {'vs transformers':>16}")
     for name, sec in rows:
-        print(f"{name:<22} {sec:>9.3f} {tokens / sec:>11.0f} {base / sec:>15.2f}x")
+        print(f"{name:<26} {sec:>9.3f} {tokens / sec:>11.0f} {base / sec:>15.2f}x")
 
 
 if __name__ == "__main__":

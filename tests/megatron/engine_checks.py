@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, write_rank_result
 from verl_core import (
@@ -82,7 +83,9 @@ def main() -> None:
     loads = [x for x in (sys.argv[6] if len(sys.argv) > 6 else "").split(";") if x]
     par = ParallelSizes(tp=tp, pp=pp, dp=dp)
     dp_rank = int(os.environ["RANK"]) // (tp * pp)
-    optim = OptimConfig(lr=1e-2, grad_clip=0.5)
+    # eps well above gradient rounding noise keeps Adam's first update a smooth function of the
+    # gradient (with eps=1e-8 it is ~lr * sign(g), which float noise flips for tiny g).
+    optim = OptimConfig(lr=1e-2, eps=1e-3, grad_clip=0.5)
     result: dict[str, Any] = {}
     first = True
     actors = {a: (i, tied, temp) for i, (a, tied, temp) in enumerate(ACTORS)}
@@ -141,9 +144,15 @@ def main() -> None:
         qwen2 = str(tiny_model(TinyModelSpec(arch="qwen2", tied=True)))
         bf16 = MegatronTrainingEngine(EngineSpec(qwen2, "reference", dtype="bfloat16", parallel=par))
         result["bf16"] = bf16.forward(actor_batch(1, 0.7), ("log_probs", "entropy"))["log_probs"]
+        # megatron-core's own DotProductAttention (the reference layer spec; the default is SDPA)
+        local = MegatronTrainingEngine(EngineSpec(qwen2, "reference", parallel=par, options={"attention": "local"}))
+        out = local.forward(actor_batch(1, 0.7), ("log_probs", "entropy"))
+        result["local_attention"] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
     write_rank_result(result)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:

@@ -148,6 +148,12 @@ def test_bfloat16_reference_engine_matches_float64_reference(runs: Any) -> None:
     assert_close(runs[BASE][0]["bf16"], ref["log_probs"].float(), dtype="bfloat16", quantity="log_probs")
 
 
+def test_local_attention_spec_matches_float64_reference(runs: Any) -> None:
+    ref, got = reference("qwen2"), runs[BASE][0]["local_attention"]
+    assert_close(got["log_probs"], ref["log_probs"], dtype="float32", quantity="log_probs")
+    assert_close(got["entropy"], ref["entropy"], dtype="float32", quantity="entropy")
+
+
 def test_critic_values_match_float64_reference(runs: Any) -> None:
     ref = reference("critic")
     assert_close(runs[BASE][0]["critic"]["values"], ref["values"], dtype="float32", quantity="values")

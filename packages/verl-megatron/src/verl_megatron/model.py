@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,52 @@ from torch import Tensor, nn
 
 from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
 
-__all__ = ["ValueHead", "build_stage", "load_hf_state_dict", "transformer_config"]
+__all__ = ["AttentionKind", "ValueHead", "build_stage", "load_hf_state_dict", "sdpa_attention_class",
+           "transformer_config"]
+
+AttentionKind = Literal["local", "sdpa"]
+"""Core attention of the layer spec: megatron-core's DotProductAttention or torch's SDPA."""
+
+
+def sdpa_attention_class() -> type:
+    """A megatron-core core-attention module computing with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    It relies on the engines' layout: every row's real tokens come first and padding trails them,
+    so a causal mask is the whole mask (``is_causal=True``: flash/efficient kernels on GPU). The
+    ``attention_mask`` Megatron passes is therefore not read. Query groups are expanded to heads
+    the same way as Megatron's DotProductAttention (head h uses group h // heads-per-group).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):  # type: ignore[misc]
+        """Causal core attention through torch's scaled_dot_product_attention."""
+
+        def forward(
+            self,
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            attention_mask: Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> Tensor:
+            """[sq, b, heads, d] queries and [sk, b, groups, d] keys/values -> [sq, b, heads * d]."""
+            if attention_bias is not None or packed_seq_params is not None:
+                raise NotImplementedError("SDPAttention supports neither attention_bias nor packed sequences")
+            sq, b, heads, d = query.shape
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            rep = heads // k.shape[1]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.attention_dropout.p if self.training else 0.0,
+            )
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+    return SDPAttention
 
 
 class ValueHead(nn.Module):
@@ -106,13 +151,16 @@ def build_stage(
     dtype: torch.dtype,
     device: torch.device,
     recompute: bool = False,
+    attention: AttentionKind = "local",
 ) -> Any:
-    """This rank's GPTModel stage (local layer spec), with uninitialised weights."""
+    """This rank's GPTModel stage (local layer spec, optionally SDPA core attention), weights uninitialised."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(dims, tp=tp, pp=pp, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -99,7 +99,7 @@ class MegatronRolloutEngine(RolloutEngine):
                 f"the megatron rollout engine runs with pp=1 (tensor parallel only), got pp={spec.parallel.pp}"
             )
         self._spec = spec
-        parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
+        self._options = parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
         if spec.device.startswith("cuda") and torch.cuda.is_available():
             import os
 
@@ -118,7 +118,8 @@ class MegatronRolloutEngine(RolloutEngine):
         self.dims.check_parallel(self.tp, 1)
         self.adapter = StateDictAdapter(self.dims)
         self._dtype: torch.dtype = spec.torch_dtype
-        self.model = build_stage(self.dims, tp=self.tp, pp=1, pp_rank=0, dtype=self._dtype, device=self._device)
+        self.model = build_stage(self.dims, tp=self.tp, pp=1, pp_rank=0, dtype=self._dtype, device=self._device,
+                                 attention=self._options.attention)
         full = self.adapter.from_hf(load_hf_state_dict(spec.model_path))
         load_stage_weights(self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=0, pp=1)
         self.model.requires_grad_(False)

@@ -119,7 +119,7 @@ class MegatronTrainingEngine(TrainingEngine):
         self._dtype: torch.dtype = spec.torch_dtype
         self.model = build_stage(
             self.dims, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank, dtype=self._dtype,
-            device=self._device, recompute=spec.gradient_checkpointing,
+            device=self._device, recompute=spec.gradient_checkpointing, attention=self._options.attention,
         )
         self._load_hf(spec.model_path)
         self._tokenizer = HFTokenizer(spec.model_path)
@@ -329,7 +329,7 @@ class MegatronTrainingEngine(TrainingEngine):
                 if self.pp > 1:
                     t = t.to(self._comm_device()).contiguous()
                     dist.broadcast(t, src=self._pp_last_rank(), group=self._ps.get_pipeline_model_parallel_group())
-                tensors[name] = t.cpu()
+                tensors[name] = t.to(mbs.batches[i].device)
             per_mb.append(mbs.batches[i].select(*mbs.batches[i].keys()).update(tensors))
         restored: TensorBatch = mbs.restore(per_mb)
         width = batch.response_len
