@@ -10,8 +10,9 @@ repetitions, median), so a loaded machine shifts both sides alike.
 * engine vs plain loop: the engine's training step against a hand-written transformers loop
   (explicit positions, float32 log-probs, the same PPO loss, AdamW) on the same batch (target >= 0.97x).
 
-Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_hf.py`` (a few minutes);
-``--quick`` skips the ~100M-parameter model.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hf.py`` (a few minutes); ``--quick``
+skips the ~100M-parameter model. On a machine shared with other jobs use one thread: OpenMP
+threads that spin-wait for a busy core made small matmuls 40x slower with two threads here.
 """
 
 from __future__ import annotations

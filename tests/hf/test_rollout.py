@@ -167,3 +167,20 @@ def test_failed_weight_sync_makes_the_engine_stale_until_a_complete_one() -> Non
         engine.update_weights([bad, WeightCommit(0)])
     with pytest.raises(StaleWeightsError):
         engine.generate(prompts(1), SamplingParams(max_new_tokens=2))
+
+
+def test_eos_ends_the_response_and_is_kept() -> None:
+    engine = HFRolloutEngine(EngineSpec(model_path=model_path("llama"), role="rollout", max_response_len=8))
+    p = prompts(1, seed=9)
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    first = int(engine.generate(p, greedy)["response_ids"][0, 0])
+    eos = engine.tokenizer.eos_token_id
+    assert first != eos
+    # Swap the LM-head rows of the greedy token and EOS: greedy now emits EOS first.
+    head = engine.model.lm_head.weight
+    with torch.no_grad():
+        head[[first, eos]] = head[[eos, first]].clone()
+    out = engine.generate(p.index([0, 0]).update(group_ids=torch.tensor([0, 1])), greedy)
+    assert out["response_ids"].tolist() == [[eos], [eos]]
+    assert bool(out["response_mask"].all()) and not bool(out["truncated"].any())
+    assert bool((out["rollout_log_probs"] < 0).all())
