@@ -153,12 +153,14 @@ class Harness:
         against: A second backend for differential checks (``--verl-against``), or None.
         cache: Shared engines.
         dtype: Parameter dtype of every engine the suite builds (selects the tolerance tier).
+        device: Device of every engine the suite builds (``cpu``, ``cuda``).
     """
 
     subject: Subject
     against: Subject | None = None
     cache: EngineCache = field(default_factory=EngineCache)
     dtype: str = "float32"
+    device: str = "cpu"
     _fresh: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ outcome helpers
@@ -192,7 +194,7 @@ class Harness:
     def spec(self, role: Role, model: str = "llama", **kw: Any) -> EngineSpec:
         """The EngineSpec the suite builds engines from (tiny limits, the suite's optimizer)."""
         base: dict[str, Any] = {
-            "model_path": self.model_path(model), "role": role, "dtype": self.dtype, "seed": 0,
+            "model_path": self.model_path(model), "role": role, "dtype": self.dtype, "device": self.device, "seed": 0,
             "max_prompt_len": MAX_PROMPT, "max_response_len": MAX_RESPONSE, "optim": SUITE_OPTIM,
         }
         base.update(kw)

@@ -28,6 +28,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("verl-conformance", "verl conformance suite")
     group.addoption("--verl-backend", default=None, metavar="NAME",
                     help="installed verl backend to run the conformance suite on (default: $VERL_BACKEND)")
+    group.addoption("--verl-device", default="cpu", metavar="DEVICE",
+                    help="device of every engine the suite builds (cpu, cuda); default cpu")
+    group.addoption("--verl-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="parameter dtype of every engine the suite builds; selects the tolerance tier")
     group.addoption("--verl-against", default=None, metavar="NAME",
                     help="second installed backend for the differential checks")
     group.addoption("--verl-xfails-file", default=None, metavar="PATH",
@@ -75,6 +79,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         lines.append(f"verl {label}: {name} ({b.distribution} {b.version}, protocol {b.spec.protocol_version})")
         for role in b.spec.roles:
             lines.append(f"  {role}: {_caps_line(b.capabilities(role))}")
+    if lines:
+        lines.append(f"verl engines: device {config.getoption('--verl-device')}, dtype {config.getoption('--verl-dtype')}")
     gaps = config.getoption("--verl-xfails-file", None)
     if gaps:
         lines.append(f"verl known gaps: {gaps}")
@@ -206,4 +212,5 @@ def verl_harness(
                            or make_rollout_engine is not subject.make_rollout):
         label = request.cls.__name__ if request.cls is not None else "custom"
         subject = Subject(label, make_training_engine, make_rollout_engine)
-    return Harness(subject, verl_against_subject, verl_engine_cache)
+    return Harness(subject, verl_against_subject, verl_engine_cache,
+                   dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"))

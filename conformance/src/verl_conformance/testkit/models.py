@@ -53,7 +53,7 @@ class TinyModelSpec:
         arch: Architecture family.
         tied: Tie lm_head to the input embedding.
         head: Which head the folder's model has.
-        hidden_size: Model width.
+        hidden_size: Model width (num_heads * head_dim by default: vLLM's Qwen2 derives the head width from it).
         num_layers: Decoder layers.
         num_heads: Attention heads.
         num_kv_heads: Key/value heads (query groups).
@@ -69,7 +69,7 @@ class TinyModelSpec:
     arch: Arch = "llama"
     tied: bool = False
     head: ModelHead = "causal_lm"
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2

@@ -76,6 +76,8 @@ def assert_close(
         raise AssertionError(f"{label}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
     if not bool(torch.isfinite(a).all()):
         raise AssertionError(f"{label}: non-finite values in the result")
+    if not bool(torch.isfinite(e).all()):
+        raise AssertionError(f"{label}: non-finite values in the expected tensor (a broken reference)")
     if quantity == "grad":
         denom = float(e.norm())
         err = float((a - e).norm()) / max(denom, 1e-30)

@@ -482,14 +482,22 @@ class TensorBatch(Mapping[str, Tensor]):
     def check(self, *, where: str = "input", vocab_size: int | None = None) -> TensorBatch:
         """Check values (a pass over the data): run this at protocol boundaries.
 
-        Checks that float fields are finite, prompt masks are left-padded and response masks
-        right-padded, ids lie in ``[0, vocab_size)`` when given, and ``group_ids`` are not negative.
-        Returns the batch itself so calls chain.
+        Re-checks the structure (names, ranks, dtypes, devices, shared dims: a batch assembled
+        without validation is caught here too), then that float fields are finite, prompt masks are
+        left-padded and response masks right-padded, ids lie in ``[0, vocab_size)`` when given, and
+        ``group_ids`` are not negative. Returns the batch itself so calls chain.
 
         Raises:
             NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
             BatchValidationError: any other violation, naming ``where``, the field and the sample.
         """
+        sizes: dict[Dim, tuple[int, str]] = {"batch": (self._size, "<batch size>")}
+        device: list[torch.device] = []
+        for name, t in self._tensors.items():
+            try:
+                _validate_field(name, t, sizes, device)
+            except BatchValidationError as e:
+                raise BatchValidationError(f"{where}: {e}") from None
         for name, t in self._tensors.items():
             spec = FIELDS[name]
             if spec.kind == "float" and t.numel():

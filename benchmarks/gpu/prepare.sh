@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Here (CPU machine): put the wheels the GPU machine needs into .whl (git-ignored): megatron-core
+# 0.19.2 for Python 3.12 and this project's own wheels.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
+mkdir -p .whl
+rm -f .whl/verl_*.whl
+ls .whl/megatron_core-0.19.2-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+  -d .whl megatron-core==0.19.2
+for d in packages/verl-core packages/verl-hf packages/verl-megatron packages/verl-vllm conformance; do
+  .venv/bin/python -m build -q --wheel --outdir .whl "$d" >/dev/null
+done
+ls -la .whl

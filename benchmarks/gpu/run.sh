@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
+# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench [args]   (writes under $OUT)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VERL_TESTKIT_CACHE=/tmp/verl-testkit PATH=/tmp/site/bin:$PATH
+python3 -c "import torch, transformers, megatron.core, verl_core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, torch.cuda.get_device_name())"
+step=$1; shift
+case $step in
+  conformance)
+    for backend in "$@"; do
+      for dtype in float32 bfloat16; do
+        t0=$SECONDS
+        (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
+           --verl-device cuda --verl-dtype "$dtype" -o console_output_style=classic 2>&1) > "$OUT/conformance-$backend-$dtype.log"
+        echo "conformance $backend $dtype: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype.log")"
+      done
+    done ;;
+  bench) python3 benchmarks/gpu/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+esac
