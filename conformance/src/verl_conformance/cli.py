@@ -38,7 +38,7 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         report = run_conformance(args.backend, against=args.against, checks=args.checks, areas=args.areas,
                                  known_gaps=args.xfails_file)
-    except ValueError as e:  # an unknown area or check pattern
+    except (ValueError, OSError) as e:  # an unknown area or check pattern, an unreadable gaps file
         print(f"verl conformance: error: {e}", file=sys.stderr)
         return 2
     print(report.table())
