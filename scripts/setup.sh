@@ -29,9 +29,12 @@ else
 fi
 "${PIP[@]}" install "${ENGINES[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 
+# verl-core first, on its own: pip 23's resolver does not match a local `verl-core[extras]` to the
+# plain `verl-core` the other distributions require and would look for it on the index instead.
+"${PIP[@]}" install "${ENGINES[0]}" -e "packages/verl-core[dev,yaml,plot]" 2>&1 | grep -v "^WARNING: Location" || true
 EDITABLE=()
 for d in "${DISTS[@]}"; do
-  if [ "$d" = packages/verl-core ]; then EDITABLE+=(-e "$d[dev,yaml,plot]"); else EDITABLE+=(-e "$d"); fi
+  [ "$d" = packages/verl-core ] || EDITABLE+=(-e "$d")
 done
 "${PIP[@]}" install "${ENGINES[0]}" "${EDITABLE[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 
@@ -40,5 +43,5 @@ done
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -c "import torch, transformers, verl_core; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| verl-core', verl_core.__version__)"
+"$VENV/bin/python" -c "import torch, transformers, verl_core, verl_hf, verl_megatron, verl_vllm, verl_conformance; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| verl-core', verl_core.__version__)"
 echo "$want" > "$stamp"
