@@ -129,15 +129,17 @@ def _layout_invariance(h: Harness, layout: dict[str, int], capability: str) -> N
     from verl_conformance.harness import exported_weights, recover_grads
     from verl_conformance.testkit import LaunchError, launch_torchrun
 
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    if h.device.startswith("cuda") and torch.cuda.device_count() < world:
+        h.skip(f"{world} ranks on {h.device} need {world} GPUs; {torch.cuda.device_count()} visible")
     batch = multirank.dp_batch()
     single = h.training(fresh=True, micro_batch_size=2)
     base_lp = single.forward(batch)["log_probs"]
     metrics, norm, grads = one_update(h, single, batch, TOKEN_MEAN_PG)
-    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     label = ", ".join(f"{k}={v}" for k, v in layout.items())
     try:
         ranks = launch_torchrun(multirank.__file__, world, [
-            h.subject.name, h.model_path("llama"), json.dumps({"parallel": layout, "micro_batch_size": 2})
+            h.subject.name, h.model_path("llama"), json.dumps({"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device})
         ], timeout=400)
     except LaunchError as e:
         h.fail(f"the backend failed under torchrun with {label}: {str(e)[-2500:]}")
