@@ -204,7 +204,7 @@ class MegatronRolloutEngine(RolloutEngine):
         seed = params.seed
         if seed is None:
             # One draw shared by all ranks, so TP ranks sample the same tokens.
-            s = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            s = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(self._device)  # NCCL needs a device tensor
             dist.broadcast(s, src=0)
             seed = int(s)
         seeds = [per_sample_seed(seed, int(g), int(i))
