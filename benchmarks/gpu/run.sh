@@ -13,7 +13,7 @@ step=$1; shift
 case $step in
   conformance)
     for backend in "$@"; do
-      for dtype in float32 bfloat16; do
+      for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
         (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
            --verl-device cuda --verl-dtype "$dtype" -o console_output_style=classic 2>&1) > "$OUT/conformance-$backend-$dtype.log"
