@@ -42,7 +42,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then TORCH="torch>=2.11"; else TORCH="
 # conformance, the example backend) plus megatron's and vllm's wheels without their engines.
 "${PIP[@]}" install "$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" install "$DIST"/verl_core-*.whl "$DIST"/verl_hf-*.whl "$DIST"/verl_conformance-*.whl \
-  $(ls "$DIST"/*third_party*.whl 2>/dev/null) 2>&1 | grep -v "^WARNING: Location" || true
+  $(ls "$DIST"/verl_example_backend-*.whl 2>/dev/null) 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" install --no-deps "$DIST"/verl_megatron-*.whl "$DIST"/verl_vllm-*.whl 2>&1 | grep -v "^WARNING: Location" || true
 for m in torchvision torchaudio torchcodec triton; do "${PIP[@]}" uninstall -y "$m" >/dev/null 2>&1 || true; done
 "$FRESH/bin/verl" --version
