@@ -13,12 +13,7 @@ from torch import Tensor
 
 from verl_core import BatchValidationError, TensorBatch
 
-__all__ = ["position_ids", "reference_forward"]
-
-
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """``cumsum(attention_mask) - 1`` clipped at 0 (DESIGN.md: never arange under left padding)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+__all__ = ["reference_forward"]
 
 
 def reference_forward(

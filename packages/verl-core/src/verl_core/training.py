@@ -229,12 +229,3 @@ class TrainingEngine(Protocol):
         """Release resources (processes, memory). The engine is unusable afterwards."""
         return None
 
-
-def sum_metrics(parts: Collection[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Sum metric contributions key by key (helper for engines)."""
-    out: dict[str, Tensor] = {}
-    for part in parts:
-        for k, v in part.items():
-            v = v.detach().float()
-            out[k] = out[k] + v if k in out else v
-    return out
