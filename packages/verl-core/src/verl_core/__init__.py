@@ -39,6 +39,7 @@ from verl_core.capabilities import (
 from verl_core.engine import DType, EngineSpec, OptimConfig, ParallelSizes, Role
 from verl_core.errors import (
     BatchValidationError,
+    CheckpointError,
     ConfigError,
     NonFiniteError,
     PluginError,
@@ -101,6 +102,7 @@ __all__ = [
     "BackendSpec",
     "BatchMeta",
     "BatchValidationError",
+    "CheckpointError",
     "Capabilities",
     "ComponentKind",
     "ConfigError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BatchValidationError",
+    "CheckpointError",
     "ConfigError",
     "NonFiniteError",
     "PluginError",
@@ -28,6 +29,10 @@ class NonFiniteError(BatchValidationError):
 
 class ConfigError(VerlError, ValueError):
     """A configuration value or key is invalid."""
+
+
+class CheckpointError(VerlError, ValueError):
+    """A checkpoint is missing, incomplete, truncated or corrupted (its files disagree with its manifest)."""
 
 
 class PluginError(VerlError, RuntimeError):

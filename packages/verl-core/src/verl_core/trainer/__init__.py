@@ -12,6 +12,7 @@ from verl_core.trainer.pipeline import (
     Stage,
     StageError,
 )
+from verl_core.trainer.reliability import StepFailedError, TrainingDivergedError, verify_checkpoint
 from verl_core.trainer.replay import BufferFullError, HybridReplayBuffer
 from verl_core.trainer.scheduler import (
     Decision,
@@ -38,11 +39,14 @@ __all__ = [
     "SchedulerConfig",
     "Stage",
     "StageError",
+    "StepFailedError",
     "TaskReward",
     "Trainer",
+    "TrainingDivergedError",
     "build_algorithm",
     "get_task",
     "latest_checkpoint",
     "load_config",
     "prompt_batch",
+    "verify_checkpoint",
 ]

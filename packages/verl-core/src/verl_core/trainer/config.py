@@ -253,6 +253,9 @@ class RunConfig:
         critic_optim: Critic optimizer.
         checkpoint: Checkpointing.
         logging: Reporting.
+        max_consecutive_skips: Optimizer steps in a row skipped for a non-finite loss or gradient
+            (on any rank, actor or critic) after which the run writes a checkpoint and stops with
+            TrainingDivergedError; 0 = never stop.
     """
 
     steps: int = 100
@@ -269,6 +272,7 @@ class RunConfig:
     critic_optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-3))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    max_consecutive_skips: int = 5
 
 
 # ---------------------------------------------------------------------------- building
@@ -310,6 +314,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "critic_optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "checkpoint.every": (lambda v: v >= 0, ">= 0 (0 = final only)"),
     "checkpoint.keep": (lambda v: v >= 1, ">= 1"),
+    "max_consecutive_skips": (lambda v: v >= 0, ">= 0 (0 = never stop)"),
 }
 
 

@@ -37,7 +37,7 @@ import torch
 
 from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError, VerlError
+from verl_core.errors import CheckpointError, ConfigError, VerlError
 from verl_core.registry import (
     get_reward_engine,
     get_rollout_engine,
@@ -47,7 +47,14 @@ from verl_core.registry import (
 from verl_core.reward import RewardEngine
 from verl_core.rollout import RolloutEngine, SamplingParams
 from verl_core.trainer.config import RunConfig, config_to_dict
-from verl_core.trainer.pipeline import HybridPipeline, Stage
+from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
+from verl_core.trainer.reliability import (
+    StepFailedError,
+    TrainingDivergedError,
+    fsync_dir,
+    verify_checkpoint,
+    write_manifest,
+)
 from verl_core.trainer.replay import HybridReplayBuffer
 from verl_core.trainer.scheduler import (
     Decision,
@@ -197,6 +204,10 @@ class Trainer:
         self.sync: WeightSync
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self._plan_written: dict[str, int] = {}
+        self._stage = "prompts"  # the stage running outside the pipeline, named when it fails
+        self._failed: StepFailedError | None = None
+        self._consecutive_skips = 0
+        self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
 
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
@@ -271,6 +282,7 @@ class Trainer:
             sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens)
         for role in ("actor", "reference", "critic"):
             self.schedulers[role] = DynamicBatchScheduler(sched_cfg, probe=self._probe, device=cfg.model.device)
+        shutil.rmtree(self.out / "spill", ignore_errors=True)  # spill files a killed run left behind
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=self.out / "spill")
         self._built = True
 
@@ -362,8 +374,50 @@ class Trainer:
         return HybridPipeline(stages, inputs=("prompts",))
 
     def train_step(self) -> dict[str, Any]:
-        """Run one step and return its metrics (also appended to :attr:`history`)."""
+        """Run one step and return its metrics (also appended to :attr:`history`).
+
+        Raises:
+            StepFailedError: a stage raised; it names the stage and its backend. Nothing of the step
+                is saved and this trainer refuses further steps: resume from the last checkpoint
+                with a new Trainer (``verl train CONFIG --resume``).
+            TrainingDivergedError: ``max_consecutive_skips`` optimizer steps in a row were skipped
+                for a non-finite loss or gradient; a checkpoint was written first.
+        """
         self.setup()
+        if self._failed is not None:
+            raise ConfigError(
+                f"this Trainer cannot run more steps after a failed one ({self._failed}); close it and "
+                "resume from the last checkpoint with a new Trainer"
+            )
+        self._stage = "prompts"
+        try:
+            metrics = self._train_step()
+        except Exception as e:
+            stage, cause = (e.stage, e.__cause__ or e) if isinstance(e, StageError) else (self._stage, e)
+            self._failed = StepFailedError(
+                stage, self._backend_of(stage), self.step + 1, cause, latest_checkpoint(self.out)
+            )
+            raise self._failed from cause
+        limit = self.config.max_consecutive_skips
+        if limit and self._consecutive_skips >= limit:
+            ckpt = self.save_checkpoint()
+            raise TrainingDivergedError(
+                f"step {self.step}: {self._consecutive_skips} optimizer steps in a row were skipped because "
+                f"the loss or gradient was NaN/inf (max_consecutive_skips={limit}); the weights are those of "
+                f"the last finite update, saved in {str(ckpt)!r}. Lower optim.lr, check the reward and the "
+                "data, then resume with `verl train CONFIG --resume`"
+            )
+        return metrics
+
+    def _backend_of(self, stage: str) -> str:
+        b = self.config.backends
+        return {
+            "rollout": b.rollout, "baseline": b.rollout, "reward": b.reward, "reference": b.reference,
+            "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
+            "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}",
+        }.get(stage, "trainer")
+
+    def _train_step(self) -> dict[str, Any]:
         t_step = time.perf_counter()
         params = self.sampling_params()
         res = self._pipeline().run(prompts=self.prompts(self.step))
@@ -419,6 +473,7 @@ class Trainer:
             metrics["logprob_mismatch/mean"] = _NOT_COMPARABLE
             metrics["logprob_mismatch/max"] = _NOT_COMPARABLE
         t = time.perf_counter()
+        self._stage = "advantages"
         batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
         timings["time/advantages"] = time.perf_counter() - t
         metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
@@ -427,9 +482,11 @@ class Trainer:
         metrics.update(self._update(batch))
         timings["time/update"] = time.perf_counter() - t
         t = time.perf_counter()
+        self._stage = "weight_sync"
         self.rollout.wake()
         report = self.sync.sync(self.actor, self.rollout, version=self.weight_version + 1)
         self.weight_version += 1
+        self._stage = "logging"
         timings["time/weight_sync"] = time.perf_counter() - t
         metrics["weight_sync/bytes"] = report.bytes
         return self._finish_step(metrics, timings, t_step, samples)
@@ -464,6 +521,7 @@ class Trainer:
         size = cfg.mini_batch_size or batch.batch_size
         sums: dict[str, float] = {}
         updates = 0
+        skipped_updates = 0
 
         def add(prefix: str, values: Mapping[str, float]) -> None:
             for k, v in values.items():
@@ -473,15 +531,24 @@ class Trainer:
             seed = self.config.seed * 1_000_003 + self.step
             for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
                 stats = GlobalBatchStats.of(mb)
-                add("actor", self._train_engine("actor", self.actor, mb, self.algorithm.actor_loss, stats, i))
+                actor_m = self._train_engine("actor", self.actor, mb, self.algorithm.actor_loss, stats, i)
+                add("actor", actor_m)
+                skipped = actor_m["skipped"] > 0
                 if self.critic is not None and self.algorithm.critic_loss is not None:
-                    add("critic", self._train_engine("critic", self.critic, mb, self.algorithm.critic_loss, stats, i))
+                    critic_m = self._train_engine("critic", self.critic, mb, self.algorithm.critic_loss, stats, i)
+                    add("critic", critic_m)
+                    skipped = skipped or critic_m["skipped"] > 0
                 updates += 1
+                # an engine skips a non-finite update on every rank (DESIGN "Loss and distribution")
+                skipped_updates += skipped
+                self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         finally:
             self.buffer.clear()
         out = {k: v / max(updates, 1) for k, v in sums.items()}
         out["buffer/spilled_samples"] = float(spilled)
         out["update/optimizer_steps"] = float(updates)
+        out["update/nonfinite_skips"] = float(skipped_updates)
+        out["update/consecutive_nonfinite_skips"] = float(self._consecutive_skips)
         return out
 
     def _train_engine(
@@ -490,6 +557,7 @@ class Trainer:
         def fn(micro: TensorBatch) -> Mapping[str, float]:
             return engine.forward_backward(micro, loss, stats)
 
+        self._stage = f"{role}_update"
         parts = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
         total: dict[str, float] = {}
         for _, m in parts:
@@ -562,22 +630,35 @@ class Trainer:
             "schedulers": {r: s.state_dict() for r, s in self.schedulers.items()},
             "algorithm": self.algorithm.state_dict(),
             "config": config_to_dict(self.config),
+            "consecutive_nonfinite_skips": self._consecutive_skips,
         }
         (tmp / _STATE_FILE).write_text(json.dumps(state, indent=1))
+        write_manifest(tmp)  # sizes and hashes, after every file is fsynced
+        # Every step below is a rename, so a crash at any point leaves complete checkpoints only:
+        # a folder being replaced or pruned is first renamed out of the step-* namespace.
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, root / f".trash-{final.name}-{time.monotonic_ns()}")
         os.replace(tmp, final)
+        fsync_dir(root)
         keep = self.config.checkpoint.keep
         done = sorted(p for p in root.glob("step-*") if (p / _STATE_FILE).is_file())
         for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            os.replace(old, root / f".trash-{old.name}-{time.monotonic_ns()}")
+        fsync_dir(root)
+        for stale in root.glob(".trash-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self._on_disk_step = self.step
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine."""
         self.setup()
         ckpt = Path(path)
-        state = json.loads((ckpt / _STATE_FILE).read_text())
+        verify_checkpoint(ckpt)
+        try:
+            state = json.loads((ckpt / _STATE_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable ({e})") from e
         saved = state["config"]
         now = config_to_dict(self.config)
         for key in ("seed", "task", "algorithm", "rollout", "batch", "model"):
@@ -594,6 +675,8 @@ class Trainer:
         for role, s in state["schedulers"].items():
             self.schedulers[role].load_state_dict(s)
         self.algorithm.load_state_dict(state["algorithm"])
+        self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
+        self._on_disk_step = self.step
         _set_rng_state(state["rng"])
         self.rollout.wake()
         self.sync.sync(self.actor, self.rollout, version=self.weight_version)
@@ -603,16 +686,14 @@ class Trainer:
         """Keep the metrics of steps up to the checkpoint; replay the recorded scheduler plan after it."""
         metrics = self.out / "metrics.jsonl"
         if metrics.is_file():
-            kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            kept = [ln for ln in _json_lines(metrics) if json.loads(ln)["step"] <= self.step]
             metrics.write_text("".join(ln + "\n" for ln in kept))
             self.history = [json.loads(ln) for ln in kept]
         plan = self.out / "scheduler_plan.jsonl"
         if plan.is_file():
             by_role: dict[str, list[Decision]] = {}
             kept_plan = []
-            for ln in plan.read_text().splitlines():
-                if not ln:
-                    continue
+            for ln in _json_lines(plan):
                 d = json.loads(ln)
                 step = int(str(d["key"]).split("/")[0].removeprefix("step"))
                 if step >= self.step:
@@ -652,7 +733,7 @@ class Trainer:
             every = cfg.checkpoint.every
             if every and self.step % every == 0 and self.step < cfg.steps:
                 self.save_checkpoint()
-        if cfg.checkpoint.final:
+        if cfg.checkpoint.final and self._on_disk_step != self.step:
             self.save_checkpoint()
         if cfg.logging.progress:
             self._stream.write("\n")
@@ -696,6 +777,18 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _json_lines(path: Path) -> list[str]:
+    """The complete JSON lines of a log file (a run killed mid-write leaves a torn last line)."""
+    out = []
+    for ln in path.read_text(errors="replace").splitlines():
+        try:
+            json.loads(ln)
+        except ValueError:
+            continue
+        out.append(ln)
+    return out
 
 
 def _groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
