@@ -48,6 +48,14 @@ class BatchMeta:
     step: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise BatchValidationError(f"BatchMeta.{name} must be a number, got {value!r}")
+        for name in ("top_k", "pad_token_id", "weight_version", "step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BatchValidationError(f"BatchMeta.{name} must be an integer, got {value!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise BatchValidationError(
                 f"BatchMeta.temperature must be a finite number > 0, got {self.temperature}"
@@ -293,6 +301,12 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def with_meta(self, **changes: Any) -> TensorBatch:
         """A new batch whose meta has the given attributes replaced."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(BatchMeta)})
+        if unknown:
+            raise BatchValidationError(
+                f"with_meta(): unknown BatchMeta attribute(s) {unknown}; valid: "
+                f"{', '.join(f.name for f in dataclasses.fields(BatchMeta))}"
+            )
         meta = dataclasses.replace(self._meta, **changes)
         return TensorBatch._trusted(dict(self._tensors), dict(self._extras), meta, self._size)
 
@@ -557,10 +571,18 @@ class TensorBatch(Mapping[str, Tensor]):
             raise BatchValidationError(f"load({str(path)!r}): not a readable TensorBatch file: {e}") from e
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise BatchValidationError(f"load({str(path)!r}): not a {_FORMAT} file")
-        meta = BatchMeta(**json.loads(payload["meta"]))
-        return TensorBatch(
-            payload["tensors"], json.loads(payload["extras"]), meta, batch_size=payload["batch_size"]
-        )
+        try:
+            meta = BatchMeta(**json.loads(payload["meta"]))
+            return TensorBatch(
+                payload["tensors"], json.loads(payload["extras"]), meta, batch_size=payload["batch_size"]
+            )
+        except BatchValidationError as e:
+            raise BatchValidationError(f"load({str(path)!r}): {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BatchValidationError(
+                f"load({str(path)!r}): a malformed {_FORMAT} file ({type(e).__name__}: {e}); "
+                "write it with TensorBatch.save"
+            ) from e
 
 
 def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> dict[str, tuple[Any, ...]]:
