@@ -15,6 +15,10 @@ for d in "${DISTS[@]}"; do
   "$VENV/bin/python" -m build -q --sdist --wheel --outdir "$DIST" "$d" >/dev/null
 done
 ls "$DIST"
+# Each distribution's sdist carries its changelog.
+for d in verl_core verl_hf verl_megatron verl_vllm verl_conformance; do
+  grep -q '^[^/]*/CHANGELOG.md$' < <(tar tzf "$DIST"/$d-*.tar.gz) || { echo "$d sdist: no CHANGELOG.md"; exit 1; }
+done
 
 "$VENV/bin/python" - "$DIST" <<'PY'
 import sys, zipfile, pathlib, email
