@@ -36,6 +36,7 @@ __all__ = [
     "WeightMessage",
     "WeightSync",
     "apply_weight_stream",
+    "first_non_finite",
     "fusion_group",
     "stream_weights",
 ]
@@ -54,7 +55,7 @@ class TensorInfo:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -162,28 +163,71 @@ def stream_weights(
     yield WeightCommit(manifest.version)
 
 
+def _finite_groups(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """Floating tensors grouped by (device, dtype): what one fused reduction can take."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def first_non_finite(named: list[tuple[str, Tensor]]) -> str | None:
+    """Name of the first tensor holding a NaN or inf, or None when every tensor is finite.
+
+    One fused reduction per (device, dtype) and one host synchronisation for the whole list: the
+    2-norm of a tensor is finite whenever all of its elements are (NaN and inf propagate through
+    it). Only when a norm is not finite (a non-finite element, or finite elements whose norm
+    overflows) are the tensors checked one by one, which tells the two apart and names the tensor.
+    """
+    groups = _finite_groups(t for _, t in named)
+    if not groups:
+        return None
+    with torch.no_grad():
+        flags = [torch.stack(torch._foreach_norm(g)).isfinite().all() for g in groups]
+        ok = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
+        if bool(ok):
+            return None
+        for name, t in named:
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+                return name
+    return None
+
+
 def apply_weight_stream(
     stream: Iterable[WeightMessage],
     expected: Mapping[str, TensorInfo],
     apply_chunk: Callable[[list[tuple[str, Tensor]]], None],
     *,
     optional: frozenset[str] = frozenset(),
+    copy: bool = True,
 ) -> WeightManifest:
     """Receive a weight stream: check it against the receiver's model, then apply it chunk by chunk.
 
     The manifest must come first and name exactly the receiver's tensors (those in ``optional``,
     such as a tied lm_head, may be absent) with the same shapes and dtypes; every chunk may only
-    hold manifest names, each once; the commit must come last, after every name arrived.
-    ``apply_chunk`` gets copies it may keep. A malformed stream raises before ``apply_chunk`` sees
-    a chunk when the manifest is wrong, or part-way otherwise, so receivers must treat any raise
-    as "stale until the next complete sync".
+    hold manifest names, each once, and only finite values; the commit must come last, after every
+    name arrived. A chunk is checked whole (names, shapes, dtypes, then one fused finiteness check
+    and one host synchronisation per chunk) before ``apply_chunk`` sees any of it. A malformed
+    stream raises before ``apply_chunk`` sees a chunk when the manifest is wrong, or part-way
+    otherwise, so receivers must treat any raise as "stale until the next complete sync".
+
+    Args:
+        stream: The messages: a manifest, chunks, a commit.
+        expected: Name -> shape and dtype of every tensor of the receiving model.
+        apply_chunk: Called once per chunk with its (name, tensor) pairs.
+        optional: Names the stream may leave out (a tied lm_head).
+        copy: With True (the default) ``apply_chunk`` gets copies it may keep. With False it gets
+            the chunk's own tensors, valid only during the call (the sender may reuse their
+            memory for the next chunk): a receiver that copies into its parameters there (one
+            copy of each byte) passes False.
 
     Returns:
         The manifest of the applied stream.
 
     Raises:
-        WeightSyncError: naming the first mismatch (missing, unexpected, mis-shaped or repeated
-            tensors, wrong message order, version mismatch).
+        WeightSyncError: naming the first mismatch (missing, unexpected, mis-shaped, non-finite or
+            repeated tensors, wrong message order, version mismatch).
     """
     it = iter(stream)
     first = next(it, None)
@@ -226,21 +270,26 @@ def apply_weight_stream(
         if not isinstance(msg, WeightChunk):
             raise WeightSyncError(f"unexpected message {type(msg).__name__} in a weight stream")
         batch: list[tuple[str, Tensor]] = []
+        in_chunk: set[str] = set()
         for name, t in msg.tensors:
             if name not in manifest.tensors:
                 raise WeightSyncError(f"weight chunk holds {name!r}, which the manifest does not list")
             info = manifest.tensors[name]
-            if name in seen:
+            if name in seen or name in in_chunk:
                 raise WeightSyncError(f"weight {name!r} was sent twice")
             if tuple(t.shape) != tuple(info.shape) or t.dtype != info.dtype:
                 raise WeightSyncError(
                     f"weight {name!r}: chunk tensor is {tuple(t.shape)} {t.dtype}, manifest says "
                     f"{tuple(info.shape)} {info.dtype}"
                 )
-            if not bool(torch.isfinite(t).all()):
-                raise WeightSyncError(f"weight {name!r} holds NaN/inf; refusing to load it")
-            seen.add(name)
-            batch.append((name, t.clone()))
+            in_chunk.add(name)
+            batch.append((name, t.detach()))
+        bad = first_non_finite(batch)
+        if bad is not None:
+            raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to load it")
+        seen |= in_chunk
+        if copy:
+            batch = [(name, t.clone()) for name, t in batch]
         apply_chunk(batch)
     raise WeightSyncError("weight stream ended without a WeightCommit (incomplete sync)")
 

@@ -27,6 +27,11 @@ class HFOptions:
         forward_micro_batch_tokens: Token budget of the no-grad ``forward`` micro-batches (None
             uses the spec's training budget or size).
         rollout_batch_size: Most sequences one ``generate`` step decodes together (None = all).
+        rollout_cache: KV cache of the rollout decode loop: ``dynamic`` grows transformers'
+            DynamicCache step by step; ``static`` preallocates a StaticCache of prompt + max new
+            tokens and keeps every decode step at one shape (the same samples up to float rounding).
+        rollout_cuda_graphs: Capture the decode step (forward, sampling, bookkeeping) in a CUDA
+            graph and replay it; needs ``rollout_cache='static'`` and a CUDA device.
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -34,6 +39,8 @@ class HFOptions:
     allreduce_bucket_bytes: int = 64 * 1024 * 1024
     forward_micro_batch_tokens: int | None = None
     rollout_batch_size: int | None = None
+    rollout_cache: Literal["dynamic", "static"] = "dynamic"
+    rollout_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -54,3 +61,10 @@ class HFOptions:
             )
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ConfigError(f"HFOptions.rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
+        if self.rollout_cache not in ("dynamic", "static"):
+            raise ConfigError(f"HFOptions.rollout_cache must be 'dynamic' or 'static', got {self.rollout_cache!r}")
+        if self.rollout_cuda_graphs and self.rollout_cache != "static":
+            raise ConfigError(
+                "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
+                "set rollout_cache='static' as well"
+            )

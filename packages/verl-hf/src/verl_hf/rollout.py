@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -71,6 +72,172 @@ def _pick(probs: Tensor, uniforms: Tensor) -> Tensor:
     return tok.clamp_max(probs.shape[-1] - 1)
 
 
+class _Sampler:
+    """One decode step's sampling: token, log-prob and stop flag per row from float32 logits.
+
+    Pure tensor code with no host synchronisation (it runs inside a CUDA graph too): uniforms come
+    from a precomputed [rows, steps] table, the step index may be a device tensor.
+    """
+
+    def __init__(self, params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None) -> None:
+        self.params = params
+        self.pad = pad
+        self.stops = stops
+        self.uniforms = uniforms
+
+    def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Token (pad where not alive), masked log-prob and "stopped now" of step ``t``."""
+        p = self.params
+        scaled = logits / p.temperature if p.temperature != 1.0 else logits
+        logp = torch.log_softmax(scaled, -1)
+        if p.greedy or self.uniforms is None:
+            tok = torch.argmax(logits, -1)
+        else:
+            u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
+            tok = _pick(_truncate(scaled, p.top_k, p.top_p), u)
+        tok = torch.where(alive, tok, self.pad)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
+        stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
+        return tok, torch.where(alive, lp, 0.0), stopped
+
+
+class _StaticDecoder:
+    """The decode loop over a preallocated StaticCache, every step at one shape.
+
+    All state lives in preallocated device tensors that :meth:`step` updates in place (the token
+    to feed, its position, the cache slot, the step index, the finished flags and the output
+    columns), so a step can be captured once in a CUDA graph and replayed. The attention mask is
+    built here as a 4D mask over the whole cache (prompt padding and not-yet-written slots
+    masked), which keeps transformers' own mask code (with its host synchronisations) out of the
+    step.
+    """
+
+    def __init__(self, model: Any, chunk: TensorBatch, sampler: _Sampler, max_new: int, *,
+                 eager_attention: bool) -> None:
+        from transformers import StaticCache
+
+        self.model = model
+        self.sampler = sampler
+        self.max_new = max_new
+        ids = chunk["prompt_ids"]
+        prompt_mask = chunk["prompt_mask"]
+        rows, width = ids.shape
+        dev = ids.device
+        length = width + max_new
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        if any(bool(getattr(layer, "is_sliding", False)) for layer in self.cache.layers):
+            raise ConfigError(
+                "HFOptions.rollout_cache='static' supports full-attention models only; this model has "
+                "sliding-window layers: use rollout_cache='dynamic'"
+            )
+        self.eager_attention = eager_attention
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.valid = torch.cat([prompt_mask, torch.ones(rows, max_new, dtype=torch.bool, device=dev)], 1)
+        self.slots = torch.arange(length, device=dev)
+        pos = position_ids(prompt_mask)
+        # Prefill: causal over the prompt, padding masked; a padding query also sees itself so no
+        # row is fully masked (its output is never read).
+        causal = self.slots[None, :] <= torch.arange(width, device=dev)[:, None]
+        own = self.slots[None, :] == torch.arange(width, device=dev)[:, None]
+        mask = (self.valid[:, None, :] & causal[None]) | own[None]
+        out: Any = model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
+        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=dev)
+        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=dev)
+        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        tok = self._sample(logits, 0)
+        self.tok = tok.clone()
+        self.pos = pos[:, -1] + 1
+        self.slot = torch.full((1,), width, dtype=torch.int64, device=dev)
+        self.t = torch.ones(1, dtype=torch.int64, device=dev)
+        self.done = 1  # steps whose tokens are in the output columns
+
+    def _attention(self, mask: Tensor) -> Tensor:
+        """The 4D boolean mask (True = attend) in the form the attention kernel takes."""
+        if not self.eager_attention:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.dtype).min
+        )
+
+    def _sample(self, logits: Tensor, t: int | Tensor) -> Tensor:
+        alive = ~self.finished
+        tok, lp, stopped = self.sampler.step(logits, t, alive)
+        if isinstance(t, int):
+            self.out_tok[:, t] = tok
+            self.out_mask[:, t] = alive
+            self.out_lp[:, t] = lp
+        else:
+            self.out_tok.index_copy_(1, t, tok.unsqueeze(1))
+            self.out_mask.index_copy_(1, t, alive.unsqueeze(1))
+            self.out_lp.index_copy_(1, t, lp.unsqueeze(1))
+        self.finished |= stopped
+        return tok
+
+    def step(self) -> None:
+        """Feed the last token, sample the next one, advance every counter (all in place)."""
+        mask = self.valid & (self.slots <= self.slot)
+        out: Any = self.model(
+            input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
+            position_ids=self.pos.unsqueeze(-1), past_key_values=self.cache, use_cache=True,
+        )
+        tok = self._sample(out.logits[:, -1].float(), self.t)
+        self.tok.copy_(tok)
+        self.pos.add_(1)
+        self.slot.add_(1)
+        self.t.add_(1)
+
+    def _all_finished(self) -> bool:
+        return bool(self.finished.all())
+
+    def run(self, check_every: int = 1) -> None:
+        """Eager steps until every row finished or max_new tokens were drawn."""
+        while self.done < self.max_new and not (self.done % check_every == 0 and self._all_finished()):
+            self.step()
+            self.done += 1
+
+    def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
+        """Run a few eager steps, capture one step in a CUDA graph, replay it for the rest.
+
+        Returns:
+            None, or why capture failed (the remaining steps then ran eagerly).
+        """
+        if self._all_finished():
+            return None
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                if self.done >= self.max_new:
+                    break
+                self.step()
+                self.done += 1
+        torch.cuda.current_stream().wait_stream(side)
+        if self.done >= self.max_new or self._all_finished():
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.step()
+        except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
+            warnings.warn(f"hf rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
+                          "eagerly from now on", RuntimeWarning, stacklevel=2)
+            self.run(check_every)
+            return f"{type(e).__name__}: {e}"
+        while self.done < self.max_new and not (self.done % check_every == 0 and self._all_finished()):
+            graph.replay()
+            self.done += 1
+        return None
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Output columns trimmed to the steps where any row was alive, and truncated flags."""
+        width = max(1, int(self.out_mask.any(0).sum()))
+        return (self.out_tok[:, :width], self.out_mask[:, :width], self.out_lp[:, :width], ~self.finished)
+
+
 class HFRolloutEngine(RolloutEngine):
     """A transformers causal LM generating responses with exact log-probs.
 
@@ -106,6 +273,15 @@ class HFRolloutEngine(RolloutEngine):
         self._version = 0
         self._stale = False
         self._asleep = False
+        self._weights: dict[str, Tensor] | None = None
+        # Why CUDA-graph capture failed on this engine (it then decodes eagerly), None while it works.
+        self._graphs_error: str | None = None
+        if self._options.rollout_cuda_graphs and self._device.type != "cuda":
+            raise ConfigError(
+                f"HFOptions.rollout_cuda_graphs needs a CUDA device, the engine runs on {self._device}; "
+                "leave it False off CUDA (rollout_cache='static' alone works on every device)"
+            )
+        self._expected: dict[str, TensorInfo] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -137,6 +313,17 @@ class HFRolloutEngine(RolloutEngine):
     def model(self) -> Any:
         """The underlying transformers model."""
         return self._model
+
+    @property
+    def decode_mode(self) -> str:
+        """How ``generate`` decodes: ``dynamic``, ``static`` or ``static+cuda-graphs`` (and why not)."""
+        if self._options.rollout_cache == "dynamic":
+            return "dynamic"
+        if not self._options.rollout_cuda_graphs:
+            return "static"
+        if self._graphs_error is not None:
+            return f"static (CUDA graph capture failed: {self._graphs_error})"
+        return "static+cuda-graphs"
 
     def log_probs_exact(self, params: SamplingParams) -> bool:
         """Always True: log-probs are taken before truncation at the sampling temperature."""
@@ -221,19 +408,46 @@ class HFRolloutEngine(RolloutEngine):
             meta=meta,
         )
 
+    def _uniforms(self, seeds: list[int], params: SamplingParams) -> Tensor | None:
+        """Every uniform a chunk can use, [rows, max_new_tokens] float64 on the device (None if greedy).
+
+        Row r holds the first draws of sample r's own generator, in order: the values a draw per
+        step would give, drawn once so no decode step waits for the host.
+        """
+        if params.greedy:
+            return None
+        n = params.max_new_tokens
+        draws = [torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        return torch.stack(draws).to(self._device)
+
     @torch.no_grad()
     def _decode(
         self, chunk: TensorBatch, seeds: list[int], params: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Decode one chunk: response ids, mask, log-probs [rows, steps] and truncated [rows]."""
+        uniforms = self._uniforms(seeds, params)
+        stops = torch.tensor(
+            sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), dtype=torch.int64, device=self._device
+        )
+        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, uniforms)
+        if self._options.rollout_cache == "static":
+            decoder = _StaticDecoder(self._model, chunk, sampler, params.max_new_tokens,
+                                     eager_attention=self._options.attn_implementation == "eager")
+            if self._options.rollout_cuda_graphs and self._graphs_error is None:
+                self._graphs_error = decoder.run_with_graph()
+            else:
+                # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
+                decoder.run(check_every=8 if self._device.type == "cuda" else 1)
+            return decoder.result()
+        return self._decode_dynamic(chunk, sampler, params.max_new_tokens)
+
+    def _decode_dynamic(
+        self, chunk: TensorBatch, sampler: _Sampler, max_new: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The decode loop over transformers' DynamicCache (grows one column per step)."""
         model = self._model
         dev = self._device
         rows = chunk.batch_size
-        pad = self._tokenizer.pad_token_id
-        stops = torch.tensor(
-            sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), dtype=torch.int64, device=dev
-        )
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
         ids = chunk["prompt_ids"]
         attn = chunk["prompt_mask"].long()
         pos = position_ids(attn)
@@ -245,23 +459,14 @@ class HFRolloutEngine(RolloutEngine):
         toks: list[Tensor] = []
         masks: list[Tensor] = []
         lps: list[Tensor] = []
-        temp = params.temperature
-        for t in range(params.max_new_tokens):
-            scaled = logits / temp if temp != 1.0 else logits
-            logp = torch.log_softmax(scaled, -1)
-            if params.greedy:
-                tok = torch.argmax(logits, -1)
-            else:
-                u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens]).to(dev)
-                tok = _pick(_truncate(scaled, params.top_k, params.top_p), u)
+        for t in range(max_new):
             alive = ~finished
-            tok = torch.where(alive, tok, pad)
-            lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            tok, lp, stopped = sampler.step(logits, t, alive)
             toks.append(tok)
             masks.append(alive)
-            lps.append(torch.where(alive, lp, 0.0))
-            finished = finished | (alive & torch.isin(tok, stops))
-            if bool(finished.all()) or t == params.max_new_tokens - 1:
+            lps.append(lp)
+            finished = finished | stopped
+            if bool(finished.all()) or t == max_new - 1:
                 break
             attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=dev)], 1)
             cur = cur + 1
@@ -274,25 +479,38 @@ class HFRolloutEngine(RolloutEngine):
         return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1), ~finished
 
     # ------------------------------------------------------------------ weights
-    def _expected(self) -> dict[str, TensorInfo]:
-        return {
-            name: TensorInfo(tuple(t.shape), t.dtype)
-            for name, t in self._model.state_dict().items()
-            if not (self._tied and name == "lm_head.weight")
-        }
+    def _targets(self) -> dict[str, Tensor]:
+        """Name -> the live tensor a sync writes (parameters and persistent buffers), cached.
+
+        Parameters keep their identity when the model moves between devices, buffers do not, so
+        the cache is dropped on sleep and wake.
+        """
+        if self._weights is None:
+            self._weights = {
+                name: t
+                for name, t in self._model.state_dict(keep_vars=True).items()
+                if not (self._tied and name == "lm_head.weight")
+            }
+            self._expected = {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self._weights.items()}
+        return self._weights
 
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
-        """Apply a weight stream; on any failure the engine is stale until a complete sync."""
+        """Apply a weight stream; on any failure the engine is stale until a complete sync.
+
+        Each chunk is checked whole (one fused finiteness check) and then copied straight into
+        the live parameters with one multi-tensor copy: every byte is copied once, and a failure
+        part-way leaves the engine stale rather than serving half-applied weights.
+        """
         self._stale = True
-        params = dict(self._model.state_dict())
+        targets = self._targets()
 
         def apply(chunk: list[tuple[str, Tensor]]) -> None:
+            # One multi-tensor copy per chunk (it falls back to per-tensor copies across devices).
             with torch.no_grad():
-                for name, tensor in chunk:
-                    params[name].copy_(tensor)
+                torch._foreach_copy_([targets[name] for name, _ in chunk], [t for _, t in chunk])
 
         optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
-        manifest = apply_weight_stream(stream, self._expected(), apply, optional=optional)
+        manifest = apply_weight_stream(stream, self._expected, apply, optional=optional, copy=False)
         self._version = manifest.version
         self._stale = False
 
@@ -300,6 +518,7 @@ class HFRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         """Move the model to CPU on CUDA (a no-op on CPU)."""
         if self._device.type != "cpu" and not self._asleep:
+            self._weights = None
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = self._device.type != "cpu"
@@ -307,11 +526,13 @@ class HFRolloutEngine(RolloutEngine):
     def wake(self) -> None:
         """Move the model back to its device."""
         if self._asleep:
+            self._weights = None
             self._model.to(self._device)
             self._asleep = False
 
     def close(self) -> None:
         """Drop the model."""
+        self._weights = None
         self._model = None
 
 
