@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from verl_core.engine import OptimConfig
 from verl_core.errors import ConfigError
+from verl_core.executor.config import ExecutorName, RayConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -256,6 +257,8 @@ class RunConfig:
         max_consecutive_skips: Optimizer steps in a row skipped for a non-finite loss or gradient
             (on any rank, actor or critic) after which the run writes a checkpoint and stops with
             TrainingDivergedError; 0 = never stop.
+        executor: Where engines run: ``local`` (this process) or ``ray`` (Ray worker groups).
+        ray: Placement and resources of the ``ray`` executor.
     """
 
     steps: int = 100
@@ -273,6 +276,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     max_consecutive_skips: int = 5
+    executor: ExecutorName = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 # ---------------------------------------------------------------------------- building

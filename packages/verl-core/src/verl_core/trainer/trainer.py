@@ -13,8 +13,9 @@ One step:
    ``optimizer_step`` (actor, and critic when the algorithm has one);
 7. weight sync actor -> rollout.
 
-Engines are built by backend name through :mod:`verl_core.registry`; nothing here knows which
-backend it talks to.
+Engines are built by backend name through :mod:`verl_core.registry`, placed by the executor of the
+config key ``executor`` (:mod:`verl_core.executor`: this process, or Ray worker groups); nothing
+here knows which backend it talks to or where it runs.
 """
 
 from __future__ import annotations
@@ -38,12 +39,7 @@ import torch
 from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.engine import EngineSpec
 from verl_core.errors import CheckpointError, ConfigError, VerlError
-from verl_core.registry import (
-    get_reward_engine,
-    get_rollout_engine,
-    get_training_engine,
-    get_weight_sync,
-)
+from verl_core.executor import Executor, make_executor
 from verl_core.reward import RewardEngine
 from verl_core.rollout import RolloutEngine, SamplingParams
 from verl_core.trainer.config import RunConfig, config_to_dict
@@ -202,6 +198,7 @@ class Trainer:
         self.reference: TrainingEngine | None = None
         self.critic: TrainingEngine | None = None
         self.sync: WeightSync
+        self.executor: Executor
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self._plan_written: dict[str, int] = {}
         self._stage = "prompts"  # the stage running outside the pipeline, named when it fails
@@ -260,21 +257,23 @@ class Trainer:
         random.seed(cfg.seed)
         path = self.model_path()
         b = cfg.backends
-        self.actor = get_training_engine(b.actor, self._spec("actor", path, cfg.optim.to_optim(cfg.steps)))
-        self.rollout = get_rollout_engine(b.rollout, self._spec("rollout", path))
+        # engines are placed by the executor (this process, or Ray worker groups) and called alike
+        ex = self.executor = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
+        self.actor = ex.training_engine("actor", b.actor, self._spec("actor", path, cfg.optim.to_optim(cfg.steps)))
+        self.rollout = ex.rollout_engine(b.rollout, self._spec("rollout", path))
         if self.use_reference:
-            self.reference = get_training_engine(b.reference, self._spec("reference", path))
+            self.reference = ex.training_engine("reference", b.reference, self._spec("reference", path))
         if self.use_critic:
             critic_path = cfg.critic_model or path
-            self.critic = get_training_engine(
-                b.critic, self._spec("critic", critic_path, cfg.critic_optim.to_optim(cfg.steps))
+            self.critic = ex.training_engine(
+                "critic", b.critic, self._spec("critic", critic_path, cfg.critic_optim.to_optim(cfg.steps))
             )
         tokenizer = self.rollout.tokenizer
         if b.reward == "rule":
             self.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
         else:
-            self.reward = get_reward_engine(b.reward, self._spec("reward", path))
-        self.sync = get_weight_sync(b.actor, b.rollout)
+            self.reward = ex.reward_engine(b.reward, self._spec("reward", path))
+        self.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         if bc.micro_batch_tokens:
             sched_cfg = SchedulerConfig(min_tokens=bc.micro_batch_tokens, max_tokens=bc.micro_batch_tokens)
@@ -769,6 +768,7 @@ class Trainer:
                 close: Callable[[], None] | None = getattr(engine, "close", None)
                 if close is not None:
                     close()
+        self.executor.close()
         self.buffer.close()
         self._built = False
 

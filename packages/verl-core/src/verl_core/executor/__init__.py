@@ -1,0 +1,58 @@
+"""Executors: where engines run. ``local`` (this process, the default) or ``ray`` (worker groups).
+
+The trainer builds every engine through an :class:`Executor` chosen by the config key
+``executor``; what it gets back implements the usual engine protocols either way. Importing this
+package never imports Ray: :class:`RayExecutor` loads it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from verl_core.errors import ConfigError
+from verl_core.executor.base import Executor, WorkerFailedError
+from verl_core.executor.config import ExecutorName, Placement, RayConfig, Strategy
+from verl_core.executor.local import LocalExecutor
+from verl_core.executor.wire import WIRE_FORMAT, from_wire, register_batch_serializer, to_wire
+
+if TYPE_CHECKING:
+    from verl_core.executor.ray_executor import RayExecutor
+
+__all__ = [
+    "WIRE_FORMAT",
+    "Executor",
+    "ExecutorName",
+    "LocalExecutor",
+    "Placement",
+    "RayConfig",
+    "RayExecutor",
+    "Strategy",
+    "WorkerFailedError",
+    "from_wire",
+    "make_executor",
+    "register_batch_serializer",
+    "to_wire",
+]
+
+
+def make_executor(name: str, ray: RayConfig | None = None, *, device: str = "cpu") -> Executor:
+    """The executor called ``name`` (``local`` or ``ray``).
+
+    Raises:
+        ConfigError: an unknown name, or ``ray`` without Ray installed.
+    """
+    if name == "local":
+        return LocalExecutor()
+    if name == "ray":
+        from verl_core.executor.ray_executor import RayExecutor
+
+        return RayExecutor(ray, device=device)
+    raise ConfigError(f"config key 'executor': unknown executor {name!r}; choices: 'local', 'ray'")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RayExecutor":  # lazy: keeps Ray out of `import verl_core.executor`
+        from verl_core.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

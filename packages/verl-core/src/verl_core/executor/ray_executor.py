@@ -1,0 +1,646 @@
+"""RayExecutor: each role's engine runs in a Ray worker group placed by a placement group.
+
+A worker group is ``n`` Ray actors (:class:`~verl_core.executor.worker.EngineWorker`), one per
+rank, on the bundles of one placement group (``ray.num_cpus_per_worker`` CPUs and
+``ray.num_gpus_per_worker`` GPUs each). Before any engine is built, the group sets up the
+torch.distributed rendezvous the way torchrun does (``MASTER_ADDR``/``MASTER_PORT`` on rank 0's
+node, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), so a training engine's
+ranks run SPMD exactly as under torchrun: Megatron TP/PP and data parallelism work unchanged.
+
+Calls are SPMD: every rank of a training role gets the call, each with its data-parallel share of
+the batch (``dp_rank = (rank // tp) % dp``, Megatron's default rank order), put into the object
+store once per share; results come from each data-parallel group's first rank. Rollout and reward
+roles run ``dp`` independent replicas, each generating or scoring its share. Calls to one group
+are submitted under a lock, so every rank sees them in the same order (collectives never cross).
+
+Weight sync: with ``placement = "split"`` the rollout replicas pull the actor's canonical weight
+stream (:mod:`verl_core.weights`) from actor rank 0 through the object store, one bucket at a time
+(the other actor ranks run their side of the export's collectives); with ``"colocated"`` each
+process syncs its own actor into its own rollout replica by the registry's path for the pair.
+
+A worker that dies makes the call raise :class:`~verl_core.executor.WorkerFailedError` naming the
+role and the rank; the group is then unusable, and the run resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any, final
+
+import torch
+
+from verl_core.batch import TensorBatch
+from verl_core.capabilities import RewardCapabilities, RolloutCapabilities, TrainingCapabilities
+from verl_core.engine import EngineSpec, Role
+from verl_core.errors import ConfigError, VerlError
+from verl_core.executor.base import Executor, WorkerFailedError
+from verl_core.executor.config import RayConfig
+from verl_core.executor.wire import register_batch_serializer
+from verl_core.executor.worker import EngineKind, EngineWorker
+from verl_core.reward import RewardEngine
+from verl_core.rollout import RolloutEngine, SamplingParams
+from verl_core.tokenizer import Tokenizer
+from verl_core.training import (
+    DEFAULT_BUCKET_BYTES,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    ModelOutput,
+    StepMetrics,
+    TrainingEngine,
+)
+from verl_core.weights import StreamWeightSync, SyncReport, WeightCommit, WeightMessage, WeightSync
+
+__all__ = ["RayExecutor", "RayRewardEngine", "RayRolloutEngine", "RayTrainingEngine", "RayWeightSync", "WorkerGroup"]
+
+_SYNC_BUCKET_BYTES = 64 * 1024 * 1024
+_LOG_PROBS: frozenset[ModelOutput] = frozenset({"log_probs"})
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a ConfigError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "executor 'ray' needs Ray, which is not installed: pip install 'verl-core[ray]' "
+            "(or set the config key executor = \"local\")"
+        ) from None
+    return ray
+
+
+def _death_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    ex = ray.exceptions
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
+    return tuple(getattr(ex, n) for n in names if hasattr(ex, n))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class WorkerGroup:
+    """``world`` EngineWorkers on the bundles of one placement group, set up for torch.distributed.
+
+    Args:
+        name: Group name (used in errors).
+        world: Number of workers (ranks).
+        num_cpus: CPUs of each worker's bundle.
+        num_gpus: GPUs of each worker's bundle.
+        strategy: Placement-group strategy.
+        timeout_s: Seconds to wait for the resources.
+
+    Raises:
+        ConfigError: the cluster cannot provide the bundles within ``timeout_s``.
+    """
+
+    def __init__(
+        self, name: str, world: int, *, num_cpus: float, num_gpus: float, strategy: str, timeout_s: float
+    ) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
+        self.name = name
+        self.world = world
+        self.roles: dict[str, EngineKind] = {}
+        self.failure: WorkerFailedError | None = None
+        self._lock = threading.Lock()
+        bundle: dict[str, float] = {}
+        if num_cpus:
+            bundle["CPU"] = num_cpus
+        if num_gpus:
+            bundle["GPU"] = num_gpus
+        if not bundle:
+            raise ConfigError(
+                "config keys 'ray.num_cpus_per_worker' and 'ray.num_gpus_per_worker' are both 0; a worker "
+                "needs at least one resource to be placed"
+            )
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy,
+                                  name=f"verl-{name}-{uuid.uuid4().hex[:8]}")
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise ConfigError(
+                f"Ray could not place worker group {name!r}: it needs {world} bundle(s) of {bundle} "
+                f"({strategy}), but after {timeout_s:.0f}s the cluster has {ray.available_resources()} free "
+                f"of {ray.cluster_resources()}. Lower ray.num_cpus_per_worker / ray.num_gpus_per_worker or "
+                "ray.parallel, use placement = \"colocated\", or add nodes"
+            )
+        remote_cls = ray.remote(EngineWorker)
+        self.workers: list[Any] = [
+            remote_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(name, i, world)
+            for i in range(world)
+        ]
+        self.info: list[dict[str, Any]] = [{"pid": None} for _ in range(world)]
+        self.info = self.run("<group>", "describe", [()] * world)
+        master_ip = self.info[0]["ip"]
+        port = self.run("<group>", "free_port", [()], ranks=[0])[0]
+        nodes: dict[str, int] = {}
+        envs = []
+        for rank, info in enumerate(self.info):
+            local = nodes.get(info["node_id"], 0)
+            nodes[info["node_id"]] = local + 1
+            envs.append({
+                "MASTER_ADDR": str(master_ip), "MASTER_PORT": str(port), "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                # Ray gives each worker only its own GPUs, so its device index is 0 among them
+                "LOCAL_RANK": "0" if info["gpus"] else str(local),
+            })
+        for env, info in zip(envs, self.info):
+            env["LOCAL_WORLD_SIZE"] = str(nodes[info["node_id"]])
+        self.run("<group>", "set_env", [(env,) for env in envs])
+
+    def pids(self) -> list[int]:
+        """Process id of each rank's worker."""
+        return [int(i["pid"]) for i in self.info]
+
+    def run(
+        self,
+        role: str,
+        method: str,
+        args: Sequence[tuple[Any, ...]],
+        *,
+        ranks: Sequence[int] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call worker ``method`` on ``ranks`` (default: all) with per-rank ``args``; results by position.
+
+        Raises:
+            WorkerFailedError: a worker died (or had died earlier), naming the role and the rank.
+            Exception: the exception a worker raised, re-raised as itself with a note naming where.
+        """
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        if self.failure is not None:
+            raise WorkerFailedError(
+                f"{self.failure} (the group is unusable since; start a new run or resume)",
+                role=self.failure.role, rank=self.failure.rank, method=method,
+            )
+        with self._lock:  # one submission order for every rank: collectives never cross
+            refs = [getattr(self.workers[r], method).remote(*a, **(kwargs or {})) for r, a in zip(ranks, args)]
+        return self.gather(role, method, refs, ranks)
+
+    def gather(self, role: str, method: str, refs: list[Any], ranks: Sequence[int]) -> list[Any]:
+        """Wait for ``refs`` (one per rank of ``ranks``); the first failure raises at once."""
+        ray = self._ray
+        pending = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        deaths = _death_errors(ray)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                except deaths as e:
+                    raise self._failed(role, ranks[i], method, e) from e
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.cause
+                    if isinstance(cause, Exception):
+                        cause.add_note(f"raised in Ray worker rank {ranks[i]} of role {role!r} "
+                                       f"(group {self.name!r}, pid {self.info[ranks[i]]['pid']}) during {method}")
+                        raise cause from e
+                    raise VerlError(f"role {role!r} rank {ranks[i]} failed during {method}: {_first_line(e)}") from e
+        return results
+
+    def _failed(self, role: str, rank: int, method: str, err: BaseException) -> WorkerFailedError:
+        pid = self.info[rank].get("pid") if rank < len(self.info) else None
+        self.failure = WorkerFailedError(
+            f"worker rank {rank} of role {role!r} (Ray worker group {self.name!r}, pid {pid}) died during "
+            f"{method}: {_first_line(err)}. The step failed and was not recorded; checkpoints already "
+            "written are kept. Find the cause in the worker's log (often memory), then resume with "
+            "`verl train CONFIG --resume` (a fresh Ray cluster is fine)",
+            role=role, rank=rank, method=method,
+        )
+        return self.failure
+
+    def release(self, role: str) -> None:
+        """Close ``role``'s engines (best effort when the group failed)."""
+        if self.roles.pop(role, None) is None:
+            return
+        if self.failure is None:
+            with contextlib.suppress(WorkerFailedError):
+                self.run(role, "close_role", [(role,)] * self.world)
+
+    def shutdown(self) -> None:
+        """Kill every worker and remove the placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            with contextlib.suppress(Exception):  # already gone
+                self._ray.kill(w)
+        self.workers = []
+        with contextlib.suppress(Exception):  # the cluster is gone already
+            remove_placement_group(self.pg)
+
+
+class _Placed:
+    """A role's place: its group, its ranks' data-parallel index, and the first rank of each."""
+
+    def __init__(self, group: WorkerGroup, role: str, spec: EngineSpec, *, replicas: bool) -> None:
+        self.group = group
+        self.role = role
+        world = group.world
+        self.replicas = replicas
+        if replicas:  # independent replicas: each rank is its own data-parallel index
+            self.dp = world
+            self.dp_rank = list(range(world))
+        else:
+            p = spec.parallel
+            self.dp = p.dp
+            self.dp_rank = [(r // p.tp) % p.dp for r in range(world)]
+        self.leaders = [self.dp_rank.index(d) for d in range(self.dp)]
+
+    def run(self, method: str, args: Sequence[tuple[Any, ...]], *, ranks: Sequence[int] | None = None) -> list[Any]:
+        return self.group.run(self.role, method, args, ranks=ranks)
+
+    def all(self, method: str, *args: Any) -> list[Any]:
+        """``method(role, *args)`` on every rank."""
+        return self.run(method, [(self.role, *args)] * self.group.world)
+
+    def call_all(self, name: str, *args: Any) -> list[Any]:
+        """The engine's ``name(*args)`` on every rank."""
+        return self.all("call", name, *args)
+
+    def sharded(
+        self, method: str, batch: TensorBatch, *, pre: tuple[Any, ...] = (), post: tuple[Any, ...] = ()
+    ) -> list[Any]:
+        """``method(role, *pre, share, *post)`` on the ranks with their data-parallel share.
+
+        Each share is put into the object store once (ranks of one data-parallel group read the
+        same copy). Returns the result of each data-parallel group's first rank, in share order;
+        replicas with an empty share are left out.
+        """
+        ray = self.group._ray
+        shares = batch.chunk(self.dp) if self.dp > 1 else [batch]
+        if self.replicas:
+            busy = [r for r in range(self.dp) if shares[r].batch_size] or [0]
+            refs = [ray.put(shares[r]) for r in busy]
+            return self.run(method, [(self.role, *pre, ref, *post) for ref in refs], ranks=busy)
+        refs = [ray.put(s) for s in shares]
+        results = self.run(method, [(self.role, *pre, refs[self.dp_rank[r]], *post) for r in range(self.group.world)])
+        return [results[r] for r in self.leaders]
+
+    def release(self) -> None:
+        self.group.release(self.role)
+
+
+@final
+class RayTrainingEngine(TrainingEngine):
+    """A training engine running SPMD in a Ray worker group; the controller's handle to it."""
+
+    def __init__(self, place: _Placed, spec: EngineSpec, info: dict[str, Any]) -> None:
+        self._place = place
+        self._spec = spec
+        self._caps: TrainingCapabilities = info["capabilities"]
+        self._tokenizer: Tokenizer = info["tokenizer"]
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec every rank was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """Rank 0's capabilities."""
+        return self._caps
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Rank 0's tokenizer (a copy in this process)."""
+        return self._tokenizer
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """The group the engine runs in."""
+        return self._place.group
+
+    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS) -> TensorBatch:
+        """Every rank computes its share; the outputs are joined into ``batch``."""
+        names = tuple(outputs)
+        parts: list[TensorBatch] = self._place.sharded("forward", batch, post=(names,))
+        joined = TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+        return batch.update({n: joined[n] for n in names})
+
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
+        """Every rank accumulates gradients of its share; metrics are global (rank 0's)."""
+        out: list[Metrics] = self._place.sharded("call", mini_batch, pre=("forward_backward",), post=(loss_fn, stats))
+        return out[0]
+
+    def optimizer_step(self) -> StepMetrics:
+        """Every rank steps (they agree on skipping); rank 0's metrics."""
+        out: StepMetrics = self._place.call_all("optimizer_step")[0]
+        return out
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """Rank 0's weight stream, one bucket at a time through the object store."""
+        group = self._place.group
+        ray = group._ray
+        role = self._place.role
+        group.run(role, "export_open", [(role, dtype, bucket_bytes, 1)], ranks=[0])
+        with group._lock:
+            drains = [group.workers[r].export_drain.remote(role, dtype, bucket_bytes) for r in range(1, group.world)]
+        try:
+            index = 0
+            while True:
+                [ref] = group.run(role, "export_next", [(role, index)], ranks=[0])[0]
+                msg: WeightMessage = ray.get(ref)
+                index += 1
+                yield msg
+                if isinstance(msg, WeightCommit):
+                    break
+        finally:
+            group.run(role, "export_finish", [(role,)], ranks=[0])
+            group.gather(role, "export_weights", drains, list(range(1, group.world)))
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Every rank saves (the engine decides which rank writes what) to ``path``."""
+        self._place.call_all("save_checkpoint", os.path.abspath(path))
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Every rank restores from ``path``."""
+        self._place.call_all("load_checkpoint", os.path.abspath(path))
+
+    def offload(self) -> None:
+        """Every rank offloads."""
+        self._place.call_all("offload")
+
+    def onload(self) -> None:
+        """Every rank onloads."""
+        self._place.call_all("onload")
+
+    def close(self) -> None:
+        """Close the engine on every rank (the group goes when its last role closes)."""
+        self._place.release()
+
+
+@final
+class RayRolloutEngine(RolloutEngine):
+    """A rollout engine as ``dp`` replicas in a Ray worker group; prompts are split between them."""
+
+    def __init__(self, place: _Placed, spec: EngineSpec, info: dict[str, Any]) -> None:
+        self._place = place
+        self._spec = spec
+        self._caps: RolloutCapabilities = info["capabilities"]
+        self._tokenizer: Tokenizer = info["tokenizer"]
+        self._dtype: torch.dtype = info["weight_dtype"]
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec every replica was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """Replica 0's capabilities."""
+        return self._caps
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Replica 0's tokenizer (a copy in this process)."""
+        return self._tokenizer
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """Dtype the replicas want weight streams in."""
+        return self._dtype
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """The group the replicas run in."""
+        return self._place.group
+
+    @property
+    def weight_version(self) -> int:
+        """Replica 0's serving weight version."""
+        out: int = self._place.run("attr", [(self._place.role, "weight_version")], ranks=[0])[0]
+        return out
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Each replica samples its share of the prompts (per-sample seeding keeps the samples)."""
+        parts: list[TensorBatch] = self._place.sharded("call", prompts, pre=("generate",), post=(params,))
+        return TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+
+    def log_probs_exact(self, params: SamplingParams) -> bool:
+        """Replica 0's answer."""
+        out: bool = self._place.run("call", [(self._place.role, "log_probs_exact", params)], ranks=[0])[0]
+        return out
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Put every message into the object store, then every replica applies the stream."""
+        ray = self._place.group._ray
+        refs = [ray.put(msg) for msg in stream]
+        self._place.all("update_from_refs", refs)
+
+    def sleep(self) -> None:
+        """Every replica sleeps."""
+        self._place.call_all("sleep")
+
+    def wake(self) -> None:
+        """Every replica wakes."""
+        self._place.call_all("wake")
+
+    def close(self) -> None:
+        """Close every replica."""
+        self._place.release()
+
+
+@final
+class RayRewardEngine(RewardEngine):
+    """A reward engine as ``dp`` replicas in a Ray worker group; batches are split between them."""
+
+    def __init__(self, place: _Placed, info: dict[str, Any]) -> None:
+        self._place = place
+        self._caps: RewardCapabilities = info["capabilities"]
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        """Replica 0's capabilities."""
+        return self._caps
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Each replica scores its share."""
+        parts: list[TensorBatch] = self._place.sharded("call", batch, pre=("score",))
+        return TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+
+    def close(self) -> None:
+        """Close every replica."""
+        self._place.release()
+
+
+@final
+class RayWeightSync(WeightSync):
+    """Actor -> rollout weight sync between engines placed by a RayExecutor.
+
+    Split groups: the rollout replicas pull actor rank 0's canonical weight stream through the
+    object store, one bucket in flight. Colocated: every process syncs its own engines by the
+    registry's path for the backend pair. Engines not placed by Ray get the canonical stream.
+
+    Args:
+        actor_backend: Backend of the actor.
+        rollout_backend: Backend of the rollout engine.
+        bucket_bytes: Bytes per chunk of the stream (split groups).
+    """
+
+    def __init__(self, actor_backend: str, rollout_backend: str, *, bucket_bytes: int = _SYNC_BUCKET_BYTES) -> None:
+        self.actor_backend = actor_backend
+        self.rollout_backend = rollout_backend
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
+        """Move ``source``'s weights into ``target`` as ``version``."""
+        if not isinstance(source, RayTrainingEngine) or not isinstance(target, RayRolloutEngine):
+            return StreamWeightSync(self.bucket_bytes).sync(source, target, version=version)
+        t0 = time.perf_counter()
+        src, dst = source._place, target._place
+        if src.group is dst.group:
+            reports: list[SyncReport] = src.run(
+                "sync_local",
+                [(src.role, dst.role, self.actor_backend, self.rollout_backend, version)] * src.group.world,
+            )
+            return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
+        group = src.group
+        replicas = dst.group.world
+        group.run(src.role, "export_open", [(src.role, target.weight_dtype, self.bucket_bytes, replicas)], ranks=[0])
+        with group._lock:
+            drains = [group.workers[r].export_drain.remote(src.role, target.weight_dtype, self.bucket_bytes)
+                      for r in range(1, group.world)]
+        try:
+            reports = dst.run("update_from", [(dst.role, group.workers[0], src.role, version)] * replicas)
+        finally:
+            group.run(src.role, "export_finish", [(src.role,)], ranks=[0])
+            group.gather(src.role, "export_weights", drains, list(range(1, group.world)))
+        return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
+
+
+@final
+class RayExecutor(Executor):
+    """Places each role's engine in a Ray worker group (see the module docstring).
+
+    Args:
+        config: Placement and resources (the ``[ray]`` config section).
+        device: Device of the engines (``model.device``): CUDA devices reserve GPUs per worker
+            unless ``config.num_gpus_per_worker`` says otherwise.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+
+    def __init__(self, config: RayConfig | None = None, *, device: str = "cpu") -> None:
+        self.config = config or RayConfig()
+        ray = import_ray()
+        self._ray = ray
+        self._owns_cluster = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
+            if self.config.address:
+                kwargs["address"] = self.config.address
+            else:
+                if self.config.num_cpus:
+                    kwargs["num_cpus"] = self.config.num_cpus
+                if self.config.object_store_memory:
+                    kwargs["object_store_memory"] = self.config.object_store_memory
+            ray.init(**kwargs)
+            self._owns_cluster = True
+        register_batch_serializer()
+        gpus = self.config.num_gpus_per_worker
+        self._gpus = float(gpus) if gpus is not None else (1.0 if device.startswith("cuda") else 0.0)
+        self._groups: dict[str, WorkerGroup] = {}
+
+    @property
+    def name(self) -> str:
+        """``ray``."""
+        return "ray"
+
+    def worker_group(self, role: str) -> WorkerGroup:
+        """The worker group hosting ``role``."""
+        for group in self._groups.values():
+            if role in group.roles:
+                return group
+        raise ConfigError(f"no worker group hosts role {role!r}; placed roles: {self.placed_roles()}")
+
+    def placed_roles(self) -> list[str]:
+        """Every role placed so far."""
+        return [r for g in self._groups.values() for r in g.roles]
+
+    def worker_pids(self, role: str) -> list[int]:
+        """Process id of each rank of ``role``'s group."""
+        return self.worker_group(role).pids()
+
+    def _group(self, role: str, world: int, *, fixed: bool) -> WorkerGroup:
+        name = "colocated" if self.config.placement == "colocated" else role
+        group = self._groups.get(name)
+        if group is not None and group.workers:
+            if fixed and group.world != world:
+                raise ConfigError(
+                    f"placement 'colocated' puts every role in one group of {group.world} workers, but role "
+                    f"{role!r} needs {world} ranks (config key 'ray.parallel.{role}'); give the roles the same "
+                    "world size or set ray.placement = \"split\""
+                )
+            return group
+        cfg = self.config
+        group = WorkerGroup(name, world, num_cpus=cfg.num_cpus_per_worker, num_gpus=self._gpus,
+                            strategy=cfg.strategy, timeout_s=cfg.placement_timeout_s)
+        self._groups[name] = group
+        return group
+
+    def _place(self, role: Role, kind: EngineKind, backend: str, spec: EngineSpec) -> tuple[_Placed, EngineSpec, dict[str, Any]]:
+        if os.path.exists(spec.model_path):
+            spec = dataclasses.replace(spec, model_path=os.path.abspath(spec.model_path))
+        configured = self.config.parallel_of(role)
+        if kind == "training":
+            if configured is not None:
+                spec = dataclasses.replace(spec, parallel=configured)
+            group = self._group(role, spec.parallel.world_size, fixed=True)
+        else:
+            replicas = configured.dp if configured is not None else 1
+            spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, dp=1))
+            group = self._group(role, replicas, fixed=configured is not None)
+        if role in group.roles:
+            raise ConfigError(f"role {role!r} is already placed in worker group {group.name!r}")
+        infos = group.run(role, "build", [(role, kind, backend, spec)] * group.world)
+        group.roles[role] = kind
+        place = _Placed(group, role, spec, replicas=kind != "training")
+        return place, spec, infos[0]
+
+    def training_engine(self, role: Role, backend: str, spec: EngineSpec) -> TrainingEngine:
+        """Place ``role``'s training engine: ``tp * pp * dp`` SPMD ranks (``ray.parallel.<role>``)."""
+        place, spec, info = self._place(role, "training", backend, spec)
+        return RayTrainingEngine(place, spec, info)
+
+    def rollout_engine(self, backend: str, spec: EngineSpec) -> RolloutEngine:
+        """Place the rollout engine: ``ray.parallel.rollout.dp`` replicas (or one per colocated rank)."""
+        place, spec, info = self._place("rollout", "rollout", backend, spec)
+        return RayRolloutEngine(place, spec, info)
+
+    def reward_engine(self, backend: str, spec: EngineSpec) -> RewardEngine:
+        """Place a reward-model engine as replicas."""
+        place, _, info = self._place("reward", "reward", backend, spec)
+        return RayRewardEngine(place, info)
+
+    def weight_sync(self, actor_backend: str, rollout_backend: str) -> WeightSync:
+        """A :class:`RayWeightSync` for the pair."""
+        return RayWeightSync(actor_backend, rollout_backend)
+
+    def close(self) -> None:
+        """Kill every worker, remove the placement groups, and stop a cluster this executor started."""
+        for group in self._groups.values():
+            group.shutdown()
+        self._groups.clear()
+        if self._owns_cluster and self._ray.is_initialized():
+            self._ray.shutdown()
+        self._owns_cluster = False
+

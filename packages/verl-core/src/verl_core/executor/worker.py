@@ -1,0 +1,227 @@
+"""EngineWorker: one rank of a Ray worker group, hosting the engines of the roles placed on it.
+
+The class is plain Python; :mod:`verl_core.executor.ray_executor` turns it into a Ray actor. Every
+method runs inside the worker process. Batches arrive and leave through the wire format of
+:mod:`verl_core.executor.wire` (registered as Ray's TensorBatch serializer in every worker).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from verl_core.batch import TensorBatch
+from verl_core.engine import EngineSpec
+from verl_core.errors import ConfigError, WeightSyncError
+from verl_core.executor.wire import register_batch_serializer
+from verl_core.weights import SyncReport, WeightChunk, WeightCommit, WeightManifest, WeightMessage
+
+__all__ = ["EngineKind", "EngineWorker"]
+
+EngineKind = Literal["training", "rollout", "reward"]
+"""Which protocol a hosted engine implements."""
+
+
+@dataclass
+class _Export:
+    """A weight stream being served to ``consumers`` readers, each pulling every message once."""
+
+    stream: Iterator[WeightMessage]
+    consumers: int
+    produced: list[Any] = field(default_factory=list)  # ObjectRef per message (None once all took it)
+    taken: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class EngineWorker:
+    """One rank of a worker group: builds engines by backend name and runs their calls.
+
+    Args:
+        group: Name of the worker group.
+        rank: This worker's rank in the group.
+        world: Number of workers in the group.
+    """
+
+    def __init__(self, group: str, rank: int, world: int) -> None:
+        register_batch_serializer()
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.engines: dict[str, Any] = {}
+        self._exports: dict[str, _Export] = {}
+
+    # ------------------------------------------------------------------ group setup
+    def describe(self) -> dict[str, Any]:
+        """Node id, node IP, process id and the GPU ids Ray gave this worker."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "pid": os.getpid(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def free_port(self) -> int:
+        """A TCP port free on this node (rank 0 hosts the torch.distributed rendezvous)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port: int = s.getsockname()[1]
+            return port
+
+    def set_env(self, env: dict[str, str]) -> None:
+        """Set the torch.distributed environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK)."""
+        os.environ.update(env)
+
+    # ------------------------------------------------------------------ engines
+    def build(self, role: str, kind: EngineKind, backend: str, spec: EngineSpec) -> dict[str, Any]:
+        """Build ``role``'s engine through the registry; returns what the controller caches."""
+        from verl_core.registry import get_reward_engine, get_rollout_engine, get_training_engine
+
+        if role in self.engines:
+            raise ConfigError(f"worker group {self.group!r} rank {self.rank} already hosts role {role!r}")
+        engine: Any
+        if kind == "training":
+            engine = get_training_engine(backend, spec)
+        elif kind == "rollout":
+            engine = get_rollout_engine(backend, spec)
+        else:
+            engine = get_reward_engine(backend, spec)
+        self.engines[role] = engine
+        info: dict[str, Any] = {"pid": os.getpid(), "capabilities": engine.capabilities}
+        if kind != "reward" and self.rank == 0:
+            info["tokenizer"] = engine.tokenizer
+        if kind == "rollout":
+            info["weight_dtype"] = engine.weight_dtype
+        return info
+
+    def _engine(self, role: str) -> Any:
+        try:
+            return self.engines[role]
+        except KeyError:
+            raise ConfigError(
+                f"worker group {self.group!r} rank {self.rank} hosts no engine for role {role!r} "
+                f"(it hosts: {', '.join(self.engines) or 'none'})"
+            ) from None
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of ``role``'s engine and return its result."""
+        return getattr(self._engine(role), method)(*args, **kwargs)
+
+    def attr(self, role: str, name: str) -> Any:
+        """Read attribute ``name`` of ``role``'s engine."""
+        return getattr(self._engine(role), name)
+
+    def forward(self, role: str, batch: TensorBatch, outputs: tuple[str, ...]) -> TensorBatch:
+        """The engine's forward, returning only the computed fields (the caller has the rest)."""
+        out: TensorBatch = self._engine(role).forward(batch, outputs)
+        return out.select(*outputs, extras=False)
+
+    def close_role(self, role: str) -> None:
+        """Close and forget ``role``'s engine."""
+        engine = self.engines.pop(role, None)
+        self._exports.pop(role, None)
+        if engine is not None:
+            engine.close()
+
+    # ------------------------------------------------------------------ weight streams
+    def export_open(self, role: str, dtype: torch.dtype | None, bucket_bytes: int, consumers: int) -> None:
+        """Start serving ``role``'s weight stream to ``consumers`` readers (see :meth:`export_next`)."""
+        stream = self._engine(role).export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
+        self._exports[role] = _Export(iter(stream), consumers)
+
+    def export_next(self, role: str, index: int) -> list[Any]:
+        """Message ``index`` of the open stream, as ``[ObjectRef]``.
+
+        Each message is put into the object store as soon as it is produced (a chunk is valid only
+        until the next one is requested, so it is copied at once) and dropped here once every
+        reader has taken it.
+        """
+        import ray
+
+        exp = self._exports.get(role)
+        if exp is None:
+            raise WeightSyncError(f"no weight stream of role {role!r} is open on rank {self.rank}")
+        while len(exp.produced) <= index:
+            if exp.done:
+                raise WeightSyncError(f"weight stream of role {role!r} ended before message {index}")
+            msg = next(exp.stream, None)
+            if msg is None:
+                exp.done = True
+                continue
+            exp.produced.append(ray.put(msg))
+            exp.taken.append(0)
+            exp.done = isinstance(msg, WeightCommit)
+        ref = exp.produced[index]
+        if ref is None:
+            raise WeightSyncError(f"message {index} of role {role!r}'s weight stream was already taken by every reader")
+        exp.taken[index] += 1
+        if exp.taken[index] >= exp.consumers:
+            exp.produced[index] = None
+        return [ref]
+
+    def export_finish(self, role: str) -> None:
+        """Run the open stream to its end (so peers in collectives finish) and close it."""
+        exp = self._exports.pop(role, None)
+        if exp is not None and not exp.done:
+            for _ in exp.stream:
+                pass
+
+    def export_drain(self, role: str, dtype: torch.dtype | None, bucket_bytes: int) -> None:
+        """Run ``role``'s export on a non-serving rank (its collectives pair with the serving rank's)."""
+        for _ in self._engine(role).export_weights(dtype=dtype, bucket_bytes=bucket_bytes):
+            pass
+
+    def update_from(self, role: str, source: Any, source_role: str, version: int) -> SyncReport:
+        """Pull ``source_role``'s open weight stream from worker ``source`` into ``role``'s engine."""
+        import time
+
+        import ray
+
+        t0 = time.perf_counter()
+        counted = [0, 0]
+
+        def pull() -> Iterator[WeightMessage]:
+            index = 0
+            while True:
+                [ref] = ray.get(source.export_next.remote(source_role, index))
+                msg: WeightMessage = ray.get(ref)
+                index += 1
+                if isinstance(msg, WeightManifest):
+                    msg = WeightManifest(version, msg.tensors, msg.tied_embeddings)
+                elif isinstance(msg, WeightChunk):
+                    counted[0] += len(msg.tensors)
+                    counted[1] += msg.nbytes
+                elif isinstance(msg, WeightCommit):
+                    yield WeightCommit(version)
+                    return
+                yield msg
+
+        self._engine(role).update_weights(pull())
+        return SyncReport(version, counted[0], counted[1], time.perf_counter() - t0)
+
+    def update_from_refs(self, role: str, refs: list[Any]) -> None:
+        """Apply a weight stream whose messages the controller put into the object store."""
+        import ray
+
+        self._engine(role).update_weights(ray.get(r) for r in refs)
+
+    def sync_local(
+        self, actor_role: str, rollout_role: str, actor_backend: str, rollout_backend: str, version: int
+    ) -> SyncReport:
+        """Sync this process's actor into its rollout engine (colocated roles), by the registry's path."""
+        from verl_core.registry import get_weight_sync
+
+        sync = get_weight_sync(actor_backend, rollout_backend)
+        report: SyncReport = sync.sync(self._engine(actor_role), self._engine(rollout_role), version=version)
+        return report
+
+    def pid(self) -> int:
+        """This worker's process id."""
+        return os.getpid()
