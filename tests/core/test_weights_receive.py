@@ -1,0 +1,95 @@
+"""The receiving side of the weight stream: fused finiteness check and the no-copy mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_core import (
+    TensorInfo,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+    WeightSyncError,
+    apply_weight_stream,
+    stream_weights,
+)
+from verl_core.weights import first_non_finite
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.weight": torch.randn(6, 5, generator=g),
+        "b.weight": torch.randn(7, generator=g).bfloat16(),
+        "c.weight": torch.randn(3, 4, generator=g),
+        "steps": torch.arange(4),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def manifest(sd: dict[str, torch.Tensor]) -> WeightManifest:
+    return WeightManifest(3, {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in sd.items()})
+
+
+def expected(sd: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
+    return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in sd.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["a.weight", "b.weight", "c.weight", None]),
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    st.integers(0, 5),
+)
+def test_first_non_finite_names_the_bad_tensor(bad: str | None, value: float, at: int) -> None:
+    sd = tensors()
+    if bad is not None:
+        flat = sd[bad].view(-1)
+        flat[at % flat.numel()] = value
+    assert first_non_finite(list(sd.items())) == bad
+
+
+def test_a_finite_tensor_whose_norm_overflows_is_accepted() -> None:
+    big = torch.full((64,), 3e37)  # every element finite; the sum of squares overflows float32
+    assert not bool(torch.isfinite(torch.linalg.vector_norm(big)))
+    assert first_non_finite([("big", big), ("small", torch.ones(2))]) is None
+    big[3] = float("nan")
+    assert first_non_finite([("small", torch.ones(2)), ("big", big)]) == "big"
+
+
+def test_no_copy_mode_hands_over_the_chunk_tensors() -> None:
+    sd = tensors()
+    seen: dict[str, torch.Tensor] = {}
+    apply_weight_stream(stream_weights(sd.items(), manifest(sd), bucket_bytes=64), expected(sd),
+                        lambda items: seen.update(items), copy=False)
+    assert seen.keys() == sd.keys()
+    for k, t in sd.items():
+        assert torch.equal(seen[k], t)
+        assert seen[k].numel() == 0 or seen[k].data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_chunk_with_a_non_finite_tensor_is_never_applied(copy: bool) -> None:
+    sd = tensors()
+    m = manifest(sd)
+    bad = dict(sd, **{"c.weight": sd["c.weight"].clone().fill_(float("inf"))})
+    chunk = WeightChunk(tuple(bad.items()))
+    applied: list[list[tuple[str, torch.Tensor]]] = []
+    with pytest.raises(WeightSyncError, match="'c.weight' holds NaN/inf"):
+        apply_weight_stream([m, chunk, WeightCommit(3)], expected(sd), applied.append, copy=copy)
+    assert applied == [], "no tensor of a chunk holding a non-finite value may be applied"
+
+
+def test_a_name_repeated_inside_one_chunk_is_rejected() -> None:
+    sd = tensors()
+    chunk = WeightChunk((*sd.items(), ("a.weight", sd["a.weight"])))
+    with pytest.raises(WeightSyncError, match="sent twice"):
+        apply_weight_stream([manifest(sd), chunk, WeightCommit(3)], expected(sd), lambda items: None)
+
+
+def test_tensor_info_bytes() -> None:
+    assert TensorInfo((3, 4), torch.bfloat16).nbytes == 24
+    assert TensorInfo((), torch.float64).nbytes == 8

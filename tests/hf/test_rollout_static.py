@@ -1,0 +1,141 @@
+"""The hf rollout engine's static-cache decode and its weight-update fast path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hf_helpers import actor_spec, model_path
+
+from verl_conformance.testkit import assert_close, random_batch
+from verl_core import (
+    ConfigError,
+    EngineSpec,
+    SamplingParams,
+    StaleWeightsError,
+    StreamWeightSync,
+    TensorBatch,
+    WeightChunk,
+    WeightMessage,
+    WeightSyncError,
+)
+from verl_hf.rollout import HFRolloutEngine, _Sampler, _StaticDecoder, sample_seed
+from verl_hf.training import HFTrainingEngine
+
+
+def engine(arch: str = "llama", tied: bool = False, **options: Any) -> HFRolloutEngine:
+    spec = EngineSpec(model_path=model_path(arch, tied), role="rollout", max_prompt_len=32, max_response_len=32,
+                      options=options)
+    return HFRolloutEngine(spec)
+
+
+def prompts(batch_size: int, seed: int) -> TensorBatch:
+    b = random_batch(batch_size=batch_size, max_prompt=8, max_response=1, seed=seed)
+    return b.select("prompt_ids", "prompt_mask", "group_ids")
+
+
+PARAMS = [
+    SamplingParams(n=2, max_new_tokens=10, seed=1),
+    SamplingParams(n=2, max_new_tokens=8, seed=2, temperature=0.7, top_k=20, top_p=0.9,
+                   stop_token_ids=tuple(range(4, 14))),
+    SamplingParams(max_new_tokens=9, greedy=True, temperature=1.3),
+]
+
+
+@pytest.mark.parametrize(("arch", "tied", "attn"), [("llama", False, "sdpa"), ("qwen3", True, "eager")])
+def test_static_cache_gives_the_dynamic_samples(arch: str, tied: bool, attn: str) -> None:
+    dynamic = engine(arch, tied, attn_implementation=attn)
+    static = engine(arch, tied, attn_implementation=attn, rollout_cache="static")
+    assert (dynamic.decode_mode, static.decode_mode) == ("dynamic", "static")
+    p = prompts(4, seed=5)
+    for params in PARAMS:
+        a, b = dynamic.generate(p, params), static.generate(p, params)
+        for field in ("response_ids", "response_mask", "truncated", "group_ids", "sample_index"):
+            assert torch.equal(a[field], b[field]), f"{field} differs between the dynamic and static caches"
+        assert_close(b["rollout_log_probs"], a["rollout_log_probs"], dtype="float32", quantity="log_probs")
+    stops = SamplingParams(max_new_tokens=6, seed=0, stop_token_ids=tuple(range(dynamic.tokenizer.vocab_size)))
+    one = static.generate(p, stops)
+    assert one.response_len == 1 and bool(one["response_mask"].all()) and not bool(one["truncated"].any())
+
+
+def test_static_rollout_log_probs_equal_the_trainer_s() -> None:
+    path = model_path("qwen2", True)
+    rollout = engine("qwen2", True, rollout_cache="static")
+    out = rollout.generate(prompts(3, seed=4), PARAMS[1])
+    lp = HFTrainingEngine(actor_spec(path)).forward(out, ["log_probs"])
+    assert_close(out["rollout_log_probs"], lp["log_probs"], dtype="float32", quantity="log_probs")
+
+
+def test_a_static_step_only_updates_tensors_in_place() -> None:
+    """What a CUDA graph replay needs: every input and output of a step lives in the same tensors."""
+    e = engine(rollout_cache="static")
+    chunk = prompts(3, seed=2).repeat_interleave(1)
+    seeds = [sample_seed(0, g, 0) for g in chunk["group_ids"].tolist()]
+    params = SamplingParams(max_new_tokens=6, seed=0)
+    sampler = _Sampler(params, e.tokenizer.pad_token_id, torch.tensor([e.tokenizer.eos_token_id]),
+                       e._uniforms(seeds, params))
+    with torch.no_grad():
+        decoder = _StaticDecoder(e.model, chunk, sampler, 6, eager_attention=False)
+        before = {k: (v, v.data_ptr(), v.clone()) for k, v in vars(decoder).items() if isinstance(v, torch.Tensor)}
+        decoder.step()
+    after = {k: v for k, v in vars(decoder).items() if isinstance(v, torch.Tensor)}
+    assert after.keys() == before.keys()
+    for k, (obj, ptr, _) in before.items():
+        assert after[k] is obj and after[k].data_ptr() == ptr, f"step replaced tensor {k}"
+    changed = {k for k, (_, _, old) in before.items() if not torch.equal(after[k], old)}
+    assert {"tok", "pos", "slot", "t", "out_tok", "out_mask", "out_lp"} <= changed
+
+
+def test_uniform_table_equals_one_draw_per_step() -> None:
+    e = engine()
+    seeds = [sample_seed(3, g, s) for g, s in [(0, 0), (0, 1), (5, 0)]]
+    table = e._uniforms(seeds, SamplingParams(max_new_tokens=7, seed=3))
+    assert table is not None and table.shape == (3, 7)
+    for row, s in enumerate(seeds):
+        g = torch.Generator().manual_seed(s)
+        steps = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for _ in range(7)])
+        assert torch.equal(table[row], steps)
+
+
+def test_decode_options_are_validated() -> None:
+    with pytest.raises(ConfigError, match="needs a static KV cache"):
+        engine(rollout_cuda_graphs=True)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        engine(rollout_cache="static", rollout_cuda_graphs=True)
+    with pytest.raises(ConfigError, match="rollout_cache must be"):
+        engine(rollout_cache="paged")
+
+
+def test_update_weights_copies_into_the_live_parameters() -> None:
+    path = model_path("llama", True)
+    rollout = engine("llama", True, rollout_cache="static")
+    actor = HFTrainingEngine(actor_spec(path))
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.mul_(1.01)
+    ptrs = {n: p.data_ptr() for n, p in rollout.model.named_parameters()}
+    StreamWeightSync(bucket_bytes=20_000).sync(actor, rollout, version=4)
+    assert rollout.weight_version == 4
+    assert {n: p.data_ptr() for n, p in rollout.model.named_parameters()} == ptrs
+    sent = dict(actor.model.named_parameters())
+    for name, p in rollout.model.named_parameters():
+        assert torch.equal(p, sent[name]), name
+    out = rollout.generate(prompts(2, seed=1), SamplingParams(max_new_tokens=4, seed=0))
+    lp = actor.forward(out, ["log_probs"])
+    assert_close(out["rollout_log_probs"], lp["log_probs"], dtype="float32", quantity="log_probs")
+
+    def poisoned() -> list[WeightMessage]:
+        msgs = list(actor.export_weights(bucket_bytes=20_000))
+        last = msgs[-2]
+        assert isinstance(last, WeightChunk)
+        name, t = last.tensors[-1]
+        msgs[-2] = WeightChunk((*last.tensors[:-1], (name, t.clone().fill_(float("nan")))))
+        return msgs
+
+    with pytest.raises(WeightSyncError, match="NaN/inf"):
+        rollout.update_weights(poisoned())
+    with pytest.raises(StaleWeightsError):
+        rollout.generate(prompts(1, seed=1), SamplingParams(max_new_tokens=2))
+    StreamWeightSync().sync(actor, rollout, version=5)
+    assert rollout.generate(prompts(1, seed=1), SamplingParams(max_new_tokens=2)).meta.weight_version == 5
