@@ -60,12 +60,12 @@ class EngineWorker:
         """Node id, node IP, process id and the GPU ids Ray gave this worker."""
         import ray
 
-        ctx = ray.get_runtime_context()
+        api: Any = ray  # parts of Ray's API are untyped
         return {
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "node_id": api.get_runtime_context().get_node_id(),
+            "ip": api.util.get_node_ip_address(),
             "pid": os.getpid(),
-            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "gpus": [str(g) for g in api.get_gpu_ids()],
         }
 
     def free_port(self) -> int:

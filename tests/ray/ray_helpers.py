@@ -1,0 +1,49 @@
+"""Helpers of the Ray executor tests: the GRPO demo config cut to a few steps, metric comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verl_core.trainer.config import RunConfig, load_config
+from verl_core.trainer.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "configs" / "grpo_demo.toml"
+STEPS = 3
+RAY_SPLIT = ("executor=ray", "ray.placement=split", "ray.num_cpus_per_worker=1")
+
+
+def demo_config(out: Path, *extra: str) -> RunConfig:
+    """The GRPO demo (batch and model as shipped) cut to :data:`STEPS` steps, writing to ``out``."""
+    return load_config(DEMO, [
+        f"steps={STEPS}", "logging.progress=false", "logging.plot=false", "checkpoint.every=0",
+        f"output_dir={json.dumps(str(out))}", *extra,
+    ])
+
+
+def train(cfg: RunConfig, *, resume: bool = False) -> list[dict[str, Any]]:
+    """Run ``cfg`` to the end and return the metrics of every step."""
+    with Trainer(cfg) as trainer:
+        return trainer.train(resume=resume)
+
+
+def comparable(m: dict[str, Any]) -> dict[str, Any]:
+    """The metrics that do not depend on timing."""
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def assert_same_metrics(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Per step: the same metric names, numbers equal within float tolerance, other values equal."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        g, w = comparable(g), comparable(w)
+        assert sorted(g) == sorted(w), f"step {step}: metric names differ"
+        for key, value in w.items():
+            if isinstance(value, float):
+                assert g[key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"step {step}: {key}"
+            else:
+                assert g[key] == value, f"step {step}: {key}"
