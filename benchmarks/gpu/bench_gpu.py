@@ -6,12 +6,17 @@ Sections (each prints a table and appends it to DIR/bench_gpu.md):
 * ``anchors``: bf16 matmul TFLOP/s and device-to-device copy TB/s (read + write);
 * ``train``: training tokens/s and MFU of a plain transformers loop, the verl-hf engine and the
   verl-megatron engine on the 0.89B Llama-shaped model (bf16, micro-batch 8 x 2048);
-* ``generate``: tokens/s of plain ``generate``, the verl-hf and the megatron rollout engines
-  (batch 64, 128-token prompts, 256 sampled tokens);
-* ``sync``: GB/s of a named-parameter copy against export_weights -> update_weights (canonical stream).
+* ``generate``: tokens/s of plain ``generate``, the verl-hf rollout engine with each decode mode
+  (dynamic KV cache, static KV cache, static KV cache + CUDA graphs) and the megatron rollout
+  engine (batch 64, 128-token prompts, 256 sampled tokens), plus how closely the CUDA-graph
+  samples match the eager static ones (same seed);
+* ``sync``: GB/s of a named-parameter copy against the canonical stream
+  (``StreamWeightSync``: export_weights -> update_weights) at two bucket sizes, and the export alone;
+  checks that the rollout's parameters equal the actor's afterwards.
 
 The model is random-initialised (hidden 2048, 16 layers, 16 heads, 8 KV groups, FFN 5632, vocab
-32000) and built once into DIR/model.
+32000) and built once next to DIR. ``--tiny`` swaps in a two-layer model and small batches, and
+``--device cpu`` runs everything on the CPU: a dry run of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import argparse
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -32,6 +39,7 @@ from verl_core import (
     OptimConfig,
     SamplingParams,
     StreamWeightSync,
+    SyncReport,
     TensorBatch,
     get_rollout_engine,
     get_training_engine,
@@ -42,7 +50,35 @@ PEAK_BF16 = 989e12  # H200 dense bf16 FLOP/s (datasheet)
 SPEC = TinyModelSpec(arch="llama", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
                      head_dim=128, intermediate_size=5632, vocab_size=32000, max_position=4096,
                      init_std=0.02, seed=0)
+TINY_SPEC = TinyModelSpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=32, intermediate_size=256, vocab_size=512, max_position=512, seed=0)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes of one run: the GPU sizes, or the tiny ones of a CPU dry run."""
+
+    spec: TinyModelSpec
+    train_mb: int
+    train_prompt: int
+    train_response: int
+    gen_batch: int
+    gen_prompt: int
+    gen_new: int
+    matmul: int
+    copy_bytes: int
+
+
+FULL = Sizes(SPEC, 8, 1024, 1024, 64, 128, 256, 8192, int(4e9))
+TINY = Sizes(TINY_SPEC, 2, 16, 16, 4, 8, 8, 256, int(4e6))
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
 LINES: list[str] = []
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def emit(line: str = "") -> None:
@@ -51,35 +87,43 @@ def emit(line: str = "") -> None:
 
 
 def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Mean seconds of ``fn`` over ``reps`` calls after ``warmup`` calls, device work included."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - t0) / reps
 
 
-def anchors() -> None:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+def free_memory() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def anchors(sz: Sizes) -> None:
+    n = sz.matmul
+    a = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(n, n, device=DEVICE, dtype=DTYPE)
     t = cuda_time(lambda: a @ b, 10, 3)
-    x = torch.empty(int(4e9) // 2, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(sz.copy_bytes // 2, device=DEVICE, dtype=DTYPE)
     y = torch.empty_like(x)
     tc = cuda_time(lambda: y.copy_(x), 10, 2)
     emit("| anchor | value |\n|---|---|")
-    emit(f"| bf16 matmul 8192^3 | {2 * 8192**3 / t / 1e12:.0f} TFLOP/s |")
-    emit(f"| device copy 4 GB (read+write) | {2 * x.numel() * 2 / tc / 1e12:.2f} TB/s |")
+    emit(f"| bf16 matmul {n}^3 | {2 * n**3 / t / 1e12:.0f} TFLOP/s |")
+    emit(f"| device copy {sz.copy_bytes / 1e9:g} GB (read+write) | {2 * x.numel() * 2 / tc / 1e12:.2f} TB/s |")
 
 
 def params_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_flops_per_token(n_params: int, seq: int) -> float:
+def train_flops_per_token(spec: TinyModelSpec, n_params: int, seq: int) -> float:
     # 6N for the dense matmuls plus causal attention scores and values: 6 * L * s * h (fwd+bwd, halved by the mask)
-    return 6 * n_params + 6 * SPEC.num_layers * seq * SPEC.num_heads * SPEC.head_dim
+    return 6 * n_params + 6 * spec.num_layers * seq * spec.num_heads * spec.head_dim
 
 
 def rl_batch(batch: int, prompt: int, response: int, vocab: int, device: str = "cpu") -> TensorBatch:
@@ -96,42 +140,52 @@ def rl_batch(batch: int, prompt: int, response: int, vocab: int, device: str = "
     return TensorBatch({k: v.to(device) for k, v in fields.items()}, meta=BatchMeta())
 
 
-def train(model_dir: Path, steps: int) -> None:
+def dtype_name() -> Literal["float32", "bfloat16"]:
+    return "bfloat16" if torch.bfloat16 == DTYPE else "float32"
+
+
+def plain_train(model_dir: Path, batch: TensorBatch, prompt: int, steps: int) -> tuple[float, int]:
+    """Tokens/s and parameter count of a plain transformers loop (sdpa, AdamW) on ``batch``."""
     import transformers
 
-    mb, prompt, response = 8, 1024, 1024
-    tokens = mb * (prompt + response)
-    batch = rl_batch(mb, prompt, response, SPEC.vocab_size)
-    rows: list[tuple[str, float]] = []
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE)
+    model.to(DEVICE)
     n_params = params_count(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).to(DEVICE)
     mask = torch.ones_like(ids, dtype=torch.bool)
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)
-    adv = batch["advantages"].cuda()
-    resp = batch["response_ids"].cuda()
+    adv = batch["advantages"].to(DEVICE)
+    resp = batch["response_ids"].to(DEVICE)
 
     def plain_step() -> None:
         logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
         lp = torch.log_softmax(logits[:, prompt - 1 : -1].float(), -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
         loss = -(lp * adv).mean()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    rows.append(("plain transformers", tokens / cuda_time(plain_step, steps)))
-    gc.collect()
-    torch.cuda.empty_cache()
+    return ids.numel() / cuda_time(plain_step, steps), n_params
+
+
+def train(model_dir: Path, sz: Sizes, steps: int) -> None:
+    mb, prompt, response = sz.train_mb, sz.train_prompt, sz.train_response
+    tokens = mb * (prompt + response)
+    batch = rl_batch(mb, prompt, response, sz.spec.vocab_size)
+    rows: list[tuple[str, float]] = []
+
+    tps, n_params = plain_train(model_dir, batch, prompt, steps)
+    rows.append(("plain transformers", tps))
+    free_memory()
 
     loss_fn = Algorithm.grpo(kl_loss_coef=0.0).actor_loss
     stats = GlobalBatchStats.of(batch)
     for backend in ("hf", "megatron"):
         try:
             engine = get_training_engine(backend, EngineSpec(
-                model_path=str(model_dir), role="actor", dtype="bfloat16", device="cuda",
+                model_path=str(model_dir), role="actor", dtype=dtype_name(), device=DEVICE,
                 max_prompt_len=prompt, max_response_len=response, micro_batch_size=mb,
                 optim=OptimConfig(lr=1e-6, grad_clip=1.0)))
 
@@ -144,25 +198,32 @@ def train(model_dir: Path, steps: int) -> None:
             del engine
         except Exception as e:  # report and go on: the table says what failed
             emit(f"verl-{backend} training failed: {type(e).__name__}: {e}")
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
 
-    flops = train_flops_per_token(n_params, prompt + response)
+    flops = train_flops_per_token(sz.spec, n_params, prompt + response)
     base = rows[0][1]
-    emit(f"\nTraining, {n_params / 1e9:.2f}B params, bf16, micro-batch {mb} x {prompt + response}, {steps} timed steps")
+    emit(f"\nTraining, {n_params / 1e9:.2f}B params, {dtype_name()}, micro-batch {mb} x {prompt + response}, "
+         f"{steps} timed steps")
     emit("| trainer | tokens/s | MFU | vs plain |\n|---|---|---|---|")
     for name, tps in rows:
         emit(f"| {name} | {tps:,.0f} | {tps * flops / PEAK_BF16:.1%} | {tps / base:.3f}x |")
 
 
-def generate(model_dir: Path) -> None:
+# The hf rollout's decode modes (HFOptions), each measured beside plain ``generate``.
+HF_DECODE_MODES: dict[str, dict[str, object]] = {
+    "dynamic KV cache": {},
+    "static KV cache": {"rollout_cache": "static"},
+    "static KV cache + CUDA graphs": {"rollout_cache": "static", "rollout_cuda_graphs": True},
+}
+
+
+def plain_generate(model_dir: Path, prompts: TensorBatch, new: int) -> float:
+    """Tokens/s of transformers' ``generate`` sampling exactly ``new`` tokens per prompt."""
     import transformers
 
-    batch, prompt, new = 64, 128, 256
-    prompts = rl_batch(batch, prompt, 1, SPEC.vocab_size).select("prompt_ids", "prompt_mask", "group_ids")
-    rows: list[tuple[str, float]] = []
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ids = prompts["prompt_ids"].cuda()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE)
+    model.to(DEVICE).eval()
+    ids = prompts["prompt_ids"].to(DEVICE)
 
     def plain() -> None:
         with torch.no_grad():
@@ -170,15 +231,27 @@ def generate(model_dir: Path) -> None:
                            max_new_tokens=new, min_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0,
                            pad_token_id=0)
 
-    rows.append(("plain generate", batch * new / cuda_time(plain, 2, 1)))
-    gc.collect()
-    torch.cuda.empty_cache()
+    return ids.shape[0] * new / cuda_time(plain, 2, 1)
+
+
+def generate(model_dir: Path, sz: Sizes) -> None:
+    batch, prompt, new = sz.gen_batch, sz.gen_prompt, sz.gen_new
+    prompts = rl_batch(batch, prompt, 1, sz.spec.vocab_size).select("prompt_ids", "prompt_mask", "group_ids")
+    rows: list[tuple[str, float, str]] = []
+    rows.append(("plain generate", plain_generate(model_dir, prompts, new), ""))
+    free_memory()
     params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
-    for backend in ("hf", "megatron"):
+    runs: list[tuple[str, dict[str, object]]] = [(f"verl-hf rollout, {k}", v) for k, v in HF_DECODE_MODES.items()]
+    if DEVICE != "cuda":
+        runs = [r for r in runs if not r[1].get("rollout_cuda_graphs")]
+    runs.append(("verl-megatron rollout", {}))
+    outputs: dict[str, TensorBatch] = {}
+    for name, options in runs:
+        backend = "megatron" if "megatron" in name else "hf"
         try:
             engine = get_rollout_engine(backend, EngineSpec(
-                model_path=str(model_dir), role="rollout", dtype="bfloat16", device="cuda",
-                max_prompt_len=prompt, max_response_len=new))
+                model_path=str(model_dir), role="rollout", dtype=dtype_name(), device=DEVICE,
+                max_prompt_len=prompt, max_response_len=new, options=options))
             out: list[TensorBatch] = []
 
             def run(engine: object = engine, out: list[TensorBatch] = out) -> None:
@@ -186,25 +259,49 @@ def generate(model_dir: Path) -> None:
 
             t = cuda_time(run, 2, 1)
             generated = int(out[-1]["response_mask"].sum())
-            rows.append((f"verl-{backend} rollout", generated / t))
+            outputs[name] = out[-1]
+            rows.append((name, generated / t, str(getattr(engine, "decode_mode", ""))))
             engine.close()
             del engine
         except Exception as e:
-            emit(f"verl-{backend} rollout failed: {type(e).__name__}: {e}")
-        gc.collect()
-        torch.cuda.empty_cache()
-    emit(f"\nGeneration, batch {batch}, {prompt}-token prompts, {new} sampled tokens, bf16")
-    emit("| generator | tokens/s | vs plain |\n|---|---|---|")
-    for name, tps in rows:
-        emit(f"| {name} | {tps:,.0f} | {tps / rows[0][1]:.2f}x |")
+            emit(f"{name} failed: {type(e).__name__}: {e}")
+        free_memory()
+    emit(f"\nGeneration, batch {batch}, {prompt}-token prompts, {new} sampled tokens, {dtype_name()}")
+    emit("| generator | tokens/s | vs plain | decode mode |\n|---|---|---|---|")
+    for name, tps, mode in rows:
+        emit(f"| {name} | {tps:,.0f} | {tps / rows[0][1]:.2f}x | {mode} |")
+    # Same seed, same weights: the graph replays the eager step's kernels, so samples should agree.
+    keys = [f"verl-hf rollout, {k}" for k in HF_DECODE_MODES]
+    for other in keys[1:]:
+        if keys[0] in outputs and other in outputs:
+            emit(f"{other} vs {keys[0]}: {agreement(outputs[keys[0]], outputs[other])}")
+    if keys[1] in outputs and keys[2] in outputs:
+        emit(f"{keys[2]} vs {keys[1]}: {agreement(outputs[keys[1]], outputs[keys[2]])}")
+
+
+def agreement(a: TensorBatch, b: TensorBatch) -> str:
+    """Share of identical responses and the largest log-prob gap over the tokens before any fork."""
+    n = a.batch_size
+    width = min(a.response_len, b.response_len)
+    ids_a, ids_b = a["response_ids"][:, :width], b["response_ids"][:, :width]
+    same_rows = sum(torch.equal(a.index([i]).trim()["response_ids"], b.index([i]).trim()["response_ids"])
+                    for i in range(n))
+    # Tokens up to (and including) the first differing one share their context.
+    prefix = (ids_a == ids_b).long().cumprod(1).bool()
+    prefix = prefix & a["response_mask"][:, :width] & b["response_mask"][:, :width]
+    gap = (a["rollout_log_probs"][:, :width] - b["rollout_log_probs"][:, :width]).abs()[prefix]
+    worst = float(gap.max()) if gap.numel() else 0.0
+    return f"{same_rows}/{n} responses identical, max |log-prob gap| {worst:.2e} over {int(prefix.sum())} shared tokens"
 
 
 def sync(model_dir: Path) -> None:
-    actor = get_training_engine("hf", EngineSpec(model_path=str(model_dir), role="actor", dtype="bfloat16",
-                                                 device="cuda"))
+    from verl_core import WeightChunk
+
+    actor = get_training_engine("hf", EngineSpec(model_path=str(model_dir), role="actor", dtype=dtype_name(),
+                                                 device=DEVICE))
     rollout = get_rollout_engine("hf", EngineSpec(model_path=str(model_dir), role="rollout",
-                                                  dtype="bfloat16", device="cuda"))
-    src = [p for p in actor._model.parameters()]  # type: ignore[attr-defined]
+                                                  dtype=dtype_name(), device=DEVICE))
+    src = [p.detach() for p in actor.model.parameters()]  # type: ignore[attr-defined]
     dst = [torch.empty_like(p) for p in src]
     nbytes = sum(p.numel() * p.element_size() for p in src)
 
@@ -213,37 +310,65 @@ def sync(model_dir: Path) -> None:
             d.copy_(s)
 
     t_copy = cuda_time(copy, 5)
-    reports = []
     version = [0]
+    rows: list[tuple[str, float, int]] = []
+    for bucket_mb in (256, 512):
+        reports: list[SyncReport] = []
 
-    def stream() -> None:
-        version[0] += 1
-        reports.append(StreamWeightSync(bucket_bytes=512 << 20).sync(actor, rollout, version=version[0]))
+        def stream(bucket: int = bucket_mb << 20, reports: list[SyncReport] = reports) -> None:
+            version[0] += 1
+            reports.append(StreamWeightSync(bucket_bytes=bucket).sync(actor, rollout, version=version[0]))
 
-    t_sync = cuda_time(stream, 3, 1)
-    emit(f"\nWeight sync actor -> rollout (hf -> hf), {nbytes / 1e9:.2f} GB bf16")
-    emit("| path | GB/s | vs copy |\n|---|---|---|")
-    emit(f"| named-parameter copy | {nbytes / t_copy / 1e9:.0f} | 1.00x |")
-    emit(f"| canonical stream (export -> update) | {reports[-1].bytes / t_sync / 1e9:.0f} | {t_copy / t_sync:.2f}x |")
+        t_sync = cuda_time(stream, 5, 2)
+        rows.append((f"canonical stream (export -> update_weights), {bucket_mb} MB buckets", t_sync,
+                     reports[-1].bytes))
+
+    def export() -> None:
+        for msg in actor.export_weights(dtype=rollout.weight_dtype, bucket_bytes=512 << 20):
+            if isinstance(msg, WeightChunk):
+                pass
+
+    rows.append(("export_weights alone (512 MB buckets)", cuda_time(export, 5), nbytes))
+    sent = dict(actor.model.named_parameters())  # type: ignore[attr-defined]
+    exact = all(torch.equal(p, sent[n]) for n, p in rollout.model.named_parameters())  # type: ignore[attr-defined]
+    emit(f"\nWeight sync actor -> rollout (hf -> hf), {nbytes / 1e9:.2f} GB {dtype_name()}; rollout weights "
+         f"equal the actor's after the sync: {exact}")
+    emit("| path | ms | GB/s | vs copy |\n|---|---|---|---|")
+    emit(f"| named-parameter copy | {t_copy * 1e3:.2f} | {nbytes / t_copy / 1e9:.0f} | 1.00x |")
+    for name, t, moved in rows:
+        emit(f"| {name} | {t * 1e3:.2f} | {moved / t / 1e9:.0f} | {t_copy / t:.2f}x |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    global DEVICE, DTYPE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sections", nargs="*", default=["anchors", "train", "generate", "sync"])
+    parser.add_argument("--sections", nargs="*", default=["anchors", "train", "generate", "sync"],
+                        choices=["anchors", "train", "generate", "sync"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model and small batches (dry run)")
     args = parser.parse_args()
+    DEVICE = args.device
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    sz = TINY if args.tiny else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.out.parent / "model-0.89b"
+    model_dir = args.out.parent / ("model-tiny" if args.tiny else "model-0.89b")
     if not (model_dir / "verl_tiny_model.json").exists():
         t0 = time.perf_counter()
-        build_tiny_model(model_dir, SPEC)
-        print(f"built the 0.89B model in {time.perf_counter() - t0:.0f}s", flush=True)
-    emit(f"# GPU benchmarks on {torch.cuda.get_device_name()} ({time.strftime('%Y-%m-%d')}, torch {torch.__version__})")
+        build_tiny_model(model_dir, sz.spec)
+        print(f"built the model in {time.perf_counter() - t0:.0f}s", flush=True)
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    emit(f"# GPU benchmarks on {where} ({time.strftime('%Y-%m-%d')}, torch {torch.__version__})")
+    sections: dict[str, Callable[[], None]] = {
+        "anchors": lambda: anchors(sz),
+        "train": lambda: train(model_dir, sz, args.steps),
+        "generate": lambda: generate(model_dir, sz),
+        "sync": lambda: sync(model_dir),
+    }
     for section in args.sections:
         t0 = time.perf_counter()
-        {"anchors": anchors, "train": lambda: train(model_dir, args.steps), "generate": lambda: generate(model_dir),
-         "sync": lambda: sync(model_dir)}[section]()
+        sections[section]()
         print(f"[{section} took {time.perf_counter() - t0:.0f}s]", flush=True)
         (args.out / "bench_gpu.md").write_text("\n".join(LINES) + "\n")
 

@@ -10,6 +10,7 @@ complete sync succeeds.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from abc import abstractmethod
@@ -108,6 +109,12 @@ def fusion_group(name: str) -> str:
 
     q/k/v projections of a layer share a key, as do gate/up; every other tensor is its own group.
     """
+    return _fusion_group(name)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fusion_group(name: str) -> str:
+    # Cached: every sync asks again for the same few hundred names.
     m = _LAYER_PART.match(name)
     if m is None:
         return name
