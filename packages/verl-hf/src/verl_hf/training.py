@@ -404,8 +404,8 @@ class HFTrainingEngine(TrainingEngine):
         return StepMetrics(grad_norm=float(norm), lr=lr, skipped=False)
 
     # ------------------------------------------------------------------ weights
-    def _full_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        state = self._model.state_dict()
+    def _full_tensors(self, state: dict[str, Tensor] | None = None) -> Iterator[tuple[str, Tensor]]:
+        state = self._model.state_dict() if state is None else state
         for name in self._names:
             t = state[name]
             full = getattr(t, "full_tensor", None)
@@ -425,7 +425,7 @@ class HFTrainingEngine(TrainingEngine):
             for n in self._names
         }
         manifest = WeightManifest(version=self._step, tensors=infos, tied_embeddings=self._tied)
-        return stream_weights(self._full_tensors(), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+        return stream_weights(self._full_tensors(state), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def _full_model_state(self) -> dict[str, Tensor]:
