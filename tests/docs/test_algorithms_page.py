@@ -1,0 +1,71 @@
+"""docs/algorithms.md lists every preset with exactly the options and defaults its constructor takes."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+from verl_core.algorithms import PRESETS, Algorithm
+from verl_core.algorithms.config import AGG_MODES, KL_ESTIMATORS
+from verl_core.registry import get_registry
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
+_OPTION = re.compile(r"`(\w+)=([^`]*)`")
+
+
+def preset_rows() -> dict[str, str]:
+    """Preset name -> the options cell of the table under '## Presets and their options'."""
+    text = PAGE.read_text(encoding="utf-8").partition("## Presets and their options\n")[2]
+    assert text, "docs/algorithms.md lost its '## Presets and their options' section"
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"\|\s*`(\w+)`\s*\|(.*)\|\s*$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+        elif rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def signature_options(preset: str) -> dict[str, Any]:
+    """Keyword options (name -> default) of the preset's constructor, as the trainer accepts them."""
+    factory = Algorithm.reinforce_pp if preset == "reinforce_pp_baseline" else getattr(Algorithm, preset)
+    params = inspect.signature(factory).parameters
+    return {k: p.default for k, p in params.items()
+            if k != "kwargs" and not (preset == "reinforce_pp_baseline" and k == "baseline")}
+
+
+def test_every_preset_has_a_row() -> None:
+    """The table has a row per preset, plus the trainer's dapo and grpo_token."""
+    assert set(preset_rows()) == {*PRESETS, "dapo", "grpo_token"}
+
+
+def test_rows_match_the_constructors() -> None:
+    """Each row names every option with its default, in order, and nothing else."""
+    rows = preset_rows()
+    for preset in PRESETS:
+        documented = [(k, ast.literal_eval(v.replace("null", "None"))) for k, v in _OPTION.findall(rows[preset])]
+        actual = list(signature_options(preset).items())
+        assert documented == actual, (
+            f"docs/algorithms.md row {preset!r} is stale:\n page: {documented}\n code: {actual}"
+        )
+
+
+def test_named_components_exist() -> None:
+    """Every aggregation mode, KL estimator and built-in loss the page names is registered."""
+    text = PAGE.read_text(encoding="utf-8")
+    registry = get_registry()
+    for mode in AGG_MODES:
+        assert f"`{mode}`" in text, f"aggregation mode {mode!r} is not documented"
+    for name in ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"):
+        assert name in KL_ESTIMATORS and f"`{name}`" in text
+        registry.component("kl", name)
+    for loss in ("ppo", "gspo", "cispo", "reinforce", "importance_sampling"):
+        registry.component("policy_loss", loss)
+        assert f"| `{loss}` |" in text, f"policy loss {loss!r} has no row"
+    for est in ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"):
+        registry.component("advantage", est)
+        assert f"| `{est}` |" in text, f"advantage estimator {est!r} has no row"
