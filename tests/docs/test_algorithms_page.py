@@ -69,3 +69,15 @@ def test_named_components_exist() -> None:
     for est in ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"):
         registry.component("advantage", est)
         assert f"| `{est}` |" in text, f"advantage estimator {est!r} has no row"
+
+
+def test_config_keys_match_the_run_config() -> None:
+    """The page's key table names every field of the ``[algorithm]`` section, and only those."""
+    import dataclasses
+
+    from verl_core.trainer.config import AlgorithmConfig
+
+    text = PAGE.read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `algorithm\.(\w+)` \|", text, flags=re.MULTILINE))
+    fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    assert documented == fields, f"[algorithm] keys: page {sorted(documented)}, RunConfig {sorted(fields)}"
