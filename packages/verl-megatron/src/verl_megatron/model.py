@@ -152,8 +152,13 @@ def build_stage(
     device: torch.device,
     recompute: bool = False,
     attention: AttentionKind = "local",
+    pg_collection: Any = None,
 ) -> Any:
-    """This rank's GPTModel stage (local layer spec, optionally SDPA core attention), weights uninitialised."""
+    """This rank's GPTModel stage (local layer spec, optionally SDPA core attention), weights uninitialised.
+
+    ``pg_collection`` (a megatron ``ProcessGroupCollection``) gives the model its own process
+    groups; None uses Megatron's global parallel state.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -172,6 +177,7 @@ def build_stage(
         share_embeddings_and_output_weights=dims.tied,
         position_embedding_type="rope",
         rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
+        pg_collection=pg_collection,
     )
     if dims.head == "value" and pp_rank == pp - 1:
         model.output_layer = ValueHead(dims.hidden_size, dtype)

@@ -22,13 +22,22 @@ class MegatronOptions:
             (every rank yields the full stream; each must consume it) or ``first`` (global rank 0
             yields the stream, the others only take part in the gathers and yield nothing but the
             manifest and the commit).
+        during_rollout: What an actor's optimizer state and gradients do while a colocated rollout
+            runs (applied by the direct weight sync, undone by the next training call): ``keep``
+            them in place or ``offload`` them to CPU memory (on a CPU-only machine the move is a
+            no-op that is still performed and timed).
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
     export_ranks: Literal["all", "first"] = "all"
+    during_rollout: Literal["keep", "offload"] = "keep"
 
     def __post_init__(self) -> None:
         if self.attention not in ("sdpa", "local"):
             raise ConfigError(f"megatron option attention must be 'sdpa' or 'local', got {self.attention!r}")
         if self.export_ranks not in ("all", "first"):
             raise ConfigError(f"megatron option export_ranks must be 'all' or 'first', got {self.export_ranks!r}")
+        if self.during_rollout not in ("keep", "offload"):
+            raise ConfigError(
+                f"megatron option during_rollout must be 'keep' or 'offload', got {self.during_rollout!r}"
+            )

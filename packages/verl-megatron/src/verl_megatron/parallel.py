@@ -4,6 +4,12 @@
 ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` as set by torchrun), initialises
 torch.distributed (gloo on CPU, nccl on GPU) and Megatron's tensor/pipeline/data-parallel groups.
 Without a launcher it starts a single-process group, so TP=PP=DP=1 runs in a plain ``python``.
+
+Megatron's global parallel state holds one layout per process. A rollout engine colocated with a
+training engine of another layout (e.g. training TP=2 x PP=2, rollout TP=1 on the same 4 ranks)
+gets its own groups from :func:`rollout_groups`: tensor-parallel groups of consecutive ranks and
+single-rank pipeline/context/embedding groups, passed to its GPTModel as a
+``ProcessGroupCollection``. Build the training engine first: it owns the global state.
 """
 
 from __future__ import annotations
@@ -11,13 +17,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from verl_core import ConfigError, ParallelSizes
 
-__all__ = ["ParallelConfig", "ParallelState", "init_distributed"]
+__all__ = ["ParallelConfig", "ParallelState", "RolloutGroups", "init_distributed", "rollout_groups"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,8 @@ def init_distributed(config: ParallelConfig, *, device: str = "auto", seed: int 
             raise ConfigError(
                 f"Megatron's parallel state is already initialised with tp={have[0]}, pp={have[1]}; "
                 f"this process cannot also run tp={state.tp}, pp={state.pp}. Use one layout per "
-                "process group"
+                "process group (a rollout engine of another layout builds its own groups when the "
+                "training engine is built first)"
             )
         return state
     ps.initialize_model_parallel(
@@ -158,3 +166,79 @@ def init_distributed(config: ParallelConfig, *, device: str = "auto", seed: int 
     # (dropout is off in these models, so no RNG stream is consumed inside the forks).
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda)
     return state
+
+
+@dataclass(frozen=True)
+class RolloutGroups:
+    """The tensor-parallel layout of a rollout engine (pp = 1) and the groups its model uses.
+
+    Attributes:
+        tp: Tensor-parallel size.
+        dp: Replicas (``world_size // tp``).
+        tp_rank: This rank's place in its tensor-parallel group.
+        tp_group: The tensor-parallel group.
+        pg_collection: A megatron ``ProcessGroupCollection`` for the model, or None when Megatron's
+            global parallel state already has this layout.
+    """
+
+    tp: int
+    dp: int
+    tp_rank: int
+    tp_group: Any
+    pg_collection: Any
+
+
+_ROLLOUT_GROUPS: dict[int, RolloutGroups] = {}
+
+
+def rollout_groups(sizes: ParallelSizes, *, device: str = "auto", seed: int = 0) -> RolloutGroups:
+    """The process groups of a rollout engine with ``sizes.tp`` (pp must be 1) on every rank.
+
+    When torch.distributed or Megatron's parallel state is not yet initialised, this initialises
+    them with the rollout's layout (:func:`init_distributed`). When Megatron's state already holds
+    another layout (a colocated training engine), it builds (once per process and tp, collectively
+    on every rank) tensor-parallel groups of consecutive ranks plus single-rank groups for the
+    other dimensions, so the rollout model never touches the training engine's groups.
+
+    Raises:
+        ConfigError: pp is not 1, or ``tp * dp`` does not match the world size.
+    """
+    if sizes.pp != 1:
+        raise ConfigError(f"a rollout layout has pp=1 (tensor parallel only), got pp={sizes.pp}")
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        state = init_distributed(ParallelConfig.from_sizes(sizes), device=device, seed=seed)
+        return RolloutGroups(state.tp, state.dp, ps.get_tensor_model_parallel_rank(),
+                             ps.get_tensor_model_parallel_group(), None)
+    world = dist.get_world_size()
+    if sizes.tp * sizes.dp != world:
+        raise ConfigError(
+            f"rollout tp={sizes.tp} x dp={sizes.dp} needs {sizes.tp * sizes.dp} processes, but the "
+            f"world size is {world}; set dp={world // sizes.tp if world % sizes.tp == 0 else '?'} "
+            f"(replicas) and a tp that divides {world}"
+        )
+    if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (sizes.tp, 1):
+        return RolloutGroups(sizes.tp, sizes.dp, ps.get_tensor_model_parallel_rank(),
+                             ps.get_tensor_model_parallel_group(), None)
+    cached = _ROLLOUT_GROUPS.get(sizes.tp)
+    if cached is not None:
+        return cached
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    rank = dist.get_rank()
+    tp_group: Any = None
+    for start in range(0, world, sizes.tp):
+        group = dist.new_group(list(range(start, start + sizes.tp)))
+        if start <= rank < start + sizes.tp:
+            tp_group = group
+    single: Any = None
+    for r in range(world):
+        group = dist.new_group([r])
+        if r == rank:
+            single = group
+    pgs = ProcessGroupCollection(tp=tp_group, pp=single, cp=single, tp_cp=tp_group, mp=tp_group,
+                                 embd=single, pos_embd=single, dp=single, hcp=[single])
+    groups = RolloutGroups(sizes.tp, sizes.dp, rank % sizes.tp, tp_group, pgs)
+    _ROLLOUT_GROUPS[sizes.tp] = groups
+    return groups

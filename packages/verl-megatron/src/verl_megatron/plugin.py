@@ -11,6 +11,7 @@ from verl_core import (
 )
 from verl_core.capabilities import Capabilities
 from verl_core.engine import Role
+from verl_core.weights import WeightSync
 
 _TRAINING = "verl_megatron.training:build_training_engine"
 _ROLLOUT = "verl_megatron.rollout:build_rollout_engine"
@@ -69,3 +70,13 @@ def verl_backend() -> BackendSpec:
         config_class="verl_megatron.options:MegatronOptions",
         description="megatron-core GPTModel (local layer spec): TP/PP/DP training, TP rollout",
     )
+
+
+@hookimpl
+def verl_weight_sync(source: str, target: str) -> WeightSync | None:
+    """The direct megatron -> megatron path (colocated resharding); None for every other pair."""
+    if source == "megatron" and target == "megatron":
+        from verl_megatron.reshard import MegatronDirectSync
+
+        return MegatronDirectSync()
+    return None

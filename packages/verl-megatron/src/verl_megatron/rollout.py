@@ -46,7 +46,7 @@ from verl_core.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
-from verl_megatron.parallel import ParallelConfig, init_distributed
+from verl_megatron.parallel import rollout_groups
 from verl_megatron.plugin import rollout_capabilities
 from verl_megatron.tokenizer import HFTokenizer
 
@@ -85,7 +85,9 @@ class MegatronRolloutEngine(RolloutEngine):
     """Generates responses with a megatron-core GPTModel under tensor parallelism (pp must be 1).
 
     Every rank of the group builds the engine with the same spec and calls ``generate`` with the
-    same prompts; every rank returns the same batch.
+    same prompts; every rank returns the same batch. ``spec.parallel`` is ``tp`` x ``dp``
+    replicas; colocated with a training engine of another layout (built first), the engine uses
+    its own process groups (:func:`verl_megatron.parallel.rollout_groups`).
 
     Args:
         spec: The engine spec (role rollout).
@@ -108,23 +110,21 @@ class MegatronRolloutEngine(RolloutEngine):
             self._device = torch.device("cpu")
         else:
             raise ConfigError(f"EngineSpec.device must be 'cpu' or an available 'cuda[:N]', got {spec.device!r}")
-        state = init_distributed(ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed)
-        from megatron.core import parallel_state as ps
-
-        self._ps = ps
-        self.tp = state.tp
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        groups = rollout_groups(spec.parallel, device=self._device.type, seed=spec.seed)
+        self.tp = groups.tp
+        self.tp_rank = groups.tp_rank
+        self._tp_group = groups.tp_group
         self.dims = model_dims(spec.model_path, "lm")
         self.dims.check_parallel(self.tp, 1)
         self.adapter = StateDictAdapter(self.dims)
         self._dtype: torch.dtype = spec.torch_dtype
         self.model = build_stage(self.dims, tp=self.tp, pp=1, pp_rank=0, dtype=self._dtype, device=self._device,
-                                 attention=self._options.attention)
+                                 attention=self._options.attention, pg_collection=groups.pg_collection)
         full = self.adapter.from_hf(load_hf_state_dict(spec.model_path))
         load_stage_weights(self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=0, pp=1)
         self.model.requires_grad_(False)
         self.model.eval()
-        self._tokenizer = HFTokenizer(spec.model_path)
+        self._tokenizer: Tokenizer = HFTokenizer(spec.model_path)
         self._version = 0
         self._stale = False
 
@@ -224,7 +224,7 @@ class MegatronRolloutEngine(RolloutEngine):
         if self.tp == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local, group=self._ps.get_tensor_model_parallel_group())
+        dist.all_gather(parts, local, group=self._tp_group)
         return torch.cat(parts, -1)
 
     @torch.no_grad()
@@ -290,6 +290,19 @@ class MegatronRolloutEngine(RolloutEngine):
         if pending:
             raise StaleWeightsError(f"weight stream left Megatron tensors unset: {sorted(pending)[:3]}")
         self._version = manifest.version
+        self._stale = False
+
+    def shard_parameters(self) -> dict[str, Tensor]:
+        """This rank's parameters by Megatron global name (pp = 1: the model's own names)."""
+        return dict(self.model.named_parameters())
+
+    def begin_weight_update(self) -> None:
+        """Mark the engine stale before its parameters are written in place (direct weight sync)."""
+        self._stale = True
+
+    def commit_weight_update(self, version: int) -> None:
+        """Serve the parameters written since :meth:`begin_weight_update` as ``version``."""
+        self._version = version
         self._stale = False
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -125,6 +126,8 @@ class MegatronTrainingEngine(TrainingEngine):
         self._tokenizer = HFTokenizer(spec.model_path)
         self._trainable = spec.role in ("actor", "critic")
         self._step = 0
+        self._state_offloaded = False
+        self._offload_s = 0.0  # time of the last switch to rollout, reported with the switch back
         self.optimizer: torch.optim.Optimizer | None = None
         if self._trainable:
             o = spec.optim
@@ -169,6 +172,11 @@ class MegatronTrainingEngine(TrainingEngine):
     def tokenizer(self) -> Tokenizer:
         """Tokenizer of the model folder."""
         return self._tokenizer
+
+    @property
+    def options(self) -> MegatronOptions:
+        """The validated backend options of the spec."""
+        return self._options
 
     @property
     def step(self) -> int:
@@ -353,6 +361,7 @@ class MegatronTrainingEngine(TrainingEngine):
         self._validate(mini_batch, "MegatronTrainingEngine.forward_backward", needed)
         if mini_batch.batch_size == 0:
             raise BatchValidationError("forward_backward got an empty mini-batch; every data-parallel rank needs >= 1 sample")
+        onload_s = self._ensure_onloaded()
         preps, _ = self._micro_batches(mini_batch)
         n_mb = torch.tensor([len(preps)], dtype=torch.int64, device=self._device)
         if self.dp > 1:
@@ -377,7 +386,11 @@ class MegatronTrainingEngine(TrainingEngine):
         self.model.train()
         stored = self._run(preps, loss_of, forward_only=False)
         self._sync_grads()
-        return self._reduce_metrics(stored, len(preps))
+        metrics = self._reduce_metrics(stored, len(preps))
+        if onload_s is not None:
+            metrics["switch_to_rollout_s"] = self._offload_s
+            metrics["switch_to_training_s"] = onload_s
+        return metrics
 
     def _reduce_metrics(self, stored: list[dict[str, Tensor]], n_mb: int) -> Metrics:
         keys: list[str] = sorted({k for d in stored for k in d}) if self.pp_rank == self.pp - 1 else []
@@ -435,6 +448,7 @@ class MegatronTrainingEngine(TrainingEngine):
         """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
         if self.optimizer is None:
             raise ConfigError(f"optimizer_step needs role actor or critic; this engine is {self._spec.role}")
+        self._ensure_onloaded()
         norm = self.grad_norm()
         bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(norm)) else 1.0], device=self._device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -537,6 +551,7 @@ class MegatronTrainingEngine(TrainingEngine):
         folder and swaps it into place, so a crash leaves the previous checkpoint intact. A
         collective: every rank must call it.
         """
+        self._ensure_onloaded()
         dest = Path(path)
         rank0 = dist.get_rank() == 0
         model: dict[str, Tensor] = {}
@@ -587,6 +602,7 @@ class MegatronTrainingEngine(TrainingEngine):
         folder = Path(path)
         if not (folder / _CKPT_META).exists() or not (folder / _CKPT_STATE).exists():
             raise ConfigError(f"{folder} is not a verl-megatron checkpoint (expected {_CKPT_META} and {_CKPT_STATE})")
+        self._ensure_onloaded()
         payload = torch.load(folder / _CKPT_STATE, map_location="cpu", weights_only=True)
         names = set(self.adapter.megatron_names())
         if set(payload["model"]) != names:
@@ -615,6 +631,73 @@ class MegatronTrainingEngine(TrainingEngine):
         torch.set_rng_state(payload["rng"])
         self._step = int(payload["step"])
         dist.barrier()
+
+    # ------------------------------------------------------------------ colocated switching
+    def stage_parameters(self) -> dict[str, Tensor]:
+        """This rank's parameter shards by Megatron global name (each tensor of its stage once).
+
+        The last stage's copy of a tied embedding is left out: the first stage's is the source.
+        """
+        params = dict(self.model.named_parameters())
+        return {g: params[local] for g, local in self.adapter.stage_names(self.pp_rank, self.pp)
+                if local == self.adapter.local_name(g, self.pp)}
+
+    @property
+    def training_state_offloaded(self) -> bool:
+        """Whether optimizer state and gradients are in CPU memory (see :meth:`offload_training_state`)."""
+        return self._state_offloaded
+
+    def _move_training_state(self, device: torch.device) -> int:
+        """Move gradients and optimizer state tensors to ``device``; returns the bytes moved."""
+        moved = 0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                moved += p.grad.numel() * p.grad.element_size()
+                p.grad = p.grad.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and key != "step":
+                        moved += value.numel() * value.element_size()
+                        state[key] = value.to(device)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return moved
+
+    def offload_training_state(self) -> float:
+        """Move optimizer state and pending gradients to CPU memory while a colocated rollout runs.
+
+        The parameters stay (``forward`` keeps working); the next ``forward_backward``,
+        ``optimizer_step`` or checkpoint call moves the state back first, and that
+        ``forward_backward``'s metrics carry both switch times (``switch_to_rollout_s``,
+        ``switch_to_training_s``). On a CPU device the move is a no-op ``.to("cpu")``,
+        performed and timed all the same.
+
+        Returns:
+            Seconds the switch took.
+        """
+        t0 = time.perf_counter()
+        if not self._state_offloaded:
+            self._move_training_state(torch.device("cpu"))
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._state_offloaded = True
+        self._offload_s = time.perf_counter() - t0
+        return self._offload_s
+
+    def onload_training_state(self) -> float:
+        """Undo :meth:`offload_training_state`; returns the seconds the switch took."""
+        t0 = time.perf_counter()
+        if self._state_offloaded:
+            self._move_training_state(self._device)
+            self._state_offloaded = False
+        return time.perf_counter() - t0
+
+    def _ensure_onloaded(self) -> float | None:
+        """Switch back to training if the state is offloaded; the seconds it took, or None."""
+        if not self._state_offloaded:
+            return None
+        return self.onload_training_state()
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:
