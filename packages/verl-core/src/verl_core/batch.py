@@ -498,8 +498,8 @@ class TensorBatch(Mapping[str, Tensor]):
 
         Re-checks the structure (names, ranks, dtypes, devices, shared dims: a batch assembled
         without validation is caught here too), then that float fields are finite, prompt masks are
-        left-padded and response masks right-padded, ids lie in ``[0, vocab_size)`` when given, and
-        ``group_ids`` are not negative. Returns the batch itself so calls chain.
+        left-padded and response masks right-padded, every prompt has at least one token, ids lie in
+        ``[0, vocab_size)`` when given, and ``group_ids`` are not negative. Returns the batch itself so calls chain.
 
         Raises:
             NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
@@ -530,6 +530,14 @@ class TensorBatch(Mapping[str, Tensor]):
                         f"expected ids in [0, {vocab_size if vocab_size is not None else 'vocab'})"
                     )
         _check_padding_side(self._tensors.get("prompt_mask"), "prompt_mask", left=True, where=where)
+        pm = self._tensors.get("prompt_mask")
+        if pm is not None and self._size and (pm.shape[1] == 0 or not bool(pm[:, -1].all())):
+            # the first response token is read from the logits of the last prompt token
+            row = 0 if pm.shape[1] == 0 else int((~pm[:, -1]).nonzero()[0])
+            raise BatchValidationError(
+                f"{where}: sample {row} has an empty prompt; every sample needs at least one real "
+                "prompt token (prompt_mask left-padded and ending in True)"
+            )
         _check_padding_side(self._tensors.get("response_mask"), "response_mask", left=False, where=where)
         if "group_ids" in self._tensors and self._size and int(self._tensors["group_ids"].min()) < 0:
             raise BatchValidationError(f"{where}: group_ids must be >= 0")

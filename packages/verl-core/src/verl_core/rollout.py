@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,14 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "max_new_tokens", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"SamplingParams.{name} must be an integer, got {value!r}")
         if not self.temperature > 0:
             raise ConfigError(
                 f"SamplingParams.temperature must be > 0 (use greedy=True for argmax), got {self.temperature}"

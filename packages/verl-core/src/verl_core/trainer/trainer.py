@@ -686,7 +686,7 @@ class Trainer:
         metrics = self.out / "metrics.jsonl"
         if metrics.is_file():
             kept = [ln for ln in _json_lines(metrics) if json.loads(ln)["step"] <= self.step]
-            metrics.write_text("".join(ln + "\n" for ln in kept))
+            _replace_text(metrics, "".join(ln + "\n" for ln in kept))
             self.history = [json.loads(ln) for ln in kept]
         plan = self.out / "scheduler_plan.jsonl"
         if plan.is_file():
@@ -701,7 +701,7 @@ class Trainer:
                     kept_plan.append(ln)
             for role, decisions in by_role.items():
                 self.schedulers[role].add_replay(decisions)
-            plan.write_text("".join(ln + "\n" for ln in kept_plan))
+            _replace_text(plan, "".join(ln + "\n" for ln in kept_plan))
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
@@ -711,7 +711,7 @@ class Trainer:
         """
         self.setup()
         cfg = self.config
-        (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+        _replace_text(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
         if resume:
             ckpt = latest_checkpoint(self.out)
             if ckpt is None:
@@ -777,6 +777,13 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write a file atomically (a process killed meanwhile leaves the old or the new content)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _json_lines(path: Path) -> list[str]:
