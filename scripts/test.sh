@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run every check: ruff, mypy --strict, then the test phases, timing each.
-# Usage: scripts/test.sh [phase ...]   phases: setup lint core hf megatron vllm conformance trainer docs packaging
+# Usage: scripts/test.sh [phase ...]   phases: setup lint core hf megatron vllm conformance trainer ray docs packaging
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,7 +9,7 @@ export PYTHONHASHSEED=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 REPORTS=$(mktemp -d)
 PHASES=("$@")
-[ ${#PHASES[@]} -gt 0 ] || PHASES=(setup lint core hf megatron vllm conformance trainer docs packaging)
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(setup lint core hf megatron vllm conformance trainer ray docs packaging)
 failed=()
 
 run_phase() {
@@ -26,6 +26,15 @@ pytest_phase() {  # pytest_phase NAME PATH...: run the tests under the paths tha
   for p in "$@"; do [ -e "$p" ] && paths+=("$p"); done
   if [ ${#paths[@]} -eq 0 ]; then echo "no tests for $name yet"; return 0; fi
   python -m pytest -q "${paths[@]}" --junitxml="$REPORTS/$name.xml"
+}
+
+ray_phase() {  # the Ray executor on a local 2-CPU cluster; installs verl-core's ray extra if setup did not
+  if ! python -c "import ray" 2>/dev/null; then
+    echo "ray phase: ray is not installed; installing verl-core's ray extra first (counted in this phase)"
+    python -c 'import tomllib; print(*tomllib.load(open("packages/verl-core/pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"], sep="\n")' |
+      xargs python -m pip install -q --disable-pip-version-check || return 1
+  fi
+  RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0 pytest_phase ray tests/ray
 }
 
 lint() {
@@ -45,6 +54,7 @@ for phase in "${PHASES[@]}"; do
     hf|megatron|vllm) run_phase "$phase" pytest_phase "$phase" "tests/$phase" ;;
     conformance) run_phase conformance pytest_phase conformance tests/conformance ;;
     trainer) run_phase trainer pytest_phase trainer tests/trainer tests/examples ;;
+    ray) run_phase ray ray_phase ;;
     docs) run_phase docs pytest_phase docs tests/docs ;;  # mkdocs build --strict + runnable blocks
     packaging) run_phase packaging bash scripts/check_wheels.sh ;;
     *) echo "unknown phase $phase"; failed+=("$phase") ;;
