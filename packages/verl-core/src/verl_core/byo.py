@@ -115,7 +115,6 @@ def finish_responses(
     first = torch.where(is_stop, cols, width).amin(1) if width else torch.zeros(rows, dtype=torch.int64)
     mask = cols <= first.unsqueeze(1)
     truncated = first >= width
-    mask = mask & (cols < width)
     ids = torch.where(mask, ids, pad_id)
     bad = mask & ((ids < 0) | (ids >= vocab_size))
     if bool(bad.any()):
