@@ -143,3 +143,11 @@ def test_protocol_row_refuses_incompatible_backends() -> None:
     assert protocol_compatible(f"{major}.{minor}")
     assert not protocol_compatible(f"{major}.{minor + 1}")
     assert not protocol_compatible(f"{major + 1}.0")
+
+
+def test_extras_table_matches_verl_core() -> None:
+    """The extras table lists verl-core's user-facing extras with their requirements."""
+    _, extras = requirements("verl-core")
+    rows = {r["extra"].strip("`"): r["requires"] for r in table("Optional extras of verl-core")}
+    want = {name: ", ".join(str(r) for r in reqs) for name, reqs in extras.items() if name != "dev"}
+    assert rows == want, f"docs/compatibility.md extras are stale: page {rows}, pyproject {want}"
