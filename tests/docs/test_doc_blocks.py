@@ -160,3 +160,16 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "api" / "core" / "index.html").is_file()
     html = (tmp_path / "site" / "api" / "core" / "index.html").read_text()
     assert "verl_core.batch.TensorBatch" in html, "the API reference did not render TensorBatch"
+
+
+@pytest.mark.parametrize("page", ["quickstart.md", "algorithms.md"])
+def test_run_config_examples_are_valid(page: str) -> None:
+    """The TOML run configs shown on these pages load as a RunConfig (no unknown key or bad value)."""
+    import tomllib
+
+    from verl_core.trainer.config import config_from_dict
+
+    blocks = [b for b in parse_blocks(DOCS / page) if b.language == "toml"]
+    assert blocks, f"{page} has no TOML example any more; drop it from this test"
+    for b in blocks:
+        config_from_dict(tomllib.loads(b.code))
