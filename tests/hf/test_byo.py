@@ -100,3 +100,20 @@ def test_bad_own_generation_and_bad_models_are_rejected() -> None:
         out_of_vocab.generate(_prompts(out_of_vocab), SamplingParams(max_new_tokens=4))
     with pytest.raises(ConfigError, match="transformers causal LM"):
         rollout_from_model(torch.nn.Linear(2, 2), tok)
+
+
+def test_weight_stream_into_a_model_object_matches_the_folder_engine() -> None:
+    from verl_conformance.testkit import TinyModelSpec, tiny_model
+    from verl_core import TensorInfo, WeightManifest, stream_weights
+
+    other = tiny_model(TinyModelSpec(seed=1))
+    theirs = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).state_dict()
+    mine = rollout_from_model(_model(), AutoTokenizer.from_pretrained(model_path()), max_response_len=8)
+    manifest = WeightManifest(4, {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in theirs.items()})
+    mine.update_weights(stream_weights(theirs.items(), manifest, bucket_bytes=100_000))
+    assert mine.weight_version == 4
+    folder = HFRolloutEngine(EngineSpec(model_path=str(other), role="rollout", max_response_len=8))
+    params = SamplingParams(max_new_tokens=5, n=2, seed=9)
+    a, b = folder.generate(_prompts(folder), params), mine.generate(_prompts(mine), params)
+    assert torch.equal(a["response_ids"], b["response_ids"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6, rtol=0)
