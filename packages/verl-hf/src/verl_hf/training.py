@@ -340,6 +340,14 @@ class HFTrainingEngine(TrainingEngine):
                     loss = _zero_link(out, self._device)
                 if loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
+        except BaseException:
+            # A failed call (e.g. out of memory, retried by the caller on smaller micro-batches)
+            # contributes nothing: drop its partial gradients and restore the earlier calls' ones.
+            for p in params:
+                p.grad = None
+            for p, g in stash:
+                p.grad = g
+            raise
         finally:
             self._model.eval()
             if self._fsdp:

@@ -666,9 +666,18 @@ class Trainer:
                     f"cannot resume from {str(ckpt)!r}: config key {key!r} differs from the checkpoint's "
                     f"({saved.get(key)!r} there, {now.get(key)!r} now); resume with the same config"
                 )
-        self.actor.load_checkpoint(ckpt / "actor")
-        if self.critic is not None:
-            self.critic.load_checkpoint(ckpt / "critic")
+        for role, engine in (("actor", self.actor), ("critic", self.critic)):
+            if engine is None:
+                continue
+            try:
+                engine.load_checkpoint(ckpt / role)
+            except VerlError:
+                raise
+            except Exception as e:  # e.g. a pickle that weights_only loading refuses
+                raise CheckpointError(
+                    f"checkpoint {str(ckpt)!r}: the {role} engine (backend "
+                    f"{getattr(self.config.backends, role)!r}) cannot load its state: {type(e).__name__}: {e}"
+                ) from e
         self.step = int(state["step"])
         self.weight_version = int(state["weight_version"])
         for role, s in state["schedulers"].items():

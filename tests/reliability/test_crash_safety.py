@@ -1,0 +1,219 @@
+"""SIGKILL at 200 seeded random points while a run writes checkpoints, spills its replay buffer or logs.
+
+A forked child runs a tiny training run (hf backend, one-layer model, a checkpoint every step, a
+replay buffer that spills every batch to disk), resuming from the newest checkpoint when there is
+one. Kill points are chosen by a seeded generator: the child counts its write events (files opened
+for writing, renames, removals, folder creation, ``torch.save``, safetensors writes, fsync) and at
+the chosen one (uniform within about one and a half steps' worth of events after the resume point)
+kills itself with SIGKILL, either at once (before the write happens) or after a
+random delay of up to a few milliseconds (in the middle of it). After every kill the newest
+complete checkpoint must verify against its manifest, the next child must resume from it, and
+every run that reaches the end must give exactly the metrics and weights of an uninterrupted run.
+
+The child turns ``fsync`` into a counted no-op: a killed process loses nothing the kernel already
+has, so fsync only matters for power loss, which a test cannot simulate; it would only slow the
+test down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from reliability_helpers import comparable, tiny_config
+
+from verl_core import available_backends
+from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
+
+KILLS = int(os.environ.get("VERL_RELIABILITY_KILLS", "200"))
+SEED = 20261202
+STEPS = 4
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
+    pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)"),
+]
+
+_WRITE_EVENTS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _install_kill_point(kill_at: int | None, delay: float, report_fd: int) -> list[int]:
+    """Count write events in this (child) process; SIGKILL it at event ``kill_at``."""
+    count = [0]
+
+    def event(what: str) -> None:
+        count[0] += 1
+        if count[0] != kill_at:
+            return
+        os.write(report_fd, (what[:400] + "\n").encode())
+        if delay <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    def audit(name: str, args: tuple[Any, ...]) -> None:
+        if name == "open":
+            path, mode, flags = args
+            writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
+            if writing:
+                event(f"open {path}")
+        elif name in _WRITE_EVENTS:
+            event(f"{name} {args[0]}")
+
+    sys.addaudithook(audit)
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+        if isinstance(f, (str, os.PathLike)):  # not in-memory buffers
+            event(f"torch.save {f}")
+        real_save(obj, f, *a, **k)
+
+    torch.save = save  # type: ignore[assignment]
+    import safetensors.torch as st
+
+    real_save_file = st.save_file
+
+    def save_file(tensors: Any, filename: Any, *a: Any, **k: Any) -> None:
+        event(f"safetensors {filename}")
+        real_save_file(tensors, filename, *a, **k)
+
+    st.save_file = save_file
+
+    def fsync(fd: int) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = "?"
+        event(f"fsync {path}")
+
+    os.fsync = fsync
+    return count
+
+
+def _child(trainer: Trainer, kill_at: int | None, delay: float, report_fd: int) -> None:
+    count = _install_kill_point(kill_at, delay, report_fd)
+    trainer.train(resume=latest_checkpoint(trainer.out) is not None)
+    os.write(report_fd, f"done {count[0]}\n".encode())
+
+
+def _fork(trainer: Trainer, kill_at: int | None, delay: float) -> tuple[int, str, str]:
+    """Run one child from a copy of ``trainer``; returns (wait status, its report, its traceback if it failed)."""
+    r, w = os.pipe()
+    err = trainer.out.parent / "child-error.txt"
+    err.unlink(missing_ok=True)
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 3
+        try:
+            os.close(r)
+            _child(trainer, kill_at, delay, w)
+            code = 0
+        except BaseException:
+            err.write_text(traceback.format_exc())
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 4096):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return status, b"".join(chunks).decode(), err.read_text() if err.exists() else ""
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None
+    state = (ckpt / "actor" / "latest").read_text().strip()
+    return load_file(str(ckpt / "actor" / state / "model.safetensors"))
+
+
+def _results(out: Path) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return comparable([json.loads(ln) for ln in lines]), _final_weights(out)
+
+
+def _reset(out: Path) -> None:
+    """Remove what a run wrote (the tiny model folder stays)."""
+    for p in out.iterdir():
+        if p.name != "model":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _where(report: str) -> str:
+    if "/checkpoints" in report:
+        return "checkpoint write"
+    if "/spill" in report:
+        return "replay-buffer spill"
+    if "metrics.jsonl" in report or "scheduler_plan" in report:
+        return "log append"
+    return "other write: " + report.split()[0] if report else "other write"
+
+
+def test_sigkill_at_seeded_random_points_never_loses_a_checkpoint(
+    tmp_path: Path, tally: Counter[str]
+) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    out = tmp_path / "run"
+    # Every child is forked from this set-up trainer (engines built, no step run), so a child
+    # starts in milliseconds; it resumes from the newest checkpoint when there is one.
+    trainer = Trainer(tiny_config(out, f"steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=2"))
+    trainer.setup()
+    status, report, err = _fork(trainer, None, 0.0)  # the uninterrupted run
+    assert os.waitstatus_to_exitcode(status) == 0, err
+    events = int(report.split()[-1])
+    ref_metrics, ref_weights = _results(out)
+    assert len(ref_metrics) == STEPS
+    _reset(out)
+
+    rng = random.Random(SEED)
+    # Kill within about one and a half steps of writes after the resume point: every child is
+    # short, most kills land after some progress, and a chain resumed near the end finishes.
+    window = max(1, events * 3 // (2 * STEPS))
+    kinds: Counter[str] = Counter()
+    completed = kills = 0
+    t0 = time.perf_counter()
+    while kills < KILLS:
+        kill_at = rng.randint(1, window)
+        delay = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, 0.004)
+        status, report, err = _fork(trainer, kill_at, delay)
+        if os.WIFSIGNALED(status):
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            kills += 1
+            kinds[_where(report)] += 1
+            ckpt = latest_checkpoint(out)
+            if ckpt is not None:
+                verify_checkpoint(ckpt)  # the newest complete checkpoint is intact
+            continue
+        assert os.waitstatus_to_exitcode(status) == 0, f"child failed after a kill:\n{err}"
+        metrics, weights = _results(out)  # the run reached the end after its kills
+        assert metrics == ref_metrics, "a resumed run differs from the uninterrupted one"
+        assert weights.keys() == ref_weights.keys()
+        assert all(torch.equal(weights[k], ref_weights[k]) for k in weights), "resumed weights differ"
+        completed += 1
+        _reset(out)
+    trainer.close()
+    for where, n in kinds.items():
+        tally[f"kill/SIGKILL during {where}"] += n
+    tally["resumed/runs finished after SIGKILLs, identical to the uninterrupted run"] += completed
+    print(f"\n{kills} SIGKILLs at seeded points ({dict(kinds)}), {events} write events per run, "
+          f"{completed} runs finished after kills with identical metrics and weights, "
+          f"{time.perf_counter() - t0:.0f}s")
+    assert completed >= 3, "too few runs reached the end to compare with the uninterrupted one"
+    assert kinds["checkpoint write"] > 0 and kinds["replay-buffer spill"] > 0
