@@ -27,6 +27,8 @@ FAULTS = [
     ("broken-weight-sync", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync"],
      ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync"],
      ["a sync that does not apply the weights"]),
+    ("broken-optimizer-state", ["numerics::loss_and_grads_match_reference", "differential::trajectory_matches_reference"],
+     ["differential::trajectory_matches_reference"], ["3-step GRPO trajectory", "grad norm at step"]),
     ("broken-unseeded", ["invariance::seeded_sampling_reproducible"], ["invariance::seeded_sampling_reproducible"],
      ["not reproducible under a fixed seed"]),
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from verl_conformance.checks._registry import check
@@ -19,10 +20,11 @@ TRAJECTORY_STEPS = 3
 
 @dataclass
 class Trajectory:
-    """Per-step losses and grad norms, and the final log-probs, of a fixed-rollout GRPO run."""
+    """Per-step losses and grad norms, and the initial and final log-probs, of a fixed-rollout GRPO run."""
 
     losses: list[float]
     grad_norms: list[float]
+    initial_log_probs: Tensor
     final_log_probs: Tensor
 
 
@@ -40,6 +42,7 @@ def _grpo_batch(batch: TensorBatch, old_log_probs: Tensor) -> TensorBatch:
 def engine_trajectory(h: Harness, engine: TrainingEngine) -> Trajectory:
     """Run the fixed-rollout GRPO trajectory on ``engine`` (old log-probs from its own forward)."""
     losses, norms = [], []
+    initial = engine.forward(fixed_rollouts(h, 0))["log_probs"]
     for step in range(TRAJECTORY_STEPS):
         batch = fixed_rollouts(h, step)
         old = engine.forward(batch)["log_probs"]
@@ -49,13 +52,14 @@ def engine_trajectory(h: Harness, engine: TrainingEngine) -> Trajectory:
         losses.append(m["loss"])
         norms.append(s.grad_norm)
     final = engine.forward(fixed_rollouts(h, 0))["log_probs"]
-    return Trajectory(losses, norms, final)
+    return Trajectory(losses, norms, initial, final)
 
 
 def reference_trajectory(h: Harness, model: str = "llama") -> Trajectory:
     """The same trajectory in float64 with transformers and torch AdamW."""
     ref = ReferenceModel(h.model_path(model), SUITE_OPTIM)
     losses, norms = [], []
+    initial = ref.outputs(fixed_rollouts(h, 0))["log_probs"]
     for step in range(TRAJECTORY_STEPS):
         batch = fixed_rollouts(h, step)
         old = ref.outputs(batch)["log_probs"]
@@ -64,7 +68,7 @@ def reference_trajectory(h: Harness, model: str = "llama") -> Trajectory:
         losses.append(r.loss)
         norms.append(r.grad_norm)
     final = ref.outputs(fixed_rollouts(h, 0))["log_probs"]
-    return Trajectory(losses, norms, final)
+    return Trajectory(losses, norms, initial, final)
 
 
 def compare_trajectories(h: Harness, got: Trajectory, want: Trajectory, label: str) -> None:
@@ -73,10 +77,30 @@ def compare_trajectories(h: Harness, got: Trajectory, want: Trajectory, label: s
         h.scalar_close(a, b, "loss", f"{label}: loss at step {i}")
     for i, (a, b) in enumerate(zip(got.grad_norms, want.grad_norms, strict=True)):
         h.scalar_close(a, b, "loss", f"{label}: grad norm at step {i}")
-    mask = fixed_rollouts(h, 0)["response_mask"]
-    # After a few steps float32 rounding compounds: compare at the loss tier.
-    h.close_to(got.final_log_probs, want.final_log_probs, "loss",
-               f"{label}: log_probs after {TRAJECTORY_STEPS} steps", mask=mask)
+    mask = fixed_rollouts(h, 0)["response_mask"].cpu().bool()
+    what = f"{label}: log_probs after {TRAJECTORY_STEPS} steps"
+    got_final = got.final_log_probs.detach().double().cpu()
+    want_final = want.final_log_probs.detach().double().cpu()
+    if not bool(torch.isfinite(got_final[mask]).all()):
+        h.fail(f"{what}: non-finite log-probs")
+    tier = tolerance(h.dtype, "loss")
+    err = (got_final - want_final)[mask]
+    if bool((err.abs() <= tier.atol + tier.rtol * want_final[mask].abs()).all()):
+        return
+    # The suite's optimizer moves log-probs by several nats in three steps, and each step's
+    # update follows gradients that carry the dtype's rounding (~1e-2 relative in bfloat16). So
+    # the error after the trajectory scales with how far it moved: it may exceed the elementwise
+    # tier only while it stays within the gradient tier relative to the reference's displacement.
+    moved = (want_final - want.initial_log_probs.detach().double().cpu())[mask]
+    rel = float(err.norm()) / max(float(moved.norm()), 1e-30)
+    limit = tolerance(h.dtype, "grad").rel_l2
+    if rel > limit:
+        worst = int(err.abs().argmax())
+        h.fail(
+            f"{what}: outside the {h.dtype} loss tier (worst error {float(err.abs()[worst]):.4g}) and "
+            f"relative to the reference's displacement (L2 {float(moved.norm()):.4g}) the error is "
+            f"{rel:.3g} > {limit:g}, the {h.dtype} gradient tier"
+        )
 
 
 @check("differential")

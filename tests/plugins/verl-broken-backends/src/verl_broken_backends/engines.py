@@ -12,6 +12,7 @@ from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 from verl_core import (
     ModelOutput,
     SamplingParams,
+    StepMetrics,
     TensorBatch,
     TensorInfo,
     WeightMessage,
@@ -22,6 +23,7 @@ __all__ = [
     "IgnoredWeightSync",
     "LeftPaddedResponses",
     "MicroBatchAveragedLoss",
+    "OptimizerStateDropped",
     "ResponseMaskIgnored",
     "ShiftedLogProbs",
     "TemperatureIgnored",
@@ -69,6 +71,15 @@ class MicroBatchAveragedLoss(ExampleTrainingEngine):
     def loss_scale(self, num_micro_batches: int) -> float:
         """1 / number of micro-batches."""
         return 1.0 / num_micro_batches
+
+
+class OptimizerStateDropped(ExampleTrainingEngine):
+    """Forgets AdamW's moments before every step (each step acts like the first one)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """Drop the optimizer state, then step."""
+        self.optimizer.state.clear()
+        return super().optimizer_step()
 
 
 class LeftPaddedResponses(ExampleRolloutEngine):

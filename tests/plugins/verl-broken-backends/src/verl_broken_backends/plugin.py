@@ -8,6 +8,7 @@ from verl_core import PROTOCOL_VERSION, BackendSpec, hookimpl
 
 __all__ = [
     "micro_batch_loss",
+    "optimizer_state",
     "padding_side",
     "response_mask",
     "shifted_log_probs",
@@ -50,6 +51,8 @@ weight_sync = BrokenBackend("broken-weight-sync", "update_weights validates the 
                             rollout=f"{_ENGINES}:IgnoredWeightSync")
 micro_batch_loss = BrokenBackend("broken-micro-batch-loss", "the loss is averaged over micro-batches",
                                  training=f"{_ENGINES}:MicroBatchAveragedLoss")
+optimizer_state = BrokenBackend("broken-optimizer-state", "AdamW's moments are dropped before every step",
+                                training=f"{_ENGINES}:OptimizerStateDropped")
 temperature = BrokenBackend("broken-temperature", "log-probs ignore the temperature",
                             training=f"{_ENGINES}:TemperatureIgnored")
 response_mask = BrokenBackend("broken-response-mask", "outputs are not masked by response_mask",
