@@ -26,12 +26,24 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The demo on the local executor (engines in this process)."""
-    return train(demo_config(tmp_path_factory.mktemp("local")))
+    """The demo on the local executor (engines in this process), one step longer than the Ray runs."""
+    return train(demo_config(tmp_path_factory.mktemp("local"), f"steps={STEPS + 1}"))
 
 
-def test_split_groups_give_the_local_metrics(ray_cluster: Any, local_run: list[dict[str, Any]], tmp_path: Path) -> None:
-    cfg = demo_config(tmp_path, *RAY_SPLIT)
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(100):  # wait until the process is gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def test_split_groups_give_the_local_metrics_and_a_killed_worker_fails_the_step_then_the_run_resumes(
+    ray_cluster: Any, local_run: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    cfg = demo_config(tmp_path, *RAY_SPLIT, "checkpoint.every=1")
     with Trainer(cfg) as trainer:
         history = trainer.train()
         ex: Any = trainer.executor
@@ -41,9 +53,30 @@ def test_split_groups_give_the_local_metrics(ray_cluster: Any, local_run: list[d
         pids = {*ex.worker_pids("actor"), *ex.worker_pids("rollout")}
         assert len(pids) == 2 and os.getpid() not in pids
         assert actor.pg.bundle_specs == [{"CPU": 1.0}]
-    assert len(history) == STEPS
-    assert history[-1]["weight_version"] == STEPS
-    assert_same_metrics(history, local_run)
+        assert len(history) == STEPS and history[-1]["weight_version"] == STEPS
+        assert_same_metrics(history, local_run[:STEPS])
+
+        # one step more, with the actor's worker process killed first
+        ckpt = latest_checkpoint(tmp_path)
+        assert ckpt is not None and ckpt.name == f"step-{STEPS:06d}"
+        _kill(ex.worker_pids("actor")[0])
+        with pytest.raises(StepFailedError) as info:
+            trainer.train_step()
+    err = info.value
+    cause = err.__cause__
+    assert isinstance(cause, WorkerFailedError), repr(cause)
+    assert (cause.role, cause.rank) == ("actor", 0)
+    assert "worker rank 0 of role 'actor'" in str(err) and "died" in str(err)
+    assert err.step == STEPS + 1 and err.checkpoint == ckpt
+    # the controller kept the last checkpoint and recorded nothing of the failed step
+    assert latest_checkpoint(tmp_path) == ckpt
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == STEPS
+
+    # a fresh cluster resumes from it and finishes with the local run's metrics
+    ray_cluster.shutdown()
+    start_cluster()
+    resumed = train(demo_config(tmp_path, *RAY_SPLIT, f"steps={STEPS + 1}"), resume=True)
+    assert_same_metrics(resumed, local_run)
 
 
 def test_colocated_group_gives_the_local_metrics(ray_cluster: Any, local_run: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -52,42 +85,4 @@ def test_colocated_group_gives_the_local_metrics(ray_cluster: Any, local_run: li
         history = trainer.train()
         ex: Any = trainer.executor
         assert ex.worker_group("actor") is ex.worker_group("rollout")
-    assert_same_metrics(history, local_run)
-
-
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(100):  # wait until the process is gone (it is Ray's child, reaped by the raylet)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-
-
-def test_killed_worker_fails_the_step_naming_role_and_rank_and_the_run_resumes(
-    ray_cluster: Any, local_run: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    first = demo_config(tmp_path, *RAY_SPLIT, f"steps={STEPS - 1}", "checkpoint.every=1")
-    with Trainer(first) as trainer:
-        trainer.train()
-        ckpt = latest_checkpoint(tmp_path)
-        assert ckpt is not None and ckpt.name == f"step-{STEPS - 1:06d}"
-        _kill(trainer.executor.worker_pids("actor")[0])  # type: ignore[attr-defined]
-        with pytest.raises(StepFailedError) as info:
-            trainer.train_step()
-    err = info.value
-    cause = err.__cause__
-    assert isinstance(cause, WorkerFailedError), repr(cause)
-    assert (cause.role, cause.rank) == ("actor", 0)
-    assert "worker rank 0 of role 'actor'" in str(err) and "died" in str(err)
-    assert err.step == STEPS and err.checkpoint == ckpt
-    # the controller kept the last checkpoint and recorded nothing of the failed step
-    assert latest_checkpoint(tmp_path) == ckpt
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == STEPS - 1
-
-    # a fresh cluster resumes from it and finishes with the local run's metrics
-    ray_cluster.shutdown()
-    start_cluster()
-    resumed = train(demo_config(tmp_path, *RAY_SPLIT), resume=True)
-    assert_same_metrics(resumed, local_run)
+    assert_same_metrics(history, local_run[:STEPS])
