@@ -79,10 +79,18 @@ def test_split_groups_give_the_local_metrics_and_a_killed_worker_fails_the_step_
     assert_same_metrics(resumed, local_run)
 
 
-def test_colocated_group_gives_the_local_metrics(ray_cluster: Any, local_run: list[dict[str, Any]], tmp_path: Path) -> None:
-    cfg = demo_config(tmp_path, "executor=ray", "ray.placement=colocated", "ray.num_cpus_per_worker=2")
+# PPO with a KL penalty: actor, critic, reference and rollout all share one process
+PPO = ("algorithm.name=ppo", "algorithm.options={kl_coef=0.001, entropy_coef=0.01}", "batch.mini_batch_size=128")
+
+
+def test_colocated_group_of_every_role_gives_the_local_metrics(ray_cluster: Any, tmp_path: Path) -> None:
+    want = train(demo_config(tmp_path / "local", *PPO))
+    cfg = demo_config(tmp_path / "ray", *PPO, "executor=ray", "ray.placement=colocated", "ray.num_cpus_per_worker=2")
     with Trainer(cfg) as trainer:
         history = trainer.train()
         ex: Any = trainer.executor
-        assert ex.worker_group("actor") is ex.worker_group("rollout")
-    assert_same_metrics(history, local_run[:STEPS])
+        assert sorted(ex.placed_roles()) == ["actor", "critic", "reference", "rollout"]
+        assert len({id(ex.worker_group(r)) for r in ex.placed_roles()}) == 1
+    assert "critic/vf_loss" in history[-1] or "critic/loss" in history[-1]
+    assert "actor/kl_ref" in history[-1]
+    assert_same_metrics(history, want)

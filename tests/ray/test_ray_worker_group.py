@@ -89,3 +89,15 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
         torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=0, atol=1e-5)
     finally:
         ex.close()
+
+
+def test_a_group_the_cluster_cannot_place_fails_clearly(ray_cluster: Any, model: str) -> None:
+    from verl_core.errors import ConfigError
+    from verl_core.executor.ray_executor import RayExecutor
+
+    ex = RayExecutor(RayConfig(parallel={"actor": {"dp": 3}}, placement_timeout_s=2))
+    try:
+        with pytest.raises(ConfigError, match=r"could not place worker group 'actor': it needs 3 bundle\(s\) of \{'CPU': 1.0\}"):
+            ex.training_engine("actor", "hf", EngineSpec(model_path=model, role="actor"))
+    finally:
+        ex.close()
