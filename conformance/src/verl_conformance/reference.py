@@ -32,7 +32,9 @@ def _load(path: str, head: str) -> torch.nn.Module:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a bar per tiny model load only clutters the suite's output
     try:
-        model = auto.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+        model = auto.from_pretrained(
+            path, dtype=torch.float64, attn_implementation="eager", trust_remote_code=False
+        )
     finally:
         if bars:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]

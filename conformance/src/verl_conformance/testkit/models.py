@@ -180,7 +180,7 @@ class CharTokenizer:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(path))
+        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         self._vocab_size = len(self._tok)
 
     @property

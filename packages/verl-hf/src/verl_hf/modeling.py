@@ -65,7 +65,7 @@ def disable_dropout(model: nn.Module) -> None:
 def _architectures(path: str) -> list[str]:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     return list(getattr(config, "architectures", None) or [])
 
 
@@ -96,7 +96,8 @@ def load_model(
         "value": transformers.AutoModelForTokenClassification,
         "reward": transformers.AutoModelForSequenceClassification,
     }[kind]
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    # never run code shipped with a model folder (False refuses at once; the default may prompt)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
     if kind != "causal_lm":
         kwargs["num_labels"] = 1
     try:

@@ -66,4 +66,4 @@ def load_tokenizer(path: str | os.PathLike[str], vocab_size: int | None = None) 
     """Load the tokenizer of a transformers folder as an :class:`HFTokenizer`."""
     from transformers import AutoTokenizer
 
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(path)), vocab_size)
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False), vocab_size)

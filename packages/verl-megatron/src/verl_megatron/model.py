@@ -229,4 +229,4 @@ def model_dims(path: str | os.PathLike[str], head: HeadKind) -> ModelDims:
     """The dims of the transformers folder ``path``."""
     from transformers import AutoConfig
 
-    return ModelDims.from_hf_config(AutoConfig.from_pretrained(str(path)), head)
+    return ModelDims.from_hf_config(AutoConfig.from_pretrained(str(path), trust_remote_code=False), head)

@@ -20,7 +20,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(path))
+        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         if self._tok.pad_token_id is None and self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer of {path} has neither a pad nor an eos token")
 
