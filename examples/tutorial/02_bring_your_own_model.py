@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from verl_conformance.testkit import tiny_model
-from verl_core import SamplingParams, TensorBatch
+from verl_core import SamplingParams, TensorBatch, Tokenizer
 from verl_core.trainer import prompt_batch
+from verl_hf.byo import rollout_from_model as hf_rollout
 from verl_megatron.byo import rollout_from_model as megatron_rollout
 from verl_megatron.parallel import ParallelConfig, ParallelState
 
@@ -67,23 +68,22 @@ class MyLlama(LlamaForCausalLM):
         return ids[:, prompt_ids.shape[1]:]
 
 
-def prompts(tokenizer: object) -> TensorBatch:
-    return prompt_batch(PROMPTS, tokenizer, group_ids=range(len(PROMPTS)))  # type: ignore[arg-type]
+def prompts(tokenizer: Tokenizer) -> TensorBatch:
+    return prompt_batch(PROMPTS, tokenizer, group_ids=range(len(PROMPTS)))
 
 
-def megatron_part(tp: int, tokenizer: object) -> dict[str, list[list[int]]]:
+def megatron_part(tp: int, tokenizer: object) -> dict[str, list]:
     engine = megatron_rollout(build_gpt, tokenizer, parallel=ParallelConfig(tp=tp), max_response_len=8)
     batch = prompts(engine.tokenizer)
     out = engine.generate(batch, PARAMS)
     # seeded per sample: the same samples in any batch order
     flipped = engine.generate(batch.index([3, 2, 1, 0]), PARAMS)
-    order = [6, 7, 4, 5, 2, 3, 0, 1]
+    order = [6, 7, 4, 5, 2, 3, 0, 1]  # the n=2 samples of prompt k sit in rows 2k and 2k+1
     assert torch.equal(flipped["response_ids"][order], out["response_ids"])
     assert out["rollout_log_probs"].shape == out["response_ids"].shape
     assert bool(out["response_mask"][:, 0].all()) and bool((out["rollout_log_probs"] <= 0).all())
     ids = [row[m].tolist() for row, m in zip(out["response_ids"], out["response_mask"], strict=True)]
-    lps = [round(float(x), 4) for x in (out["rollout_log_probs"].sum(1))]
-    return {"ids": ids, "log_prob_sums": [[x] for x in lps]}
+    return {"ids": ids, "log_prob_sums": out["rollout_log_probs"].sum(1).tolist()}
 
 
 def transformers_part(tokenizer: object) -> None:
@@ -93,8 +93,6 @@ def transformers_part(tokenizer: object) -> None:
     plain = LlamaForCausalLM(config)  # forward only: the SDK generates
     own = MyLlama(config)  # forward + generate: the model generates, the SDK adds log-probs
     own.load_state_dict(plain.state_dict())
-    from verl_hf.byo import rollout_from_model as hf_rollout
-
     sdk, mine = hf_rollout(plain, tokenizer, max_response_len=8), hf_rollout(own, tokenizer, max_response_len=8)
     assert mine.user_generates and not sdk.user_generates
     greedy = SamplingParams(greedy=True, max_new_tokens=6)
@@ -126,7 +124,7 @@ def main() -> None:
             expected = json.load(fh)
         assert samples["ids"] == expected["ids"], (samples["ids"], expected["ids"])
         for got, want in zip(samples["log_prob_sums"], expected["log_prob_sums"], strict=True):
-            assert abs(got[0] - want[0]) < 1e-3, (got, want)
+            assert abs(got - want) < 1e-3, (got, want)
         print(f"rank {rank}: tp={args.tp} samples equal the expected ones")
     if args.tp == 1:
         transformers_part(tokenizer)

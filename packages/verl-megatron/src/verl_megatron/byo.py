@@ -61,7 +61,7 @@ class MegatronModelRollout(MegatronRolloutEngine):
         model: A GPTModel (process groups must already exist) or a :data:`ModelBuilder` (the SDK
             creates them first, from ``parallel``).
         tokenizer: A :class:`verl_core.Tokenizer` or a transformers tokenizer.
-        parallel: The tensor-parallel layout (None = TP 1, single process or the existing groups).
+        parallel: The tensor-parallel layout (None = TP 1); it must match groups created before.
         device: ``cpu`` or ``cuda``.
         seed: Seed of Megatron's RNG streams and of the torch RNG before ``build`` runs.
         max_prompt_len: Longest prompt accepted.
