@@ -15,8 +15,9 @@ Sections (each prints a table and appends it to DIR/bench_gpu.md):
   checks that the rollout's parameters equal the actor's afterwards.
 
 The model is random-initialised (hidden 2048, 16 layers, 16 heads, 8 KV groups, FFN 5632, vocab
-32000) and built once next to DIR. ``--tiny`` swaps in a two-layer model and small batches, and
-``--device cpu`` runs everything on the CPU: a dry run of the script, not a measurement.
+32000) and built once next to DIR. ``--size small`` or ``--size tiny`` (``--tiny``) swap in a
+four- or two-layer model and small batches, and ``--device cpu`` runs everything on the CPU (float32):
+a dry run of the script, or a CPU comparison at the small size.
 """
 
 from __future__ import annotations
@@ -69,8 +70,13 @@ class Sizes:
     copy_bytes: int
 
 
-FULL = Sizes(SPEC, 8, 1024, 1024, 64, 128, 256, 8192, int(4e9))
-TINY = Sizes(TINY_SPEC, 2, 16, 16, 4, 8, 8, 256, int(4e6))
+SMALL_SPEC = TinyModelSpec(arch="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                           head_dim=32, intermediate_size=688, vocab_size=512, max_position=1024, seed=0)
+SIZES = {
+    "full": Sizes(SPEC, 8, 1024, 1024, 64, 128, 256, 8192, int(4e9)),
+    "small": Sizes(SMALL_SPEC, 4, 64, 64, 16, 16, 64, 1024, int(1e8)),
+    "tiny": Sizes(TINY_SPEC, 2, 16, 16, 4, 8, 8, 256, int(4e6)),
+}
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 LINES: list[str] = []
@@ -347,13 +353,16 @@ def main() -> None:
                         choices=["anchors", "train", "generate", "sync"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--tiny", action="store_true", help="a two-layer model and small batches (dry run)")
+    parser.add_argument("--size", default="full", choices=sorted(SIZES),
+                        help="full: the 0.89B model; small (4 layers) and tiny (2 layers): CPU runs")
+    parser.add_argument("--tiny", action="store_true", help="same as --size tiny (a dry run)")
     args = parser.parse_args()
     DEVICE = args.device
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    sz = TINY if args.tiny else FULL
+    size = "tiny" if args.tiny else args.size
+    sz = SIZES[size]
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.out.parent / ("model-tiny" if args.tiny else "model-0.89b")
+    model_dir = args.out.parent / ("model-0.89b" if size == "full" else f"model-{size}")
     if not (model_dir / "verl_tiny_model.json").exists():
         t0 = time.perf_counter()
         build_tiny_model(model_dir, sz.spec)
