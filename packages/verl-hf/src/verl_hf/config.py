@@ -32,6 +32,11 @@ class HFOptions:
             tokens and keeps every decode step at one shape (the same samples up to float rounding).
         rollout_cuda_graphs: Capture the decode step (forward, sampling, bookkeeping) in a CUDA
             graph and replay it; needs ``rollout_cache='static'`` and a CUDA device.
+        master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
+            of the parameters and round them into the model after each step
+            (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
+            spacing accumulate instead of being rounded away. False trains in pure bfloat16.
+            Not applied under ``fsdp2`` data parallelism (pure bfloat16 there).
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -41,6 +46,7 @@ class HFOptions:
     rollout_batch_size: int | None = None
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
     rollout_cuda_graphs: bool = False
+    master_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ("sdpa", "eager"):

@@ -23,6 +23,7 @@ from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.capabilities import TrainingCapabilities
 from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError
+from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import (
     DEFAULT_BUCKET_BYTES,
@@ -59,8 +60,9 @@ class HFTrainingEngine(TrainingEngine):
     The actor and reference load ``AutoModelForCausalLM``; the critic loads
     ``AutoModelForTokenClassification`` with one label (a value head on the final hidden state),
     initialising the head from ``spec.seed`` when the folder holds a causal LM. Dropout is off.
-    Parameters are kept in ``spec.dtype`` (bfloat16 trains in pure bfloat16; log-probs, entropy
-    and values are always computed in float32 from upcast logits). The optimizer is AdamW with
+    Parameters are kept in ``spec.dtype``; with bfloat16 the optimizer updates float32 master
+    copies and rounds them into the model after each step (``HFOptions.master_weights``), and
+    log-probs, entropy and values are always computed in float32 from upcast logits. The optimizer is AdamW with
     linear warmup and constant or cosine decay (``spec.optim``), applying weight decay to every
     parameter.
 
@@ -125,6 +127,7 @@ class HFTrainingEngine(TrainingEngine):
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
         self._offloaded = False
+        self._master: MasterWeights | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self._trainable:
@@ -167,6 +170,9 @@ class HFTrainingEngine(TrainingEngine):
     def _build_optimizer(self) -> None:
         optim = self._spec.optim
         params = [p for p in self._model.parameters() if p.requires_grad]
+        if self._options.master_weights and not self._fsdp and any(p.dtype != torch.float32 for p in params):
+            self._master = MasterWeights(params)
+            params = list(self._master.masters)
         self._optimizer = torch.optim.AdamW(
             params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
         )
@@ -391,7 +397,11 @@ class HFTrainingEngine(TrainingEngine):
         if self._optimizer is None or self._scheduler is None:
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         self._require_onloaded(where)
-        params = [p for p in self._model.parameters() if p.requires_grad]
+        if self._master is not None:
+            self._master.load_grads()
+            params: list[Tensor] = list(self._master.masters)
+        else:
+            params = [p for p in self._model.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self._device)
         full = getattr(norm, "full_tensor", None)
@@ -406,6 +416,8 @@ class HFTrainingEngine(TrainingEngine):
         if clip > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         self._optimizer.step()
+        if self._master is not None:
+            self._master.store()
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._step += 1
@@ -486,6 +498,7 @@ class HFTrainingEngine(TrainingEngine):
                     "step": self._step,
                     "role": self._spec.role,
                     "optimizer": optim_state,
+                    "master_weights": self._master.state() if self._master is not None else None,
                     "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
                 },
                 part / "trainer_state.pt",
@@ -527,6 +540,12 @@ class HFTrainingEngine(TrainingEngine):
                 params = dict(self._model.state_dict())
                 for name, value in weights.items():
                     params[name].copy_(value.to(params[name].device))
+            if self._master is not None:
+                masters = trainer.get("master_weights")
+                if masters is not None:
+                    self._master.load_state(masters)
+                else:  # a checkpoint of a pure-precision engine: start the masters from its weights
+                    self._master.reload()
             if self._optimizer is not None and trainer["optimizer"] is not None:
                 self._optimizer.load_state_dict(trainer["optimizer"])
         if self._scheduler is not None and trainer["scheduler"] is not None:
@@ -558,6 +577,8 @@ class HFTrainingEngine(TrainingEngine):
 
     def _move(self, device: torch.device) -> None:
         self._model.to(device)
+        if self._master is not None:
+            self._master.to(device)
         if self._optimizer is not None:
             for state in self._optimizer.state.values():
                 for k, v in state.items():
@@ -570,6 +591,7 @@ class HFTrainingEngine(TrainingEngine):
         """Drop the model and optimizer."""
         self._optimizer = None
         self._scheduler = None
+        self._master = None
         self._model = None
 
 
