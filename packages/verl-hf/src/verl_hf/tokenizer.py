@@ -63,7 +63,19 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | os.PathLike[str], vocab_size: int | None = None) -> HFTokenizer:
-    """Load the tokenizer of a transformers folder as an :class:`HFTokenizer`."""
+    """Load the tokenizer of a transformers folder as an :class:`HFTokenizer`.
+
+    Raises:
+        ConfigError: the folder has no loadable tokenizer, or its tokenizer needs custom code
+            (code shipped with a model folder is never run).
+    """
     from transformers import AutoTokenizer
 
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False), vocab_size)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cannot load the tokenizer of {str(path)!r} with transformers ({type(e).__name__}: {e}); "
+            "expected a transformers folder with a tokenizer that needs no custom code"
+        ) from e
+    return HFTokenizer(tok, vocab_size)
