@@ -43,7 +43,7 @@ def main() -> None:
             results[backend] = run(config)
             history, first = results[backend]
             print(f"rollout={backend:<8} " + "  ".join(
-                f"step {m['step']}: reward {m['reward/mean']:.3f} eval {m.get('eval/exact_match', '-')}"
+                f"step {m['step']}: entropy {m['actor/entropy']:.4f} length {m['response/length_mean']:.2f}"
                 for m in history))
 
     keys = {b: [sorted(k for k in m if not k.startswith(("time/", "throughput/"))) for m in h]
@@ -52,6 +52,10 @@ def main() -> None:
     for backend, (history, first) in results.items():
         assert [m["weight_version"] for m in history] == [1, 2], backend  # weights synced every step
         assert "eval/exact_match" in history[-1], backend
+        # every engine's log-probs are those of the policy the actor trains (T=1, no truncation)
+        assert all(m["logprob_mismatch/max"] < 1e-3 for m in history), backend
+        assert bool((first["rollout_log_probs"] <= 0).all())
+        assert bool((first["response_mask"][:, 1:] <= first["response_mask"][:, :-1]).all())  # right-padded
         assert first["response_ids"].dtype == torch.int64 and first["response_mask"].dtype == torch.bool
         assert first["response_ids"].shape[0] == 16 and first["rollout_log_probs"].shape == first["response_ids"].shape
     hf, megatron = results["hf"], results["megatron"]
