@@ -87,6 +87,28 @@ def test_a_static_step_only_updates_tensors_in_place() -> None:
     assert {"tok", "pos", "slot", "t", "out_tok", "out_mask", "out_lp"} <= changed
 
 
+@pytest.mark.parametrize("check_every", [3, 8])
+def test_checking_for_the_end_every_few_steps_gives_the_same_responses(check_every: int) -> None:
+    """The GPU loop asks whether all rows finished only every few steps; extra steps are trimmed."""
+    dynamic = engine()
+    p = prompts(4, seed=6)
+    stops = tuple(range(4, 40))
+    params = SamplingParams(max_new_tokens=13, seed=4, stop_token_ids=stops)
+    want = dynamic.generate(p, params)
+    assert 1 < want.response_len < 13, "rows should finish early, at different steps"
+    chunk = p.repeat_interleave(1).trim()
+    seeds = [sample_seed(4, g, 0) for g in chunk["group_ids"].tolist()]
+    stop_ids = torch.tensor(sorted({dynamic.tokenizer.eos_token_id, *stops}))
+    sampler = _Sampler(params, dynamic.tokenizer.pad_token_id, stop_ids, dynamic._uniforms(seeds, params))
+    with torch.no_grad():
+        decoder = _StaticDecoder(dynamic.model, chunk, sampler, 13, eager_attention=False)
+        decoder.run(check_every=check_every)
+    ids, mask, lps, truncated = decoder.result()
+    assert torch.equal(ids, want["response_ids"]) and torch.equal(mask, want["response_mask"])
+    assert torch.equal(truncated, want["truncated"])
+    assert_close(lps, want["rollout_log_probs"], dtype="float32", quantity="log_probs")
+
+
 def test_uniform_table_equals_one_draw_per_step() -> None:
     e = engine()
     seeds = [sample_seed(3, g, s) for g, s in [(0, 0), (0, 1), (5, 0)]]

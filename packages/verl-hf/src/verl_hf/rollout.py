@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import torch
@@ -195,8 +195,16 @@ class _StaticDecoder:
 
     def run(self, check_every: int = 1) -> None:
         """Eager steps until every row finished or max_new tokens were drawn."""
-        while self.done < self.max_new and not (self.done % check_every == 0 and self._all_finished()):
-            self.step()
+        self._loop(self.step, check_every)
+
+    def _loop(self, advance: Callable[[], None], check_every: int) -> None:
+        """Call ``advance`` (one step) until max_new tokens were drawn or, checked every
+        ``check_every`` steps (each check is a host synchronisation), every row finished.
+        Steps run after the last row finished only add all-padding columns (trimmed)."""
+        while self.done < self.max_new:
+            if self.done % check_every == 0 and self._all_finished():
+                return
+            advance()
             self.done += 1
 
     def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
@@ -210,9 +218,8 @@ class _StaticDecoder:
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                if self.done >= self.max_new:
-                    break
+            # Warm-up steps are real steps (the library's lazy set-up happens outside capture).
+            for _ in range(min(warmup, self.max_new - self.done)):
                 self.step()
                 self.done += 1
         torch.cuda.current_stream().wait_stream(side)
@@ -221,15 +228,13 @@ class _StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.step()
+                self.step()  # recorded, not run: the replays below run it
         except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
             warnings.warn(f"hf rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
                           "eagerly from now on", RuntimeWarning, stacklevel=2)
             self.run(check_every)
             return f"{type(e).__name__}: {e}"
-        while self.done < self.max_new and not (self.done % check_every == 0 and self._all_finished()):
-            graph.replay()
-            self.done += 1
+        self._loop(graph.replay, check_every)
         return None
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
