@@ -4,7 +4,8 @@ Each rank trains one step, then syncs two fresh rollout engines per rollout layo
 direct path and one through the canonical stream, measuring the peak of memory each sync
 allocates; both engines then generate the same seeded samples. Finally it runs the conformance
 suite's trainer-to-rollout weight-sync check at the 4-rank layout through the registry (which picks
-the direct path) and exercises the colocated switch (optimizer state offloaded, then back).
+the direct path) and exercises the colocated switch (optimizer state offloaded, then back). It also
+measures the peak memory of the canonical export stream alone.
 """
 
 from __future__ import annotations
@@ -98,6 +99,27 @@ def compare_layouts(path: str, actor: MegatronTrainingEngine) -> dict[str, Any]:
     return out
 
 
+EXPORT_BUCKETS = (12 * 1024, 300 * 1024)
+
+
+def export_peaks(actor: MegatronTrainingEngine) -> dict[str, Any]:
+    """Peak tensor bytes export_weights allocates when the consumer drops each chunk after use."""
+    def drain(stream: Any) -> int:
+        n = 0
+        for msg in stream:
+            n += 1
+            del msg  # a chunk is valid only until the next one is requested
+        return n
+
+    sizes = [torch.Size(actor.adapter.megatron_shape(n)).numel() * 4 for n in actor.adapter.megatron_names()]
+    out: dict[str, Any] = {"largest": max(sizes), "model": sum(sizes)}
+    for bucket in EXPORT_BUCKETS:
+        for dtype in (None, torch.bfloat16):
+            _, peak = peak_extra_bytes(lambda b=bucket, d=dtype: drain(actor.export_weights(bucket_bytes=b, dtype=d)))
+            out[f"{bucket}-{dtype}"] = peak
+    return out
+
+
 def conformance_check() -> dict[str, str]:
     """The suite's trainer-to-rollout sync check at TP=2 x PP=2 -> TP=1 x 4, through the registry."""
     def training(spec: EngineSpec) -> Any:
@@ -128,7 +150,7 @@ def main() -> None:
         path, "actor", parallel=TRAIN, optim=OptimConfig(lr=1e-2), micro_batch_size=2,
         options={"during_rollout": "offload"}))
     train_step(actor)
-    result: dict[str, Any] = {"layouts": compare_layouts(path, actor)}
+    result: dict[str, Any] = {"export": export_peaks(actor), "layouts": compare_layouts(path, actor)}
     # colocated switch: the syncs above offloaded the optimizer state; the next step brings it back
     result["offloaded_after_sync"] = actor.training_state_offloaded
     metrics = train_step(actor)

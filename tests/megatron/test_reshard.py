@@ -181,3 +181,19 @@ def test_colocated_switch_offloads_and_restores_training_state(ranks: list[dict[
         assert set(res["switch_metrics"]) == {"switch_to_rollout_s", "switch_to_training_s"}
         assert all(v >= 0 for v in res["switch_metrics"].values())
         assert res["layouts"]["tp2"]["details"]["switch_to_rollout_s"] >= 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_export_weights_holds_one_bucket_and_the_tensor_in_flight(ranks: list[dict[str, Any]]) -> None:
+    import reshard_checks
+
+    for rank, res in enumerate(ranks):
+        ex = res["export"]
+        for bucket in reshard_checks.EXPORT_BUCKETS:
+            for dtype in ("None", "torch.bfloat16"):
+                peak = ex[f"{bucket}-{dtype}"]
+                # one bucket of chunk tensors, plus the Megatron tensor being gathered (TP shards
+                # and their concatenation) and converted; never the model (float32 bytes)
+                assert peak <= bucket + 2 * ex["largest"], (rank, bucket, dtype, peak)
+                assert peak < ex["model"], (rank, bucket, dtype, peak)

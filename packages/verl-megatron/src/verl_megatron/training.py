@@ -502,12 +502,23 @@ class MegatronTrainingEngine(TrainingEngine):
         assert full is not None
         return full
 
-    def _hf_tensors(self, *, grad: bool = False) -> Iterator[tuple[str, Tensor]]:
+    def _hf_tensors(self, *, grad: bool = False, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors in transformers naming, one Megatron tensor gathered at a time.
+
+        Each piece is made contiguous and cast to ``dtype`` in one copy (none when it already is);
+        nothing of a Megatron tensor outlives its pieces, so besides what the consumer keeps only
+        the tensor being gathered and converted is alive.
+        """
         for name in self.adapter.megatron_names():
-            full = self._full_tensor(name, what="grad" if grad else "param")
-            for hf_name, t in self.adapter.to_hf_tensor(name, full).items():
+            parts = self.adapter.to_hf_tensor(name, self._full_tensor(name, what="grad" if grad else "param"))
+            for hf_name in list(parts):
+                t = parts.pop(hf_name)
                 assert t is not None
-                yield hf_name, t.contiguous()
+                want = dtype or t.dtype
+                if not t.is_contiguous() or t.dtype != want:
+                    t = torch.empty(t.shape, dtype=want, device=t.device).copy_(t)
+                yield hf_name, t
+                del t
 
     def export_weights(
         self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -533,7 +544,7 @@ class MegatronTrainingEngine(TrainingEngine):
                 yield WeightCommit(manifest.version)
 
             return drain()
-        return stream_weights(self._hf_tensors(), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+        return stream_weights(self._hf_tensors(dtype=dtype), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def hf_state_dict(self, *, grads: bool = False) -> dict[str, Tensor]:
         """The full weights (or their accumulated gradients) in transformers naming, on every rank.
