@@ -53,6 +53,8 @@ def test_model_object_samples_exactly_like_the_folder_engine() -> None:
     mine = rollout_from_model(_model(), AutoTokenizer.from_pretrained(model_path()), max_prompt_len=16, max_response_len=8)
     assert not mine.user_generates
     assert mine.spec.role == "rollout" and mine.weight_dtype == torch.float32
+    missing = sorted(set(vars(folder)) - set(vars(mine)))
+    assert not missing, f"HFModelRollout.__init__ must set {missing} like HFRolloutEngine.__init__ does"
     for params in (SamplingParams(max_new_tokens=6, n=3, seed=5, temperature=0.8, top_p=0.9),
                    SamplingParams(max_new_tokens=6, greedy=True)):
         a = folder.generate(_prompts(folder), params)

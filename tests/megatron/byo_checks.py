@@ -18,6 +18,7 @@ from verl_conformance.testkit import TinyModelSpec, load_tokenizer, tiny_model, 
 from verl_core import (
     ConfigError,
     EngineSpec,
+    ParallelSizes,
     SamplingParams,
     TensorInfo,
     WeightManifest,
@@ -28,6 +29,7 @@ from verl_hf.rollout import HFRolloutEngine
 from verl_megatron.byo import rollout_from_model
 from verl_megatron.model import load_hf_state_dict
 from verl_megatron.parallel import ParallelConfig, ParallelState
+from verl_megatron.rollout import MegatronRolloutEngine
 
 SPEC = TinyModelSpec()  # llama, untied, hidden 128, 4 heads, 2 kv heads, head_dim 32, vocab 128
 
@@ -82,7 +84,10 @@ def main() -> None:
     engine.update_weights(stream_weights(state.items(), manifest, bucket_bytes=200_000))
     prompts = prompt_batch(["c12=", "hello", "r345="], tok, group_ids=[4, 5, 6])
     hf = HFRolloutEngine(EngineSpec(model_path=str(path), role="rollout", max_response_len=8))
-    out: dict[str, Any] = {"version": engine.weight_version, "user_generates": engine.user_generates}
+    folder = MegatronRolloutEngine(EngineSpec(model_path=str(path), role="rollout", parallel=ParallelSizes(tp=tp)))
+    missing = sorted(set(vars(folder)) - set(vars(engine)))
+    out: dict[str, Any] = {"version": engine.weight_version, "user_generates": engine.user_generates,
+                           "missing": missing}
     for name, params in (("sampled", SamplingParams(max_new_tokens=6, n=2, seed=11, top_k=20)),
                          ("greedy", SamplingParams(max_new_tokens=6, greedy=True))):
         mine, ref = engine.generate(prompts, params), hf.generate(prompts, params)

@@ -24,6 +24,7 @@ def test_ranks_agree_and_weights_arrived_through_the_stream(ranks: list[dict[str
     a, b = ranks
     assert a["version"] == b["version"] == 3
     assert not a["user_generates"] and a["own_generates"]
+    assert not a["missing"], f"MegatronModelRollout.__init__ must set {a['missing']} like MegatronRolloutEngine does"
     for key in a:
         if isinstance(a[key], torch.Tensor):
             assert torch.equal(a[key], b[key]), key

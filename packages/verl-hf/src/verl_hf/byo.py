@@ -80,8 +80,9 @@ class HFModelRollout(HFRolloutEngine):
         self._version = 0
         self._stale = False
         self._asleep = False
-        # the weight-update path's caches (filled on the first update_weights)
+        # the weight-update path's caches (filled on the first update_weights); the decoder's state
         self._weights = None
+        self._graphs_error = None
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010
         self._user_generates = isinstance(model, GeneratesTokens)

@@ -25,6 +25,7 @@ from verl_core import ConfigError, SamplingParams, TensorBatch, Tokenizer
 from verl_core.byo import GeneratesTokens, as_tokenizer, generate_with_model, in_memory_spec
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
+from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import ParallelConfig, ParallelState, init_distributed
 from verl_megatron.rollout import MegatronRolloutEngine
 
@@ -97,7 +98,6 @@ class MegatronModelRollout(MegatronRolloutEngine):
         state = init_distributed(config, device=self._device.type, seed=seed)
         from megatron.core import parallel_state as ps
 
-        self._ps = ps
         self.tp = state.tp
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self._tp_group = ps.get_tensor_model_parallel_group()
@@ -127,6 +127,7 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self.model.requires_grad_(False)
         self.model.eval()
         self._tokenizer: Tokenizer = as_tokenizer(tokenizer, vocab)
+        self._options = MegatronOptions()
         self._version = 0
         self._stale = False
         self._user_generates = isinstance(built, GeneratesTokens)
