@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model
-from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, SamplingParams, TensorBatch
+from verl_core import (
+    BatchValidationError,
+    EngineSpec,
+    GlobalBatchStats,
+    OptimConfig,
+    SamplingParams,
+    TensorBatch,
+)
 from verl_core.algorithms import Algorithm
 from verl_core.executor import RayConfig
 from verl_core.registry import available_backends, get_rollout_engine, get_training_engine
@@ -60,6 +67,10 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
         actor = ex.training_engine("actor", "hf", spec)
         group = ex.worker_group("actor")
         assert group.world == 2 and len(set(group.pids())) == 2
+        # an error raised inside a worker arrives as itself, saying where it was raised
+        with pytest.raises(BatchValidationError, match="response_mask") as info:
+            actor.forward(batch.drop("response_mask"))
+        assert any("of role 'actor'" in note for note in getattr(info.value, "__notes__", []))
         remote = _one_step(actor, batch)
         torch.testing.assert_close(remote["log_probs"], local["log_probs"], rtol=0, atol=1e-6)
         for key, value in local["metrics"].items():

@@ -184,7 +184,7 @@ class WorkerGroup:
         ranks = list(range(self.world)) if ranks is None else list(ranks)
         if self.failure is not None:
             raise WorkerFailedError(
-                f"{self.failure} (the group is unusable since; start a new run or resume)",
+                f"{self.failure} (the group has been unusable since; close it and resume)",
                 role=self.failure.role, rank=self.failure.rank, method=method,
             )
         with self._lock:  # one submission order for every rank: collectives never cross
