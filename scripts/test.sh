@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run every check: ruff, mypy --strict, then the test phases, timing each.
-# Usage: scripts/test.sh [phase ...]   phases: setup lint core hf megatron vllm conformance trainer ray docs packaging
+# Usage: scripts/test.sh [phase ...]   phases: setup lint core hf megatron vllm conformance trainer reliability ray docs packaging
+#   reliability: fuzzing, faults, 200 SIGKILL points, security (~4 min on 2 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,7 +10,7 @@ export PYTHONHASHSEED=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 REPORTS=$(mktemp -d)
 PHASES=("$@")
-[ ${#PHASES[@]} -gt 0 ] || PHASES=(setup lint core hf megatron vllm conformance trainer ray docs packaging)
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(setup lint core hf megatron vllm conformance trainer reliability ray docs packaging)
 failed=()
 
 run_phase() {
@@ -54,6 +55,7 @@ for phase in "${PHASES[@]}"; do
     hf|megatron|vllm) run_phase "$phase" pytest_phase "$phase" "tests/$phase" ;;
     conformance) run_phase conformance pytest_phase conformance tests/conformance ;;
     trainer) run_phase trainer pytest_phase trainer tests/trainer tests/examples ;;
+    reliability) run_phase reliability pytest_phase reliability tests/reliability ;;
     ray) run_phase ray ray_phase ;;
     docs) run_phase docs pytest_phase docs tests/docs ;;  # mkdocs build --strict + runnable blocks
     packaging) run_phase packaging bash scripts/check_wheels.sh ;;
