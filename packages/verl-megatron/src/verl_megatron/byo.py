@@ -128,6 +128,8 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self.model.eval()
         self._tokenizer: Tokenizer = as_tokenizer(tokenizer, vocab)
         self._options = MegatronOptions()
+        # decode by recomputing the sequence each step: it needs nothing of the model but its forward
+        self._kv_cache = False
         self._version = 0
         self._stale = False
         self._user_generates = isinstance(built, GeneratesTokens)
