@@ -36,6 +36,7 @@ __all__ = [
     "WeightManifest",
     "WeightMessage",
     "WeightSync",
+    "all_finite_flag",
     "apply_weight_stream",
     "first_non_finite",
     "fusion_group",
@@ -179,22 +180,34 @@ def _finite_groups(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     return list(groups.values())
 
 
-def first_non_finite(named: list[tuple[str, Tensor]]) -> str | None:
-    """Name of the first tensor holding a NaN or inf, or None when every tensor is finite.
+def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
+    """A 0-dim bool tensor, True when every floating tensor's 2-norm is finite; no host sync.
 
-    One fused reduction per (device, dtype) and one host synchronisation for the whole list: the
-    2-norm of a tensor is finite whenever all of its elements are (NaN and inf propagate through
-    it). Only when a norm is not finite (a non-finite element, or finite elements whose norm
-    overflows) are the tensors checked one by one, which tells the two apart and names the tensor.
+    One fused reduction per (device, dtype). NaN and inf propagate through the norm, so True
+    proves every element finite; False means a non-finite element or finite elements whose norm
+    overflows (tell them apart with :func:`first_non_finite`). None when no tensor is floating.
     """
-    groups = _finite_groups(t for _, t in named)
+    groups = _finite_groups(tensors)
     if not groups:
         return None
     with torch.no_grad():
         flags = [torch.stack(torch._foreach_norm(g)).isfinite().all() for g in groups]
-        ok = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
-        if bool(ok):
-            return None
+        if len(flags) == 1:
+            return flags[0]
+        return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def first_non_finite(named: list[tuple[str, Tensor]]) -> str | None:
+    """Name of the first tensor holding a NaN or inf, or None when every tensor is finite.
+
+    One fused reduction per (device, dtype) and one host synchronisation for the whole list (see
+    :func:`all_finite_flag`); only when that flag is False are the tensors checked one by one,
+    which tells a non-finite element from a norm overflow and names the tensor.
+    """
+    flag = all_finite_flag(t for _, t in named)
+    if flag is None or bool(flag):
+        return None
+    with torch.no_grad():
         for name, t in named:
             if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 return name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verl_core import PROTOCOL_VERSION, BackendSpec, hookimpl
+from verl_core import PROTOCOL_VERSION, BackendSpec, WeightSync, hookimpl
 from verl_hf.capabilities import REWARD_CAPABILITIES, ROLLOUT_CAPABILITIES, training_capabilities
 
 _TRAINING = "verl_hf.training:build_training_engine"
@@ -31,3 +31,13 @@ def verl_backend() -> BackendSpec:
         config_class="verl_hf.config:HFOptions",
         description="transformers models: FSDP2/all-reduce training, KV-cache sampling, reward models",
     )
+
+
+@hookimpl
+def verl_weight_sync(source: str, target: str) -> WeightSync | None:
+    """The direct hf -> hf path (parameter-to-parameter copies in one process); None for other pairs."""
+    if source == "hf" and target == "hf":
+        from verl_hf.rollout import HFDirectSync
+
+        return HFDirectSync()
+    return None

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 import torch
@@ -27,17 +28,27 @@ from torch import Tensor
 from verl_core.batch import TensorBatch
 from verl_core.capabilities import RolloutCapabilities
 from verl_core.engine import EngineSpec
-from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError
+from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
 from verl_core.registry import parse_options
 from verl_core.rollout import RolloutEngine, SamplingParams
 from verl_core.schema import FIELDS
-from verl_core.weights import TensorInfo, WeightMessage, apply_weight_stream
+from verl_core.training import TrainingEngine
+from verl_core.weights import (
+    StreamWeightSync,
+    SyncReport,
+    TensorInfo,
+    WeightMessage,
+    WeightSync,
+    all_finite_flag,
+    apply_weight_stream,
+    first_non_finite,
+)
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.modeling import check_prompts_nonempty, load_model, position_ids
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
-__all__ = ["HFRolloutEngine", "build_rollout_engine", "sample_seed"]
+__all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
 
 _MASK63: Final = (1 << 63) - 1
 
@@ -519,6 +530,50 @@ class HFRolloutEngine(RolloutEngine):
         self._version = manifest.version
         self._stale = False
 
+    def _load_local(self, state: Mapping[str, Tensor], *, version: int) -> int:
+        """Copy same-device, same-dtype tensors by name into the parameters (the direct path).
+
+        The same checks as a stream, in one go: every name and shape first (nothing is copied on a
+        mismatch), then one multi-tensor copy and one fused finiteness check with a single host
+        synchronisation at the end; a non-finite tensor raises and leaves the engine stale.
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            WeightSyncError: a tensor is missing, mis-shaped, of another dtype or not finite.
+        """
+        self._stale = True
+        targets = self._targets()
+        src: list[Tensor] = []
+        for name, info in self._expected.items():
+            t = state.get(name)
+            if t is None or tuple(t.shape) != info.shape or t.dtype != info.dtype:
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise WeightSyncError(
+                    f"direct weight sync: {name!r} is {got} in the actor, the rollout model has "
+                    f"{info.shape} {info.dtype}; the two engines must load the same architecture and dtype"
+                )
+            src.append(t.detach())
+        extra = sorted(set(state) - set(targets) - ({"lm_head.weight"} if self._tied else set()))
+        if extra:
+            raise WeightSyncError(
+                f"direct weight sync: the actor has tensors the rollout model lacks, e.g. {extra[:3]}; "
+                "the two engines must load the same architecture"
+            )
+        with torch.no_grad():
+            # Check and copy are queued back to back; the one host sync comes last. A non-finite
+            # tensor then raises with the engine stale (its weights are not served).
+            finite = all_finite_flag(src)
+            torch._foreach_copy_(list(targets.values()), src)
+            if finite is not None and not bool(finite):
+                bad = first_non_finite(list(zip(targets, src)))
+                if bad is not None:
+                    raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to serve it")
+        self._version = version
+        self._stale = False
+        return sum(t.numel() * t.element_size() for t in src)
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Move the model to CPU on CUDA (a no-op on CPU)."""
@@ -539,6 +594,43 @@ class HFRolloutEngine(RolloutEngine):
         """Drop the model."""
         self._weights = None
         self._model = None
+
+
+class HFDirectSync(WeightSync):
+    """The direct hf -> hf path: the actor's parameters copied straight into the rollout engine's.
+
+    No stream, no buckets: one multi-tensor copy and one fused finiteness check (see
+    ``HFRolloutEngine._load_local``), with the stream's checks and failure semantics. It applies
+    when the actor holds full tensors on the rollout engine's device in its dtype (one process, no
+    FSDP2 sharding, not offloaded); every other case, and every other engine pair, runs the
+    canonical stream.
+
+    Args:
+        bucket_bytes: Bytes per chunk when falling back to the canonical stream.
+    """
+
+    def __init__(self, bucket_bytes: int = 256 * 1024 * 1024) -> None:
+        self._stream = StreamWeightSync(bucket_bytes)
+
+    def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
+        """Copy ``source``'s weights into ``target`` as ``version``."""
+        from verl_hf.training import HFTrainingEngine
+
+        if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)):
+            return self._stream.sync(source, target, version=version)
+        t0 = time.perf_counter()
+        state: dict[str, Tensor] = source.model.state_dict()
+        tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
+        # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
+        # actors go through the stream, which gathers, casts or rejects them.
+        device = target.model.get_input_embeddings().weight.device
+        if tied != target._tied or any(
+            type(t) is not Tensor or t.device != device or t.dtype != target.weight_dtype
+            for t in state.values()
+        ):
+            return self._stream.sync(source, target, version=version)
+        moved = target._load_local(state, version=version)
+        return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
 
 
 def build_rollout_engine(spec: EngineSpec) -> HFRolloutEngine:

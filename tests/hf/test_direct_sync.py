@@ -1,0 +1,93 @@
+"""The registered hf -> hf direct weight sync: same result and failure semantics as the stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_helpers import actor_spec, model_path
+
+from verl_conformance.testkit import assert_close, random_batch
+from verl_core import (
+    EngineSpec,
+    SamplingParams,
+    StaleWeightsError,
+    StreamWeightSync,
+    WeightSyncError,
+    get_weight_sync,
+)
+from verl_hf.rollout import HFDirectSync, HFRolloutEngine
+from verl_hf.training import HFTrainingEngine
+
+
+def rollout(path: str, dtype: str = "float32") -> HFRolloutEngine:
+    return HFRolloutEngine(EngineSpec(model_path=path, role="rollout", dtype=dtype, max_response_len=8))  # type: ignore[arg-type]
+
+
+def nudged_actor(path: str) -> HFTrainingEngine:
+    actor = HFTrainingEngine(actor_spec(path))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+    return actor
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_direct_sync_gives_the_stream_s_result(tied: bool) -> None:
+    path = model_path("qwen2", tied)
+    sync = get_weight_sync("hf", "hf")
+    assert isinstance(sync, HFDirectSync)
+    actor = nudged_actor(path)
+    direct, streamed = rollout(path), rollout(path)
+    ptrs = {n: p.data_ptr() for n, p in direct.model.named_parameters()}
+    report = sync.sync(actor, direct, version=3)
+    StreamWeightSync(bucket_bytes=50_000).sync(actor, streamed, version=3)
+    assert direct.weight_version == 3 and report.version == 3
+    assert report.bytes == sum(p.numel() * p.element_size() for p in streamed.model.parameters())
+    assert {n: p.data_ptr() for n, p in direct.model.named_parameters()} == ptrs, "copied into the live tensors"
+    want = dict(streamed.model.state_dict())
+    for name, t in direct.model.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    prompts = random_batch(batch_size=2, max_prompt=5, max_response=1, seed=2).select(
+        "prompt_ids", "prompt_mask", "group_ids")
+    out = direct.generate(prompts, SamplingParams(max_new_tokens=4, seed=1))
+    assert_close(out["rollout_log_probs"], actor.forward(out, ["log_probs"])["log_probs"], dtype="float32",
+                 quantity="log_probs")
+
+
+def test_non_finite_actor_weights_leave_the_rollout_stale_until_a_good_sync() -> None:
+    path = model_path("llama")
+    actor = nudged_actor(path)
+    engine = rollout(path)
+    sync = HFDirectSync()
+    sync.sync(actor, engine, version=1)
+    with torch.no_grad():
+        actor.model.model.norm.weight[2] = float("nan")
+    with pytest.raises(WeightSyncError, match="'model.norm.weight' holds NaN/inf"):
+        sync.sync(actor, engine, version=2)
+    with pytest.raises(StaleWeightsError):
+        engine.generate(random_batch(batch_size=1, max_prompt=4, max_response=1, seed=0).select(
+            "prompt_ids", "prompt_mask", "group_ids"), SamplingParams(max_new_tokens=2))
+    assert engine.weight_version == 1
+    with torch.no_grad():
+        actor.model.model.norm.weight[2] = 1.0
+    sync.sync(actor, engine, version=3)
+    assert engine.weight_version == 3
+    assert torch.equal(engine.model.model.norm.weight, actor.model.model.norm.weight)
+
+
+def test_other_dtypes_and_architectures_go_through_the_stream() -> None:
+    path = model_path("llama")
+    actor = nudged_actor(path)
+    half = rollout(path, dtype="bfloat16")
+    report = HFDirectSync().sync(actor, half, version=4)
+    assert half.weight_version == 4
+    assert report.bytes == sum(p.numel() * 2 for p in half.model.parameters())
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(dict(half.model.named_parameters())[name], p.detach().bfloat16()), name
+    other = rollout(model_path("llama", tied=True))
+    with pytest.raises(WeightSyncError, match="does not match the receiving model"):
+        HFDirectSync().sync(actor, other, version=5)
+    with pytest.raises(StaleWeightsError):
+        other.generate(random_batch(batch_size=1, max_prompt=4, max_response=1, seed=0).select(
+            "prompt_ids", "prompt_mask", "group_ids"), SamplingParams(max_new_tokens=2))
