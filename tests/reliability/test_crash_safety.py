@@ -163,6 +163,10 @@ def _where(report: str) -> str:
         return "replay-buffer spill"
     if "metrics.jsonl" in report or "scheduler_plan" in report:
         return "log append"
+    if report.startswith(("os.remove", "os.rmdir")):
+        return "tree removal (checkpoint pruning, spill cleanup)"
+    if ".config.json" in report or "config.json" in report:
+        return "run config write"
     return "other write: " + report.split()[0] if report else "other write"
 
 

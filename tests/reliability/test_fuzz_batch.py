@@ -23,7 +23,7 @@ from verl_conformance.testkit import random_batch
 from verl_core import BatchMeta, BatchValidationError, NonFiniteError, TensorBatch, VerlError
 from verl_core.schema import FIELDS
 
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.float16, torch.bfloat16,
           torch.float32, torch.float64, torch.bool, torch.complex64)
 VOCAB = 64

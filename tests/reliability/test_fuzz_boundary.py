@@ -40,7 +40,7 @@ VOCAB = 128
 MAX_PROMPT = 8
 MAX_RESPONSE = 6
 BACKENDS = [b for b in ("hf", "example") if b in available_backends()]
-FUZZ = settings(max_examples=60, deadline=None,
+FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
