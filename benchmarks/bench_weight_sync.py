@@ -8,6 +8,8 @@ the repetitions), so a loaded machine shifts both sides alike:
 * canonical stream: ``StreamWeightSync(bucket_bytes).sync(actor, rollout)``, i.e.
   ``rollout.update_weights(actor.export_weights(...))`` with the manifest, per-chunk checks
   (names, shapes, dtypes, finiteness) and the copy into the rollout engine's parameters;
+* direct path: the sync registered for hf -> hf (``get_weight_sync("hf", "hf")``: one multi-tensor
+  copy and one fused finiteness check, no stream);
 * export only: consuming ``actor.export_weights(...)`` without applying it (the sender's share).
 
 GB/s counts the bytes of the streamed tensors once (as the anchor counts each parameter once).
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from verl_conformance.testkit import TinyModelSpec, build_tiny_model
-from verl_core import EngineSpec, StreamWeightSync, WeightChunk
+from verl_core import EngineSpec, StreamWeightSync, WeightChunk, get_weight_sync
 from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
@@ -77,12 +79,18 @@ def main() -> None:
         version[0] += 1
         sent[0] = StreamWeightSync(bucket_bytes=bucket).sync(actor, rollout, version=version[0]).bytes
 
+    direct = get_weight_sync("hf", "hf")
+
+    def direct_sync() -> None:
+        version[0] += 1
+        direct.sync(actor, rollout, version=version[0])
+
     def export() -> None:
         for msg in actor.export_weights(dtype=rollout.weight_dtype, bucket_bytes=bucket):
             if isinstance(msg, WeightChunk):
                 pass
 
-    t_copy, t_sync, t_export = interleaved([copy, sync, export], args.reps)
+    t_copy, t_sync, t_direct, t_export = interleaved([copy, sync, direct_sync, export], args.reps)
     assert rollout.weight_version == version[0]
     n_params = sum(p.numel() for p in src)
     print(f"Weight sync hf actor -> hf rollout, {n_params / 1e6:.0f}M params, {args.dtype}, "
@@ -91,6 +99,8 @@ def main() -> None:
     print(f"| named-parameter copy | {t_copy * 1e3:.1f} | {nbytes / t_copy / 1e9:.2f} | 1.00x |")
     print(f"| canonical stream (export -> update_weights) | {t_sync * 1e3:.1f} | {sent[0] / t_sync / 1e9:.2f} | "
           f"{t_copy / t_sync:.2f}x |")
+    print(f"| direct path ({type(direct).__name__}) | {t_direct * 1e3:.1f} | {nbytes / t_direct / 1e9:.2f} | "
+          f"{t_copy / t_direct:.2f}x |")
     print(f"| export only (sender's share) | {t_export * 1e3:.1f} | {nbytes / t_export / 1e9:.2f} | "
           f"{t_copy / t_export:.2f}x |")
 

@@ -11,8 +11,9 @@ Sections (each prints a table and appends it to DIR/bench_gpu.md):
   engine (batch 64, 128-token prompts, 256 sampled tokens), plus how closely the CUDA-graph
   samples match the eager static ones (same seed);
 * ``sync``: GB/s of a named-parameter copy against the canonical stream
-  (``StreamWeightSync``: export_weights -> update_weights) at two bucket sizes, and the export alone;
-  checks that the rollout's parameters equal the actor's afterwards.
+  (``StreamWeightSync``: export_weights -> update_weights) at two bucket sizes, the registered
+  direct hf -> hf path, and the export alone; checks that the rollout's parameters equal the
+  actor's afterwards.
 
 The model is random-initialised (hidden 2048, 16 layers, 16 heads, 8 KV groups, FFN 5632, vocab
 32000) and built once next to DIR. ``--size small`` or ``--size tiny`` (``--tiny``) swap in a
@@ -44,6 +45,7 @@ from verl_core import (
     TensorBatch,
     get_rollout_engine,
     get_training_engine,
+    get_weight_sync,
 )
 from verl_core.algorithms import Algorithm
 
@@ -328,6 +330,17 @@ def sync(model_dir: Path) -> None:
         t_sync = cuda_time(stream, 5, 2)
         rows.append((f"canonical stream (export -> update_weights), {bucket_mb} MB buckets", t_sync,
                      reports[-1].bytes))
+
+    direct = get_weight_sync("hf", "hf")
+    direct_reports: list[SyncReport] = []
+
+    def direct_sync() -> None:
+        version[0] += 1
+        direct_reports.append(direct.sync(actor, rollout, version=version[0]))
+
+    t_direct = cuda_time(direct_sync, 5, 2)
+    rows.append((f"direct path ({type(direct).__name__}, registered for hf -> hf)", t_direct,
+                 direct_reports[-1].bytes))
 
     def export() -> None:
         for msg in actor.export_weights(dtype=rollout.weight_dtype, bucket_bytes=512 << 20):
