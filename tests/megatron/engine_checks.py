@@ -167,12 +167,18 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     again = rollout.generate(prompts, sampled)
     reordered = rollout.generate(prompts.index([2, 1, 0]), sampled)
     greedy = rollout.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    # the same engine without its KV cache (the whole sequence recomputed at every step)
+    recompute = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
+                                                          options={"rollout_kv_cache": False}))
+    plain = recompute.generate(prompts, sampled)
+    recompute.close()
     out: dict[str, Any] = {
         "first": {k: first[k] for k in ("response_ids", "response_mask", "rollout_log_probs", "truncated",
                                          "group_ids", "sample_index")},
         "again_ids": again["response_ids"], "reordered_ids": reordered["response_ids"],
         "greedy_ids": greedy["response_ids"], "greedy_mask": greedy["response_mask"],
         "greedy_lp": greedy["rollout_log_probs"],
+        "recompute": {k: plain[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,
     }

@@ -291,6 +291,16 @@ def test_rollout_schema_seeding_and_log_probs(runs: Any, layout: tuple[int, int,
         assert torch.equal(rank_res["rollout"]["first"]["response_ids"], ids), "TP ranks sampled differently"
 
 
+@pytest.mark.parametrize("layout", ROLLOUT_LAYOUTS, ids=_id)
+def test_rollout_kv_cache_samples_what_recomputing_samples(runs: Any, layout: tuple[int, int, int]) -> None:
+    res = runs[layout][0]["rollout"]
+    cached, plain = res["first"], res["recompute"]
+    assert torch.equal(cached["response_ids"], plain["response_ids"])
+    assert torch.equal(cached["response_mask"], plain["response_mask"])
+    assert_close(cached["rollout_log_probs"], plain["rollout_log_probs"], dtype="float32", quantity="log_probs",
+                 what="KV-cached vs recomputed rollout log-probs")
+
+
 def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
     import transformers
 

@@ -23,8 +23,10 @@ def sdpa_attention_class() -> type:
     """A megatron-core core-attention module computing with ``torch.nn.functional.scaled_dot_product_attention``.
 
     It relies on the engines' layout: every row's real tokens come first and padding trails them,
-    so a causal mask is the whole mask (``is_causal=True``: flash/efficient kernels on GPU). The
-    ``attention_mask`` Megatron passes is therefore not read. Query groups are expanded to heads
+    so a causal mask is the whole mask (``is_causal=True``: flash/efficient kernels on GPU) and the
+    ``attention_mask`` Megatron passes is not read, unless the module's ``explicit_mask`` attribute
+    is True (the rollout engine's KV-cached decoding sets it): then ``attention_mask``
+    ([batch or 1, 1, queries, keys], True = masked) is the mask. Query groups are expanded to heads
     the same way as Megatron's DotProductAttention (head h uses group h // heads-per-group).
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -51,9 +53,10 @@ def sdpa_attention_class() -> type:
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
+            mask = ~attention_mask if getattr(self, "explicit_mask", False) and attention_mask is not None else None
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                q, k, v, attn_mask=mask, is_causal=mask is None,
+                scale=self.softmax_scale, dropout_p=self.attention_dropout.p if self.training else 0.0,
             )
             return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
 

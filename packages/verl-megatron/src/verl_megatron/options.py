@@ -26,11 +26,14 @@ class MegatronOptions:
             runs (applied by the direct weight sync, undone by the next training call): ``keep``
             them in place or ``offload`` them to CPU memory (on a CPU-only machine the move is a
             no-op that is still performed and timed).
+        rollout_kv_cache: The rollout engine decodes with Megatron's static KV cache (one prefill,
+            then one token per step); False recomputes the whole sequence at every step.
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
     export_ranks: Literal["all", "first"] = "all"
     during_rollout: Literal["keep", "offload"] = "keep"
+    rollout_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ("sdpa", "local"):
@@ -41,3 +44,5 @@ class MegatronOptions:
             raise ConfigError(
                 f"megatron option during_rollout must be 'keep' or 'offload', got {self.during_rollout!r}"
             )
+        if not isinstance(self.rollout_kv_cache, bool):
+            raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")

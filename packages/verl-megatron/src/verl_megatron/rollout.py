@@ -1,10 +1,13 @@
 """The Megatron RolloutEngine: sampling on a megatron-core GPTModel, tensor parallel.
 
-Decoding recomputes the whole sequence at every step (no KV cache yet), in the same left-shifted
-layout as training (real tokens at positions ``0..L-1``), so the rollout log-probs are those of
-the training engine's forward on the same weights. Under TP each rank computes its vocabulary
-slice of the next-token logits; the slices are all-gathered (one row per sample, not the whole
-sequence) and every TP rank samples the same token from the same per-sample random stream.
+Decoding uses Megatron's static KV cache: one prefill of the left-padded prompts, then one token
+per step, every row's next token in one column. RoPE attention scores depend only on distances,
+so each row's real tokens attend as they do in training (positions ``0..L-1``) and the rollout
+log-probs are the training engine's forward on the same weights, up to float rounding; pad keys
+are masked. With the option ``rollout_kv_cache=False`` it recomputes the whole sequence at every
+step in training's left-shifted layout instead. Under TP the vocabulary slices of the next-token
+logits are gathered (one row per sample, not the whole sequence) and every TP rank samples the
+same token from the same per-sample random stream.
 
 Semantics shared with the other backends:
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 
 import torch
 import torch.distributed as dist
@@ -124,6 +127,10 @@ class MegatronRolloutEngine(RolloutEngine):
         load_stage_weights(self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=0, pp=1)
         self.model.requires_grad_(False)
         self.model.eval()
+        self._kv_cache = self._options.rollout_kv_cache
+        for name, module in self.model.named_modules():
+            if name.endswith("core_attention"):
+                module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
         self._tokenizer: Tokenizer = HFTokenizer(spec.model_path)
         self._version = 0
         self._stale = False
@@ -227,6 +234,58 @@ class MegatronRolloutEngine(RolloutEngine):
         dist.all_gather(parts, local, group=self._tp_group)
         return torch.cat(parts, -1)
 
+    def _recomputed_logits(self, batch: TensorBatch, max_new: int) -> Generator[Tensor, Tensor, None]:
+        """Next-token logits, recomputing the whole left-shifted sequence at every step.
+
+        Yields the logits of the next token of every row and is sent the chosen tokens.
+        """
+        dev = self._device
+        pad = self._tokenizer.pad_token_id
+        prompt_mask = batch["prompt_mask"].to(dev)
+        rows, p = prompt_mask.shape
+        lengths = prompt_mask.sum(1)
+        cols = torch.arange(p, device=dev).unsqueeze(0)
+        src = (cols + (p - lengths).unsqueeze(1)).clamp(max=p - 1)
+        # Left-shift the prompts (real tokens at 0..L-1) and leave room for the response.
+        tokens = torch.full((rows, p + max_new), pad, dtype=torch.int64, device=dev)
+        tokens[:, :p] = batch["prompt_ids"].to(dev).gather(1, src).masked_fill(cols >= lengths.unsqueeze(1), pad)
+        for t in range(max_new):
+            tok = yield self._next_logits(tokens[:, : int(lengths.max()) + t], lengths + t - 1)
+            tokens[torch.arange(rows, device=dev), lengths + t] = tok
+
+    def _cached_logits(self, batch: TensorBatch, max_new: int) -> Generator[Tensor, Tensor, None]:
+        """Next-token logits with Megatron's static KV cache: one prefill, then one token per step.
+
+        Rows stay left-padded so every row's next token sits in one column (the cache appends at
+        one offset); RoPE scores depend only on the distance between positions, so each row's
+        real tokens attend as they would at positions ``0..L-1``. Pad keys are masked out (a pad
+        query sees only itself, so no row of the softmax is empty).
+        """
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        dev = self._device
+        prompt_mask = batch["prompt_mask"].to(dev)
+        rows, p = prompt_mask.shape
+        total = p + max_new
+        ctx = StaticInferenceContext(rows, total)
+        real = torch.zeros(rows, total, dtype=torch.bool, device=dev)
+        real[:, :p] = prompt_mask
+        pos = torch.arange(p, device=dev)
+        visible = (pos.view(1, p, 1) >= pos.view(1, 1, p)) & (real[:, :p].unsqueeze(1) | torch.eye(p, dtype=torch.bool, device=dev))
+        # Megatron's inference mode gathers the vocabulary slices itself (runtime_gather_output)
+        # and returns the last position's logits only.
+        out: Tensor = self.model(batch["prompt_ids"].to(dev), pos.unsqueeze(0).expand(rows, p),
+                                 (~visible).unsqueeze(1), inference_context=ctx, runtime_gather_output=True)
+        ctx.sequence_len_offset += p
+        for t in range(max_new):
+            tok = yield out[:, -1].float()
+            at = p + t
+            real[:, at] = True
+            position = torch.full((rows, 1), at, dtype=torch.int64, device=dev)
+            out = self.model(tok.view(rows, 1), position, (~real[:, : at + 1]).view(rows, 1, 1, at + 1),
+                             inference_context=ctx, runtime_gather_output=True)
+            ctx.sequence_len_offset += 1
+
     @torch.no_grad()
     def _decode(self, batch: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rows = batch.batch_size
@@ -234,19 +293,12 @@ class MegatronRolloutEngine(RolloutEngine):
         pad = self._tokenizer.pad_token_id
         stops = torch.tensor(sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), device=dev)
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        prompt_mask = batch["prompt_mask"].to(dev)
-        lengths = prompt_mask.sum(1)
-        p = prompt_mask.shape[1]
-        cols = torch.arange(p, device=dev).unsqueeze(0)
-        src = (cols + (p - lengths).unsqueeze(1)).clamp(max=p - 1)
-        # Left-shift the prompts (real tokens at 0..L-1) and leave room for the response.
-        tokens = torch.full((rows, p + params.max_new_tokens), pad, dtype=torch.int64, device=dev)
-        tokens[:, :p] = batch["prompt_ids"].to(dev).gather(1, src).masked_fill(cols >= lengths.unsqueeze(1), pad)
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         out_ids, out_mask, out_lp = [], [], []
+        cached = getattr(self, "_kv_cache", False)
+        steps = (self._cached_logits if cached else self._recomputed_logits)(batch, params.max_new_tokens)
+        logits = next(steps)
         for t in range(params.max_new_tokens):
-            width = int(lengths.max()) + t
-            logits = self._next_logits(tokens[:, :width], lengths + t - 1)
             scaled = logits / params.temperature
             logp = torch.log_softmax(scaled, -1)
             if params.greedy:
@@ -260,10 +312,11 @@ class MegatronRolloutEngine(RolloutEngine):
             out_ids.append(tok)
             out_mask.append(alive)
             out_lp.append(torch.where(alive, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), 0.0))
-            tokens[torch.arange(rows, device=dev), lengths + t] = tok
             finished = finished | (alive & torch.isin(tok, stops))
-            if bool(finished.all()):
+            if bool(finished.all()) or t + 1 == params.max_new_tokens:
                 break
+            logits = steps.send(tok)
+        steps.close()
         return torch.stack(out_ids, 1), torch.stack(out_mask, 1), torch.stack(out_lp, 1), ~finished
 
     # ------------------------------------------------------------------ weights
