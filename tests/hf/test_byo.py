@@ -50,8 +50,9 @@ class _Scripted(torch.nn.Module):
 
 def test_model_object_samples_exactly_like_the_folder_engine() -> None:
     folder = HFRolloutEngine(EngineSpec(model_path=model_path(), role="rollout", max_prompt_len=16, max_response_len=8))
-    mine = rollout_from_model(_model(), AutoTokenizer.from_pretrained(model_path()), max_prompt_len=16, max_response_len=8)
-    assert not mine.user_generates
+    model = _model()
+    mine = rollout_from_model(model, AutoTokenizer.from_pretrained(model_path()), max_prompt_len=16, max_response_len=8)
+    assert not mine.user_generates and mine.model is model  # shared, not copied
     assert mine.spec.role == "rollout" and mine.weight_dtype == torch.float32
     missing = sorted(set(vars(folder)) - set(vars(mine)))
     assert not missing, f"HFModelRollout.__init__ must set {missing} like HFRolloutEngine.__init__ does"
@@ -63,6 +64,7 @@ def test_model_object_samples_exactly_like_the_folder_engine() -> None:
         assert torch.equal(a["response_mask"], b["response_mask"])
         assert torch.equal(a["truncated"], b["truncated"])
         torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6, rtol=0)
+    assert all(p.requires_grad for p in model.parameters())  # the caller's model is not frozen
 
 
 def test_own_generation_is_cut_at_eos_and_scored_by_the_forward() -> None:

@@ -32,7 +32,8 @@ class HFModelRollout(HFRolloutEngine):
     Args:
         model: A transformers causal LM (``*ForCausalLM``: forward with ``input_ids``,
             ``attention_mask``, ``position_ids``, ``past_key_values``, ``use_cache``, returning
-            ``logits``), on the device it should run on.
+            ``logits``), on the device it should run on. The engine shares it (no copy): it puts it
+            in eval mode, decodes without gradients, and ``update_weights`` writes into it.
         tokenizer: Its transformers tokenizer (or an :class:`~verl_hf.tokenizer.HFTokenizer`).
         seed: Seed recorded in the spec (sampling seeds come from ``SamplingParams.seed``).
         max_prompt_len: Longest prompt accepted.
@@ -71,8 +72,7 @@ class HFModelRollout(HFRolloutEngine):
         )
         self._options = options or HFOptions()
         self._device = device
-        model.eval()
-        model.requires_grad_(False)
+        model.eval()  # dropout off: samples are a function of the weights and the seeds
         self._model = model
         self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self._vocab_size = vocab

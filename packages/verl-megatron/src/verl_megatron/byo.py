@@ -59,8 +59,8 @@ class MegatronModelRollout(MegatronRolloutEngine):
     every rank returns the same batch.
 
     Args:
-        model: A GPTModel (process groups must already exist) or a :data:`ModelBuilder` (the SDK
-            creates them first, from ``parallel``).
+        model: A GPTModel (process groups must already exist; the engine shares it, in eval mode)
+            or a :data:`ModelBuilder` (the SDK creates the groups first, from ``parallel``).
         tokenizer: A :class:`verl_core.Tokenizer` or a transformers tokenizer.
         parallel: The tensor-parallel layout (None = TP 1); it must match groups created before.
         device: ``cpu`` or ``cuda``.
@@ -124,7 +124,8 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self.dims = _dims_of(built, vocab)
         self.adapter = StateDictAdapter(self.dims)
         self.model = built.to(self._device)
-        self.model.requires_grad_(False)
+        if not isinstance(model, nn.Module):  # built here, so the engine owns it
+            self.model.requires_grad_(False)
         self.model.eval()
         self._tokenizer: Tokenizer = as_tokenizer(tokenizer, vocab)
         self._options = MegatronOptions()
