@@ -1,6 +1,6 @@
 """Under data parallelism a NaN loss on one rank skips the update on every rank, and the ranks agree.
 
-Two ranks (torchrun, gloo) of a real training engine; rank 1's loss is NaN, rank 0's is finite.
+Two ranks (torchrun, gloo) of a real training engine (hf in both data-parallel modes, megatron); rank 1's loss is NaN, rank 0's is finite.
 Every rank must report the step skipped and keep its weights; the next finite update must be taken
 by both, with identical weights on both ranks.
 """
@@ -18,7 +18,7 @@ from verl_conformance.testkit import TinyModelSpec, launch_torchrun, tiny_model
 from verl_core import available_backends
 
 HERE = Path(__file__).parent
-CASES = [("hf", ("allreduce", "fsdp2"))]
+CASES = [("hf", ("allreduce", "fsdp2")), ("megatron", ("dp",))]
 
 
 @pytest.mark.multiprocess
@@ -32,7 +32,7 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(
     path = str(tiny_model(TinyModelSpec(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=32,
                                         intermediate_size=64)))
     ranks: list[dict[str, Any]] = launch_torchrun(HERE / "nonfinite_worker.py", 2, [backend, path, *modes],
-                                                  timeout=300)
+                                                  timeout=300, env={"OMP_NUM_THREADS": "1"})
     for mode in modes:
         tally[f"fault/NaN loss on one data-parallel rank ({backend} {mode})"] += 1
         rs = [r[mode] for r in ranks]

@@ -137,8 +137,8 @@ def _remote_code_folder(tmp: Path, where: str, head: str = "causal_lm") -> tuple
 
 
 @pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)")
-@pytest.mark.parametrize("where", ["config", "tokenizer"])
-@pytest.mark.parametrize("role", ["actor", "rollout", "reward"])
+@pytest.mark.parametrize(("role", "where"), [("actor", "config"), ("rollout", "config"), ("reward", "config"),
+                                             ("actor", "tokenizer"), ("rollout", "tokenizer")])
 def test_hf_engines_never_run_code_shipped_with_a_model(
     role: str, where: str, tmp_path: Path, tally: Counter[str]
 ) -> None:
