@@ -6,6 +6,7 @@ weight sync (two actor ranks, two rollout readers) leaves every replica with the
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -110,5 +111,29 @@ def test_a_group_the_cluster_cannot_place_fails_clearly(ray_cluster: Any, model:
     try:
         with pytest.raises(ConfigError, match=r"could not place worker group 'actor': it needs 3 bundle\(s\) of \{'CPU': 1.0\}"):
             ex.training_engine("actor", "hf", EngineSpec(model_path=model, role="actor"))
+    finally:
+        ex.close()
+
+
+@pytest.mark.skipif(
+    "megatron" not in available_backends() or os.environ.get("VERL_TEST_RAY_MEGATRON") != "1",
+    reason="opt-in (about a minute on 2 cores): set VERL_TEST_RAY_MEGATRON=1",
+)
+def test_megatron_tensor_parallel_group_matches_the_reference(ray_cluster: Any, model: str) -> None:
+    from verl_core.executor.ray_executor import RayExecutor
+
+    spec = EngineSpec(model_path=model, role="actor", optim=OptimConfig(lr=0.1, eps=1.0),
+                      max_prompt_len=16, max_response_len=16)
+    batch = random_batch(batch_size=4, max_prompt=7, max_response=6, seed=11, with_rl_fields=True)
+    want = get_training_engine("hf", spec).forward(batch)["log_probs"]
+    ex = RayExecutor(RayConfig(parallel={"actor": {"tp": 2}}))
+    try:
+        actor = ex.training_engine("actor", "megatron", spec)
+        assert ex.worker_group("actor").world == 2
+        torch.testing.assert_close(actor.forward(batch)["log_probs"], want, rtol=0, atol=1e-5)
+        metrics = actor.forward_backward(batch, Algorithm.grpo(kl_loss_coef=0.01).actor_loss, GlobalBatchStats.of(batch))
+        assert metrics["loss"] == metrics["loss"]  # finite, returned from rank 0
+        assert not actor.optimizer_step().skipped
+        assert sorted(_weights(actor.export_weights())) == sorted(_weights(get_training_engine("hf", spec).export_weights()))
     finally:
         ex.close()
