@@ -188,7 +188,7 @@ class RolloutGroups:
     pg_collection: Any
 
 
-_ROLLOUT_GROUPS: dict[int, RolloutGroups] = {}
+_ROLLOUT_GROUPS: dict[tuple[int, int], RolloutGroups] = {}  # (tp, id of the world group) -> groups
 
 
 def rollout_groups(sizes: ParallelSizes, *, device: str = "auto", seed: int = 0) -> RolloutGroups:
@@ -221,7 +221,8 @@ def rollout_groups(sizes: ParallelSizes, *, device: str = "auto", seed: int = 0)
     if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (sizes.tp, 1):
         return RolloutGroups(sizes.tp, sizes.dp, ps.get_tensor_model_parallel_rank(),
                              ps.get_tensor_model_parallel_group(), None)
-    cached = _ROLLOUT_GROUPS.get(sizes.tp)
+    key = (sizes.tp, id(dist.group.WORLD))
+    cached = _ROLLOUT_GROUPS.get(key)
     if cached is not None:
         return cached
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -240,5 +241,5 @@ def rollout_groups(sizes: ParallelSizes, *, device: str = "auto", seed: int = 0)
     pgs = ProcessGroupCollection(tp=tp_group, pp=single, cp=single, tp_cp=tp_group, mp=tp_group,
                                  embd=single, pos_embd=single, dp=single, hcp=[single])
     groups = RolloutGroups(sizes.tp, sizes.dp, rank % sizes.tp, tp_group, pgs)
-    _ROLLOUT_GROUPS[sizes.tp] = groups
+    _ROLLOUT_GROUPS[key] = groups
     return groups
