@@ -1,4 +1,4 @@
-"""Launched under torchrun by test_byo.py: a user-built GPTModel through verl_megatron.byo.
+"""Launched under torchrun by test_megatron_byo.py: a user-built GPTModel through verl_megatron.byo.
 
 The model is built by a builder the SDK calls after it set up the process groups; its weights come
 from a test-kit folder through a weight stream, so its samples can be compared with the hf engine
