@@ -16,7 +16,7 @@ from verl_core import (
     apply_weight_stream,
     stream_weights,
 )
-from verl_core.weights import first_non_finite
+from verl_core.weights import all_finite_flag, first_non_finite
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -58,6 +58,14 @@ def test_a_finite_tensor_whose_norm_overflows_is_accepted() -> None:
     assert first_non_finite([("big", big), ("small", torch.ones(2))]) is None
     big[3] = float("nan")
     assert first_non_finite([("small", torch.ones(2)), ("big", big)]) == "big"
+
+
+def test_half_precision_norms_do_not_overflow_in_the_fast_check() -> None:
+    # Every element is finite; the float16 norm (about 9.5e4) would overflow float16's 65504.
+    half = torch.full((100_000,), 300.0, dtype=torch.float16)
+    flag = all_finite_flag([half, torch.ones(3, dtype=torch.bfloat16)])
+    assert flag is not None and bool(flag)
+    assert all_finite_flag([torch.arange(3)]) is None
 
 
 def test_no_copy_mode_hands_over_the_chunk_tensors() -> None:

@@ -191,7 +191,13 @@ def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
     if not groups:
         return None
     with torch.no_grad():
-        flags = [torch.stack(torch._foreach_norm(g)).isfinite().all() for g in groups]
+        # 16-bit norms are accumulated and returned in float32: a float16 norm overflows early.
+        flags = [
+            torch.stack(torch._foreach_norm(g, 2, dtype=torch.float32 if g[0].element_size() == 2 else None))
+            .isfinite()
+            .all()
+            for g in groups
+        ]
         if len(flags) == 1:
             return flags[0]
         return torch.stack([f.to(flags[0].device) for f in flags]).all()
