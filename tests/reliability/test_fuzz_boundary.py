@@ -31,6 +31,7 @@ from verl_core import (
     TensorBatch,
     VerlError,
     available_backends,
+    get_reward_engine,
     get_rollout_engine,
     get_training_engine,
 )
@@ -285,3 +286,35 @@ def test_an_empty_batch_is_handled_or_refused_cleanly(engines: Engines, tally: C
             assert isinstance(error, ValueError), repr(error)
         else:
             assert out.batch_size == 0
+
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Counter[str]]:
+    """The hf reward-model engine on a tiny sequence-classification model, its modules watched."""
+    if "hf" not in available_backends():
+        pytest.skip("needs the hf backend (pip install verl-hf)")
+    path = build_tiny_model(tmp_path_factory.mktemp("reward") / "tiny", TinyModelSpec(
+        hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=32, intermediate_size=64,
+        vocab_size=VOCAB, head="reward",
+    ))
+    engine = get_reward_engine("hf", EngineSpec(model_path=str(path), role="reward", max_prompt_len=MAX_PROMPT,
+                                                max_response_len=MAX_RESPONSE))
+    calls: Counter[str] = Counter()
+    _count_calls(engine, calls, "reward")
+    return engine, calls
+
+
+@given(kind=st.sampled_from([k for k in KINDS if k != "non_finite"]), seed=st.integers(0, 30), data=st.data())
+@FUZZ
+def test_reward_engine_refuses_bad_batches_before_running(
+    reward: tuple[Any, Counter[str]], kind: str, seed: int, data: st.DataObject, tally: Counter[str]
+) -> None:
+    engine, calls = reward
+    batch = valid_batch(seed).select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids")
+    bad = corrupt(batch, kind, data)
+    if kind == "missing_field" and set(bad) >= {"prompt_ids", "prompt_mask", "response_ids", "response_mask"}:
+        return
+    calls.clear()
+    tally[f"fuzz/engine boundary (reward {kind})"] += 1
+    err = _refused(lambda: engine.score(bad))
+    assert calls["reward"] == 0, f"{kind}: the reward model ran before the input was refused ({err})"

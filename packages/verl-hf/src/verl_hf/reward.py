@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from verl_core.batch import TensorBatch
 from verl_core.capabilities import RewardCapabilities
 from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError
+from verl_core.errors import BatchValidationError, ConfigError
 from verl_core.registry import parse_options
 from verl_core.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
@@ -74,6 +74,15 @@ class HFRewardEngine(RewardEngine):
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
         batch.check(where=where, vocab_size=self._vocab_size)
         check_prompts_nonempty(batch, where)
+        if batch.batch_size:
+            p = int(batch["prompt_mask"].sum(1).max())
+            r = int(batch["response_mask"].sum(1).max())
+            if p > self._spec.max_prompt_len or r > self._spec.max_response_len:
+                raise BatchValidationError(
+                    f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
+                    f"was built for max_prompt_len={self._spec.max_prompt_len}, "
+                    f"max_response_len={self._spec.max_response_len}; raise them in the EngineSpec"
+                )
         step = self._options.rollout_batch_size or max(batch.batch_size, 1)
         parts: list[Tensor] = []
         work = batch.to(self._device)
