@@ -28,14 +28,17 @@ from verl_core import (
     GlobalBatchStats,
     OptimConfig,
     SamplingParams,
+    StaleWeightsError,
     TensorBatch,
     VerlError,
+    WeightSyncError,
     available_backends,
     get_reward_engine,
     get_rollout_engine,
     get_training_engine,
 )
 from verl_core.algorithms import Algorithm
+from verl_core.weights import TensorInfo, WeightChunk, WeightCommit, WeightManifest
 
 VOCAB = 128
 MAX_PROMPT = 8
@@ -318,3 +321,78 @@ def test_reward_engine_refuses_bad_batches_before_running(
     tally[f"fuzz/engine boundary (reward {kind})"] += 1
     err = _refused(lambda: engine.score(bad))
     assert calls["reward"] == 0, f"{kind}: the reward model ran before the input was refused ({err})"
+
+
+def _stream(engines: Engines) -> list[Any]:
+    """A valid weight stream from the actor, materialised (chunks copied: they are valid only briefly)."""
+    out: list[Any] = []
+    for msg in engines.actor.export_weights():
+        if isinstance(msg, WeightChunk):
+            msg = WeightChunk(tuple((n, t.clone()) for n, t in msg.tensors))
+        out.append(msg)
+    return out
+
+
+STREAM_FAULTS = ["drop_chunk", "drop_commit", "drop_manifest", "commit_version", "rename", "reshape", "dtype",
+                 "non_finite", "unknown_tensor", "duplicate", "junk_message", "after_commit", "manifest_shape"]
+
+
+@given(fault=st.sampled_from(STREAM_FAULTS), data=st.data())
+@FUZZ
+def test_rollout_engine_refuses_bad_weight_streams_and_serves_nothing_stale(
+    engines: Engines, fault: str, data: st.DataObject, tally: Counter[str]
+) -> None:
+    good = _stream(engines)
+    manifest, chunks, commit = good[0], good[1:-1], good[-1]
+    i = data.draw(st.integers(0, len(chunks) - 1), label="chunk")
+    names = [n for n, _ in chunks[i].tensors]
+    j = data.draw(st.integers(0, len(names) - 1), label="tensor")
+
+    def with_tensor(fn: Callable[[torch.Tensor], torch.Tensor], name: str | None = None) -> Any:
+        pairs = list(chunks[i].tensors)
+        pairs[j] = (name or pairs[j][0], fn(pairs[j][1]))
+        return WeightChunk(tuple(pairs))
+
+    bad: list[Any]
+    if fault == "drop_chunk":
+        bad = [manifest, *chunks[:i], *chunks[i + 1:], commit]
+    elif fault == "drop_commit":
+        bad = [manifest, *chunks]
+    elif fault == "drop_manifest":
+        bad = [*chunks, commit]
+    elif fault == "commit_version":
+        bad = [manifest, *chunks, WeightCommit(manifest.version + data.draw(st.integers(1, 5)))]
+    elif fault in ("rename", "reshape", "dtype", "non_finite"):
+        change: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            "rename": lambda t: t,
+            "reshape": lambda t: t.reshape(-1)[:-1] if t.numel() > 1 else t.reshape(1, 1, 1),
+            "dtype": lambda t: t.to(torch.float64),
+            "non_finite": lambda t: t.clone().reshape(-1).index_fill(0, torch.tensor([0]), float("nan")).reshape(t.shape),
+        }
+        chunk = with_tensor(change[fault], names[j] + ".renamed" if fault == "rename" else None)
+        bad = [manifest, *chunks[:i], chunk, *chunks[i + 1:], commit]
+    elif fault == "unknown_tensor":
+        bad = [manifest, *chunks, WeightChunk((("model.rogue.weight", torch.zeros(2)),)), commit]
+    elif fault == "duplicate":
+        bad = [manifest, *chunks, chunks[i], commit]
+    elif fault == "junk_message":
+        bad = [manifest, *chunks[:i], data.draw(st.sampled_from([None, 3, "chunk", {"a": 1}])), *chunks[i:], commit]
+    elif fault == "after_commit":
+        bad = [manifest, *chunks, commit, chunks[i]]
+    else:  # a manifest that does not match the receiving model
+        tensors = dict(manifest.tensors)
+        info = tensors[names[j]]
+        tensors[names[j]] = TensorInfo((*info.shape, 2), info.dtype)
+        bad = [WeightManifest(manifest.version, tensors, manifest.tied_embeddings), *chunks, commit]
+    rollout = engines.rollout
+    prompts = valid_batch(0).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(max_new_tokens=2, seed=0)
+    tally[f"fuzz/weight stream ({fault})"] += 1
+    with pytest.raises(VerlError) as info:
+        rollout.update_weights(iter(bad))
+    assert isinstance(info.value, (WeightSyncError, ValueError)), repr(info.value)
+    # half-applied weights never serve: generation refuses until a complete sync succeeds
+    with pytest.raises(StaleWeightsError):
+        rollout.generate(prompts, params)
+    rollout.update_weights(iter(_stream(engines)))
+    assert rollout.generate(prompts, params).batch_size == prompts.batch_size
