@@ -1,11 +1,12 @@
 """Bad input at the protocol boundary of real engines never enters the engine.
 
 Every hf and example-backend entry point (``TrainingEngine.forward``, ``forward_backward``,
-``RolloutEngine.generate``) gets hypothesis-generated bad batches: NaN/inf, ids outside the
+``RolloutEngine.generate``, hf's ``RewardEngine.score``) gets hypothesis-generated bad batches: NaN/inf, ids outside the
 vocabulary, broken padding sides, over-long prompts and responses, missing fields, empty prompts,
 and batches assembled without validation (wrong dtypes, ranks, mismatched lengths). Each must be
 refused with a typed error before any model code runs (a forward pre-hook on every module counts
-calls) and without touching gradients or weights.
+calls) and without touching gradients or weights. Malformed weight streams are refused with
+WeightSyncError and leave the rollout engine refusing to generate until a complete sync.
 """
 
 from __future__ import annotations
