@@ -115,6 +115,26 @@ def test_a_group_the_cluster_cannot_place_fails_clearly(ray_cluster: Any, model:
         ex.close()
 
 
+
+def test_a_build_error_arrives_as_itself_and_gives_the_bundles_back(ray_cluster: Any, model: str) -> None:
+    import time
+
+    from verl_core.errors import UnknownNameError
+    from verl_core.executor.ray_executor import RayExecutor
+
+    ex = RayExecutor(RayConfig(num_cpus_per_worker=2))
+    try:
+        with pytest.raises(UnknownNameError, match="'no-such-backend'"):
+            ex.training_engine("actor", "no-such-backend", EngineSpec(model_path=model, role="actor"))
+        assert ex.placed_roles() == []
+        for _ in range(100):  # placement groups are removed asynchronously
+            if ray_cluster.available_resources().get("CPU") == 2:
+                break
+            time.sleep(0.1)
+        assert ray_cluster.available_resources().get("CPU") == 2
+    finally:
+        ex.close()
+
 @pytest.mark.skipif(
     "megatron" not in available_backends() or os.environ.get("VERL_TEST_RAY_MEGATRON") != "1",
     reason="opt-in (about a minute on 2 cores): set VERL_TEST_RAY_MEGATRON=1",

@@ -144,7 +144,15 @@ class WorkerGroup:
             for i in range(world)
         ]
         self.info: list[dict[str, Any]] = [{"pid": None} for _ in range(world)]
-        self.info = self.run("<group>", "describe", [()] * world)
+        try:
+            self._rendezvous()
+        except BaseException:
+            self.shutdown()  # give the bundles back: the group never became usable
+            raise
+
+    def _rendezvous(self) -> None:
+        """Tell every rank the torch.distributed environment, as torchrun would set it."""
+        self.info = self.run("<group>", "describe", [()] * self.world)
         master_ip = self.info[0]["ip"]
         port = self.run("<group>", "free_port", [()], ranks=[0])[0]
         nodes: dict[str, int] = {}
@@ -154,7 +162,7 @@ class WorkerGroup:
             nodes[info["node_id"]] = local + 1
             envs.append({
                 "MASTER_ADDR": str(master_ip), "MASTER_PORT": str(port), "RANK": str(rank),
-                "WORLD_SIZE": str(world),
+                "WORLD_SIZE": str(self.world),
                 # Ray gives each worker only its own GPUs, so its device index is 0 among them
                 "LOCAL_RANK": "0" if info["gpus"] else str(local),
             })
@@ -611,7 +619,13 @@ class RayExecutor(Executor):
             group = self._group(role, replicas, fixed=configured is not None)
         if role in group.roles:
             raise ConfigError(f"role {role!r} is already placed in worker group {group.name!r}")
-        infos = group.run(role, "build", [(role, kind, backend, spec)] * group.world)
+        try:
+            infos = group.run(role, "build", [(role, kind, backend, spec)] * group.world)
+        except BaseException:
+            if not group.roles:  # a group made for this role alone: give its resources back
+                group.shutdown()
+                self._groups.pop(group.name, None)
+            raise
         group.roles[role] = kind
         place = _Placed(group, role, spec, replicas=kind != "training")
         return place, spec, infos[0]
