@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -76,7 +77,9 @@ def test_a_static_step_only_updates_tensors_in_place() -> None:
     sampler = _Sampler(params, e.tokenizer.pad_token_id, torch.tensor([e.tokenizer.eos_token_id]),
                        e._uniforms(seeds, params))
     with torch.no_grad():
-        decoder = _StaticDecoder(e.model, chunk, sampler, 6, eager_attention=False)
+        rows, width = chunk["prompt_ids"].shape
+        decoder = _StaticDecoder(e.model, rows, width, sampler, 6, eager_attention=False, device=e.model.device)
+        decoder.start(chunk, sampler.uniforms)
         before = {k: (v, v.data_ptr(), v.clone()) for k, v in vars(decoder).items() if isinstance(v, torch.Tensor)}
         decoder.step()
     after = {k: v for k, v in vars(decoder).items() if isinstance(v, torch.Tensor)}
@@ -101,12 +104,40 @@ def test_checking_for_the_end_every_few_steps_gives_the_same_responses(check_eve
     stop_ids = torch.tensor(sorted({dynamic.tokenizer.eos_token_id, *stops}))
     sampler = _Sampler(params, dynamic.tokenizer.pad_token_id, stop_ids, dynamic._uniforms(seeds, params))
     with torch.no_grad():
-        decoder = _StaticDecoder(dynamic.model, chunk, sampler, 13, eager_attention=False)
+        rows, width = chunk["prompt_ids"].shape
+        decoder = _StaticDecoder(dynamic.model, rows, width, sampler, 13, eager_attention=False,
+                                 device=dynamic.model.device)
+        decoder.start(chunk, sampler.uniforms)
         decoder.run(check_every=check_every)
     ids, mask, lps, truncated = decoder.result()
     assert torch.equal(ids, want["response_ids"]) and torch.equal(mask, want["response_mask"])
     assert torch.equal(truncated, want["truncated"])
     assert_close(lps, want["rollout_log_probs"], dtype="float32", quantity="log_probs")
+
+
+def test_the_static_decoder_is_reused_while_shapes_and_sampling_repeat() -> None:
+    dynamic, static = engine(), engine(rollout_cache="static")
+    params = SamplingParams(n=2, max_new_tokens=7, seed=3, top_k=30)
+    outs = []
+    for seed in (1, 2):  # same shapes (batch 3, prompt width 8), other prompts and seeds
+        p = prompts(3, seed=seed)
+        assert p.prompt_len == 8
+        seeded = dataclasses.replace(params, seed=seed)
+        got = static.generate(p, seeded)
+        want = dynamic.generate(p, seeded)
+        assert torch.equal(got["response_ids"], want["response_ids"])
+        assert_close(got["rollout_log_probs"], want["rollout_log_probs"], dtype="float32", quantity="log_probs")
+        outs.append((got, static._decoder))
+    first, second = outs
+    assert first[1] is not None and first[1][1] is second[1][1], "the second call reuses the decoder"  # type: ignore[index]
+    again = dynamic.generate(prompts(3, seed=1), dataclasses.replace(params, seed=1))
+    assert torch.equal(first[0]["response_ids"], again["response_ids"]), "a reused buffer overwrote an output"
+    static.generate(prompts(2, seed=1), params)
+    assert static._decoder is not None and static._decoder[1] is not second[1][1]  # type: ignore[index]
+    # Another sampling configuration builds a new decoder too, with the same samples as the dynamic cache.
+    greedy = SamplingParams(max_new_tokens=5, greedy=True)
+    assert torch.equal(static.generate(prompts(3, seed=1), greedy)["response_ids"],
+                       dynamic.generate(prompts(3, seed=1), greedy)["response_ids"])
 
 
 def test_uniform_table_equals_one_draw_per_step() -> None:

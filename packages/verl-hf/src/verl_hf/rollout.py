@@ -124,17 +124,14 @@ class _StaticDecoder:
     step.
     """
 
-    def __init__(self, model: Any, chunk: TensorBatch, sampler: _Sampler, max_new: int, *,
-                 eager_attention: bool) -> None:
+    def __init__(self, model: Any, rows: int, width: int, sampler: _Sampler, max_new: int, *,
+                 eager_attention: bool, device: torch.device) -> None:
         from transformers import StaticCache
 
         self.model = model
         self.sampler = sampler
         self.max_new = max_new
-        ids = chunk["prompt_ids"]
-        prompt_mask = chunk["prompt_mask"]
-        rows, width = ids.shape
-        dev = ids.device
+        self.width = width
         length = width + max_new
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         if any(bool(getattr(layer, "is_sliding", False)) for layer in self.cache.layers):
@@ -144,27 +141,56 @@ class _StaticDecoder:
             )
         self.eager_attention = eager_attention
         self.dtype = model.get_input_embeddings().weight.dtype
-        self.valid = torch.cat([prompt_mask, torch.ones(rows, max_new, dtype=torch.bool, device=dev)], 1)
+        dev = device
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=dev)
         self.slots = torch.arange(length, device=dev)
+        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=dev)
+        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=dev)
+        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slot = torch.full((1,), width, dtype=torch.int64, device=dev)
+        self.t = torch.ones(1, dtype=torch.int64, device=dev)
+        self.done = 1  # steps whose tokens are in the output columns
+        self.graph: Any = None  # the captured step, replayed by later calls with the same shapes
+        self._params = self._param_ptrs()
+
+    def _param_ptrs(self) -> list[int]:
+        return [p.data_ptr() for p in self.model.parameters()]
+
+    def reusable(self, model: Any) -> bool:
+        """Whether the buffers (and a captured graph) still address ``model``'s live parameters."""
+        return model is self.model and self._param_ptrs() == self._params
+
+    def start(self, chunk: TensorBatch, uniforms: Tensor | None) -> None:
+        """Prefill ``chunk``'s prompts and sample the first token; resets every buffer in place."""
+        ids = chunk["prompt_ids"]
+        prompt_mask = chunk["prompt_mask"]
+        width = self.width
+        dev = ids.device
+        if uniforms is not None:
+            assert self.sampler.uniforms is not None
+            self.sampler.uniforms.copy_(uniforms)
+        self.cache.reset()  # type: ignore[no-untyped-call]
+        self.valid[:, :width].copy_(prompt_mask)
         pos = position_ids(prompt_mask)
         # Prefill: causal over the prompt, padding masked; a padding query also sees itself so no
         # row is fully masked (its output is never read).
         causal = self.slots[None, :] <= torch.arange(width, device=dev)[:, None]
         own = self.slots[None, :] == torch.arange(width, device=dev)[:, None]
         mask = (self.valid[:, None, :] & causal[None]) | own[None]
-        out: Any = model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1].float()
-        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=dev)
-        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=dev)
-        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        tok = self._sample(logits, 0)
-        self.tok = tok.clone()
-        self.pos = pos[:, -1] + 1
-        self.slot = torch.full((1,), width, dtype=torch.int64, device=dev)
-        self.t = torch.ones(1, dtype=torch.int64, device=dev)
-        self.done = 1  # steps whose tokens are in the output columns
+        out: Any = self.model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
+                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.out_tok.fill_(self.sampler.pad)
+        self.out_mask.zero_()
+        self.out_lp.zero_()
+        self.finished.zero_()
+        self.tok.copy_(self._sample(out.logits[:, -1].float(), 0))
+        self.pos.copy_(pos[:, -1] + 1)
+        self.slot.fill_(width)
+        self.t.fill_(1)
+        self.done = 1
 
     def _attention(self, mask: Tensor) -> Tensor:
         """The 4D boolean mask (True = attend) in the form the attention kernel takes."""
@@ -224,6 +250,9 @@ class _StaticDecoder:
         Returns:
             None, or why capture failed (the remaining steps then ran eagerly).
         """
+        if self.graph is not None:
+            self._loop(self.graph.replay, check_every)
+            return None
         if self._all_finished():
             return None
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -245,13 +274,16 @@ class _StaticDecoder:
                           "eagerly from now on", RuntimeWarning, stacklevel=2)
             self.run(check_every)
             return f"{type(e).__name__}: {e}"
+        self.graph = graph
         self._loop(graph.replay, check_every)
         return None
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Output columns trimmed to the steps where any row was alive, and truncated flags."""
         width = max(1, int(self.out_mask.any(0).sum()))
-        return (self.out_tok[:, :width], self.out_mask[:, :width], self.out_lp[:, :width], ~self.finished)
+        # Copies: the buffers are reused by the next call with the same shapes.
+        return (self.out_tok[:, :width].clone(), self.out_mask[:, :width].clone(),
+                self.out_lp[:, :width].clone(), ~self.finished)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -264,6 +296,9 @@ class HFRolloutEngine(RolloutEngine):
     Raises:
         ConfigError: wrong role, parallel sizes other than 1, or a folder that is not a causal LM.
     """
+
+    # The static decoder of the last shape and sampling configuration, kept for reuse (set on use).
+    _decoder: tuple[tuple[object, ...], _StaticDecoder] | None = None
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
         if spec.role != "rollout":
@@ -442,20 +477,44 @@ class HFRolloutEngine(RolloutEngine):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Decode one chunk: response ids, mask, log-probs [rows, steps] and truncated [rows]."""
         uniforms = self._uniforms(seeds, params)
-        stops = torch.tensor(
-            sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), dtype=torch.int64, device=self._device
-        )
-        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, uniforms)
+        stop_ids = sorted({self._tokenizer.eos_token_id, *params.stop_token_ids})
+        stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
         if self._options.rollout_cache == "static":
-            decoder = _StaticDecoder(self._model, chunk, sampler, params.max_new_tokens,
-                                     eager_attention=self._options.attn_implementation == "eager")
+            decoder = self._static_decoder(chunk, params, stop_ids, uniforms)
+            decoder.start(chunk, uniforms)
             if self._options.rollout_cuda_graphs and self._graphs_error is None:
                 self._graphs_error = decoder.run_with_graph()
             else:
                 # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
                 decoder.run(check_every=8 if self._device.type == "cuda" else 1)
             return decoder.result()
+        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, uniforms)
         return self._decode_dynamic(chunk, sampler, params.max_new_tokens)
+
+    def _static_decoder(
+        self, chunk: TensorBatch, params: SamplingParams, stop_ids: list[int], uniforms: Tensor | None
+    ) -> _StaticDecoder:
+        """The static decoder for this shape and sampling configuration, reused while they repeat.
+
+        Reuse keeps the preallocated cache, the buffers and a captured CUDA graph; it is dropped
+        when the shapes or the sampling configuration change, on sleep/wake, and whenever the
+        model's parameters no longer live where they did (a graph addresses them directly).
+        """
+        rows, width = chunk["prompt_ids"].shape
+        key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p,
+               params.greedy, tuple(stop_ids), uniforms is None)
+        cached = self._decoder
+        if cached is not None and cached[0] == key and cached[1].reusable(self._model):
+            return cached[1]
+        self._decoder = None  # free the old cache and graph before allocating new ones
+        table = None if uniforms is None else torch.empty_like(uniforms)
+        stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
+        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, table)
+        decoder = _StaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
+                                 eager_attention=self._options.attn_implementation == "eager",
+                                 device=self._device)
+        self._decoder = (key, decoder)
+        return decoder
 
     def _decode_dynamic(
         self, chunk: TensorBatch, sampler: _Sampler, max_new: int
@@ -579,6 +638,7 @@ class HFRolloutEngine(RolloutEngine):
         """Move the model to CPU on CUDA (a no-op on CPU)."""
         if self._device.type != "cpu" and not self._asleep:
             self._weights = None
+            self._decoder = None
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = self._device.type != "cpu"
@@ -587,12 +647,14 @@ class HFRolloutEngine(RolloutEngine):
         """Move the model back to its device."""
         if self._asleep:
             self._weights = None
+            self._decoder = None
             self._model.to(self._device)
             self._asleep = False
 
     def close(self) -> None:
         """Drop the model."""
         self._weights = None
+        self._decoder = None
         self._model = None
 
 
