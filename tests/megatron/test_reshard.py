@@ -193,7 +193,8 @@ def test_export_weights_holds_one_bucket_and_the_tensor_in_flight(ranks: list[di
         for bucket in reshard_checks.EXPORT_BUCKETS:
             for dtype in ("None", "torch.bfloat16"):
                 peak = ex[f"{bucket}-{dtype}"]
-                # one bucket of chunk tensors, plus the Megatron tensor being gathered (TP shards
-                # and their concatenation) and converted; never the model (float32 bytes)
-                assert peak <= bucket + 2 * ex["largest"], (rank, bucket, dtype, peak)
+                # one bucket of chunk tensors, plus the Megatron tensor in flight: its TP shards
+                # (gloo's worker may hold them a little after the gather), their concatenation and
+                # the converted pieces, each at most the largest tensor's float32 bytes; never the model
+                assert peak <= bucket + 3 * ex["largest"], (rank, bucket, dtype, peak)
                 assert peak < ex["model"], (rank, bucket, dtype, peak)
