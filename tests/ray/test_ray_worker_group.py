@@ -1,7 +1,8 @@
 """A two-rank hf actor (data parallel over gloo) in a Ray worker group matches one process.
 
 Also: two rollout replicas share the prompts and sample what one engine samples, and the split
-weight sync (two actor ranks, two rollout readers) leaves every replica with the actor's weights.
+weight sync (two actor ranks, two rollout readers) leaves every replica with the actor's weights;
+two reward-model replicas score what one engine scores.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from verl_core import (
 )
 from verl_core.algorithms import Algorithm
 from verl_core.executor import RayConfig
-from verl_core.registry import available_backends, get_rollout_engine, get_training_engine
+from verl_core.registry import (
+    available_backends,
+    get_reward_engine,
+    get_rollout_engine,
+    get_training_engine,
+)
 from verl_core.weights import WeightChunk, WeightMessage
 
 pytestmark = [
@@ -62,8 +68,9 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
     batch = random_batch(batch_size=7, max_prompt=7, max_response=6, seed=11, with_rl_fields=True, empty_responses=1)
     local = _one_step(get_training_engine("hf", spec), batch)
 
-    # 4 workers x 0.5 CPU fit the 2-CPU cluster
-    ex = RayExecutor(RayConfig(num_cpus_per_worker=0.5, parallel={"actor": {"dp": 2}, "rollout": {"dp": 2}}))
+    # 6 workers (actor, rollout and reward, two each) x 0.33 CPU fit the 2-CPU cluster
+    ex = RayExecutor(RayConfig(num_cpus_per_worker=0.33,
+                               parallel={"actor": {"dp": 2}, "rollout": {"dp": 2}, "reward": {"dp": 2}}))
     try:
         actor = ex.training_engine("actor", "hf", spec)
         group = ex.worker_group("actor")
@@ -99,6 +106,16 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
         for name in ("response_ids", "response_mask", "group_ids", "sample_index"):
             assert torch.equal(got[name], want[name]), name
         torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=0, atol=1e-5)
+
+        # reward model: two replicas score their shares; the scores are one engine's
+        reward_spec = EngineSpec(model_path=str(tiny_model(TinyModelSpec(arch="llama", head="reward"))), role="reward",
+                                 max_prompt_len=16, max_response_len=16)
+        reward = ex.reward_engine("hf", reward_spec)
+        assert len(ex.worker_pids("reward")) == 2
+        scored = reward.score(batch)
+        torch.testing.assert_close(scored["scores"], get_reward_engine("hf", reward_spec).score(batch)["scores"],
+                                   rtol=0, atol=1e-5)
+        assert torch.equal(scored["response_ids"], batch["response_ids"])
     finally:
         ex.close()
 
