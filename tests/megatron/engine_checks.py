@@ -2,7 +2,8 @@
 
 Every rank writes its results; the test compares layouts with each other and with the float64
 transformers reference. Usage: ``engine_checks.py TP PP DP CKPT_DIR NAMES [LOADS]`` where NAMES
-is a comma-separated subset of the actor archs, ``critic`` and ``errors``; the first actor saves
+is a comma-separated subset of the actor archs, ``critic``, ``errors``, ``rollout`` and
+``reshard`` (reshard_checks.py, at TP=2 x PP=2); the first actor saves
 a checkpoint to CKPT_DIR and checks its round trip. LOADS (``arch=dir;arch=dir``) names
 checkpoints saved by other layouts to restore and train on here.
 """
@@ -35,6 +36,21 @@ from verl_core import (
 from verl_megatron.training import MegatronTrainingEngine
 
 ACTORS = (("llama", False, 1.0), ("qwen2", True, 0.7), ("qwen3", False, 1.0))
+
+# What each layout (tp, pp, dp) runs; TP=1 runs everything: it is the baseline of the others. TP=2
+# exercises QK-norm gradients and the replicated value head, TP=2xPP=2 QKV-bias sharding with a
+# tied embedding split across stages (and the resharding checks of test_reshard.py), DP=2 gradient
+# summation over data-parallel ranks. TP=1 also restores the checkpoints TP=2 and PP=2 saved.
+RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
+    (2, 1, 1): ("qwen3", "critic", "rollout"),
+    (1, 2, 1): ("qwen2", "critic"),
+    (2, 2, 1): ("qwen2", "reshard"),
+    (1, 1, 2): ("qwen2",),
+    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
+}
+CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
+BASE = (1, 1, 1)
+NOT_ACTORS = ("errors", "rollout", "reshard")
 
 
 class TokenMeanPG:
@@ -150,6 +166,10 @@ def main() -> None:
         result["local_attention"] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
+    if "reshard" in names:
+        import reshard_checks
+
+        result["reshard"] = reshard_checks.run()
     write_rank_result(result)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,4 +1,7 @@
-"""Launched under torchrun (4 ranks) by test_reshard.py: training TP=2 x PP=2 -> rollout TP=2 and TP=1.
+"""Resharding checks at training TP=2 x PP=2 -> rollout TP=2 and TP=1, on 4 ranks.
+
+Run by engine_checks.py in its TP=2 x PP=2 launch (shared with test_engine.py), or alone under
+``torchrun --nproc_per_node 4``.
 
 Each rank trains one step, then syncs two fresh rollout engines per rollout layout, one through the
 direct path and one through the canonical stream, measuring the peak of memory each sync
@@ -144,7 +147,8 @@ def conformance_check() -> dict[str, str]:
     return results
 
 
-def main() -> None:
+def run() -> dict[str, Any]:
+    """Every check on this rank (4 ranks); returns what the tests compare."""
     path = str(tiny_model(TinyModelSpec(arch="qwen2", tied=True)))
     actor = MegatronTrainingEngine(EngineSpec(
         path, "actor", parallel=TRAIN, optim=OptimConfig(lr=1e-2), micro_batch_size=2,
@@ -157,7 +161,11 @@ def main() -> None:
     result["switch_metrics"] = {k: v for k, v in metrics.items() if k.startswith("switch_")}
     result["offloaded_after_step"] = actor.training_state_offloaded
     result["conformance"] = conformance_check()
-    write_rank_result(result)
+    return result
+
+
+def main() -> None:
+    write_rank_result(run())
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,41 +6,20 @@ since a launch costs seconds); the comparisons run here.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_checks import BASE, CROSS_LOADS, NOT_ACTORS, RUNS
 from safetensors.torch import load_file
 
-from verl_conformance.testkit import (
-    TinyModelSpec,
-    assert_close,
-    launch_torchrun,
-    tiny_model,
-)
+from verl_conformance.testkit import TinyModelSpec, assert_close, tiny_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = Path(__file__).with_name("engine_checks.py")
-# What each layout runs (TP=1 runs everything: it is the baseline of the others). TP=2 exercises
-# QK-norm gradients and the replicated value head, TP=2xPP=2 QKV-bias sharding with a tied
-# embedding split across stages, DP=2 gradient summation over data-parallel ranks.
-# Layouts are (tp, pp, dp).
-# TP=1 runs last: it also restores the checkpoints the TP=2 and PP=2 runs saved.
-RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
-    (2, 1, 1): ("qwen3", "critic", "rollout"),
-    (1, 2, 1): ("qwen2", "critic"),
-    (2, 2, 1): ("qwen2",),
-    (1, 1, 2): ("qwen2",),
-    (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
-}
-CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 LAYOUTS = list(RUNS)
-BASE = (1, 1, 1)
-PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names
-         if name not in ("errors", "rollout")]
+PAIRS = [(lay, name) for lay, names in RUNS.items() if lay != BASE for name in names if name not in NOT_ACTORS]
 
 
 def _id(layout: tuple[int, int, int]) -> str:
@@ -48,22 +27,9 @@ def _id(layout: tuple[int, int, int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], list[dict[str, Any]]]:
-    import engine_checks  # noqa: F401  (fail fast on an import error, before launching)
-
-    out = {}
-    ckpts = {layout: tmp_path_factory.mktemp(_id(layout)) / "ckpt" for layout in LAYOUTS}
-    for layout in LAYOUTS:
-        t0 = time.perf_counter()
-        tp, pp, dp = layout
-        loads = ";".join(f"{arch}={ckpts[src]}" for src, arch in CROSS_LOADS.items()) if layout == BASE else ""
-        out[layout] = launch_torchrun(
-            SCRIPT, tp * pp * dp, [str(tp), str(pp), str(dp), str(ckpts[layout]), ",".join(RUNS[layout]), loads],
-            timeout=240,
-            env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-        )
-        print(f"{_id(layout)}: {time.perf_counter() - t0:.1f}s")
-    return out
+def runs(megatron_launch: Any) -> dict[tuple[int, int, int], list[dict[str, Any]]]:
+    """Each layout's launch of engine_checks.py (shared with test_reshard.py; see conftest.py)."""
+    return {layout: megatron_launch(layout) for layout in LAYOUTS}
 
 
 def _batch(arch: str) -> Any:
@@ -199,7 +165,7 @@ def test_gradients_match_float64_transformers(runs: Any, arch: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
 def test_export_weights_gives_back_the_transformers_weights(runs: Any, layout: tuple[int, int, int]) -> None:
     for arch in RUNS[layout]:
-        if arch in ("errors", "rollout"):
+        if arch in NOT_ACTORS:
             continue
         hf = load_file(str(_path(arch) / "model.safetensors"))
         for rank, res in enumerate(runs[layout]):

@@ -1,8 +1,9 @@
 """Direct resharding from a Megatron training layout to a colocated Megatron rollout layout.
 
 The planner is checked in-process against every layout hypothesis draws (each rollout shard is
-rebuilt exactly, from training shards only, within the bucket bound). One torchrun launch with 4
-ranks runs training TP=2 x PP=2 against rollout TP=2 (2 replicas) and TP=1 (4 replicas): the
+rebuilt exactly, from training shards only, within the bucket bound). The 4-rank torchrun launch
+of engine_checks.py at TP=2 x PP=2 (shared with test_engine.py, see conftest.py) runs
+reshard_checks.py: training TP=2 x PP=2 against rollout TP=2 (2 replicas) and TP=1 (4 replicas): the
 direct sync must give the canonical stream's parameters and log-probs bitwise, stay within its
 memory bound, pass the conformance suite's sync check and switch the optimizer state out and back.
 """
@@ -10,7 +11,6 @@ memory bound, pass the conformance suite's sync check and switch the optimizer s
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,12 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_conformance.testkit import launch_torchrun
 from verl_core import WeightSyncError, get_weight_sync
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.reshard import Layout, MegatronDirectSync, RankPlace, plan_reshard
-
-SCRIPT = Path(__file__).with_name("reshard_checks.py")
 
 
 def _dims(layers: int, kv: int, tied: bool, bias: bool, qk_norm: bool) -> ModelDims:
@@ -117,10 +114,11 @@ def test_registry_picks_the_direct_path_for_megatron_pairs_only() -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
+def ranks(megatron_launch: Any) -> list[dict[str, Any]]:
+    """Each rank's reshard_checks.py results, from the TP=2 x PP=2 launch shared with test_engine.py."""
     import reshard_checks  # noqa: F401  (fail fast on an import error, before launching)
 
-    return launch_torchrun(SCRIPT, 4, timeout=300, env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    return [r["reshard"] for r in megatron_launch((2, 2, 1))]
 
 
 LAYOUTS = ["tp2", "tp1"]
