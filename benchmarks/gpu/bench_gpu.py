@@ -190,22 +190,28 @@ def train(model_dir: Path, sz: Sizes, steps: int) -> None:
 
     loss_fn = Algorithm.grpo(kl_loss_coef=0.0).actor_loss
     stats = GlobalBatchStats.of(batch)
-    for backend in ("hf", "megatron"):
+    # hf twice: float32 master weights (its default in bf16) and pure bf16 like the plain loop.
+    runs: list[tuple[str, str, dict[str, object]]] = [
+        ("verl-hf engine (fp32 master weights)", "hf", {}),
+        ("verl-hf engine (pure bf16)", "hf", {"master_weights": False}),
+        ("verl-megatron engine", "megatron", {}),
+    ]
+    for label, backend, options in runs:
         try:
             engine = get_training_engine(backend, EngineSpec(
                 model_path=str(model_dir), role="actor", dtype=dtype_name(), device=DEVICE,
                 max_prompt_len=prompt, max_response_len=response, micro_batch_size=mb,
-                optim=OptimConfig(lr=1e-6, grad_clip=1.0)))
+                optim=OptimConfig(lr=1e-6, grad_clip=1.0), options=options))
 
             def engine_step(engine: object = engine) -> None:
                 engine.forward_backward(batch, loss_fn, stats)  # type: ignore[attr-defined]
                 engine.optimizer_step()  # type: ignore[attr-defined]
 
-            rows.append((f"verl-{backend} engine", tokens / cuda_time(engine_step, steps)))
+            rows.append((label, tokens / cuda_time(engine_step, steps)))
             engine.close()
             del engine
         except Exception as e:  # report and go on: the table says what failed
-            emit(f"verl-{backend} training failed: {type(e).__name__}: {e}")
+            emit(f"{label} training failed: {type(e).__name__}: {e}")
         free_memory()
 
     flops = train_flops_per_token(sz.spec, n_params, prompt + response)

@@ -175,6 +175,7 @@ class HFTrainingEngine(TrainingEngine):
             params = list(self._master.masters)
         self._optimizer = torch.optim.AdamW(
             params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            fused=self._device.type == "cuda" and not self._fsdp,
         )
         lr = optim.lr
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
