@@ -238,6 +238,7 @@ class _Boom:
         return (Path.touch, (Path("/tmp/verl-reliability-pwned"),))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 @given(seed=st.integers(0, 20), data=st.data())
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_load_rejects_corrupt_truncated_and_malicious_files(
