@@ -303,3 +303,27 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(
         check.load_checkpoint(ckpt)
         saved = _weights(check)
         assert all(torch.equal(saved[k], last_good[k]) for k in saved), "the checkpoint does not hold the last finite weights"
+
+
+@needs_hf
+def test_a_fault_during_evaluation_names_the_stage_and_writes_nothing(
+    model: Path, tmp_path: Path, tally: Counter[str]
+) -> None:
+    cfg = tiny_config(tmp_path, "steps=2", "task.eval_prompts=2", "task.eval_every=1", model=model)
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        trainer.rollout.generate = _raise_when_greedy(trainer.rollout.generate)  # type: ignore[method-assign]
+        tally["fault/engine exception (evaluation)"] += 1
+        with pytest.raises(StepFailedError, match=r"step 1: stage 'evaluation' \(backend 'hf'\)"):
+            trainer.train_step()
+        assert trainer.step == 0
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _raise_when_greedy(real: Callable[..., Any]) -> Callable[..., Any]:
+    def generate(prompts: TensorBatch, params: Any) -> Any:
+        if params.greedy:  # only the evaluation samples greedily
+            raise InjectedFaultError("injected fault in evaluation")
+        return real(prompts, params)
+
+    return generate

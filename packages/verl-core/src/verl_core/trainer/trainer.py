@@ -413,7 +413,7 @@ class Trainer:
         return {
             "rollout": b.rollout, "baseline": b.rollout, "reward": b.reward, "reference": b.reference,
             "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
-            "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}",
+            "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
         }.get(stage, "trainer")
 
     def _train_step(self) -> dict[str, Any]:
@@ -591,6 +591,7 @@ class Trainer:
         last = self.step + 1 == self.config.steps
         if tc.eval_prompts and (last or (tc.eval_every and (self.step + 1) % tc.eval_every == 0)):
             t = time.perf_counter()
+            self._stage = "evaluation"
             metrics.update(self.evaluate())
             metrics["time/eval"] = time.perf_counter() - t
         self.step += 1
