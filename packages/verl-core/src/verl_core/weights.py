@@ -191,9 +191,10 @@ def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
     if not groups:
         return None
     with torch.no_grad():
-        # 16-bit norms are accumulated and returned in float32: a float16 norm overflows early.
+        # float16 norms are returned in float32 (a float16 norm overflows at 65504); bfloat16 has
+        # float32's range, and asking for float32 there would cost a conversion on the CPU.
         flags = [
-            torch.stack(torch._foreach_norm(g, 2, dtype=torch.float32 if g[0].element_size() == 2 else None))
+            torch.stack(torch._foreach_norm(g, 2, dtype=torch.float32 if g[0].dtype == torch.float16 else None))
             .isfinite()
             .all()
             for g in groups
