@@ -184,6 +184,12 @@ def build_stage(
     )
     if dims.head == "value" and pp_rank == pp - 1:
         model.output_layer = ValueHead(dims.hidden_size, dtype)
+    # The local spec's torch norms are built in float32 whatever params_dtype says; a float32
+    # norm weight under bfloat16 activations misses the fused kernel. Parameters only: buffers
+    # (e.g. rotary frequencies) keep their precision.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return model.to(device)
 
 
