@@ -64,7 +64,7 @@ from verl_core.registry import (
 from verl_core.reward import FunctionReward, RewardEngine, ScoreFn
 from verl_core.rollout import RolloutEngine, SamplingParams
 from verl_core.schema import FIELDS, FieldSpec, register_field
-from verl_core.tokenizer import Tokenizer
+from verl_core.tokenizer import Tokenizer, TokenizerAdapter
 from verl_core.training import (
     GlobalBatchStats,
     LossFn,
@@ -148,6 +148,7 @@ __all__ = [
     "TensorBatch",
     "TensorInfo",
     "Tokenizer",
+    "TokenizerAdapter",
     "TrainingCapabilities",
     "TrainingEngine",
     "UnknownNameError",

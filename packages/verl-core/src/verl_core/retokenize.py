@@ -22,21 +22,15 @@ from verl_core.capabilities import RewardCapabilities
 from verl_core.errors import BatchValidationError, ConfigError
 from verl_core.reward import RewardEngine
 from verl_core.schema import FIELDS
-from verl_core.tokenizer import Tokenizer
+from verl_core.tokenizer import Tokenizer, TokenizerAdapter
 
 __all__ = ["CrossTokenizerReward", "retokenize", "same_vocabulary"]
 
 
 def _vocab_table(tok: Tokenizer) -> dict[str, int] | None:
     """The token -> id table of a transformers tokenizer behind ``tok`` (None when there is none)."""
-    for attr in ("wrapped", "hf_tokenizer", "_tok"):
-        inner = getattr(tok, attr, None)
-        get_vocab = getattr(inner, "get_vocab", None)
-        if callable(get_vocab):
-            table = get_vocab()
-            if isinstance(table, dict):
-                return {str(k): int(v) for k, v in table.items()}
-    get_vocab = getattr(tok, "get_vocab", None)
+    inner = tok.wrapped if isinstance(tok, TokenizerAdapter) else tok
+    get_vocab = getattr(inner, "get_vocab", None)
     if callable(get_vocab):
         table = get_vocab()
         if isinstance(table, dict):
