@@ -164,6 +164,8 @@ def main() -> None:
         local = MegatronTrainingEngine(EngineSpec(qwen2, "reference", parallel=par, options={"attention": "local"}))
         out = local.forward(actor_batch(1, 0.7), ("log_probs", "entropy"))
         result["local_attention"] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
+        result["failed_call"] = failed_call(par)
+        result["precision"] = precision_checks(par, ckpt)
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
     if "reshard" in names:
@@ -263,6 +265,85 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
         and schedules.torch.zeros([], device="cuda").device.type == "cpu"
         and get_default_causal_mask(3).device.type == "cpu"
     ) else "no"
+    return out
+
+
+class FailingPG(TokenMeanPG):
+    """:class:`TokenMeanPG` that raises on its second micro-batch."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("injected failure in the second micro-batch")
+        return super().__call__(batch, stats)
+
+
+def failed_call(par: ParallelSizes) -> dict[str, Any]:
+    """Gradients around a forward_backward whose loss raises, next to an engine that never failed."""
+    spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1)
+    failing, clean = MegatronTrainingEngine(spec), MegatronTrainingEngine(spec)
+    first, second = actor_batch(3, 1.0), actor_batch(4, 1.0)
+    for e in (failing, clean):
+        e.forward_backward(first, TokenMeanPG(), GlobalBatchStats.of(first))
+    before = failing.hf_state_dict(grads=True)
+    loss = FailingPG()
+    try:
+        failing.forward_backward(second, loss, GlobalBatchStats.of(second))
+        raised = ""
+    except RuntimeError as e:
+        raised = str(e)
+    after_failure = failing.hf_state_dict(grads=True)
+    for e in (failing, clean):
+        e.forward_backward(second, TokenMeanPG(), GlobalBatchStats.of(second))
+    return {"raised": raised, "calls": loss.calls, "before": before, "after_failure": after_failure,
+            "resumed": failing.hf_state_dict(grads=True), "clean": clean.hf_state_dict(grads=True)}
+
+
+# Adam's normalised step is at most ~lr per weight: 1.5e-3 is below half of bfloat16's spacing
+# just under 1.0 (2**-8 / 2 = 1.95e-3), so a norm weight initialised to 1.0 never moves in pure bfloat16.
+SMALL_STEPS = OptimConfig(lr=1.5e-3, eps=1e-8, grad_clip=0.0)
+
+
+def precision_checks(par: ParallelSizes, ckpt: str) -> dict[str, Any]:
+    """Small Adam steps in float32, bfloat16 with float32 masters and pure bfloat16; a bf16 resume."""
+    path = str(tiny_model(TinyModelSpec()))
+
+    def engine(dtype: str, **options: Any) -> MegatronTrainingEngine:
+        return MegatronTrainingEngine(EngineSpec(path, "actor", dtype=dtype, parallel=par, optim=SMALL_STEPS,
+                                                 micro_batch_size=5, seed=1, options=options))
+
+    def train(e: MegatronTrainingEngine, steps: range) -> None:
+        for s in steps:
+            batch = actor_batch(20 + s, 1.0)
+            e.forward_backward(batch, TokenMeanPG(), GlobalBatchStats.of(batch))
+            assert not e.optimizer_step().skipped
+
+    def norms(e: MegatronTrainingEngine, masters: bool = False) -> torch.Tensor:
+        ps = [p for n, p in e.model.named_parameters() if "norm" in n]
+        return torch.cat([(e._stepped(p) if masters else p).detach().float().flatten() for p in ps])
+
+    fp32, mixed, pure = engine("float32"), engine("bfloat16"), engine("bfloat16", master_weights=False)
+    out: dict[str, Any] = {"start": norms(fp32)}
+    for e in (fp32, mixed, pure):
+        train(e, range(8))
+    out.update(fp32=norms(fp32), mixed=norms(mixed), mixed_masters=norms(mixed, masters=True), pure=norms(pure),
+               dtypes=sorted({str(p.dtype) for p in mixed.model.parameters()}),
+               master_dtypes=sorted({str(m.dtype) for m in mixed._master.masters}) if mixed._master else [],
+               fp32_has_masters=fp32._master is not None, pure_has_masters=pure._master is not None)
+    # bfloat16 save -> load -> continue equals the uninterrupted run bitwise
+    a = engine("bfloat16")
+    train(a, range(3))
+    a.save_checkpoint(f"{ckpt}-bf16")
+    b = engine("bfloat16")
+    b.load_checkpoint(f"{ckpt}-bf16")
+    a.offload_training_state()  # masters and moments go to CPU memory and come back with the next call
+    for e in (a, b):
+        train(e, range(3, 5))
+    out["resume"] = (a.hf_state_dict(), b.hf_state_dict())
+    out["resume_masters"] = (norms(a, masters=True), norms(b, masters=True))
     return out
 
 

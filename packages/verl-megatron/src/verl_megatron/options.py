@@ -28,12 +28,18 @@ class MegatronOptions:
             no-op that is still performed and timed).
         rollout_kv_cache: The rollout engine decodes with Megatron's static KV cache (one prefill,
             then one token per step); False recomputes the whole sequence at every step.
+        master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
+            of the parameters and round them into the model after each step
+            (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
+            spacing accumulate instead of being rounded away. False trains in pure bfloat16.
+            No effect in float32.
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
     export_ranks: Literal["all", "first"] = "all"
     during_rollout: Literal["keep", "offload"] = "keep"
     rollout_kv_cache: bool = True
+    master_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ("sdpa", "local"):
@@ -46,3 +52,5 @@ class MegatronOptions:
             )
         if not isinstance(self.rollout_kv_cache, bool):
             raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")
+        if not isinstance(self.master_weights, bool):
+            raise ConfigError(f"megatron option master_weights must be True or False, got {self.master_weights!r}")

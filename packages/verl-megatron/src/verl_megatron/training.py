@@ -12,6 +12,10 @@ with ``calculate_per_token_loss`` (no division by the number of micro-batches). 
 then made global: summed over the tensor-parallel group for the replicated QK-norm weights,
 over the embedding group for a tied embedding split across pipeline stages, and over
 data-parallel ranks.
+
+Mixed precision: with a bfloat16 (or float16) spec and ``MegatronOptions.master_weights`` on,
+AdamW steps float32 master copies of the parameters (:class:`verl_core.precision.MasterWeights`)
+and rounds them into the model after each step; the Adam moments are keyed by the masters.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from verl_core import (
     WeightMessage,
     stream_weights,
 )
+from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import DEFAULT_BUCKET_BYTES
 from verl_megatron.convert import StateDictAdapter
@@ -63,7 +68,7 @@ __all__ = ["MegatronTrainingEngine", "build_training_engine"]
 _LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
 _CKPT_META = "verl_megatron_checkpoint.json"
 _CKPT_STATE = "state.pt"
-_Gatherable = Literal["param", "grad", "exp_avg", "exp_avg_sq"]
+_Gatherable = Literal["param", "grad", "master", "exp_avg", "exp_avg_sq"]
 
 
 def build_training_engine(spec: EngineSpec) -> MegatronTrainingEngine:
@@ -129,11 +134,18 @@ class MegatronTrainingEngine(TrainingEngine):
         self._state_offloaded = False
         self._offload_s = 0.0  # time of the last switch to rollout, reported with the switch back
         self.optimizer: torch.optim.Optimizer | None = None
+        self._master: MasterWeights | None = None
+        self._master_of: dict[Tensor, torch.nn.Parameter] = {}
         if self._trainable:
             o = spec.optim
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            stepped: list[Tensor] = list(params)
+            if self._options.master_weights and any(p.dtype != torch.float32 for p in params):
+                self._master = MasterWeights(params)
+                self._master_of = dict(zip(params, self._master.masters, strict=True))
+                stepped = list(self._master.masters)
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad],
-                lr=o.lr_at(0), betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                stepped, lr=o.lr_at(0), betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
             )
         else:
             for p in self.model.parameters():
@@ -156,6 +168,17 @@ class MegatronTrainingEngine(TrainingEngine):
         load_stage_weights(
             self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=self.pp_rank, pp=self.pp
         )
+
+    def _stepped(self, param: Tensor) -> Tensor:
+        """The tensor the optimizer steps for ``param``: its float32 master, or the parameter itself."""
+        return self._master_of.get(param, param)
+
+    def _grad(self, param: Tensor) -> Tensor | None:
+        """The gradient of ``param`` wherever it is (on its master between ``load_grads`` and the step)."""
+        master = self._master_of.get(param)
+        if master is not None and master.grad is not None:
+            return master.grad
+        return param.grad
 
     # ------------------------------------------------------------------ protocol properties
     @property
@@ -383,9 +406,29 @@ class MegatronTrainingEngine(TrainingEngine):
             metrics["loss"] = res.loss.detach().float().reshape(()).clone().cpu()
             return res.loss, torch.ones((), dtype=torch.int, device=out.device), metrics
 
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Gradients of earlier calls are already reduced over ranks: set them aside, reduce only
+        # this call's contribution, then add them back.
+        stash = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in stash:
+            p.grad = None
         self.model.train()
-        stored = self._run(preps, loss_of, forward_only=False)
+        try:
+            stored = self._run(preps, loss_of, forward_only=False)
+        except BaseException:
+            # A failed call (e.g. out of memory, retried by the caller on smaller micro-batches)
+            # contributes nothing: drop its partial gradients and restore the earlier calls' ones.
+            for p in params:
+                p.grad = None
+            for p, g in stash:
+                p.grad = g
+            raise
         self._sync_grads()
+        for p, g in stash:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
         metrics = self._reduce_metrics(stored, len(preps))
         if onload_s is not None:
             metrics["switch_to_rollout_s"] = self._offload_s
@@ -435,11 +478,12 @@ class MegatronTrainingEngine(TrainingEngine):
         """Global L2 norm of the current gradients (each parameter counted once over all ranks)."""
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for name, p in self.model.named_parameters():
-            if p.grad is None or getattr(p, "shared", False):
+            grad = self._grad(p)
+            if grad is None or getattr(p, "shared", False):
                 continue  # the last stage's copy of a tied embedding is counted on the first
             if self.adapter.partition(name) == "replicated" and self.tp_rank != 0:
                 continue  # identical on every TP rank: count it once
-            sq += p.grad.detach().double().pow(2).sum()
+            sq += grad.detach().double().pow(2).sum()
         if self.tp * self.pp > 1:
             dist.all_reduce(sq, group=self._ps.get_model_parallel_group())
         return float(sq.sqrt())
@@ -449,6 +493,8 @@ class MegatronTrainingEngine(TrainingEngine):
         if self.optimizer is None:
             raise ConfigError(f"optimizer_step needs role actor or critic; this engine is {self._spec.role}")
         self._ensure_onloaded()
+        if self._master is not None:
+            self._master.load_grads()  # after every reduction of forward_backward
         norm = self.grad_norm()
         bad = torch.tensor([0.0 if torch.isfinite(torch.tensor(norm)) else 1.0], device=self._device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -459,11 +505,14 @@ class MegatronTrainingEngine(TrainingEngine):
             if clip > 0 and norm > clip:
                 coef = clip / (norm + 1e-6)
                 for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                    grad = self._grad(p)
+                    if grad is not None:
+                        grad.mul_(coef)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self._master is not None:
+                self._master.store()
             self._step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return StepMetrics(grad_norm=norm, lr=lr, skipped=skipped)
@@ -472,19 +521,27 @@ class MegatronTrainingEngine(TrainingEngine):
     def _full_tensor(self, name: str, *, what: _Gatherable = "param") -> Tensor:
         """Gather the full Megatron tensor ``name`` (TP all-gather, PP broadcast) onto every rank.
 
-        ``what`` picks the parameter, its gradient or one of its Adam moments (zeros when absent).
+        ``what`` picks the parameter, its gradient, its float32 master (the parameter itself without
+        masters) or one of its Adam moments (zeros when absent); masters and moments come in the
+        optimizer's dtype.
         """
         ps = self._ps
         owner = self.adapter.stage_of(name, self.pp)
         full: Tensor | None = None
+        dtype = self._dtype
+        if what not in ("param", "grad") and self._master is not None:
+            dtype = self._master.masters[0].dtype if self._master.masters else self._dtype
         if self.pp_rank == owner:
             param = dict(self.model.named_parameters())[self.adapter.local_name(name, self.pp)]
             local = param.detach()
             if what == "grad":
                 local = param.grad.detach() if param.grad is not None else torch.zeros_like(local)
+            elif what == "master":
+                local = self._stepped(param).detach()
             elif what != "param":
-                state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
-                local = state[what].detach() if what in state else torch.zeros_like(local)
+                stepped = self._stepped(param)
+                state = self.optimizer.state.get(stepped, {}) if self.optimizer is not None else {}
+                local = state[what].detach() if what in state else torch.zeros_like(stepped.detach())
             if self.tp > 1 and self.adapter.partition(name) != "replicated":
                 shards = [torch.empty_like(local) for _ in range(self.tp)]
                 dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
@@ -495,7 +552,7 @@ class MegatronTrainingEngine(TrainingEngine):
             group = ps.get_pipeline_model_parallel_group()
             src = int(dist.get_process_group_ranks(group)[owner])
             buf = full.contiguous() if full is not None else torch.empty(
-                self.adapter.megatron_shape(name), dtype=self._dtype, device=self._device
+                self.adapter.megatron_shape(name), dtype=dtype, device=self._device
             )
             dist.broadcast(buf, src=src, group=group)
             full = buf
@@ -555,7 +612,7 @@ class MegatronTrainingEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Save weights, Adam moments, step and RNG atomically to the folder ``path``.
+        """Save weights, float32 masters (when kept), Adam moments, step and RNG atomically to ``path``.
 
         Tensors are stored whole (TP shards joined, PP stages gathered) under Megatron's global
         names, so the checkpoint loads at any TP/PP layout. Global rank 0 writes into a temporary
@@ -567,10 +624,15 @@ class MegatronTrainingEngine(TrainingEngine):
         rank0 = dist.get_rank() == 0
         model: dict[str, Tensor] = {}
         moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        masters: dict[str, Tensor] = {}
         for name in self.adapter.megatron_names():
             t = self._full_tensor(name)
             if rank0:
                 model[name] = t.detach().cpu().clone()
+            if self._master is not None:
+                m = self._full_tensor(name, what="master")
+                if rank0:
+                    masters[name] = m.detach().cpu().clone()
             if self.optimizer is not None:
                 for key, store in moments.items():
                     m = self._full_tensor(name, what=key)  # type: ignore[arg-type]
@@ -588,6 +650,7 @@ class MegatronTrainingEngine(TrainingEngine):
             payload = {
                 "model": model,
                 "optimizer": moments if self.optimizer is not None else None,
+                "master_weights": masters if self._master is not None else None,
                 "adam_step": adam_step,
                 "step": self._step,
                 "rng": torch.get_rng_state(),
@@ -607,6 +670,9 @@ class MegatronTrainingEngine(TrainingEngine):
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`, at this engine's TP/PP layout.
 
+        A checkpoint without float32 masters (saved in float32 or with ``master_weights=False``)
+        starts this engine's masters from its weights.
+
         Raises:
             ConfigError: the folder is not a checkpoint of this model (missing or extra tensors).
         """
@@ -623,21 +689,27 @@ class MegatronTrainingEngine(TrainingEngine):
             )
         params = dict(self.model.named_parameters())
         moments = payload["optimizer"]
+        saved_masters = payload.get("master_weights")
         with torch.no_grad():
             for global_name, local in self.adapter.stage_names(self.pp_rank, self.pp):
                 p = params[local]
+                stepped = self._stepped(p)
 
-                def piece(t: Tensor, *, _g: str = global_name, _p: Tensor = p) -> Tensor:
-                    return self.adapter.shard(_g, t, self.tp_rank, self.tp).to(device=_p.device, dtype=_p.dtype)
+                def piece(t: Tensor, *, _g: str = global_name, _like: Tensor = p) -> Tensor:
+                    return self.adapter.shard(_g, t, self.tp_rank, self.tp).to(device=_like.device, dtype=_like.dtype)
 
                 p.copy_(piece(payload["model"][global_name]))
+                if stepped is not p:
+                    source = saved_masters if saved_masters is not None else payload["model"]
+                    stepped.copy_(piece(source[global_name], _like=stepped))
+                    p.copy_(stepped)
                 if self.optimizer is not None:
-                    self.optimizer.state.pop(p, None)
+                    self.optimizer.state.pop(stepped, None)
                     if moments is not None and payload["adam_step"] > 0:
-                        self.optimizer.state[p] = {
+                        self.optimizer.state[stepped] = {
                             "step": torch.tensor(float(payload["adam_step"])),
-                            "exp_avg": piece(moments["exp_avg"][global_name]).clone(),
-                            "exp_avg_sq": piece(moments["exp_avg_sq"][global_name]).clone(),
+                            "exp_avg": piece(moments["exp_avg"][global_name], _like=stepped).clone(),
+                            "exp_avg_sq": piece(moments["exp_avg_sq"][global_name], _like=stepped).clone(),
                         }
         torch.set_rng_state(payload["rng"])
         self._step = int(payload["step"])
@@ -659,12 +731,18 @@ class MegatronTrainingEngine(TrainingEngine):
         return self._state_offloaded
 
     def _move_training_state(self, device: torch.device) -> int:
-        """Move gradients and optimizer state tensors to ``device``; returns the bytes moved."""
+        """Move gradients, float32 masters and optimizer state to ``device``; returns the bytes moved."""
         moved = 0
         for p in self.model.parameters():
             if p.grad is not None:
                 moved += p.grad.numel() * p.grad.element_size()
                 p.grad = p.grad.to(device)
+        if self._master is not None:
+            for m in self._master.masters:
+                moved += m.numel() * m.element_size()
+                if m.grad is not None:
+                    moved += m.grad.numel() * m.grad.element_size()
+            self._master.to(device)
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
@@ -720,4 +798,6 @@ class MegatronTrainingEngine(TrainingEngine):
     def close(self) -> None:
         """Drop the model and optimizer (the process group stays for other engines)."""
         self.optimizer = None
+        self._master = None
+        self._master_of = {}
         self.model = None

@@ -1,0 +1,59 @@
+"""bfloat16 training with float32 master weights, and a failed forward_backward, in the Megatron engine.
+
+The checks run in the TP=1 launch of ``engine_checks.py`` (``precision_checks`` and ``failed_call``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from engine_checks import BASE, SMALL_STEPS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def base(megatron_launch: Any) -> dict[str, Any]:
+    """Rank 0's results of the TP=1 launch (shared with test_engine.py)."""
+    result: dict[str, Any] = megatron_launch(BASE)[0]
+    return result
+
+
+def test_master_weights_let_small_updates_accumulate(base: dict[str, Any]) -> None:
+    r = base["precision"]
+    start = r["start"]
+    assert bool((start == 1.0).all())  # norm weights start at 1.0
+    moved32 = r["fp32"] - start
+    assert float(moved32.abs().mean()) > SMALL_STEPS.lr  # the float32 run moves the norm weights
+    # Pure bfloat16 rounds every one of those updates away.
+    assert not r["pure_has_masters"] and not r["fp32_has_masters"]
+    assert float((r["pure"] - start).abs().max()) == 0.0
+    # With float32 masters the updates accumulate and follow the float32 run (up to the drift of
+    # bfloat16 gradients); the model computes with the masters' bfloat16 rounding.
+    masters = r["mixed_masters"]
+    assert float(((masters - start) - moved32).abs().mean()) < 0.25 * float(moved32.abs().mean())
+    assert torch.equal(r["mixed"], masters.bfloat16().float())
+    assert float((r["mixed"] - start).abs().max()) > 0
+    assert r["dtypes"] == ["torch.bfloat16"] and r["master_dtypes"] == ["torch.float32"]
+
+
+def test_bfloat16_checkpoint_resume_equals_uninterrupted_run(base: dict[str, Any]) -> None:
+    r = base["precision"]
+    uninterrupted, resumed = r["resume"]
+    for name, t in uninterrupted.items():
+        assert t.dtype == torch.bfloat16
+        assert torch.equal(t, resumed[name]), f"{name} differs after resuming from a bfloat16 checkpoint"
+    assert torch.equal(*r["resume_masters"])
+
+
+def test_failed_forward_backward_leaves_the_earlier_gradients(base: dict[str, Any]) -> None:
+    r = base["failed_call"]
+    assert r["raised"] == "injected failure in the second micro-batch" and r["calls"] == 2
+    assert any(float(g.abs().max()) > 0 for g in r["before"].values())
+    for name, g in r["before"].items():
+        assert torch.equal(r["after_failure"][name], g), f"{name}: the failed call left gradients behind"
+    # the next call accumulates onto the earlier gradients as if the failure never happened
+    for name, g in r["clean"].items():
+        assert torch.equal(r["resumed"][name], g), f"{name} differs from the run without a failure"
