@@ -45,12 +45,12 @@ RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
     (2, 1, 1): ("qwen3", "critic", "rollout"),
     (1, 2, 1): ("qwen2", "critic"),
     (2, 2, 1): ("qwen2", "reshard"),
-    (1, 1, 2): ("qwen2",),
+    (1, 1, 2): ("qwen2", "accumulate"),
     (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
 }
 CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 BASE = (1, 1, 1)
-NOT_ACTORS = ("errors", "rollout", "reshard")
+NOT_ACTORS = ("errors", "rollout", "reshard", "accumulate")
 
 
 class TokenMeanPG:
@@ -166,6 +166,8 @@ def main() -> None:
         result["local_attention"] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
         result["failed_call"] = failed_call(par)
         result["precision"] = precision_checks(par, ckpt)
+    if "accumulate" in names:
+        result["accumulate"] = accumulate(par, dp_rank)
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
     if "reshard" in names:
@@ -300,6 +302,22 @@ def failed_call(par: ParallelSizes) -> dict[str, Any]:
         e.forward_backward(second, TokenMeanPG(), GlobalBatchStats.of(second))
     return {"raised": raised, "calls": loss.calls, "before": before, "after_failure": after_failure,
             "resumed": failing.hf_state_dict(grads=True), "clean": clean.hf_state_dict(grads=True)}
+
+
+def accumulate(par: ParallelSizes, dp_rank: int) -> dict[str, Any]:
+    """Gradients of two forward_backward calls into one step, and of each call alone."""
+    spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1)
+    eng = MegatronTrainingEngine(spec)
+    first, second = actor_batch(5, 1.0), actor_batch(6, 1.0)
+    alone = []
+    for b in (first, second):
+        eng.forward_backward(dp_shard(b, dp_rank, par.dp), TokenMeanPG(), GlobalBatchStats.of(b))
+        alone.append(eng.hf_state_dict(grads=True))
+        assert eng.optimizer is not None
+        eng.optimizer.zero_grad(set_to_none=True)
+    for b in (first, second):
+        eng.forward_backward(dp_shard(b, dp_rank, par.dp), TokenMeanPG(), GlobalBatchStats.of(b))
+    return {"alone": alone, "both": eng.hf_state_dict(grads=True)}
 
 
 # Adam's normalised step is at most ~lr per weight: 1.5e-3 is below half of bfloat16's spacing

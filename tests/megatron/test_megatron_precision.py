@@ -1,6 +1,7 @@
-"""bfloat16 training with float32 master weights, and a failed forward_backward, in the Megatron engine.
+"""Megatron engine: float32 master weights under bfloat16, a failed forward_backward, accumulation.
 
-The checks run in the TP=1 launch of ``engine_checks.py`` (``precision_checks`` and ``failed_call``).
+The checks run in the TP=1 launch of ``engine_checks.py`` (``precision_checks``, ``failed_call``) and the
+DP=2 launch (``accumulate``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from engine_checks import BASE, SMALL_STEPS
+
+from verl_conformance.testkit import assert_close
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -57,3 +60,12 @@ def test_failed_forward_backward_leaves_the_earlier_gradients(base: dict[str, An
     # the next call accumulates onto the earlier gradients as if the failure never happened
     for name, g in r["clean"].items():
         assert torch.equal(r["resumed"][name], g), f"{name} differs from the run without a failure"
+
+
+def test_two_calls_accumulate_the_sum_of_their_gradients_under_data_parallelism(megatron_launch: Any) -> None:
+    for rank, res in enumerate(megatron_launch((1, 1, 2))):
+        r = res["accumulate"]
+        first, second = r["alone"]
+        for name, g in r["both"].items():
+            assert_close(g, first[name] + second[name], dtype="float32", quantity="grad",
+                         what=f"{name} after two calls (rank {rank})")
