@@ -42,9 +42,10 @@ def megatron_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Layou
             return done[layout]
         loads = ""
         if layout == engine_checks.BASE:
-            for src in engine_checks.CROSS_LOADS:  # TP=1 restores the checkpoints these layouts save
-                launch(src)
-            loads = ";".join(f"{arch}={ckpt(src)}" for src, arch in engine_checks.CROSS_LOADS.items())
+            for src in [*engine_checks.CROSS_LOADS, engine_checks.BF16_SAVER]:
+                launch(src)  # TP=1 restores the checkpoints these layouts save
+            loads = ";".join([f"{arch}={ckpt(src)}" for src, arch in engine_checks.CROSS_LOADS.items()]
+                             + [f"bf16={ckpt(engine_checks.BF16_SAVER)}-bf16"])
         tp, pp, dp = layout
         t0 = time.perf_counter()
         done[layout] = launch_torchrun(

@@ -44,13 +44,15 @@ ACTORS = (("llama", False, 1.0), ("qwen2", True, 0.7), ("qwen3", False, 1.0))
 RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
     (2, 1, 1): ("qwen3", "critic", "rollout"),
     (1, 2, 1): ("qwen2", "critic"),
-    (2, 2, 1): ("qwen2", "reshard"),
+    (2, 2, 1): ("qwen2", "reshard", "bf16_ckpt"),
     (1, 1, 2): ("qwen2", "accumulate"),
     (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
 }
 CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 BASE = (1, 1, 1)
-NOT_ACTORS = ("errors", "rollout", "reshard", "accumulate")
+# TP=2 x PP=2 saves a bfloat16 checkpoint with float32 masters; TP=1 restores it.
+BF16_SAVER = (2, 2, 1)
+NOT_ACTORS = ("errors", "rollout", "reshard", "accumulate", "bf16_ckpt")
 
 
 class TokenMeanPG:
@@ -143,6 +145,9 @@ def main() -> None:
     for item in loads:
         # Checkpoints written by other layouts, restored at this one.
         arch, path = item.split("=", 1)
+        if arch == "bf16":
+            result["loaded:bf16"] = bf16_checkpoint(par, path, save=False)
+            continue
         i, tied, temp = actors[arch]
         spec = EngineSpec(str(tiny_model(TinyModelSpec(arch=arch, tied=tied))), "actor", parallel=par,
                           optim=optim, micro_batch_size=2, seed=1)
@@ -166,6 +171,8 @@ def main() -> None:
         result["local_attention"] = {"log_probs": out["log_probs"], "entropy": out["entropy"]}
         result["failed_call"] = failed_call(par)
         result["precision"] = precision_checks(par, ckpt)
+    if "bf16_ckpt" in names:
+        result["bf16_ckpt"] = bf16_checkpoint(par, f"{ckpt}-bf16", save=True)
     if "accumulate" in names:
         result["accumulate"] = accumulate(par, dp_rank)
     if "rollout" in names:
@@ -362,6 +369,39 @@ def precision_checks(par: ParallelSizes, ckpt: str) -> dict[str, Any]:
         train(e, range(3, 5))
     out["resume"] = (a.hf_state_dict(), b.hf_state_dict())
     out["resume_masters"] = (norms(a, masters=True), norms(b, masters=True))
+    return out
+
+
+def bf16_checkpoint(par: ParallelSizes, path: str, *, save: bool) -> dict[str, Any]:
+    """Save (two steps) or restore a bfloat16 checkpoint of the tied qwen2 model; the gathered masters."""
+    model = str(tiny_model(TinyModelSpec(arch="qwen2", tied=True)))
+    spec = EngineSpec(model, "actor", dtype="bfloat16", parallel=par, optim=SMALL_STEPS, micro_batch_size=5, seed=1)
+    eng = MegatronTrainingEngine(spec)
+
+    def masters(e: MegatronTrainingEngine) -> dict[str, torch.Tensor]:
+        return {n: e._full_tensor(n, what="master").cpu().clone() for n in e.adapter.megatron_names()}
+
+    def step(e: MegatronTrainingEngine, seed: int) -> None:
+        batch = actor_batch(seed, 0.7)
+        e.forward_backward(batch, TokenMeanPG(), GlobalBatchStats.of(batch))
+        assert not e.optimizer_step().skipped
+
+    out: dict[str, Any] = {}
+    if save:
+        for seed in (30, 31):
+            step(eng, seed)
+        eng.save_checkpoint(path)
+        out["masters"] = masters(eng)
+        fresh = MegatronTrainingEngine(spec)
+        fresh.load_checkpoint(path)
+        for e in (eng, fresh):
+            step(e, 32)
+        out["resume"] = (eng.hf_state_dict(), fresh.hf_state_dict())
+    else:
+        eng.load_checkpoint(path)
+        out["masters"] = masters(eng)
+        out["model"] = {n: eng._full_tensor(n).cpu().clone() for n in eng.adapter.megatron_names()}
+        out["step"] = eng.step
     return out
 
 

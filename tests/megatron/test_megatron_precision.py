@@ -1,7 +1,7 @@
 """Megatron engine: float32 master weights under bfloat16, a failed forward_backward, accumulation.
 
 The checks run in the TP=1 launch of ``engine_checks.py`` (``precision_checks``, ``failed_call``) and the
-DP=2 launch (``accumulate``).
+DP=2 launch (``accumulate``); TP=2 x PP=2 saves a bfloat16 checkpoint (``bf16_ckpt``) that TP=1 restores.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_checks import BASE, SMALL_STEPS
+from engine_checks import BASE, BF16_SAVER, SMALL_STEPS
 
 from verl_conformance.testkit import assert_close
 
@@ -69,3 +69,18 @@ def test_two_calls_accumulate_the_sum_of_their_gradients_under_data_parallelism(
         for name, g in r["both"].items():
             assert_close(g, first[name] + second[name], dtype="float32", quantity="grad",
                          what=f"{name} after two calls (rank {rank})")
+
+
+def test_bfloat16_checkpoint_with_masters_resumes_and_loads_at_another_layout(megatron_launch: Any) -> None:
+    saver = megatron_launch(BF16_SAVER)[0]["bf16_ckpt"]
+    uninterrupted, resumed = saver["resume"]
+    for name, t in uninterrupted.items():
+        assert torch.equal(t, resumed[name]), f"{name} differs after resuming at TP=2 x PP=2"
+    loaded = megatron_launch(BASE)[0]["loaded:bf16"]
+    assert loaded["step"] == 2
+    for name, m in saver["masters"].items():
+        assert m.dtype == torch.float32
+        assert torch.equal(loaded["masters"][name], m), f"{name}: masters differ after loading at TP=1"
+        assert torch.equal(loaded["model"][name], m.bfloat16()), f"{name}: weights are not the masters' rounding"
+    moved = max(float((m - m.bfloat16().float()).abs().max()) for m in saver["masters"].values())
+    assert moved > 0  # the masters hold more than the bfloat16 weights
