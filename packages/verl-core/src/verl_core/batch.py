@@ -64,8 +64,9 @@ class BatchMeta:
             raise BatchValidationError(f"BatchMeta.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise BatchValidationError(f"BatchMeta.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.pad_token_id < 0:
-            raise BatchValidationError(f"BatchMeta.pad_token_id must be >= 0, got {self.pad_token_id}")
+        for name in ("pad_token_id", "weight_version", "step"):
+            if getattr(self, name) < 0:
+                raise BatchValidationError(f"BatchMeta.{name} must be >= 0, got {getattr(self, name)}")
 
 
 _SAMPLING_KEYS: Final = ("temperature", "top_p", "top_k", "pad_token_id")
