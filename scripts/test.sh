@@ -26,7 +26,10 @@ pytest_phase() {  # pytest_phase NAME PATH...: run the tests under the paths tha
   local paths=()
   for p in "$@"; do [ -e "$p" ] && paths+=("$p"); done
   if [ ${#paths[@]} -eq 0 ]; then echo "no tests for $name yet"; return 0; fi
-  python -m pytest -q "${paths[@]}" --junitxml="$REPORTS/$name.xml"
+  # A fixed hypothesis seed keeps CI reproducible; HYPOTHESIS_SEED=random explores new examples.
+  local seed=()
+  [ "${HYPOTHESIS_SEED:-0}" = random ] || seed=(--hypothesis-seed="${HYPOTHESIS_SEED:-0}")
+  python -m pytest -q "${seed[@]}" "${paths[@]}" --junitxml="$REPORTS/$name.xml"
 }
 
 ray_phase() {  # the Ray executor on a local 2-CPU cluster; installs verl-core's ray extra if setup did not
