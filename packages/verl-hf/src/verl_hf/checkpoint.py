@@ -19,6 +19,7 @@ from typing import Any, Final
 import torch
 
 from verl_core.errors import ConfigError
+from verl_core.trainer.reliability import fsync_dir
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -50,20 +51,7 @@ def fsync_tree(path: Path) -> None:
         if sub.is_file():
             with open(sub, "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path)
 
 
 def commit_state_dir(root: Path, name: str) -> None:
@@ -71,13 +59,13 @@ def commit_state_dir(root: Path, name: str) -> None:
     part = partial_dir(root, name)
     fsync_tree(part)
     os.rename(part, root / name)
-    _fsync_dir(root)
+    fsync_dir(root)
     tmp = root / f".{_POINTER}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(name + "\n")
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, root / _POINTER)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in root.iterdir():
         if old.name == name or old.name == _POINTER:
             continue
