@@ -146,6 +146,7 @@ class MegatronTrainingEngine(TrainingEngine):
                 stepped = list(self._master.masters)
             self.optimizer = torch.optim.AdamW(
                 stepped, lr=o.lr_at(0), betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                fused=self._device.type == "cuda",
             )
         else:
             for p in self.model.parameters():
