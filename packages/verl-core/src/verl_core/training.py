@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "GlobalBatchStats",
+    "GradientStash",
     "LossFn",
     "LossOutput",
     "Metrics",
@@ -123,6 +124,41 @@ class StepMetrics:
     grad_norm: float
     lr: float
     skipped: bool
+
+
+class GradientStash:
+    """Earlier calls' gradients set aside while one ``forward_backward`` call runs.
+
+    Gradients of earlier calls are already reduced over ranks, so a call sets them aside, reduces
+    only its own contribution and then :meth:`merge` adds them back; a call that fails (e.g. out of
+    memory, retried by the caller on smaller micro-batches) contributes nothing: :meth:`restore`
+    drops its partial gradients and puts the earlier ones back.
+
+    Args:
+        params: The trainable parameters (their gradients are cleared on construction).
+    """
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self._params = list(params)
+        self._saved = [(p, p.grad) for p in self._params if p.grad is not None]
+        for p, _ in self._saved:
+            p.grad = None
+
+    def restore(self) -> None:
+        """Drop the running call's gradients and put the earlier ones back."""
+        for p in self._params:
+            p.grad = None
+        for p, g in self._saved:
+            p.grad = g
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the earlier gradients to the (reduced) gradients of the call."""
+        for p, g in self._saved:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def dp_shard(batch: TensorBatch, rank: int, world: int) -> TensorBatch:

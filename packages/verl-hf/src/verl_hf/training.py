@@ -28,6 +28,7 @@ from verl_core.registry import parse_options
 from verl_core.training import (
     DEFAULT_BUCKET_BYTES,
     GlobalBatchStats,
+    GradientStash,
     LossFn,
     Metrics,
     ModelOutput,
@@ -310,11 +311,7 @@ class HFTrainingEngine(TrainingEngine):
         loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         metric_sums: dict[str, Tensor] = {}
         params = [p for p in self._model.parameters() if p.requires_grad]
-        # Gradients of earlier calls are already reduced over ranks: set them aside, reduce only
-        # this call's contribution, then add them back.
-        stash = [(p, p.grad) for p in params if p.grad is not None]
-        for p, _ in stash:
-            p.grad = None
+        stash = GradientStash(params)
         self._model.train()
         try:
             for i in range(n):
@@ -348,23 +345,14 @@ class HFTrainingEngine(TrainingEngine):
                 if loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
         except BaseException:
-            # A failed call (e.g. out of memory, retried by the caller on smaller micro-batches)
-            # contributes nothing: drop its partial gradients and restore the earlier calls' ones.
-            for p in params:
-                p.grad = None
-            for p, g in stash:
-                p.grad = g
+            stash.restore()
             raise
         finally:
             self._model.eval()
             if self._fsdp:
                 self._set_grad_sync(True)
         self._reduce_new_grads(params)
-        for p, g in stash:
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        stash.merge()
         keys = self._dp.union_keys(list(metric_sums))
         packed = torch.stack(
             [loss_sum] + [metric_sums.get(k, torch.zeros((), device=self._device)) for k in keys]

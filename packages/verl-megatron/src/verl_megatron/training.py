@@ -54,7 +54,7 @@ from verl_core import (
 )
 from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
-from verl_core.training import DEFAULT_BUCKET_BYTES
+from verl_core.training import DEFAULT_BUCKET_BYTES, GradientStash
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
@@ -408,28 +408,15 @@ class MegatronTrainingEngine(TrainingEngine):
             return res.loss, torch.ones((), dtype=torch.int, device=out.device), metrics
 
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Gradients of earlier calls are already reduced over ranks: set them aside, reduce only
-        # this call's contribution, then add them back.
-        stash = [(p, p.grad) for p in params if p.grad is not None]
-        for p, _ in stash:
-            p.grad = None
+        stash = GradientStash(params)
         self.model.train()
         try:
             stored = self._run(preps, loss_of, forward_only=False)
         except BaseException:
-            # A failed call (e.g. out of memory, retried by the caller on smaller micro-batches)
-            # contributes nothing: drop its partial gradients and restore the earlier calls' ones.
-            for p in params:
-                p.grad = None
-            for p, g in stash:
-                p.grad = g
+            stash.restore()
             raise
         self._sync_grads()
-        for p, g in stash:
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        stash.merge()
         metrics = self._reduce_metrics(stored, len(preps))
         if onload_s is not None:
             metrics["switch_to_rollout_s"] = self._offload_s
