@@ -9,10 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_core import BatchValidationError, ConfigError, Tokenizer
+from verl_core import BatchValidationError, ConfigError, Tokenizer, TokenizerAdapter
 from verl_core.byo import (
     IN_MEMORY_MODEL,
-    TokenizerAdapter,
     as_tokenizer,
     finish_responses,
     in_memory_spec,

@@ -36,7 +36,6 @@ __all__ = [
     "IN_MEMORY_MODEL",
     "GeneratesTokens",
     "ScoreFn",
-    "TokenizerAdapter",
     "as_tokenizer",
     "finish_responses",
     "generate_with_model",
