@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from verl_core.batch import TensorBatch
+from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "quiet_transformers",
     "sequence_inputs",
     "token_outputs",
+    "validate_inputs",
 ]
 
 ModelKind = Literal["causal_lm", "value", "reward"]
@@ -135,17 +137,19 @@ def sequence_inputs(batch: TensorBatch) -> tuple[Tensor, Tensor, Tensor]:
     return ids, mask, position_ids(mask)
 
 
-def check_prompts_nonempty(batch: TensorBatch, where: str) -> None:
-    """Every sample needs at least one prompt token (the first response token is read from it)."""
-    pm = batch["prompt_mask"]
-    if batch.batch_size and (pm.shape[1] == 0 or not bool(pm[:, -1].all())):
-        rows = (
-            list(range(batch.batch_size)) if pm.shape[1] == 0 else (~pm[:, -1]).nonzero()[:, 0].tolist()
-        )
-        raise BatchValidationError(
-            f"{where}: sample(s) {rows[:5]} have no prompt token; every sample needs at least one "
-            "real prompt token (left-padded prompt_mask ending in True)"
-        )
+def validate_inputs(batch: TensorBatch, where: str, vocab_size: int, spec: EngineSpec) -> None:
+    """Input fields present and valid (``TensorBatch.check``), lengths within the spec's limits."""
+    batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
+    batch.check(where=where, vocab_size=vocab_size)
+    if batch.batch_size:
+        p = int(batch["prompt_mask"].sum(1).max())
+        r = int(batch["response_mask"].sum(1).max())
+        if p > spec.max_prompt_len or r > spec.max_response_len:
+            raise BatchValidationError(
+                f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
+                f"was built for max_prompt_len={spec.max_prompt_len}, "
+                f"max_response_len={spec.max_response_len}; raise them in the EngineSpec"
+            )
 
 
 def token_outputs(

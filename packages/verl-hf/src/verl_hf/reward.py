@@ -10,12 +10,12 @@ from torch import Tensor, nn
 from verl_core.batch import TensorBatch
 from verl_core.capabilities import RewardCapabilities
 from verl_core.engine import EngineSpec
-from verl_core.errors import BatchValidationError, ConfigError
+from verl_core.errors import ConfigError
 from verl_core.registry import parse_options
 from verl_core.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
 from verl_hf.config import HFOptions
-from verl_hf.modeling import check_prompts_nonempty, load_model, sequence_inputs
+from verl_hf.modeling import load_model, sequence_inputs, validate_inputs
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFRewardEngine", "build_reward_engine"]
@@ -71,18 +71,7 @@ class HFRewardEngine(RewardEngine):
     def score(self, batch: TensorBatch) -> TensorBatch:
         """Return ``batch`` with ``scores`` [batch] (float32)."""
         where = "HFRewardEngine.score"
-        batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
-        batch.check(where=where, vocab_size=self._vocab_size)
-        check_prompts_nonempty(batch, where)
-        if batch.batch_size:
-            p = int(batch["prompt_mask"].sum(1).max())
-            r = int(batch["response_mask"].sum(1).max())
-            if p > self._spec.max_prompt_len or r > self._spec.max_response_len:
-                raise BatchValidationError(
-                    f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
-                    f"was built for max_prompt_len={self._spec.max_prompt_len}, "
-                    f"max_response_len={self._spec.max_response_len}; raise them in the EngineSpec"
-                )
+        validate_inputs(batch, where, self._vocab_size, self._spec)
         step = self._options.rollout_batch_size or max(batch.batch_size, 1)
         parts: list[Tensor] = []
         work = batch.to(self._device)

@@ -45,7 +45,7 @@ from verl_core.weights import (
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
-from verl_hf.modeling import check_prompts_nonempty, load_model, position_ids
+from verl_hf.modeling import load_model, position_ids
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
@@ -385,7 +385,6 @@ class HFRolloutEngine(RolloutEngine):
         where = "HFRolloutEngine.generate"
         prompts.require("prompt_ids", "prompt_mask", "group_ids", where=where)
         prompts.check(where=where, vocab_size=self._vocab_size)
-        check_prompts_nonempty(prompts, where)
         if prompts.batch_size:
             longest = int(prompts["prompt_mask"].sum(1).max())
             if longest > self._spec.max_prompt_len:

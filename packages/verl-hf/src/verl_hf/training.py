@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.capabilities import TrainingCapabilities
 from verl_core.engine import EngineSpec
-from verl_core.errors import BatchValidationError, ConfigError
+from verl_core.errors import ConfigError
 from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import (
@@ -46,7 +46,7 @@ from verl_hf import checkpoint as ckpt
 from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
-from verl_hf.modeling import ModelKind, check_prompts_nonempty, load_model, token_outputs
+from verl_hf.modeling import ModelKind, load_model, token_outputs, validate_inputs
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFTrainingEngine", "build_training_engine"]
@@ -193,18 +193,7 @@ class HFTrainingEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ validation
     def _validate(self, batch: TensorBatch, where: str) -> None:
-        batch.require(*_INPUT_FIELDS, where=where)
-        batch.check(where=where, vocab_size=self._vocab_size)
-        check_prompts_nonempty(batch, where)
-        if batch.batch_size:
-            p = int(batch["prompt_mask"].sum(1).max())
-            r = int(batch["response_mask"].sum(1).max())
-            if p > self._spec.max_prompt_len or r > self._spec.max_response_len:
-                raise BatchValidationError(
-                    f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
-                    f"was built for max_prompt_len={self._spec.max_prompt_len}, "
-                    f"max_response_len={self._spec.max_response_len}; raise them in the EngineSpec"
-                )
+        validate_inputs(batch, where, self._vocab_size, self._spec)
 
     def _check_outputs(self, outputs: Collection[str], where: str) -> None:
         allowed = {"values"} if self._kind == "value" else {"log_probs", "entropy"}

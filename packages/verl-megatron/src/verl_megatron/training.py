@@ -210,10 +210,7 @@ class MegatronTrainingEngine(TrainingEngine):
     # ------------------------------------------------------------------ input handling
     def _validate(self, batch: TensorBatch, where: str, outputs: Collection[str]) -> None:
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
-        # Re-run construction checks (dtypes, ranks, shared dims): a batch built by an op that skips
-        # validation must not reach the model with, e.g., int32 ids.
-        TensorBatch(dict(batch.items()), batch.extras, batch.meta, batch_size=batch.batch_size)
-        batch.check(where=where, vocab_size=self.dims.vocab_size)
+        batch.check(where=where, vocab_size=self.dims.vocab_size)  # structure, values, non-empty prompts
         unknown = set(outputs) - {"log_probs", "entropy", "values"}
         if unknown:
             raise ConfigError(f"{where}: unknown outputs {sorted(unknown)}; valid: log_probs, entropy, values")
@@ -221,13 +218,6 @@ class MegatronTrainingEngine(TrainingEngine):
             raise ConfigError(f"{where}: a critic computes only 'values', got {sorted(outputs)}")
         if self.dims.head == "lm" and "values" in outputs:
             raise ConfigError(f"{where}: 'values' needs role='critic' (a value head); this engine is {self._spec.role}")
-        no_prompt = (batch["prompt_mask"].sum(1) == 0) & batch["response_mask"].any(1)
-        if bool(no_prompt.any()):
-            row = int(no_prompt.nonzero()[0])
-            raise BatchValidationError(
-                f"{where}: sample {row} has response tokens but an empty prompt; every scored "
-                "response needs at least one prompt token to condition on"
-            )
 
     def _prepare(self, mb: TensorBatch, real: int) -> _Prepared:
         prompt_mask, response_mask = mb["prompt_mask"], mb["response_mask"]
