@@ -13,14 +13,12 @@ from conftest import start_cluster
 from ray_helpers import RAY_SPLIT, STEPS, assert_same_metrics, demo_config, train
 
 from verl_core.executor import WorkerFailedError
-from verl_core.registry import available_backends
 from verl_core.trainer.reliability import StepFailedError
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.multiprocess,
-    pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)"),
 ]
 
 

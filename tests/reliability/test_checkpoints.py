@@ -21,12 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability_helpers import TINY, tiny_config
 
-from verl_core import CheckpointError, available_backends
+from verl_core import CheckpointError
 from verl_core.cli import main
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
 from verl_core.trainer.reliability import MANIFEST_FILE, write_manifest
 
-pytestmark = pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)")
 PWNED = Path("/tmp/verl-reliability-checkpoint-pwned")
 
 

@@ -34,7 +34,6 @@ import pytest
 import torch
 from reliability_helpers import comparable, tiny_config
 
-from verl_core import available_backends
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
 
 KILLS = int(os.environ.get("VERL_RELIABILITY_KILLS", "200"))
@@ -45,7 +44,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.multiprocess,
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
-    pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)"),
 ]
 
 _WRITE_EVENTS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}

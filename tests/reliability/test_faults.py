@@ -34,7 +34,6 @@ from verl_core import (
     GlobalBatchStats,
     OptimConfig,
     TensorBatch,
-    available_backends,
     get_training_engine,
 )
 from verl_core.algorithms import Algorithm
@@ -50,7 +49,6 @@ from verl_core.trainer import (
 )
 from verl_core.training import LossOutput
 
-needs_hf = pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)")
 STEPS = 3
 
 
@@ -105,7 +103,6 @@ def _oom(*_: Any, **__: Any) -> Any:
     raise torch.OutOfMemoryError("injected: a single sample does not fit")
 
 
-@needs_hf
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_an_engine_fault_stops_the_step_and_resume_reproduces_the_run(
@@ -189,7 +186,6 @@ def test_oom_recovery_runs_every_sample_exactly_once(
         assert list(group) == ids  # the indices reported are the samples that ran
 
 
-@needs_hf
 def test_oom_in_the_middle_of_an_hf_call_leaves_exactly_the_gradients_of_a_clean_run(
     tmp_path: Path, tally: Counter[str]
 ) -> None:
@@ -263,7 +259,6 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}  # type: ignore[attr-defined]
 
 
-@needs_hf
 @pytest.mark.parametrize("mode", ["nan", "inf", "finite_loss_nan_grad"])
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run(
     mode: str, model: Path, tmp_path: Path, tally: Counter[str]
@@ -305,7 +300,6 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(
         assert all(torch.equal(saved[k], last_good[k]) for k in saved), "the checkpoint does not hold the last finite weights"
 
 
-@needs_hf
 def test_a_fault_during_evaluation_names_the_stage_and_writes_nothing(
     model: Path, tmp_path: Path, tally: Counter[str]
 ) -> None:

@@ -33,7 +33,6 @@ from verl_core import (
     TensorBatch,
     VerlError,
     WeightSyncError,
-    available_backends,
     get_reward_engine,
     get_rollout_engine,
     get_training_engine,
@@ -44,7 +43,7 @@ from verl_core.weights import TensorInfo, WeightChunk, WeightCommit, WeightManif
 VOCAB = 128
 MAX_PROMPT = 8
 MAX_RESPONSE = 6
-BACKENDS = [b for b in ("hf", "example") if b in available_backends()]
+BACKENDS = ["hf", "example"]
 FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -295,8 +294,6 @@ def test_an_empty_batch_is_handled_or_refused_cleanly(engines: Engines, tally: C
 @pytest.fixture(scope="module")
 def reward(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Counter[str]]:
     """The hf reward-model engine on a tiny sequence-classification model, its modules watched."""
-    if "hf" not in available_backends():
-        pytest.skip("needs the hf backend (pip install verl-hf)")
     path = build_tiny_model(tmp_path_factory.mktemp("reward") / "tiny", TinyModelSpec(
         hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=32, intermediate_size=64,
         vocab_size=VOCAB, head="reward",

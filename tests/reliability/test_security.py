@@ -27,7 +27,6 @@ from verl_core import (
     EngineSpec,
     OptimConfig,
     VerlError,
-    available_backends,
     get_reward_engine,
     get_rollout_engine,
     get_training_engine,
@@ -136,7 +135,6 @@ def _remote_code_folder(tmp: Path, where: str, head: str = "causal_lm") -> tuple
     return path, marker
 
 
-@pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend (pip install verl-hf)")
 @pytest.mark.parametrize(("role", "where"), [("actor", "config"), ("rollout", "config"), ("reward", "config"),
                                              ("actor", "tokenizer"), ("rollout", "tokenizer")])
 def test_hf_engines_never_run_code_shipped_with_a_model(
@@ -155,7 +153,6 @@ def test_hf_engines_never_run_code_shipped_with_a_model(
     assert not marker.exists(), "code shipped with the model folder ran"
 
 
-@pytest.mark.skipif("megatron" not in available_backends(), reason="needs the megatron backend")
 def test_megatron_config_reader_never_runs_code_shipped_with_a_model(tmp_path: Path, tally: Counter[str]) -> None:
     path, marker = _remote_code_folder(tmp_path, "config")
     code = (

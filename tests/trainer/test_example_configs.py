@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.registry import available_backends
 from verl_core.trainer.config import load_config
 from verl_core.trainer.trainer import Trainer, build_algorithm
 
@@ -29,7 +28,6 @@ def test_example_config_is_valid(path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("hf" not in available_backends(), reason="needs the hf backend")
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_example_config_runs_a_step(path: Path, tmp_path: Path) -> None:
     cfg = load_config(path, ["steps=2", "batch.prompts_per_step=4", "rollout.n=4", "logging.progress=false",
