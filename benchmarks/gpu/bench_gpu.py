@@ -364,12 +364,126 @@ def sync(model_dir: Path) -> None:
         emit(f"| {name} | {t * 1e3:.2f} | {moved / t / 1e9:.0f} | {t_copy / t:.2f}x |")
 
 
+def profile_rollout(model_dir: Path, sz: Sizes) -> None:
+    """Where the time of the CUDA-graph rollout goes (diagnostics)."""
+    batch, prompt, new = sz.gen_batch, sz.gen_prompt, sz.gen_new
+    prompts = rl_batch(batch, prompt, 1, sz.spec.vocab_size).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
+    rows: list[tuple[str, float]] = []
+    options: dict[str, object] = {"rollout_cache": "static", "rollout_cuda_graphs": DEVICE == "cuda"}
+    engine: Any = get_rollout_engine("hf", EngineSpec(
+        model_path=str(model_dir), role="rollout", dtype=dtype_name(), device=DEVICE,
+        max_prompt_len=prompt, max_response_len=new, options=options))
+    out = engine.generate(prompts, params)
+    tokens = int(out["response_mask"].sum())
+    rows.append(("generate (whole call)", cuda_time(lambda: engine.generate(prompts, params), 2, 0)))
+    decoder = engine._decoder[1]
+    chunk = prompts.to(DEVICE)
+    rows.append(("start (prefill + first sample)", cuda_time(lambda: decoder.start(chunk, None), 3, 1)))
+    steps = min(50, new - 2)
+
+    def replays(fn: Callable[[], None]) -> float:
+        decoder.start(chunk, None)
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    if decoder.graph is not None:
+        rows.append(("one decode step, graph replay", replays(decoder.graph.replay)))
+    rows.append(("one decode step, eager", replays(decoder.step)))
+    config = engine.model.config
+    attn = config._attn_implementation
+    if attn != "sdpa":
+        config._attn_implementation = "sdpa"
+        rows.append(("one decode step, eager, transformers' sdpa (repeat_kv)", replays(decoder.step)))
+        config._attn_implementation = attn
+    logits = torch.randn(batch, sz.spec.vocab_size, device=DEVICE)
+    alive = torch.ones(batch, dtype=torch.bool, device=DEVICE)
+    sampler = decoder.sampler
+    if sampler.uniforms is None:
+        sampler.uniforms = torch.rand(batch, new, dtype=torch.float64, device=DEVICE)
+    rows.append(("sampler alone (eager)", cuda_time(lambda: sampler.step(logits, 3, alive), 20, 3)))
+    rows.append(("result()", cuda_time(decoder.result, 5, 1)))
+    emit(f"\nRollout breakdown (hf, static cache, graphs={decoder.graph is not None}), batch {batch}, "
+         f"{prompt}-token prompts, {new} new, {tokens} tokens")
+    emit("| part | ms |\n|---|---|")
+    for name, t in rows:
+        emit(f"| {name} | {t * 1e3:.3f} |")
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+
+        decoder.start(chunk, None)
+        synchronize()
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                decoder.step()
+            synchronize()
+        emit("```\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30) + "\n```")
+    engine.close()
+
+
+def profile(model_dir: Path, sz: Sizes) -> None:
+    """Both breakdowns: the rollout's, then the weight syncs'."""
+    profile_rollout(model_dir, sz)
+    free_memory()
+    profile_sync(model_dir)
+
+
+def profile_sync(model_dir: Path) -> None:
+    """Where the time of the weight syncs goes (diagnostics)."""
+    from verl_core.weights import all_finite_flag, tensor_norms
+
+    actor: Any = get_training_engine("hf", EngineSpec(model_path=str(model_dir), role="actor",
+                                                      dtype=dtype_name(), device=DEVICE))
+    rollout: Any = get_rollout_engine("hf", EngineSpec(model_path=str(model_dir), role="rollout",
+                                                       dtype=dtype_name(), device=DEVICE))
+    src = [p.detach() for p in actor.model.parameters()]
+    dst = [torch.empty_like(p) for p in src]
+    nbytes = sum(p.numel() * p.element_size() for p in src)
+    flat_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
+    flat_dst = torch.empty_like(flat_src)
+    parts: list[tuple[str, Callable[[], object]]] = [
+        ("state_dict()", lambda: actor.model.state_dict()),
+        ("named_parameters()", lambda: list(actor.model.named_parameters())),
+        ("export_weights consumed (host only)", lambda: list(actor.export_weights(bucket_bytes=512 << 20))),
+        ("all_finite_flag (foreach 2-norm) + sync", lambda: bool(all_finite_flag(src))),
+        ("tensor_norms (foreach inf-norm) + sync", lambda: bool(torch.as_tensor(tensor_norms(src)).isfinite().all())),
+        ("_foreach_copy_", lambda: torch._foreach_copy_(dst, src)),
+        ("one flat copy of the same bytes", lambda: flat_dst.copy_(flat_src)),
+        ("one flat 2-norm + sync", lambda: bool(torch.linalg.vector_norm(flat_src).isfinite())),
+        ("direct sync (HFDirectSync)", lambda: get_weight_sync("hf", "hf").sync(actor, rollout, version=1)),
+        ("canonical stream, 512 MB", lambda: StreamWeightSync(512 << 20).sync(actor, rollout, version=1)),
+    ]
+    probe = [torch.ones(1000, dtype=DTYPE, device=DEVICE) for _ in range(3)]
+    probe[1][7], probe[2][999] = float("nan"), float("-inf")
+    emit(f"\ntensor_norms of [finite, NaN, -inf] on {DEVICE}: {torch.as_tensor(tensor_norms(probe)).tolist()}")
+    emit(f"\nWeight-sync breakdown, {nbytes / 1e9:.2f} GB")
+    emit("| part | ms | GB/s of the model's bytes |\n|---|---|---|")
+    for name, fn in parts:
+        t = cuda_time(fn, 10, 2)
+        emit(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.0f} |")
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+
+        for label, fn in parts[-2:]:
+            with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                synchronize()
+            emit(f"{label}:\n```\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n```")
+
+
 def main() -> None:
     global DEVICE, DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sections", nargs="*", default=["anchors", "train", "generate", "sync"],
-                        choices=["anchors", "train", "generate", "sync"])
+                        choices=["anchors", "train", "generate", "sync", "profile"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--size", default="full", choices=sorted(SIZES),
@@ -393,6 +507,7 @@ def main() -> None:
         "train": lambda: train(model_dir, sz, args.steps),
         "generate": lambda: generate(model_dir, sz),
         "sync": lambda: sync(model_dir),
+        "profile": lambda: profile(model_dir, sz),
     }
     for section in args.sections:
         t0 = time.perf_counter()

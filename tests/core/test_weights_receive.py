@@ -101,3 +101,43 @@ def test_a_name_repeated_inside_one_chunk_is_rejected() -> None:
 def test_tensor_info_bytes() -> None:
     assert TensorInfo((3, 4), torch.bfloat16).nbytes == 24
     assert TensorInfo((), torch.float64).nbytes == 8
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["a.weight", "b.weight", "c.weight", None]),
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    st.integers(0, 5),
+    st.sampled_from([16, 64, 1 << 20]),
+)
+def test_deferred_checks_apply_every_chunk_then_refuse_at_the_commit(
+    bad: str | None, value: float, at: int, bucket: int
+) -> None:
+    sd = tensors()
+    if bad is not None:
+        flat = sd[bad].view(-1)
+        flat[at % flat.numel()] = value
+    applied: list[str] = []
+    stream = stream_weights(sd.items(), manifest(sd), bucket_bytes=bucket)
+    if bad is None:
+        apply_weight_stream(stream, expected(sd), lambda items: applied.extend(n for n, _ in items),
+                            defer_checks=True)
+    else:
+        with pytest.raises(WeightSyncError, match=f"{bad}.*NaN/inf"):
+            apply_weight_stream(stream, expected(sd), lambda items: applied.extend(n for n, _ in items),
+                                defer_checks=True)
+    # Every chunk reached the receiver before the verdict (the receiver stays stale on a raise).
+    assert sorted(applied) == sorted(sd)
+
+
+def test_tensor_norms_are_exact_about_finiteness() -> None:
+    from verl_core.weights import tensor_norms
+
+    big = torch.full((64,), 3e37)  # finite; a 2-norm would overflow
+    nan = torch.ones(5, dtype=torch.bfloat16)
+    nan[2] = float("nan")
+    norms = tensor_norms([big, torch.arange(3), nan, torch.full((3,), -2.0, dtype=torch.float16)])
+    assert norms is not None and norms.dtype == torch.float32
+    assert norms.isfinite().tolist() == [True, True, False, True]
+    assert norms[[0, 1, 3]].tolist() == pytest.approx([3e37, 0.0, 2.0])
+    assert tensor_norms([torch.arange(3), torch.zeros(0)]) is None

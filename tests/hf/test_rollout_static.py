@@ -192,3 +192,27 @@ def test_update_weights_copies_into_the_live_parameters() -> None:
         rollout.generate(prompts(1, seed=1), SamplingParams(max_new_tokens=2))
     StreamWeightSync().sync(actor, rollout, version=5)
     assert rollout.generate(prompts(1, seed=1), SamplingParams(max_new_tokens=2)).meta.weight_version == 5
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_decode_attention_equals_transformers_sdpa(groups: int) -> None:
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from verl_hf.modeling import grouped_decode_sdpa
+
+    g = torch.Generator().manual_seed(groups)
+    b, kv, slots, dim = 3, 2, 11, 16
+    heads = kv * groups
+    module: Any = SimpleNamespace(num_key_value_groups=groups, is_causal=True)
+    key, value = torch.randn(b, kv, slots, dim, generator=g), torch.randn(b, kv, slots, dim, generator=g)
+    mask = torch.rand(b, 1, 1, slots, generator=g) > 0.3
+    mask[..., 0] = True
+    for q_len in (1, 4):  # a decode step (grouped path) and a prefill (transformers' own path)
+        query = torch.randn(b, q_len, heads, dim, generator=g).transpose(1, 2)
+        m = mask.expand(b, 1, q_len, slots)
+        got, _ = grouped_decode_sdpa(module, query, key, value, m, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.3)
+        assert got.shape == want.shape == (b, q_len, heads, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -204,6 +204,31 @@ def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
         return torch.stack([f.to(flags[0].device) for f in flags]).all()
 
 
+def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
+    """Every tensor's largest absolute value in order (float32, on the first floating tensor's device).
+
+    One fused reduction (the infinity norm) per (device, dtype) and no host synchronisation;
+    non-floating and empty tensors count as 0. An entry is finite exactly when its tensor is: NaN and inf
+    propagate and a maximum cannot overflow. None when no tensor is floating and non-empty.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    if not groups:
+        return None
+    with torch.no_grad():
+        device = next(iter(groups))[0]
+        out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+        for idx in groups.values():
+            norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
+            values = torch.stack(norms).float().to(device)
+            if len(idx) == len(tensors):
+                return values
+            out[torch.tensor(idx, device=device)] = values
+        return out
+
+
 def first_non_finite(named: list[tuple[str, Tensor]]) -> str | None:
     """Name of the first tensor holding a NaN or inf, or None when every tensor is finite.
 
@@ -228,6 +253,7 @@ def apply_weight_stream(
     *,
     optional: frozenset[str] = frozenset(),
     copy: bool = True,
+    defer_checks: bool = False,
 ) -> WeightManifest:
     """Receive a weight stream: check it against the receiver's model, then apply it chunk by chunk.
 
@@ -248,6 +274,11 @@ def apply_weight_stream(
             the chunk's own tensors, valid only during the call (the sender may reuse their
             memory for the next chunk): a receiver that copies into its parameters there (one
             copy of each byte) passes False.
+        defer_checks: With True, each chunk's finiteness check is queued (no host
+            synchronisation) and ``apply_chunk`` runs at once; all checks are read with one
+            synchronisation when the commit arrives, which raises naming the first non-finite
+            tensor. Non-finite values may then reach the receiver's (stale) weights before the
+            raise: only a receiver that serves nothing until this function returns may pass True.
 
     Returns:
         The manifest of the applied stream.
@@ -280,6 +311,7 @@ def apply_weight_stream(
                 f"the receiving model has {tuple(want.shape)} {want.dtype}"
             )
     seen: set[str] = set()
+    deferred: list[tuple[Tensor, list[str]]] = []  # (norms, names) of chunks applied unchecked
     for msg in it:
         if isinstance(msg, WeightCommit):
             if msg.version != manifest.version:
@@ -293,6 +325,7 @@ def apply_weight_stream(
                 )
             if next(it, None) is not None:
                 raise WeightSyncError("weight stream has messages after the commit")
+            _raise_non_finite(deferred)
             return manifest
         if not isinstance(msg, WeightChunk):
             raise WeightSyncError(f"unexpected message {type(msg).__name__} in a weight stream")
@@ -311,14 +344,32 @@ def apply_weight_stream(
                 )
             in_chunk.add(name)
             batch.append((name, t.detach()))
-        bad = first_non_finite(batch)
-        if bad is not None:
-            raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to load it")
+        if defer_checks:
+            norms = tensor_norms([t for _, t in batch])
+            if norms is not None:
+                deferred.append((norms, [name for name, _ in batch]))
+        else:
+            bad = first_non_finite(batch)
+            if bad is not None:
+                raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to load it")
         seen |= in_chunk
         if copy:
             batch = [(name, t.clone()) for name, t in batch]
         apply_chunk(batch)
     raise WeightSyncError("weight stream ended without a WeightCommit (incomplete sync)")
+
+
+def _raise_non_finite(deferred: list[tuple[Tensor, list[str]]]) -> None:
+    """Read the queued norms of :func:`apply_weight_stream` (one synchronisation); raise on NaN/inf."""
+    if not deferred:
+        return
+    device = deferred[0][0].device
+    finite = torch.cat([norms.to(device) for norms, _ in deferred]).isfinite()
+    if bool(finite.all()):
+        return
+    names = [name for _, chunk in deferred for name in chunk]
+    bad = names[int((~finite).nonzero()[0, 0])]
+    raise WeightSyncError(f"weight {bad!r} holds NaN/inf; the update is refused")
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,14 @@ from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError
 
 __all__ = [
+    "GROUPED_SDPA",
     "ModelKind",
     "disable_dropout",
+    "grouped_decode_sdpa",
     "load_model",
     "position_ids",
     "quiet_transformers",
+    "register_grouped_sdpa",
     "sequence_inputs",
     "token_outputs",
     "validate_inputs",
@@ -62,6 +65,54 @@ def disable_dropout(model: nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
+
+
+GROUPED_SDPA = "verl_grouped_sdpa"
+"""Name of :func:`grouped_decode_sdpa` in transformers' attention registry."""
+
+
+def grouped_decode_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' ``sdpa`` attention, with grouped-query decode steps that never repeat K/V.
+
+    With a mask, transformers' sdpa path materialises every key/value head ``num_key_value_groups``
+    times (``repeat_kv``) before the kernel; in a decode step over a long KV cache that copy costs
+    more than the attention itself. For one query token per row, the query heads of a group are
+    folded into the query-length dimension instead (head ``h`` reads key/value head
+    ``h // groups``, as ``repeat_kv`` lays them out), so the kernel reads the cache once. Every
+    other call (prefill, no grouping, masks of another shape) is transformers' own function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    b, heads, q_len, dim = query.shape
+    if (q_len != 1 or groups == 1 or dropout != 0.0 or attention_mask is None or attention_mask.dim() != 4
+            or attention_mask.shape[1:3] != (1, 1) or key.shape[1] * groups != heads):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    folded = query.reshape(b, key.shape[1], groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(b, 1, heads, dim), None
+
+
+def register_grouped_sdpa() -> str:
+    """Register :func:`grouped_decode_sdpa` (and sdpa's mask format) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)
+    return GROUPED_SDPA
 
 
 def _architectures(path: str) -> list[str]:

@@ -45,7 +45,7 @@ from verl_core.weights import (
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
-from verl_hf.modeling import load_model, position_ids
+from verl_hf.modeling import load_model, position_ids, register_grouped_sdpa
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
@@ -313,9 +313,14 @@ class HFRolloutEngine(RolloutEngine):
             HFOptions, spec.options, where="hf backend options"
         )
         self._device = torch.device(spec.device)
+        # On CUDA, sdpa rollouts run decode steps that read a grouped KV cache once (the same math;
+        # elsewhere transformers' own sdpa, so a CPU engine decodes like a user's model object).
+        attn: str = self._options.attn_implementation
+        if attn == "sdpa" and self._device.type == "cuda":
+            attn = register_grouped_sdpa()
         self._model: Any = load_model(
             spec.model_path, "causal_lm", dtype=spec.torch_dtype, device=self._device,
-            attn_implementation=self._options.attn_implementation, seed=spec.seed,
+            attn_implementation=attn, seed=spec.seed,
         )
         self._model.requires_grad_(False)
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
@@ -571,9 +576,10 @@ class HFRolloutEngine(RolloutEngine):
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
         """Apply a weight stream; on any failure the engine is stale until a complete sync.
 
-        Each chunk is checked whole (one fused finiteness check) and then copied straight into
-        the live parameters with one multi-tensor copy: every byte is copied once, and a failure
-        part-way leaves the engine stale rather than serving half-applied weights.
+        Each chunk's names, shapes and dtypes are checked, then it is copied straight into the
+        live parameters with one multi-tensor copy (every byte is copied once); the finiteness of
+        every chunk is read once, at the commit. Any failure leaves the engine stale rather than
+        serving half-applied or non-finite weights.
         """
         self._stale = True
         targets = self._targets()
@@ -584,7 +590,10 @@ class HFRolloutEngine(RolloutEngine):
                 torch._foreach_copy_([targets[name] for name, _ in chunk], [t for _, t in chunk])
 
         optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
-        manifest = apply_weight_stream(stream, self._expected, apply, optional=optional, copy=False)
+        # The engine is stale until this returns, so the finiteness checks may wait for the commit:
+        # one host synchronisation per sync instead of one per chunk.
+        manifest = apply_weight_stream(stream, self._expected, apply, optional=optional, copy=False,
+                                       defer_checks=True)
         self._version = manifest.version
         self._stale = False
 
