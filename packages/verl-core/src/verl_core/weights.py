@@ -205,11 +205,12 @@ def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
 
 
 def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
-    """Every tensor's largest absolute value in order (float32, on the first floating tensor's device).
+    """Every tensor's 2-norm in order, accumulated in float64, on the first floating tensor's device.
 
-    One fused reduction (the infinity norm) per (device, dtype) and no host synchronisation;
-    non-floating and empty tensors count as 0. An entry is finite exactly when its tensor is: NaN and inf
-    propagate and a maximum cannot overflow. None when no tensor is floating and non-empty.
+    One fused reduction per (device, dtype) and no host synchronisation; non-floating and empty
+    tensors count as 0. An entry is finite exactly when its tensor is: NaN and inf propagate, and
+    a float64 sum of squares of float32/16 values cannot overflow. None when no tensor is
+    floating and non-empty.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -219,10 +220,10 @@ def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
         return None
     with torch.no_grad():
         device = next(iter(groups))[0]
-        out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
-        for idx in groups.values():
-            norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
-            values = torch.stack(norms).float().to(device)
+        out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+        for (_, dtype), idx in groups.items():
+            wide = None if dtype.is_complex else torch.float64
+            values = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)).double().to(device)
             if len(idx) == len(tensors):
                 return values
             out[torch.tensor(idx, device=device)] = values

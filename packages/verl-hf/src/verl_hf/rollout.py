@@ -689,13 +689,13 @@ class HFDirectSync(WeightSync):
         if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)):
             return self._stream.sync(source, target, version=version)
         t0 = time.perf_counter()
-        state: dict[str, Tensor] = source.model.state_dict()
+        state = source._live_state()
         tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
         # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
         # actors go through the stream, which gathers, casts or rejects them.
         device = target.model.get_input_embeddings().weight.device
         if tied != target._tied or any(
-            type(t) is not Tensor or t.device != device or t.dtype != target.weight_dtype
+            hasattr(t, "full_tensor") or t.device != device or t.dtype != target.weight_dtype
             for t in state.values()
         ):
             return self._stream.sync(source, target, version=version)

@@ -116,6 +116,8 @@ class HFTrainingEngine(TrainingEngine):
         if not self._trainable:
             model.requires_grad_(False)
         self._names = self._export_names(model)
+        # (name, owning module, attribute) of every exported tensor, found on first use.
+        self._owners: list[tuple[str, Any, str]] | None = None
         self._fsdp = self._dp.active and self._dp_mode == "fsdp2"
         # Factor that turns the gradients a backward leaves into the SUM over ranks.
         self._grad_scale = 1.0
@@ -402,8 +404,23 @@ class HFTrainingEngine(TrainingEngine):
         return StepMetrics(grad_norm=float(norm), lr=lr, skipped=False)
 
     # ------------------------------------------------------------------ weights
+    def _live_state(self) -> dict[str, Tensor]:
+        """Name -> the tensor the model holds now under each exported name (its state dict).
+
+        Read through each name's owning module (found once), not by walking the whole module
+        tree as ``state_dict()`` does: a sync asks for it every step. A parameter replaced or
+        moved since the last call is seen as it is now.
+        """
+        if self._owners is None:
+            owners = []
+            for name in self._names:
+                prefix, _, attr = name.rpartition(".")
+                owners.append((name, self._model.get_submodule(prefix), attr))
+            self._owners = owners
+        return {name: getattr(module, attr) for name, module, attr in self._owners}
+
     def _full_tensors(self, state: dict[str, Tensor] | None = None) -> Iterator[tuple[str, Tensor]]:
-        state = self._model.state_dict() if state is None else state
+        state = self._live_state() if state is None else state
         for name in self._names:
             t = state[name]
             full = getattr(t, "full_tensor", None)
@@ -417,7 +434,7 @@ class HFTrainingEngine(TrainingEngine):
         Under FSDP2 every rank must consume the stream (each tensor is gathered collectively).
         """
         self._require_onloaded("HFTrainingEngine.export_weights")
-        state = self._model.state_dict()
+        state = self._live_state()
         infos = {
             n: TensorInfo(tuple(state[n].shape), dtype if dtype is not None else state[n].dtype)
             for n in self._names
