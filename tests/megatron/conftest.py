@@ -1,7 +1,8 @@
 """Shared torchrun launches of the Megatron tests: each layout of engine_checks.py runs once per session.
 
 test_engine.py compares every layout; test_reshard.py reads the resharding results of the TP=2 x
-PP=2 launch, so the 4-process checks of both files cost one launch.
+PP=2 launch, so the 4-process checks of both files cost one launch. test_megatron_optimizer.py
+reads the TP=2 and DP=2 launches.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def megatron_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Layou
                 launch(src)  # TP=1 restores the checkpoints these layouts save
             loads = ";".join([f"{arch}={ckpt(src)}" for src, arch in engine_checks.CROSS_LOADS.items()]
                              + [f"bf16={ckpt(engine_checks.BF16_SAVER)}-bf16"])
+        if layout == engine_checks.MEGATRON_LOADER:
+            launch(engine_checks.MEGATRON_SAVER)  # DP=2 restores the checkpoint TP=2's optimizer checks save
+            loads = f"megatron={ckpt(engine_checks.MEGATRON_SAVER)}-megatron"
         tp, pp, dp = layout
         t0 = time.perf_counter()
         done[layout] = launch_torchrun(

@@ -5,7 +5,8 @@ transformers reference. Usage: ``engine_checks.py TP PP DP CKPT_DIR NAMES [LOADS
 is a comma-separated subset of the actor archs, ``critic``, ``errors``, ``rollout`` and
 ``reshard`` (reshard_checks.py, at TP=2 x PP=2); the first actor saves
 a checkpoint to CKPT_DIR and checks its round trip. LOADS (``arch=dir;arch=dir``) names
-checkpoints saved by other layouts to restore and train on here.
+checkpoints saved by other layouts to restore and train on here; ``megatron_optimizer`` compares
+megatron-core's optimizer with torch's AdamW (``optimizer_checks``).
 """
 
 from __future__ import annotations
@@ -42,17 +43,19 @@ ACTORS = (("llama", False, 1.0), ("qwen2", True, 0.7), ("qwen3", False, 1.0))
 # tied embedding split across stages (and the resharding checks of test_reshard.py), DP=2 gradient
 # summation over data-parallel ranks. TP=1 also restores the checkpoints TP=2 and PP=2 saved.
 RUNS: dict[tuple[int, int, int], tuple[str, ...]] = {
-    (2, 1, 1): ("qwen3", "critic", "rollout"),
+    (2, 1, 1): ("qwen3", "critic", "rollout", "megatron_optimizer"),
     (1, 2, 1): ("qwen2", "critic"),
     (2, 2, 1): ("qwen2", "reshard", "bf16_ckpt"),
-    (1, 1, 2): ("qwen2", "accumulate"),
+    (1, 1, 2): ("qwen2", "accumulate", "megatron_optimizer"),
     (1, 1, 1): ("llama", "qwen2", "qwen3", "critic", "errors", "rollout"),
 }
 CROSS_LOADS = {(2, 1, 1): "qwen3", (1, 2, 1): "qwen2"}
 BASE = (1, 1, 1)
 # TP=2 x PP=2 saves a bfloat16 checkpoint with float32 masters; TP=1 restores it.
 BF16_SAVER = (2, 2, 1)
-NOT_ACTORS = ("errors", "rollout", "reshard", "accumulate", "bf16_ckpt")
+# TP=2 saves a checkpoint of megatron-core's optimizer; DP=2 restores it into the distributed one.
+MEGATRON_SAVER, MEGATRON_LOADER = (2, 1, 1), (1, 1, 2)
+NOT_ACTORS = ("errors", "rollout", "reshard", "accumulate", "bf16_ckpt", "megatron_optimizer")
 
 
 class TokenMeanPG:
@@ -148,6 +151,8 @@ def main() -> None:
         if arch == "bf16":
             result["loaded:bf16"] = bf16_checkpoint(par, path, save=False)
             continue
+        if arch == "megatron":
+            continue  # restored by optimizer_checks
         i, tied, temp = actors[arch]
         spec = EngineSpec(str(tiny_model(TinyModelSpec(arch=arch, tied=tied))), "actor", parallel=par,
                           optim=optim, micro_batch_size=2, seed=1)
@@ -175,6 +180,9 @@ def main() -> None:
         result["bf16_ckpt"] = bf16_checkpoint(par, f"{ckpt}-bf16", save=True)
     if "accumulate" in names:
         result["accumulate"] = accumulate(par, dp_rank)
+    if "megatron_optimizer" in names:
+        saved = dict(x.split("=", 1) for x in loads).get("megatron")
+        result["megatron_optimizer"] = optimizer_checks(par, dp_rank, f"{ckpt}-megatron", saved)
     if "rollout" in names:
         result["rollout"] = run_rollout(par, optim)
     if "reshard" in names:
@@ -264,6 +272,7 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
     after = eng.hf_state_dict()
     out["unchanged"] = "yes" if all(torch.equal(before[k], after[k]) for k in before) else "no"
     # The CPU shims are active here (no CUDA) and route megatron's CUDA allocations to the CPU.
+    from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.utils import get_default_causal_mask
 
@@ -272,6 +281,7 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
     out["shims"] = "yes" if (
         cpu_shims_active()
         and schedules.torch.zeros([], device="cuda").device.type == "cpu"
+        and clip_grads.torch.zeros([], device="cuda").device.type == "cpu"
         and get_default_causal_mask(3).device.type == "cpu"
     ) else "no"
     return out
@@ -290,9 +300,10 @@ class FailingPG(TokenMeanPG):
         return super().__call__(batch, stats)
 
 
-def failed_call(par: ParallelSizes) -> dict[str, Any]:
+def failed_call(par: ParallelSizes, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Gradients around a forward_backward whose loss raises, next to an engine that never failed."""
-    spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1)
+    spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1,
+                      options=options or {})
     failing, clean = MegatronTrainingEngine(spec), MegatronTrainingEngine(spec)
     first, second = actor_batch(3, 1.0), actor_batch(4, 1.0)
     for e in (failing, clean):
@@ -330,6 +341,92 @@ def accumulate(par: ParallelSizes, dp_rank: int) -> dict[str, Any]:
 # Adam's normalised step is at most ~lr per weight: 1.5e-3 is below half of bfloat16's spacing
 # just under 1.0 (2**-8 / 2 = 1.95e-3), so a norm weight initialised to 1.0 never moves in pure bfloat16.
 SMALL_STEPS = OptimConfig(lr=1.5e-3, eps=1e-8, grad_clip=0.0)
+
+
+# Weight decay and clipping active, so the mapping of both to megatron's OptimizerConfig is checked.
+DECAYED = OptimConfig(lr=1e-2, eps=1e-3, grad_clip=0.5, weight_decay=0.1, betas=(0.8, 0.99))
+MEGATRON_STEPS = 3
+
+
+class NaNPG(TokenMeanPG):
+    """:class:`TokenMeanPG` times NaN: every gradient is NaN."""
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        return LossOutput(super().__call__(batch, stats).loss * float("nan"))
+
+
+def optimizer_checks(par: ParallelSizes, dp_rank: int, save_to: str, load_from: str | None) -> dict[str, Any]:
+    """The same steps under torch's AdamW and megatron-core's optimizer (distributed too at DP>1).
+
+    Per variant: loss, grad norm and weights after each step; then a NaN loss (the step must be
+    skipped, weights unchanged) and one more good step. At TP>1 both optimizers also train in
+    bfloat16 (torch's with float32 masters, megatron's with float32 main parameters). The
+    ``megatron`` variant also checks a failed forward_backward and a checkpoint round trip;
+    ``load_from`` (a megatron-optimizer checkpoint of another layout) is restored into the
+    distributed optimizer, which then checks its own round trip.
+    """
+    path = str(tiny_model(TinyModelSpec(arch="qwen3")))
+    variants: dict[str, tuple[str, dict[str, Any]]] = {
+        "torch": ("float32", {}), "megatron": ("float32", {"optimizer": "megatron"})}
+    if par.dp > 1:
+        variants["distributed"] = ("float32", {"optimizer": "megatron", "distributed_optimizer": True})
+    if par.tp > 1:
+        variants["torch_bf16"] = ("bfloat16", {})
+        variants["megatron_bf16"] = ("bfloat16", {"optimizer": "megatron"})
+
+    def spec(name: str) -> EngineSpec:
+        dtype, options = variants[name]
+        return EngineSpec(path, "actor", dtype=dtype, parallel=par, optim=DECAYED, micro_batch_size=2, seed=1,
+                          options=options)
+
+    def train(e: MegatronTrainingEngine, seed: int, loss: Any = None) -> dict[str, Any]:
+        batch = actor_batch(seed, 1.0)
+        m = e.forward_backward(dp_shard(batch, dp_rank, par.dp), loss or TokenMeanPG(), GlobalBatchStats.of(batch))
+        st = e.optimizer_step()
+        return {"loss": m["loss"], "grad_norm": st.grad_norm, "skipped": st.skipped, "lr": st.lr, "step": e.step}
+
+    out: dict[str, Any] = {}
+    engines: dict[str, MegatronTrainingEngine] = {}
+    for name in variants:
+        eng = engines[name] = MegatronTrainingEngine(spec(name))
+        steps, weights = [], []
+        for s in range(MEGATRON_STEPS):
+            steps.append(train(eng, 40 + s))
+            weights.append(eng.hf_state_dict())
+        before = weights[-1]
+        nan = train(eng, 50, NaNPG())
+        unchanged = all(torch.equal(t, before[n]) for n, t in eng.hf_state_dict().items())
+        after_nan = train(eng, 51)
+        core = eng._core
+        out[name] = {"steps": steps, "weights": weights, "nan": nan, "unchanged": unchanged, "after_nan": after_nan,
+                     "grad_none": all(p.grad is None for p in eng.model.parameters()),
+                     "optimizer": "" if core is None else type(core._parts[0]).__name__}
+        if name == "megatron_bf16":
+            # megatron's float32 main parameters: float32 and more than the bfloat16 weights hold
+            names = eng.adapter.megatron_names()
+            masters = {n: eng._full_tensor(n, what="master") for n in names}
+            out[name]["master_dtypes"] = sorted({str(m.dtype) for m in masters.values()})
+            out[name]["master_gap"] = max(float((m - eng._full_tensor(n).float()).abs().max())
+                                          for n, m in masters.items())
+    eng = engines["megatron"]
+    out["failed_call"] = failed_call(par, variants["megatron"][1])
+    eng.save_checkpoint(save_to)
+    fresh = MegatronTrainingEngine(spec("megatron"))
+    fresh.load_checkpoint(save_to)
+    out["ckpt_step"] = fresh.step
+    out["ckpt_next"] = (train(eng, 52), train(fresh, 52), eng.hf_state_dict(), fresh.hf_state_dict())
+    if load_from is not None and par.dp > 1:
+        # TP=2's megatron-optimizer checkpoint restored into the distributed optimizer at DP=2 ...
+        restored = MegatronTrainingEngine(spec("distributed"))
+        restored.load_checkpoint(load_from)
+        out["restored"] = {"step": restored.step, "next": train(restored, 52), "weights": restored.hf_state_dict()}
+        # ... and the distributed optimizer's own round trip
+        last = engines["distributed"]
+        last.save_checkpoint(f"{save_to}-distributed")
+        again = MegatronTrainingEngine(spec("distributed"))
+        again.load_checkpoint(f"{save_to}-distributed")
+        out["distributed_ckpt"] = (train(last, 53), train(again, 53), last.hf_state_dict(), again.hf_state_dict())
+    return out
 
 
 def precision_checks(par: ParallelSizes, ckpt: str) -> dict[str, Any]:

@@ -9,6 +9,14 @@ megatron-core hard-codes CUDA in a few places (measured on 0.16.1):
 4. ``LanguageModule.setup_embeddings_and_output_layer`` moves a tied output weight with
    ``Tensor.cuda()`` before syncing it across pipeline stages; during that call only,
    ``Tensor.cuda`` returns the tensor itself.
+5. megatron-core's optimizer and gradient buffers (``optimizer.optimizer``,
+   ``optimizer.distrib_optimizer``, ``optimizer.clip_grads``,
+   ``distributed.param_and_grad_buffer``, and ``utils``' local multi-tensor fallbacks used
+   without TransformerEngine/Apex) allocate flags and norms with ``device="cuda"``, and
+   the constructors of ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer`` accept
+   only parameters whose ``Tensor.type()`` names a CUDA tensor: those modules' tensor factories
+   map CUDA to the CPU, and during those two constructors only, ``Tensor.type()`` (no argument)
+   of a CPU tensor answers the CUDA name of its dtype (``torch.cuda.FloatTensor``).
 
 (The CUDA RNG tracker is the fifth: :func:`verl_megatron.parallel.init_distributed` selects the
 inference tracker on CPU, which forks no generator state.)
@@ -83,6 +91,34 @@ class _CpuTorch(types.ModuleType):
 
 
 @contextlib.contextmanager
+def _tensor_type_names_cuda() -> Iterator[None]:
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _constructed_with_cuda_type_names(cls: Any) -> None:
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def init_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _tensor_type_names_cuda():
+            init(self, *args, **kwargs)
+
+    cls.__init__ = init_on_cpu
+
+
+@contextlib.contextmanager
 def _tensor_cuda_is_identity() -> Iterator[None]:
     original = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
@@ -105,8 +141,12 @@ def apply_cpu_shims() -> bool:
     with _lock:
         if _applied:
             return True
+        from megatron.core import utils as megatron_utils
+        from megatron.core.distributed import param_and_grad_buffer
         from megatron.core.fusions import fused_softmax
         from megatron.core.models.common.language_module.language_module import LanguageModule
+        from megatron.core.optimizer import clip_grads, distrib_optimizer
+        from megatron.core.optimizer import optimizer as megatron_optimizer
         from megatron.core.pipeline_parallel import schedules
         from megatron.core.transformer import utils as transformer_utils
 
@@ -114,7 +154,11 @@ def apply_cpu_shims() -> bool:
         torch.cuda.current_device = _current_device  # type: ignore[assignment]
         transformer_utils.get_default_causal_mask = _default_causal_mask
         fused_softmax.get_default_causal_mask = _default_causal_mask
-        schedules.torch = _CpuTorch()
+        for module in (schedules, megatron_optimizer, distrib_optimizer, clip_grads, param_and_grad_buffer,
+                       megatron_utils):
+            module.torch = _CpuTorch()
+        _constructed_with_cuda_type_names(megatron_optimizer.Float16OptimizerWithFloat16Params)
+        _constructed_with_cuda_type_names(distrib_optimizer.DistributedOptimizer)
         setup = LanguageModule.setup_embeddings_and_output_layer
 
         @functools.wraps(setup)

@@ -190,7 +190,33 @@ def build_stage(
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+    _mark_tensor_parallel(model)
     return model.to(device)
+
+
+def _mark_tensor_parallel(model: nn.Module) -> None:
+    """Set megatron's tensor-parallel attributes on the split weights where the layers left them unset.
+
+    With ``perform_initialization=False`` megatron-core 0.16 creates the weights of its parallel
+    linear and embedding layers without ``tensor_model_parallel`` / ``partition_dim`` (0.19 sets
+    them); its optimizer needs them to count each split weight on every TP rank and a
+    replicated one on one rank only when it computes the gradient norm.
+    """
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=0, stride=1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
 
 
 def load_stage_weights(

@@ -33,6 +33,15 @@ class MegatronOptions:
             (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
             spacing accumulate instead of being rounded away. False trains in pure bfloat16.
             No effect in float32.
+        optimizer: Which optimizer steps an actor or critic: ``torch`` (torch's AdamW over the
+            parameters or their float32 masters; data-parallel gradients all-reduced by the
+            engine) or ``megatron`` (megatron-core's own: ``get_megatron_optimizer`` over the stage
+            wrapped in megatron's DistributedDataParallel, gradients in its float32 buffers,
+            float32 main parameters under bfloat16; see :mod:`verl_megatron.core_optimizer`).
+            ``megatron`` needs ``master_weights=True`` and ``during_rollout="keep"``, and a
+            float32 or bfloat16 spec.
+        distributed_optimizer: With ``optimizer="megatron"``, megatron's distributed optimizer:
+            each data-parallel rank keeps the main parameters and Adam moments of its shard only.
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
@@ -40,6 +49,8 @@ class MegatronOptions:
     during_rollout: Literal["keep", "offload"] = "keep"
     rollout_kv_cache: bool = True
     master_weights: bool = True
+    optimizer: Literal["torch", "megatron"] = "torch"
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ("sdpa", "local"):
@@ -54,3 +65,22 @@ class MegatronOptions:
             raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")
         if not isinstance(self.master_weights, bool):
             raise ConfigError(f"megatron option master_weights must be True or False, got {self.master_weights!r}")
+        if self.optimizer not in ("torch", "megatron"):
+            raise ConfigError(f"megatron option optimizer must be 'torch' or 'megatron', got {self.optimizer!r}")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ConfigError(
+                f"megatron option distributed_optimizer must be True or False, got {self.distributed_optimizer!r}"
+            )
+        if self.distributed_optimizer and self.optimizer != "megatron":
+            raise ConfigError("megatron option distributed_optimizer=True needs optimizer='megatron'")
+        if self.optimizer == "megatron" and self.during_rollout == "offload":
+            raise ConfigError(
+                "megatron option during_rollout='offload' is not supported with optimizer='megatron' "
+                "(megatron-core's optimizer state and gradient buffers are not moved); use "
+                "during_rollout='keep' or optimizer='torch'"
+            )
+        if self.optimizer == "megatron" and not self.master_weights:
+            raise ConfigError(
+                "megatron option master_weights=False is not supported with optimizer='megatron' "
+                "(megatron-core's optimizer always steps float32 main parameters); use optimizer='torch'"
+            )

@@ -16,6 +16,12 @@ data-parallel ranks.
 Mixed precision: with a bfloat16 (or float16) spec and ``MegatronOptions.master_weights`` on,
 AdamW steps float32 master copies of the parameters (:class:`verl_core.precision.MasterWeights`)
 and rounds them into the model after each step; the Adam moments are keyed by the masters.
+
+With ``MegatronOptions.optimizer="megatron"`` megatron-core's own optimizer steps instead
+(:class:`verl_megatron.core_optimizer.CoreOptimizer`): the stage runs wrapped in megatron's
+DistributedDataParallel, gradients accumulate in its float32 buffers (``param.main_grad``) and its
+``finish_grad_sync`` makes the data-parallel sum; the engine still reduces QK-norm and tied
+embedding gradients itself, and checkpoints keep the same layout-free format.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import DEFAULT_BUCKET_BYTES, GradientStash
 from verl_megatron.convert import StateDictAdapter
+from verl_megatron.core_optimizer import CoreOptimizer, GradBufferStash
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
@@ -136,7 +143,12 @@ class MegatronTrainingEngine(TrainingEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self._master: MasterWeights | None = None
         self._master_of: dict[Tensor, torch.nn.Parameter] = {}
-        if self._trainable:
+        self._core: CoreOptimizer | None = None
+        if self._trainable and self._options.optimizer == "megatron":
+            self._core = CoreOptimizer(
+                self.model, spec.optim, self._dtype, distributed=self._options.distributed_optimizer
+            )
+        elif self._trainable:
             o = spec.optim
             params = [p for p in self.model.parameters() if p.requires_grad]
             stepped: list[Tensor] = list(params)
@@ -176,6 +188,8 @@ class MegatronTrainingEngine(TrainingEngine):
 
     def _grad(self, param: Tensor) -> Tensor | None:
         """The gradient of ``param`` wherever it is (on its master between ``load_grads`` and the step)."""
+        if self._core is not None:
+            return self._core.grad(param)
         master = self._master_of.get(param)
         if master is not None and master.grad is not None:
             return master.grad
@@ -291,6 +305,7 @@ class MegatronTrainingEngine(TrainingEngine):
         loss_of: Any,
         *,
         forward_only: bool,
+        model: Any = None,
     ) -> list[dict[str, Tensor]]:
         """Run Megatron's schedule over ``preps``; returns the last stage's per-micro-batch dicts."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -309,7 +324,7 @@ class MegatronTrainingEngine(TrainingEngine):
         out: list[dict[str, Tensor]] = fb(
             forward_step_func=forward_step,
             data_iterator=it,
-            model=[self.model],
+            model=[self.model if model is None else model],
             num_microbatches=len(preps),
             seq_length=int(shape[1]),
             micro_batch_size=int(shape[0]),
@@ -398,10 +413,11 @@ class MegatronTrainingEngine(TrainingEngine):
             return res.loss, torch.ones((), dtype=torch.int, device=out.device), metrics
 
         params = [p for p in self.model.parameters() if p.requires_grad]
-        stash = GradientStash(params)
+        stash = GradientStash(params) if self._core is None else GradBufferStash(self._core)
         self.model.train()
         try:
-            stored = self._run(preps, loss_of, forward_only=False)
+            stored = self._run(preps, loss_of, forward_only=False,
+                               model=self._core.ddp if self._core is not None else None)
         except BaseException:
             stash.restore()
             raise
@@ -440,14 +456,19 @@ class MegatronTrainingEngine(TrainingEngine):
         if self.tp > 1 and self.dims.qk_norm:
             # QK-norm weights are replicated but each TP rank only saw its own heads.
             for name, p in params.items():
-                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+                grad = self._grad(p)
+                if grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
         if self.pp > 1 and self.dims.tied and ps.is_rank_in_embedding_group():
             shared = self.model.shared_embedding_or_output_weight()
-            if shared.grad is None:
+            if self._core is None and shared.grad is None:
                 shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
-        if self.dp > 1:
+            grad = self._grad(shared)
+            assert grad is not None
+            dist.all_reduce(grad, group=ps.get_embedding_group())
+        if self._core is not None:
+            self._core.reduce()  # megatron's DDP: the data-parallel sum of its gradient buffers
+        elif self.dp > 1:
             for p in params.values():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
@@ -468,6 +489,12 @@ class MegatronTrainingEngine(TrainingEngine):
 
     def optimizer_step(self) -> StepMetrics:
         """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
+        if self._core is not None:
+            lr = self._spec.optim.lr_at(self._step)
+            norm, skipped = self._core.step(lr, self._spec.optim.grad_clip)
+            if not skipped:
+                self._step += 1
+            return StepMetrics(grad_norm=norm, lr=lr, skipped=skipped)
         if self.optimizer is None:
             raise ConfigError(f"optimizer_step needs role actor or critic; this engine is {self._spec.role}")
         self._ensure_onloaded()
@@ -509,11 +536,16 @@ class MegatronTrainingEngine(TrainingEngine):
         dtype = self._dtype
         if what not in ("param", "grad") and self._master is not None:
             dtype = self._master.masters[0].dtype if self._master.masters else self._dtype
+        if what != "param" and self._core is not None:
+            dtype = torch.float32  # megatron's gradient buffers, main parameters and moments
         if self.pp_rank == owner:
             param = dict(self.model.named_parameters())[self.adapter.local_name(name, self.pp)]
             local = param.detach()
             if what == "grad":
-                local = param.grad.detach() if param.grad is not None else torch.zeros_like(local)
+                grad = self._grad(param) if self._core is not None else param.grad
+                local = grad.detach() if grad is not None else torch.zeros_like(local)
+            elif self._core is not None and what != "param":
+                local = self._core.local_state(param, what)
             elif what == "master":
                 local = self._stepped(param).detach()
             elif what != "param":
@@ -603,21 +635,25 @@ class MegatronTrainingEngine(TrainingEngine):
         model: dict[str, Tensor] = {}
         moments: dict[str, dict[str, Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
         masters: dict[str, Tensor] = {}
+        has_optimizer = self.optimizer is not None or self._core is not None
+        keep_masters = self._master is not None or (self._core is not None and self._dtype != torch.float32)
         for name in self.adapter.megatron_names():
             t = self._full_tensor(name)
             if rank0:
                 model[name] = t.detach().cpu().clone()
-            if self._master is not None:
+            if keep_masters:
                 m = self._full_tensor(name, what="master")
                 if rank0:
                     masters[name] = m.detach().cpu().clone()
-            if self.optimizer is not None:
+            if has_optimizer:
                 for key, store in moments.items():
                     m = self._full_tensor(name, what=key)  # type: ignore[arg-type]
                     if rank0:
                         store[name] = m.detach().cpu().clone()
         adam_step = 0.0
-        if self.optimizer is not None:
+        if self._core is not None:
+            adam_step = self._core.adam_step()
+        elif self.optimizer is not None:
             for state in self.optimizer.state.values():
                 adam_step = float(state["step"])
                 break
@@ -627,8 +663,8 @@ class MegatronTrainingEngine(TrainingEngine):
             tmp.mkdir(parents=True)
             payload = {
                 "model": model,
-                "optimizer": moments if self.optimizer is not None else None,
-                "master_weights": masters if self._master is not None else None,
+                "optimizer": moments if has_optimizer else None,
+                "master_weights": masters if keep_masters else None,
                 "adam_step": adam_step,
                 "step": self._step,
                 "rng": torch.get_rng_state(),
@@ -677,6 +713,18 @@ class MegatronTrainingEngine(TrainingEngine):
                     return self.adapter.shard(_g, t, self.tp_rank, self.tp).to(device=_like.device, dtype=_like.dtype)
 
                 p.copy_(piece(payload["model"][global_name]))
+                if self._core is not None:
+                    source = saved_masters if saved_masters is not None else payload["model"]
+                    master = self.adapter.shard(global_name, source[global_name], self.tp_rank, self.tp).to(
+                        device=p.device, dtype=torch.float32)
+                    if p.dtype != torch.float32:
+                        p.copy_(master)  # the model computes with the masters' rounding
+                    state = None
+                    if moments is not None and payload["adam_step"] > 0:
+                        state = {k: self.adapter.shard(global_name, moments[k][global_name], self.tp_rank, self.tp)
+                                 for k in ("exp_avg", "exp_avg_sq")}
+                    self._core.load_local_state(p, master, state, float(payload["adam_step"]))
+                    continue
                 if stepped is not p:
                     source = saved_masters if saved_masters is not None else payload["model"]
                     stepped.copy_(piece(source[global_name], _like=stepped))
@@ -743,6 +791,11 @@ class MegatronTrainingEngine(TrainingEngine):
         Returns:
             Seconds the switch took.
         """
+        if self._core is not None:
+            raise ConfigError(
+                "offload_training_state is not supported with the megatron option optimizer='megatron'; "
+                "sync with during_rollout='keep' or use optimizer='torch'"
+            )
         t0 = time.perf_counter()
         if not self._state_offloaded:
             self._move_training_state(torch.device("cpu"))
@@ -776,6 +829,9 @@ class MegatronTrainingEngine(TrainingEngine):
     def close(self) -> None:
         """Drop the model and optimizer (the process group stays for other engines)."""
         self.optimizer = None
+        if self._core is not None:
+            self._core.close()
+        self._core = None
         self._master = None
         self._master_of = {}
         self.model = None
