@@ -91,3 +91,34 @@ def test_other_dtypes_and_architectures_go_through_the_stream() -> None:
     with pytest.raises(StaleWeightsError):
         other.generate(random_batch(batch_size=1, max_prompt=4, max_response=1, seed=0).select(
             "prompt_ids", "prompt_mask", "group_ids"), SamplingParams(max_new_tokens=2))
+
+
+def test_same_layout_engines_sync_through_one_buffer_and_fall_back_when_it_breaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = model_path("qwen2")
+    actor, engine = nudged_actor(path), rollout(path)
+    assert actor._flat is not None and engine._flat is not None and actor._flat.same_layout(engine._flat)
+    for flat, model in ((actor._flat, actor.model), (engine._flat, engine.model)):
+        base = flat.buffer.data_ptr()
+        assert all((p.data_ptr() - base) % 128 == 0 for p in model.parameters()), "views start aligned"
+    calls: list[str] = []
+    real = HFRolloutEngine._load_local
+
+    def spy(self: HFRolloutEngine, *args: object, **kwargs: object) -> int:
+        calls.append("per-tensor")
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HFRolloutEngine, "_load_local", spy)
+    sync = HFDirectSync()
+    report = sync.sync(actor, engine, version=1)
+    assert calls == [] and report.bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(dict(engine.model.named_parameters())[name], p), name
+    # A parameter re-homed outside the buffer (as moving a model does) is noticed: the per-tensor
+    # path runs, with the same result.
+    weight = actor.model.model.norm.weight
+    weight.data = weight.data.clone() + 1.0
+    sync.sync(actor, engine, version=2)
+    assert calls == ["per-tensor"] and engine.weight_version == 2
+    assert torch.equal(engine.model.model.norm.weight, weight)

@@ -344,7 +344,7 @@ def apply_weight_stream(
                     f"{tuple(info.shape)} {info.dtype}"
                 )
             in_chunk.add(name)
-            batch.append((name, t.detach()))
+            batch.append((name, t.detach() if t.requires_grad else t))
         if defer_checks:
             norms = tensor_norms([t for _, t in batch])
             if norms is not None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -18,11 +19,14 @@ from torch import Tensor, nn
 from verl_core.batch import TensorBatch
 from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError
+from verl_core.weights import fusion_group
 
 __all__ = [
     "GROUPED_SDPA",
+    "FlatParameters",
     "ModelKind",
     "disable_dropout",
+    "export_order",
     "grouped_decode_sdpa",
     "load_model",
     "position_ids",
@@ -65,6 +69,86 @@ def disable_dropout(model: nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
+
+
+def export_order(names: Collection[str]) -> list[str]:
+    """``names`` with each fusion group (q/k/v, gate/up) contiguous, in first-appearance order.
+
+    The order of the weight stream and of :class:`FlatParameters`, so two engines that load the
+    same architecture lay their weights out alike.
+    """
+    order: dict[str, int] = {}
+    for n in names:
+        order.setdefault(fusion_group(n), len(order))
+    return sorted(names, key=lambda n: order[fusion_group(n)])
+
+
+_ALIGN = 64  # elements: every view starts on a 128-byte boundary (bf16), as kernels prefer
+
+
+@dataclass(frozen=True)
+class FlatParameters:
+    """An engine's weights re-homed as views of one contiguous buffer, in a given name order.
+
+    Two engines whose layouts are equal (same names, shapes and dtype, in order) copy weights
+    with one device copy of the buffer and check them with one reduction. The views start on
+    aligned offsets; the gaps are zeros. Anything that re-homes a tensor afterwards (moving the
+    model between devices, replacing a parameter) is caught by :meth:`intact`.
+    """
+
+    buffer: Tensor
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    pointers: tuple[int, ...]
+
+    @classmethod
+    def build(cls, tensors: Mapping[str, Tensor]) -> FlatParameters | None:
+        """Move ``tensors`` (name -> parameter or buffer, in layout order) into one buffer.
+
+        Each tensor's ``.data`` becomes a view of the buffer, so parameter objects (and an
+        optimizer holding them) stay valid. None, changing nothing, when the tensors are not all
+        plain dense tensors of one floating dtype on one device, or share memory.
+        """
+        items = list(tensors.items())
+        if not items:
+            return None
+        first = items[0][1]
+        dtype, device = first.dtype, first.device
+        storages = set()
+        for _, t in items:
+            if (type(t) not in (Tensor, nn.Parameter) or t.dtype != dtype or t.device != device
+                    or not t.is_floating_point() or t.layout != torch.strided):
+                return None
+            storages.add(t.untyped_storage().data_ptr())
+        if len(storages) != len(items):
+            return None
+        offsets, total = [], 0
+        for _, t in items:
+            offsets.append(total)
+            total += -(-t.numel() // _ALIGN) * _ALIGN
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        with torch.no_grad():
+            for (_, t), off in zip(items, offsets, strict=True):
+                view = buffer[off : off + t.numel()].view(t.shape)
+                view.copy_(t)
+                t.data = view
+        return cls(buffer, tuple(n for n, _ in items), tuple(tuple(t.shape) for _, t in items),
+                   tuple(t.data_ptr() for _, t in items))
+
+    def same_layout(self, other: FlatParameters) -> bool:
+        """Whether ``other`` holds the same names, shapes and dtype at the same offsets."""
+        return (self.buffer.dtype == other.buffer.dtype and self.buffer.numel() == other.buffer.numel()
+                and self.names == other.names and self.shapes == other.shapes)
+
+    def intact(self, tensors: Mapping[str, Tensor]) -> bool:
+        """Whether ``tensors`` (name -> live tensor) are still the views this layout placed."""
+        if len(tensors) != len(self.names):
+            return False
+        for name, ptr in zip(self.names, self.pointers, strict=True):
+            t = tensors.get(name)
+            if t is None or t.data_ptr() != ptr:
+                return False
+        return True
 
 
 GROUPED_SDPA = "verl_grouped_sdpa"

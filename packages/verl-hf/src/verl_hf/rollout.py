@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -45,7 +46,13 @@ from verl_core.weights import (
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
-from verl_hf.modeling import load_model, position_ids, register_grouped_sdpa
+from verl_hf.modeling import (
+    FlatParameters,
+    export_order,
+    load_model,
+    position_ids,
+    register_grouped_sdpa,
+)
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
@@ -338,6 +345,8 @@ class HFRolloutEngine(RolloutEngine):
                 "leave it False off CUDA (rollout_cache='static' alone works on every device)"
             )
         self._expected: dict[str, TensorInfo] = {}
+        # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
+        self._flat: FlatParameters | None = FlatParameters.build(self._targets())
 
     # ------------------------------------------------------------------ properties
     @property
@@ -565,11 +574,9 @@ class HFRolloutEngine(RolloutEngine):
         the cache is dropped on sleep and wake.
         """
         if self._weights is None:
-            self._weights = {
-                name: t
-                for name, t in self._model.state_dict(keep_vars=True).items()
-                if not (self._tied and name == "lm_head.weight")
-            }
+            state = self._model.state_dict(keep_vars=True)
+            names = export_order([n for n in state if not (self._tied and n == "lm_head.weight")])
+            self._weights = {name: state[name] for name in names}
             self._expected = {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self._weights.items()}
         return self._weights
 
@@ -641,12 +648,38 @@ class HFRolloutEngine(RolloutEngine):
         self._stale = False
         return sum(t.numel() * t.element_size() for t in src)
 
+    def _load_flat(self, source: FlatParameters, state: Mapping[str, Tensor], *, version: int) -> int | None:
+        """Copy an actor's weight buffer into this engine's in one device copy (the direct path).
+
+        Applies when both buffers have one layout and every tensor of each is still the view
+        the layout placed; returns None, copying nothing, otherwise. One reduction checks the
+        actor's buffer (a non-finite result is resolved tensor by tensor, as in a stream).
+
+        Raises:
+            WeightSyncError: a tensor holds NaN/inf (the engine is then stale).
+        """
+        flat = self._flat
+        if flat is None or not flat.same_layout(source) or not source.intact(state) or not flat.intact(self._targets()):
+            return None
+        self._stale = True
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(source.buffer)
+            flat.buffer.copy_(source.buffer)
+            if not bool(norm.isfinite()):
+                bad = first_non_finite([(name, state[name]) for name in source.names])
+                if bad is not None:
+                    raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to serve it")
+        self._version = version
+        self._stale = False
+        return sum(math.prod(shape) for shape in source.shapes) * source.buffer.element_size()
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Move the model to CPU on CUDA (a no-op on CPU)."""
         if self._device.type != "cpu" and not self._asleep:
             self._weights = None
             self._decoder = None
+            self._flat = None
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = self._device.type != "cpu"
@@ -657,6 +690,7 @@ class HFRolloutEngine(RolloutEngine):
             self._weights = None
             self._decoder = None
             self._model.to(self._device)
+            self._flat = FlatParameters.build(self._targets())
             self._asleep = False
 
     def close(self) -> None:
@@ -669,11 +703,13 @@ class HFRolloutEngine(RolloutEngine):
 class HFDirectSync(WeightSync):
     """The direct hf -> hf path: the actor's parameters copied straight into the rollout engine's.
 
-    No stream, no buckets: one multi-tensor copy and one fused finiteness check (see
-    ``HFRolloutEngine._load_local``), with the stream's checks and failure semantics. It applies
-    when the actor holds full tensors on the rollout engine's device in its dtype (one process, no
-    FSDP2 sharding, not offloaded); every other case, and every other engine pair, runs the
-    canonical stream.
+    No stream, no buckets, with the stream's checks and failure semantics. When both engines keep
+    their weights in one buffer of the same layout (see :class:`verl_hf.modeling.FlatParameters`:
+    an actor on one device and a rollout engine of the same architecture and dtype), one device
+    copy of the buffer and one reduction; otherwise one multi-tensor copy and one fused
+    finiteness check (``HFRolloutEngine._load_local``). It applies when the actor holds full
+    tensors on the rollout engine's device in its dtype (one process, no FSDP2 sharding, not
+    offloaded); every other case, and every other engine pair, runs the canonical stream.
 
     Args:
         bucket_bytes: Bytes per chunk when falling back to the canonical stream.
@@ -699,7 +735,9 @@ class HFDirectSync(WeightSync):
             for t in state.values()
         ):
             return self._stream.sync(source, target, version=version)
-        moved = target._load_local(state, version=version)
+        moved = None if source._flat is None else target._load_flat(source._flat, state, version=version)
+        if moved is None:
+            moved = target._load_local(state, version=version)
         return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
 
 

@@ -39,14 +39,20 @@ from verl_core.weights import (
     TensorInfo,
     WeightManifest,
     WeightMessage,
-    fusion_group,
     stream_weights,
 )
 from verl_hf import checkpoint as ckpt
 from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
-from verl_hf.modeling import ModelKind, load_model, token_outputs, validate_inputs
+from verl_hf.modeling import (
+    FlatParameters,
+    ModelKind,
+    export_order,
+    load_model,
+    token_outputs,
+    validate_inputs,
+)
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFTrainingEngine", "build_training_engine"]
@@ -127,6 +133,11 @@ class HFTrainingEngine(TrainingEngine):
             # power-of-two worlds). A divide factor of 1 would need PREMUL_SUM, which gloo lacks.
             self._grad_scale = float(self._dp.world)
         self._model: Any = model
+        # An actor on one device keeps its weights in one buffer, in export order: a rollout
+        # engine with the same layout syncs with one device copy (HFDirectSync).
+        self._flat: FlatParameters | None = None
+        if spec.role == "actor" and not self._fsdp:
+            self._flat = FlatParameters.build(self._live_state())
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
         self._offloaded = False
@@ -186,12 +197,7 @@ class HFTrainingEngine(TrainingEngine):
         )
 
     def _export_names(self, model: Any) -> list[str]:
-        names = [n for n in model.state_dict() if not (self._tied and n == "lm_head.weight")]
-        # Keep each fusion group (q/k/v, gate/up) contiguous, in first-appearance order.
-        order: dict[str, int] = {}
-        for n in names:
-            order.setdefault(fusion_group(n), len(order))
-        return sorted(names, key=lambda n: order[fusion_group(n)])
+        return export_order([n for n in model.state_dict() if not (self._tied and n == "lm_head.weight")])
 
     # ------------------------------------------------------------------ validation
     def _validate(self, batch: TensorBatch, where: str) -> None:
