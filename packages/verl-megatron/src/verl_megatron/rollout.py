@@ -292,32 +292,42 @@ class MegatronRolloutEngine(RolloutEngine):
         dev = self._device
         pad = self._tokenizer.pad_token_id
         stops = torch.tensor(sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), device=dev)
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        max_new = params.max_new_tokens
+        # Sample r's uniforms are the first draws of its own generator, drawn once for every step
+        # (the values one draw per step would give), so no step waits for the host.
+        uniforms = None if params.greedy else torch.stack(
+            [torch.rand(max_new, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        ).to(dev)
+        # Whether every row finished is asked (a host synchronisation) every few steps on a GPU.
+        check_every = 8 if dev.type == "cuda" else 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         out_ids, out_mask, out_lp = [], [], []
         cached = getattr(self, "_kv_cache", False)
-        steps = (self._cached_logits if cached else self._recomputed_logits)(batch, params.max_new_tokens)
+        steps = (self._cached_logits if cached else self._recomputed_logits)(batch, max_new)
         logits = next(steps)
-        for t in range(params.max_new_tokens):
+        for t in range(max_new):
             scaled = logits / params.temperature
             logp = torch.log_softmax(scaled, -1)
-            if params.greedy:
+            if uniforms is None:
                 tok = logits.argmax(-1)
             else:
-                u = torch.tensor([torch.rand((), generator=g, dtype=torch.float64).item() for g in gens],
-                                 dtype=torch.float64, device=dev)
-                tok = _inverse_cdf(_kept_probs(scaled, params.top_k, params.top_p), u)
+                tok = _inverse_cdf(_kept_probs(scaled, params.top_k, params.top_p), uniforms[:, t])
             alive = ~finished
             tok = torch.where(alive, tok, torch.full_like(tok, pad))
             out_ids.append(tok)
             out_mask.append(alive)
             out_lp.append(torch.where(alive, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), 0.0))
-            finished = finished | (alive & torch.isin(tok, stops))
-            if bool(finished.all()) or t + 1 == params.max_new_tokens:
+            # A broadcast compare, not torch.isin (which may synchronise with the host).
+            finished = finished | (alive & (tok.unsqueeze(-1) == stops).any(-1))
+            if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             logits = steps.send(tok)
         steps.close()
-        return torch.stack(out_ids, 1), torch.stack(out_mask, 1), torch.stack(out_lp, 1), ~finished
+        mask = torch.stack(out_mask, 1)
+        # Steps taken after the last row finished hold padding only: trim them.
+        width = max(1, int(mask.any(0).sum()))
+        return (torch.stack(out_ids, 1)[:, :width], mask[:, :width], torch.stack(out_lp, 1)[:, :width],
+                ~finished)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
