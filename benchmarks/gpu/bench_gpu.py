@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,6 +229,8 @@ HF_DECODE_MODES: dict[str, dict[str, object]] = {
     "dynamic KV cache": {},
     "static KV cache": {"rollout_cache": "static"},
     "static KV cache + CUDA graphs": {"rollout_cache": "static", "rollout_cuda_graphs": True},
+    "static KV cache + torch.compile + CUDA graphs": {"rollout_cache": "static", "rollout_compile": True,
+                                                      "rollout_cuda_graphs": True},
 }
 
 
@@ -289,8 +292,9 @@ def generate(model_dir: Path, sz: Sizes) -> None:
     for other in keys[1:]:
         if keys[0] in outputs and other in outputs:
             emit(f"{other} vs {keys[0]}: {agreement(outputs[keys[0]], outputs[other])}")
-    if keys[1] in outputs and keys[2] in outputs:
-        emit(f"{keys[2]} vs {keys[1]}: {agreement(outputs[keys[1]], outputs[keys[2]])}")
+    for a, b in itertools.pairwise(keys[1:]):
+        if a in outputs and b in outputs:
+            emit(f"{b} vs {a}: {agreement(outputs[a], outputs[b])}")
 
 
 def agreement(a: TensorBatch, b: TensorBatch) -> str:
@@ -326,7 +330,7 @@ def sync(model_dir: Path) -> None:
     t_copy = cuda_time(copy, 5)
     version = [0]
     rows: list[tuple[str, float, int]] = []
-    for bucket_mb in (256, 512):
+    for bucket_mb in (256, 512, 1024):
         reports: list[SyncReport] = []
 
         def stream(bucket: int = bucket_mb << 20, reports: list[SyncReport] = reports) -> None:

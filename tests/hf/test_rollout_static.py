@@ -216,3 +216,18 @@ def test_grouped_decode_attention_equals_transformers_sdpa(groups: int) -> None:
         want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.3)
         assert got.shape == want.shape == (b, q_len, heads, dim)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_decode_step_samples_what_the_eager_one_samples() -> None:
+    eager = engine("llama", rollout_cache="static")
+    compiled = engine("llama", rollout_cache="static", rollout_compile=True)
+    assert compiled.decode_mode == "static+compile"
+    p = prompts(3, seed=7)
+    for params in PARAMS[:2]:
+        a, b = eager.generate(p, params), compiled.generate(p, params)
+        for field in ("response_ids", "response_mask", "truncated"):
+            assert torch.equal(a[field], b[field]), f"{field} differs with a compiled decode step"
+        assert_close(b["rollout_log_probs"], a["rollout_log_probs"], dtype="float32", quantity="log_probs")
+    assert compiled._compiled is not None
+    with pytest.raises(ConfigError, match="rollout_compile"):
+        engine("llama", rollout_compile=True)

@@ -220,13 +220,16 @@ def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
         return None
     with torch.no_grad():
         device = next(iter(groups))[0]
-        out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+        out: Tensor | None = None
         for (_, dtype), idx in groups.items():
             wide = None if dtype.is_complex else torch.float64
-            values = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)).double().to(device)
+            picked = tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
+            values = torch.stack(torch._foreach_norm(picked, 2, dtype=wide)).double()
             if len(idx) == len(tensors):
                 return values
-            out[torch.tensor(idx, device=device)] = values
+            if out is None:
+                out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+            out[torch.tensor(idx, device=device)] = values.to(device)
         return out
 
 

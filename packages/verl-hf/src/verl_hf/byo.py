@@ -83,6 +83,7 @@ class HFModelRollout(HFRolloutEngine):
         # the weight-update path's caches (filled on the first update_weights); the decoder's state
         self._weights = None
         self._graphs_error = None
+        self._compiled = None
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010

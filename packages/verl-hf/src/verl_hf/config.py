@@ -32,6 +32,10 @@ class HFOptions:
             tokens and keeps every decode step at one shape (the same samples up to float rounding).
         rollout_cuda_graphs: Capture the decode step (forward, sampling, bookkeeping) in a CUDA
             graph and replay it; needs ``rollout_cache='static'`` and a CUDA device.
+        rollout_compile: Run the static decode step's model forward through ``torch.compile``
+            (inductor fuses the per-token elementwise work: norms, rotary embeddings,
+            activations); needs ``rollout_cache='static'``. Compiled once per shape, on the first
+            ``generate`` of that shape; combines with ``rollout_cuda_graphs``.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -46,6 +50,7 @@ class HFOptions:
     rollout_batch_size: int | None = None
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
     rollout_cuda_graphs: bool = False
+    rollout_compile: bool = False
     master_weights: bool = True
 
     def __post_init__(self) -> None:
@@ -69,6 +74,10 @@ class HFOptions:
             raise ConfigError(f"HFOptions.rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
         if self.rollout_cache not in ("dynamic", "static"):
             raise ConfigError(f"HFOptions.rollout_cache must be 'dynamic' or 'static', got {self.rollout_cache!r}")
+        if self.rollout_compile and self.rollout_cache != "static":
+            raise ConfigError(
+                "HFOptions.rollout_compile compiles the static decode step; set rollout_cache='static' as well"
+            )
         if self.rollout_cuda_graphs and self.rollout_cache != "static":
             raise ConfigError(
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "

@@ -132,10 +132,13 @@ class _StaticDecoder:
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: _Sampler, max_new: int, *,
-                 eager_attention: bool, device: torch.device) -> None:
+                 eager_attention: bool, device: torch.device, step_model: Any = None) -> None:
         from transformers import StaticCache
 
         self.model = model
+        # What a decode step calls: the model, or a compiled version of it (one shape, so no
+        # recompilation while the decoder is reused; the prefill always runs the model itself).
+        self.step_model = model if step_model is None else step_model
         self.sampler = sampler
         self.max_new = max_new
         self.width = width
@@ -224,7 +227,7 @@ class _StaticDecoder:
     def step(self) -> None:
         """Feed the last token, sample the next one, advance every counter (all in place)."""
         mask = self.valid & (self.slots <= self.slot)
-        out: Any = self.model(
+        out: Any = self.step_model(
             input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
             position_ids=self.pos.unsqueeze(-1), past_key_values=self.cache, use_cache=True,
         )
@@ -345,6 +348,8 @@ class HFRolloutEngine(RolloutEngine):
                 "leave it False off CUDA (rollout_cache='static' alone works on every device)"
             )
         self._expected: dict[str, TensorInfo] = {}
+        # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use.
+        self._compiled: Any = None
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
         self._flat: FlatParameters | None = FlatParameters.build(self._targets())
 
@@ -381,9 +386,17 @@ class HFRolloutEngine(RolloutEngine):
 
     @property
     def decode_mode(self) -> str:
-        """How ``generate`` decodes: ``dynamic``, ``static`` or ``static+cuda-graphs`` (and why not)."""
+        """How ``generate`` decodes: ``dynamic``, ``static``, ``static+cuda-graphs``, ``static+compile``
+        or ``static+compile+cuda-graphs`` (and why graphs are not used when capture failed)."""
         if self._options.rollout_cache == "dynamic":
             return "dynamic"
+        if self._options.rollout_compile:
+            base = "static+compile"
+            if not self._options.rollout_cuda_graphs:
+                return base
+            if self._graphs_error is not None:
+                return f"{base} (CUDA graph capture failed: {self._graphs_error})"
+            return f"{base}+cuda-graphs"
         if not self._options.rollout_cuda_graphs:
             return "static"
         if self._graphs_error is not None:
@@ -523,9 +536,11 @@ class HFRolloutEngine(RolloutEngine):
         table = None if uniforms is None else torch.empty_like(uniforms)
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
         sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, table)
+        if self._options.rollout_compile and self._compiled is None:
+            self._compiled = torch.compile(self._model, dynamic=False)
         decoder = _StaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
                                  eager_attention=self._options.attn_implementation == "eager",
-                                 device=self._device)
+                                 device=self._device, step_model=self._compiled)
         self._decoder = (key, decoder)
         return decoder
 
@@ -648,27 +663,35 @@ class HFRolloutEngine(RolloutEngine):
         self._stale = False
         return sum(t.numel() * t.element_size() for t in src)
 
-    def _load_flat(self, source: FlatParameters, state: Mapping[str, Tensor], *, version: int) -> int | None:
-        """Copy an actor's weight buffer into this engine's in one device copy (the direct path).
+    def _load_flat(self, actor: Any, *, version: int) -> int | None:
+        """Copy the actor's weight buffer into this engine's with one device copy (the direct path).
 
-        Applies when both buffers have one layout and every tensor of each is still the view
-        the layout placed; returns None, copying nothing, otherwise. One reduction checks the
-        actor's buffer (a non-finite result is resolved tensor by tensor, as in a stream).
+        Applies when both engines keep their weights in one buffer of one layout on one device
+        (see :class:`~verl_hf.modeling.FlatParameters`). The copy and one reduction over the
+        actor's buffer are queued first; the host then checks that every tensor of both engines
+        is still the view its layout placed, while the device copies. When one is not, it returns
+        None with the engine stale, and the caller's per-tensor path rewrites every weight. A
+        non-finite reduction is resolved tensor by tensor, as in a stream.
 
         Raises:
             WeightSyncError: a tensor holds NaN/inf (the engine is then stale).
         """
+        source: FlatParameters | None = actor._flat
         flat = self._flat
-        if flat is None or not flat.same_layout(source) or not source.intact(state) or not flat.intact(self._targets()):
+        if (source is None or flat is None or not flat.same_layout(source)
+                or source.buffer.device != flat.buffer.device):
             return None
         self._stale = True
         with torch.no_grad():
             norm = torch.linalg.vector_norm(source.buffer)
             flat.buffer.copy_(source.buffer)
-            if not bool(norm.isfinite()):
-                bad = first_non_finite([(name, state[name]) for name in source.names])
-                if bad is not None:
-                    raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to serve it")
+        state = actor._live_state()
+        if not (source.intact(state) and flat.intact(self._targets())):
+            return None
+        if not bool(norm.isfinite()):
+            bad = first_non_finite([(name, state[name]) for name in source.names])
+            if bad is not None:
+                raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to serve it")
         self._version = version
         self._stale = False
         return sum(math.prod(shape) for shape in source.shapes) * source.buffer.element_size()
@@ -695,6 +718,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the model."""
+        self._compiled = None
         self._weights = None
         self._decoder = None
         self._model = None
@@ -725,6 +749,9 @@ class HFDirectSync(WeightSync):
         if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)):
             return self._stream.sync(source, target, version=version)
         t0 = time.perf_counter()
+        moved = target._load_flat(source, version=version)
+        if moved is not None:
+            return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
         state = source._live_state()
         tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
         # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
@@ -735,9 +762,7 @@ class HFDirectSync(WeightSync):
             for t in state.values()
         ):
             return self._stream.sync(source, target, version=version)
-        moved = None if source._flat is None else target._load_flat(source._flat, state, version=version)
-        if moved is None:
-            moved = target._load_local(state, version=version)
+        moved = target._load_local(state, version=version)
         return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
 
 
