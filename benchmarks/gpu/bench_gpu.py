@@ -196,6 +196,7 @@ def train(model_dir: Path, sz: Sizes, steps: int) -> None:
         ("verl-hf engine (fp32 master weights)", "hf", {}),
         ("verl-hf engine (pure bf16)", "hf", {"master_weights": False}),
         ("verl-megatron engine", "megatron", {}),
+        ("verl-megatron engine (megatron-core optimizer)", "megatron", {"optimizer": "megatron"}),
     ]
     for label, backend, options in runs:
         try:

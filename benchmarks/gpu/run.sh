@@ -2,6 +2,8 @@
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench.
 # Usage: bash benchmarks/gpu/run.sh conformance|bench [args]   (writes under $OUT)
+#   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
+#   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,8 +18,9 @@ case $step in
       for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
         (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
-           --verl-device cuda --verl-dtype "$dtype" -o console_output_style=classic 2>&1) > "$OUT/conformance-$backend-$dtype.log"
-        echo "conformance $backend $dtype: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype.log")"
+           --verl-device cuda --verl-dtype "$dtype" ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} \
+           -o console_output_style=classic 2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
+        echo "conformance $backend $dtype ${CONF_OPTIONS:-}: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log")"
       done
     done ;;
   bench) python3 benchmarks/gpu/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;

@@ -92,3 +92,17 @@ def test_cli_table_and_json(tmp_path: Path) -> None:
     status = {x["id"]: x["status"] for x in data["results"]}
     assert status["invariance::seeded_sampling_reproducible"] == "failed"
     assert status["invariance::micro_batch_invariance"] == "passed"
+
+
+@pytest.mark.slow
+def test_verl_options_reach_every_engine_of_the_backend_under_test() -> None:
+    # An invalid value proves the options reach the engines: the backend's own validation refuses it.
+    r = _pytest("--pyargs", "verl_conformance", "--verl-backend", "hf", "-k", "test_forward_layout",
+                "--verl-options", '{"rollout_cache": "bogus"}')
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "HFOptions.rollout_cache must be 'dynamic' or 'static', got 'bogus'" in r.stdout
+    r = _pytest("--pyargs", "verl_conformance", "--verl-backend", "hf", "-k", "test_forward_layout",
+                "--verl-options", '{"rollout_cache": "static"}')
+    assert r.returncode == 0, r.stdout[-3000:]
+    r = _pytest("--pyargs", "verl_conformance", "--verl-backend", "hf", "--verl-options", "[1]")
+    assert r.returncode == 4 and "--verl-options must be a JSON object, got '[1]'" in r.stderr, r.stderr[-2000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, NoReturn
 
 import torch
@@ -154,6 +154,8 @@ class Harness:
         cache: Shared engines.
         dtype: Parameter dtype of every engine the suite builds (selects the tolerance tier).
         device: Device of every engine the suite builds (``cpu``, ``cuda``).
+        options: Backend options given to every engine of the subject (``--verl-options``); a
+            check's own options win.
     """
 
     subject: Subject
@@ -161,6 +163,7 @@ class Harness:
     cache: EngineCache = field(default_factory=EngineCache)
     dtype: str = "float32"
     device: str = "cpu"
+    options: Mapping[str, Any] = field(default_factory=dict)
     _fresh: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ outcome helpers
@@ -221,6 +224,8 @@ class Harness:
 
     def _engine(self, subject: Subject, spec: EngineSpec, fresh: bool) -> Any:
         factory = self._factory(subject, spec.role)
+        if self.options and subject is self.subject:
+            spec = replace(spec, options={**self.options, **spec.options})
         if fresh:
             engine = factory(spec)
             self._fresh.append(engine)

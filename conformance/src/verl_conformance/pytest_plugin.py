@@ -1,7 +1,8 @@
 """pytest plugin of the conformance suite (import-light: heavy modules load inside hooks and fixtures).
 
 Options: ``--verl-backend NAME`` (or ``$VERL_BACKEND``) selects the installed backend under test,
-``--verl-against NAME`` adds differential checks against a second backend, ``--verl-xfails-file
+``--verl-against NAME`` adds differential checks against a second backend, ``--verl-options JSON``
+gives backend options to every engine of the backend under test, ``--verl-xfails-file
 PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine`` and
 ``make_rollout_engine`` (override them to test engines that are not installed as a plugin),
 ``verl_harness`` (what each check runs against). Markers: ``verl_check(id)`` on every suite
@@ -11,6 +12,7 @@ test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from collections.abc import Callable, Generator
@@ -34,12 +36,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="parameter dtype of every engine the suite builds; selects the tolerance tier")
     group.addoption("--verl-against", default=None, metavar="NAME",
                     help="second installed backend for the differential checks")
+    group.addoption("--verl-options", default=None, metavar="JSON",
+                    help="backend options (a JSON object) for every engine of the backend under test, "
+                         'e.g. \'{"optimizer": "megatron"}\'')
     group.addoption("--verl-xfails-file", default=None, metavar="PATH",
                     help="known gaps: one check id (area::name or TestArea::test_name) per line, '# reason'")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the suite's markers."""
+    """Register the suite's markers; check ``--verl-options``."""
+    _options(config)
     config.addinivalue_line("markers", "verl_check(id): a verl conformance check (id = area::name)")
     for area in _AREAS:
         config.addinivalue_line("markers", f"verl_{area}: verl conformance checks of the {area} area")
@@ -213,4 +219,19 @@ def verl_harness(
         label = request.cls.__name__ if request.cls is not None else "custom"
         subject = Subject(label, make_training_engine, make_rollout_engine)
     return Harness(subject, verl_against_subject, verl_engine_cache,
-                   dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"))
+                   dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
+                   options=_options(request.config))
+
+
+def _options(config: pytest.Config) -> dict[str, Any]:
+    """The ``--verl-options`` object (empty when not given)."""
+    raw = config.getoption("--verl-options", None)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise pytest.UsageError(f"--verl-options must be a JSON object, got {raw!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise pytest.UsageError(f"--verl-options must be a JSON object, got {raw!r}")
+    return value
