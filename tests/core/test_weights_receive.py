@@ -141,3 +141,29 @@ def test_tensor_norms_are_exact_about_finiteness() -> None:
     assert norms.isfinite().tolist() == [True, True, False, True]
     assert norms[[0, 1, 3]].tolist() == pytest.approx([2.4e39, 0.0, 6e4], rel=1e-3)
     assert tensor_norms([torch.arange(3), torch.zeros(0)]) is None
+
+
+def test_contiguous_span_covers_back_to_back_views_only() -> None:
+    from verl_core.weights import contiguous_span
+
+    flat = torch.arange(20, dtype=torch.float32)
+    a, b, c = flat[0:6].view(2, 3), flat[6:10], flat[10:20].view(5, 2)
+    span = contiguous_span([a, b, c])
+    assert span is not None and torch.equal(span, flat) and span.data_ptr() == flat.data_ptr()
+    assert contiguous_span([b, c]) is not None and torch.equal(contiguous_span([b, c]), flat[6:20])  # type: ignore[arg-type]
+    assert contiguous_span([a, c]) is None, "a gap"
+    assert contiguous_span([b, a]) is None, "out of order"
+    assert contiguous_span([flat[0:4].view(2, 2).t(), flat[4:8]]) is None, "not contiguous"
+    assert contiguous_span([a.clone(), b]) is None, "another allocation"
+    assert torch.equal(contiguous_span([a]), flat[0:6]) and contiguous_span([]) is None  # type: ignore[arg-type]
+
+
+def test_a_non_finite_chunk_sent_back_to_back_is_refused_naming_its_tensors() -> None:
+    flat = torch.randn(30)
+    sd = {"a.weight": flat[0:12].view(3, 4), "b.weight": flat[12:20], "c.weight": flat[20:30]}
+    flat[15] = float("nan")
+    applied: list[str] = []
+    with pytest.raises(WeightSyncError, match=r"a weight among 'a.weight', 'b.weight', 'c.weight' \(3 tensors"):
+        apply_weight_stream(stream_weights(sd.items(), manifest(sd), bucket_bytes=1 << 20), expected(sd),
+                            lambda items: applied.extend(n for n, _ in items), defer_checks=True)
+    assert sorted(applied) == sorted(sd)

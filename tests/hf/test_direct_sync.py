@@ -101,7 +101,7 @@ def test_same_layout_engines_sync_through_one_buffer_and_fall_back_when_it_break
     assert actor._flat is not None and engine._flat is not None and actor._flat.same_layout(engine._flat)
     for flat, model in ((actor._flat, actor.model), (engine._flat, engine.model)):
         base = flat.buffer.data_ptr()
-        assert all((p.data_ptr() - base) % 128 == 0 for p in model.parameters()), "views start aligned"
+        assert all((p.data_ptr() - base) % 16 == 0 for p in model.parameters()), "views start aligned"
     calls: list[str] = []
     real = HFRolloutEngine._load_local
 
@@ -122,3 +122,26 @@ def test_same_layout_engines_sync_through_one_buffer_and_fall_back_when_it_break
     sync.sync(actor, engine, version=2)
     assert calls == ["per-tensor"] and engine.weight_version == 2
     assert torch.equal(engine.model.model.norm.weight, weight)
+
+
+def test_a_stream_between_same_layout_engines_copies_whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = model_path("qwen2")
+    actor, engine, other = nudged_actor(path), rollout(path), rollout(path)
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def spy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        calls.append(len(dst))
+        real(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    StreamWeightSync(bucket_bytes=20_000).sync(actor, engine, version=2)
+    assert calls == [], "every chunk lies back to back in the actor's buffer: one copy each"
+    weight = actor.model.model.norm.weight
+    weight.data = weight.data.clone() + 1.0  # re-homed: its chunk is no longer one span
+    StreamWeightSync(bucket_bytes=20_000).sync(actor, other, version=2)
+    assert calls, "the chunk holding the re-homed tensor is copied tensor by tensor"
+    for e in (engine, other):
+        assert e.weight_version == 2
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(dict(other.model.named_parameters())[name], p), name

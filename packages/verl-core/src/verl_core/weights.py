@@ -204,6 +204,30 @@ def all_finite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
         return torch.stack([f.to(flags[0].device) for f in flags]).all()
 
 
+def contiguous_span(tensors: list[Tensor]) -> Tensor | None:
+    """One 1-D view over the memory of ``tensors`` when they lie back to back, else None (also for no tensors).
+
+    They must be contiguous, of one dtype and device, each starting where the previous one ends,
+    and all inside the first one's storage (as the views of one flat buffer are); the span then
+    holds exactly their elements, in order. A receiver copies and checks a span with one kernel
+    each instead of one per tensor.
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    dtype, device, size = first.dtype, first.device, first.element_size()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.dtype != dtype or t.device != device or not t.is_contiguous() or t.data_ptr() != end:
+            return None
+        end += t.numel() * size
+    storage = first.untyped_storage()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None
+    total = (end - first.data_ptr()) // size
+    return first.detach().as_strided((total,), (1,))
+
+
 def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
     """Every tensor's 2-norm in order, accumulated in float64, on the first floating tensor's device.
 
@@ -315,7 +339,8 @@ def apply_weight_stream(
                 f"the receiving model has {tuple(want.shape)} {want.dtype}"
             )
     seen: set[str] = set()
-    deferred: list[tuple[Tensor, list[str]]] = []  # (norms, names) of chunks applied unchecked
+    # (norms, names per norm) of the chunks applied unchecked
+    deferred: list[tuple[Tensor, list[list[str]]]] = []
     for msg in it:
         if isinstance(msg, WeightCommit):
             if msg.version != manifest.version:
@@ -349,9 +374,14 @@ def apply_weight_stream(
             in_chunk.add(name)
             batch.append((name, t.detach() if t.requires_grad else t))
         if defer_checks:
-            norms = tensor_norms([t for _, t in batch])
+            tensors = [t for _, t in batch]
+            span = contiguous_span(tensors)
+            # A chunk lying back to back in memory is checked with one reduction (a failure then
+            # names the chunk), any other tensor by tensor.
+            norms = tensor_norms(tensors if span is None else [span])
             if norms is not None:
-                deferred.append((norms, [name for name, _ in batch]))
+                groups = [[name for name, _ in batch]] if span is not None else [[name] for name, _ in batch]
+                deferred.append((norms, groups))
         else:
             bad = first_non_finite(batch)
             if bad is not None:
@@ -363,7 +393,7 @@ def apply_weight_stream(
     raise WeightSyncError("weight stream ended without a WeightCommit (incomplete sync)")
 
 
-def _raise_non_finite(deferred: list[tuple[Tensor, list[str]]]) -> None:
+def _raise_non_finite(deferred: list[tuple[Tensor, list[list[str]]]]) -> None:
     """Read the queued norms of :func:`apply_weight_stream` (one synchronisation); raise on NaN/inf."""
     if not deferred:
         return
@@ -371,9 +401,14 @@ def _raise_non_finite(deferred: list[tuple[Tensor, list[str]]]) -> None:
     finite = torch.cat([norms.to(device) for norms, _ in deferred]).isfinite()
     if bool(finite.all()):
         return
-    names = [name for _, chunk in deferred for name in chunk]
-    bad = names[int((~finite).nonzero()[0, 0])]
-    raise WeightSyncError(f"weight {bad!r} holds NaN/inf; the update is refused")
+    groups = [group for _, chunk in deferred for group in chunk]
+    bad = groups[int((~finite).nonzero()[0, 0])]
+    if len(bad) == 1:
+        raise WeightSyncError(f"weight {bad[0]!r} holds NaN/inf; the update is refused")
+    shown = ", ".join(repr(n) for n in bad[:4]) + (", ..." if len(bad) > 4 else "")
+    raise WeightSyncError(
+        f"a weight among {shown} ({len(bad)} tensors sent back to back) holds NaN/inf; the update is refused"
+    )
 
 
 @dataclass(frozen=True)

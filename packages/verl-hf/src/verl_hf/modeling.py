@@ -8,9 +8,10 @@ preceding token. Log-probs and entropy are computed in float32 from upcast logit
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -83,7 +84,7 @@ def export_order(names: Collection[str]) -> list[str]:
     return sorted(names, key=lambda n: order[fusion_group(n)])
 
 
-_ALIGN = 64  # elements: every view starts on a 128-byte boundary (bf16), as kernels prefer
+_ALIGN_BYTES = 16  # every view starts on a 16-byte boundary (what vectorised kernels load)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class FlatParameters:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     pointers: tuple[int, ...]
+    offsets: tuple[int, ...]
+    index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", {name: i for i, name in enumerate(self.names)})
 
     @classmethod
     def build(cls, tensors: Mapping[str, Tensor]) -> FlatParameters | None:
@@ -122,10 +128,11 @@ class FlatParameters:
             storages.add(t.untyped_storage().data_ptr())
         if len(storages) != len(items):
             return None
+        align = max(1, _ALIGN_BYTES // first.element_size())
         offsets, total = [], 0
         for _, t in items:
             offsets.append(total)
-            total += -(-t.numel() // _ALIGN) * _ALIGN
+            total += -(-t.numel() // align) * align
         buffer = torch.zeros(total, dtype=dtype, device=device)
         with torch.no_grad():
             for (_, t), off in zip(items, offsets, strict=True):
@@ -133,7 +140,20 @@ class FlatParameters:
                 view.copy_(t)
                 t.data = view
         return cls(buffer, tuple(n for n, _ in items), tuple(tuple(t.shape) for _, t in items),
-                   tuple(t.data_ptr() for _, t in items))
+                   tuple(t.data_ptr() for _, t in items), tuple(offsets))
+
+    def span(self, names: list[str]) -> Tensor | None:
+        """The part of the buffer holding ``names`` back to back (no gap between them), else None."""
+        start = self.index.get(names[0]) if names else None
+        if start is None or start + len(names) > len(self.names):
+            return None
+        end = self.offsets[start]
+        for k, name in enumerate(names):
+            i = start + k
+            if self.names[i] != name or self.offsets[i] != end:
+                return None
+            end += math.prod(self.shapes[i])
+        return self.buffer[self.offsets[start] : end]
 
     def same_layout(self, other: FlatParameters) -> bool:
         """Whether ``other`` holds the same names, shapes and dtype at the same offsets."""

@@ -42,6 +42,7 @@ from verl_core.weights import (
     WeightSync,
     all_finite_flag,
     apply_weight_stream,
+    contiguous_span,
     first_non_finite,
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
@@ -605,11 +606,19 @@ class HFRolloutEngine(RolloutEngine):
         """
         self._stale = True
         targets = self._targets()
+        flat = self._flat if self._flat is not None and self._flat.intact(targets) else None
 
         def apply(chunk: list[tuple[str, Tensor]]) -> None:
-            # One multi-tensor copy per chunk (it falls back to per-tensor copies across devices).
+            tensors = [t for _, t in chunk]
             with torch.no_grad():
-                torch._foreach_copy_([targets[name] for name, _ in chunk], [t for _, t in chunk])
+                # A chunk sent back to back (a sender's flat buffer) into a part of this engine's
+                # buffer laid out alike: one copy. Otherwise one multi-tensor copy.
+                src = contiguous_span(tensors) if flat is not None else None
+                dst = flat.span([name for name, _ in chunk]) if flat is not None and src is not None else None
+                if src is not None and dst is not None and dst.numel() == src.numel():
+                    dst.copy_(src)
+                else:
+                    torch._foreach_copy_([targets[name] for name, _ in chunk], tensors)
 
         optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
         # The engine is stale until this returns, so the finiteness checks may wait for the commit:
