@@ -82,6 +82,7 @@ def test_engine_import_without_vllm_names_both_installs() -> None:
         ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"sleep_level": 3}, "sleep_level"),
+        ({"enforce_eager": "no"}, "enforce_eager"),
         ({"gpu_memory_utilization": 0.5}, "unknown key"),
     ],
 )
@@ -94,3 +95,4 @@ def test_default_options_size_the_kv_cache_explicitly() -> None:
     cfg = parse_options(VllmRolloutConfig, {})
     assert cfg.kv_cache_bytes == 256 * 1024 * 1024
     assert cfg.logprobs_mode == "processed_logprobs"
+    assert cfg.enforce_eager is None  # chosen per platform when the engine starts

