@@ -3,8 +3,9 @@
 Generation: 64 prompts of 32 tokens, 128 sampled tokens each (T = 1, seeded) on a ~19M-parameter
 Llama-shaped model, with the ``vllm`` rollout engine against the ``hf`` rollout engine (verl-hf's
 own decoding loop with a KV cache) and against a plain ``transformers`` ``generate`` call, all on
-the same weights in the same run. Throughput counts real response tokens (EOS ends a response
-early, so the engines need not produce the same number; the table shows it).
+the same weights in the same run: each is built and warmed up, then the three run round-robin
+``--repeats`` times and the table shows medians. Throughput counts real response tokens (EOS ends
+a response early, so the engines need not produce the same number; the table shows it).
 
 Weight sync: ``update_weights`` of a full canonical stream (64 MiB buckets) into the vLLM engine,
 for the ~19M model and a ~104M one, against a plain copy of the same bytes into preallocated
@@ -16,7 +17,7 @@ the same tokens, at T = 1 and T = 0.7 (16 prompts x 4 samples x 32 tokens).
 
 Usage::
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vllm.py [--repeats 3] [--only parity|generate|sync]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vllm.py [--repeats 5] [--only parity|generate|sync]
 """
 
 from __future__ import annotations
@@ -90,11 +91,15 @@ def _timed(fn: Callable[[], int]) -> tuple[float, float, int]:
     return time.perf_counter() - t0, time.process_time() - c0, tokens
 
 
-def bench_generate(path: Path) -> list[tuple[str, float, float, int]]:
-    """(name, wall seconds, CPU seconds, response tokens) of each generator on ``path``."""
+def bench_generate(path: Path, repeats: int) -> list[tuple[str, float, float, int]]:
+    """(name, median wall seconds, median CPU seconds, response tokens) of each generator on ``path``.
+
+    All three generators are built and warmed up first, then run round-robin ``repeats`` times
+    (vllm, hf, transformers, vllm, ...): on a shared machine a burst of other load then falls on
+    every row alike instead of on whichever ran during it, and the medians drop single outliers.
+    """
     prompts = _prompts()
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)
-    rows: list[tuple[str, float, float, int]] = []
 
     spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS,
                       options={"kv_cache_bytes": 256 * MiB})
@@ -102,29 +107,22 @@ def bench_generate(path: Path) -> list[tuple[str, float, float, int]]:
     vllm_engine = get_rollout_engine("vllm", spec)
     print(f"vllm engine start: {time.perf_counter() - t0:.1f} s")
     vllm_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-    rows.append(("vllm rollout engine",
-                 *_timed(lambda: int(vllm_engine.generate(prompts, params)["response_mask"].sum()))))
-    print(rows[-1], flush=True)
-    vllm_engine.close()
 
     hf_spec = EngineSpec(str(path), "rollout", max_prompt_len=PROMPT_LEN, max_response_len=NEW_TOKENS)
     hf_engine = get_rollout_engine("hf", hf_spec)
     hf_engine.generate(prompts.index(slice(0, 2)), SamplingParams(max_new_tokens=4, seed=0))
-    rows.append(("hf rollout engine",
-                 *_timed(lambda: int(hf_engine.generate(prompts, params)["response_mask"].sum()))))
-    print(rows[-1], flush=True)
-    hf_engine.close()
 
     import transformers
 
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
 
-    def hf_generate() -> int:
+    def hf_generate(rows: int = NUM_PROMPTS, new_tokens: int = NEW_TOKENS) -> int:
+        torch.manual_seed(0)
         with torch.no_grad():
             out = model.generate(
-                input_ids=prompts["prompt_ids"], attention_mask=prompts["prompt_mask"].long(),
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+                input_ids=prompts["prompt_ids"][:rows], attention_mask=prompts["prompt_mask"][:rows].long(),
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                 pad_token_id=0, eos_token_id=1,
             )
         resp = out[:, PROMPT_LEN:]
@@ -132,9 +130,22 @@ def bench_generate(path: Path) -> list[tuple[str, float, float, int]]:
         real = (ended == 0) | ((ended == 1) & (resp == 1))
         return int(real.sum())
 
-    torch.manual_seed(0)
-    rows.append(("transformers generate", *_timed(hf_generate)))
-    return rows
+    hf_generate(2, 4)  # warm-up
+    generators: list[tuple[str, Callable[[], int]]] = [
+        ("vllm rollout engine", lambda: int(vllm_engine.generate(prompts, params)["response_mask"].sum())),
+        ("hf rollout engine", lambda: int(hf_engine.generate(prompts, params)["response_mask"].sum())),
+        ("transformers generate", hf_generate),
+    ]
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name, _ in generators}
+    for r in range(repeats):
+        for name, fn in generators:
+            runs[name].append(_timed(fn))
+            wall, cpu, toks = runs[name][-1]
+            print(f"repeat {r + 1}/{repeats} {name}: {wall:.2f} s wall, {cpu:.2f} s CPU, {toks} tokens", flush=True)
+    vllm_engine.close()
+    hf_engine.close()
+    med = statistics.median
+    return [(name, med(w for w, _, _ in rs), med(c for _, c, _ in rs), rs[-1][2]) for name, rs in runs.items()]
 
 
 def bench_sync(path: Path, repeats: int) -> tuple[int, float, float, float, float]:
@@ -203,7 +214,7 @@ def bench_parity() -> list[tuple[float, float, float, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (medians)")
     ap.add_argument("--only", choices=("parity", "generate", "sync"), default=None)
     args = ap.parse_args()
     run = {"parity", "generate", "sync"} if args.only is None else {args.only}
@@ -217,10 +228,10 @@ def main() -> None:
     print(f"models: small {_params(small) / 1e6:.1f}M params, large {_params(large) / 1e6:.1f}M params; "
           f"torch threads {torch.get_num_threads()}")
     if "generate" in run:
-        rows = bench_generate(small)
+        rows = bench_generate(small, args.repeats)
         base_wall, base_cpu = rows[1][3] / rows[1][1], rows[1][3] / rows[1][2]
         print(f"\nGeneration: {NUM_PROMPTS} prompts x {PROMPT_LEN} tokens, up to {NEW_TOKENS} sampled tokens, "
-              f"{_params(small) / 1e6:.1f}M-param model, float32, CPU")
+              f"{_params(small) / 1e6:.1f}M-param model, float32, CPU, median of {args.repeats} interleaved runs")
         print(f"| {'generator':<22} | {'wall s':>7} | {'CPU s':>7} | {'tokens':>6} | {'tok/wall s':>10} | "
               f"{'tok/CPU s':>9} | {'vs hf (wall)':>12} | {'vs hf (CPU)':>11} |")
         print(f"|{'-' * 24}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 12}|{'-' * 11}|{'-' * 14}|{'-' * 13}|")

