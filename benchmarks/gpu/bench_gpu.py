@@ -83,6 +83,7 @@ SIZES = {
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 LINES: list[str] = []
+GENERATORS: list[str] = []  # --generators: only the rollout rows whose names contain one of these
 
 
 def synchronize() -> None:
@@ -263,6 +264,12 @@ def generate(model_dir: Path, sz: Sizes) -> None:
     if DEVICE != "cuda":
         runs = [r for r in runs if not r[1].get("rollout_cuda_graphs")]
     runs.append(("verl-megatron rollout", {}))
+    runs.append(("verl-megatron rollout, static cache + CUDA graphs",
+                 {"rollout_static_cache": True, "rollout_cuda_graphs": True}))
+    if DEVICE != "cuda":
+        runs[-1] = ("verl-megatron rollout, static cache", {"rollout_static_cache": True})
+    if GENERATORS:
+        runs = [r for r in runs if any(g in r[0] for g in GENERATORS)]
     outputs: dict[str, TensorBatch] = {}
     for name, options in runs:
         backend = "megatron" if "megatron" in name else "hf"
@@ -490,12 +497,16 @@ def main() -> None:
     parser.add_argument("--sections", nargs="*", default=["anchors", "train", "generate", "sync"],
                         choices=["anchors", "train", "generate", "sync", "profile"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--generators", nargs="*", default=[],
+                        help="generate section: only the engine rows whose names contain one of these (plain "
+                             "generate always runs)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--size", default="full", choices=sorted(SIZES),
                         help="full: the 0.89B model; small (4 layers) and tiny (2 layers): CPU runs")
     parser.add_argument("--tiny", action="store_true", help="same as --size tiny (a dry run)")
     args = parser.parse_args()
     DEVICE = args.device
+    GENERATORS[:] = args.generators
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     size = "tiny" if args.tiny else args.size
     sz = SIZES[size]

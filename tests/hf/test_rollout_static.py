@@ -21,7 +21,8 @@ from verl_core import (
     WeightMessage,
     WeightSyncError,
 )
-from verl_hf.rollout import HFRolloutEngine, _Sampler, _StaticDecoder, sample_seed
+from verl_core.sampling import TokenSampler
+from verl_hf.rollout import HFRolloutEngine, _StaticDecoder, sample_seed
 from verl_hf.training import HFTrainingEngine
 
 
@@ -74,7 +75,7 @@ def test_a_static_step_only_updates_tensors_in_place() -> None:
     chunk = prompts(3, seed=2).repeat_interleave(1)
     seeds = [sample_seed(0, g, 0) for g in chunk["group_ids"].tolist()]
     params = SamplingParams(max_new_tokens=6, seed=0)
-    sampler = _Sampler(params, e.tokenizer.pad_token_id, torch.tensor([e.tokenizer.eos_token_id]),
+    sampler = TokenSampler(params, e.tokenizer.pad_token_id, torch.tensor([e.tokenizer.eos_token_id]),
                        e._uniforms(seeds, params))
     with torch.no_grad():
         rows, width = chunk["prompt_ids"].shape
@@ -102,7 +103,7 @@ def test_checking_for_the_end_every_few_steps_gives_the_same_responses(check_eve
     chunk = p.repeat_interleave(1).trim()
     seeds = [sample_seed(4, g, 0) for g in chunk["group_ids"].tolist()]
     stop_ids = torch.tensor(sorted({dynamic.tokenizer.eos_token_id, *stops}))
-    sampler = _Sampler(params, dynamic.tokenizer.pad_token_id, stop_ids, dynamic._uniforms(seeds, params))
+    sampler = TokenSampler(params, dynamic.tokenizer.pad_token_id, stop_ids, dynamic._uniforms(seeds, params))
     with torch.no_grad():
         rows, width = chunk["prompt_ids"].shape
         decoder = _StaticDecoder(dynamic.model, rows, width, sampler, 13, eager_attention=False,

@@ -211,6 +211,13 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
                                                           options={"rollout_kv_cache": False}))
     plain = recompute.generate(prompts, sampled)
     recompute.close()
+    # the engine's own static decode loop (one shape per step, device-side positions); twice, so
+    # the second call reuses the decoder and its caches
+    static = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
+                                                       options={"rollout_static_cache": True}))
+    static_first, static_again = static.generate(prompts, sampled), static.generate(prompts, sampled)
+    static_greedy = static.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    static.close()
     out: dict[str, Any] = {
         "first": {k: first[k] for k in ("response_ids", "response_mask", "rollout_log_probs", "truncated",
                                          "group_ids", "sample_index")},
@@ -218,6 +225,8 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
         "greedy_ids": greedy["response_ids"], "greedy_mask": greedy["response_mask"],
         "greedy_lp": greedy["rollout_log_probs"],
         "recompute": {k: plain[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
+        "static": {k: static_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
+        "static_again_ids": static_again["response_ids"], "static_greedy_ids": static_greedy["response_ids"],
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,
     }

@@ -267,6 +267,20 @@ def test_rollout_kv_cache_samples_what_recomputing_samples(runs: Any, layout: tu
                  what="KV-cached vs recomputed rollout log-probs")
 
 
+@pytest.mark.parametrize("layout", ROLLOUT_LAYOUTS, ids=_id)
+def test_rollout_static_decode_loop_samples_what_megatron_s_kv_cache_samples(
+    runs: Any, layout: tuple[int, int, int]
+) -> None:
+    res = runs[layout][0]["rollout"]
+    cached, static = res["first"], res["static"]
+    assert torch.equal(static["response_ids"], cached["response_ids"])
+    assert torch.equal(static["response_mask"], cached["response_mask"])
+    assert_close(static["rollout_log_probs"], cached["rollout_log_probs"], dtype="float32", quantity="log_probs",
+                 what="static decode loop vs Megatron's KV cache")
+    assert torch.equal(res["static_again_ids"], static["response_ids"]), "a reused static decoder sampled differently"
+    assert torch.equal(res["static_greedy_ids"], res["greedy_ids"])
+
+
 def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
     import transformers
 

@@ -16,12 +16,11 @@ cache) so every detail of the contract is under its control:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +31,7 @@ from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
 from verl_core.registry import parse_options
 from verl_core.rollout import RolloutEngine, SamplingParams
+from verl_core.sampling import TokenSampler, sample_seed, uniform_table
 from verl_core.schema import FIELDS
 from verl_core.training import TrainingEngine
 from verl_core.weights import (
@@ -58,69 +58,6 @@ from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
 
-_MASK63: Final = (1 << 63) - 1
-
-
-def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
-    """The seed of one sample's random stream: a hash of (seed, group id, sample index)."""
-    digest = hashlib.blake2b(f"{seed}:{group_id}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MASK63
-
-
-def _truncate(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Probabilities of softmax(scaled) restricted to the top-k / nucleus set (renormalised later)."""
-    probs = torch.softmax(scaled, -1)
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        probs = torch.where(scaled >= kth, probs, 0.0)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        before = sorted_p.cumsum(-1) - sorted_p
-        keep_sorted = before < top_p * sorted_p.sum(-1, keepdim=True)
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, 0.0)
-    return probs
-
-
-def _pick(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """Invert the CDF of ``probs`` (unnormalised, vocabulary order) at ``uniforms`` [rows]."""
-    cdf = probs.double().cumsum(-1)
-    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-    tok = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return tok.clamp_max(probs.shape[-1] - 1)
-
-
-class _Sampler:
-    """One decode step's sampling: token, log-prob and stop flag per row from float32 logits.
-
-    Pure tensor code with no host synchronisation (it runs inside a CUDA graph too): uniforms come
-    from a precomputed [rows, steps] table, the step index may be a device tensor.
-    """
-
-    def __init__(self, params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None) -> None:
-        self.params = params
-        self.pad = pad
-        self.stops = stops
-        self.uniforms = uniforms
-
-    def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Token (pad where not alive), masked log-prob and "stopped now" of step ``t``."""
-        p = self.params
-        scaled = logits / p.temperature if p.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, -1)
-        if p.greedy or self.uniforms is None:
-            tok = torch.argmax(logits, -1)
-        else:
-            u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-            tok = _pick(_truncate(scaled, p.top_k, p.top_p), u)
-        tok = torch.where(alive, tok, self.pad)
-        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
-        stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
-        return tok, torch.where(alive, lp, 0.0), stopped
-
-
 class _StaticDecoder:
     """The decode loop over a preallocated StaticCache, every step at one shape.
 
@@ -132,7 +69,7 @@ class _StaticDecoder:
     step.
     """
 
-    def __init__(self, model: Any, rows: int, width: int, sampler: _Sampler, max_new: int, *,
+    def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int, *,
                  eager_attention: bool, device: torch.device, step_model: Any = None) -> None:
         from transformers import StaticCache
 
@@ -492,11 +429,7 @@ class HFRolloutEngine(RolloutEngine):
         Row r holds the first draws of sample r's own generator, in order: the values a draw per
         step would give, drawn once so no decode step waits for the host.
         """
-        if params.greedy:
-            return None
-        n = params.max_new_tokens
-        draws = [torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
-        return torch.stack(draws).to(self._device)
+        return None if params.greedy else uniform_table(seeds, params.max_new_tokens, self._device)
 
     @torch.no_grad()
     def _decode(
@@ -515,7 +448,7 @@ class HFRolloutEngine(RolloutEngine):
                 # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
                 decoder.run(check_every=8 if self._device.type == "cuda" else 1)
             return decoder.result()
-        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, uniforms)
+        sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, uniforms)
         return self._decode_dynamic(chunk, sampler, params.max_new_tokens)
 
     def _static_decoder(
@@ -536,7 +469,7 @@ class HFRolloutEngine(RolloutEngine):
         self._decoder = None  # free the old cache and graph before allocating new ones
         table = None if uniforms is None else torch.empty_like(uniforms)
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
-        sampler = _Sampler(params, self._tokenizer.pad_token_id, stops, table)
+        sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, table)
         if self._options.rollout_compile and self._compiled is None:
             self._compiled = torch.compile(self._model, dynamic=False)
         decoder = _StaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
@@ -546,7 +479,7 @@ class HFRolloutEngine(RolloutEngine):
         return decoder
 
     def _decode_dynamic(
-        self, chunk: TensorBatch, sampler: _Sampler, max_new: int
+        self, chunk: TensorBatch, sampler: TokenSampler, max_new: int
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The decode loop over transformers' DynamicCache (grows one column per step)."""
         model = self._model

@@ -131,6 +131,8 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self._options = MegatronOptions()
         # decode by recomputing the sequence each step: it needs nothing of the model but its forward
         self._kv_cache = False
+        self._decoder = None
+        self._graphs_error = None
         self._version = 0
         self._stale = False
         self._user_generates = isinstance(built, GeneratesTokens)

@@ -47,6 +47,11 @@ def sdpa_attention_class() -> type:
             """[sq, b, heads, d] queries and [sk, b, groups, d] keys/values -> [sq, b, heads * d]."""
             if attention_bias is not None or packed_seq_params is not None:
                 raise NotImplementedError("SDPAttention supports neither attention_bias nor packed sequences")
+            cache = getattr(self, "static_cache", None)
+            if cache is not None:  # the rollout's static decode loop (verl_megatron.static_decode)
+                assert attention_mask is not None
+                out: Tensor = cache.attend(query, key, value, attention_mask, self.softmax_scale)
+                return out
             sq, b, heads, d = query.shape
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             rep = heads // k.shape[1]

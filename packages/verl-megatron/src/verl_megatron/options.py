@@ -28,6 +28,12 @@ class MegatronOptions:
             no-op that is still performed and timed).
         rollout_kv_cache: The rollout engine decodes with Megatron's static KV cache (one prefill,
             then one token per step); False recomputes the whole sequence at every step.
+        rollout_static_cache: The rollout engine decodes with its own preallocated KV cache and
+            device-side positions instead of Megatron's inference context
+            (:mod:`verl_megatron.static_decode`): every step has one shape and no host
+            synchronisation. Needs ``attention="sdpa"``.
+        rollout_cuda_graphs: Capture that decode step in a CUDA graph and replay it; needs
+            ``rollout_static_cache=True``, a CUDA device and tp=1.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -48,6 +54,8 @@ class MegatronOptions:
     export_ranks: Literal["all", "first"] = "all"
     during_rollout: Literal["keep", "offload"] = "keep"
     rollout_kv_cache: bool = True
+    rollout_static_cache: bool = False
+    rollout_cuda_graphs: bool = False
     master_weights: bool = True
     optimizer: Literal["torch", "megatron"] = "torch"
     distributed_optimizer: bool = False
@@ -63,6 +71,15 @@ class MegatronOptions:
             )
         if not isinstance(self.rollout_kv_cache, bool):
             raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")
+        for name in ("rollout_static_cache", "rollout_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"megatron option {name} must be True or False, got {getattr(self, name)!r}")
+        if self.rollout_cuda_graphs and not self.rollout_static_cache:
+            raise ConfigError(
+                "megatron option rollout_cuda_graphs needs rollout_static_cache=True (a graph replays one shape)"
+            )
+        if self.rollout_static_cache and self.attention != "sdpa":
+            raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")
         if not isinstance(self.master_weights, bool):
             raise ConfigError(f"megatron option master_weights must be True or False, got {self.master_weights!r}")
         if self.optimizer not in ("torch", "megatron"):

@@ -23,7 +23,6 @@ Semantics shared with the other backends:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Generator, Iterable
 
 import torch
@@ -45,43 +44,17 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.registry import parse_options
+from verl_core.sampling import TokenSampler, sample_seed, uniform_table
 from verl_core.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
 from verl_megatron.plugin import rollout_capabilities
+from verl_megatron.static_decode import StaticDecoder
 from verl_megatron.tokenizer import HFTokenizer
 
-__all__ = ["MegatronRolloutEngine", "build_rollout_engine", "per_sample_seed"]
-
-
-def per_sample_seed(seed: int, group_id: int, sample_index: int) -> int:
-    """Seed of one sample's random stream: 63 bits of a BLAKE2b hash of (seed, group, index)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{seed}:{group_id}:{sample_index}".encode())
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-
-
-def _kept_probs(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
-    """softmax(scaled) with tokens outside the top-k / nucleus set zeroed (not renormalised)."""
-    probs = torch.softmax(scaled, -1)
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        probs = probs.masked_fill(scaled < kth, 0.0)
-    if top_p < 1.0:
-        desc, order = probs.sort(-1, descending=True)
-        mass_before = desc.cumsum(-1) - desc  # the most likely token is always kept
-        keep = mass_before < top_p * desc.sum(-1, keepdim=True)
-        probs = probs * torch.zeros_like(keep).scatter(-1, order, keep)
-    return probs
-
-
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """Token ids where the (unnormalised) CDF of each row first exceeds ``u`` times its total."""
-    cdf = probs.double().cumsum(-1)
-    ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return ids.clamp_max(probs.shape[-1] - 1)
+__all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
 
 
 class MegatronRolloutEngine(RolloutEngine):
@@ -128,6 +101,14 @@ class MegatronRolloutEngine(RolloutEngine):
         self.model.requires_grad_(False)
         self.model.eval()
         self._kv_cache = self._options.rollout_kv_cache
+        if self._options.rollout_cuda_graphs and (self._device.type != "cuda" or self.tp != 1):
+            raise ConfigError(
+                "megatron option rollout_cuda_graphs needs a CUDA device and tp=1, the engine runs on "
+                f"{self._device} with tp={self.tp}; leave it False there (rollout_static_cache alone works anywhere)"
+            )
+        # The static decoder of the last shape and sampling configuration; why graph capture failed.
+        self._decoder: tuple[tuple[object, ...], StaticDecoder] | None = None
+        self._graphs_error: str | None = None
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
@@ -214,7 +195,7 @@ class MegatronRolloutEngine(RolloutEngine):
             s = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(self._device)  # NCCL needs a device tensor
             dist.broadcast(s, src=0)
             seed = int(s)
-        seeds = [per_sample_seed(seed, int(g), int(i))
+        seeds = [sample_seed(seed, int(g), int(i))
                  for g, i in zip(expanded["group_ids"].tolist(), expanded["sample_index"].tolist(), strict=True)]
         ids, mask, lps, truncated = self._decode(expanded.trim(), seeds, params)
         dev = prompts.device
@@ -290,35 +271,31 @@ class MegatronRolloutEngine(RolloutEngine):
     def _decode(self, batch: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rows = batch.batch_size
         dev = self._device
-        pad = self._tokenizer.pad_token_id
-        stops = torch.tensor(sorted({self._tokenizer.eos_token_id, *params.stop_token_ids}), device=dev)
+        stop_ids = sorted({self._tokenizer.eos_token_id, *params.stop_token_ids})
         max_new = params.max_new_tokens
-        # Sample r's uniforms are the first draws of its own generator, drawn once for every step
-        # (the values one draw per step would give), so no step waits for the host.
-        uniforms = None if params.greedy else torch.stack(
-            [torch.rand(max_new, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
-        ).to(dev)
+        uniforms = None if params.greedy else uniform_table(seeds, max_new, dev)
         # Whether every row finished is asked (a host synchronisation) every few steps on a GPU.
         check_every = 8 if dev.type == "cuda" else 1
+        if self._options.rollout_static_cache:
+            decoder = self._static_decoder(batch, params, stop_ids, uniforms)
+            decoder.start(batch.to(dev), uniforms)
+            if self._options.rollout_cuda_graphs and self._graphs_error is None:
+                self._graphs_error = decoder.run_with_graph(check_every=check_every)
+            else:
+                decoder.run(check_every)
+            return decoder.result()
+        sampler = TokenSampler(params, self._tokenizer.pad_token_id, torch.tensor(stop_ids, device=dev), uniforms)
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         out_ids, out_mask, out_lp = [], [], []
-        cached = getattr(self, "_kv_cache", False)
-        steps = (self._cached_logits if cached else self._recomputed_logits)(batch, max_new)
+        steps = (self._cached_logits if self._kv_cache else self._recomputed_logits)(batch, max_new)
         logits = next(steps)
         for t in range(max_new):
-            scaled = logits / params.temperature
-            logp = torch.log_softmax(scaled, -1)
-            if uniforms is None:
-                tok = logits.argmax(-1)
-            else:
-                tok = _inverse_cdf(_kept_probs(scaled, params.top_k, params.top_p), uniforms[:, t])
             alive = ~finished
-            tok = torch.where(alive, tok, torch.full_like(tok, pad))
+            tok, lp, stopped = sampler.step(logits, t, alive)
             out_ids.append(tok)
             out_mask.append(alive)
-            out_lp.append(torch.where(alive, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), 0.0))
-            # A broadcast compare, not torch.isin (which may synchronise with the host).
-            finished = finished | (alive & (tok.unsqueeze(-1) == stops).any(-1))
+            out_lp.append(lp)
+            finished = finished | stopped
             if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             logits = steps.send(tok)
@@ -328,6 +305,41 @@ class MegatronRolloutEngine(RolloutEngine):
         width = max(1, int(mask.any(0).sum()))
         return (torch.stack(out_ids, 1)[:, :width], mask[:, :width], torch.stack(out_lp, 1)[:, :width],
                 ~finished)
+
+    def _static_decoder(self, batch: TensorBatch, params: SamplingParams, stop_ids: list[int],
+                        uniforms: Tensor | None) -> StaticDecoder:
+        """The static decoder for this shape and sampling configuration, reused while they repeat.
+
+        Reuse keeps the caches, the buffers and a captured CUDA graph; it is dropped when the
+        shapes or the sampling configuration change and whenever the parameters no longer live
+        where they did (a graph addresses them directly).
+        """
+        rows, width = batch["prompt_ids"].shape
+        key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p,
+               params.greedy, tuple(stop_ids), uniforms is None)
+        cached = self._decoder
+        if cached is not None and cached[0] == key and cached[1].reusable(self.model):
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        self._decoder = None
+        table = None if uniforms is None else torch.empty_like(uniforms)
+        stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
+        sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, table)
+        decoder = StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device)
+        self._decoder = (key, decoder)
+        return decoder
+
+    @property
+    def decode_mode(self) -> str:
+        """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static`` or ``static+cuda-graphs``."""
+        if not self._options.rollout_static_cache:
+            return "kv-cache" if self._kv_cache else "recompute"
+        if not self._options.rollout_cuda_graphs:
+            return "static"
+        if self._graphs_error is not None:
+            return f"static (CUDA graph capture failed: {self._graphs_error})"
+        return "static+cuda-graphs"
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
@@ -370,6 +382,9 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the model."""
+        if self._decoder is not None:
+            self._decoder[1].close()
+            self._decoder = None
         self.model = None
 
 

@@ -1,0 +1,43 @@
+"""verl_core.sampling: per-sample seeds, uniform tables and one decode step's sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_core import SamplingParams
+from verl_core.sampling import TokenSampler, inverse_cdf, kept_probs, sample_seed, uniform_table
+
+
+def test_seeds_depend_on_seed_group_and_index_only() -> None:
+    base = sample_seed(1, 2, 3)
+    assert base == sample_seed(1, 2, 3) and 0 <= base < 2**63
+    assert len({base, sample_seed(0, 2, 3), sample_seed(1, 3, 3), sample_seed(1, 2, 4)}) == 4
+
+
+def test_uniform_table_rows_are_one_draw_per_step_of_each_sample_s_generator() -> None:
+    seeds = [sample_seed(0, g, 0) for g in range(3)]
+    table = uniform_table(seeds, 5)
+    for row, s in zip(table, seeds, strict=True):
+        g = torch.Generator().manual_seed(s)
+        assert torch.equal(row, torch.stack([torch.rand((), generator=g, dtype=torch.float64) for _ in range(5)]))
+    assert uniform_table([], 4).shape == (0, 4)
+
+
+def test_kept_probs_and_inverse_cdf() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(kept_probs(logits, 0, 1.0), probs)
+    assert (kept_probs(logits, 2, 1.0)[0, 2:] == 0).all() and (kept_probs(logits, 2, 1.0)[0, :2] > 0).all()
+    nucleus = kept_probs(logits, 0, 0.5)  # the top token alone holds 64% of the mass
+    assert (nucleus[0, 1:] == 0).all() and nucleus[0, 0] > 0
+    cdf = probs.cumsum(-1)[0]
+    for i, u in enumerate([0.0, float(cdf[0]) + 1e-6, float(cdf[1]) + 1e-6, 0.999999]):
+        assert int(inverse_cdf(probs, torch.tensor([u]))) == i
+
+
+def test_token_sampler_pads_finished_rows_and_flags_stops() -> None:
+    logits = torch.tensor([[0.0, 5.0, 0.0], [5.0, 0.0, 0.0]])
+    sampler = TokenSampler(SamplingParams(greedy=True), pad=0, stops=torch.tensor([1]), uniforms=None)
+    tok, lp, stopped = sampler.step(logits, 0, torch.tensor([True, False]))
+    assert tok.tolist() == [1, 0] and stopped.tolist() == [True, False]
+    assert float(lp[1]) == 0.0 and float(lp[0]) == float(torch.log_softmax(logits[0], -1)[1])
