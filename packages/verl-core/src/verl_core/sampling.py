@@ -1,25 +1,29 @@
-"""Token sampling shared by rollout engines: per-sample seeds, uniform tables, one decode step.
+"""Token sampling shared by rollout engines: per-sample seeds, uniform tables, one decode step,
+and the static decode loop.
 
 A sample's random stream is fixed by (seed, group id, sample index) (:func:`sample_seed`), so it
 does not depend on the other samples of a batch or their order. Its uniforms are the first draws
 of its own generator (:func:`uniform_table`), and a token is the inverse CDF of the top-k /
 nucleus-restricted distribution at that uniform (:func:`kept_probs`, :func:`inverse_cdf`).
 :class:`TokenSampler` runs one decode step without any host synchronisation, so a whole decode
-step can be captured in a CUDA graph.
+step can be captured in a CUDA graph; :class:`StaticDecodeLoop` is that loop, with an engine's
+model calls left to a subclass.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Final
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import torch
 from torch import Tensor
 
+from verl_core.batch import TensorBatch
 from verl_core.rollout import SamplingParams
 
-__all__ = ["TokenSampler", "inverse_cdf", "kept_probs", "sample_seed", "uniform_table"]
+__all__ = ["StaticDecodeLoop", "TokenSampler", "inverse_cdf", "kept_probs", "sample_seed", "uniform_table"]
 
 _MASK63: Final = (1 << 63) - 1
 
@@ -101,3 +105,147 @@ class TokenSampler:
         # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
         stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
         return tok, torch.where(alive, lp, 0.0), stopped
+
+
+class StaticDecodeLoop:
+    """A decode loop at one shape: output columns, step counters and CUDA-graph replay.
+
+    Every piece of state lives in a preallocated device tensor that a step updates in place (the
+    token to feed, the step index, the finished flags, the output columns, and whatever positions
+    the engine keeps), so one step can be captured in a CUDA graph and replayed. An engine
+    subclasses it with its model calls: :meth:`_prefill` (reset the engine's state, run the
+    prompts, return the first logits) and :meth:`_advance` (feed :attr:`tok`, advance the engine's
+    own positions in place, return the next logits), both without host synchronisation.
+
+    Args:
+        rows: Sequences decoded together.
+        max_new: Most new tokens.
+        sampler: The step's sampling; its uniform table (if any) is refilled by :meth:`start`.
+        device: Where the state lives.
+        model: The module whose parameters a captured graph addresses (see :meth:`reusable`).
+        name: Who decodes, for the capture-failure warning.
+    """
+
+    def __init__(self, rows: int, max_new: int, sampler: TokenSampler, device: torch.device,
+                 model: torch.nn.Module, name: str) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.max_new = max_new
+        self.name = name
+        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=device)
+        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=device)
+        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.tok = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.t = torch.ones(1, dtype=torch.int64, device=device)
+        self.done = 1  # steps whose tokens are in the output columns
+        self.graph: Any = None  # the captured step, replayed by later calls with the same shapes
+        self._params = self._param_ptrs()
+
+    # ------------------------------------------------------------------ the engine's part
+    def _prefill(self, chunk: TensorBatch) -> Tensor:
+        """Reset the engine's state, run ``chunk``'s prompts; float32 logits [rows, vocab] of the first token."""
+        raise NotImplementedError
+
+    def _advance(self) -> Tensor:
+        """Feed :attr:`tok`, advance the engine's positions in place; float32 logits [rows, vocab]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the loop
+    def _param_ptrs(self) -> list[int]:
+        return [p.data_ptr() for p in self.model.parameters()]
+
+    def reusable(self, model: torch.nn.Module) -> bool:
+        """Whether the buffers (and a captured graph) still address ``model``'s live parameters."""
+        return model is self.model and self._param_ptrs() == self._params
+
+    def start(self, chunk: TensorBatch, uniforms: Tensor | None) -> None:
+        """Prefill ``chunk``'s prompts and sample the first token; resets every buffer in place."""
+        if uniforms is not None:
+            assert self.sampler.uniforms is not None
+            self.sampler.uniforms.copy_(uniforms)
+        logits = self._prefill(chunk)
+        self.out_tok.fill_(self.sampler.pad)
+        self.out_mask.zero_()
+        self.out_lp.zero_()
+        self.finished.zero_()
+        self.t.fill_(1)
+        self.done = 1
+        self.tok.copy_(self._sample(logits, 0))
+
+    def _sample(self, logits: Tensor, t: int | Tensor) -> Tensor:
+        alive = ~self.finished
+        tok, lp, stopped = self.sampler.step(logits, t, alive)
+        if isinstance(t, int):
+            self.out_tok[:, t] = tok
+            self.out_mask[:, t] = alive
+            self.out_lp[:, t] = lp
+        else:
+            self.out_tok.index_copy_(1, t, tok.unsqueeze(1))
+            self.out_mask.index_copy_(1, t, alive.unsqueeze(1))
+            self.out_lp.index_copy_(1, t, lp.unsqueeze(1))
+        self.finished |= stopped
+        return tok
+
+    def step(self) -> None:
+        """Feed the last token, sample the next one, advance every counter (all in place)."""
+        self.tok.copy_(self._sample(self._advance(), self.t))
+        self.t.add_(1)
+
+    def _all_finished(self) -> bool:
+        return bool(self.finished.all())
+
+    def run(self, check_every: int = 1) -> None:
+        """Eager steps until every row finished or max_new tokens were drawn."""
+        self._loop(self.step, check_every)
+
+    def _loop(self, advance: Callable[[], None], check_every: int) -> None:
+        """Call ``advance`` (one step) until max_new tokens were drawn or, checked every
+        ``check_every`` steps (each check is a host synchronisation), every row finished.
+        Steps run after the last row finished only add all-padding columns (trimmed)."""
+        while self.done < self.max_new:
+            if self.done % check_every == 0 and self._all_finished():
+                return
+            advance()
+            self.done += 1
+
+    def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
+        """Run a few eager steps, capture one step in a CUDA graph, replay it for the rest.
+
+        Returns:
+            None, or why capture failed (the remaining steps then ran eagerly).
+        """
+        if self.graph is not None:
+            self._loop(self.graph.replay, check_every)
+            return None
+        if self._all_finished():
+            return None
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Warm-up steps are real steps (the library's lazy set-up happens outside capture).
+            for _ in range(min(warmup, self.max_new - self.done)):
+                self.step()
+                self.done += 1
+        torch.cuda.current_stream().wait_stream(side)
+        if self.done >= self.max_new or self._all_finished():
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.step()  # recorded, not run: the replays below run it
+        except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
+            warnings.warn(f"{self.name}: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
+                          "eagerly from now on", RuntimeWarning, stacklevel=2)
+            self.run(check_every)
+            return f"{type(e).__name__}: {e}"
+        self.graph = graph
+        self._loop(graph.replay, check_every)
+        return None
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Output columns trimmed to the steps where any row was alive, and truncated flags."""
+        width = max(1, int(self.out_mask.any(0).sum()))
+        # Copies: the buffers are reused by the next call with the same shapes.
+        return (self.out_tok[:, :width].clone(), self.out_mask[:, :width].clone(),
+                self.out_lp[:, :width].clone(), ~self.finished)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
 from verl_core.registry import parse_options
 from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.sampling import TokenSampler, sample_seed, uniform_table
+from verl_core.sampling import StaticDecodeLoop, TokenSampler, sample_seed, uniform_table
 from verl_core.schema import FIELDS
 from verl_core.training import TrainingEngine
 from verl_core.weights import (
@@ -58,27 +57,23 @@ from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
 
-class _StaticDecoder:
+class _StaticDecoder(StaticDecodeLoop):
     """The decode loop over a preallocated StaticCache, every step at one shape.
 
-    All state lives in preallocated device tensors that :meth:`step` updates in place (the token
-    to feed, its position, the cache slot, the step index, the finished flags and the output
-    columns), so a step can be captured once in a CUDA graph and replayed. The attention mask is
-    built here as a 4D mask over the whole cache (prompt padding and not-yet-written slots
-    masked), which keeps transformers' own mask code (with its host synchronisations) out of the
-    step.
+    Besides the loop's state (:class:`~verl_core.sampling.StaticDecodeLoop`), the position to
+    feed and the cache slot are device tensors updated in place. The attention mask is built here
+    as a 4D mask over the whole cache (prompt padding and not-yet-written slots masked), which
+    keeps transformers' own mask code (with its host synchronisations) out of the step.
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int, *,
                  eager_attention: bool, device: torch.device, step_model: Any = None) -> None:
         from transformers import StaticCache
 
-        self.model = model
+        super().__init__(rows, max_new, sampler, device, model, "hf rollout")
         # What a decode step calls: the model, or a compiled version of it (one shape, so no
         # recompilation while the decoder is reused; the prefill always runs the model itself).
         self.step_model = model if step_model is None else step_model
-        self.sampler = sampler
-        self.max_new = max_new
         self.width = width
         length = width + max_new
         self.cache = StaticCache(config=model.config, max_cache_len=length)
@@ -89,37 +84,16 @@ class _StaticDecoder:
             )
         self.eager_attention = eager_attention
         self.dtype = model.get_input_embeddings().weight.dtype
-        dev = device
-        self.valid = torch.ones(rows, length, dtype=torch.bool, device=dev)
-        self.slots = torch.arange(length, device=dev)
-        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=dev)
-        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=dev)
-        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.slot = torch.full((1,), width, dtype=torch.int64, device=dev)
-        self.t = torch.ones(1, dtype=torch.int64, device=dev)
-        self.done = 1  # steps whose tokens are in the output columns
-        self.graph: Any = None  # the captured step, replayed by later calls with the same shapes
-        self._params = self._param_ptrs()
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+        self.slots = torch.arange(length, device=device)
+        self.pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot = torch.full((1,), width, dtype=torch.int64, device=device)
 
-    def _param_ptrs(self) -> list[int]:
-        return [p.data_ptr() for p in self.model.parameters()]
-
-    def reusable(self, model: Any) -> bool:
-        """Whether the buffers (and a captured graph) still address ``model``'s live parameters."""
-        return model is self.model and self._param_ptrs() == self._params
-
-    def start(self, chunk: TensorBatch, uniforms: Tensor | None) -> None:
-        """Prefill ``chunk``'s prompts and sample the first token; resets every buffer in place."""
+    def _prefill(self, chunk: TensorBatch) -> Tensor:
         ids = chunk["prompt_ids"]
         prompt_mask = chunk["prompt_mask"]
         width = self.width
         dev = ids.device
-        if uniforms is not None:
-            assert self.sampler.uniforms is not None
-            self.sampler.uniforms.copy_(uniforms)
         self.cache.reset()  # type: ignore[no-untyped-call]
         self.valid[:, :width].copy_(prompt_mask)
         pos = position_ids(prompt_mask)
@@ -130,15 +104,10 @@ class _StaticDecoder:
         mask = (self.valid[:, None, :] & causal[None]) | own[None]
         out: Any = self.model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
                               past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.out_tok.fill_(self.sampler.pad)
-        self.out_mask.zero_()
-        self.out_lp.zero_()
-        self.finished.zero_()
-        self.tok.copy_(self._sample(out.logits[:, -1].float(), 0))
         self.pos.copy_(pos[:, -1] + 1)
         self.slot.fill_(width)
-        self.t.fill_(1)
-        self.done = 1
+        logits: Tensor = out.logits[:, -1].float()
+        return logits
 
     def _attention(self, mask: Tensor) -> Tensor:
         """The 4D boolean mask (True = attend) in the form the attention kernel takes."""
@@ -148,90 +117,16 @@ class _StaticDecoder:
             ~mask, torch.finfo(self.dtype).min
         )
 
-    def _sample(self, logits: Tensor, t: int | Tensor) -> Tensor:
-        alive = ~self.finished
-        tok, lp, stopped = self.sampler.step(logits, t, alive)
-        if isinstance(t, int):
-            self.out_tok[:, t] = tok
-            self.out_mask[:, t] = alive
-            self.out_lp[:, t] = lp
-        else:
-            self.out_tok.index_copy_(1, t, tok.unsqueeze(1))
-            self.out_mask.index_copy_(1, t, alive.unsqueeze(1))
-            self.out_lp.index_copy_(1, t, lp.unsqueeze(1))
-        self.finished |= stopped
-        return tok
-
-    def step(self) -> None:
-        """Feed the last token, sample the next one, advance every counter (all in place)."""
+    def _advance(self) -> Tensor:
         mask = self.valid & (self.slots <= self.slot)
         out: Any = self.step_model(
             input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
             position_ids=self.pos.unsqueeze(-1), past_key_values=self.cache, use_cache=True,
         )
-        tok = self._sample(out.logits[:, -1].float(), self.t)
-        self.tok.copy_(tok)
         self.pos.add_(1)
         self.slot.add_(1)
-        self.t.add_(1)
-
-    def _all_finished(self) -> bool:
-        return bool(self.finished.all())
-
-    def run(self, check_every: int = 1) -> None:
-        """Eager steps until every row finished or max_new tokens were drawn."""
-        self._loop(self.step, check_every)
-
-    def _loop(self, advance: Callable[[], None], check_every: int) -> None:
-        """Call ``advance`` (one step) until max_new tokens were drawn or, checked every
-        ``check_every`` steps (each check is a host synchronisation), every row finished.
-        Steps run after the last row finished only add all-padding columns (trimmed)."""
-        while self.done < self.max_new:
-            if self.done % check_every == 0 and self._all_finished():
-                return
-            advance()
-            self.done += 1
-
-    def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
-        """Run a few eager steps, capture one step in a CUDA graph, replay it for the rest.
-
-        Returns:
-            None, or why capture failed (the remaining steps then ran eagerly).
-        """
-        if self.graph is not None:
-            self._loop(self.graph.replay, check_every)
-            return None
-        if self._all_finished():
-            return None
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Warm-up steps are real steps (the library's lazy set-up happens outside capture).
-            for _ in range(min(warmup, self.max_new - self.done)):
-                self.step()
-                self.done += 1
-        torch.cuda.current_stream().wait_stream(side)
-        if self.done >= self.max_new or self._all_finished():
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.step()  # recorded, not run: the replays below run it
-        except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
-            warnings.warn(f"hf rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
-                          "eagerly from now on", RuntimeWarning, stacklevel=2)
-            self.run(check_every)
-            return f"{type(e).__name__}: {e}"
-        self.graph = graph
-        self._loop(graph.replay, check_every)
-        return None
-
-    def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Output columns trimmed to the steps where any row was alive, and truncated flags."""
-        width = max(1, int(self.out_mask.any(0).sum()))
-        # Copies: the buffers are reused by the next call with the same shapes.
-        return (self.out_tok[:, :width].clone(), self.out_mask[:, :width].clone(),
-                self.out_lp[:, :width].clone(), ~self.finished)
+        logits: Tensor = out.logits[:, -1].float()
+        return logits
 
 
 class HFRolloutEngine(RolloutEngine):

@@ -14,8 +14,6 @@ column, RoPE scores depend only on distances, and padding keys are masked.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from verl_core.batch import TensorBatch
-from verl_core.sampling import TokenSampler
+from verl_core.sampling import StaticDecodeLoop, TokenSampler
 
 __all__ = ["LayerCache", "StaticDecoder"]
 
@@ -72,7 +70,7 @@ class LayerCache:
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
 
 
-class StaticDecoder:
+class StaticDecoder(StaticDecodeLoop):
     """Prefill and decode steps of one shape over :class:`LayerCache` s (see the module docstring).
 
     Args:
@@ -86,13 +84,10 @@ class StaticDecoder:
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int,
                  device: torch.device) -> None:
-        self.model = model
-        self.sampler = sampler
-        self.max_new = max_new
+        super().__init__(rows, max_new, sampler, device, model, "megatron rollout")
         self.width = width
         length = width + max_new
-        dev = device
-        self.slot = torch.full((1,), width, dtype=torch.int64, device=dev)
+        self.slot = torch.full((1,), width, dtype=torch.int64, device=device)
         self._where: list[Tensor] = [self.slot]
         self.caches = []
         for name, module in model.named_modules():
@@ -101,21 +96,8 @@ class StaticDecoder:
                 module.static_cache = cache
                 self.caches.append(cache)
         self.freqs: Tensor = model.rotary_pos_emb(length)  # [length, 1, 1, rotary dim]
-        self.valid = torch.ones(rows, length, dtype=torch.bool, device=dev)
-        self.slots = torch.arange(length, device=dev)
-        self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=dev)
-        self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=dev)
-        self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.t = torch.ones(1, dtype=torch.int64, device=dev)
-        self.done = 1  # steps whose tokens are in the output columns
-        self.graph: Any = None
-        self._params = [p.data_ptr() for p in model.parameters()]
-
-    def reusable(self, model: Any) -> bool:
-        """Whether the buffers (and a captured graph) still address ``model``'s live parameters."""
-        return model is self.model and [p.data_ptr() for p in model.parameters()] == self._params
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+        self.slots = torch.arange(length, device=device)
 
     def close(self) -> None:
         """Detach the caches from the model's attention modules."""
@@ -127,7 +109,7 @@ class StaticDecoder:
 
     def _logits(self, tokens: Tensor, masked: Tensor, rotary: Tensor) -> Tensor:
         """Float32 full-vocabulary logits of the last position of ``tokens`` [rows, s]."""
-        m = self.model
+        m: Any = self.model
         positions = torch.zeros_like(tokens)  # unused by rotary models (no learned positions)
         hidden = m.decoder(hidden_states=m.embedding(input_ids=tokens, position_ids=positions),
                            attention_mask=masked, rotary_pos_emb=rotary)
@@ -136,13 +118,9 @@ class StaticDecoder:
         out: Tensor = logits[0].float()
         return out
 
-    def start(self, chunk: TensorBatch, uniforms: Tensor | None) -> None:
-        """Prefill ``chunk``'s prompts and sample the first token; resets every buffer in place."""
+    def _prefill(self, chunk: TensorBatch) -> Tensor:
         ids, prompt_mask = chunk["prompt_ids"], chunk["prompt_mask"]
         width, dev = self.width, ids.device
-        if uniforms is not None:
-            assert self.sampler.uniforms is not None
-            self.sampler.uniforms.copy_(uniforms)
         for cache in self.caches:
             if cache.k is not None and cache.v is not None:
                 cache.k.zero_()
@@ -151,91 +129,16 @@ class StaticDecoder:
         self.valid[:, width:] = True
         q = torch.arange(width, device=dev)
         # A query sees earlier real tokens and itself (a padding query sees only itself).
-        visible = (self.slots[None, :] <= q[:, None])[None] & (self.valid[:, None, :] | (self.slots[None, :] == q[:, None])[None])
-        prefill_slots = torch.arange(width, device=dev)
-        self._where[0] = prefill_slots
+        causal = (self.slots[None, :] <= q[:, None])[None]
+        visible = causal & (self.valid[:, None, :] | (self.slots[None, :] == q[:, None])[None])
+        self._where[0] = q
         logits = self._logits(ids, (~visible)[:, None], self.freqs[:width])
         self._where[0] = self.slot
-        self.out_tok.fill_(self.sampler.pad)
-        self.out_mask.zero_()
-        self.out_lp.zero_()
-        self.finished.zero_()
         self.slot.fill_(width)
-        self.t.fill_(1)
-        self.done = 1
-        self.tok.copy_(self._sample(logits, 0))
+        return logits
 
-    def _sample(self, logits: Tensor, t: int | Tensor) -> Tensor:
-        alive = ~self.finished
-        tok, lp, stopped = self.sampler.step(logits, t, alive)
-        if isinstance(t, int):
-            self.out_tok[:, t] = tok
-            self.out_mask[:, t] = alive
-            self.out_lp[:, t] = lp
-        else:
-            self.out_tok.index_copy_(1, t, tok.unsqueeze(1))
-            self.out_mask.index_copy_(1, t, alive.unsqueeze(1))
-            self.out_lp.index_copy_(1, t, lp.unsqueeze(1))
-        self.finished |= stopped
-        return tok
-
-    def step(self) -> None:
-        """Feed the last token, sample the next one, advance every counter (all in place)."""
+    def _advance(self) -> Tensor:
         masked = ~(self.valid & (self.slots <= self.slot))
         logits = self._logits(self.tok.unsqueeze(-1), masked[:, None, None, :], self.freqs.index_select(0, self.slot))
-        self.tok.copy_(self._sample(logits, self.t))
         self.slot.add_(1)
-        self.t.add_(1)
-
-    def _all_finished(self) -> bool:
-        return bool(self.finished.all())
-
-    def run(self, check_every: int = 1) -> None:
-        """Eager steps until every row finished or max_new tokens were drawn."""
-        self._loop(self.step, check_every)
-
-    def _loop(self, advance: Callable[[], None], check_every: int) -> None:
-        while self.done < self.max_new:
-            if self.done % check_every == 0 and self._all_finished():
-                return
-            advance()
-            self.done += 1
-
-    def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
-        """A few eager steps, one step captured in a CUDA graph, replays for the rest.
-
-        Returns:
-            None, or why capture failed (the remaining steps then ran eagerly).
-        """
-        if self.graph is not None:
-            self._loop(self.graph.replay, check_every)
-            return None
-        if self._all_finished():
-            return None
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(min(warmup, self.max_new - self.done)):
-                self.step()
-                self.done += 1
-        torch.cuda.current_stream().wait_stream(side)
-        if self.done >= self.max_new or self._all_finished():
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.step()
-        except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
-            warnings.warn(f"megatron rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
-                          "eagerly from now on", RuntimeWarning, stacklevel=2)
-            self.run(check_every)
-            return f"{type(e).__name__}: {e}"
-        self.graph = graph
-        self._loop(graph.replay, check_every)
-        return None
-
-    def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Output columns trimmed to the steps where any row was alive, and truncated flags."""
-        width = max(1, int(self.out_mask.any(0).sum()))
-        return (self.out_tok[:, :width].clone(), self.out_mask[:, :width].clone(),
-                self.out_lp[:, :width].clone(), ~self.finished)
+        return logits
