@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from verl_core import SamplingParams
+from verl_core import BatchValidationError, SamplingParams
 from verl_core.sampling import TokenSampler, inverse_cdf, kept_probs, sample_seed, uniform_table
 
 
@@ -41,3 +42,21 @@ def test_token_sampler_pads_finished_rows_and_flags_stops() -> None:
     tok, lp, stopped = sampler.step(logits, 0, torch.tensor([True, False]))
     assert tok.tolist() == [1, 0] and stopped.tolist() == [True, False]
     assert float(lp[1]) == 0.0 and float(lp[0]) == float(torch.log_softmax(logits[0], -1)[1])
+
+
+def test_static_prompt_width_rounds_up_and_pad_prompts_left_pads() -> None:
+    from verl_core import BatchMeta, TensorBatch
+    from verl_core.sampling import PROMPT_WIDTH_MULTIPLE, static_prompt_width
+
+    m = PROMPT_WIDTH_MULTIPLE
+    assert [static_prompt_width(w) for w in (0, 1, m, m + 1)] == [m, m, m, 2 * m]
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    mask = ids != 0
+    b = TensorBatch({"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.arange(2)},
+                    meta=BatchMeta(pad_token_id=0))
+    wide = b.pad_prompts(6)
+    assert wide["prompt_ids"].tolist() == [[0, 0, 0, 5, 6, 7], [0, 0, 0, 0, 8, 9]]
+    assert wide["prompt_mask"].tolist() == [[False] * 3 + [True] * 3, [False] * 4 + [True] * 2]
+    assert torch.equal(wide.trim()["prompt_ids"], ids) and b.pad_prompts(3) is b
+    with pytest.raises(BatchValidationError, match="already 3 wide"):
+        b.pad_prompts(2)

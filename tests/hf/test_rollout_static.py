@@ -232,3 +232,19 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_samples() -> None:
     assert compiled._compiled is not None
     with pytest.raises(ConfigError, match="rollout_compile"):
         engine("llama", rollout_compile=True)
+
+
+def test_prompts_of_other_widths_share_one_static_decoder() -> None:
+    dynamic, static = engine(), engine(rollout_cache="static")
+    params = SamplingParams(n=2, max_new_tokens=6, seed=5)
+    decoders = []
+    for max_prompt in (3, 8, 13):  # trimmed widths differ; all round up to one static width
+        p = random_batch(batch_size=3, max_prompt=max_prompt, max_response=1, seed=max_prompt).select(
+            "prompt_ids", "prompt_mask", "group_ids")
+        got, want = static.generate(p, params), dynamic.generate(p, params)
+        assert torch.equal(got["response_ids"], want["response_ids"])
+        assert torch.equal(got["prompt_ids"], p.repeat_interleave(2)["prompt_ids"]), "the output keeps its prompts"
+        assert_close(got["rollout_log_probs"], want["rollout_log_probs"], dtype="float32", quantity="log_probs")
+        assert static._decoder is not None
+        decoders.append(static._decoder[1])
+    assert decoders[0] is decoders[1] is decoders[2]

@@ -434,6 +434,25 @@ class TensorBatch(Mapping[str, Tensor]):
                     tensors[name] = t[:, :stop]
         return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
 
+    def pad_prompts(self, width: int) -> TensorBatch:
+        """Left-pad every prompt field to ``width`` columns (the pad id, a False mask; the inverse of :meth:`trim`).
+
+        An engine that compiles or captures one program per prompt width pads to a few widths
+        instead of one per batch.
+        """
+        current = next((t.shape[1] for n, t in self._tensors.items() if FIELDS[n].dims[1:] == ("prompt",)), None)
+        if current is None or width <= current:
+            if current is not None and width < current:
+                raise BatchValidationError(f"pad_prompts({width}): the prompts are already {current} wide")
+            return self
+        tensors = dict(self._tensors)
+        for name, t in tensors.items():
+            spec = FIELDS[name]
+            if spec.dims[1:] == ("prompt",):
+                fill = self._meta.pad_token_id if spec.pad_value is None else spec.pad_value
+                tensors[name] = _pad_cols(t, width, left=True, value=fill)
+        return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
+
     def pad_to_multiple(self, divisor: int) -> tuple[TensorBatch, int]:
         """Append padding samples so the batch size divides by ``divisor``.
 

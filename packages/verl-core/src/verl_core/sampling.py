@@ -23,9 +23,26 @@ from torch import Tensor
 from verl_core.batch import TensorBatch
 from verl_core.rollout import SamplingParams
 
-__all__ = ["StaticDecodeLoop", "TokenSampler", "inverse_cdf", "kept_probs", "sample_seed", "uniform_table"]
+__all__ = [
+    "PROMPT_WIDTH_MULTIPLE",
+    "StaticDecodeLoop",
+    "TokenSampler",
+    "inverse_cdf",
+    "kept_probs",
+    "sample_seed",
+    "static_prompt_width",
+    "uniform_table",
+]
 
 _MASK63: Final = (1 << 63) - 1
+
+PROMPT_WIDTH_MULTIPLE: Final = 32
+"""Static decoders left-pad prompts to a multiple of this, so a few shapes serve every batch."""
+
+
+def static_prompt_width(width: int) -> int:
+    """``width`` rounded up to :data:`PROMPT_WIDTH_MULTIPLE` (at least one multiple)."""
+    return max(1, -(-width // PROMPT_WIDTH_MULTIPLE)) * PROMPT_WIDTH_MULTIPLE
 
 
 def sample_seed(seed: int, group_id: int, sample_index: int) -> int:

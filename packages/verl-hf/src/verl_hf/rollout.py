@@ -30,7 +30,13 @@ from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
 from verl_core.registry import parse_options
 from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.sampling import StaticDecodeLoop, TokenSampler, sample_seed, uniform_table
+from verl_core.sampling import (
+    StaticDecodeLoop,
+    TokenSampler,
+    sample_seed,
+    static_prompt_width,
+    uniform_table,
+)
 from verl_core.schema import FIELDS
 from verl_core.training import TrainingEngine
 from verl_core.weights import (
@@ -335,6 +341,9 @@ class HFRolloutEngine(RolloutEngine):
         stop_ids = sorted({self._tokenizer.eos_token_id, *params.stop_token_ids})
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
         if self._options.rollout_cache == "static":
+            # A few prompt widths (extra left padding is masked): one cache, graph and compiled
+            # step serve batches whose prompts differ in length.
+            chunk = chunk.pad_prompts(static_prompt_width(chunk["prompt_ids"].shape[1]))
             decoder = self._static_decoder(chunk, params, stop_ids, uniforms)
             decoder.start(chunk, uniforms)
             if self._options.rollout_cuda_graphs and self._graphs_error is None:

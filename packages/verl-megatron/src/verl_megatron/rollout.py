@@ -44,7 +44,7 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.registry import parse_options
-from verl_core.sampling import TokenSampler, sample_seed, uniform_table
+from verl_core.sampling import TokenSampler, sample_seed, static_prompt_width, uniform_table
 from verl_core.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
@@ -277,6 +277,9 @@ class MegatronRolloutEngine(RolloutEngine):
         # Whether every row finished is asked (a host synchronisation) every few steps on a GPU.
         check_every = 8 if dev.type == "cuda" else 1
         if self._options.rollout_static_cache:
+            # A few prompt widths (extra left padding is masked): one cache and graph serve batches
+            # whose prompts differ in length.
+            batch = batch.pad_prompts(static_prompt_width(batch["prompt_ids"].shape[1]))
             decoder = self._static_decoder(batch, params, stop_ids, uniforms)
             decoder.start(batch.to(dev), uniforms)
             if self._options.rollout_cuda_graphs and self._graphs_error is None:
