@@ -145,3 +145,13 @@ def test_a_stream_between_same_layout_engines_copies_whole_chunks(monkeypatch: p
         assert e.weight_version == 2
     for name, p in actor.model.named_parameters():
         assert torch.equal(dict(other.model.named_parameters())[name], p), name
+
+
+def test_moving_the_actor_drops_and_rebuilds_its_weight_buffer() -> None:
+    actor = nudged_actor(model_path("llama"))
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    old = actor._flat
+    actor._move(actor._device)  # what offload/onload do (each a no-op on a CPU-only machine)
+    assert actor._flat is not None and actor._flat is not old and actor._flat.intact(actor._live_state())
+    for n, p in actor.model.named_parameters():
+        assert torch.equal(p, before[n]), n

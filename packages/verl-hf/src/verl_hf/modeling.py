@@ -8,6 +8,7 @@ preceding token. Log-probs and entropy are computed in float32 from upcast logit
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Collection, Iterator, Mapping
@@ -112,22 +113,24 @@ class FlatParameters:
         """Move ``tensors`` (name -> parameter or buffer, in layout order) into one buffer.
 
         Each tensor's ``.data`` becomes a view of the buffer, so parameter objects (and an
-        optimizer holding them) stay valid. None, changing nothing, when the tensors are not all
-        plain dense tensors of one floating dtype on one device, or share memory.
+        optimizer holding them) stay valid; they may already be views of one buffer (rebuilding
+        after a move). None, changing nothing, when the tensors are not all plain dense tensors of
+        one floating dtype on one device, or two of them overlap in memory.
         """
         items = list(tensors.items())
         if not items:
             return None
         first = items[0][1]
         dtype, device = first.dtype, first.device
-        storages = set()
+        spans = []
         for _, t in items:
             if (type(t) not in (Tensor, nn.Parameter) or t.dtype != dtype or t.device != device
                     or not t.is_floating_point() or t.layout != torch.strided):
                 return None
-            storages.add(t.untyped_storage().data_ptr())
-        if len(storages) != len(items):
-            return None
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        spans.sort()
+        if any(start < end for (_, end), (start, _) in itertools.pairwise(spans)):
+            return None  # two names share memory (tied weights): they cannot have two places
         align = max(1, _ALIGN_BYTES // first.element_size())
         offsets, total = [], 0
         for _, t in items:

@@ -134,7 +134,8 @@ class HFTrainingEngine(TrainingEngine):
             self._grad_scale = float(self._dp.world)
         self._model: Any = model
         # An actor on one device keeps its weights in one buffer, in export order: a rollout
-        # engine with the same layout syncs with one device copy (HFDirectSync).
+        # engine with the same layout syncs with one device copy (HFDirectSync). Dropped while
+        # offloaded, rebuilt on onload.
         self._flat: FlatParameters | None = None
         if spec.role == "actor" and not self._fsdp:
             self._flat = FlatParameters.build(self._live_state())
@@ -577,6 +578,9 @@ class HFTrainingEngine(TrainingEngine):
         self._offloaded = False
 
     def _move(self, device: torch.device) -> None:
+        # The weight buffer would keep the old device's memory alive once the parameters move; it
+        # is rebuilt when they come back.
+        self._flat = None
         self._model.to(device)
         if self._master is not None:
             self._master.to(device)
@@ -587,6 +591,8 @@ class HFTrainingEngine(TrainingEngine):
                         state[k] = v.to(device, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if device == self._device and self._spec.role == "actor" and not self._fsdp:
+            self._flat = FlatParameters.build(self._live_state())
 
     def close(self) -> None:
         """Drop the model and optimizer."""
