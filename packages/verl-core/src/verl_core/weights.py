@@ -234,7 +234,9 @@ def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
     One fused reduction per (device, dtype) and no host synchronisation; non-floating and empty
     tensors count as 0. An entry is finite exactly when its tensor is: NaN and inf propagate, and
     a float64 sum of squares of float32/16 values cannot overflow. None when no tensor is
-    floating and non-empty.
+    floating and non-empty. For checks whose verdict is read after the tensors are gone (deferred
+    stream checks); while they are alive, :func:`all_finite_flag` with :func:`first_non_finite`'s
+    exact fallback is cheaper on CPUs (no float64 conversion: 20% of a CPU sync into vLLM).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):

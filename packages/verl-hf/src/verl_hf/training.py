@@ -426,8 +426,7 @@ class HFTrainingEngine(TrainingEngine):
             self._owners = owners
         return {name: getattr(module, attr) for name, module, attr in self._owners}
 
-    def _full_tensors(self, state: dict[str, Tensor] | None = None) -> Iterator[tuple[str, Tensor]]:
-        state = self._live_state() if state is None else state
+    def _full_tensors(self, state: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
         for name in self._names:
             t = state[name]
             full = getattr(t, "full_tensor", None)
