@@ -234,6 +234,14 @@ HF_DECODE_MODES: dict[str, dict[str, object]] = {
     "static KV cache + torch.compile + CUDA graphs": {"rollout_cache": "static", "rollout_compile": True,
                                                       "rollout_cuda_graphs": True},
 }
+MEGATRON_DECODE_MODES: dict[str, dict[str, object]] = {
+    "Megatron KV cache": {},
+    "static cache": {"rollout_static_cache": True},
+    "static cache + CUDA graphs": {"rollout_static_cache": True, "rollout_cuda_graphs": True},
+    "static cache + torch.compile + CUDA graphs": {"rollout_static_cache": True, "rollout_compile": True,
+                                                   "rollout_cuda_graphs": True},
+}
+DECODE_MODES = {"verl-hf": HF_DECODE_MODES, "verl-megatron": MEGATRON_DECODE_MODES}
 
 
 def plain_generate(model_dir: Path, prompts: TensorBatch, new: int) -> float:
@@ -260,14 +268,9 @@ def generate(model_dir: Path, sz: Sizes) -> None:
     rows.append(("plain generate", plain_generate(model_dir, prompts, new), ""))
     free_memory()
     params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
-    runs: list[tuple[str, dict[str, object]]] = [(f"verl-hf rollout, {k}", v) for k, v in HF_DECODE_MODES.items()]
+    runs = [(f"{who} rollout, {k}", v) for who, modes in DECODE_MODES.items() for k, v in modes.items()]
     if DEVICE != "cuda":
         runs = [r for r in runs if not r[1].get("rollout_cuda_graphs")]
-    runs.append(("verl-megatron rollout", {}))
-    runs.append(("verl-megatron rollout, static cache + CUDA graphs",
-                 {"rollout_static_cache": True, "rollout_cuda_graphs": True}))
-    if DEVICE != "cuda":
-        runs[-1] = ("verl-megatron rollout, static cache", {"rollout_static_cache": True})
     if GENERATORS:
         runs = [r for r in runs if any(g in r[0] for g in GENERATORS)]
     outputs: dict[str, TensorBatch] = {}
@@ -296,13 +299,12 @@ def generate(model_dir: Path, sz: Sizes) -> None:
     for name, tps, mode in rows:
         emit(f"| {name} | {tps:,.0f} | {tps / rows[0][1]:.2f}x | {mode} |")
     # Same seed, same weights: the graph replays the eager step's kernels, so samples should agree.
-    keys = [f"verl-hf rollout, {k}" for k in HF_DECODE_MODES]
-    for other in keys[1:]:
-        if keys[0] in outputs and other in outputs:
-            emit(f"{other} vs {keys[0]}: {agreement(outputs[keys[0]], outputs[other])}")
-    for a, b in itertools.pairwise(keys[1:]):
-        if a in outputs and b in outputs:
-            emit(f"{b} vs {a}: {agreement(outputs[a], outputs[b])}")
+    for who, modes in DECODE_MODES.items():
+        keys = [f"{who} rollout, {k}" for k in modes]
+        pairs = [(keys[0], other) for other in keys[1:]] + list(itertools.pairwise(keys[1:]))
+        for a, b in pairs:
+            if a in outputs and b in outputs:
+                emit(f"{b} vs {a}: {agreement(outputs[a], outputs[b])}")
 
 
 def agreement(a: TensorBatch, b: TensorBatch) -> str:

@@ -218,6 +218,12 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     static_first, static_again = static.generate(prompts, sampled), static.generate(prompts, sampled)
     static_greedy = static.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
     static.close()
+    # the same loop with its decode step compiled (torch.compile; inductor on CPU)
+    compiled = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8, options={
+        "rollout_static_cache": True, "rollout_compile": True}))
+    compiled_first = compiled.generate(prompts, sampled)
+    compiled_mode = compiled.decode_mode
+    compiled.close()
     out: dict[str, Any] = {
         "first": {k: first[k] for k in ("response_ids", "response_mask", "rollout_log_probs", "truncated",
                                          "group_ids", "sample_index")},
@@ -227,6 +233,8 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
         "recompute": {k: plain[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static": {k: static_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static_again_ids": static_again["response_ids"], "static_greedy_ids": static_greedy["response_ids"],
+        "compiled": {k: compiled_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
+        "compiled_mode": compiled_mode,
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,
     }

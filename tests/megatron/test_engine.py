@@ -281,6 +281,19 @@ def test_rollout_static_decode_loop_samples_what_megatron_s_kv_cache_samples(
     assert torch.equal(res["static_greedy_ids"], res["greedy_ids"])
 
 
+@pytest.mark.parametrize("layout", ROLLOUT_LAYOUTS, ids=_id)
+def test_rollout_compiled_decode_step_samples_what_the_eager_step_samples(
+    runs: Any, layout: tuple[int, int, int]
+) -> None:
+    res = runs[layout][0]["rollout"]
+    static, compiled = res["static"], res["compiled"]
+    assert res["compiled_mode"] == "static+compile"
+    assert torch.equal(compiled["response_ids"], static["response_ids"])
+    assert torch.equal(compiled["response_mask"], static["response_mask"])
+    assert_close(compiled["rollout_log_probs"], static["rollout_log_probs"], dtype="float32", quantity="log_probs",
+                 what="compiled vs eager static decode step")
+
+
 def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
     import transformers
 
@@ -302,3 +315,17 @@ def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
                 expected.append(nxt)
                 ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
         assert base["greedy_ids"][b, :n].tolist() == expected
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"rollout_cuda_graphs": True}, "rollout_cuda_graphs needs rollout_static_cache=True"),
+    ({"rollout_compile": True}, "rollout_compile compiles the static decode step"),
+    ({"rollout_static_cache": True, "attention": "local"}, "needs attention='sdpa'"),
+    ({"rollout_static_cache": True, "rollout_compile": "yes"}, "rollout_compile must be True or False"),
+])
+def test_unsupported_rollout_options_are_rejected(options: dict[str, Any], message: str) -> None:
+    from verl_core import ConfigError
+    from verl_megatron.options import MegatronOptions
+
+    with pytest.raises(ConfigError, match=message):
+        MegatronOptions(**options)

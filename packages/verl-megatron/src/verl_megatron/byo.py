@@ -133,6 +133,7 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self._kv_cache = False
         self._decoder = None
         self._graphs_error = None
+        self._compiled = None
         self._version = 0
         self._stale = False
         self._user_generates = isinstance(built, GeneratesTokens)

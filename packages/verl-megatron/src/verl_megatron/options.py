@@ -34,6 +34,10 @@ class MegatronOptions:
             synchronisation. Needs ``attention="sdpa"``.
         rollout_cuda_graphs: Capture that decode step in a CUDA graph and replay it; needs
             ``rollout_static_cache=True``, a CUDA device and tp=1.
+        rollout_compile: Run that decode step's model forward through ``torch.compile``
+            (inductor fuses the per-token elementwise work: norms, rotary embeddings,
+            activations); needs ``rollout_static_cache=True``. Compiled on the first ``generate``
+            of each shape; combines with ``rollout_cuda_graphs``.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -56,6 +60,7 @@ class MegatronOptions:
     rollout_kv_cache: bool = True
     rollout_static_cache: bool = False
     rollout_cuda_graphs: bool = False
+    rollout_compile: bool = False
     master_weights: bool = True
     optimizer: Literal["torch", "megatron"] = "torch"
     distributed_optimizer: bool = False
@@ -71,12 +76,16 @@ class MegatronOptions:
             )
         if not isinstance(self.rollout_kv_cache, bool):
             raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")
-        for name in ("rollout_static_cache", "rollout_cuda_graphs"):
+        for name in ("rollout_static_cache", "rollout_cuda_graphs", "rollout_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"megatron option {name} must be True or False, got {getattr(self, name)!r}")
         if self.rollout_cuda_graphs and not self.rollout_static_cache:
             raise ConfigError(
                 "megatron option rollout_cuda_graphs needs rollout_static_cache=True (a graph replays one shape)"
+            )
+        if self.rollout_compile and not self.rollout_static_cache:
+            raise ConfigError(
+                "megatron option rollout_compile compiles the static decode step; set rollout_static_cache=True as well"
             )
         if self.rollout_static_cache and self.attention != "sdpa":
             raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")

@@ -51,7 +51,7 @@ from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weig
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
 from verl_megatron.plugin import rollout_capabilities
-from verl_megatron.static_decode import StaticDecoder
+from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last_logits
 from verl_megatron.tokenizer import HFTokenizer
 
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
@@ -109,6 +109,8 @@ class MegatronRolloutEngine(RolloutEngine):
         # The static decoder of the last shape and sampling configuration; why graph capture failed.
         self._decoder: tuple[tuple[object, ...], StaticDecoder] | None = None
         self._graphs_error: str | None = None
+        # torch.compile of the decode step's forward (MegatronOptions.rollout_compile), made on first use.
+        self._compiled: StepLogits | None = None
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
@@ -329,20 +331,26 @@ class MegatronRolloutEngine(RolloutEngine):
         table = None if uniforms is None else torch.empty_like(uniforms)
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, table)
-        decoder = StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device)
+        if self._options.rollout_compile and self._compiled is None:
+            self._compiled = compiled_last_logits()
+        decoder = StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device,
+                                step_logits=self._compiled)
         self._decoder = (key, decoder)
         return decoder
 
     @property
     def decode_mode(self) -> str:
-        """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static`` or ``static+cuda-graphs``."""
+        """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static``, ``static+compile``,
+        ``static+cuda-graphs`` or ``static+compile+cuda-graphs`` (and why graphs are not used when
+        capture failed)."""
         if not self._options.rollout_static_cache:
             return "kv-cache" if self._kv_cache else "recompute"
+        base = "static+compile" if self._options.rollout_compile else "static"
         if not self._options.rollout_cuda_graphs:
-            return "static"
+            return base
         if self._graphs_error is not None:
-            return f"static (CUDA graph capture failed: {self._graphs_error})"
-        return "static+cuda-graphs"
+            return f"{base} (CUDA graph capture failed: {self._graphs_error})"
+        return f"{base}+cuda-graphs"
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
@@ -388,6 +396,7 @@ class MegatronRolloutEngine(RolloutEngine):
         if self._decoder is not None:
             self._decoder[1].close()
             self._decoder = None
+        self._compiled = None
         self.model = None
 
 

@@ -14,6 +14,7 @@ column, RoPE scores depend only on distances, and padding keys are masked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,67 @@ from torch import Tensor
 from verl_core.batch import TensorBatch
 from verl_core.sampling import StaticDecodeLoop, TokenSampler
 
-__all__ = ["LayerCache", "StaticDecoder"]
+__all__ = ["LayerCache", "StaticDecoder", "compiled_last_logits", "last_logits"]
+
+StepLogits = Callable[[Any, Tensor, Tensor, Tensor], Tensor]
+
+
+def last_logits(model: Any, tokens: Tensor, masked: Tensor, rotary: Tensor) -> Tensor:
+    """Float32 full-vocabulary logits of the last position of ``tokens`` [rows, s].
+
+    Runs the model's pieces itself (embedding, ``decoder`` with the explicit ``masked``
+    [rows, 1, s, keys] and ``rotary`` embeddings, output layer): the SDPA core attentions read and
+    write their :class:`LayerCache`. A free function, so one ``torch.compile`` of it serves every
+    decoder of an engine (``MegatronOptions.rollout_compile``).
+    """
+    positions = torch.zeros_like(tokens)  # unused by rotary models (no learned positions)
+    hidden = model.decoder(hidden_states=model.embedding(input_ids=tokens, position_ids=positions),
+                           attention_mask=masked, rotary_pos_emb=rotary)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)
+    out: Tensor = logits[0].float()
+    return out
+
+
+def compiled_last_logits() -> StepLogits:
+    """``torch.compile`` of :func:`last_logits` (one shape per decoder, so ``dynamic=False``).
+
+    Two megatron-core helpers stop dynamo, so inside compiled code (only there: eager calls keep
+    Megatron's functions) they are replaced, once per process, by traceable equivalents:
+    ``make_viewless_tensor`` swaps a tensor's ``.data`` (replaced by the identity: whether a
+    tensor is a view only matters to the memory bookkeeping of Megatron's pipeline schedules,
+    which the rollout does not run), and ``get_tensor_model_parallel_group_if_none`` warns when
+    given no group, as ``RowParallelLinear`` does with frozen weights (replaced by the same lookup
+    without the warning).
+    """
+    global _SUBSTITUTED
+    if not _SUBSTITUTED:
+        from megatron.core import parallel_state
+        from megatron.core.utils import (
+            get_tensor_model_parallel_group_if_none,
+            make_viewless_tensor,
+        )
+
+        @torch.compiler.substitute_in_graph(make_viewless_tensor)
+        def _viewless(inp: Tensor, requires_grad: bool, keep_graph: bool) -> Tensor:
+            return inp
+
+        @torch.compiler.substitute_in_graph(get_tensor_model_parallel_group_if_none)
+        def _tp_group(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+            if not torch.distributed.is_initialized():
+                return None
+            if tp_group is not None or not parallel_state.is_initialized():
+                return tp_group
+            if is_expert:
+                return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+            return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+        _SUBSTITUTED = True
+    compiled: StepLogits = torch.compile(last_logits, dynamic=False)
+    return compiled
+
+
+_SUBSTITUTED = False
 
 
 class LayerCache:
@@ -80,11 +141,14 @@ class StaticDecoder(StaticDecodeLoop):
         sampler: The step's sampling (its uniform table is filled by :meth:`start`).
         max_new: Most new tokens.
         device: Where the model lives.
+        step_logits: What a decode step calls instead of :func:`last_logits` (a compiled version
+            of it); the prefill always runs :func:`last_logits`.
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int,
-                 device: torch.device) -> None:
+                 device: torch.device, step_logits: StepLogits | None = None) -> None:
         super().__init__(rows, max_new, sampler, device, model, "megatron rollout")
+        self.step_logits = last_logits if step_logits is None else step_logits
         self.width = width
         length = width + max_new
         self.slot = torch.full((1,), width, dtype=torch.int64, device=device)
@@ -107,17 +171,6 @@ class StaticDecoder(StaticDecodeLoop):
         self.caches.clear()
         self.graph = None
 
-    def _logits(self, tokens: Tensor, masked: Tensor, rotary: Tensor) -> Tensor:
-        """Float32 full-vocabulary logits of the last position of ``tokens`` [rows, s]."""
-        m: Any = self.model
-        positions = torch.zeros_like(tokens)  # unused by rotary models (no learned positions)
-        hidden = m.decoder(hidden_states=m.embedding(input_ids=tokens, position_ids=positions),
-                           attention_mask=masked, rotary_pos_emb=rotary)
-        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)
-        out: Tensor = logits[0].float()
-        return out
-
     def _prefill(self, chunk: TensorBatch) -> Tensor:
         ids, prompt_mask = chunk["prompt_ids"], chunk["prompt_mask"]
         width, dev = self.width, ids.device
@@ -132,13 +185,14 @@ class StaticDecoder(StaticDecodeLoop):
         causal = (self.slots[None, :] <= q[:, None])[None]
         visible = causal & (self.valid[:, None, :] | (self.slots[None, :] == q[:, None])[None])
         self._where[0] = q
-        logits = self._logits(ids, (~visible)[:, None], self.freqs[:width])
+        logits = last_logits(self.model, ids, (~visible)[:, None], self.freqs[:width])
         self._where[0] = self.slot
         self.slot.fill_(width)
         return logits
 
     def _advance(self) -> Tensor:
         masked = ~(self.valid & (self.slots <= self.slot))
-        logits = self._logits(self.tok.unsqueeze(-1), masked[:, None, None, :], self.freqs.index_select(0, self.slot))
+        logits = self.step_logits(self.model, self.tok.unsqueeze(-1), masked[:, None, None, :],
+                                  self.freqs.index_select(0, self.slot))
         self.slot.add_(1)
         return logits
