@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core import BatchValidationError, SamplingParams
-from verl_core.sampling import TokenSampler, inverse_cdf, kept_probs, sample_seed, uniform_table
+from verl_core import BatchValidationError, SamplingParams, TensorBatch
+from verl_core.sampling import (
+    StaticDecodeLoop,
+    StaticDecoders,
+    TokenSampler,
+    inverse_cdf,
+    kept_probs,
+    sample_seed,
+    uniform_table,
+)
 
 
 def test_seeds_depend_on_seed_group_and_index_only() -> None:
@@ -60,3 +68,49 @@ def test_static_prompt_width_rounds_up_and_pad_prompts_left_pads() -> None:
     assert torch.equal(wide.trim()["prompt_ids"], ids) and b.pad_prompts(3) is b
     with pytest.raises(BatchValidationError, match="already 3 wide"):
         b.pad_prompts(2)
+
+
+class _CountingLoop(StaticDecodeLoop):
+    """A decode loop whose logits are the model's bias at every step; counts closes."""
+
+    closed = 0
+
+    def _prefill(self, chunk: TensorBatch) -> torch.Tensor:
+        return self.model.bias.expand(self.out_tok.shape[0], -1).float()
+
+    def _advance(self) -> torch.Tensor:
+        return self.model.bias.expand(self.out_tok.shape[0], -1).float()
+
+    def close(self) -> None:
+        _CountingLoop.closed += 1
+        super().close()
+
+
+def test_static_decoders_reuse_a_decoder_while_shape_sampling_and_parameters_repeat() -> None:
+    model = torch.nn.Linear(1, 5)
+    decoders: StaticDecoders[_CountingLoop] = StaticDecoders()
+    built: list[_CountingLoop] = []
+
+    def build(sampler: TokenSampler) -> _CountingLoop:
+        built.append(_CountingLoop(2, 3, sampler, torch.device("cpu"), model, "test"))
+        return built[-1]
+
+    params = SamplingParams(max_new_tokens=3, seed=1)
+    uniforms = uniform_table([1, 2], 3)
+
+    def get(p: SamplingParams = params, rows: int = 2, width: int = 32) -> _CountingLoop:
+        return decoders.get(model, rows, width, p, [4], uniforms, 0, torch.device("cpu"), build)
+
+    first = get()
+    assert get() is first and len(built) == 1
+    assert first.sampler.uniforms is not None and first.sampler.uniforms is not uniforms  # start() refills a copy
+    assert get(width=64) is not first and _CountingLoop.closed == 1  # the old one closed before the new one
+    assert get(SamplingParams(max_new_tokens=3, seed=1, top_k=2)) is built[-1] and len(built) == 3
+    again = get(SamplingParams(max_new_tokens=3, seed=1, top_k=2))
+    assert again is built[-1] and len(built) == 3
+    with torch.no_grad():
+        model.weight.data = model.weight.data.clone()  # the parameters moved: a graph would read stale memory
+    assert get(SamplingParams(max_new_tokens=3, seed=1, top_k=2)) is not again and len(built) == 4
+    assert decoders.current is built[-1]
+    decoders.clear()
+    assert _CountingLoop.closed == 4 and decoders.current is None

@@ -128,13 +128,13 @@ def test_the_static_decoder_is_reused_while_shapes_and_sampling_repeat() -> None
         want = dynamic.generate(p, seeded)
         assert torch.equal(got["response_ids"], want["response_ids"])
         assert_close(got["rollout_log_probs"], want["rollout_log_probs"], dtype="float32", quantity="log_probs")
-        outs.append((got, static._decoder))
+        outs.append((got, static._decoders.current))
     first, second = outs
-    assert first[1] is not None and first[1][1] is second[1][1], "the second call reuses the decoder"  # type: ignore[index]
+    assert first[1] is not None and first[1] is second[1], "the second call reuses the decoder"
     again = dynamic.generate(prompts(3, seed=1), dataclasses.replace(params, seed=1))
     assert torch.equal(first[0]["response_ids"], again["response_ids"]), "a reused buffer overwrote an output"
     static.generate(prompts(2, seed=1), params)
-    assert static._decoder is not None and static._decoder[1] is not second[1][1]  # type: ignore[index]
+    assert static._decoders.current is not None and static._decoders.current is not second[1]
     # Another sampling configuration builds a new decoder too, with the same samples as the dynamic cache.
     greedy = SamplingParams(max_new_tokens=5, greedy=True)
     assert torch.equal(static.generate(prompts(3, seed=1), greedy)["response_ids"],
@@ -245,6 +245,6 @@ def test_prompts_of_other_widths_share_one_static_decoder() -> None:
         assert torch.equal(got["response_ids"], want["response_ids"])
         assert torch.equal(got["prompt_ids"], p.repeat_interleave(2)["prompt_ids"]), "the output keeps its prompts"
         assert_close(got["rollout_log_probs"], want["rollout_log_probs"], dtype="float32", quantity="log_probs")
-        assert static._decoder is not None
-        decoders.append(static._decoder[1])
+        assert static._decoders.current is not None
+        decoders.append(static._decoders.current)
     assert decoders[0] is decoders[1] is decoders[2]

@@ -7,7 +7,7 @@ of its own generator (:func:`uniform_table`), and a token is the inverse CDF of 
 nucleus-restricted distribution at that uniform (:func:`kept_probs`, :func:`inverse_cdf`).
 :class:`TokenSampler` runs one decode step without any host synchronisation, so a whole decode
 step can be captured in a CUDA graph; :class:`StaticDecodeLoop` is that loop, with an engine's
-model calls left to a subclass.
+model calls left to a subclass, and :class:`StaticDecoders` keeps an engine's decoder for reuse.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,6 +26,7 @@ from verl_core.rollout import SamplingParams
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",
     "StaticDecodeLoop",
+    "StaticDecoders",
     "TokenSampler",
     "inverse_cdf",
     "kept_probs",
@@ -260,9 +261,70 @@ class StaticDecodeLoop:
         self._loop(graph.replay, check_every)
         return None
 
+    def close(self) -> None:
+        """Drop the captured graph (an engine's subclass also frees what it attached to the model)."""
+        self.graph = None
+
     def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Output columns trimmed to the steps where any row was alive, and truncated flags."""
         width = max(1, int(self.out_mask.any(0).sum()))
         # Copies: the buffers are reused by the next call with the same shapes.
         return (self.out_tok[:, :width].clone(), self.out_mask[:, :width].clone(),
                 self.out_lp[:, :width].clone(), ~self.finished)
+
+
+DecoderT = TypeVar("DecoderT", bound=StaticDecodeLoop)
+
+
+class StaticDecoders(Generic[DecoderT]):
+    """An engine's static decoder of the last shape and sampling configuration, reused while they repeat.
+
+    Reuse keeps the preallocated caches, the buffers and a captured CUDA graph. The decoder is
+    rebuilt when the shape or the sampling configuration changes and whenever the model's
+    parameters no longer live where they did (a graph addresses them directly); the old one is
+    closed first, so its memory is free before the new one allocates.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._decoder: DecoderT | None = None
+
+    @property
+    def current(self) -> DecoderT | None:
+        """The kept decoder, if any."""
+        return self._decoder
+
+    def get(self, model: torch.nn.Module, rows: int, width: int, params: SamplingParams, stop_ids: Sequence[int],
+            uniforms: Tensor | None, pad: int, device: torch.device,
+            build: Callable[[TokenSampler], DecoderT]) -> DecoderT:
+        """The decoder for ``rows`` prompts of ``width`` columns sampled with ``params``.
+
+        Args:
+            model: The module the decoder runs (see :meth:`StaticDecodeLoop.reusable`).
+            rows: Sequences decoded together.
+            width: Prompt width.
+            params: The sampling configuration.
+            stop_ids: Token ids that end a response.
+            uniforms: This call's uniform table (None for greedy decoding); only its shape is
+                used here, :meth:`StaticDecodeLoop.start` copies the values.
+            pad: The padding id.
+            device: Where the decoder's state lives.
+            build: Makes a new decoder around a :class:`TokenSampler` whose uniform table
+                :meth:`StaticDecodeLoop.start` refills.
+        """
+        key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.greedy,
+               tuple(stop_ids), uniforms is None)
+        if self._decoder is not None and self._key == key and self._decoder.reusable(model):
+            return self._decoder
+        self.clear()
+        table = None if uniforms is None else torch.empty_like(uniforms)
+        stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=device)
+        decoder = build(TokenSampler(params, pad, stops, table))
+        self._key, self._decoder = key, decoder
+        return decoder
+
+    def clear(self) -> None:
+        """Close and drop the kept decoder (on sleep, offload or close)."""
+        if self._decoder is not None:
+            self._decoder.close()
+        self._key, self._decoder = None, None

@@ -18,6 +18,7 @@ from verl_core.batch import TensorBatch
 from verl_core.byo import GeneratesTokens, generate_with_model, in_memory_spec
 from verl_core.errors import ConfigError
 from verl_core.rollout import SamplingParams
+from verl_core.sampling import StaticDecoders
 from verl_hf.config import HFOptions
 from verl_hf.modeling import position_ids
 from verl_hf.rollout import HFRolloutEngine
@@ -84,6 +85,7 @@ class HFModelRollout(HFRolloutEngine):
         self._weights = None
         self._graphs_error = None
         self._compiled = None
+        self._decoders = StaticDecoders()
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010

@@ -32,6 +32,7 @@ from verl_core.registry import parse_options
 from verl_core.rollout import RolloutEngine, SamplingParams
 from verl_core.sampling import (
     StaticDecodeLoop,
+    StaticDecoders,
     TokenSampler,
     sample_seed,
     static_prompt_width,
@@ -146,9 +147,6 @@ class HFRolloutEngine(RolloutEngine):
         ConfigError: wrong role, parallel sizes other than 1, or a folder that is not a causal LM.
     """
 
-    # The static decoder of the last shape and sampling configuration, kept for reuse (set on use).
-    _decoder: tuple[tuple[object, ...], _StaticDecoder] | None = None
-
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
         if spec.role != "rollout":
             raise ConfigError(f"HFRolloutEngine needs role 'rollout', got {spec.role!r}")
@@ -189,6 +187,8 @@ class HFRolloutEngine(RolloutEngine):
         self._expected: dict[str, TensorInfo] = {}
         # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use.
         self._compiled: Any = None
+        # The static decoder of the last shape and sampling configuration, kept for reuse.
+        self._decoders: StaticDecoders[_StaticDecoder] = StaticDecoders()
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
         self._flat: FlatParameters | None = FlatParameters.build(self._targets())
 
@@ -358,29 +358,19 @@ class HFRolloutEngine(RolloutEngine):
     def _static_decoder(
         self, chunk: TensorBatch, params: SamplingParams, stop_ids: list[int], uniforms: Tensor | None
     ) -> _StaticDecoder:
-        """The static decoder for this shape and sampling configuration, reused while they repeat.
-
-        Reuse keeps the preallocated cache, the buffers and a captured CUDA graph; it is dropped
-        when the shapes or the sampling configuration change, on sleep/wake, and whenever the
-        model's parameters no longer live where they did (a graph addresses them directly).
-        """
+        """The static decoder for this shape and sampling configuration (kept while they repeat;
+        dropped on sleep/wake)."""
         rows, width = chunk["prompt_ids"].shape
-        key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p,
-               params.greedy, tuple(stop_ids), uniforms is None)
-        cached = self._decoder
-        if cached is not None and cached[0] == key and cached[1].reusable(self._model):
-            return cached[1]
-        self._decoder = None  # free the old cache and graph before allocating new ones
-        table = None if uniforms is None else torch.empty_like(uniforms)
-        stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
-        sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, table)
         if self._options.rollout_compile and self._compiled is None:
             self._compiled = torch.compile(self._model, dynamic=False)
-        decoder = _StaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
-                                 eager_attention=self._options.attn_implementation == "eager",
-                                 device=self._device, step_model=self._compiled)
-        self._decoder = (key, decoder)
-        return decoder
+
+        def build(sampler: TokenSampler) -> _StaticDecoder:
+            return _StaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
+                                  eager_attention=self._options.attn_implementation == "eager",
+                                  device=self._device, step_model=self._compiled)
+
+        return self._decoders.get(self._model, rows, width, params, stop_ids, uniforms,
+                                  self._tokenizer.pad_token_id, self._device, build)
 
     def _decode_dynamic(
         self, chunk: TensorBatch, sampler: TokenSampler, max_new: int
@@ -547,7 +537,7 @@ class HFRolloutEngine(RolloutEngine):
         """Move the model to CPU on CUDA (a no-op on CPU)."""
         if self._device.type != "cpu" and not self._asleep:
             self._weights = None
-            self._decoder = None
+            self._decoders.clear()
             self._flat = None
             self._model.to("cpu")
             torch.cuda.empty_cache()
@@ -557,7 +547,7 @@ class HFRolloutEngine(RolloutEngine):
         """Move the model back to its device."""
         if self._asleep:
             self._weights = None
-            self._decoder = None
+            self._decoders.clear()
             self._model.to(self._device)
             self._flat = FlatParameters.build(self._targets())
             self._asleep = False
@@ -566,7 +556,7 @@ class HFRolloutEngine(RolloutEngine):
         """Drop the model."""
         self._compiled = None
         self._weights = None
-        self._decoder = None
+        self._decoders.clear()
         self._model = None
 
 

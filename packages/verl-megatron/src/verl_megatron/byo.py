@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from verl_core import ConfigError, SamplingParams, TensorBatch, Tokenizer
 from verl_core.byo import GeneratesTokens, as_tokenizer, generate_with_model, in_memory_spec
+from verl_core.sampling import StaticDecoders
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.options import MegatronOptions
@@ -131,7 +132,7 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self._options = MegatronOptions()
         # decode by recomputing the sequence each step: it needs nothing of the model but its forward
         self._kv_cache = False
-        self._decoder = None
+        self._decoders = StaticDecoders()
         self._graphs_error = None
         self._compiled = None
         self._version = 0

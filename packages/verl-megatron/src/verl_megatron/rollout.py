@@ -44,7 +44,13 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.registry import parse_options
-from verl_core.sampling import TokenSampler, sample_seed, static_prompt_width, uniform_table
+from verl_core.sampling import (
+    StaticDecoders,
+    TokenSampler,
+    sample_seed,
+    static_prompt_width,
+    uniform_table,
+)
 from verl_core.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
@@ -107,7 +113,7 @@ class MegatronRolloutEngine(RolloutEngine):
                 f"{self._device} with tp={self.tp}; leave it False there (rollout_static_cache alone works anywhere)"
             )
         # The static decoder of the last shape and sampling configuration; why graph capture failed.
-        self._decoder: tuple[tuple[object, ...], StaticDecoder] | None = None
+        self._decoders: StaticDecoders[StaticDecoder] = StaticDecoders()
         self._graphs_error: str | None = None
         # torch.compile of the decode step's forward (MegatronOptions.rollout_compile), made on first use.
         self._compiled: StepLogits | None = None
@@ -313,30 +319,17 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def _static_decoder(self, batch: TensorBatch, params: SamplingParams, stop_ids: list[int],
                         uniforms: Tensor | None) -> StaticDecoder:
-        """The static decoder for this shape and sampling configuration, reused while they repeat.
-
-        Reuse keeps the caches, the buffers and a captured CUDA graph; it is dropped when the
-        shapes or the sampling configuration change and whenever the parameters no longer live
-        where they did (a graph addresses them directly).
-        """
+        """The static decoder for this shape and sampling configuration (kept while they repeat)."""
         rows, width = batch["prompt_ids"].shape
-        key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p,
-               params.greedy, tuple(stop_ids), uniforms is None)
-        cached = self._decoder
-        if cached is not None and cached[0] == key and cached[1].reusable(self.model):
-            return cached[1]
-        if cached is not None:
-            cached[1].close()
-        self._decoder = None
-        table = None if uniforms is None else torch.empty_like(uniforms)
-        stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
-        sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, table)
         if self._options.rollout_compile and self._compiled is None:
             self._compiled = compiled_last_logits()
-        decoder = StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device,
-                                step_logits=self._compiled)
-        self._decoder = (key, decoder)
-        return decoder
+
+        def build(sampler: TokenSampler) -> StaticDecoder:
+            return StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device,
+                                 step_logits=self._compiled)
+
+        return self._decoders.get(self.model, rows, width, params, stop_ids, uniforms, self._tokenizer.pad_token_id,
+                                  self._device, build)
 
     @property
     def decode_mode(self) -> str:
@@ -393,9 +386,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the model."""
-        if self._decoder is not None:
-            self._decoder[1].close()
-            self._decoder = None
+        self._decoders.clear()
         self._compiled = None
         self.model = None
 

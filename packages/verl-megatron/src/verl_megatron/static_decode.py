@@ -169,7 +169,7 @@ class StaticDecoder(StaticDecodeLoop):
             if hasattr(module, "static_cache"):
                 del module.static_cache
         self.caches.clear()
-        self.graph = None
+        super().close()
 
     def _prefill(self, chunk: TensorBatch) -> Tensor:
         ids, prompt_mask = chunk["prompt_ids"], chunk["prompt_mask"]
