@@ -1,12 +1,17 @@
 """One GRPO step on a ~20M-parameter model: time per stage and the SDK's own overhead.
 
     python benchmarks/bench_step.py [--backend hf] [--rollout hf] [--steps 2] [--device cpu]
+        [--size small|gpu] [--dtype float32|bfloat16] [--options ROLE=JSON ...]
 
 Builds a random ~20M-parameter Llama-shaped model (test kit), runs a warm-up step and then
 ``--steps`` measured GRPO steps of 8 prompts x 8 samples with up to 64 new tokens, and prints a
 table: wall seconds per stage, and the SDK overhead = (step time - time inside engine calls) /
 step time (target < 3%). Engine calls are timed by a thin proxy around each engine, so the
 overhead is everything the trainer, HybridPipeline, TensorBatch ops and the scheduler add.
+``--size gpu`` uses the 0.89B Llama shape of the GPU benchmarks (hidden 2048, 16 layers, 16 heads,
+8 KV heads, FFN 5632; the task's 96-symbol vocabulary) with 16 prompts x 8 samples and up to 128
+new tokens; ``--options rollout='{"rollout_cache": "static"}'`` gives a role's engine backend
+options (``backends.options`` of the run config).
 
 When ``trl`` is installed, TRL's GRPOTrainer runs on the same model, batch and lengths in the
 same process and its completion tokens/s is printed beside ours (the ratio is the comparison).
@@ -55,15 +60,31 @@ def _config(args: argparse.Namespace, out: Path) -> Any:
     from verl_core.trainer.config import load_config
 
     return load_config(None, [
-        f"output_dir={json.dumps(str(out))}", "seed=0", f"steps={args.steps + 1}",
-        "model.hidden_size=512", "model.num_layers=6", "model.num_heads=8", "model.num_kv_heads=4",
-        "model.head_dim=64", "model.intermediate_size=1376", "model.vocab_size=96", "model.tied=true",
-        f"model.device={json.dumps(args.device)}",
+        f"output_dir={json.dumps(str(out))}", "seed=0", f"steps={args.steps + 1}", *SIZES[args.size],
+        "model.vocab_size=96", f"model.device={json.dumps(args.device)}", f"model.dtype={json.dumps(args.dtype)}",
         "task.name=copy", "task.digits=3", f"backends.actor={args.backend}", f"backends.rollout={args.rollout}",
-        "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0",
-        "rollout.n=8", "rollout.max_new_tokens=64", "batch.prompts_per_step=8",
+        "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0", "rollout.n=8",
         "logging.progress=false", "logging.plot=false", "logging.jsonl=false", "checkpoint.final=false",
+        *(f"backends.options.{role}.{k}={json.dumps(v)}" for role, opts in args.options for k, v in opts.items()),
     ])
+
+
+SIZES = {
+    "small": ["model.hidden_size=512", "model.num_layers=6", "model.num_heads=8", "model.num_kv_heads=4",
+              "model.head_dim=64", "model.intermediate_size=1376", "model.tied=true",
+              "rollout.max_new_tokens=64", "batch.prompts_per_step=8"],
+    "gpu": ["model.hidden_size=2048", "model.num_layers=16", "model.num_heads=16", "model.num_kv_heads=8",
+            "model.head_dim=128", "model.intermediate_size=5632", "model.tied=false",
+            "rollout.max_new_tokens=128", "batch.prompts_per_step=16"],
+}
+
+
+def _role_options(text: str) -> tuple[str, dict[str, Any]]:
+    role, sep, raw = text.partition("=")
+    options = json.loads(raw) if sep else None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"--options takes ROLE=JSON-object, got {text!r}")
+    return role, options
 
 
 def bench_sdk(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,13 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout", default="hf", help="rollout backend (default hf; vllm when installed)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--options", nargs="*", type=_role_options, default=[], metavar="ROLE=JSON",
+                        help="backend options of a role's engine, e.g. rollout='{\"rollout_cache\": \"static\"}'")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     res = bench_sdk(args)
-    print(f"GRPO step, {res['params'] / 1e6:.1f}M-parameter model, 8 prompts x 8 samples, <= 64 new tokens, "
-          f"backends actor={args.backend} rollout={args.rollout}, {res['steps']} measured step(s)")
+    cfg = _config(args, Path("unused"))
+    print(f"GRPO step, {res['params'] / 1e6:.1f}M-parameter model, {cfg.batch.prompts_per_step} prompts x "
+          f"{cfg.rollout.n} samples, <= {cfg.rollout.max_new_tokens} new tokens, {args.dtype} on {args.device}, "
+          f"backends actor={args.backend} rollout={args.rollout} {dict(args.options) or ''}, "
+          f"{res['steps']} measured step(s)")
     print(f"{'stage':<22}{'seconds/step':>14}{'share':>9}")
     per = res["steps"]
     for name, sec in sorted(res["stages"].items(), key=lambda kv: -kv[1]):

@@ -149,3 +149,21 @@ def test_verl_train_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # a bad key is reported with its name and exits 2
     assert main(["train", "rollout.temprature=1"]) == 2
     assert "rollout.temprature" in capsys.readouterr().err
+
+
+def test_backend_options_reach_each_role_s_engine(tmp_path: Path) -> None:
+    from verl_core.errors import ConfigError
+
+    plain = run(config(tmp_path / "plain", "steps=2"))
+    cfg = config(tmp_path / "static", "steps=2", 'backends.options.rollout.rollout_cache="static"')
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        assert trainer.rollout.decode_mode == "static"  # type: ignore[attr-defined]
+        static = trainer.train()
+    # the static KV cache samples what the dynamic one samples (float32), so the runs agree
+    assert [m["reward/mean"] for m in static] == [m["reward/mean"] for m in plain]
+    bad = config(tmp_path / "bad", "steps=1", "backends.options.rollout.rollout_cach=1")
+    with Trainer(bad) as trainer, pytest.raises(ConfigError, match="rollout_cach"):
+        trainer.setup()
+    with pytest.raises(ConfigError, match="roles: actor, rollout"):
+        config(tmp_path / "role", "backends.options.policy.lr=1")

@@ -112,6 +112,10 @@ class BackendsConfig:
         reference: Backend of the frozen reference policy (used when the algorithm needs KL).
         critic: Backend of the value model (used when the algorithm needs values).
         reward: ``rule`` (the task's exact-match reward) or a backend with a reward-model engine.
+        options: Backend options per role: a table for each of ``actor``, ``rollout``,
+            ``reference``, ``critic`` and ``reward``, given to that role's engine as
+            ``EngineSpec.options`` and validated by its backend when the engine is built (e.g.
+            ``backends.options.rollout.rollout_cache = "static"`` for the hf rollout).
     """
 
     actor: str = "hf"
@@ -119,6 +123,15 @@ class BackendsConfig:
     reference: str = "hf"
     critic: str = "hf"
     reward: str = "rule"
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        roles = ("actor", "rollout", "reference", "critic", "reward")
+        for role, table in self.options.items():
+            if role not in roles:
+                raise ConfigError(f"backends.options has a table for {role!r}; roles: {', '.join(roles)}")
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"backends.options.{role} must be a table of backend options, got {table!r}")
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,7 @@ class Trainer:
         return EngineSpec(
             model_path=path, role=role,  # type: ignore[arg-type]
             dtype=m.dtype, device=m.device, seed=self.config.seed,
+            options=dict(self.config.backends.options.get(role, {})),
             max_prompt_len=self.task.max_prompt_len(), max_response_len=self.config.rollout.max_new_tokens,
             **kwargs,
         )
