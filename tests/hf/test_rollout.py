@@ -184,3 +184,32 @@ def test_eos_ends_the_response_and_is_kept() -> None:
     assert out["response_ids"].tolist() == [[eos], [eos]]
     assert bool(out["response_mask"].all()) and not bool(out["truncated"].any())
     assert bool((out["rollout_log_probs"] < 0).all())
+
+
+def test_the_kv_cache_keyword_follows_the_model_s_forward() -> None:
+    """transformers >= 5.2x renamed ``past_key_values`` to ``cache``; the engine passes what the forward takes."""
+    import inspect
+    from typing import Any
+
+    import transformers
+
+    from verl_hf.modeling import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids: Any = None, cache: Any = None, use_cache: bool = False) -> Any:
+            return None
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: Any = None, past_key_values: Any = None, use_cache: bool = False) -> Any:
+            return None
+
+    class Loose(torch.nn.Module):
+        def forward(self, **kwargs: Any) -> Any:
+            return None
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(Loose()) == "past_key_values"
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32))
+    assert cache_keyword(llama) in inspect.signature(llama.forward).parameters  # the installed release's name

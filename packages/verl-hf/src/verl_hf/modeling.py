@@ -8,6 +8,7 @@ preceding token. Log-probs and entropy are computed in float32 from upcast logit
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import os
@@ -27,6 +28,7 @@ __all__ = [
     "GROUPED_SDPA",
     "FlatParameters",
     "ModelKind",
+    "cache_keyword",
     "disable_dropout",
     "export_order",
     "grouped_decode_sdpa",
@@ -359,3 +361,14 @@ def token_outputs(
         ent = -(logp.exp() * logp).sum(-1)
         result["entropy"] = torch.where(rmask, ent, 0.0)
     return result
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword a causal LM's forward takes its KV cache by, and the attribute its output
+    returns it in: ``cache`` (transformers >= 5.2x, where ``past_key_values`` is deprecated) or
+    ``past_key_values`` (earlier releases, and models whose forward names no ``cache``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"

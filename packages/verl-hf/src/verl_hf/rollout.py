@@ -55,6 +55,7 @@ from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.modeling import (
     FlatParameters,
+    cache_keyword,
     export_order,
     load_model,
     position_ids,
@@ -83,6 +84,7 @@ class _StaticDecoder(StaticDecodeLoop):
         self.step_model = model if step_model is None else step_model
         self.width = width
         length = width + max_new
+        self.cache_kw = cache_keyword(model)
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         if any(bool(getattr(layer, "is_sliding", False)) for layer in self.cache.layers):
             raise ConfigError(
@@ -110,7 +112,7 @@ class _StaticDecoder(StaticDecodeLoop):
         own = self.slots[None, :] == torch.arange(width, device=dev)[:, None]
         mask = (self.valid[:, None, :] & causal[None]) | own[None]
         out: Any = self.model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
-                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                              use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.pos.copy_(pos[:, -1] + 1)
         self.slot.fill_(width)
         logits: Tensor = out.logits[:, -1].float()
@@ -128,7 +130,7 @@ class _StaticDecoder(StaticDecodeLoop):
         mask = self.valid & (self.slots <= self.slot)
         out: Any = self.step_model(
             input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
-            position_ids=self.pos.unsqueeze(-1), past_key_values=self.cache, use_cache=True,
+            position_ids=self.pos.unsqueeze(-1), use_cache=True, **{self.cache_kw: self.cache},
         )
         self.pos.add_(1)
         self.slot.add_(1)
@@ -383,7 +385,8 @@ class HFRolloutEngine(RolloutEngine):
         attn = chunk["prompt_mask"].long()
         pos = position_ids(attn)
         out: Any = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
+        cache_kw = cache_keyword(model)
+        past = getattr(out, cache_kw)
         logits = out.logits[:, -1].float()
         cur = pos[:, -1]
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
@@ -403,9 +406,9 @@ class HFRolloutEngine(RolloutEngine):
             cur = cur + 1
             out = model(
                 input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=cur.unsqueeze(-1),
-                past_key_values=past, use_cache=True,
+                use_cache=True, **{cache_kw: past},
             )
-            past = out.past_key_values
+            past = getattr(out, cache_kw)
             logits = out.logits[:, -1].float()
         return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1), ~finished
 
