@@ -2,7 +2,7 @@
 
 Usage: ``python tests/hf/gpu_smoke.py OUT_DIR``. Checks on ``cuda``: log-probs against the float64
 reference, a float32 and a bfloat16 training step, offload/onload round trip, rollout log-probs
-against the actor after a weight sync, and, with two or more GPUs, two-rank FSDP2 over NCCL
+against the actor after a weight sync, the rollout's sleep/wake round trip, and, with two or more GPUs, two-rank FSDP2 over NCCL
 against one process. Prints one line per check and writes the lines to ``OUT_DIR/gpu_smoke.txt``.
 """
 
@@ -86,6 +86,24 @@ def main() -> None:
         lp2 = actor.forward(gen)["log_probs"]
         assert_close(gen["rollout_log_probs"], lp2, dtype="float32", quantity="log_probs")
         report("cuda rollout log-probs == actor after sync", True, f"weight_version {rollout.weight_version}")
+        # sleep/wake of a rollout whose weights live in one buffer (untied): pinned host memory and back
+        untied = str(build_tiny_model(tmp / "untied", TinyModelSpec(arch="llama")))
+        slept_engine = HFRolloutEngine(EngineSpec(model_path=untied, role="rollout", device="cuda",
+                                                  max_response_len=16, options={"rollout_cache": "static"}))
+        params = SamplingParams(n=2, max_new_tokens=8, seed=0)
+        first = slept_engine.generate(prompts, params)
+        weights = {n: p.detach().clone() for n, p in slept_engine.model.named_parameters()}
+        awake = torch.cuda.memory_allocated()
+        for _ in range(2):  # the second sleep reuses the pinned buffer
+            slept_engine.sleep()
+            asleep = torch.cuda.memory_allocated()
+            slept_engine.wake()
+        again = slept_engine.generate(prompts, params)
+        restored = all(p.is_cuda and torch.equal(p, weights[n]) for n, p in slept_engine.model.named_parameters())
+        report("rollout sleep frees device memory, wake restores the one-buffer weights",
+               restored and asleep < awake and slept_engine._flat is not None
+               and torch.equal(first["response_ids"], again["response_ids"]),
+               f"allocated {awake} -> {asleep} bytes; same samples after wake")
         bf = HFTrainingEngine(EngineSpec(model_path=path, role="actor", device="cuda", dtype="bfloat16",
                                          optim=OptimConfig(lr=1e-2, grad_clip=1.0), micro_batch_size=2))
         lpb = bf.forward(batch)

@@ -155,3 +155,30 @@ def test_moving_the_actor_drops_and_rebuilds_its_weight_buffer() -> None:
     assert actor._flat is not None and actor._flat is not old and actor._flat.intact(actor._live_state())
     for n, p in actor.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_a_weight_buffer_moves_in_one_copy_and_the_parameters_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the rollout's sleep and wake do on CUDA (into pinned host memory and back; each a no-op
+    on a CPU-only machine): FlatParameters.moved re-homes every parameter into the new buffer."""
+    path = model_path("llama")
+    actor, engine = nudged_actor(path), rollout(path)
+    old = engine._flat
+    assert old is not None
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    targets = engine._targets()
+    into = torch.full_like(old.buffer, float("nan"))
+    moved = old.moved(targets, into)
+    assert moved.buffer is into and moved.intact(engine._targets()) and moved.same_layout(old)
+    base = into.data_ptr()
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert base <= p.data_ptr() < base + into.numel() * into.element_size(), f"{n} is not a view of the new buffer"
+    old.buffer.fill_(float("nan"))  # the old buffer is no longer read
+    assert all(bool(p.isfinite().all()) for p in engine.model.parameters())
+    with pytest.raises(ValueError, match="1-D torch.float32 buffer"):
+        moved.moved(targets, torch.empty(3))
+    engine._flat = moved  # the direct sync still takes the one-copy path with the moved layout
+    monkeypatch.setattr(HFRolloutEngine, "_load_local", lambda *a, **k: pytest.fail("took the per-tensor path"))
+    HFDirectSync().sync(actor, engine, version=1)
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(dict(engine.model.named_parameters())[name], p), name

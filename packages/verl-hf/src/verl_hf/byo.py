@@ -87,6 +87,7 @@ class HFModelRollout(HFRolloutEngine):
         self._compiled = None
         self._decoders = StaticDecoders()
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
+        self._host = None
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010
         self._user_generates = isinstance(model, GeneratesTokens)

@@ -193,6 +193,8 @@ class HFRolloutEngine(RolloutEngine):
         self._decoders: StaticDecoders[_StaticDecoder] = StaticDecoders()
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
         self._flat: FlatParameters | None = FlatParameters.build(self._targets())
+        # Pinned host memory the weight buffer sleeps in (allocated on the first sleep, then reused).
+        self._host: Tensor | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -537,22 +539,38 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Move the model to CPU on CUDA (a no-op on CPU)."""
+        """Move the model to CPU on CUDA, freeing its device memory (a no-op on CPU).
+
+        The weight buffer goes in one copy into pinned host memory that is kept for the next
+        sleep (what a colocated trainer does every step); whatever is not in the buffer moves
+        with ``Module.to``.
+        """
         if self._device.type != "cpu" and not self._asleep:
             self._weights = None
             self._decoders.clear()
-            self._flat = None
+            targets = self._targets()
+            if self._flat is not None and self._flat.intact(targets):
+                host = self._host
+                if host is None or host.numel() != self._flat.buffer.numel() or host.dtype != self._flat.buffer.dtype:
+                    host = self._host = torch.empty_like(self._flat.buffer, device="cpu", pin_memory=True)
+                self._flat = self._flat.moved(targets, host)
+            else:
+                self._flat = None
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = self._device.type != "cpu"
 
     def wake(self) -> None:
-        """Move the model back to its device."""
+        """Move the model back to its device (the weight buffer in one copy)."""
         if self._asleep:
             self._weights = None
             self._decoders.clear()
+            targets = self._targets()
+            flat = self._flat if self._flat is not None and self._flat.intact(targets) else None
+            if flat is not None:
+                flat = flat.moved(targets, torch.empty_like(flat.buffer, device=self._device))
             self._model.to(self._device)
-            self._flat = FlatParameters.build(self._targets())
+            self._flat = flat if flat is not None else FlatParameters.build(self._targets())
             self._asleep = False
 
     def close(self) -> None:
@@ -560,6 +578,7 @@ class HFRolloutEngine(RolloutEngine):
         self._compiled = None
         self._weights = None
         self._decoders.clear()
+        self._host = None
         self._model = None
 
 
