@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 _TIMED = {"generate", "forward", "forward_backward", "optimizer_step", "score", "update_weights",
-          "export_weights", "save_checkpoint"}
+          "export_weights", "save_checkpoint", "sleep", "wake"}
 
 
 class _Timed:

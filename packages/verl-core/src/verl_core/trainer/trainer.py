@@ -421,8 +421,10 @@ class Trainer:
         t_step = time.perf_counter()
         params = self.sampling_params()
         res = self._pipeline().run(prompts=self.prompts(self.step))
-        self.rollout.sleep()
+        t = time.perf_counter()
+        self.rollout.sleep()  # frees the rollout's device memory for the update (woken by the weight sync)
         timings: dict[str, float] = dict(res.timings)
+        timings["time/rollout_sleep"] = time.perf_counter() - t
         samples: TensorBatch = res["samples"]
         batch: TensorBatch = res["batch"]
         metrics: dict[str, Any] = {"step": self.step + 1}
