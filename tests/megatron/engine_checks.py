@@ -218,12 +218,17 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     static_first, static_again = static.generate(prompts, sampled), static.generate(prompts, sampled)
     static_greedy = static.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
     static.close()
-    # the same loop with its decode step compiled (torch.compile; inductor on CPU)
-    compiled = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8, options={
-        "rollout_static_cache": True, "rollout_compile": True}))
-    compiled_first = compiled.generate(prompts, sampled)
-    compiled_mode = compiled.decode_mode
-    compiled.close()
+    # the same loop with its decode step compiled (torch.compile; inductor on CPU), at TP=2 only
+    # (where the tensor-parallel group lookup inside compiled code matters; each compile costs seconds)
+    compiled_out: dict[str, Any] | None = None
+    if par.tp == 2:
+        compiled = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
+                                                             options={"rollout_static_cache": True,
+                                                                      "rollout_compile": True}))
+        got = compiled.generate(prompts, sampled)
+        compiled_out = {k: got[k] for k in ("response_ids", "response_mask", "rollout_log_probs")}
+        compiled_out["mode"] = compiled.decode_mode
+        compiled.close()
     out: dict[str, Any] = {
         "first": {k: first[k] for k in ("response_ids", "response_mask", "rollout_log_probs", "truncated",
                                          "group_ids", "sample_index")},
@@ -233,8 +238,7 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
         "recompute": {k: plain[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static": {k: static_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static_again_ids": static_again["response_ids"], "static_greedy_ids": static_greedy["response_ids"],
-        "compiled": {k: compiled_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
-        "compiled_mode": compiled_mode,
+        "compiled": compiled_out,
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,
     }

@@ -281,13 +281,13 @@ def test_rollout_static_decode_loop_samples_what_megatron_s_kv_cache_samples(
     assert torch.equal(res["static_greedy_ids"], res["greedy_ids"])
 
 
-@pytest.mark.parametrize("layout", ROLLOUT_LAYOUTS, ids=_id)
+@pytest.mark.parametrize("layout", [lay for lay in ROLLOUT_LAYOUTS if lay[0] == 2], ids=_id)
 def test_rollout_compiled_decode_step_samples_what_the_eager_step_samples(
     runs: Any, layout: tuple[int, int, int]
 ) -> None:
     res = runs[layout][0]["rollout"]
     static, compiled = res["static"], res["compiled"]
-    assert res["compiled_mode"] == "static+compile"
+    assert compiled is not None and compiled["mode"] == "static+compile"
     assert torch.equal(compiled["response_ids"], static["response_ids"])
     assert torch.equal(compiled["response_mask"], static["response_mask"])
     assert_close(compiled["rollout_log_probs"], static["rollout_log_probs"], dtype="float32", quantity="log_probs",
