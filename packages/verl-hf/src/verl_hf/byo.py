@@ -33,8 +33,9 @@ class HFModelRollout(HFRolloutEngine):
     Args:
         model: A transformers causal LM (``*ForCausalLM``: forward with ``input_ids``,
             ``attention_mask``, ``position_ids``, ``past_key_values`` (or ``cache``, as newer
-            transformers name it), ``use_cache``, returning ``logits``), on the device it should run on. The engine shares it (no copy): it puts it
-            in eval mode, decodes without gradients, and ``update_weights`` writes into it.
+            transformers name it), ``use_cache``, returning ``logits``), on the device it should
+            run on. The engine shares it (no copy): it puts it in eval mode, decodes without
+            gradients, and ``update_weights`` writes into it.
         tokenizer: Its transformers tokenizer (or an :class:`~verl_hf.tokenizer.HFTokenizer`).
         seed: Seed recorded in the spec (sampling seeds come from ``SamplingParams.seed``).
         max_prompt_len: Longest prompt accepted.
