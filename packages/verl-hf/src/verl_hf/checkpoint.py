@@ -18,8 +18,8 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.errors import ConfigError
-from verl_core.trainer.reliability import fsync_dir
+from verl_core.checkpoint import fsync_dir
+from verl_core.errors import CheckpointError, ConfigError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -29,6 +29,7 @@ __all__ = [
     "get_rng_state",
     "new_state_name",
     "set_rng_state",
+    "verify_rng_state",
 ]
 
 CHECKPOINT_FORMAT: Final = "verl_hf.checkpoint/1"
@@ -102,6 +103,27 @@ def get_rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def verify_rng_state(state: Any, checkpoint: Path) -> None:
+    """Check that ``state`` is what :func:`get_rng_state` returned, so :func:`set_rng_state` cannot fail.
+
+    Raises:
+        CheckpointError: the state is not a dict with a torch generator state like this process's
+            and a Python ``random`` state; the message names the checkpoint.
+    """
+    live = torch.get_rng_state()
+    saved = state.get("torch") if isinstance(state, dict) else None
+    py = state.get("python") if isinstance(state, dict) else None
+    if not (
+        isinstance(saved, torch.Tensor) and saved.dtype == live.dtype and saved.shape == live.shape
+        and isinstance(py, tuple | list) and len(py) == 3 and isinstance(py[1], tuple | list)
+        and len(py[1]) == len(random.getstate()[1])
+    ):
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: the RNG state is not a torch and Python generator state "
+            f"(torch: uint8 tensor of shape {tuple(live.shape)}); the file is corrupted or foreign"
+        )
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

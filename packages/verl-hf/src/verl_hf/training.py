@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from verl_core.batch import BatchMeta, TensorBatch
 from verl_core.capabilities import TrainingCapabilities
+from verl_core.checkpoint import verify_step_count, verify_tensors
 from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError
+from verl_core.errors import CheckpointError, ConfigError
 from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import (
@@ -511,20 +512,30 @@ class HFTrainingEngine(TrainingEngine):
         self._dp.barrier()
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore the state :meth:`save_checkpoint` committed under ``path`` exactly."""
+        """Restore the state :meth:`save_checkpoint` committed under ``path`` exactly.
+
+        Every file is read and every tensor checked against the live engine before anything is
+        restored: model tensors by name, shape and dtype; float32 masters and Adam moments by
+        name and shape (moments may come in another floating dtype: a checkpoint of a run
+        without masters restores into one with them); step counters and the RNG state by form.
+        A refused load leaves the engine as it was.
+
+        Raises:
+            ConfigError: ``path`` holds no committed checkpoint.
+            CheckpointError: the checkpoint does not fit this engine (a tensor missing,
+                unexpected or of another shape or dtype, optimizer state for other parameters,
+                a broken step counter or RNG state); the message names the tensor, what was
+                saved, what this engine expects and the checkpoint folder.
+        """
         self._require_onloaded("HFTrainingEngine.load_checkpoint")
         state_dir = ckpt.current_state_dir(path)
         weights = load_file(str(state_dir / "model.safetensors"))
-        missing = set(self._names) - set(weights)
-        unexpected = set(weights) - set(self._names)
-        if missing or unexpected:
-            raise ConfigError(
-                f"checkpoint {str(state_dir)!r} does not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}; load it into an engine of the same model"
-            )
         trainer = torch.load(state_dir / "trainer_state.pt", map_location="cpu", weights_only=True)
-        if trainer.get("format") != ckpt.CHECKPOINT_FORMAT:
-            raise ConfigError(f"{str(state_dir)!r} is not a {ckpt.CHECKPOINT_FORMAT} checkpoint")
+        rng_file = state_dir / f"rng_rank{self._dp.rank}.pt"
+        if not rng_file.exists():
+            rng_file = state_dir / "rng_rank0.pt"
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        self._verify_checkpoint(state_dir, weights, trainer, rng)
         if self._fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -554,10 +565,85 @@ class HFTrainingEngine(TrainingEngine):
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
         self._step = int(trainer["step"])
-        rng_file = state_dir / f"rng_rank{self._dp.rank}.pt"
-        if not rng_file.exists():
-            rng_file = state_dir / "rng_rank0.pt"
-        ckpt.set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        ckpt.set_rng_state(rng)
+
+    def _verify_checkpoint(self, folder: Path, weights: dict[str, Tensor], trainer: Any, rng: Any) -> None:
+        """Refuse a checkpoint that does not fit this engine (see :meth:`load_checkpoint`); copies nothing."""
+        if not isinstance(trainer, dict) or trainer.get("format") != ckpt.CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: trainer_state.pt is not a {ckpt.CHECKPOINT_FORMAT} state; "
+                "load a checkpoint written by HFTrainingEngine.save_checkpoint"
+            )
+        live = self._live_state()
+        verify_tensors(weights, {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in live.items()}, checkpoint=folder)
+        verify_step_count(trainer.get("step"), name="step", checkpoint=folder)
+        trainable = [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
+        masters = trainer.get("master_weights")
+        if masters is not None:
+            if not isinstance(masters, list | tuple):
+                raise CheckpointError(
+                    f"checkpoint {str(folder)!r}: the float32 masters are a {type(masters).__name__}, not a "
+                    "list of tensors; the file is corrupted or foreign"
+                )
+            labels = [n for n, _ in trainable] + [f"#{i}" for i in range(len(trainable), len(masters))]
+            verify_tensors(
+                dict(zip(labels, masters, strict=False)),
+                {n: TensorInfo(tuple(p.shape), torch.float32) for n, p in trainable},
+                checkpoint=folder, what="float32 master",
+            )
+        if self._optimizer is not None and trainer.get("optimizer") is not None:
+            self._verify_optimizer_state(folder, trainer["optimizer"], [n for n, _ in trainable])
+        if self._scheduler is not None and trainer.get("scheduler") is not None:
+            sched = trainer["scheduler"]
+            verify_step_count(
+                sched.get("last_epoch") if isinstance(sched, dict) else sched, name="scheduler last_epoch",
+                checkpoint=folder,
+            )
+        ckpt.verify_rng_state(rng, folder)
+
+    def _verify_optimizer_state(self, folder: Path, saved: Any, names: list[str]) -> None:
+        """Adam's state against the live optimizer: the same groups, moments shaped like their parameter."""
+        assert self._optimizer is not None
+        live_groups = self._optimizer.param_groups
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        state = saved.get("state") if isinstance(saved, dict) else None
+        if (
+            not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(live_groups)
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        ):
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: the optimizer state is not a torch optimizer state with "
+                f"{len(live_groups)} parameter group(s); load a checkpoint of an engine with the same model"
+            )
+        expected: dict[str, TensorInfo] = {}
+        got: dict[str, Any] = {}
+        listed: set[Any] = set()
+        order = iter(names)
+        for g, (sg, lg) in enumerate(zip(groups, live_groups, strict=True)):
+            if len(sg["params"]) != len(lg["params"]):
+                raise CheckpointError(
+                    f"checkpoint {str(folder)!r}: optimizer parameter group {g} holds {len(sg['params'])} "
+                    f"parameters, this engine's {len(lg['params'])}; load a checkpoint of the same model"
+                )
+            for key, param in zip(sg["params"], lg["params"], strict=True):
+                name = next(order)
+                listed.add(key)
+                entry = state.get(key)
+                if entry is None:
+                    continue  # a parameter the optimizer has not stepped yet
+                if not isinstance(entry, dict):
+                    entry = {}  # reported below as missing moments
+                verify_step_count(entry.get("step"), name=f"{name} Adam step", checkpoint=folder)
+                info = TensorInfo(tuple(param.shape), param.dtype)
+                expected |= {f"{name}.exp_avg": info, f"{name}.exp_avg_sq": info}
+                got |= {f"{name}.{k}": v for k, v in entry.items() if k != "step"}
+        stray = set(state) - listed
+        if stray:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: the optimizer state holds entries for {len(stray)} parameters "
+                "this engine's optimizer does not have; load a checkpoint of the same model"
+            )
+        verify_tensors(got, expected, checkpoint=folder, what="optimizer state", exact_dtype=False)
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:

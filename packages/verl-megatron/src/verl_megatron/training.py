@@ -42,6 +42,7 @@ from torch import Tensor
 
 from verl_core import (
     BatchValidationError,
+    CheckpointError,
     ConfigError,
     EngineSpec,
     GlobalBatchStats,
@@ -58,6 +59,7 @@ from verl_core import (
     WeightMessage,
     stream_weights,
 )
+from verl_core.checkpoint import verify_step_count, verify_tensors
 from verl_core.precision import MasterWeights
 from verl_core.registry import parse_options
 from verl_core.training import DEFAULT_BUCKET_BYTES, GradientStash
@@ -684,23 +686,23 @@ class MegatronTrainingEngine(TrainingEngine):
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`, at this engine's TP/PP layout.
 
-        A checkpoint without float32 masters (saved in float32 or with ``master_weights=False``)
-        starts this engine's masters from its weights.
+        Everything is checked before anything is restored (see :meth:`_verify_checkpoint`), on
+        every rank alike (each reads the whole file), so a refused load raises on all ranks and
+        leaves the engine as it was. A checkpoint without float32 masters (saved with
+        ``master_weights=False``) starts this engine's masters from its weights.
 
         Raises:
-            ConfigError: the folder is not a checkpoint of this model (missing or extra tensors).
+            ConfigError: the folder is not a verl-megatron checkpoint.
+            CheckpointError: the checkpoint does not fit this engine (a tensor missing,
+                unexpected or of another shape or dtype, a broken step counter or RNG state); the
+                message names the tensor, what was saved, what this engine expects and the folder.
         """
         folder = Path(path)
         if not (folder / _CKPT_META).exists() or not (folder / _CKPT_STATE).exists():
             raise ConfigError(f"{folder} is not a verl-megatron checkpoint (expected {_CKPT_META} and {_CKPT_STATE})")
-        self._ensure_onloaded()
         payload = torch.load(folder / _CKPT_STATE, map_location="cpu", weights_only=True)
-        names = set(self.adapter.megatron_names())
-        if set(payload["model"]) != names:
-            raise ConfigError(
-                f"checkpoint {folder} holds other tensors than this {self._spec.role} model: missing "
-                f"{sorted(names - set(payload['model']))[:3]}, extra {sorted(set(payload['model']) - names)[:3]}"
-            )
+        self._verify_checkpoint(folder, payload)
+        self._ensure_onloaded()
         params = dict(self.model.named_parameters())
         moments = payload["optimizer"]
         saved_masters = payload.get("master_weights")
@@ -740,6 +742,47 @@ class MegatronTrainingEngine(TrainingEngine):
         torch.set_rng_state(payload["rng"])
         self._step = int(payload["step"])
         dist.barrier()
+
+    def _verify_checkpoint(self, folder: Path, payload: Any) -> None:
+        """Refuse a checkpoint that does not fit this engine; copies nothing.
+
+        The file holds whole tensors under Megatron's global names: weights must have the full
+        shape of this model and its dtype, float32 masters the full shape in float32, Adam
+        moments the full shape in a floating dtype (cast to the optimizer's on load), the step
+        counters must be whole numbers >= 0. Then the shard this rank would take of each tensor
+        of its stage must have the local parameter's shape.
+        """
+        where = f"checkpoint {str(folder)!r}"
+        if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
+            raise CheckpointError(f"{where}: {_CKPT_STATE} is not a verl-megatron state; the file is corrupted or foreign")
+        full = {n: self.adapter.megatron_shape(n) for n in self.adapter.megatron_names()}
+        verify_tensors(payload["model"], {n: TensorInfo(s, self._dtype) for n, s in full.items()}, checkpoint=folder)
+        fp32 = {n: TensorInfo(s, torch.float32) for n, s in full.items()}
+        masters = payload.get("master_weights")
+        if masters is not None:
+            verify_tensors(masters if isinstance(masters, dict) else {}, fp32, checkpoint=folder,
+                           what="float32 master")
+        moments = payload.get("optimizer")
+        if moments is not None:
+            for key in ("exp_avg", "exp_avg_sq"):
+                saved = moments.get(key) if isinstance(moments, dict) else None
+                verify_tensors(saved if isinstance(saved, dict) else {}, fp32, checkpoint=folder,
+                               what=f"optimizer state ({key})", exact_dtype=False)
+        verify_step_count(payload.get("adam_step"), name="adam_step", checkpoint=folder)
+        verify_step_count(payload.get("step"), name="step", checkpoint=folder)
+        live_rng = torch.get_rng_state()
+        verify_tensors({"rng": payload.get("rng")}, {"rng": TensorInfo(tuple(live_rng.shape), live_rng.dtype)},
+                       checkpoint=folder, what="RNG state")
+        params = dict(self.model.named_parameters())
+        for global_name, local in self.adapter.stage_names(self.pp_rank, self.pp):
+            # the shard of a tensor of the (verified) full shape, computed without data
+            shard = self.adapter.shard(global_name, torch.empty(full[global_name], device="meta"), self.tp_rank, self.tp)
+            if tuple(shard.shape) != tuple(params[local].shape):
+                raise CheckpointError(
+                    f"{where}: tensor {global_name!r} of shape {full[global_name]} gives tensor-parallel rank "
+                    f"{self.tp_rank} of {self.tp} a shard of shape {tuple(shard.shape)}, but its parameter "
+                    f"{local!r} has shape {tuple(params[local].shape)}; load it into an engine of the same model"
+                )
 
     # ------------------------------------------------------------------ colocated switching
     def stage_parameters(self) -> dict[str, Tensor]:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Final
 
+from verl_core.checkpoint import fsync_dir
 from verl_core.errors import CheckpointError, VerlError
 from verl_core.trainer.pipeline import StageError
 
@@ -60,20 +61,6 @@ class StepFailedError(StageError):
 
 class TrainingDivergedError(VerlError, RuntimeError):
     """Too many optimizer steps in a row were skipped for a non-finite loss or gradient."""
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so a rename inside it survives a crash (a no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _digest(path: Path) -> str:
