@@ -12,7 +12,10 @@ megatron-core's optimizer with torch's AdamW (``optimizer_checks``).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,7 +169,7 @@ def main() -> None:
     if "critic" in names:
         result["critic"] = run_critic(par, optim, dp_rank)
     if "errors" in names:
-        result["errors"] = boundary_errors(par)
+        result["errors"] = boundary_errors(par, f"{ckpt}-refused")
         qwen2 = str(tiny_model(TinyModelSpec(arch="qwen2", tied=True)))
         bf16 = MegatronTrainingEngine(EngineSpec(qwen2, "reference", dtype="bfloat16", parallel=par))
         result["bf16"] = bf16.forward(actor_batch(1, 0.7), ("log_probs", "entropy"))["log_probs"]
@@ -264,10 +267,17 @@ class PGOnly:
         return LossOutput(-(batch["log_probs"] * batch["advantages"] * m).sum() / max(stats.num_tokens, 1))
 
 
-def boundary_errors(par: ParallelSizes) -> dict[str, str]:
-    """Messages of inputs and configs the engine must reject (empty string: nothing raised)."""
+def boundary_errors(par: ParallelSizes, ckpt: str) -> dict[str, Any]:
+    """Messages of inputs, configs and checkpoints the engine must reject (empty string: nothing raised)."""
     path = tiny_model(TinyModelSpec())
     eng = MegatronTrainingEngine(EngineSpec(str(path), "actor", parallel=par))
+    eng.save_checkpoint(ckpt)
+    loads = refused_loads(eng, ckpt, {
+        "shape": lambda p: p["model"].update({"decoder.final_layernorm.weight": torch.ones(1)}),  # broadcasts
+        "dtype": lambda p: p["model"].update({"decoder.layers.0.mlp.linear_fc2.weight":
+                                              p["model"]["decoder.layers.0.mlp.linear_fc2.weight"].double()}),
+        "missing": lambda p: p["model"].pop("decoder.layers.1.self_attention.linear_qkv.weight"),
+    })
     batch = actor_batch(0, 1.0)
     before = eng.hf_state_dict()
     cases: dict[str, Any] = {
@@ -292,6 +302,7 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
             out[name] = f"{type(e).__name__}: {e}"
     after = eng.hf_state_dict()
     out["unchanged"] = "yes" if all(torch.equal(before[k], after[k]) for k in before) else "no"
+    out["checkpoint"] = loads
     # The CPU shims are active here (no CUDA) and route megatron's CUDA allocations to the CPU.
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules
@@ -305,6 +316,42 @@ def boundary_errors(par: ParallelSizes) -> dict[str, str]:
         and clip_grads.torch.zeros([], device="cuda").device.type == "cpu"
         and get_default_causal_mask(3).device.type == "cpu"
     ) else "no"
+    return out
+
+
+def refused_loads(eng: MegatronTrainingEngine, saved: str, edits: dict[str, Callable[[dict[str, Any]], Any]]
+                  ) -> dict[str, Any]:
+    """Load copies of checkpoint ``saved``, each with one tensor broken by an edit, into ``eng``.
+
+    Every weight of each copy is moved by 1 first, so a tensor copied before the refusal would
+    show. Returns each load's message (empty: it loaded) and whether ``eng``'s weights, Adam
+    moments and step stayed as they were. A collective: every rank must call it.
+    """
+    names = eng.adapter.megatron_names()
+
+    def state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+        return ({n: eng._full_tensor(n).clone() for n in names},
+                {n: eng._full_tensor(n, what="exp_avg").clone() for n in names}, eng.step)
+
+    before = state()
+    out: dict[str, Any] = {}
+    for case, edit in edits.items():
+        dest = f"{saved}-{case}"
+        if dist.get_rank() == 0:
+            shutil.copytree(saved, dest)
+            payload = torch.load(Path(dest) / "state.pt", weights_only=True)
+            payload["model"] = {n: t + 1 for n, t in payload["model"].items()}
+            edit(payload)
+            torch.save(payload, Path(dest) / "state.pt")
+        dist.barrier()
+        try:
+            eng.load_checkpoint(dest)
+            out[case] = ""
+        except Exception as e:  # the test checks the type through the message prefix
+            out[case] = f"{type(e).__name__}: {e}"
+    after = state()
+    out["unchanged"] = (all(torch.equal(after[0][n], t) for n, t in before[0].items())
+                        and all(torch.equal(after[1][n], t) for n, t in before[1].items()) and after[2] == before[2])
     return out
 
 
@@ -438,6 +485,13 @@ def optimizer_checks(par: ParallelSizes, dp_rank: int, save_to: str, load_from: 
     fresh = MegatronTrainingEngine(spec("megatron"))
     fresh.load_checkpoint(save_to)
     out["ckpt_step"] = fresh.step
+    # Broken copies of that checkpoint are refused on every rank, whether or not the rank holds
+    # the broken tensor (layer 1 is on the last stage at PP=2; fc2 and the embedding are TP-split).
+    hidden = TinyModelSpec().hidden_size
+    out["refused"] = refused_loads(fresh, save_to, {
+        "shape": lambda p: p["model"].update({"decoder.layers.1.mlp.linear_fc2.weight": torch.zeros(hidden, 1)}),
+        "moment": lambda p: p["optimizer"]["exp_avg"].update({"embedding.word_embeddings.weight": torch.zeros(1, hidden)}),
+    })
     out["ckpt_next"] = (train(eng, 52), train(fresh, 52), eng.hf_state_dict(), fresh.hf_state_dict())
     if load_from is not None and par.dp > 1:
         # TP=2's megatron-optimizer checkpoint restored into the distributed optimizer at DP=2 ...

@@ -221,6 +221,18 @@ def test_bad_inputs_and_configs_are_rejected_with_clear_errors(runs: Any) -> Non
     assert errors["unchanged"] == "yes"
 
 
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_copied(runs: Any) -> None:
+    loads = runs[BASE][0]["errors"]["checkpoint"]
+    for case in ("shape", "dtype", "missing"):
+        assert loads[case].startswith("CheckpointError: checkpoint ") and "-refused-" + case in loads[case], loads[case]
+    assert ("model tensor 'decoder.final_layernorm.weight' is saved with shape (1,) dtype float32, this engine "
+            "expects shape (128,) dtype float32") in loads["shape"]  # (1,) would broadcast into (128,)
+    assert ("'decoder.layers.0.mlp.linear_fc2.weight' is saved with shape (128, 128) dtype float64, this engine "
+            "expects shape (128, 128) dtype float32") in loads["dtype"]
+    assert "missing 1 model tensors ('decoder.layers.1.self_attention.linear_qkv.weight')" in loads["missing"]
+    assert loads["unchanged"], "a refused load changed the engine's weights, Adam moments or step"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims apply only without CUDA")
 def test_cpu_shims_are_active_without_cuda(runs: Any) -> None:
     assert runs[BASE][0]["errors"]["shims"] == "yes"

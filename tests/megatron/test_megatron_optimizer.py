@@ -110,6 +110,19 @@ def test_checkpoint_round_trip_is_exact(megatron_launch: Any, layout: tuple[int,
             assert torch.equal(t, w_restored[name]), f"{name}: distributed optimizer's checkpoint round trip"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
+def test_a_broken_checkpoint_is_refused_on_every_rank(megatron_launch: Any, layout: tuple[int, int, int]) -> None:
+    for rank, r in enumerate(_results(megatron_launch, layout)):
+        got = r["refused"]
+        assert got["shape"].startswith("CheckpointError") and (
+            "model tensor 'decoder.layers.1.mlp.linear_fc2.weight' is saved with shape (128, 1) dtype float32, "
+            "this engine expects shape (128, 128) dtype float32") in got["shape"], (rank, got["shape"])
+        assert got["moment"].startswith("CheckpointError") and (
+            "optimizer state (exp_avg) tensor 'embedding.word_embeddings.weight' is saved with shape (1, 128)"
+        ) in got["moment"], (rank, got["moment"])
+        assert got["unchanged"], f"rank {rank}: a refused load changed the engine"
+
+
 def test_tp2_checkpoint_loads_into_the_distributed_optimizer_at_dp2(megatron_launch: Any) -> None:
     saver = _results(megatron_launch, MEGATRON_SAVER)[0]
     next_step, _, weights, _ = saver["ckpt_next"]
