@@ -63,8 +63,9 @@ def verify_tensors(
 
     Args:
         saved: Name -> what the checkpoint holds under that name.
-        expected: Name -> shape and dtype the live engine needs (its parameter, or its local
-            shard's full form: whatever the engine compares the saved tensor with).
+        expected: Name -> shape and dtype the live engine needs under that name (its
+            parameter's; the whole tensor's for an engine that saves whole tensors and shards
+            them on load).
         checkpoint: The checkpoint folder, named in the error.
         what: What the tensors are (``model``, ``float32 master``, ``optimizer state``), named
             in the error.
