@@ -788,7 +788,16 @@ class Trainer:
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine."""
+        """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine.
+
+        Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
+        its field checks and the saved config differs from the current one only in keys of
+        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS` (those changes are logged).
+
+        Raises:
+            CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named).
+            ConfigError: config keys that change the math differ from the checkpoint's (all listed).
+        """
         self.setup()
         ckpt = Path(path)
         engines = [r for r, e in (("actor", self.actor), ("critic", self.critic)) if e is not None]
