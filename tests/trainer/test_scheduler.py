@@ -161,6 +161,41 @@ def test_resumed_run_replays_the_recorded_plan() -> None:
         bad.run(make_batch([1, 1]), dev.forward, key="z")
 
 
+def test_a_fixed_budget_ignores_later_memory_and_travels_in_the_state() -> None:
+    cfg = SchedulerConfig(min_tokens=4, max_tokens=1000, bytes_per_token=1, memory_fraction=1.0)
+    free = [60]
+    reads = [0]
+
+    def probe() -> MemoryInfo:
+        reads[0] += 1
+        return probe_of(free[0])
+
+    sched = DynamicBatchScheduler(cfg, probe=probe)
+    assert sched.fixed_budget is None and sched.probe_budget() == 60  # read at every call by default
+    assert sched.fix_budget() == 60 and sched.fixed_budget == 60
+    free[0], before = 1 << 40, reads[0]
+    assert sched.probe_budget() == 60 and reads[0] == before  # fixed: the probe is not read again
+    lengths = [5, 3, 8, 2, 7, 7]
+    assert [g for g, _ in sched.run(make_batch(lengths), DeviceWithLimit(1000).forward, key="a")] == (
+        partition_in_order(lengths, 60)
+    )
+    # an OOM still halves the budget; the state carries the fixed budget to a resumed scheduler
+    sched.run(make_batch(lengths), DeviceWithLimit(20).forward, key="b")
+    assert sched.ceiling < 60 and sched.probe_budget() == sched.ceiling
+    resumed = DynamicBatchScheduler(cfg, probe=lambda: probe_of(8))
+    resumed.fix_budget()
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.fixed_budget == 60 and resumed.probe_budget() == sched.probe_budget()
+    # a state written before budgets were stored keeps the scheduler's own
+    older = DynamicBatchScheduler(cfg, probe=lambda: probe_of(8))
+    older.fix_budget()
+    older.load_state_dict({"ceiling": 1000, "successes": 0})
+    assert older.fixed_budget == 8
+    assert DynamicBatchScheduler(cfg).fix_budget(5000) == 1000  # within the bounds
+    with pytest.raises(ConfigError, match="needs an integer >= 1"):
+        sched.fix_budget(0)
+
+
 def test_partition_in_order_respects_budget() -> None:
     groups = partition_in_order([3, 3, 3, 10, 1], 9)
     assert groups == [(0, 1, 2), (3,), (4,)]

@@ -180,7 +180,8 @@ class BatchConfig:
         prompts_per_step: Prompts sampled per step (each gives ``rollout.n`` samples).
         mini_batch_size: Samples per optimizer step (0 = the whole step's batch, one update).
         epochs: Passes over the step's samples.
-        micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it from free memory).
+        micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it from the free memory at
+            run start; checkpoints keep it, so a resume splits steps the same way).
         min_tokens: Smallest dynamic budget.
         max_tokens: Largest dynamic budget.
         buffer_memory_bytes: Tensor bytes the replay buffer keeps in memory before it spills

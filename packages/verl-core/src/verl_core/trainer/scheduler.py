@@ -7,6 +7,11 @@ same micro-batch is split and retried, so no sample is lost or repeated; after `
 successful micro-batches the ceiling doubles again. Every call's final partition is recorded as a
 :class:`Decision`; a scheduler given those decisions (``replay=``) reuses the recorded partition for
 the same call keys instead of probing, so a resumed run executes the same micro-batches.
+
+By default the probe is read at every call. :meth:`DynamicBatchScheduler.fix_budget` reads it once
+and keeps that budget (the trainer does so at run start and stores it in its checkpoints): the
+partition of a step, and so the float sums of its gradients, then does not depend on the memory
+free when the step runs, and a resumed run splits its steps like an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -204,16 +209,47 @@ class DynamicBatchScheduler:
         self._probe = probe or default_memory_probe(device)
         self._ceiling = self.config.max_tokens
         self._successes = 0
+        self._fixed: int | None = None
         self._replay = {d.key: d for d in replay}
         self._plan: list[Decision] = []
         self._stats = _Stats()
 
     # ------------------------------------------------------------------ budget
     def probe_budget(self) -> int:
-        """The budget the free memory allows now, within the bounds and the OOM ceiling."""
+        """The budget of the next call, within the bounds and the OOM ceiling.
+
+        It is the fixed budget after :meth:`fix_budget`, else what the free memory allows now.
+        """
+        allowed = self._fixed if self._fixed is not None else self._from_memory()
+        return max(self.config.min_tokens, min(allowed, self._ceiling, self.config.max_tokens))
+
+    def _from_memory(self) -> int:
         info = self._probe()
         allowed = int(info.free_bytes * self.config.memory_fraction) // self.config.bytes_per_token
-        return max(self.config.min_tokens, min(allowed, self._ceiling, self.config.max_tokens))
+        return max(self.config.min_tokens, min(allowed, self.config.max_tokens))
+
+    def fix_budget(self, budget: int | None = None) -> int:
+        """Read the probe once (or take ``budget``) and use that budget for every later call.
+
+        Out-of-memory errors still lower the budget through the ceiling. :meth:`state_dict`
+        carries the fixed budget, so a resumed run reuses it instead of reading its own memory.
+
+        Returns:
+            The budget fixed, within ``[min_tokens, max_tokens]``.
+
+        Raises:
+            ConfigError: ``budget`` is below 1.
+        """
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"fix_budget(budget={budget!r}) needs an integer >= 1 (or None to read the probe)")
+        raw = self._from_memory() if budget is None else budget
+        self._fixed = max(self.config.min_tokens, min(raw, self.config.max_tokens))
+        return self._fixed
+
+    @property
+    def fixed_budget(self) -> int | None:
+        """The budget set by :meth:`fix_budget` (None: the probe is read at every call)."""
+        return self._fixed
 
     @property
     def ceiling(self) -> int:
@@ -316,10 +352,12 @@ class DynamicBatchScheduler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The learned ceiling and success counter (what a resumed run needs besides the plan)."""
-        return {"ceiling": self._ceiling, "successes": self._successes}
+        """The learned ceiling, success counter and fixed budget (what a resume needs besides the plan)."""
+        return {"ceiling": self._ceiling, "successes": self._successes, "budget": self._fixed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (a state without ``budget`` keeps the current one)."""
         self._ceiling = int(state["ceiling"])
         self._successes = int(state["successes"])
+        if "budget" in state:
+            self._fixed = None if state["budget"] is None else int(state["budget"])

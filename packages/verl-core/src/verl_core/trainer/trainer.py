@@ -20,17 +20,20 @@ here knows which backend it talks to or where it runs.
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,6 +51,7 @@ from verl_core.trainer.reliability import (
     StepFailedError,
     TrainingDivergedError,
     fsync_dir,
+    resume_config_changes,
     verify_checkpoint,
     write_manifest,
 )
@@ -65,6 +69,8 @@ from verl_core.weights import WeightSync
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
 
 _STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_log = logging.getLogger(__name__)
 _NOT_COMPARABLE = "not comparable"
 _EVAL_GROUP_BASE = 1 << 48
 
@@ -120,29 +126,154 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint folder under ``<output_dir>/checkpoints`` (None when none)."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / _STATE_FILE).is_file())
+    """The newest complete checkpoint under ``<output_dir>/checkpoints`` (None when none).
+
+    Newest is the highest step number N of the ``step-N`` folders holding a trainer state
+    (``step-1000000`` after ``step-999999``); folders of other names are ignored.
+    """
+    done = _checkpoints(Path(output_dir) / "checkpoints")
     return done[-1] if done else None
 
 
-def _rng_state() -> dict[str, Any]:
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete ``step-N`` folders under ``root``, oldest first by step number (N, not the name)."""
+    found: list[tuple[int, str, Path]] = []
+    if root.is_dir():
+        for p in root.glob("step-*"):
+            m = _STEP_DIR.fullmatch(p.name)
+            if m and (p / _STATE_FILE).is_file():
+                found.append((int(m.group(1)), p.name, p))
+    return [p for _, _, p in sorted(found)]
+
+
+def _b64_save(obj: Any) -> str:
     buf = io.BytesIO()
-    torch.save(torch.get_rng_state(), buf)
-    return {
-        "torch": base64.b64encode(buf.getvalue()).decode(),
-        "python": repr(random.getstate()),
-    }
+    torch.save(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    import ast
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": _b64_save(torch.get_rng_state()), "python": repr(random.getstate())}
+    np = sys.modules.get("numpy")  # its global generator can only have been used once it was imported
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = _b64_save(torch.cuda.get_rng_state_all())
+    return state
 
-    raw = base64.b64decode(state["torch"])
-    torch.set_rng_state(torch.load(io.BytesIO(raw), weights_only=True))
-    random.setstate(ast.literal_eval(state["python"]))
+
+def _decode_rng(rng: Any, field: Callable[[str, str, Any], CheckpointError]) -> dict[str, Any]:
+    """Decode the saved RNG states, each tried on a scratch generator first (nothing global is set)."""
+    if not isinstance(rng, dict):
+        raise field("rng", "a table of RNG states (torch, python, and numpy/cuda when used)", rng)
+    out: dict[str, Any] = {}
+    for part in ("torch", "python"):
+        if part not in rng:
+            raise field(f"rng.{part}", f"the saved {part} RNG state", ...)
+    try:
+        out["torch"] = torch.load(io.BytesIO(base64.b64decode(rng["torch"], validate=True)), weights_only=True)
+        torch.Generator().set_state(out["torch"])
+    except Exception:
+        raise field("rng.torch", "a base64 torch RNG state", rng["torch"]) from None
+    try:
+        out["python"] = ast.literal_eval(rng["python"])
+        random.Random().setstate(out["python"])
+    except Exception:
+        raise field("rng.python", "a repr of random.getstate()", rng["python"]) from None
+    if "numpy" in rng:
+        try:
+            import numpy as np
+
+            name, keys, pos, has_gauss, gauss = rng["numpy"]
+            out["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss)
+            np.random.RandomState().set_state(out["numpy"])
+        except ImportError:
+            pass  # numpy is not installed here: nothing can draw from its generator
+        except Exception:
+            raise field("rng.numpy", "numpy.random.get_state() as a list", rng["numpy"]) from None
+    if "cuda" in rng:
+        try:
+            out["cuda"] = torch.load(io.BytesIO(base64.b64decode(rng["cuda"], validate=True)), weights_only=True)
+            if not isinstance(out["cuda"], list) or not all(isinstance(t, torch.Tensor) for t in out["cuda"]):
+                raise TypeError
+        except Exception:
+            raise field("rng.cuda", "a base64 list of CUDA RNG states", rng["cuda"]) from None
+    return out
+
+
+def _set_rng_state(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "numpy" in rng:
+        import numpy as np
+
+        np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        for i, st in enumerate(rng["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(st, i)
+
+
+def _read_state(ckpt: Path, schedulers: Collection[str], algorithm: Collection[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``trainer_state.json`` of ``ckpt`` checked field by field, and its decoded RNG states.
+
+    Raises:
+        CheckpointError: the file is not a JSON object, or a field is missing or has the wrong type
+            or range; the message names the file and the field.
+    """
+    path = ckpt / _STATE_FILE
+
+    def field(name: str, expected: str, value: Any) -> CheckpointError:
+        # value ... (Ellipsis) stands for a missing field
+        got = "it is missing" if value is ... else f"got {_short(value)}"
+        return CheckpointError(
+            f"checkpoint {str(ckpt)!r}: {_STATE_FILE} field {name!r} must be {expected}, {got}; the file "
+            "is damaged or was not written by Trainer.save_checkpoint: resume from another checkpoint "
+            "or start a new run"
+        )
+
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable ({e})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} must hold a JSON object, got {_short(state)}")
+
+    def count(table: Mapping[str, Any], key: str, name: str, low: int = 0, optional: bool = False) -> None:
+        v = table.get(key, ...)
+        if optional and v is ...:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise field(name, f"an integer >= {low}", v)
+
+    count(state, "step", "step")
+    count(state, "weight_version", "weight_version")
+    count(state, "consecutive_nonfinite_skips", "consecutive_nonfinite_skips", optional=True)
+    if not isinstance(state.get("config"), dict):
+        raise field("config", "the run's config as a table", state.get("config", ...))
+    saved = state.get("schedulers", ...)
+    if not isinstance(saved, dict) or set(saved) != set(schedulers):
+        raise field("schedulers", f"a table with one entry per role ({', '.join(sorted(schedulers))})", saved)
+    for role, s in saved.items():
+        if not isinstance(s, dict):
+            raise field(f"schedulers.{role}", "a table (ceiling, successes, budget)", s)
+        count(s, "ceiling", f"schedulers.{role}.ceiling", low=1)
+        count(s, "successes", f"schedulers.{role}.successes")
+        if s.get("budget") is not None:
+            count(s, "budget", f"schedulers.{role}.budget", low=1)
+    algo = state.get("algorithm", ...)
+    if not isinstance(algo, dict):
+        raise field("algorithm", "a table of the algorithm's state", algo)
+    for key in algorithm:
+        v = algo.get(key, ...)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise field(f"algorithm.{key}", "a number", v)
+    return state, _decode_rng(state.get("rng", ...), field)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -282,6 +413,9 @@ class Trainer:
             sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens)
         for role in ("actor", "reference", "critic"):
             self.schedulers[role] = DynamicBatchScheduler(sched_cfg, probe=self._probe, device=cfg.model.device)
+            # free memory is read once per run and checkpoints carry the budget, so a resumed run
+            # splits its steps (and sums their gradients) exactly like an uninterrupted one
+            self.schedulers[role].fix_budget()
         shutil.rmtree(self.out / "spill", ignore_errors=True)  # spill files a killed run left behind
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=self.out / "spill")
         self._built = True
@@ -644,9 +778,9 @@ class Trainer:
         os.replace(tmp, final)
         fsync_dir(root)
         keep = self.config.checkpoint.keep
-        done = sorted(p for p in root.glob("step-*") if (p / _STATE_FILE).is_file())
-        for old in done[:-keep]:
-            os.replace(old, root / f".trash-{old.name}-{time.monotonic_ns()}")
+        for old in _checkpoints(root)[:-keep]:
+            if old != final:  # never the one just written, even below older runs' step numbers
+                os.replace(old, root / f".trash-{old.name}-{time.monotonic_ns()}")
         fsync_dir(root)
         for stale in root.glob(".trash-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -654,22 +788,26 @@ class Trainer:
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine."""
+        """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine.
+
+        Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
+        its field checks and the saved config differs from the current one only in keys of
+        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS` (those changes are logged).
+
+        Raises:
+            CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named).
+            ConfigError: config keys that change the math differ from the checkpoint's (all listed).
+        """
         self.setup()
         ckpt = Path(path)
-        verify_checkpoint(ckpt)
-        try:
-            state = json.loads((ckpt / _STATE_FILE).read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable ({e})") from e
-        saved = state["config"]
-        now = config_to_dict(self.config)
-        for key in ("seed", "task", "algorithm", "rollout", "batch", "model"):
-            if saved.get(key) != now.get(key):
-                raise ConfigError(
-                    f"cannot resume from {str(ckpt)!r}: config key {key!r} differs from the checkpoint's "
-                    f"({saved.get(key)!r} there, {now.get(key)!r} now); resume with the same config"
-                )
+        engines = [r for r, e in (("actor", self.actor), ("critic", self.critic)) if e is not None]
+        verify_checkpoint(ckpt, required=(_STATE_FILE, *engines))
+        state, rng = _read_state(ckpt, self.schedulers, self.algorithm.state_dict())
+        allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
+        if allowed:
+            line = "resume: changed keys allowed: " + "; ".join(allowed)
+            _log.info(line)
+            self._progress(line)
         for role, engine in (("actor", self.actor), ("critic", self.critic)):
             if engine is None:
                 continue
@@ -689,7 +827,7 @@ class Trainer:
         self.algorithm.load_state_dict(state["algorithm"])
         self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
         self._on_disk_step = self.step
-        _set_rng_state(state["rng"])
+        _set_rng_state(rng)
         self.rollout.wake()
         self.sync.sync(self.actor, self.rollout, version=self.weight_version)
         self._restore_logs()
