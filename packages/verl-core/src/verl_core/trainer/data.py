@@ -381,7 +381,8 @@ class PromptDataset:
             if isinstance(value, str):
                 text = value
             elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
-                renderer = renderer or _chat_renderer(tokenizer, f"{where}: column {prompt_key!r}")
+                if renderer is None:
+                    renderer = _chat_renderer(tokenizer, f"{where}: column {prompt_key!r}")
                 messages = _messages(value, row_name(i))
                 try:
                     text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -462,7 +463,7 @@ class PromptSampler:
     shuffle: bool = True
     epoch: int = 0
     index: int = 0
-    _order: tuple[int, list[int]] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _order: tuple[int, list[int]] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
