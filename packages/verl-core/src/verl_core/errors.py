@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "NonFiniteError",
     "PluginError",
+    "RewardError",
     "StaleWeightsError",
     "UnknownNameError",
     "VerlError",
@@ -52,3 +53,7 @@ class WeightSyncError(VerlError, RuntimeError):
 
 class StaleWeightsError(VerlError, RuntimeError):
     """A rollout engine was asked to generate after a failed weight sync."""
+
+
+class RewardError(VerlError, RuntimeError):
+    """A reward function raised, or returned a wrong number of scores or a non-finite or non-numeric one."""

@@ -1,0 +1,575 @@
+"""Prompt datasets from the user's files: loading, checking, a resumable data order, prompt batches.
+
+* :class:`DataConfig`: which files (``data.train`` / ``data.eval``), the prompt column, the prompt
+  length policy and shuffling.
+* :class:`PromptDataset`: the rows of one or more JSONL, JSON, Parquet or CSV files, or folders
+  written by ``datasets``' ``save_to_disk``, loaded with the ``datasets`` library (the ``data``
+  extra) and checked at load: every problem is one :class:`~verl_core.errors.ConfigError` before
+  any training step. The prompt column holds text, or chat messages rendered with the tokenizer's
+  chat template; every other column travels with its sample as a per-sample extra of the batch
+  (and reaches reward functions as a keyword argument).
+* :class:`PromptSampler`: the data order, shuffled per epoch as a function of (seed, epoch), with a
+  position (epoch, index) that a checkpoint saves so a resumed run continues the order exactly.
+* :class:`PromptLoader`: the prompt :class:`~verl_core.batch.TensorBatch` of each step.
+
+The rows are held in memory as Python values (prompt datasets for RL are small next to the model).
+``datasets`` is imported inside the functions that load files, so importing this module does not
+import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from verl_core.batch import BatchMeta, TensorBatch
+from verl_core.errors import ConfigError
+from verl_core.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.trainer.tasks import prompt_batch
+
+__all__ = [
+    "FORMATS",
+    "RESERVED_COLUMNS",
+    "DataConfig",
+    "LongPromptPolicy",
+    "PromptDataset",
+    "PromptLoader",
+    "PromptSampler",
+    "require_datasets",
+]
+
+LongPromptPolicy = Literal["drop", "error"]
+"""What happens to a prompt longer than ``max_prompt_len`` tokens: ``drop`` leaves the row out and
+counts it (:attr:`PromptDataset.dropped`); ``error`` refuses the dataset, naming the row."""
+
+FORMATS: Final = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File extension -> ``datasets`` builder; a folder is read with ``datasets.load_from_disk``."""
+
+RESERVED_COLUMNS: Final = ("prompts", "completions")
+"""Column names a dataset may not use: reward functions get these keywords for the decoded texts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The user's prompt dataset.
+
+    Attributes:
+        train: A file or ``save_to_disk`` folder, or a list of them (their rows concatenated in the
+            given order). Files: ``.jsonl``, ``.json``, ``.parquet``, ``.csv``. Empty = no dataset
+            (the built-in task supplies prompts).
+        eval: The evaluation set, in the same forms (``None`` = none); read in order, never shuffled.
+        prompt_key: Column holding each prompt: a string, or a list of chat messages
+            (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template and
+            the generation prompt appended.
+        response_key: Column holding reference responses (for supervised fine-tuning; RL runs
+            pass it along like any other column).
+        max_prompt_len: Longest prompt in tokens (after the chat template); ``None`` = no limit.
+        long_prompts: ``drop`` (leave longer prompts out and count them) or ``error`` (refuse
+            the dataset, naming the first such row).
+        shuffle: Shuffle the training rows every epoch (with the run seed; deterministic).
+    """
+
+    train: str | list[str] = ""
+    eval: str | list[str] | None = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    max_prompt_len: int | None = None
+    long_prompts: LongPromptPolicy = "drop"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("train", "eval"):
+            value = getattr(self, name)
+            if value is None and name == "eval":
+                continue
+            paths = value if isinstance(value, list) else [value]
+            if not all(isinstance(p, str) for p in paths) or (isinstance(value, list) and not all(paths)):
+                raise ConfigError(
+                    f"data.{name} must be a path or a list of non-empty paths, got {value!r}"
+                )
+            if isinstance(value, list) and not value:
+                raise ConfigError(f"data.{name} is an empty list; give at least one path")
+        for name in ("prompt_key", "response_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")
+        if self.max_prompt_len is not None and (
+            isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 1
+        ):
+            raise ConfigError(f"data.max_prompt_len must be an integer >= 1 or none, got {self.max_prompt_len!r}")
+        if self.long_prompts not in ("drop", "error"):
+            raise ConfigError(f"data.long_prompts must be 'drop' or 'error', got {self.long_prompts!r}")
+
+    @property
+    def train_paths(self) -> list[str]:
+        """``train`` as a list (empty when no dataset is configured)."""
+        return _as_list(self.train)
+
+    @property
+    def eval_paths(self) -> list[str]:
+        """``eval`` as a list (empty when there is no evaluation set)."""
+        return _as_list(self.eval)
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None or value == "":
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def require_datasets() -> Any:
+    """The ``datasets`` module, imported on first use.
+
+    Raises:
+        ConfigError: ``datasets`` is not installed (it comes with verl-core's ``data`` extra).
+    """
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(
+            f"reading dataset files needs the 'datasets' library ({e}); install it with "
+            "pip install 'verl-core[data]'"
+        ) from e
+    return datasets
+
+
+# ----------------------------------------------------------------------------- reading files
+def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
+    """The columns of one file or ``save_to_disk`` folder, as Python lists."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
+    datasets = require_datasets()
+    progress = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the trainer's own progress line owns stderr
+    # datasets logs parser failures before raising; the ConfigError below says it once, better
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        if p.is_dir():
+            return _read_folder(datasets, path)
+        suffix = p.suffix.lower()
+        if suffix not in FORMATS:
+            raise ConfigError(
+                f"dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
+                f"{', '.join(FORMATS)} files, or a folder written by datasets' save_to_disk"
+            )
+        size = p.stat().st_size
+        if size == 0 or (suffix != ".parquet" and size < 1 << 16 and not p.read_bytes().strip()):
+            raise ConfigError(f"dataset {path!r} is empty; expected rows with at least a prompt column")
+        try:
+            ds = datasets.load_dataset(FORMATS[suffix], data_files=[str(p)], split="train", cache_dir=cache_dir)
+        except Exception as e:  # datasets wraps parser errors in its own exception types
+            if suffix == ".csv" and sum(1 for line in p.open(errors="replace") if line.strip()) <= 1:
+                raise ConfigError(f"dataset {path!r} has no rows (only a header)") from e
+            raise ConfigError(f"dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
+        return dict(ds.to_dict())
+    finally:
+        log.setLevel(level)
+        if progress:
+            datasets.enable_progress_bars()
+
+
+def _read_folder(datasets: Any, path: str) -> dict[str, list[Any]]:
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:
+        raise ConfigError(
+            f"dataset folder {path!r} cannot be read with datasets.load_from_disk ({type(e).__name__}: {e}); "
+            "expected a folder written by Dataset.save_to_disk"
+        ) from e
+    if isinstance(ds, datasets.DatasetDict):
+        example = "train" if "train" in ds else sorted(ds)[0]
+        raise ConfigError(
+            f"dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
+            f"folder, e.g. {str(Path(path) / example)!r}"
+        )
+    return dict(ds.to_dict())
+
+
+def _why(path: Path, error: BaseException) -> str:
+    """The reason a file did not parse: for JSONL the first malformed line, else the parser's words."""
+    if path.suffix.lower() == ".jsonl":
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    return f"line {number} is not valid JSON ({e})"
+                if not isinstance(row, dict):
+                    return f"line {number} is not a JSON object (got {type(row).__name__})"
+    cause = error.__cause__ or error.__context__ or error
+    return f"{type(cause).__name__}: {cause}"
+
+
+# ----------------------------------------------------------------------------- chat templates
+def _chat_renderer(tokenizer: Tokenizer, where: str) -> Any:
+    """The object whose ``apply_chat_template`` renders chat messages (a transformers tokenizer)."""
+    inner = tokenizer.wrapped if isinstance(tokenizer, TokenizerAdapter) else tokenizer
+    if not callable(getattr(inner, "apply_chat_template", None)):
+        raise ConfigError(
+            f"{where} holds chat messages, but the tokenizer {type(inner).__name__} has no "
+            "apply_chat_template; use a transformers tokenizer with a chat template, or text prompts"
+        )
+    if getattr(inner, "chat_template", "unknown") is None:
+        raise ConfigError(
+            f"{where} holds chat messages, but the tokenizer has no chat_template; use a model whose "
+            "tokenizer_config.json has one, or text prompts"
+        )
+    return inner
+
+
+def _messages(value: Any, where: str) -> list[dict[str, Any]]:
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ConfigError(
+                f"{where}: message {j} is {m!r}; a chat prompt is a list of {{'role': str, 'content': str}}"
+            )
+        # Arrow gives every message the union of the keys of all rows' messages (missing ones None).
+        out.append({k: v for k, v in m.items() if v is not None})
+    if not out:
+        raise ConfigError(f"{where}: the chat prompt has no messages")
+    return out
+
+
+# ----------------------------------------------------------------------------- the dataset
+class PromptDataset:
+    """The checked rows of a prompt dataset: prompt texts plus the other columns.
+
+    Build it with :meth:`load` (or :meth:`from_config`). Prompts are kept as text (chat messages
+    already rendered through the chat template); :meth:`to_batch` encodes the rows it is given.
+
+    Attributes:
+        prompts: The prompt text of every kept row.
+        columns: Every other column, one value per kept row.
+        dropped: Rows left out because their prompt was longer than ``max_prompt_len``.
+        sources: The files or folders the rows came from, in order.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[str],
+        columns: Mapping[str, Sequence[Any]],
+        tokenizer: Tokenizer,
+        *,
+        dropped: int = 0,
+        sources: Sequence[str] = (),
+    ) -> None:
+        self.prompts: tuple[str, ...] = tuple(prompts)
+        self.columns: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in columns.items()}
+        for key, values in self.columns.items():
+            if len(values) != len(self.prompts):
+                raise ConfigError(f"column {key!r} has {len(values)} values for {len(self.prompts)} prompts")
+        self.tokenizer = tokenizer
+        self.dropped = dropped
+        self.sources: tuple[str, ...] = tuple(sources)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def column_names(self) -> list[str]:
+        """The columns that travel with each sample (every column but the prompt's)."""
+        return list(self.columns)
+
+    def stats(self) -> dict[str, float]:
+        """``data/rows`` (kept) and ``data/dropped_long_prompts``, for the run's metrics."""
+        return {"data/rows": float(len(self)), "data/dropped_long_prompts": float(self.dropped)}
+
+    @classmethod
+    def from_config(
+        cls, config: DataConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
+        cache_dir: str | None = None,
+    ) -> PromptDataset:
+        """Load ``config.train`` or ``config.eval`` with the config's prompt column and length policy.
+
+        Raises:
+            ConfigError: the split has no paths, or any problem :meth:`load` reports.
+        """
+        paths = config.train_paths if split == "train" else config.eval_paths
+        if not paths:
+            raise ConfigError(f"data.{split} is not set; give a dataset file or folder")
+        return cls.load(
+            paths, tokenizer, prompt_key=config.prompt_key, max_prompt_len=config.max_prompt_len,
+            long_prompts=config.long_prompts, cache_dir=cache_dir, where=f"data.{split}",
+        )
+
+    @classmethod
+    def load(
+        cls,
+        paths: str | Sequence[str],
+        tokenizer: Tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_len: int | None = None,
+        long_prompts: LongPromptPolicy = "drop",
+        cache_dir: str | None = None,
+        where: str = "dataset",
+    ) -> PromptDataset:
+        """Read, concatenate and check one or more dataset files or folders.
+
+        Args:
+            paths: A path or a list of paths; rows are concatenated in this order.
+            tokenizer: Renders chat prompts (its chat template) and measures prompt lengths.
+            prompt_key: The prompt column.
+            max_prompt_len: Longest prompt in tokens; ``None`` = no limit.
+            long_prompts: ``drop`` or ``error`` for longer prompts (see :data:`LongPromptPolicy`).
+            cache_dir: ``datasets``' cache folder (``None`` = its default, ``HF_DATASETS_CACHE``).
+            where: How messages name the dataset (e.g. ``data.train``).
+
+        Raises:
+            ConfigError: a path that does not exist or has an unsupported extension; a file that
+                is empty or does not parse (for JSONL: the line); files with different columns;
+                a missing prompt column (naming the columns there are) or one named like a reward
+                keyword (:data:`RESERVED_COLUMNS`); a prompt that is neither text nor chat
+                messages, or is empty; a too-long prompt under ``long_prompts="error"``; no rows
+                left; ``datasets`` not installed.
+        """
+        path_list = [paths] if isinstance(paths, str) else list(paths)
+        if not path_list:
+            raise ConfigError(f"{where}: no dataset paths given")
+        if long_prompts not in ("drop", "error"):
+            raise ConfigError(f"long_prompts must be 'drop' or 'error', got {long_prompts!r}")
+        merged: dict[str, list[Any]] = {}
+        origin: list[tuple[str, int]] = []  # (path, first row) of each file, for error messages
+        first_columns: list[str] = []
+        for path in path_list:
+            data = _read(path, cache_dir)
+            names = list(data)
+            if prompt_key not in data:
+                raise ConfigError(
+                    f"{where}: {path!r} has no column {prompt_key!r} (the prompt column); its columns: "
+                    f"{', '.join(names) or '(none)'}; set data.prompt_key to the column holding the prompts"
+                )
+            clash = [c for c in RESERVED_COLUMNS if c in data]
+            if clash:
+                raise ConfigError(
+                    f"{where}: {path!r} has the column(s) {clash}, names reward functions receive the "
+                    "decoded texts under; rename them"
+                )
+            if not merged:
+                first_columns = names
+                merged = {k: [] for k in names}
+            elif set(names) != set(first_columns):
+                raise ConfigError(
+                    f"{where}: {path!r} has the columns {sorted(names)} but {path_list[0]!r} has "
+                    f"{sorted(first_columns)}; concatenated files need the same columns"
+                )
+            origin.append((path, len(merged[prompt_key])))
+            for k in first_columns:
+                merged[k].extend(data[k])
+        if not merged[prompt_key]:
+            raise ConfigError(f"{where}: {', '.join(map(repr, path_list))} has no rows")
+
+        def row_name(i: int) -> str:
+            path, start = next(o for o in reversed(origin) if o[1] <= i)
+            return f"{where}: {path!r} row {i - start}"
+
+        renderer = None
+        keep: list[int] = []
+        texts: list[str] = []
+        dropped = 0
+        for i, value in enumerate(merged[prompt_key]):
+            if isinstance(value, str):
+                text = value
+            elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+                if renderer is None:
+                    renderer = _chat_renderer(tokenizer, f"{where}: column {prompt_key!r}")
+                messages = _messages(value, row_name(i))
+                try:
+                    text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # Jinja errors, template-specific checks
+                    raise ConfigError(
+                        f"{row_name(i)}: the chat template cannot render the messages ({type(e).__name__}: {e})"
+                    ) from e
+                if not isinstance(text, str):
+                    raise ConfigError(f"{row_name(i)}: the chat template rendered {type(text).__name__}, not text")
+            else:
+                raise ConfigError(
+                    f"{row_name(i)}: the prompt is {value!r}; expected a string or a list of chat messages"
+                )
+            length = len(tokenizer.encode(text))
+            if length == 0:
+                raise ConfigError(f"{row_name(i)}: the prompt {text!r} encodes to no tokens")
+            if max_prompt_len is not None and length > max_prompt_len:
+                if long_prompts == "error":
+                    raise ConfigError(
+                        f"{row_name(i)}: the prompt has {length} tokens, more than max_prompt_len = "
+                        f"{max_prompt_len}; raise data.max_prompt_len or set data.long_prompts = 'drop'"
+                    )
+                dropped += 1
+                continue
+            keep.append(i)
+            texts.append(text)
+        if not keep:
+            raise ConfigError(
+                f"{where}: all {dropped} prompts are longer than max_prompt_len = {max_prompt_len} tokens; "
+                "raise data.max_prompt_len"
+            )
+        columns = {k: [v[i] for i in keep] for k, v in merged.items() if k != prompt_key}
+        return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list)
+
+    def to_batch(
+        self, rows: Sequence[int], *, group_ids: Sequence[int], meta: BatchMeta | None = None
+    ) -> TensorBatch:
+        """The prompt batch of ``rows`` (left-padded ids, ``group_ids``, the other columns as extras)."""
+        return prompt_batch(
+            [self.prompts[i] for i in rows], self.tokenizer, group_ids=group_ids,
+            extras={k: [v[i] for i in rows] for k, v in self.columns.items()}, meta=meta,
+        )
+
+    def batches(
+        self, n: int, *, group_id_base: int = 0, meta: BatchMeta | None = None
+    ) -> Iterator[TensorBatch]:
+        """Every row once, in order, ``n`` at a time (the last batch may be smaller); for evaluation.
+
+        Group ids are ``group_id_base + row``.
+        """
+        if n < 1:
+            raise ConfigError(f"batches() needs n >= 1, got {n}")
+        for start in range(0, len(self), n):
+            rows = range(start, min(start + n, len(self)))
+            yield self.to_batch(rows, group_ids=[group_id_base + i for i in rows], meta=meta)
+
+
+# ----------------------------------------------------------------------------- the data order
+@dataclasses.dataclass
+class PromptSampler:
+    """The training data order: every epoch a permutation of the rows, as many epochs as needed.
+
+    The permutation of an epoch is a function of (seed, epoch) alone (the identity when
+    ``shuffle`` is off); the position is (epoch, index into that epoch's order), which
+    :meth:`state_dict` saves and :meth:`load_state_dict` restores so a resumed run continues the
+    order exactly.
+
+    Attributes:
+        size: Rows in the dataset.
+        seed: The run seed.
+        shuffle: Shuffle each epoch.
+        epoch: Epoch of the next row.
+        index: Position of the next row in that epoch's order.
+    """
+
+    size: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    index: int = 0
+    _order: tuple[int, list[int]] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"PromptSampler needs at least one row, got size={self.size}")
+
+    def order(self, epoch: int) -> list[int]:
+        """The row order of ``epoch``."""
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        rows = list(range(self.size))
+        if self.shuffle:
+            # a string seed is hashed with SHA-512: the same order on every machine and Python run
+            random.Random(f"data/{self.seed}/{epoch}").shuffle(rows)
+        self._order = (epoch, rows)
+        return rows
+
+    @property
+    def position(self) -> int:
+        """Rows drawn so far in the run (``epoch * size + index``)."""
+        return self.epoch * self.size + self.index
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` rows, crossing into following epochs as needed."""
+        if n < 1:
+            raise ConfigError(f"PromptSampler.take needs n >= 1, got {n}")
+        out: list[int] = []
+        while len(out) < n:
+            rows = self.order(self.epoch)
+            chunk = rows[self.index : self.index + n - len(out)]
+            out.extend(chunk)
+            self.index += len(chunk)
+            if self.index == self.size:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The position and what it is valid for (JSON-serialisable)."""
+        return {"epoch": self.epoch, "index": self.index, "size": self.size, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position.
+
+        Raises:
+            ConfigError: the state is malformed, or was saved for a dataset of another size, another
+                seed or another shuffle setting (the order would not continue).
+        """
+        try:
+            epoch, index = int(state["epoch"]), int(state["index"])
+            size, seed, shuffle = int(state["size"]), int(state["seed"]), bool(state["shuffle"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"data sampler state {dict(state)!r} is malformed ({e}); expected epoch, index, size, seed, shuffle"
+            ) from e
+        if (size, seed, shuffle) != (self.size, self.seed, self.shuffle):
+            raise ConfigError(
+                f"cannot resume the data order: it was saved for {size} rows, seed {seed}, shuffle {shuffle}; "
+                f"now {self.size} rows, seed {self.seed}, shuffle {self.shuffle}; resume with the same data and seed"
+            )
+        if epoch < 0 or not 0 <= index < size:
+            raise ConfigError(f"data sampler state has epoch {epoch}, index {index}; expected epoch >= 0 and 0 <= index < {size}")
+        self.epoch, self.index = epoch, index
+
+
+class PromptLoader:
+    """Prompt batches of a training run, drawn from a :class:`PromptDataset` in the sampler's order.
+
+    Args:
+        dataset: The training rows.
+        seed: The run seed (the data order is a function of it and the epoch).
+        shuffle: Shuffle every epoch.
+    """
+
+    def __init__(self, dataset: PromptDataset, *, seed: int = 0, shuffle: bool = True) -> None:
+        self.dataset = dataset
+        self.sampler = PromptSampler(len(dataset), seed=seed, shuffle=shuffle)
+
+    @classmethod
+    def from_config(
+        cls, config: DataConfig, tokenizer: Tokenizer, *, seed: int, cache_dir: str | None = None
+    ) -> PromptLoader:
+        """Load ``config.train`` and order it with ``seed`` and ``config.shuffle``."""
+        return cls(PromptDataset.from_config(config, tokenizer, cache_dir=cache_dir), seed=seed, shuffle=config.shuffle)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next row."""
+        return self.sampler.epoch
+
+    def batch(self, step: int, n: int, *, meta: BatchMeta | None = None) -> TensorBatch:
+        """The prompt batch of ``step``: the next ``n`` rows of the data order (advancing it).
+
+        Group ids are the rows' positions in the run's data stream (rows drawn before them), so they
+        are unique for the whole run, even if ``n`` changes on resume. ``meta`` defaults to the
+        tokenizer's pad id; its ``step`` is set to ``step``.
+        """
+        start = self.sampler.position
+        rows = self.sampler.take(n)
+        pad = self.dataset.tokenizer.pad_token_id
+        meta = BatchMeta(pad_token_id=pad, step=step) if meta is None else dataclasses.replace(meta, step=step)
+        return self.dataset.to_batch(rows, group_ids=[start + i for i in range(n)], meta=meta)
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The sampler's position (save it with the checkpoint)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a position saved by :meth:`state_dict`."""
+        self.sampler.load_state_dict(state)
+

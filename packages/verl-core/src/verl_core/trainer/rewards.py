@@ -1,0 +1,379 @@
+"""User reward functions as one reward engine: ``reward.functions`` and ``reward.weights``.
+
+A reward function follows TRL's convention: it is called once per batch as
+``fn(prompts=list[str], completions=list[str], **columns)`` and returns one number per completion.
+``prompts`` and ``completions`` are the decoded prompt and response of every sample (special
+tokens such as EOS dropped); each other keyword is a dataset column (a per-sample extra of the
+batch), holding that column's value for the same samples in the same order (a prompt's ``n``
+samples repeat its values). A function that names only some keywords (``def f(completions,
+answer)``) gets just those; one with ``**kwargs`` gets all.
+
+:class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
+a reward-model engine's scores); functions are named ``"module:function"`` or
+``"path/to/file.py:function"``. Built-in functions live in :mod:`verl_core.trainer.reward_functions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from verl_core.batch import TensorBatch
+from verl_core.capabilities import RewardCapabilities
+from verl_core.errors import ConfigError, RewardError
+from verl_core.reward import RewardEngine
+from verl_core.tokenizer import Tokenizer
+
+__all__ = [
+    "MODEL_NAME",
+    "RewardFn",
+    "RewardFunctions",
+    "RewardFunctionsConfig",
+    "load_function",
+]
+
+RewardFn = Callable[..., Sequence[float]]
+"""``fn(prompts=list[str], completions=list[str], **columns) -> one number per completion``."""
+
+MODEL_NAME: Final = "model"
+"""Name of the reward-model engine's term in metrics and extras (``reward/model/mean``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunctionsConfig:
+    """Reward functions and their weights (the ``reward`` section of a run config).
+
+    Attributes:
+        functions: Each ``"module:function"`` (an importable module) or
+            ``"path/to/file.py:function"`` (a Python file, relative to the working directory),
+            e.g. ``"verl_core.trainer.reward_functions:exact_match"``.
+        weights: One weight per function (empty = 1.0 each); the score is the weighted sum.
+        model_weight: Weight of a reward-model engine's scores when the run also has one.
+    """
+
+    functions: list[str] = dataclasses.field(default_factory=list)
+    weights: list[float] = dataclasses.field(default_factory=list)
+    model_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for spec in self.functions:
+            _split_spec(spec)
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ConfigError(
+                f"reward.weights has {len(self.weights)} values for {len(self.functions)} reward.functions; "
+                "give one weight per function, or none (1.0 each)"
+            )
+        for w in [*self.weights, self.model_weight]:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ConfigError(f"reward weights must be finite numbers, got {w!r}")
+
+    def resolved_weights(self) -> list[float]:
+        """One weight per function (1.0 each when ``weights`` is empty)."""
+        return [float(w) for w in self.weights] if self.weights else [1.0] * len(self.functions)
+
+
+def _split_spec(spec: object) -> tuple[str, str]:
+    if not isinstance(spec, str):
+        raise ConfigError(f"a reward function is named by a string 'module:function' or 'file.py:function', got {spec!r}")
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ConfigError(
+            f"reward function {spec!r} is not 'module:function' or 'path/to/file.py:function' "
+            "(e.g. 'verl_core.trainer.reward_functions:exact_match')"
+        )
+    return where, name
+
+
+def load_function(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The callable that ``"module:function"`` or ``"path/to/file.py:function"`` names.
+
+    A file is run once as a module (named after its resolved path) and reused for every function
+    taken from it.
+
+    Args:
+        spec: The import string.
+        base_dir: Folder that relative file paths start from (default: the working directory).
+
+    Raises:
+        ConfigError: the module or file cannot be found or fails to import, it has no such
+            attribute, or the attribute is not callable.
+    """
+    where, name = _split_spec(spec)
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(spec, Path(base_dir or ".") / where)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(
+                f"reward function {spec!r}: cannot import module {where!r} ({type(e).__name__}: {e}); "
+                "install it, add its folder to PYTHONPATH, or name a file as 'path/to/file.py:function'"
+            ) from e
+        except Exception as e:
+            raise ConfigError(f"reward function {spec!r}: importing {where!r} failed ({type(e).__name__}: {e})") from e
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ConfigError(
+            f"reward function {spec!r}: {where!r} has no attribute {name!r}; its public callables: "
+            f"{', '.join(found) or '(none)'}"
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ConfigError(f"reward function {spec!r} is a {type(fn).__name__}, not a callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _load_file(spec: str, path: Path) -> Any:
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"reward function {spec!r}: the file {str(path)!r} does not exist")
+    module_name = f"verl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"reward function {spec!r}: {str(path)!r} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[module_name] = module  # before running it, as importlib does (dataclasses, pickling)
+    try:
+        mod_spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[module_name]
+        if not isinstance(e, Exception):
+            raise
+        raise ConfigError(f"reward function {spec!r}: running {str(path)!r} failed ({type(e).__name__}: {e})") from e
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    name: str
+    fn: Callable[..., Any]
+    weight: float
+    accepts: frozenset[str] | None  # keywords the function takes; None = any (it has **kwargs)
+
+
+def _accepted_keywords(name: str, fn: Callable[..., Any], columns: Sequence[str] | None) -> frozenset[str] | None:
+    """The keywords ``fn`` takes (None = any); ConfigError when it cannot be called with them."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reward function {name!r}: cannot read its signature ({e}); wrap it in a Python function") from e
+    params = list(sig.parameters.values())
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    expected = "fn(prompts, completions, **columns)"
+    positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only:
+        raise ConfigError(
+            f"reward function {name!r} has positional-only parameters {positional_only}; it is called "
+            f"with keywords as {expected}"
+        )
+    if "completions" not in named and not var_kw:
+        raise ConfigError(
+            f"reward function {name!r} has the signature {sig} and cannot take the keyword 'completions'; "
+            f"expected {expected} (a **kwargs parameter takes the keywords it does not name)"
+        )
+    if columns is not None:
+        offered = {"prompts", "completions", *columns}
+        missing = [
+            p.name for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in offered
+        ]
+        if missing:
+            raise ConfigError(
+                f"reward function {name!r} requires {missing}, which are neither 'prompts', 'completions' nor "
+                f"dataset columns ({', '.join(columns) or 'none'}); expected {expected}"
+            )
+    return None if var_kw else frozenset(named)
+
+
+class RewardFunctions(RewardEngine):
+    """A reward engine over user reward functions, optionally combined with a reward model.
+
+    The score of a sample is ``sum_i weight_i * fn_i(...)[sample]`` plus ``model_weight *`` the
+    reward model's score. The returned batch also carries each term's unweighted per-sample values
+    as the extra ``reward/<name>`` (``<name>`` is the function's name, made unique with ``_2``,
+    ``_3``... and ``model`` for the reward model); :meth:`metrics` turns them into
+    ``reward/<name>/mean``.
+
+    Args:
+        functions: Import strings (see :func:`load_function`) or callables.
+        tokenizer: Decodes prompts and responses (the rollout engine's tokenizer).
+        weights: One per function (default 1.0 each).
+        model: A reward-model engine whose ``scores`` are added (e.g. from ``backends.reward``).
+        model_weight: Weight of the model's scores.
+        columns: The dataset's column names, when known: a function that requires a keyword that
+            is none of them is refused at construction instead of at the first step.
+        base_dir: Folder that relative file paths start from (default: the working directory).
+
+    Raises:
+        ConfigError: no function and no model; weights that do not match the functions or are not
+            finite; a function that does not resolve, is not callable, or whose signature cannot
+            take ``(prompts=, completions=, **columns)``.
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[str | Callable[..., Any]],
+        tokenizer: Tokenizer,
+        *,
+        weights: Sequence[float] | None = None,
+        model: RewardEngine | None = None,
+        model_weight: float = 1.0,
+        columns: Sequence[str] | None = None,
+        base_dir: str | Path | None = None,
+    ) -> None:
+        if not functions and model is None:
+            raise ConfigError("RewardFunctions needs at least one reward function or a reward model")
+        weights = [1.0] * len(functions) if weights is None else list(weights)
+        if len(weights) != len(functions):
+            raise ConfigError(
+                f"{len(weights)} reward weights for {len(functions)} reward functions; give one weight per function"
+            )
+        for w in [*weights, model_weight]:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ConfigError(f"reward weights must be finite numbers, got {w!r}")
+        self._terms: list[_Term] = []
+        used = {MODEL_NAME} if model is not None else set()
+        for spec, weight in zip(functions, weights):
+            fn = load_function(spec, base_dir=base_dir) if isinstance(spec, str) else spec
+            label = spec if isinstance(spec, str) else getattr(fn, "__qualname__", repr(fn))
+            if not callable(fn):
+                raise ConfigError(f"reward function {label!r} is a {type(fn).__name__}, not a callable")
+            accepts = _accepted_keywords(label, fn, columns)
+            name = base = str(getattr(fn, "__name__", "fn"))
+            k = 2
+            while name in used:
+                name, k = f"{base}_{k}", k + 1
+            used.add(name)
+            self._terms.append(_Term(name, fn, float(weight), accepts))
+        self._tokenizer = tokenizer
+        self._model = model
+        self._model_weight = float(model_weight)
+        self._caps = RewardCapabilities(needs_text=True)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RewardFunctionsConfig,
+        tokenizer: Tokenizer,
+        *,
+        model: RewardEngine | None = None,
+        columns: Sequence[str] | None = None,
+        base_dir: str | Path | None = None,
+    ) -> RewardFunctions:
+        """The engine of a ``reward`` config section (plus an optional reward model)."""
+        return cls(
+            config.functions, tokenizer, weights=config.resolved_weights(), model=model,
+            model_weight=config.model_weight, columns=columns, base_dir=base_dir,
+        )
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        """Sequence scores from text."""
+        return self._caps
+
+    @property
+    def names(self) -> list[str]:
+        """The terms' names as they appear in extras and metrics (functions, then ``model``)."""
+        return [t.name for t in self._terms] + ([MODEL_NAME] if self._model is not None else [])
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Decode every sample, call each function once on the whole batch, and sum the weighted terms.
+
+        Raises:
+            RewardError: a function raised, or returned a wrong number of values, a value that is
+                not a number, NaN or inf (naming the function and the sample index), or the reward
+                model returned no ``scores``.
+        """
+        batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where="RewardFunctions.score")
+        prompts = self._decode(batch["prompt_ids"], batch["prompt_mask"])
+        completions = self._decode(batch["response_ids"], batch["response_mask"])
+        columns = {k: list(v) for k, v in batch.extras.items() if not k.startswith("reward/")}
+        size = batch.batch_size
+        total = [0.0] * size
+        extras: dict[str, list[float]] = {}
+        for term in self._terms:
+            values = self._call(term, prompts, completions, columns, size)
+            extras[f"reward/{term.name}"] = values
+            total = [t + term.weight * v for t, v in zip(total, values)]
+        if self._model is not None:
+            scored = self._model.score(batch)
+            if "scores" not in scored:
+                raise RewardError("the reward model returned no 'scores'; RewardFunctions combines sequence scores")
+            values = [float(v) for v in scored["scores"].detach().float().cpu().tolist()]
+            extras[f"reward/{MODEL_NAME}"] = values
+            total = [t + self._model_weight * v for t, v in zip(total, values)]
+        for i, v in enumerate(total):
+            if not math.isfinite(v):  # finite terms can still overflow when weighted and summed
+                raise RewardError(f"the weighted reward of sample {i} is {v}; lower the reward weights")
+        scores = torch.tensor(total, dtype=torch.float32, device=batch.device)
+        return batch.update(scores=scores, extras=extras)
+
+    @staticmethod
+    def metrics(batch: TensorBatch) -> dict[str, float]:
+        """``reward/<name>/mean`` of each term of a batch scored by :meth:`score`."""
+        out = {}
+        for key, values in batch.extras.items():
+            if key.startswith("reward/") and values:
+                out[f"{key}/mean"] = float(sum(values) / len(values))
+        return out
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        texts: list[str] = []
+        cache: dict[tuple[int, ...], str] = {}  # a prompt's n samples share its text
+        for row, keep in zip(ids.cpu().tolist(), mask.cpu().tolist()):
+            toks = tuple(t for t, m in zip(row, keep) if m)
+            if toks not in cache:
+                cache[toks] = self._tokenizer.decode(toks)
+            texts.append(cache[toks])
+        return texts
+
+    @staticmethod
+    def _call(
+        term: _Term, prompts: list[str], completions: list[str], columns: Mapping[str, list[Any]], size: int
+    ) -> list[float]:
+        kwargs = {"prompts": prompts, "completions": completions, **columns}
+        if term.accepts is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in term.accepts}
+        try:
+            out = term.fn(**kwargs)
+        except Exception as e:
+            raise RewardError(
+                f"reward function {term.name!r} raised {type(e).__name__}: {e} (scoring {size} samples; "
+                f"keywords {sorted(kwargs)})"
+            ) from e
+        if hasattr(out, "tolist"):  # a tensor or NumPy array
+            out = out.tolist()
+        if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+            raise RewardError(
+                f"reward function {term.name!r} returned {type(out).__name__}; expected a list of {size} numbers "
+                "(one per completion)"
+            )
+        if len(out) != size:
+            raise RewardError(
+                f"reward function {term.name!r} returned {len(out)} values for {size} completions; expected one each"
+            )
+        values = []
+        for i, v in enumerate(out):
+            if not isinstance(v, numbers.Real):
+                raise RewardError(
+                    f"reward function {term.name!r} returned {v!r} ({type(v).__name__}) for sample {i}; expected a number"
+                )
+            f = float(v)
+            if not math.isfinite(f):
+                raise RewardError(f"reward function {term.name!r} returned {f} for sample {i}; rewards must be finite")
+            values.append(f)
+        return values
