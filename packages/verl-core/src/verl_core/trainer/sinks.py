@@ -338,10 +338,12 @@ class _CallbackSink:
             raise CallbackError(self.name, hook, step, e) from e
 
     def log(self, step: int, metrics: Mapping[str, Any], *, kind: Literal["step", "eval"]) -> None:
+        if kind == "eval":
+            self._call("on_eval", step, types.MappingProxyType(dict(metrics)))
+            return
+        self._call("on_step_end", step, types.MappingProxyType(dict(metrics)))
         evals = {k: v for k, v in metrics.items() if k.startswith(EVAL_PREFIX)}
-        if kind == "step":
-            self._call("on_step_end", step, types.MappingProxyType(dict(metrics)))
-        if evals:
+        if evals:  # an evaluation ran in this step
             self._call("on_eval", step, types.MappingProxyType(evals))
 
     def checkpoint(self, step: int, path: Path) -> None:
