@@ -31,7 +31,7 @@ fi
 
 # verl-core first, on its own: pip 23's resolver does not match a local `verl-core[extras]` to the
 # plain `verl-core` the other distributions require and would look for it on the index instead.
-"${PIP[@]}" install "${ENGINES[0]}" -e "packages/verl-core[dev,yaml,plot,docs,ray,data]" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install "${ENGINES[0]}" -e "packages/verl-core[dev,yaml,plot,docs,ray,data,tensorboard,wandb]" 2>&1 | grep -v "^WARNING: Location" || true
 EDITABLE=()
 for d in "${DISTS[@]}"; do
   [ "$d" = packages/verl-core ] || EDITABLE+=(-e "$d")
