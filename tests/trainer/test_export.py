@@ -122,15 +122,19 @@ def _copy_run(run: Path, dest: Path) -> Path:
     return ckpt
 
 
-def _edit_state(ckpt: Path, edit: str | None = None, **backends: str) -> None:
-    """Rewrite trainer_state.json (and the manifest, so only the content is wrong)."""
+def _edit_state(ckpt: Path, *, text: str | None = None, key: str = "", value: object = None) -> None:
+    """Replace trainer_state.json by ``text``, or set the config's dotted ``key`` to ``value``; then
+    rewrite the manifest, so only the content is wrong."""
     path = ckpt / "trainer_state.json"
-    if edit is not None:
-        path.write_text(edit)
-    else:
+    if text is None:
         state = json.loads(path.read_text())
-        state["config"]["backends"].update(backends)
-        path.write_text(json.dumps(state))
+        *parents, last = key.split(".")
+        section = state["config"]
+        for part in parents:
+            section = section[part]
+        section[last] = value
+        text = json.dumps(state)
+    path.write_text(text)
     write_manifest(ckpt)
 
 
@@ -153,14 +157,20 @@ def test_bad_inputs_raise_one_error_and_leave_nothing(run: Path, exported: Path,
         export_checkpoint(ckpt, tmp_path / "out")
 
     ckpt = _copy_run(run, tmp_path / "nobackend")
-    _edit_state(ckpt, actor="nosuch")
+    _edit_state(ckpt, key="backends.actor", value="nosuch")
     with pytest.raises(ConfigError, match="actor backend 'nosuch'.*pip install verl-nosuch"):
         export_checkpoint(ckpt, tmp_path / "out")
 
     ckpt = _copy_run(run, tmp_path / "garbled")
-    _edit_state(ckpt, "{not json")
+    _edit_state(ckpt, text="{not json")
     with pytest.raises(CheckpointError, match="trainer_state.json is unreadable"):
         export_checkpoint(ckpt, tmp_path / "out")
+
+    ckpt = _copy_run(run, tmp_path / "elsewhere")
+    _edit_state(ckpt, key="model.device", value="cuda:99")
+    with pytest.raises(ConfigError, match=r"device 'cuda:99'\) cannot be built here.*--device"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert (export_checkpoint(ckpt, tmp_path / "cpu", device="cpu") / "model.safetensors").is_file()
 
     ckpt = _copy_run(run, tmp_path / "nomodel")
     shutil.rmtree(tmp_path / "nomodel" / "model")

@@ -179,6 +179,14 @@ def _build_actor(ckpt: Path, config: RunConfig, model_dir: Path) -> TrainingEngi
             f"checkpoint {str(ckpt)!r} was trained with actor backend {backend!r}, which cannot be "
             f"loaded here: {e}"
         ) from e
+    except VerlError:
+        raise
+    except Exception as e:  # e.g. the run's CUDA device on a machine without one
+        raise ConfigError(
+            f"checkpoint {str(ckpt)!r}: its actor engine (backend {backend!r}, device "
+            f"{config.model.device!r}) cannot be built here: {type(e).__name__}: {e}; export on a machine "
+            "like the run's, or load it on another device with --device (device= in Python)"
+        ) from e
     try:
         engine.load_checkpoint(ckpt / "actor")
     except VerlError:
