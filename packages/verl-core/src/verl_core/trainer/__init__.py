@@ -5,6 +5,7 @@ the built-in tasks. Importing this package loads no engine library."""
 from __future__ import annotations
 
 from verl_core.trainer.config import RunConfig, load_config
+from verl_core.trainer.export import export_checkpoint
 from verl_core.trainer.pipeline import (
     HybridPipeline,
     PipelineError,
@@ -44,6 +45,7 @@ __all__ = [
     "Trainer",
     "TrainingDivergedError",
     "build_algorithm",
+    "export_checkpoint",
     "get_task",
     "latest_checkpoint",
     "load_config",
