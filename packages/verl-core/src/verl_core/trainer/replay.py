@@ -7,9 +7,9 @@ nothing is lost and every value comes back bit for bit.
 
 The buffer deletes only what it wrote: its spill files, the private folder it created for them
 (when nothing else is in it) and the spill root when it created that too. Each spilled segment is
-checked when read back (file size, and every field's shape, dtype and CRC-32 as written), so a
-file truncated or changed on disk raises :class:`~verl_core.errors.CheckpointError` naming it
-instead of feeding wrong samples to an update.
+checked when read back (the file's size and CRC-32, and every field's shape, dtype and CRC-32 as
+written), so a file truncated or changed on disk raises :class:`~verl_core.errors.CheckpointError`
+naming it instead of feeding wrong samples to an update.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class _Segment:
     batch: TensorBatch | None  # None once spilled
     path: Path | None = None
     file_bytes: int = 0  # size of the spill file as written
+    file_crc: int = 0  # CRC-32 of the spill file as written
     written: _Fingerprint | None = None  # the batch as spilled
 
     def load(self) -> TensorBatch:
@@ -96,17 +97,29 @@ class _Segment:
             size = self.path.stat().st_size
         except OSError as e:
             raise CheckpointError(f"{where} is missing ({e}); {fix}") from e
-        if size != self.file_bytes:
-            what = "truncated" if size < self.file_bytes else "corrupted"
-            raise CheckpointError(f"{where} is {what}: it has {size} bytes, {self.file_bytes} were written; {fix}")
+        what = "truncated" if size < self.file_bytes else "corrupted"
+        sizes = f"it has {size} bytes, {self.file_bytes} were written"
         try:
             batch = TensorBatch.load(self.path)
         except BatchValidationError as e:
-            raise CheckpointError(f"{where} is corrupted ({e}); {fix}") from e
+            detail = sizes if size != self.file_bytes else str(e)
+            raise CheckpointError(f"{where} is {what}: {detail}; {fix}") from e
         read = _fingerprint(batch)
         if read != self.written or batch.batch_size != self.size:
             raise CheckpointError(f"{where} is corrupted: {_difference(self.written, read)}; {fix}")
+        if size != self.file_bytes:
+            raise CheckpointError(f"{where} is {what}: {sizes}; {fix}")
+        if _file_crc(self.path) != self.file_crc:  # a change outside the tensors' bytes (e.g. the zip records)
+            raise CheckpointError(f"{where} is corrupted: its bytes differ from those written (CRC-32); {fix}")
         return batch
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _difference(written: _Fingerprint, read: _Fingerprint) -> str:
@@ -276,7 +289,7 @@ class HybridReplayBuffer(ReplayBuffer):
             written = _fingerprint(seg.batch)
             self._files.append(path)
             seg.batch.save(path)
-            seg.file_bytes = path.stat().st_size
+            seg.file_bytes, seg.file_crc = path.stat().st_size, _file_crc(path)
             seg.path, seg.written = path, written
             seg.batch = None
 
