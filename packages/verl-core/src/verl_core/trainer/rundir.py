@@ -154,7 +154,10 @@ class RunDir:
                 holds and the ways out.
         """
         path = _check_location(output_dir)
-        found = _survey(path)
+        try:
+            found = _survey(path)
+        except OSError as e:
+            raise ConfigError(f"output_dir {str(path)!r} cannot be read ({e}); choose another output_dir") from e
         if mode == "resume" and config.overwrite:
             raise ConfigError(
                 f"--resume continues the run in {str(path)!r}, but overwrite=true starts a fresh one (moving "
@@ -175,7 +178,10 @@ class RunDir:
                     f"(so two runs never mix): {_ways_out(path, resumable=found.kind == 'run')}"
                 )
             moved = _move_aside(path, found)
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"output_dir {str(path)!r} cannot be created ({e}); choose another output_dir") from e
         marker = RunMarker(
             run_id=uuid.uuid4().hex,
             config_hash=config_hash(config),
@@ -453,21 +459,21 @@ def _move_aside(path: Path, found: _Found) -> Path:
     """Rename ``path`` to ``<path>.old-<time>`` (``overwrite``); a run in progress there is refused."""
     lock = _lock_marker(path) if found.kind == "run" else None
     try:
-        resolved = path.resolve()
+        here = Path(os.path.abspath(path))  # a symlink is moved itself, not the folder it points to
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = resolved.with_name(f"{resolved.name}.old-{stamp}")
+        aside = here.with_name(f"{here.name}.old-{stamp}")
         n = 1
         while aside.exists():
-            aside = resolved.with_name(f"{resolved.name}.old-{stamp}-{n}")
+            aside = here.with_name(f"{here.name}.old-{stamp}-{n}")
             n += 1
         try:
-            os.rename(resolved, aside)
+            os.rename(here, aside)
         except OSError as e:
             raise ConfigError(
                 f"overwrite=true: cannot move output_dir {str(path)!r} aside to {str(aside)!r} ({e}); move it "
                 "yourself or choose another output_dir"
             ) from e
-        fsync_dir(resolved.parent)
+        fsync_dir(here.parent)
         return aside
     finally:
         if lock is not None:
