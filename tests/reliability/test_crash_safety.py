@@ -10,6 +10,11 @@ random delay of up to a few milliseconds (in the middle of it). After every kill
 complete checkpoint must verify against its manifest, the next child must resume from it, and
 every run that reaches the end must give exactly the metrics and weights of an uninterrupted run.
 
+Two more kills check what a run may delete: a run killed in the middle of spilling its replay
+buffer leaves stale spill files that only the resumed run of the same id removes (nothing else
+in the folder or the spill folder), and of two runs started at the same moment in one folder
+exactly one runs while the other is refused before writing anything.
+
 The child turns ``fsync`` into a counted no-op: a killed process loses nothing the kernel already
 has, so fsync only matters for power loss, which a test cannot simulate; it would only slow the
 test down.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -34,7 +40,9 @@ import pytest
 import torch
 from reliability_helpers import comparable, tiny_config
 
+from verl_core.errors import ConfigError
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
+from verl_core.trainer.rundir import MARKER_FILE, read_marker
 
 KILLS = int(os.environ.get("VERL_RELIABILITY_KILLS", "200"))
 SEED = 20261202
@@ -50,11 +58,13 @@ _WRITE_EVENTS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtre
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def _install_kill_point(kill_at: int | None, delay: float, report_fd: int) -> list[int]:
-    """Count write events in this (child) process; SIGKILL it at event ``kill_at``."""
+def _install_kill_point(kill_at: int | None, delay: float, report_fd: int, only: str = "") -> list[int]:
+    """Count write events (those matching the regex ``only``) in this (child) process; SIGKILL it at event ``kill_at``."""
     count = [0]
 
     def event(what: str) -> None:
+        if not re.search(only, what):
+            return
         count[0] += 1
         if count[0] != kill_at:
             return
@@ -102,13 +112,13 @@ def _install_kill_point(kill_at: int | None, delay: float, report_fd: int) -> li
     return count
 
 
-def _child(trainer: Trainer, kill_at: int | None, delay: float, report_fd: int) -> None:
-    count = _install_kill_point(kill_at, delay, report_fd)
+def _child(trainer: Trainer, kill_at: int | None, delay: float, report_fd: int, only: str = "") -> None:
+    count = _install_kill_point(kill_at, delay, report_fd, only)
     trainer.train(resume=latest_checkpoint(trainer.out) is not None)
     os.write(report_fd, f"done {count[0]}\n".encode())
 
 
-def _fork(trainer: Trainer, kill_at: int | None, delay: float) -> tuple[int, str, str]:
+def _fork(trainer: Trainer, kill_at: int | None, delay: float, only: str = "") -> tuple[int, str, str]:
     """Run one child from a copy of ``trainer``; returns (wait status, its report, its traceback if it failed)."""
     r, w = os.pipe()
     err = trainer.out.parent / "child-error.txt"
@@ -118,7 +128,7 @@ def _fork(trainer: Trainer, kill_at: int | None, delay: float) -> tuple[int, str
         code = 3
         try:
             os.close(r)
-            _child(trainer, kill_at, delay, w)
+            _child(trainer, kill_at, delay, w, only)
             code = 0
         except BaseException:
             err.write_text(traceback.format_exc())
@@ -148,9 +158,9 @@ def _results(out: Path) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
 
 
 def _reset(out: Path) -> None:
-    """Remove what a run wrote (the tiny model folder stays)."""
+    """Remove what a run wrote (the tiny model folder and the run marker stay)."""
     for p in out.iterdir():
-        if p.name != "model":
+        if p.name not in ("model", MARKER_FILE):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
@@ -219,3 +229,95 @@ def test_sigkill_at_seeded_random_points_never_loses_a_checkpoint(
           f"{time.perf_counter() - t0:.0f}s")
     assert completed >= 3, "too few runs reached the end to compare with the uninterrupted one"
     assert kinds["checkpoint write"] > 0 and kinds["replay-buffer spill"] > 0
+
+
+def test_sigkill_while_spilling_leaves_stale_files_only_the_same_run_removes(
+    tmp_path: Path, tally: Counter[str]
+) -> None:
+    out = tmp_path / "run"
+    cfg = tiny_config(out, "steps=2", "checkpoint.every=1")
+    trainer = Trainer(cfg)
+    trainer.setup()
+    assert trainer.run_dir is not None
+    spill = trainer.run_dir.spill_root
+    # files of the user in the run folder and in its spill folder, one in a folder named like a
+    # buffer's and one named like a segment: none of them was written by a buffer
+    mine = {out / "notes.txt": b"mine", spill / "keep.txt": b"kept", spill / "verl-replay-mine" / "a.bin": b"a",
+            spill / "mine" / "segment-00000000.pt": b"not a segment"}
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    # kill step 2 as it renames its spilled segment into place (the first spill was step 1's)
+    status, report, err = _fork(trainer, 2, 0.0, only=r"^os\.rename .*/spill-.*segment-")
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, err
+    assert report.startswith("os.rename") and "segment-" in report, report
+    tally["kill/SIGKILL during replay-buffer spill (stale files checked)"] += 1
+    trainer.close()
+    stale = [p for p in spill.glob("verl-replay-*/*") if p.name != "a.bin"]
+    assert stale, "the killed run left no spill file behind"
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step-000001"
+    verify_checkpoint(ckpt)
+    with Trainer(cfg) as resumed:  # same run id: its stale spill files go, nothing else
+        assert len(resumed.train(resume=True)) == 2
+    assert not any(p.exists() for p in stale)
+    assert all(p.read_bytes() == data for p, data in mine.items())
+    assert sorted(p.relative_to(spill).as_posix() for p in spill.rglob("*") if p.is_file()) == [
+        "keep.txt", "mine/segment-00000000.pt", "verl-replay-mine/a.bin"]
+
+
+def _racer(out: Path, model: Path, go: int, report: Path) -> int:
+    """One of two runs started at once: waits for the start signal, then trains one step."""
+    os.read(go, 1)
+    try:
+        with Trainer(tiny_config(out, "steps=1", model=model)) as trainer:
+            trainer.train()
+            assert trainer.run_dir is not None
+            report.write_text(json.dumps({"won": trainer.run_dir.run_id}))
+        return 0
+    except ConfigError as e:
+        report.write_text(json.dumps({"refused": str(e)}))
+        return 2
+
+
+def test_two_runs_started_at_once_in_one_folder_one_wins_the_other_is_refused(
+    tmp_path: Path, tally: Counter[str]
+) -> None:
+    with Trainer(tiny_config(tmp_path / "model-run", "steps=1")) as t:
+        t.setup()  # the shared model; also loads every library before the fork
+    model = tmp_path / "model-run" / "model"
+    out = tmp_path / "run"
+    go_r, go_w = os.pipe()
+    children = []
+    for i in range(2):
+        report = tmp_path / f"racer-{i}.json"
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 3
+            try:
+                os.close(go_w)
+                code = _racer(out, model, go_r, report)
+            except BaseException:
+                (tmp_path / f"racer-{i}-error.txt").write_text(traceback.format_exc())
+            finally:
+                os._exit(code)
+        children.append((pid, report))
+    os.close(go_r)
+    os.write(go_w, b"go")  # both start at once
+    os.close(go_w)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, _ in children]
+    errors = [p.read_text() for p in tmp_path.glob("racer-*-error.txt")]
+    assert sorted(codes) == [0, 2], (codes, errors)
+    tally["race/two trainers started at once in one folder"] += 1
+    reports = [json.loads(r.read_text()) for _, r in children]
+    won = next(r["won"] for r in reports if "won" in r)
+    refused = next(r["refused"] for r in reports if "refused" in r)
+    assert str(out) in refused and "output_dir" in refused, refused
+    marker = read_marker(out)
+    assert marker is not None and marker.run_id == won
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step-000001"
+    verify_checkpoint(ckpt)
+    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints", "config.json", "metrics.jsonl", "scheduler_plan.jsonl", MARKER_FILE]

@@ -10,8 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core.batch import TensorBatch
-from verl_core.errors import ConfigError
-from verl_core.trainer.replay import BufferFullError, HybridReplayBuffer
+from verl_core.errors import CheckpointError, ConfigError, VerlError
+from verl_core.trainer.replay import (
+    BufferClosedError,
+    BufferEmptyError,
+    BufferFullError,
+    HybridReplayBuffer,
+    remove_stale_spill,
+)
 
 
 def make_batch(size: int, width: int, seed: int, first_group: int = 0) -> TensorBatch:
@@ -169,5 +175,123 @@ def test_clear_and_close_remove_the_spill_directory(tmp_path: Path) -> None:
     buf.close()
     assert not d2.exists()
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(BufferClosedError, match="closed"):
         buf.add(make_batch(1, 1, seed=0))
+
+
+@pytest.mark.parametrize("kind", ["truncate", "append", "flip", "same shape, other values", "delete", "empty"])
+def test_a_spill_file_changed_on_disk_is_reported_when_read_back(kind: str, tmp_path: Path) -> None:
+    buf = HybridReplayBuffer(memory_samples=1, spill_dir=tmp_path)
+    buf.add(make_batch(4, 5, seed=0))
+    buf.add(make_batch(4, 5, seed=1))  # the first batch spills
+    assert buf.spill_path is not None
+    path = next(buf.spill_path.glob("segment-*.pt"))
+    raw = path.read_bytes()
+    if kind == "truncate":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif kind == "append":
+        path.write_bytes(raw + b"\0")
+    elif kind == "flip":
+        path.write_bytes(raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0xFF]) + raw[len(raw) // 2 + 1 :])
+    elif kind == "same shape, other values":
+        make_batch(4, 5, seed=7).save(path)
+    elif kind == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"spill file '{path}'"):
+        buf.drain()
+    with pytest.raises(CheckpointError, match="restart from the last checkpoint"):
+        list(buf.mini_batches(8))
+    buf.close()
+
+
+def test_a_spilled_field_of_another_shape_is_named(tmp_path: Path) -> None:
+    buf = HybridReplayBuffer(memory_samples=1, spill_dir=tmp_path)
+    buf.add(make_batch(3, 4, seed=0))
+    buf.add(make_batch(3, 4, seed=1))
+    assert buf.spill_path is not None
+    path = next(buf.spill_path.glob("segment-*.pt"))
+    make_batch(3, 6, seed=0).save(path)  # a valid batch file, written by something else
+    with pytest.raises(CheckpointError, match=r"field 'advantages' is torch.float32 \[3, 6\], torch.float32 \[3, 4\] was"):
+        buf.sample(6, seed=0)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"capacity": True}, "capacity must be an integer"),
+    ({"memory_samples": 2.5}, "memory_samples must be an integer"),
+    ({"memory_bytes": "1GB"}, "memory_bytes must be an integer"),
+    ({"memory_bytes": -1}, "memory_bytes must be >= 1"),
+    ({"spill_dir": 3}, "spill_dir must be a path"),
+    ({"spill_dir": ""}, "spill_dir is empty"),
+    ({"spill": "yes"}, "spill must be true or false"),
+])
+def test_constructor_arguments_are_checked(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        HybridReplayBuffer(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_calls_raise_project_errors_that_stay_value_errors() -> None:
+    buf = HybridReplayBuffer()
+    for call, match in [
+        (lambda: buf.sample(0), r"sample\(n=0\)"),
+        (lambda: buf.sample(True), r"sample\(n=True\)"),
+        (lambda: buf.sample(1, seed="x"), r"seed must be an integer"),  # type: ignore[arg-type]
+        (lambda: list(buf.mini_batches(0)), r"mini_batches\(size=0\)"),
+        (lambda: list(buf.mini_batches(2, epochs=1.5)), r"epochs must be an integer >= 1"),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            call()
+    with pytest.raises(BufferEmptyError, match="empty"):
+        buf.sample(1)
+    buf.add(make_batch(2, 3, seed=0))
+    with pytest.raises(BufferEmptyError, match="holds only 2 samples") as info:
+        buf.sample(3)
+    assert isinstance(info.value, (VerlError, ValueError))
+
+
+def test_the_buffer_deletes_only_what_it_wrote(tmp_path: Path) -> None:
+    root = tmp_path / "made" / "by" / "buffer"
+    buf = HybridReplayBuffer(memory_samples=1, spill_dir=root)
+    buf.add(make_batch(2, 3, seed=0))
+    buf.add(make_batch(2, 3, seed=1))
+    d = buf.spill_path
+    assert d is not None
+    foreign = d / "notes.txt"
+    foreign.write_text("not the buffer's")
+    buf.clear()
+    assert foreign.read_text() == "not the buffer's" and sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+    foreign.unlink()
+    d.rmdir()  # the buffer let go of the folder it could not empty
+    buf.add(make_batch(2, 3, seed=2))
+    buf.add(make_batch(2, 3, seed=3))
+    buf.close()
+    assert not (tmp_path / "made").exists(), "close() leaves the folders it created"
+    # a spill root that was there stays, and so does one holding something else
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    other = HybridReplayBuffer(memory_samples=1, spill_dir=kept / "sub")
+    other.add(make_batch(2, 3, seed=0))
+    other.add(make_batch(2, 3, seed=1))
+    (kept / "sub" / "mine.txt").write_text("x")
+    other.close()
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*")) == ["sub", "sub/mine.txt"]
+
+
+def test_remove_stale_spill_removes_only_what_buffers_write(tmp_path: Path) -> None:
+    stale = tmp_path / "verl-replay-abc"
+    stale.mkdir()
+    (stale / "segment-00000000.pt").write_bytes(b"x")
+    (stale / ".segment-00000001.pt.tmp-123").write_bytes(b"x")
+    mixed = tmp_path / "verl-replay-def"
+    mixed.mkdir()
+    (mixed / "segment-00000002.pt").write_bytes(b"x")
+    (mixed / "notes.txt").write_text("mine")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "segment-00000000.pt").write_bytes(b"mine")
+    (tmp_path / "segment-00000003.pt").write_bytes(b"mine")
+    assert remove_stale_spill(tmp_path) == 3
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "other", "other/segment-00000000.pt", "segment-00000003.pt", "verl-replay-def", "verl-replay-def/notes.txt",
+    ]
+    assert remove_stale_spill(tmp_path / "missing") == 0

@@ -14,7 +14,13 @@ from verl_core.trainer.pipeline import (
     StageError,
 )
 from verl_core.trainer.reliability import StepFailedError, TrainingDivergedError, verify_checkpoint
-from verl_core.trainer.replay import BufferFullError, HybridReplayBuffer
+from verl_core.trainer.replay import (
+    BufferClosedError,
+    BufferEmptyError,
+    BufferFullError,
+    HybridReplayBuffer,
+)
+from verl_core.trainer.rundir import RunDir, RunMarker
 from verl_core.trainer.scheduler import (
     Decision,
     DynamicBatchScheduler,
@@ -26,6 +32,8 @@ from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batc
 from verl_core.trainer.trainer import Trainer, build_algorithm, latest_checkpoint
 
 __all__ = [
+    "BufferClosedError",
+    "BufferEmptyError",
     "BufferFullError",
     "Decision",
     "DigitTask",
@@ -37,6 +45,8 @@ __all__ = [
     "PipelineError",
     "PipelineResult",
     "RunConfig",
+    "RunDir",
+    "RunMarker",
     "SchedulerConfig",
     "Stage",
     "StageError",

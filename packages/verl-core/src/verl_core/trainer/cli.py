@@ -48,7 +48,7 @@ def _handle(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     with Trainer(config) as trainer:
-        trainer.setup()
+        trainer.setup(resume=args.resume)  # the output folder is checked before any engine is built
         setup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         history = trainer.train(resume=args.resume)

@@ -185,7 +185,7 @@ class BatchConfig:
         min_tokens: Smallest dynamic budget.
         max_tokens: Largest dynamic budget.
         buffer_memory_bytes: Tensor bytes the replay buffer keeps in memory before it spills
-            whole batches to ``<output_dir>/spill`` (0 = no bound).
+            whole batches to ``<output_dir>/spill-<run id>`` (0 = no bound).
     """
 
     prompts_per_step: int = 16
@@ -256,7 +256,12 @@ class RunConfig:
     Attributes:
         steps: Training steps.
         seed: Seed of prompts, sampling and initialisation.
-        output_dir: Folder for metrics, checkpoints, the plot and the built model.
+        output_dir: Folder of the run: metrics, checkpoints, the plot and the built model. A fresh
+            run needs a new or empty folder and marks it with ``verl_run.json``; ``--resume``
+            needs that marker (see :mod:`verl_core.trainer.rundir`).
+        overwrite: Let a fresh run start in an ``output_dir`` that holds something (another run,
+            or other files): the folder is renamed to ``<output_dir>.old-<time>`` first, so
+            nothing is deleted. Not allowed with ``--resume``.
         model: The policy model.
         critic_model: Folder of the critic's model (empty = the policy model).
         task: The built-in task.
@@ -278,6 +283,7 @@ class RunConfig:
     steps: int = 100
     seed: int = 0
     output_dir: str = "runs/verl"
+    overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     critic_model: str = ""
     task: TaskConfig = field(default_factory=TaskConfig)

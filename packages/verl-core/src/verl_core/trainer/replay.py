@@ -4,29 +4,73 @@ Batches are stored whole (one segment per :meth:`~HybridReplayBuffer.add`). When
 holds more samples or bytes than its bounds, the oldest in-memory segments are written to the spill
 directory with :meth:`TensorBatch.save` and read back with :meth:`TensorBatch.load` when needed, so
 nothing is lost and every value comes back bit for bit.
+
+The buffer deletes only what it wrote: its spill files, the private folder it created for them
+(when nothing else is in it) and the spill root when it created that too. Each spilled segment is
+checked when read back (the file's size and CRC-32, and every field's shape, dtype and CRC-32 as
+written), so a file truncated or changed on disk raises :class:`~verl_core.errors.CheckpointError`
+naming it instead of feeding wrong samples to an update.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-import shutil
+import json
+import os
+import re
 import tempfile
 import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Final
 
 import torch
 
 from verl_core.batch import TensorBatch
 from verl_core.buffer import ReplayBuffer
-from verl_core.errors import ConfigError, VerlError
+from verl_core.errors import BatchValidationError, CheckpointError, ConfigError, VerlError
 
-__all__ = ["BufferFullError", "HybridReplayBuffer"]
+__all__ = [
+    "BufferClosedError",
+    "BufferEmptyError",
+    "BufferFullError",
+    "HybridReplayBuffer",
+    "remove_stale_spill",
+]
+
+_DIR_PREFIX: Final = "verl-replay-"
+# what a buffer writes into its private folder: segments, and TensorBatch.save's temporary files
+_OWN_FILE: Final = re.compile(r"segment-\d{8}\.pt|\.segment-\d{8}\.pt\.tmp-\d+")
 
 
 class BufferFullError(VerlError, RuntimeError):
     """Adding a batch would exceed the buffer's bounds (and there is no disk tier to spill to)."""
+
+
+class BufferEmptyError(VerlError, ValueError):
+    """The buffer holds fewer samples than asked for (or none)."""
+
+
+class BufferClosedError(VerlError, RuntimeError):
+    """The buffer was closed and cannot be used any more."""
+
+
+# (name, shape, dtype, CRC-32 of the bytes) of every field, then CRC-32 of the extras and meta
+_Fingerprint = tuple[tuple[tuple[str, tuple[int, ...], str, int], ...], int]
+
+
+def _fingerprint(batch: TensorBatch) -> _Fingerprint:
+    fields = []
+    for name in sorted(batch.keys()):
+        t = batch[name].detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        fields.append((name, tuple(t.shape), str(t.dtype), zlib.crc32(raw.data)))
+    rest = json.dumps([{k: list(v) for k, v in sorted(batch.extras.items())}, repr(batch.meta)], default=repr)
+    return tuple(fields), zlib.crc32(rest.encode())
 
 
 @dataclass
@@ -35,12 +79,60 @@ class _Segment:
     nbytes: int
     batch: TensorBatch | None  # None once spilled
     path: Path | None = None
+    file_bytes: int = 0  # size of the spill file as written
+    file_crc: int = 0  # CRC-32 of the spill file as written
+    written: _Fingerprint | None = None  # the batch as spilled
 
     def load(self) -> TensorBatch:
         if self.batch is not None:
             return self.batch
-        assert self.path is not None
-        return TensorBatch.load(self.path)
+        assert self.path is not None and self.written is not None
+        fix = (
+            "the file was cut short or changed after the buffer wrote it (a full disk, or another process "
+            "writing into the run's spill folder); its samples are lost: restart from the last checkpoint "
+            "(`verl train CONFIG --resume`)"
+        )
+        where = f"replay-buffer spill file {str(self.path)!r}"
+        try:
+            size = self.path.stat().st_size
+        except OSError as e:
+            raise CheckpointError(f"{where} is missing ({e}); {fix}") from e
+        what = "truncated" if size < self.file_bytes else "corrupted"
+        sizes = f"it has {size} bytes, {self.file_bytes} were written"
+        try:
+            batch = TensorBatch.load(self.path)
+        except BatchValidationError as e:
+            detail = sizes if size != self.file_bytes else str(e)
+            raise CheckpointError(f"{where} is {what}: {detail}; {fix}") from e
+        read = _fingerprint(batch)
+        if read != self.written or batch.batch_size != self.size:
+            raise CheckpointError(f"{where} is corrupted: {_difference(self.written, read)}; {fix}")
+        if size != self.file_bytes:
+            raise CheckpointError(f"{where} is {what}: {sizes}; {fix}")
+        if _file_crc(self.path) != self.file_crc:  # a change outside the tensors' bytes (e.g. the zip records)
+            raise CheckpointError(f"{where} is corrupted: its bytes differ from those written (CRC-32); {fix}")
+        return batch
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _difference(written: _Fingerprint, read: _Fingerprint) -> str:
+    """Which part of a spilled segment differs from what was written."""
+    names_w, names_r = [f[0] for f in written[0]], [f[0] for f in read[0]]
+    if names_w != names_r:
+        return f"it holds fields {names_r}, {names_w} were written"
+    for (name, shape, dtype, crc), (_, shape_r, dtype_r, crc_r) in zip(written[0], read[0]):
+        if (shape, dtype) != (shape_r, dtype_r):
+            return f"field {name!r} is {dtype_r} {list(shape_r)}, {dtype} {list(shape)} was written"
+        if crc != crc_r:
+            return f"the bytes of field {name!r} differ from those written (CRC-32)"
+    return "its extras or meta differ from those written"
 
 
 def _nbytes(batch: TensorBatch) -> int:
@@ -60,7 +152,13 @@ class HybridReplayBuffer(ReplayBuffer):
         spill: Whether batches past the memory bounds go to disk.
 
     Every added batch must have the same fields and extras keys as the first one (so samples can be
-    concatenated). The spill directory is removed by :meth:`clear` (its files) and :meth:`close`.
+    concatenated). :meth:`clear` removes the spill files the buffer wrote and its private folder;
+    :meth:`close` also removes ``spill_dir`` when the buffer created it and it is empty. Nothing
+    else is ever deleted.
+
+    Raises:
+        ConfigError: a bound is not a positive integer or None, ``spill_dir`` is not a path, or
+            ``spill`` is not a bool.
     """
 
     def __init__(
@@ -74,14 +172,26 @@ class HybridReplayBuffer(ReplayBuffer):
     ) -> None:
         for name, value in (("capacity", capacity), ("memory_samples", memory_samples),
                             ("memory_bytes", memory_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(
+                    f"HybridReplayBuffer.{name} must be an integer >= 1 or None (unbounded), got {value!r}"
+                )
             if value is not None and value < 1:
                 raise ConfigError(f"HybridReplayBuffer.{name} must be >= 1 or None (unbounded), got {value}")
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise ConfigError(f"HybridReplayBuffer.spill_dir must be a path or None, got {spill_dir!r}")
+        if spill_dir is not None and not str(spill_dir).strip():
+            raise ConfigError("HybridReplayBuffer.spill_dir is empty; pass a folder, or None for the system temp dir")
+        if not isinstance(spill, bool):
+            raise ConfigError(f"HybridReplayBuffer.spill must be true or false, got {spill!r}")
         self.capacity = capacity
         self.memory_samples = memory_samples
         self.memory_bytes = memory_bytes
         self._spill = spill
         self._spill_root = Path(spill_dir) if spill_dir is not None else None
-        self._dir: Path | None = None
+        self._made_root: list[Path] = []  # folders of spill_dir this buffer created, deepest first
+        self._dir: Path | None = None  # the private folder (mkdtemp) holding this buffer's files
+        self._files: list[Path] = []  # the spill files this buffer wrote into it
         self._segments: list[_Segment] = []
         self._counter = itertools.count()
         self._signature: tuple[frozenset[str], frozenset[str]] | None = None
@@ -176,15 +286,21 @@ class HybridReplayBuffer(ReplayBuffer):
             if seg.batch is None:
                 continue
             path = self._spill_dir() / f"segment-{next(self._counter):08d}.pt"
+            written = _fingerprint(seg.batch)
+            self._files.append(path)
             seg.batch.save(path)
-            seg.path = path
+            seg.file_bytes, seg.file_crc = path.stat().st_size, _file_crc(path)
+            seg.path, seg.written = path, written
             seg.batch = None
 
     def _spill_dir(self) -> Path:
         if self._dir is None:
-            if self._spill_root is not None:
-                self._spill_root.mkdir(parents=True, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="verl-replay-", dir=self._spill_root))
+            root = self._spill_root
+            if root is not None and not root.exists():
+                missing = [root, *(p for p in root.parents if not p.exists())]
+                root.mkdir(parents=True, exist_ok=True)
+                self._made_root = self._made_root or missing
+            self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=root))
         return self._dir
 
     # ------------------------------------------------------------------ read
@@ -216,17 +332,20 @@ class HybridReplayBuffer(ReplayBuffer):
         """``n`` samples drawn uniformly; the same ``seed`` and contents give the same samples.
 
         Raises:
-            ValueError: ``n`` exceeds the samples held when ``replace`` is False, or the buffer is empty.
+            ConfigError: ``n`` is not an integer >= 1, or ``seed`` not an integer or None.
+            BufferEmptyError: the buffer is empty, or ``n`` exceeds the samples held when
+                ``replace`` is False (both are ValueErrors).
         """
+        _check_int("sample", "n", n, 1)
+        if seed is not None:
+            _check_int("sample", "seed", seed, None)
         with self._lock:
             self._check_open()
             total = len(self)
-            if n < 1:
-                raise ValueError(f"sample(n={n}) needs n >= 1")
             if total == 0:
-                raise ValueError("sample() on an empty HybridReplayBuffer; add() batches first")
+                raise BufferEmptyError("sample() on an empty HybridReplayBuffer; add() batches first")
             if not replace and n > total:
-                raise ValueError(
+                raise BufferEmptyError(
                     f"sample(n={n}, replace=False) but the buffer holds only {total} samples; "
                     "lower n or pass replace=True"
                 )
@@ -244,8 +363,9 @@ class HybridReplayBuffer(ReplayBuffer):
         once per pass; the last mini-batch of a pass holds the remainder when ``size`` does not
         divide the number of samples.
         """
-        if size < 1 or epochs < 1:
-            raise ValueError(f"mini_batches(size={size}, epochs={epochs}) needs size >= 1 and epochs >= 1")
+        _check_int("mini_batches", "size", size, 1)
+        _check_int("mini_batches", "epochs", epochs, 1)
+        _check_int("mini_batches", "seed", seed, None)
         with self._lock:
             self._check_open()
             total = len(self)
@@ -259,41 +379,53 @@ class HybridReplayBuffer(ReplayBuffer):
     def _snapshot(self) -> HybridReplayBuffer:
         # the segments as they are now; spilled ones stay on disk and load per mini-batch
         snap = HybridReplayBuffer.__new__(HybridReplayBuffer)
-        snap._segments = [_Segment(s.size, s.nbytes, s.batch, s.path) for s in self._segments]
-        snap._dir = None
+        snap._segments = [dataclasses.replace(s) for s in self._segments]
+        snap._dir, snap._files, snap._made_root = None, [], []  # owns no file: never deletes one
         return snap
 
     def drain(self) -> TensorBatch:
         """Remove and return every sample, in insertion order (memory and disk tiers alike).
 
         Raises:
-            ValueError: the buffer is empty.
+            BufferEmptyError: the buffer is empty.
         """
         with self._lock:
             self._check_open()
             if not self._segments:
-                raise ValueError("drain() on an empty HybridReplayBuffer")
+                raise BufferEmptyError("drain() on an empty HybridReplayBuffer; add() batches first")
             out = TensorBatch.concat([s.load() for s in self._segments])
             self.clear()
             return out
 
     def clear(self) -> None:
-        """Remove every sample and the spill files."""
+        """Remove every sample, the spill files this buffer wrote and its private spill folder."""
         with self._lock:
             self._segments = []
             self._signature = None
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
+            self._remove_own_files()
 
     def close(self) -> None:
-        """Clear the buffer and remove its spill directory; the buffer is unusable afterwards."""
-        self.clear()
-        self._closed = True
+        """Clear the buffer and remove ``spill_dir`` if it created it (and it is empty); the buffer is unusable afterwards."""
+        with self._lock:
+            self.clear()
+            for folder in self._made_root:
+                with contextlib.suppress(OSError):  # not empty: something else lives there
+                    folder.rmdir()
+            self._made_root = []
+            self._closed = True
+
+    def _remove_own_files(self) -> None:
+        for path in self._files:
+            path.unlink(missing_ok=True)
+        self._files = []
+        if self._dir is not None:
+            with contextlib.suppress(OSError):  # left alone when it holds files this buffer did not write
+                self._dir.rmdir()
+            self._dir = None
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("HybridReplayBuffer is closed")
+            raise BufferClosedError("HybridReplayBuffer is closed; create a new one")
 
     def __enter__(self) -> HybridReplayBuffer:
         return self
@@ -302,6 +434,35 @@ class HybridReplayBuffer(ReplayBuffer):
         self.close()
 
     def __del__(self) -> None:
-        d = getattr(self, "_dir", None)
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)
+        if getattr(self, "_dir", None) is not None:
+            self._remove_own_files()
+
+
+def _check_int(method: str, name: str, value: Any, low: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        need = "an integer" + (f" >= {low}" if low is not None else "")
+        raise ConfigError(f"HybridReplayBuffer.{method}({name}={value!r}): {name} must be {need}")
+
+
+def remove_stale_spill(root: str | os.PathLike[str]) -> int:
+    """Remove what buffers of a killed process left under ``root``; returns the files removed.
+
+    Only files a buffer writes (``segment-*.pt`` and their temporaries) inside the private
+    ``verl-replay-*`` folders are removed, then those folders when empty; anything else stays.
+    Call it only when no live buffer uses ``root`` (the trainer does on resume, holding the run's
+    lock).
+    """
+    base = Path(root)
+    if not base.is_dir():
+        return 0
+    removed = 0
+    for folder in base.glob(f"{_DIR_PREFIX}*"):
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        for f in folder.iterdir():
+            if _OWN_FILE.fullmatch(f.name) and f.is_file() and not f.is_symlink():
+                f.unlink()
+                removed += 1
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    return removed

@@ -55,7 +55,8 @@ from verl_core.trainer.reliability import (
     verify_checkpoint,
     write_manifest,
 )
-from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.replay import HybridReplayBuffer, remove_stale_spill
+from verl_core.trainer.rundir import Mode, RunDir
 from verl_core.trainer.scheduler import (
     Decision,
     DynamicBatchScheduler,
@@ -290,7 +291,10 @@ class Trainer:
         stream: Where the progress line goes (default stderr).
 
     Use :meth:`train` (optionally resuming from the newest checkpoint of the output dir); engines
-    are built on first use and released by :meth:`close`.
+    are built on first use and released by :meth:`close`. The output dir is claimed for one run
+    before anything is written there (:class:`~verl_core.trainer.rundir.RunDir`): a fresh run
+    needs a new or empty folder, a resumed one the run's marker, and the trainer deletes only
+    files of its own run.
     """
 
     def __init__(
@@ -336,6 +340,7 @@ class Trainer:
         self._failed: StepFailedError | None = None
         self._consecutive_skips = 0
         self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
+        self.run_dir: RunDir | None = None
 
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
@@ -343,6 +348,7 @@ class Trainer:
         m = self.config.model
         if m.path:
             return m.path
+        run = self._claim(None)  # the model is built inside the run's folder
         dest = self.out / "model"
         if (dest / "config.json").is_file():
             return str(dest)
@@ -360,7 +366,7 @@ class Trainer:
             max_position=max(64, self.task.max_prompt_len() + self.config.rollout.max_new_tokens + 8),
             init_std=m.init_std, seed=self.config.seed,
         )
-        tmp = self.out / ".model-tmp"
+        tmp = run.model_tmp  # named by the run id: a leftover of this run's killed build, never another's
         shutil.rmtree(tmp, ignore_errors=True)
         build_tiny_model(tmp, spec)
         os.replace(tmp, dest)
@@ -379,12 +385,23 @@ class Trainer:
             **kwargs,
         )
 
-    def setup(self) -> None:
-        """Create the output folder, the model (if tiny) and every engine."""
+    def setup(self, *, resume: bool | None = None) -> None:
+        """Claim the output folder, then build the model (if tiny) and every engine.
+
+        Args:
+            resume: True to continue the run the output folder holds (its ``verl_run.json`` must
+                be there), False to start a fresh run (the folder must be new or empty, unless
+                ``overwrite``), None to open the run the folder holds or else start one.
+                :meth:`train` passes its own ``resume``.
+
+        Raises:
+            ConfigError: the output folder may not be used so (see
+                :mod:`verl_core.trainer.rundir`), before any engine is built.
+        """
         if self._built:
             return
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
+        run = self._claim(resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         path = self.model_path()
@@ -416,9 +433,22 @@ class Trainer:
             # free memory is read once per run and checkpoints carry the budget, so a resumed run
             # splits its steps (and sums their gradients) exactly like an uninterrupted one
             self.schedulers[role].fix_budget()
-        shutil.rmtree(self.out / "spill", ignore_errors=True)  # spill files a killed run left behind
-        self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=self.out / "spill")
+        self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         self._built = True
+
+    def _claim(self, resume: bool | None) -> RunDir:
+        """The run's claim on the output folder (made on first use; see :class:`RunDir`)."""
+        run = self.run_dir
+        if run is None:
+            mode: Mode = "any" if resume is None else "resume" if resume else "fresh"
+            run = self.run_dir = RunDir.claim(self.config.output_dir, self.config, mode=mode)
+            if run.moved_aside is not None:
+                self._stream.write(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}\n")
+            if not run.created:
+                remove_stale_spill(run.spill_root)  # left by a killed process of this run (the claim locks it)
+        elif not run.held:
+            run.acquire()  # set up again after close()
+        return run
 
     # ------------------------------------------------------------------ one step
     def sampling_params(self) -> SamplingParams:
@@ -859,10 +889,18 @@ class Trainer:
         """Run until ``config.steps``; with ``resume`` continue from the newest checkpoint.
 
         Returns the metrics of every step (including those before a resume).
+
+        Raises:
+            ConfigError: a fresh run in a folder holding a run or other files (without
+                ``overwrite``), ``resume`` without the run's marker, or an output folder another
+                process is running in; see :mod:`verl_core.trainer.rundir`.
         """
-        self.setup()
+        self.setup(resume=resume)
+        run = self._claim(resume)
+        run.check_owned()
+        if not resume:
+            run.require_fresh(self.config)  # never restart a run this trainer opened rather than started
         cfg = self.config
-        _replace_text(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
         if resume:
             ckpt = latest_checkpoint(self.out)
             if ckpt is None:
@@ -875,6 +913,8 @@ class Trainer:
         else:
             for name in ("metrics.jsonl", "scheduler_plan.jsonl"):
                 (self.out / name).unlink(missing_ok=True)
+        # written once the run is known to start (a refused resume leaves the run's config as it was)
+        _replace_text(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
         t0 = time.perf_counter()
         while self.step < cfg.steps:
             m = self.train_step()
@@ -911,17 +951,18 @@ class Trainer:
         self._stream.flush()
 
     def close(self) -> None:
-        """Release every engine and the buffer's spill files."""
-        if not self._built:
-            return
-        for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
-            if engine is not None:
-                close: Callable[[], None] | None = getattr(engine, "close", None)
-                if close is not None:
-                    close()
-        self.executor.close()
-        self.buffer.close()
-        self._built = False
+        """Release every engine, the buffer's spill files and the claim on the output folder."""
+        if self._built:
+            for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
+                if engine is not None:
+                    close: Callable[[], None] | None = getattr(engine, "close", None)
+                    if close is not None:
+                        close()
+            self.executor.close()
+            self.buffer.close()
+            self._built = False
+        if self.run_dir is not None:
+            self.run_dir.release()
 
     def __enter__(self) -> Trainer:
         return self
