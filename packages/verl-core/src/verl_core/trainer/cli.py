@@ -1,4 +1,4 @@
-"""``verl train CONFIG [key.sub=value ...] [--resume]``: run a training loop from a config file."""
+"""``verl train [CONFIG] [key.sub=value ...] [--resume] [--check]``: run a training loop from a config file."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["register"]
@@ -27,6 +28,13 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of output_dir")
     p.add_argument("--output-dir", help="shorthand for output_dir=PATH")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument(
+        "--check", action="store_true",
+        help="validate the config (keys, values, algorithm options) and exit 0 if it is valid; builds no "
+        "engine and writes nothing",
+    )
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print the full traceback of an error")
     return _handle
 
 
@@ -35,16 +43,22 @@ def _handle(args: argparse.Namespace) -> int:
 
     config_path = args.config
     overrides = list(args.overrides)
-    if config_path is not None and "=" in config_path:  # only overrides were given
-        overrides.insert(0, config_path)
+    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+        overrides.insert(0, config_path)  # only overrides were given
         config_path = None
     if args.output_dir:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
     config = load_config(config_path, overrides)
+    from verl_core.trainer.trainer import Trainer
+
+    if args.check:
+        Trainer(config)  # its constructor checks the algorithm and its options; setup() would build engines
+        print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
+              f"output_dir {config.output_dir!r})", file=sys.stderr)
     if args.print_config:
         print(json.dumps(config_to_dict(config), indent=1))
+    if args.check or args.print_config:
         return 0
-    from verl_core.trainer.trainer import Trainer
 
     t0 = time.perf_counter()
     with Trainer(config) as trainer:
