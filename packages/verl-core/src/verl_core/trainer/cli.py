@@ -20,7 +20,8 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
         help="run RL post-training from a TOML/YAML config",
         description=(
             "Run RL post-training from a TOML or YAML config. Any key can be overridden as key.sub=value "
-            "(values are TOML literals; bare words are strings), e.g. optim.lr=3e-3 task.name=reverse."
+            "(values are TOML literals; bare words are strings), e.g. optim.lr=3e-3 task.name=reverse. "
+            "Flags may come anywhere among the overrides."
         ),
     )
     p.add_argument("config", nargs="?", help="config file (.toml, .yaml, .yml); omitted = the defaults")

@@ -65,7 +65,12 @@ class ModelConfig:
         tied: Tie the tiny model's lm_head to its embedding.
         init_std: Std of the tiny model's random init.
         dtype: Parameter dtype of every engine.
-        device: Device of every engine (cpu, cuda, cuda:N).
+        device: Device of every engine (cpu, cuda, cuda:N); with the local executor a CUDA device
+            must be visible to this process.
+
+    With ``path`` empty the tiny-model keys must describe a valid model: ``num_heads`` divides
+    ``hidden_size``, ``num_kv_heads`` divides ``num_heads``, ``head_dim`` is even (and equals
+    ``hidden_size / num_heads`` for qwen2, whose vLLM model derives it).
     """
 
     path: str = ""
@@ -257,7 +262,7 @@ class RunConfig:
 
     Attributes:
         steps: Training steps.
-        seed: Seed of prompts, sampling and initialisation.
+        seed: Seed of prompts, sampling and initialisation (0 to 2**24 - 1).
         output_dir: Folder for metrics, checkpoints, the plot and the built model.
         model: The policy model.
         critic_model: Folder of the critic's model (empty = the policy model).
@@ -322,17 +327,13 @@ def _above(x: int) -> _Rule:
     return _Rule(lambda v: v > x, f"> {x}")
 
 
-def _fraction(*, zero: bool, text: str) -> _Rule:
-    return _Rule((lambda v: 0 <= v <= 1) if zero else (lambda v: 0 < v <= 1), text)
-
-
 _OPTIM_RULES: dict[str, _Rule] = {
     "lr": _above(0),
     "weight_decay": _at_least(0),
     "betas": _Rule(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "eps": _above(0),
     "warmup_steps": _at_least(0),
-    "min_lr_ratio": _fraction(zero=True, text="in [0, 1]"),
+    "min_lr_ratio": _Rule(lambda v: 0 <= v <= 1, "in [0, 1]"),
     "grad_clip": _at_least(0, " (0 = no clipping)"),
 }
 
@@ -358,7 +359,7 @@ _RULES: dict[str, _Rule] = {
     "task.eval_every": _at_least(0, " (0 = only at the end)"),
     "rollout.n": _at_least(1),
     "rollout.temperature": _above(0),
-    "rollout.top_p": _fraction(zero=False, text="in (0, 1]"),
+    "rollout.top_p": _Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.top_k": _at_least(0, " (0 = off)"),
     "rollout.max_new_tokens": _at_least(1),
     "batch.prompts_per_step": _at_least(1),
@@ -561,8 +562,10 @@ def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     cfg = _build(RunConfig, data, "")
     flat = _flatten(config_to_dict(cfg))
     for key, rule in _RULES.items():
-        if not rule.ok(flat[key]):
-            raise ConfigError(f"config key {key!r} = {flat[key]!r} is out of range; allowed: {rule.allowed}")
+        value = flat[key]
+        if not rule.ok(value):
+            problem = "is not valid" if isinstance(value, str) else "is out of range"
+            raise ConfigError(f"config key {key!r} = {value!r} {problem}; allowed: {rule.allowed}")
     for check in _CHECKS:
         check(cfg)
     return cfg
