@@ -191,6 +191,10 @@ def test_unknown_commands_exit_2_with_one_line(argv: list[str], capsys: pytest.C
     (["rollout.temprature=1"], "did you mean 'rollout.temperature'?"),
     (["algorithm.name=ppo", "algorithm.use_critic=false"], "'algorithm.use_critic' is false"),
     (["algorithm.options.nope=1"], "'algorithm.options.nope' is not an option of algorithm 'grpo'"),
+    (["backends.actor=nope"], "config key 'backends.actor': unknown verl backend 'nope'; installed: "),
+    (["algorithm.use_reference=true", "backends.reference=nope"], "config key 'backends.reference': unknown"),
+    (["backends.actor=toy"], "config key 'backends.actor' = 'toy': that backend has no actor engine"),
+    (["backends.options.rollout.bogus=1"], "config key 'backends.options.rollout' (backend 'hf'): unknown key(s) bogus"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate (see 'verl train --help')"),
     (["--output-dir"], "argument --output-dir: expected one argument"),
 ])
@@ -263,3 +267,10 @@ def test_a_bad_config_in_a_fresh_process_prints_one_line_and_no_traceback(tmp_pa
                          timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == "verl train: error: config key 'optim.lr': expected a finite number, got 'fast'"
+
+
+def test_a_misspelt_backend_fails_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["train", "backends.rollout=hff", "--output-dir", str(tmp_path / "o")], capsys)
+    assert code == 2, err
+    assert err.startswith("verl train: error: config key 'backends.rollout': unknown verl backend 'hff'")
+    assert not (tmp_path / "o").exists(), "the tiny model was written before the backend was checked"

@@ -8,7 +8,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from verl_core.errors import ConfigError, UnknownNameError
+
+if TYPE_CHECKING:
+    from verl_core.trainer.trainer import Trainer
 
 __all__ = ["register"]
 
@@ -50,19 +55,23 @@ def _handle(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
     config = load_config(config_path, overrides)
+    if args.print_config and not args.check:
+        print(json.dumps(config_to_dict(config), indent=1))
+        return 0
     from verl_core.trainer.trainer import Trainer
 
+    t0 = time.perf_counter()
+    trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
+    _check_backends(trainer)
     if args.check:
-        Trainer(config)  # its constructor checks the algorithm and its options; setup() would build engines
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)
-    if args.print_config:
-        print(json.dumps(config_to_dict(config), indent=1))
-    if args.check or args.print_config:
+        if args.print_config:
+            print(json.dumps(config_to_dict(config), indent=1))
         return 0
 
     t0 = time.perf_counter()
-    with Trainer(config) as trainer:
+    with trainer:
         trainer.setup()
         setup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -78,3 +87,42 @@ def _handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _check_backends(trainer: Trainer) -> None:
+    """Every role the run uses has an installed backend that provides it and takes its options.
+
+    Building the engines checks the same, but only after the tiny model is written; this fails a
+    misspelt backend name or option first. With the Ray executor the workers' installation is
+    what counts, so it is left to them.
+    """
+    from verl_core.registry import get_backend, import_string, parse_options
+
+    config = trainer.config
+    if config.executor != "local":
+        return
+    b = config.backends
+    roles = {"actor": b.actor, "rollout": b.rollout}
+    if trainer.use_reference:
+        roles["reference"] = b.reference
+    if trainer.use_critic:
+        roles["critic"] = b.critic
+    if b.reward != "rule":
+        roles["reward"] = b.reward
+    for role, name in roles.items():
+        key = f"backends.{role}"
+        try:
+            backend = get_backend(name)
+        except UnknownNameError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from e
+        if role not in backend.spec.roles:
+            raise ConfigError(
+                f"config key {key!r} = {name!r}: that backend has no {role} engine; it provides "
+                f"{', '.join(backend.spec.roles)}"
+            )
+        options = b.options.get(role, {})
+        if backend.spec.config_class is not None:
+            parse_options(import_string(backend.spec.config_class), options,
+                          where=f"config key 'backends.options.{role}' (backend {name!r})")
+        elif options:
+            raise ConfigError(f"config key 'backends.options.{role}': backend {name!r} takes no options")
