@@ -1,5 +1,10 @@
 """The ``verl`` command: ``verl --version``, ``verl backends``, and the subcommands that backends
-and the trainer add (``train``, ``conformance``)."""
+and the trainer add (``train``, ``conformance``).
+
+Errors are one line on stderr: a usage error or a :class:`~verl_core.errors.VerlError` (a bad
+config, a missing checkpoint, ...) prints ``verl <command>: error: ...`` and exits 2; any other
+exception prints its type and message and exits 1. ``--debug`` prints the full traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ import argparse
 import dataclasses
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, NoReturn
 
 from verl_core.errors import VerlError
 from verl_core.version import PROTOCOL_VERSION, __version__
@@ -72,13 +78,25 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _build_parser() -> tuple[_Parser, argparse._SubParsersAction[_Parser], dict[str, Callable[[argparse.Namespace], int]]]:
+    parser = _Parser(
         prog="verl", description="Reinforcement-learning post-training of language models, on any backend."
     )
     parser.add_argument(
         "--version", action="version", version=f"verl-core {__version__} (protocol {PROTOCOL_VERSION})"
     )
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
     p = sub.add_parser("backends", help="list installed backends, their versions and capabilities")
@@ -92,21 +110,43 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpar
         except VerlError:
             continue  # the package providing this subcommand is not installed
         handlers[name] = register(sub)
-    return parser, handlers
+    return parser, sub, handlers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``verl`` command; returns the exit code."""
-    parser, handlers = _build_parser()
-    args = parser.parse_args(argv)
+    """Run the ``verl`` command; returns the exit code (0 done, 1 unexpected error, 2 bad input).
+
+    Flags may come anywhere among a command's positional arguments (``verl train run.toml --resume
+    steps=10``): positionals after a flag are added to the command's ``overrides``.
+    """
+    parser, sub, handlers = _build_parser()
+    args, extras = parser.parse_known_args(argv)
     if args.command is None:
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
         parser.print_help()
         return 2
+    if extras:
+        command_parser = sub.choices[args.command]
+        flags = [x for x in extras if x.startswith("-")]
+        if flags or not isinstance(getattr(args, "overrides", None), list):
+            command_parser.error(f"unrecognized arguments: {' '.join(flags or extras)}")
+        args.overrides.extend(extras)
     try:
         return handlers[args.command](args)
-    except VerlError as e:
-        print(f"verl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        code = 2 if isinstance(e, VerlError) else 1
+        if args.debug:
+            traceback.print_exc()
+        elif code == 2:
+            print(f"verl {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
+        else:
+            print(
+                f"verl {args.command}: error: unexpected {type(e).__name__}: {_one_line(str(e))} "
+                "(run with --debug for the traceback)",
+                file=sys.stderr,
+            )
+        return code
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``verl train CONFIG [key.sub=value ...] [--resume]``: run a training loop from a config file."""
+"""``verl train [CONFIG] [key.sub=value ...] [--resume] [--check]``: run a training loop from a config file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from verl_core.errors import ConfigError, UnknownNameError
+
+if TYPE_CHECKING:
+    from verl_core.trainer.trainer import Trainer
 
 __all__ = ["register"]
 
@@ -19,7 +25,8 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
         help="run RL post-training from a TOML/YAML config",
         description=(
             "Run RL post-training from a TOML or YAML config. Any key can be overridden as key.sub=value "
-            "(values are TOML literals; bare words are strings), e.g. optim.lr=3e-3 task.name=reverse."
+            "(values are TOML literals; bare words are strings), e.g. optim.lr=3e-3 task.name=reverse. "
+            "Flags may come anywhere among the overrides."
         ),
     )
     p.add_argument("config", nargs="?", help="config file (.toml, .yaml, .yml); omitted = the defaults")
@@ -27,6 +34,13 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of output_dir")
     p.add_argument("--output-dir", help="shorthand for output_dir=PATH")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument(
+        "--check", action="store_true",
+        help="validate the config (keys, values, algorithm options) and exit 0 if it is valid; builds no "
+        "engine and writes nothing",
+    )
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print the full traceback of an error")
     return _handle
 
 
@@ -35,19 +49,28 @@ def _handle(args: argparse.Namespace) -> int:
 
     config_path = args.config
     overrides = list(args.overrides)
-    if config_path is not None and "=" in config_path:  # only overrides were given
-        overrides.insert(0, config_path)
+    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+        overrides.insert(0, config_path)  # only overrides were given
         config_path = None
     if args.output_dir:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
     config = load_config(config_path, overrides)
-    if args.print_config:
+    if args.print_config and not args.check:
         print(json.dumps(config_to_dict(config), indent=1))
         return 0
     from verl_core.trainer.trainer import Trainer
 
+    trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
+    _check_backends(trainer)
+    if args.check:
+        print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
+              f"output_dir {config.output_dir!r})", file=sys.stderr)
+        if args.print_config:
+            print(json.dumps(config_to_dict(config), indent=1))
+        return 0
+
     t0 = time.perf_counter()
-    with Trainer(config) as trainer:
+    with trainer:
         trainer.setup(resume=args.resume)  # the output folder is checked before any engine is built
         setup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -63,3 +86,42 @@ def _handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _check_backends(trainer: Trainer) -> None:
+    """Every role the run uses has an installed backend that provides it and takes its options.
+
+    Building the engines checks the same, but only after the tiny model is written; this fails a
+    misspelt backend name or option first. With the Ray executor the workers' installation is
+    what counts, so it is left to them.
+    """
+    from verl_core.registry import get_backend, import_string, parse_options
+
+    config = trainer.config
+    if config.executor != "local":
+        return
+    b = config.backends
+    roles = {"actor": b.actor, "rollout": b.rollout}
+    if trainer.use_reference:
+        roles["reference"] = b.reference
+    if trainer.use_critic:
+        roles["critic"] = b.critic
+    if b.reward != "rule":
+        roles["reward"] = b.reward
+    for role, name in roles.items():
+        key = f"backends.{role}"
+        try:
+            backend = get_backend(name)
+        except UnknownNameError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from e
+        if role not in backend.spec.roles:
+            raise ConfigError(
+                f"config key {key!r} = {name!r}: that backend has no {role} engine; it provides "
+                f"{', '.join(backend.spec.roles)}"
+            )
+        options = b.options.get(role, {})
+        if backend.spec.config_class is not None:
+            parse_options(import_string(backend.spec.config_class), options,
+                          where=f"config key 'backends.options.{role}' (backend {name!r})")
+        elif options:
+            raise ConfigError(f"config key 'backends.options.{role}': backend {name!r} takes no options")

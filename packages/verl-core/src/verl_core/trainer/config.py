@@ -8,12 +8,15 @@ the full dotted key and the valid choices.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import difflib
 import math
+import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
@@ -62,7 +65,12 @@ class ModelConfig:
         tied: Tie the tiny model's lm_head to its embedding.
         init_std: Std of the tiny model's random init.
         dtype: Parameter dtype of every engine.
-        device: Device of every engine (cpu, cuda, cuda:N).
+        device: Device of every engine (cpu, cuda, cuda:N); with the local executor a CUDA device
+            must be visible to this process.
+
+    With ``path`` empty the tiny-model keys must describe a valid model: ``num_heads`` divides
+    ``hidden_size``, ``num_kv_heads`` divides ``num_heads``, ``head_dim`` is even (and equals
+    ``hidden_size / num_heads`` for qwen2, whose vLLM model derives it).
     """
 
     path: str = ""
@@ -129,9 +137,9 @@ class BackendsConfig:
         roles = ("actor", "rollout", "reference", "critic", "reward")
         for role, table in self.options.items():
             if role not in roles:
-                raise ConfigError(f"backends.options has a table for {role!r}; roles: {', '.join(roles)}")
+                raise ConfigError(f"config key {'backends.options.' + role!r}: unknown role; choices: {', '.join(roles)}")
             if not isinstance(table, Mapping):
-                raise ConfigError(f"backends.options.{role} must be a table of backend options, got {table!r}")
+                raise ConfigError(f"config key {'backends.options.' + role!r}: expected a table of backend options, got {table!r}")
 
 
 @dataclass(frozen=True)
@@ -255,7 +263,7 @@ class RunConfig:
 
     Attributes:
         steps: Training steps.
-        seed: Seed of prompts, sampling and initialisation.
+        seed: Seed of prompts, sampling and initialisation (0 to 2**24 - 1).
         output_dir: Folder of the run: metrics, checkpoints, the plot and the built model. A fresh
             run needs a new or empty folder and marks it with ``verl_run.json``; ``--resume``
             needs that marker (see :mod:`verl_core.trainer.rundir`).
@@ -300,49 +308,145 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-# ---------------------------------------------------------------------------- building
+# ---------------------------------------------------------------------------- rules
 _D = TypeVar("_D")
 
-# key -> (predicate, allowed range text) checked after building
-_RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "steps": (lambda v: v >= 1, ">= 1"),
-    "model.hidden_size": (lambda v: v >= 1, ">= 1"),
-    "model.num_layers": (lambda v: v >= 1, ">= 1"),
-    "model.num_heads": (lambda v: v >= 1, ">= 1"),
-    "model.num_kv_heads": (lambda v: v >= 1, ">= 1"),
-    "model.head_dim": (lambda v: v >= 1, ">= 1"),
-    "model.intermediate_size": (lambda v: v >= 1, ">= 1"),
-    "model.vocab_size": (lambda v: v >= 95, ">= 95 (the char tokenizer's symbols)"),
-    "model.init_std": (lambda v: v > 0, "> 0"),
-    "task.digits": (lambda v: 1 <= v <= 9, "1 to 9"),
-    "task.eval_prompts": (lambda v: v >= 0, ">= 0"),
-    "task.eval_every": (lambda v: v >= 0, ">= 0"),
-    "rollout.n": (lambda v: v >= 1, ">= 1"),
-    "rollout.temperature": (lambda v: v > 0, "> 0"),
-    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rollout.top_k": (lambda v: v >= 0, ">= 0"),
-    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
-    "batch.prompts_per_step": (lambda v: v >= 1, ">= 1"),
-    "batch.mini_batch_size": (lambda v: v >= 0, ">= 0 (0 = whole batch)"),
-    "batch.epochs": (lambda v: v >= 1, ">= 1"),
-    "batch.micro_batch_tokens": (lambda v: v >= 0, ">= 0 (0 = dynamic)"),
-    "batch.min_tokens": (lambda v: v >= 1, ">= 1"),
-    "batch.max_tokens": (lambda v: v >= 1, ">= 1"),
-    "batch.buffer_memory_bytes": (lambda v: v >= 0, ">= 0 (0 = no bound)"),
-    "optim.lr": (lambda v: v > 0, "> 0"),
-    "optim.grad_clip": (lambda v: v >= 0, ">= 0"),
-    "optim.warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "critic_optim.lr": (lambda v: v > 0, "> 0"),
-    "critic_optim.grad_clip": (lambda v: v >= 0, ">= 0"),
-    "critic_optim.warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "critic_optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "checkpoint.every": (lambda v: v >= 0, ">= 0 (0 = final only)"),
-    "checkpoint.keep": (lambda v: v >= 1, ">= 1"),
-    "max_consecutive_skips": (lambda v: v >= 0, ">= 0 (0 = never stop)"),
+_INT64 = 2**63
+# The trainer mixes seed and step into 64-bit generator seeds (about seed * 1e12): larger seeds overflow.
+_SEEDS = 2**24
+# Special tokens plus the printable ASCII characters of the char tokenizer every built-in task uses.
+_TOKENIZER_SYMBOLS = 95
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one config value must satisfy (``ok(value)``) and the text saying so."""
+
+    ok: Callable[[Any], bool]
+    allowed: str
+
+
+def _at_least(n: int, note: str = "") -> _Rule:
+    return _Rule(lambda v: v >= n, f">= {n}{note}")
+
+
+def _above(x: int) -> _Rule:
+    return _Rule(lambda v: v > x, f"> {x}")
+
+
+_OPTIM_RULES: dict[str, _Rule] = {
+    "lr": _above(0),
+    "weight_decay": _at_least(0),
+    "betas": _Rule(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "eps": _above(0),
+    "warmup_steps": _at_least(0),
+    "min_lr_ratio": _Rule(lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "grad_clip": _at_least(0, " (0 = no clipping)"),
+}
+
+# Dotted key -> rule, checked after every value has its declared type (which _convert enforces from
+# the dataclass annotations, so a field without a rule here still gets its type checked). The
+# ``ray`` section checks its own values (RayConfig.__post_init__); options tables are validated
+# by the algorithm and the backends that read them.
+_RULES: dict[str, _Rule] = {
+    "steps": _at_least(1),
+    "seed": _Rule(lambda v: 0 <= v < _SEEDS, f"0 to {_SEEDS - 1}"),
+    "output_dir": _Rule(bool, "a non-empty path"),
+    "model.hidden_size": _at_least(1),
+    "model.num_layers": _at_least(1),
+    "model.num_heads": _at_least(1),
+    "model.num_kv_heads": _at_least(1),
+    "model.head_dim": _at_least(1),
+    "model.intermediate_size": _at_least(1),
+    "model.vocab_size": _at_least(_TOKENIZER_SYMBOLS, " (the char tokenizer's symbols)"),
+    "model.init_std": _above(0),
+    "model.device": _Rule(lambda v: re.fullmatch(r"cpu|cuda(:[0-9]+)?", v) is not None, "cpu, cuda or cuda:N"),
+    "task.digits": _Rule(lambda v: 1 <= v <= 9, "1 to 9"),
+    "task.eval_prompts": _at_least(0, " (0 = no evaluation)"),
+    "task.eval_every": _at_least(0, " (0 = only at the end)"),
+    "rollout.n": _at_least(1),
+    "rollout.temperature": _above(0),
+    "rollout.top_p": _Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.top_k": _at_least(0, " (0 = off)"),
+    "rollout.max_new_tokens": _at_least(1),
+    "batch.prompts_per_step": _at_least(1),
+    "batch.mini_batch_size": _at_least(0, " (0 = whole batch)"),
+    "batch.epochs": _at_least(1),
+    "batch.micro_batch_tokens": _at_least(0, " (0 = dynamic)"),
+    "batch.min_tokens": _at_least(1),
+    "batch.max_tokens": _at_least(1),
+    "batch.buffer_memory_bytes": _at_least(0, " (0 = no bound)"),
+    **{f"{section}.{key}": rule for section in ("optim", "critic_optim") for key, rule in _OPTIM_RULES.items()},
+    "checkpoint.every": _at_least(0, " (0 = final only)"),
+    "checkpoint.keep": _at_least(1),
+    "max_consecutive_skips": _at_least(0, " (0 = never stop)"),
 }
 
 
+def _check_tokens(cfg: RunConfig) -> None:
+    if cfg.batch.min_tokens > cfg.batch.max_tokens:
+        raise ConfigError(
+            f"config keys 'batch.min_tokens' ({cfg.batch.min_tokens}) must be <= 'batch.max_tokens' "
+            f"({cfg.batch.max_tokens})"
+        )
+    need = cfg.task.digits + (2 if cfg.task.name == "add" else 1)  # the answer, then EOS
+    if cfg.rollout.max_new_tokens < need:
+        raise ConfigError(
+            f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for 'task.name' = "
+            f"{cfg.task.name!r} with 'task.digits' = {cfg.task.digits}; allowed: >= {need} (answers take "
+            f"{'up to ' * (cfg.task.name == 'add')}{need} tokens with EOS)"
+        )
+
+
+def _check_model_shape(cfg: RunConfig) -> None:
+    m = cfg.model
+    if m.path:
+        return  # the shape keys describe only the tiny model built when no folder is given
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"config key 'model.num_heads' = {m.num_heads} does not divide 'model.hidden_size' = {m.hidden_size}; "
+            "allowed: a divisor of hidden_size"
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"config key 'model.num_kv_heads' = {m.num_kv_heads} does not divide 'model.num_heads' = {m.num_heads}; "
+            "allowed: a divisor of num_heads (each key/value head serves a whole group of query heads)"
+        )
+    if m.arch == "qwen2" and m.head_dim * m.num_heads != m.hidden_size:
+        raise ConfigError(
+            f"config key 'model.head_dim' = {m.head_dim} must be 'model.hidden_size' / 'model.num_heads' = "
+            f"{m.hidden_size // m.num_heads} with 'model.arch' = 'qwen2' (vLLM's Qwen2 derives the head width from them)"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"config key 'model.head_dim' = {m.head_dim} must be even (rotary embeddings turn pairs of channels)"
+        )
+
+
+def _check_device(cfg: RunConfig) -> None:
+    device = cfg.model.device
+    if device == "cpu" or cfg.executor != "local":
+        return  # Ray workers may see GPUs this process does not; each checks its own device
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"config key 'model.device' = {device!r}, but CUDA is not available here "
+            "(torch.cuda.is_available() is false); use model.device='cpu' or run on a machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if int(device.partition(":")[2] or 0) >= count:
+        raise ConfigError(
+            f"config key 'model.device' = {device!r}, but this machine has {count} CUDA device(s): "
+            f"cuda:0 to cuda:{count - 1}"
+        )
+
+
+# Checks that involve several keys, run in order after every single-key rule passed.
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape, _check_device)
+
+
+# ---------------------------------------------------------------------------- building
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
@@ -364,7 +468,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         choices = get_args(tp)
-        if value not in choices:
+        if not any(type(value) is type(c) and value == c for c in choices):
             raise ConfigError(
                 f"config key {key!r}: {value!r} is not valid; choices: {', '.join(repr(c) for c in choices)}"
             )
@@ -373,14 +477,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -389,10 +492,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key {key!r}: expected a table, got {value!r}")
-        return dict(value)
+        value_type = get_args(tp)[1]
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"config key {key!r}: keys must be strings, got {k!r}")
+            out[k] = _convert(v, value_type, f"{key}.{k}")
+        return out
     if origin is tuple:
         args = get_args(tp)
-        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
         return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
@@ -402,18 +511,27 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
+        if not -_INT64 <= value < _INT64:
+            raise ConfigError(f"config key {key!r} = {value!r} is out of range; allowed: a 64-bit integer")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(_as_float(value)):
             raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"config key {key!r}: expected a string, got {value!r}")
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(f"config key {key!r}: expected a string (without NUL characters), got {value!r}")
         return value
     if tp is Any:
         return value
     raise ConfigError(f"config key {key!r}: unsupported type {tp!r}")  # pragma: no cover
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range
+        return math.inf
 
 
 def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
@@ -423,9 +541,10 @@ def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
     for key, value in data.items():
         full = prefix + str(key)
         if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
             raise ConfigError(
                 f"unknown config key {full!r}; valid keys{' in ' + repr(prefix[:-1]) if prefix else ''}: "
-                f"{', '.join(names)}"
+                f"{', '.join(names)}" + (f"; did you mean {prefix + close[0]!r}?" if close else "")
             )
         kwargs[key] = _convert(value, hints[key], full)
     try:
@@ -437,29 +556,25 @@ def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested mappings (as read from TOML/YAML).
 
+    Every value is checked against its field's type (from the dataclass annotation), then against
+    its rule (bounds, choices, formats), then the checks across keys run (token budgets, the tiny
+    model's shape, the device).
+
     Raises:
-        ConfigError: naming the full dotted key of the first unknown key or invalid value.
+        ConfigError: naming the full dotted key of the first unknown key or invalid value, the
+            value, and what is allowed.
     """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a config must be a table of keys at the top level, got {data!r}")
     cfg = _build(RunConfig, data, "")
     flat = _flatten(config_to_dict(cfg))
-    for key, (ok, allowed) in _RANGES.items():
-        if not ok(flat[key]):
-            raise ConfigError(f"config key {key!r} = {flat[key]!r} is out of range; allowed: {allowed}")
-    if cfg.batch.min_tokens > cfg.batch.max_tokens:
-        raise ConfigError(
-            f"config keys 'batch.min_tokens' ({cfg.batch.min_tokens}) must be <= 'batch.max_tokens' "
-            f"({cfg.batch.max_tokens})"
-        )
-    if cfg.task.name == "add" and cfg.rollout.max_new_tokens < cfg.task.digits + 2:
-        raise ConfigError(
-            f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for task "
-            f"'add' with {cfg.task.digits} digits (answers take up to {cfg.task.digits + 2} tokens with EOS)"
-        )
-    if cfg.task.name in ("copy", "reverse") and cfg.rollout.max_new_tokens < cfg.task.digits + 1:
-        raise ConfigError(
-            f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for task "
-            f"{cfg.task.name!r} with {cfg.task.digits} digits (answers take {cfg.task.digits + 1} tokens with EOS)"
-        )
+    for key, rule in _RULES.items():
+        value = flat[key]
+        if not rule.ok(value):
+            problem = "is not valid" if isinstance(value, str) else "is out of range"
+            raise ConfigError(f"config key {key!r} = {value!r} {problem}; allowed: {rule.allowed}")
+    for check in _CHECKS:
+        check(cfg)
     return cfg
 
 
@@ -502,10 +617,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} must look like key.sub=value (e.g. optim.lr=1e-3)")
     raw = raw.strip()
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.split("."), value
+        doc = tomllib.loads(f"v = {raw}")
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return key.split("."), raw
+    # "1\nx = 2" parses as two keys: the value was not one TOML literal, so it is the text itself
+    return key.split("."), doc["v"] if list(doc) == ["v"] else raw
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -527,39 +643,73 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     return out
 
 
-def _deep_copy(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+def _deep_copy(d: Mapping[str, Any], memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    # memo: YAML anchors share one table in many places; copying each use would grow exponentially
+    memo = {} if memo is None else memo
+    if id(d) not in memo:
+        out = memo[id(d)] = {}
+        for k, v in d.items():
+            out[k] = _deep_copy(v, memo) if isinstance(v, Mapping) else v
+    return memo[id(d)]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into nested mappings."""
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into nested mappings.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, not UTF-8, not valid TOML/YAML (naming the
+            line), of another format, or (YAML) not a table at the top level.
+    """
     p = Path(path)
+    where = f"config file {str(path)!r}"
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(f"{where} is a folder, not a file" if p.is_dir() else f"{where} does not exist")
     suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"{where}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from e
+    raw = raw.removeprefix(codecs.BOM_UTF8)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{where} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}; save it as UTF-8") from e
     if suffix == ".toml":
         try:
-            return tomllib.loads(p.read_text())
+            return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    if suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError(
-                f"config file {str(p)!r} is YAML, which needs PyYAML: pip install 'verl-core[yaml]' "
-                "(or write the config as TOML)"
-            ) from None
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        return data
-    raise ConfigError(f"config file {str(p)!r}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+            raise ConfigError(f"{where} is not valid TOML: {e}") from e
+        except RecursionError:
+            raise ConfigError(f"{where} is not valid TOML: arrays or tables nested too deeply") from None
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(
+            f"{where} is YAML, which needs PyYAML: pip install 'verl-core[yaml]' (or write the config as TOML)"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {_yaml_error(e)}") from e
+    except RecursionError:
+        raise ConfigError(f"{where} is not valid YAML: nested too deeply") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a table of keys at the top level, got {type(data).__name__}")
+    return data
+
+
+def _yaml_error(e: Exception) -> str:
+    """One line of a YAML error: where it is (1-based line and column) and what is wrong."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(e).split())
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
