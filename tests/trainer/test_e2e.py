@@ -165,5 +165,5 @@ def test_backend_options_reach_each_role_s_engine(tmp_path: Path) -> None:
     bad = config(tmp_path / "bad", "steps=1", "backends.options.rollout.rollout_cach=1")
     with Trainer(bad) as trainer, pytest.raises(ConfigError, match="rollout_cach"):
         trainer.setup()
-    with pytest.raises(ConfigError, match="roles: actor, rollout"):
+    with pytest.raises(ConfigError, match="choices: actor, rollout"):
         config(tmp_path / "role", "backends.options.policy.lr=1")
