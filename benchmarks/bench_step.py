@@ -64,7 +64,7 @@ def _config(args: argparse.Namespace, out: Path) -> Any:
         "model.vocab_size=96", f"model.device={json.dumps(args.device)}", f"model.dtype={json.dumps(args.dtype)}",
         "task.name=copy", "task.digits=3", f"backends.actor={args.backend}", f"backends.rollout={args.rollout}",
         "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0", "rollout.n=8",
-        "logging.progress=false", "logging.plot=false", "logging.jsonl=false", "checkpoint.final=false",
+        "logging.progress=false", "logging.plot=false", "logging.sinks=[]", "checkpoint.final=false",
         *(f"backends.options.{role}.{k}={json.dumps(v)}" for role, opts in args.options for k, v in opts.items()),
     ])
 

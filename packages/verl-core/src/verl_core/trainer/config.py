@@ -24,6 +24,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 from verl_core.engine import OptimConfig
 from verl_core.errors import ConfigError
 from verl_core.executor.config import ExecutorName, RayConfig
+from verl_core.trainer.data import DataConfig
+from verl_core.trainer.rewards import RewardFunctionsConfig
+from verl_core.trainer.sinks import SinkConfig, WandbMode
 
 __all__ = [
     "AlgorithmConfig",
@@ -247,14 +250,30 @@ class LoggingConfig:
     """What the run reports.
 
     Attributes:
-        progress: A progress line with the live reward on stderr.
+        progress: A progress bar with the live reward on stderr.
         plot: A PNG of the curves at the end (needs the ``plot`` extra: matplotlib).
-        jsonl: Metrics as one JSON line per step in ``<output_dir>/metrics.jsonl``.
+        sinks: Where every step's metrics go: ``jsonl`` (``<output_dir>/metrics.jsonl``),
+            ``tensorboard``, ``wandb``, and callbacks named ``module:attr`` or
+            ``path/to/file.py:attr`` (see :mod:`verl_core.trainer.sinks`); empty = none.
+        wandb_project: The W&B project (``wandb`` sink).
+        wandb_mode: ``offline`` (files under the run folder, no network), ``online`` or ``disabled``.
+        tensorboard_dir: Folder of TensorBoard's event files; empty = ``<output_dir>/tensorboard``.
     """
 
     progress: bool = True
     plot: bool = True
-    jsonl: bool = True
+    sinks: tuple[str, ...] = ("jsonl",)
+    wandb_project: str = "verl"
+    wandb_mode: WandbMode = "offline"
+    tensorboard_dir: str = ""
+
+    def __post_init__(self) -> None:
+        self.sink_config()  # the sink names and settings are checked when the config loads
+
+    def sink_config(self) -> SinkConfig:
+        """The :class:`~verl_core.trainer.sinks.SinkConfig` of these settings."""
+        return SinkConfig(sinks=self.sinks, wandb_project=self.wandb_project, wandb_mode=self.wandb_mode,
+                          tensorboard_dir=self.tensorboard_dir)
 
 
 @dataclass(frozen=True)
@@ -272,7 +291,10 @@ class RunConfig:
             nothing is deleted. Not allowed with ``--resume``.
         model: The policy model.
         critic_model: Folder of the critic's model (empty = the policy model).
-        task: The built-in task.
+        task: The built-in task (its prompts and rule reward are used when ``data.train`` and
+            ``reward.functions`` are empty).
+        data: The user's dataset: training and evaluation prompts (``data.train``, ``data.eval``).
+        reward: Reward functions by import path and their weights.
         backends: Backend per role.
         algorithm: Algorithm and options.
         rollout: Sampling parameters.
@@ -295,6 +317,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     critic_model: str = ""
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardFunctionsConfig = field(default_factory=RewardFunctionsConfig)
     backends: BackendsConfig = field(default_factory=BackendsConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -351,6 +375,7 @@ _OPTIM_RULES: dict[str, _Rule] = {
 _RULES: dict[str, _Rule] = {
     "steps": _at_least(1),
     "seed": _Rule(lambda v: 0 <= v < _SEEDS, f"0 to {_SEEDS - 1}"),
+    "reward.model_weight": _Rule(math.isfinite, "any finite number (the reward model's weight; negative flips it)"),
     "output_dir": _Rule(bool, "a non-empty path"),
     "model.hidden_size": _at_least(1),
     "model.num_layers": _at_least(1),
@@ -499,6 +524,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigError(f"config key {key!r}: keys must be strings, got {k!r}")
             out[k] = _convert(v, value_type, f"{key}.{k}")
         return out
+    if origin is list or (origin is tuple and len(get_args(tp)) == 2 and get_args(tp)[1] is Ellipsis):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+        items = [_convert(v, get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -694,6 +724,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {_yaml_error(e)}") from e
+    except ValueError as e:  # PyYAML's scanner lets some bad escapes through (e.g. "\U7fffffff")
+        raise ConfigError(f"{where} is not valid YAML: {e}") from e
     except RecursionError:
         raise ConfigError(f"{where} is not valid YAML: nested too deeply") from None
     if data is None:

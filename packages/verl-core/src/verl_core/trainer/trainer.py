@@ -763,7 +763,7 @@ class Trainer:
             metrics["time/eval"] = time.perf_counter() - t
         self.step += 1
         self.history.append(metrics)
-        if self.config.logging.jsonl:
+        if "jsonl" in self.config.logging.sinks:
             with open(self.out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
         self._write_plan()
