@@ -25,7 +25,7 @@ from transformers import (
 
 from verl_conformance.testkit import tiny_model
 from verl_core import EngineSpec, SamplingParams, TensorBatch, get_reward_engine, get_rollout_engine
-from verl_core.retokenize import CrossTokenizerReward
+from verl_core.enginekit.retokenize import CrossTokenizerReward
 from verl_core.trainer import prompt_batch
 
 

@@ -30,7 +30,7 @@ from verl_core.algorithms import (
     rloo,
 )
 from verl_core.algorithms.kl import AdaptiveKLController, FixedKLController
-from verl_core.errors import BatchValidationError
+from verl_core.kernel.errors import BatchValidationError
 
 F64 = torch.float64
 PROPS = settings(max_examples=30, deadline=None)

@@ -17,7 +17,6 @@ from verl_core import (
     UnknownNameError,
     hookimpl,
 )
-from verl_core.algorithm import PolicyLossTerms
 from verl_core.algorithms import (
     PRESETS,
     ActorLossConfig,
@@ -31,7 +30,8 @@ from verl_core.algorithms import (
     aggregate,
     kl_estimate,
 )
-from verl_core.registry import get_registry, reset_registry
+from verl_core.kernel.algorithm import PolicyLossTerms
+from verl_core.kernel.registry import get_registry, reset_registry
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""verl_core.byo: cutting user-generated ids at the stop token, and the tokenizer adapter."""
+"""verl_core.enginekit.byo: cutting user-generated ids at the stop token, and the tokenizer adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_core import BatchValidationError, ConfigError, Tokenizer, TokenizerAdapter
-from verl_core.byo import (
+from verl_core.enginekit.byo import (
     IN_MEMORY_MODEL,
     as_tokenizer,
     finish_responses,

@@ -22,7 +22,7 @@ from verl_core import (
     UnknownNameError,
     hookimpl,
 )
-from verl_core.registry import Registry, get_reward_engine, reset_registry
+from verl_core.kernel.registry import Registry, get_reward_engine, reset_registry
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""verl_core.retokenize: scoring the policy's samples with a reward engine of another tokenizer."""
+"""verl_core.enginekit.retokenize: scoring the policy's samples with a reward engine of another tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core import BatchMeta, FunctionReward, TensorBatch
-from verl_core.retokenize import CrossTokenizerReward, retokenize, same_vocabulary
+from verl_core.enginekit.retokenize import CrossTokenizerReward, retokenize, same_vocabulary
 
 ALPHABET = "abcdefgh0123456789=+"
 

@@ -1,4 +1,4 @@
-"""verl_core.sampling: per-sample seeds, uniform tables and one decode step's sampling."""
+"""verl_core.enginekit.sampling: per-sample seeds, uniform tables and one decode step's sampling."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verl_core import BatchValidationError, SamplingParams, TensorBatch
-from verl_core.sampling import (
+from verl_core.enginekit.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
     TokenSampler,
@@ -54,7 +54,7 @@ def test_token_sampler_pads_finished_rows_and_flags_stops() -> None:
 
 def test_static_prompt_width_rounds_up_and_pad_prompts_left_pads() -> None:
     from verl_core import BatchMeta, TensorBatch
-    from verl_core.sampling import PROMPT_WIDTH_MULTIPLE, static_prompt_width
+    from verl_core.enginekit.sampling import PROMPT_WIDTH_MULTIPLE, static_prompt_width
 
     m = PROMPT_WIDTH_MULTIPLE
     assert [static_prompt_width(w) for w in (0, 1, m, m + 1)] == [m, m, m, 2 * m]

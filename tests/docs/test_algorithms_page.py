@@ -10,7 +10,7 @@ from typing import Any
 
 from verl_core.algorithms import PRESETS, Algorithm
 from verl_core.algorithms.config import AGG_MODES, KL_ESTIMATORS
-from verl_core.registry import get_registry
+from verl_core.kernel.registry import get_registry
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 _OPTION = re.compile(r"`(\w+)=([^`]*)`")

@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from verl_core.version import PROTOCOL_VERSION
+from verl_core.kernel.version import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "compatibility.md"
@@ -137,7 +137,7 @@ def test_tested_versions_satisfy_declared_ranges() -> None:
 
 def test_protocol_row_refuses_incompatible_backends() -> None:
     """The rule the page states holds: same major and an older or equal minor is compatible."""
-    from verl_core.version import protocol_compatible
+    from verl_core.kernel.version import protocol_compatible
 
     major, minor = (int(x) for x in PROTOCOL_VERSION.split("."))
     assert protocol_compatible(f"{major}.{minor}")

@@ -159,7 +159,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     assert proc.returncode == 0 and not warnings, f"mkdocs build --strict failed:\n{out[-6000:]}"
     assert (tmp_path / "site" / "api" / "core" / "index.html").is_file()
     html = (tmp_path / "site" / "api" / "core" / "index.html").read_text()
-    assert "verl_core.batch.TensorBatch" in html, "the API reference did not render TensorBatch"
+    assert "verl_core.kernel.batch.TensorBatch" in html, "the API reference did not render TensorBatch"
 
 
 @pytest.mark.parametrize("page", ["quickstart.md", "algorithms.md"])

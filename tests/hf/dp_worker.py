@@ -19,7 +19,7 @@ import torch.distributed as dist
 from verl_conformance.testkit import random_batch, write_rank_result
 from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, ParallelSizes, TensorBatch
 from verl_core.algorithms import Algorithm
-from verl_core.weights import WeightChunk
+from verl_core.kernel.weights import WeightChunk
 
 SPLIT = (6, 1)
 

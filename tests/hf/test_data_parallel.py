@@ -12,7 +12,7 @@ from hf_helpers import HERE, model_path
 from verl_conformance.testkit import assert_close, launch_torchrun
 from verl_core import EngineSpec, GlobalBatchStats, OptimConfig
 from verl_core.algorithms import Algorithm
-from verl_core.weights import WeightChunk
+from verl_core.kernel.weights import WeightChunk
 from verl_hf.training import HFTrainingEngine
 
 BUDGET = 30

@@ -11,7 +11,7 @@ from hf_helpers import actor_spec, model_path
 from verl_conformance.testkit import random_batch
 from verl_core import GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
-from verl_core.precision import MasterWeights
+from verl_core.enginekit.precision import MasterWeights
 from verl_hf.training import HFTrainingEngine
 
 GRPO = Algorithm.grpo(kl_loss_coef=0.0)

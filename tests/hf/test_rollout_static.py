@@ -21,7 +21,7 @@ from verl_core import (
     WeightMessage,
     WeightSyncError,
 )
-from verl_core.sampling import TokenSampler
+from verl_core.enginekit.sampling import TokenSampler
 from verl_hf.rollout import HFRolloutEngine, _StaticDecoder, sample_seed
 from verl_hf.training import HFTrainingEngine
 

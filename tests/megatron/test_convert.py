@@ -135,7 +135,7 @@ def test_plugin_is_import_light_and_cpu_shims_do_nothing_with_cuda() -> None:
         assert spec.capabilities["rollout"].tensor_parallel and not spec.capabilities["rollout"].pipeline_parallel
         assert spec.capabilities["critic"].values and not spec.capabilities["actor"].values
         assert spec.capabilities["actor"].tensor_parallel and spec.capabilities["actor"].pipeline_parallel
-        from verl_core.registry import import_string
+        from verl_core.kernel.registry import import_string
         import_string(spec.config_class)(attention="local")
         assert not any(m.startswith("megatron") for m in sys.modules), "the plugin imported megatron"
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from verl_core.errors import ConfigError
-from verl_core.executor import LocalExecutor, RayConfig, make_executor
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import load_config
+from verl_core.trainer.executor import LocalExecutor, RayConfig, make_executor
 
 
 def test_default_is_local_and_ray_is_accepted() -> None:
@@ -51,6 +51,6 @@ def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_importing_the_executor_package_leaves_ray_out() -> None:
     import subprocess
 
-    code = "import verl_core.executor, verl_core.trainer.trainer, sys; print('ray' in sys.modules)"
+    code = "import verl_core.trainer.executor, verl_core.trainer.trainer, sys; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

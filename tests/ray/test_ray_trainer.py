@@ -12,7 +12,7 @@ import pytest
 from conftest import start_cluster
 from ray_helpers import RAY_SPLIT, STEPS, assert_same_metrics, demo_config, train
 
-from verl_core.executor import WorkerFailedError
+from verl_core.trainer.executor import WorkerFailedError
 from verl_core.trainer.reliability import StepFailedError
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
 

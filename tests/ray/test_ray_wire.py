@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from verl_conformance.testkit import random_batch
 from verl_core import BatchMeta, BatchValidationError, TensorBatch
-from verl_core.executor import WIRE_FORMAT, from_wire, to_wire
+from verl_core.trainer.executor import WIRE_FORMAT, from_wire, to_wire
 
 
 def assert_same(a: TensorBatch, b: TensorBatch) -> None:
@@ -69,7 +69,7 @@ def test_received_batches_are_validated(corrupt: Any, message: str) -> None:
 
 
 def test_through_the_object_store(ray_cluster: Any) -> None:
-    from verl_core.executor import register_batch_serializer
+    from verl_core.trainer.executor import register_batch_serializer
 
     register_batch_serializer()
     b = random_batch(batch_size=4, with_rl_fields=True).update(extras={"answer": ["1", "2", "3", "4"]})

@@ -23,13 +23,13 @@ from verl_core import (
     TensorBatch,
 )
 from verl_core.algorithms import Algorithm
-from verl_core.executor import RayConfig
-from verl_core.registry import (
+from verl_core.kernel.registry import (
     get_reward_engine,
     get_rollout_engine,
     get_training_engine,
 )
-from verl_core.weights import WeightChunk, WeightMessage
+from verl_core.kernel.weights import WeightChunk, WeightMessage
+from verl_core.trainer.executor import RayConfig
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,7 +57,7 @@ def model() -> str:
 
 
 def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: Any, model: str) -> None:
-    from verl_core.executor.ray_executor import RayExecutor
+    from verl_core.trainer.executor.ray_executor import RayExecutor
 
     # eps=1: Adam's first step is then linear in the gradient, so float rounding stays rounding
     spec = EngineSpec(model_path=model, role="actor", optim=OptimConfig(lr=0.1, eps=1.0, grad_clip=1.0),
@@ -119,8 +119,8 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
 
 
 def test_a_group_the_cluster_cannot_place_fails_clearly(ray_cluster: Any, model: str) -> None:
-    from verl_core.errors import ConfigError
-    from verl_core.executor.ray_executor import RayExecutor
+    from verl_core.kernel.errors import ConfigError
+    from verl_core.trainer.executor.ray_executor import RayExecutor
 
     ex = RayExecutor(RayConfig(parallel={"actor": {"dp": 3}}, placement_timeout_s=2))
     try:
@@ -134,8 +134,8 @@ def test_a_group_the_cluster_cannot_place_fails_clearly(ray_cluster: Any, model:
 def test_a_build_error_arrives_as_itself_and_gives_the_bundles_back(ray_cluster: Any, model: str) -> None:
     import time
 
-    from verl_core.errors import UnknownNameError
-    from verl_core.executor.ray_executor import RayExecutor
+    from verl_core.kernel.errors import UnknownNameError
+    from verl_core.trainer.executor.ray_executor import RayExecutor
 
     ex = RayExecutor(RayConfig(num_cpus_per_worker=2))
     try:
@@ -156,7 +156,7 @@ def test_a_build_error_arrives_as_itself_and_gives_the_bundles_back(ray_cluster:
     reason="opt-in (about a minute on 2 cores): set VERL_TEST_RAY_MEGATRON=1",
 )
 def test_megatron_tensor_parallel_group_matches_the_reference(ray_cluster: Any, model: str) -> None:
-    from verl_core.executor.ray_executor import RayExecutor
+    from verl_core.trainer.executor.ray_executor import RayExecutor
 
     spec = EngineSpec(model_path=model, role="actor", optim=OptimConfig(lr=0.1, eps=1.0),
                       max_prompt_len=16, max_response_len=16)

@@ -22,8 +22,8 @@ from verl_core import (
     get_training_engine,
 )
 from verl_core.algorithms import Algorithm
-from verl_core.training import LossOutput
-from verl_core.weights import WeightChunk
+from verl_core.kernel.training import LossOutput
+from verl_core.kernel.weights import WeightChunk
 
 
 class _NaNOnThisRank:

@@ -40,7 +40,7 @@ import pytest
 import torch
 from reliability_helpers import comparable, tiny_config
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
 from verl_core.trainer.rundir import MARKER_FILE, read_marker
 

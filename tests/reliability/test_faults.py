@@ -37,6 +37,7 @@ from verl_core import (
     get_training_engine,
 )
 from verl_core.algorithms import Algorithm
+from verl_core.kernel.training import LossOutput
 from verl_core.trainer import (
     DynamicBatchScheduler,
     MemoryInfo,
@@ -47,7 +48,6 @@ from verl_core.trainer import (
     TrainingDivergedError,
     latest_checkpoint,
 )
-from verl_core.training import LossOutput
 
 STEPS = 3
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from verl_conformance.testkit import random_batch
 from verl_core import BatchMeta, BatchValidationError, NonFiniteError, TensorBatch, VerlError
-from verl_core.schema import FIELDS
+from verl_core.kernel.schema import FIELDS
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.float16, torch.bfloat16,

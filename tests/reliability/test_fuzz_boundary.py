@@ -38,7 +38,7 @@ from verl_core import (
     get_training_engine,
 )
 from verl_core.algorithms import Algorithm
-from verl_core.weights import TensorInfo, WeightChunk, WeightCommit, WeightManifest
+from verl_core.kernel.weights import TensorInfo, WeightChunk, WeightCommit, WeightManifest
 
 VOCAB = 128
 MAX_PROMPT = 8

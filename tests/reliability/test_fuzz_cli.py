@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_core.cli import main
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer import trainer as trainer_module
 from verl_core.trainer.config import config_to_dict, load_config, parse_override, read_config_file
 

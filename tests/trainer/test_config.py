@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import (
     RunConfig,
     apply_overrides,

@@ -13,8 +13,8 @@ import datasets  # the data extra (scripts/setup.sh installs it)
 import pytest
 
 from verl_conformance.testkit import TinyModelSpec, tiny_model
-from verl_core.batch import BatchMeta
-from verl_core.errors import ConfigError
+from verl_core.kernel.batch import BatchMeta
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.data import (
     DataConfig,
     PromptDataset,

@@ -152,7 +152,7 @@ def test_verl_train_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_backend_options_reach_each_role_s_engine(tmp_path: Path) -> None:
-    from verl_core.errors import ConfigError
+    from verl_core.kernel.errors import ConfigError
 
     plain = run(config(tmp_path / "plain", "steps=2"))
     cfg = config(tmp_path / "static", "steps=2", 'backends.options.rollout.rollout_cache="static"')

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.batch import TensorBatch
-from verl_core.errors import CheckpointError, ConfigError, VerlError
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
 from verl_core.trainer.replay import (
     BufferClosedError,
     BufferEmptyError,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from verl_conformance.testkit import TinyModelSpec, tiny_model
-from verl_core.batch import TensorBatch
-from verl_core.errors import ConfigError, RewardError
-from verl_core.reward import FunctionReward
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.reward import FunctionReward
 from verl_core.trainer.data import PromptDataset, PromptLoader
 from verl_core.trainer.reward_functions import (
     exact_match,

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.batch import TensorBatch
-from verl_core.errors import ConfigError
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.scheduler import (
     Decision,
     DynamicBatchScheduler,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.sinks import (
     METRICS_FILE,
     CallbackError,
@@ -313,7 +313,7 @@ def test_bad_callback_specs_are_config_errors(tmp_path: Path) -> None:
         f"{cb_file}:NoHooks": r"has none of the hooks on_step_end, on_eval, on_checkpoint",
         f"{tmp_path / 'raises.py'}:x": r"importing .*raises.py' .* raised RuntimeError: import-time failure",
         "verl_core_no_such_module:cb": r"cannot import 'verl_core_no_such_module'",
-        "verl_core.errors:NoSuchThing": r"has no attribute 'NoSuchThing'",
+        "verl_core.kernel.errors:NoSuchThing": r"has no attribute 'NoSuchThing'",
     }
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):

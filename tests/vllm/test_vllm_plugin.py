@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from verl_core import PROTOCOL_VERSION, ConfigError, RolloutCapabilities, get_backend
-from verl_core.registry import import_string, parse_options
+from verl_core.kernel.registry import import_string, parse_options
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.plugin import verl_backend
 

@@ -29,7 +29,7 @@ from verl_core import (
     parse_options,
     stream_weights,
 )
-from verl_core.training import DEFAULT_BUCKET_BYTES
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_example_backend.inputs import validate
 from verl_example_backend.model import DecoderLM, load_model
 from verl_example_backend.plugin import TRAINING_CAPABILITIES, ExampleOptions

@@ -2,17 +2,6 @@
 
 from __future__ import annotations
 
-from verl_core.algorithm import (
-    AdvantageEstimator,
-    Aggregation,
-    AlgorithmComponent,
-    ComponentKind,
-    KLEstimator,
-    PolicyLoss,
-    PolicyLossTerms,
-    ValueLoss,
-    ValueLossTerms,
-)
 from verl_core.algorithms import (
     ActorLoss,
     ActorLossConfig,
@@ -27,17 +16,28 @@ from verl_core.algorithms import (
     RewardConfig,
     TISConfig,
 )
-from verl_core.batch import BatchMeta, MicroBatches, TensorBatch, partition_by_token_budget
-from verl_core.buffer import ReplayBuffer
-from verl_core.capabilities import (
+from verl_core.kernel.algorithm import (
+    AdvantageEstimator,
+    Aggregation,
+    AlgorithmComponent,
+    ComponentKind,
+    KLEstimator,
+    PolicyLoss,
+    PolicyLossTerms,
+    ValueLoss,
+    ValueLossTerms,
+)
+from verl_core.kernel.batch import BatchMeta, MicroBatches, TensorBatch, partition_by_token_budget
+from verl_core.kernel.buffer import ReplayBuffer
+from verl_core.kernel.capabilities import (
     Capabilities,
     RewardCapabilities,
     RolloutCapabilities,
     SeedingMode,
     TrainingCapabilities,
 )
-from verl_core.engine import DType, EngineSpec, OptimConfig, ParallelSizes, Role
-from verl_core.errors import (
+from verl_core.kernel.engine import DType, EngineSpec, OptimConfig, ParallelSizes, Role
+from verl_core.kernel.errors import (
     BatchValidationError,
     CheckpointError,
     ConfigError,
@@ -49,8 +49,8 @@ from verl_core.errors import (
     VerlError,
     WeightSyncError,
 )
-from verl_core.hookspecs import hookimpl
-from verl_core.registry import (
+from verl_core.kernel.hookspecs import hookimpl
+from verl_core.kernel.registry import (
     BackendSpec,
     InstalledBackend,
     available_backends,
@@ -62,11 +62,11 @@ from verl_core.registry import (
     get_weight_sync,
     parse_options,
 )
-from verl_core.reward import FunctionReward, RewardEngine, ScoreFn
-from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.schema import FIELDS, FieldSpec, register_field
-from verl_core.tokenizer import Tokenizer, TokenizerAdapter
-from verl_core.training import (
+from verl_core.kernel.reward import FunctionReward, RewardEngine, ScoreFn
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.schema import FIELDS, FieldSpec, register_field
+from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.training import (
     GlobalBatchStats,
     LossFn,
     LossOutput,
@@ -76,8 +76,8 @@ from verl_core.training import (
     TrainingEngine,
     dp_shard,
 )
-from verl_core.version import PROTOCOL_VERSION, __version__
-from verl_core.weights import (
+from verl_core.kernel.version import PROTOCOL_VERSION, __version__
+from verl_core.kernel.weights import (
     StreamWeightSync,
     SyncReport,
     TensorInfo,

@@ -1,7 +1,7 @@
 """The ``verl`` command: ``verl --version``, ``verl backends``, and the subcommands that backends
 and the trainer add (``train``, ``conformance``).
 
-Errors are one line on stderr: a usage error or a :class:`~verl_core.errors.VerlError` (a bad
+Errors are one line on stderr: a usage error or a :class:`~verl_core.kernel.errors.VerlError` (a bad
 config, a missing checkpoint, ...) prints ``verl <command>: error: ...`` and exits 2; any other
 exception prints its type and message and exits 1. ``--debug`` prints the full traceback instead.
 """
@@ -16,8 +16,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Final, NoReturn
 
-from verl_core.errors import VerlError
-from verl_core.version import PROTOCOL_VERSION, __version__
+from verl_core.kernel.errors import VerlError
+from verl_core.kernel.version import PROTOCOL_VERSION, __version__
 
 __all__ = ["main"]
 
@@ -43,7 +43,7 @@ def _capability_summary(caps: object) -> str:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from verl_core.registry import available_backends
+    from verl_core.kernel.registry import available_backends
 
     backends = available_backends()
     if args.json:
@@ -102,7 +102,7 @@ def _build_parser() -> tuple[_Parser, argparse._SubParsersAction[_Parser], dict[
     p = sub.add_parser("backends", help="list installed backends, their versions and capabilities")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     handlers["backends"] = _cmd_backends
-    from verl_core.registry import import_string
+    from verl_core.kernel.registry import import_string
 
     for name, target in _SUBCOMMANDS.items():
         try:

@@ -1,6 +1,6 @@
 """A RolloutEngine around a transformers model the user built (no model folder needed).
 
-The model needs only its forward (see :mod:`verl_core.byo`): the engine runs
+The model needs only its forward (see :mod:`verl_core.enginekit.byo`): the engine runs
 :class:`~verl_hf.rollout.HFRolloutEngine`'s own decoding loop over it (KV cache, exact log-probs,
 per-sample seeded sampling), so it samples exactly like an engine loaded from a folder holding
 the same weights. A model that also has ``generate_tokens`` supplies the response ids itself and
@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from verl_core.batch import TensorBatch
-from verl_core.byo import GeneratesTokens, generate_with_model, in_memory_spec
-from verl_core.errors import ConfigError
-from verl_core.rollout import SamplingParams
-from verl_core.sampling import StaticDecoders
+from verl_core.enginekit.byo import GeneratesTokens, generate_with_model, in_memory_spec
+from verl_core.enginekit.sampling import StaticDecoders
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.rollout import SamplingParams
 from verl_hf.config import HFOptions
 from verl_hf.modeling import position_ids
 from verl_hf.rollout import HFRolloutEngine

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from verl_core.capabilities import RewardCapabilities, RolloutCapabilities, TrainingCapabilities
+from verl_core.kernel.capabilities import (
+    RewardCapabilities,
+    RolloutCapabilities,
+    TrainingCapabilities,
+)
 
 __all__ = ["REWARD_CAPABILITIES", "ROLLOUT_CAPABILITIES", "training_capabilities"]
 

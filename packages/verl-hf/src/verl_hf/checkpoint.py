@@ -18,8 +18,8 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.checkpoint import fsync_dir
-from verl_core.errors import CheckpointError, ConfigError
+from verl_core.enginekit.checkpoint import fsync_dir
+from verl_core.kernel.errors import CheckpointError, ConfigError
 
 __all__ = [
     "CHECKPOINT_FORMAT",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = ["HFOptions"]
 
@@ -38,7 +38,7 @@ class HFOptions:
             ``generate`` of that shape; combines with ``rollout_cuda_graphs``.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
-            (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
+            (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
             spacing accumulate instead of being rounded away. False trains in pure bfloat16.
             Not applied under ``fsdp2`` data parallelism (pure bfloat16 there).
     """

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "DataParallel",

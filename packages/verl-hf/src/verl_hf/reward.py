@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import RewardCapabilities
-from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError
-from verl_core.registry import parse_options
-from verl_core.reward import RewardEngine
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.registry import parse_options
+from verl_core.kernel.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.modeling import load_model, sequence_inputs, validate_inputs

@@ -24,13 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import RolloutCapabilities
-from verl_core.engine import EngineSpec
-from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
-from verl_core.registry import parse_options
-from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.sampling import (
+from verl_core.enginekit.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
     TokenSampler,
@@ -38,9 +32,20 @@ from verl_core.sampling import (
     static_prompt_width,
     uniform_table,
 )
-from verl_core.schema import FIELDS
-from verl_core.training import TrainingEngine
-from verl_core.weights import (
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RolloutCapabilities
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import (
+    BatchValidationError,
+    ConfigError,
+    StaleWeightsError,
+    WeightSyncError,
+)
+from verl_core.kernel.registry import parse_options
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.schema import FIELDS
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.weights import (
     StreamWeightSync,
     SyncReport,
     TensorInfo,
@@ -68,7 +73,7 @@ __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_se
 class _StaticDecoder(StaticDecodeLoop):
     """The decode loop over a preallocated StaticCache, every step at one shape.
 
-    Besides the loop's state (:class:`~verl_core.sampling.StaticDecodeLoop`), the position to
+    Besides the loop's state (:class:`~verl_core.enginekit.sampling.StaticDecodeLoop`), the position to
     feed and the cache slot are device tensors updated in place. The attention mask is built here
     as a 4D mask over the whole cache (prompt padding and not-yet-written slots masked), which
     keeps transformers' own mask code (with its host synchronisations) out of the step.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from verl_core.errors import ConfigError
-from verl_core.tokenizer import TokenizerAdapter
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.tokenizer import TokenizerAdapter
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 

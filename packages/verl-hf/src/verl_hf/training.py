@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from verl_core.batch import BatchMeta, TensorBatch
-from verl_core.capabilities import TrainingCapabilities
-from verl_core.checkpoint import verify_step_count, verify_tensors
-from verl_core.engine import EngineSpec
-from verl_core.errors import CheckpointError, ConfigError
-from verl_core.precision import MasterWeights
-from verl_core.registry import parse_options
-from verl_core.training import (
+from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
+from verl_core.enginekit.precision import MasterWeights
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.capabilities import TrainingCapabilities
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import CheckpointError, ConfigError
+from verl_core.kernel.registry import parse_options
+from verl_core.kernel.training import (
     DEFAULT_BUCKET_BYTES,
     GlobalBatchStats,
     GradientStash,
@@ -36,7 +36,7 @@ from verl_core.training import (
     StepMetrics,
     TrainingEngine,
 )
-from verl_core.weights import (
+from verl_core.kernel.weights import (
     TensorInfo,
     WeightManifest,
     WeightMessage,

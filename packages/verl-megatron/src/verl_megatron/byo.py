@@ -9,7 +9,7 @@ full weights from the seed and keeps its shard, so the same builder gives the sa
 The model needs only GPTModel's forward ``model(input_ids, position_ids, attention_mask)`` returning
 this rank's vocabulary slice of the logits (``parallel_output=True``); generation is
 :class:`~verl_megatron.rollout.MegatronRolloutEngine`'s own seeded loop, so TP=2 samples what TP=1
-samples. A model with ``generate_tokens`` (see :mod:`verl_core.byo`) supplies the ids itself.
+samples. A model with ``generate_tokens`` (see :mod:`verl_core.enginekit.byo`) supplies the ids itself.
 """
 
 from __future__ import annotations
@@ -22,8 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from verl_core import ConfigError, SamplingParams, TensorBatch, Tokenizer
-from verl_core.byo import GeneratesTokens, as_tokenizer, generate_with_model, in_memory_spec
-from verl_core.sampling import StaticDecoders
+from verl_core.enginekit.byo import (
+    GeneratesTokens,
+    as_tokenizer,
+    generate_with_model,
+    in_memory_spec,
+)
+from verl_core.enginekit.sampling import StaticDecoders
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.options import MegatronOptions

@@ -40,7 +40,7 @@ class MegatronOptions:
             of each shape; combines with ``rollout_cuda_graphs``.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
-            (:class:`verl_core.precision.MasterWeights`), so updates smaller than bfloat16's
+            (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
             spacing accumulate instead of being rounded away. False trains in pure bfloat16.
             No effect in float32.
         optimizer: Which optimizer steps an actor or critic: ``torch`` (torch's AdamW over the

@@ -9,9 +9,9 @@ from verl_core import (
     TrainingCapabilities,
     hookimpl,
 )
-from verl_core.capabilities import Capabilities
-from verl_core.engine import Role
-from verl_core.weights import WeightSync
+from verl_core.kernel.capabilities import Capabilities
+from verl_core.kernel.engine import Role
+from verl_core.kernel.weights import WeightSync
 
 _TRAINING = "verl_megatron.training:build_training_engine"
 _ROLLOUT = "verl_megatron.rollout:build_rollout_engine"

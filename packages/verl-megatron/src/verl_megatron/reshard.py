@@ -50,7 +50,7 @@ from verl_core import (
     WeightSync,
     WeightSyncError,
 )
-from verl_core.training import DEFAULT_BUCKET_BYTES
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_megatron.convert import StateDictAdapter
 
 if TYPE_CHECKING:

@@ -43,15 +43,15 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
-from verl_core.registry import parse_options
-from verl_core.sampling import (
+from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
     sample_seed,
     static_prompt_width,
     uniform_table,
 )
-from verl_core.schema import FIELDS
+from verl_core.kernel.registry import parse_options
+from verl_core.kernel.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions

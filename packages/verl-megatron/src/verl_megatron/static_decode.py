@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verl_core.batch import TensorBatch
-from verl_core.sampling import StaticDecodeLoop, TokenSampler
+from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler
+from verl_core.kernel.batch import TensorBatch
 
 __all__ = ["LayerCache", "StaticDecoder", "compiled_last_logits", "last_logits"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from verl_core.tokenizer import TokenizerAdapter
+from verl_core.kernel.tokenizer import TokenizerAdapter
 
 __all__ = ["HFTokenizer"]
 

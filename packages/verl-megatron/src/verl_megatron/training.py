@@ -14,7 +14,7 @@ over the embedding group for a tied embedding split across pipeline stages, and 
 data-parallel ranks.
 
 Mixed precision: with a bfloat16 (or float16) spec and ``MegatronOptions.master_weights`` on,
-AdamW steps float32 master copies of the parameters (:class:`verl_core.precision.MasterWeights`)
+AdamW steps float32 master copies of the parameters (:class:`verl_core.enginekit.precision.MasterWeights`)
 and rounds them into the model after each step; the Adam moments are keyed by the masters.
 
 With ``MegatronOptions.optimizer="megatron"`` megatron-core's own optimizer steps instead
@@ -59,10 +59,10 @@ from verl_core import (
     WeightMessage,
     stream_weights,
 )
-from verl_core.checkpoint import verify_step_count, verify_tensors
-from verl_core.precision import MasterWeights
-from verl_core.registry import parse_options
-from verl_core.training import DEFAULT_BUCKET_BYTES, GradientStash
+from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
+from verl_core.enginekit.precision import MasterWeights
+from verl_core.kernel.registry import parse_options
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES, GradientStash
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.core_optimizer import CoreOptimizer, GradBufferStash
 from verl_megatron.logprobs import vocab_parallel_log_probs

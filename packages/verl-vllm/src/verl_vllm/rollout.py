@@ -42,7 +42,7 @@ from verl_core import (
     WeightSyncError,
     apply_weight_stream,
 )
-from verl_core.schema import FIELDS
+from verl_core.kernel.schema import FIELDS
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.model_files import ModelFiles, read_model_files
@@ -97,7 +97,7 @@ def _refresh_tied_lm_head(worker: Any) -> None:
 
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
     """Factory of the ``vllm`` backend's rollout role (options validated by VllmRolloutConfig)."""
-    from verl_core.registry import parse_options
+    from verl_core.kernel.registry import parse_options
 
     config = parse_options(VllmRolloutConfig, spec.options, where="backend 'vllm' options")
     return VllmRolloutEngine(spec, config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_core.tokenizer import TokenizerAdapter
+from verl_core.kernel.tokenizer import TokenizerAdapter
 
 __all__ = ["VllmTokenizer"]
 

@@ -43,8 +43,8 @@ from verl_core.algorithms.config import (
     RLOOConfig,
 )
 from verl_core.algorithms.kl import compute_token_rewards
-from verl_core.batch import TensorBatch
-from verl_core.errors import BatchValidationError
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import BatchValidationError
 
 __all__ = [
     "discounted_cumsum",

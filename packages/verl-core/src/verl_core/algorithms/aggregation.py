@@ -2,7 +2,7 @@
 
 Each mode reduces a per-token loss ``l[b, t]`` (mask ``m[b, t]``) of one micro-batch to that
 micro-batch's share of the global loss, normalised by the counts of the whole mini-batch across
-data-parallel ranks (:class:`~verl_core.training.GlobalBatchStats`). Every normaliser is a global
+data-parallel ranks (:class:`~verl_core.kernel.training.GlobalBatchStats`). Every normaliser is a global
 constant, so the sum over micro-batches and ranks of the shares (and of their gradients) is the
 global loss (and its gradient) whatever the split. With ``N`` = ``stats.num_tokens``,
 ``S`` = ``stats.num_sequences`` (samples with >= 1 response token) and ``n_b = sum_t m[b, t]``:
@@ -27,7 +27,7 @@ Differences from verl 0.9.1's ``agg_loss`` (all deliberate):
   responses included) to the seq-mean modes; here ``S`` counts only samples with >= 1 token, as
   verl's local fallback (``seq_mask.sum()``) does.
 * verl multiplies by ``dp_size`` to undo DDP/FSDP gradient averaging; here engines undo framework
-  averaging themselves (DESIGN.md "Loss and distribution"), so no factor appears.
+  averaging themselves (docs/architecture.md, "Loss and distribution"), so no factor appears.
 * ``seq-mean-token-mean`` divides each sequence by ``n_b`` exactly (verl: ``n_b + 1e-8``).
 """
 
@@ -39,8 +39,8 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from verl_core.errors import ConfigError
-from verl_core.training import GlobalBatchStats
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.training import GlobalBatchStats
 
 __all__ = [
     "AGGREGATIONS",
@@ -127,7 +127,7 @@ def aggregate(
     """
     fn = AGGREGATIONS.get(mode)
     if fn is None:
-        from verl_core.registry import get_registry
+        from verl_core.kernel.registry import get_registry
 
         fn = get_registry().component("aggregation", mode).impl
     if norm_length is not None and norm_length < 1:

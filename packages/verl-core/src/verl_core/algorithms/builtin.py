@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from verl_core.algorithm import AlgorithmComponent
 from verl_core.algorithms import advantages as adv
 from verl_core.algorithms import aggregation as agg
 from verl_core.algorithms import kl, losses
@@ -16,7 +15,8 @@ from verl_core.algorithms.config import (
     ReMaxConfig,
     RLOOConfig,
 )
-from verl_core.hookspecs import hookimpl
+from verl_core.kernel.algorithm import AlgorithmComponent
+from verl_core.kernel.hookspecs import hookimpl
 
 
 def _components() -> list[AlgorithmComponent]:

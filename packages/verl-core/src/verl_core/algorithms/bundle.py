@@ -22,9 +22,9 @@ from verl_core.algorithms.config import (
 )
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
-from verl_core.batch import TensorBatch
-from verl_core.errors import ConfigError, UnknownNameError
-from verl_core.training import Metrics
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError, UnknownNameError
+from verl_core.kernel.training import Metrics
 
 __all__ = ["PRESETS", "Algorithm"]
 
@@ -76,7 +76,7 @@ class Algorithm:
         critic: CriticLossConfig | None = None,
         reward: RewardConfig | None = None,
     ) -> None:
-        from verl_core.registry import get_registry
+        from verl_core.kernel.registry import get_registry
 
         registry = get_registry()
         comp = registry.component("advantage", estimator)

@@ -1,6 +1,6 @@
 """Typed, frozen configs of the built-in algorithms, validated on construction.
 
-Every out-of-range value raises :class:`~verl_core.errors.ConfigError` naming the config class, the
+Every out-of-range value raises :class:`~verl_core.kernel.errors.ConfigError` naming the config class, the
 field, the value and the allowed range.
 """
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Final, Literal, get_args
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "AGG_MODES",

@@ -25,9 +25,9 @@ from torch import Tensor
 from verl_core.algorithms._autograd import all_within, with_gradient
 from verl_core.algorithms.aggregation import mask_weights
 from verl_core.algorithms.config import RewardConfig
-from verl_core.batch import TensorBatch
-from verl_core.errors import BatchValidationError
-from verl_core.training import Metrics
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import BatchValidationError
+from verl_core.kernel.training import Metrics
 
 __all__ = [
     "KL_FUNCTIONS",
@@ -130,7 +130,7 @@ def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, estimator: str) -> Ten
     name = _ALIASES.get(estimator, estimator)
     fn = KL_FUNCTIONS.get(name)
     if fn is None:
-        from verl_core.registry import get_registry
+        from verl_core.kernel.registry import get_registry
 
         fn = get_registry().component("kl", estimator).impl
     out: Tensor = fn(log_probs, ref_log_probs)

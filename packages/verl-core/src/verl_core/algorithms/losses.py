@@ -27,7 +27,6 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from verl_core.algorithm import PolicyLossTerms, ValueLossTerms
 from verl_core.algorithms._autograd import all_within, with_gradient
 from verl_core.algorithms.aggregation import aggregate, mask_weights, masked_total
 from verl_core.algorithms.config import (
@@ -37,9 +36,10 @@ from verl_core.algorithms.config import (
     TISConfig,
 )
 from verl_core.algorithms.kl import kl_estimate
-from verl_core.batch import TensorBatch
-from verl_core.errors import BatchValidationError
-from verl_core.training import GlobalBatchStats, LossFn, LossOutput, ModelOutput
+from verl_core.kernel.algorithm import PolicyLossTerms, ValueLossTerms
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import BatchValidationError
+from verl_core.kernel.training import GlobalBatchStats, LossFn, LossOutput, ModelOutput
 
 __all__ = [
     "POLICY_LOSSES",
@@ -238,7 +238,7 @@ def actor_loss(
     """The actor loss of one micro-batch from tensors (any float dtype; see :class:`ActorLoss`)."""
     fn = POLICY_LOSSES.get(config.policy_loss)
     if fn is None:
-        from verl_core.registry import get_registry
+        from verl_core.kernel.registry import get_registry
 
         fn = get_registry().component("policy_loss", config.policy_loss).impl
     terms = fn(log_probs, old_log_probs, advantages, mask, config.policy)
@@ -284,7 +284,7 @@ def actor_loss(
 
 @dataclass(frozen=True)
 class ActorLoss:
-    """The actor's :class:`~verl_core.training.LossFn`: policy loss, entropy bonus, KL loss, TIS.
+    """The actor's :class:`~verl_core.kernel.training.LossFn`: policy loss, entropy bonus, KL loss, TIS.
 
     Reads from the micro-batch ``response_mask``, ``old_log_probs``, ``advantages``, the model's
     ``log_probs`` (and ``entropy`` when declared in :attr:`needs`), ``ref_log_probs`` when
@@ -378,7 +378,7 @@ def critic_loss(
     """The critic loss ``0.5 * agg(value loss)`` of one micro-batch from tensors."""
     fn = VALUE_LOSSES.get(config.value_loss)
     if fn is None:
-        from verl_core.registry import get_registry
+        from verl_core.kernel.registry import get_registry
 
         fn = get_registry().component("value_loss", config.value_loss).impl
     terms = fn(values, old_values, returns, mask, config)
@@ -395,7 +395,7 @@ def critic_loss(
 
 @dataclass(frozen=True)
 class CriticLoss:
-    """The critic's :class:`~verl_core.training.LossFn`: clipped value loss.
+    """The critic's :class:`~verl_core.kernel.training.LossFn`: clipped value loss.
 
     Reads ``response_mask``, ``old_values``, ``returns`` and the model's ``values``. Metrics:
     ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (contributions, as for :class:`ActorLoss`).

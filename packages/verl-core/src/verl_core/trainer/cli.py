@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_core.errors import ConfigError, UnknownNameError
+from verl_core.kernel.errors import ConfigError, UnknownNameError
 
 if TYPE_CHECKING:
     from verl_core.trainer.trainer import Trainer
@@ -95,7 +95,7 @@ def _check_backends(trainer: Trainer) -> None:
     misspelt backend name or option first. With the Ray executor the workers' installation is
     what counts, so it is left to them.
     """
-    from verl_core.registry import get_backend, import_string, parse_options
+    from verl_core.kernel.registry import get_backend, import_string, parse_options
 
     config = trainer.config
     if config.executor != "local":

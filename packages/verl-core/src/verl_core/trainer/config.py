@@ -2,7 +2,7 @@
 
 Every section is a dataclass; :func:`load_config` reads a file, applies command-line overrides
 (values parsed as TOML literals, bare words taken as strings) and builds :class:`RunConfig`. Any
-unknown key, wrong type or out-of-range value raises :class:`~verl_core.errors.ConfigError` naming
+unknown key, wrong type or out-of-range value raises :class:`~verl_core.kernel.errors.ConfigError` naming
 the full dotted key and the valid choices.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from verl_core.engine import OptimConfig
-from verl_core.errors import ConfigError
-from verl_core.executor.config import ExecutorName, RayConfig
+from verl_core.kernel.engine import OptimConfig
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.data import DataConfig
+from verl_core.trainer.executor.config import ExecutorName, RayConfig
 from verl_core.trainer.rewards import RewardFunctionsConfig
 from verl_core.trainer.sinks import SinkConfig, WandbMode
 
@@ -56,7 +56,7 @@ class ModelConfig:
 
     Attributes:
         path: A transformers-format folder; empty = build a tiny random model with the fields below
-            into ``<output_dir>/model`` (needs verl-conformance's test kit).
+            into ``<output_dir>/model`` (needs transformers).
         arch: Tiny-model architecture (llama, qwen2, qwen3).
         hidden_size: Tiny-model width.
         num_layers: Tiny-model decoder layers.

@@ -4,13 +4,13 @@
   length policy and shuffling.
 * :class:`PromptDataset`: the rows of one or more JSONL, JSON, Parquet or CSV files, or folders
   written by ``datasets``' ``save_to_disk``, loaded with the ``datasets`` library (the ``data``
-  extra) and checked at load: every problem is one :class:`~verl_core.errors.ConfigError` before
+  extra) and checked at load: every problem is one :class:`~verl_core.kernel.errors.ConfigError` before
   any training step. The prompt column holds text, or chat messages rendered with the tokenizer's
   chat template; every other column travels with its sample as a per-sample extra of the batch
   (and reaches reward functions as a keyword argument).
 * :class:`PromptSampler`: the data order, shuffled per epoch as a function of (seed, epoch), with a
   position (epoch, index) that a checkpoint saves so a resumed run continues the order exactly.
-* :class:`PromptLoader`: the prompt :class:`~verl_core.batch.TensorBatch` of each step.
+* :class:`PromptLoader`: the prompt :class:`~verl_core.kernel.batch.TensorBatch` of each step.
 
 The rows are held in memory as Python values (prompt datasets for RL are small next to the model).
 ``datasets`` is imported inside the functions that load files, so importing this module does not
@@ -27,9 +27,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from verl_core.batch import BatchMeta, TensorBatch
-from verl_core.errors import ConfigError
-from verl_core.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
 from verl_core.trainer.tasks import prompt_batch
 
 __all__ = [

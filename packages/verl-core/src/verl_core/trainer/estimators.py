@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from verl_core.algorithm import AlgorithmComponent
 from verl_core.algorithms.config import GRPOConfig
-from verl_core.batch import TensorBatch
-from verl_core.hookspecs import hookimpl
+from verl_core.kernel.algorithm import AlgorithmComponent
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.hookspecs import hookimpl
 
 __all__ = ["PLUGIN_NAME", "grpo_token", "register"]
 
@@ -65,7 +65,7 @@ def register() -> None:
     """Register this module's components with the process-wide registry (idempotent)."""
     import sys
 
-    from verl_core.registry import get_registry
+    from verl_core.kernel.registry import get_registry
 
     registry = get_registry()
     if not registry.pm.has_plugin(PLUGIN_NAME):

@@ -2,7 +2,7 @@
 
 :func:`export_checkpoint` reads the run config saved in the checkpoint, builds the actor engine
 of the run's backend through the registry, restores the checkpoint into it and writes the
-canonical weight stream (:meth:`~verl_core.training.TrainingEngine.export_weights`, transformers
+canonical weight stream (:meth:`~verl_core.kernel.training.TrainingEngine.export_weights`, transformers
 naming) into safetensors shards next to the model folder's config, tokenizer and generation
 config. Nothing here knows which backend wrote the checkpoint.
 """
@@ -20,14 +20,20 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from verl_core.errors import CheckpointError, ConfigError, PluginError, UnknownNameError, VerlError
-from verl_core.registry import get_training_engine
-from verl_core.tokenizer import Tokenizer
+from verl_core.kernel.errors import (
+    CheckpointError,
+    ConfigError,
+    PluginError,
+    UnknownNameError,
+    VerlError,
+)
+from verl_core.kernel.registry import get_training_engine
+from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.weights import WeightManifest, apply_weight_stream
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.reliability import fsync_dir, verify_checkpoint
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
-from verl_core.training import TrainingEngine
-from verl_core.weights import WeightManifest, apply_weight_stream
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_checkpoint", "resolve_checkpoint"]
 

@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_core.errors import ConfigError, VerlError
+from verl_core.kernel.errors import ConfigError, VerlError
 
 __all__ = ["HybridPipeline", "PipelineError", "PipelineResult", "Stage", "StageError"]
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from verl_core.checkpoint import fsync_dir
-from verl_core.errors import CheckpointError, ConfigError, VerlError
+from verl_core.enginekit.checkpoint import fsync_dir
+from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
 from verl_core.trainer.pipeline import StageError
 
 __all__ = [

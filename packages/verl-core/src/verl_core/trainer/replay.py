@@ -8,7 +8,7 @@ nothing is lost and every value comes back bit for bit.
 The buffer deletes only what it wrote: its spill files, the private folder it created for them
 (when nothing else is in it) and the spill root when it created that too. Each spilled segment is
 checked when read back (the file's size and CRC-32, and every field's shape, dtype and CRC-32 as
-written), so a file truncated or changed on disk raises :class:`~verl_core.errors.CheckpointError`
+written), so a file truncated or changed on disk raises :class:`~verl_core.kernel.errors.CheckpointError`
 naming it instead of feeding wrong samples to an update.
 """
 
@@ -30,9 +30,9 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.buffer import ReplayBuffer
-from verl_core.errors import BatchValidationError, CheckpointError, ConfigError, VerlError
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.buffer import ReplayBuffer
+from verl_core.kernel.errors import BatchValidationError, CheckpointError, ConfigError, VerlError
 
 __all__ = [
     "BufferClosedError",

@@ -29,11 +29,11 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import RewardCapabilities
-from verl_core.errors import ConfigError, RewardError
-from verl_core.reward import RewardEngine
-from verl_core.tokenizer import Tokenizer
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.tokenizer import Tokenizer
 
 __all__ = [
     "MODEL_NAME",

@@ -6,7 +6,7 @@ continues only a folder holding a marker. Everything the trainer later deletes (
 spill files, a half-built tiny model, checkpoint temporaries and pruned checkpoints) lies inside a
 folder it claimed, so it never removes files of another run or of the user.
 
-Refused with a :class:`~verl_core.errors.ConfigError` that names the folder, what was found there
+Refused with a :class:`~verl_core.kernel.errors.ConfigError` that names the folder, what was found there
 and the ways out, before any engine is built:
 
 * an empty ``output_dir``, the filesystem root, the home directory, the current directory or a
@@ -35,10 +35,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Final, Literal
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.version import __version__
 from verl_core.trainer.config import RunConfig, config_to_dict
 from verl_core.trainer.reliability import fsync_dir
-from verl_core.version import __version__
 
 try:
     import fcntl

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.errors import ConfigError, VerlError
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError, VerlError
 
 __all__ = [
     "Decision",

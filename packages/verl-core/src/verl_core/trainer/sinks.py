@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final, Literal, Protocol, get_args
 
-from verl_core.errors import ConfigError, PluginError, VerlError
+from verl_core.kernel.errors import ConfigError, PluginError, VerlError
 
 __all__ = [
     "BUILTIN_SINKS",
@@ -407,7 +407,7 @@ def load_callback(spec: str) -> object:
                 raise ConfigError(f"config key 'logging.sinks': {target!r} has no attribute {attr!r} (from {spec!r})")
             obj = getattr(obj, part)
     else:
-        from verl_core.registry import import_string
+        from verl_core.kernel.registry import import_string
 
         try:
             obj = import_string(spec)

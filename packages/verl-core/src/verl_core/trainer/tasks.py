@@ -16,11 +16,11 @@ from typing import Any, Final, Literal
 
 import torch
 
-from verl_core.batch import BatchMeta, TensorBatch
-from verl_core.capabilities import RewardCapabilities
-from verl_core.errors import ConfigError
-from verl_core.reward import RewardEngine
-from verl_core.tokenizer import Tokenizer
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.tokenizer import Tokenizer
 
 __all__ = ["TASKS", "DigitTask", "RewardMode", "TaskReward", "get_task", "prompt_batch"]
 

@@ -13,8 +13,8 @@ One step:
    ``optimizer_step`` (actor, and critic when the algorithm has one);
 7. weight sync actor -> rollout.
 
-Engines are built by backend name through :mod:`verl_core.registry`, placed by the executor of the
-config key ``executor`` (:mod:`verl_core.executor`: this process, or Ray worker groups); nothing
+Engines are built by backend name through :mod:`verl_core.kernel.registry`, placed by the executor of the
+config key ``executor`` (:mod:`verl_core.trainer.executor`: this process, or Ray worker groups); nothing
 here knows which backend it talks to or where it runs.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import base64
 import dataclasses
+import importlib.util
 import io
 import json
 import logging
@@ -39,13 +40,15 @@ from typing import IO, Any
 
 import torch
 
-from verl_core.batch import BatchMeta, TensorBatch
-from verl_core.engine import EngineSpec
-from verl_core.errors import CheckpointError, ConfigError, VerlError
-from verl_core.executor import Executor, make_executor
-from verl_core.reward import RewardEngine
-from verl_core.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
+from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.config import RunConfig, config_to_dict
+from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
 from verl_core.trainer.reliability import (
     StepFailedError,
@@ -64,8 +67,6 @@ from verl_core.trainer.scheduler import (
     SchedulerConfig,
 )
 from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
-from verl_core.training import GlobalBatchStats, LossFn, TrainingEngine
-from verl_core.weights import WeightSync
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
 
@@ -352,13 +353,13 @@ class Trainer:
         dest = self.out / "model"
         if (dest / "config.json").is_file():
             return str(dest)
-        try:
-            from verl_conformance.testkit import TinyModelSpec, build_tiny_model
-        except ImportError:
+        from verl_core.trainer.tiny_model import TinyModelSpec, build_tiny_model
+
+        if importlib.util.find_spec("transformers") is None:
             raise ConfigError(
-                "config key 'model.path' is empty, which builds a tiny random model; that needs the test "
-                "kit: pip install verl-conformance (or set model.path to a transformers folder)"
-            ) from None
+                "config key 'model.path' is empty, which builds a tiny random model with transformers; "
+                "install it (pip install verl-hf) or set model.path to a transformers folder"
+            )
         spec = TinyModelSpec(
             arch=m.arch, tied=m.tied, hidden_size=m.hidden_size, num_layers=m.num_layers,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -705,7 +706,7 @@ class Trainer:
                     add("critic", critic_m)
                     skipped = skipped or critic_m["skipped"] > 0
                 updates += 1
-                # an engine skips a non-finite update on every rank (DESIGN "Loss and distribution")
+                # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
                 skipped_updates += skipped
                 self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         finally:

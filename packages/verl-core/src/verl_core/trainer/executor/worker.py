@@ -1,8 +1,8 @@
 """EngineWorker: one rank of a Ray worker group, hosting the engines of the roles placed on it.
 
-The class is plain Python; :mod:`verl_core.executor.ray_executor` turns it into a Ray actor. Every
+The class is plain Python; :mod:`verl_core.trainer.executor.ray_executor` turns it into a Ray actor. Every
 method runs inside the worker process. Batches arrive and leave through the wire format of
-:mod:`verl_core.executor.wire` (registered as Ray's TensorBatch serializer in every worker).
+:mod:`verl_core.trainer.executor.wire` (registered as Ray's TensorBatch serializer in every worker).
 """
 
 from __future__ import annotations
@@ -15,11 +15,17 @@ from typing import Any, Literal
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError, WeightSyncError
-from verl_core.executor.wire import register_batch_serializer
-from verl_core.weights import SyncReport, WeightChunk, WeightCommit, WeightManifest, WeightMessage
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError, WeightSyncError
+from verl_core.kernel.weights import (
+    SyncReport,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+    WeightMessage,
+)
+from verl_core.trainer.executor.wire import register_batch_serializer
 
 __all__ = ["EngineKind", "EngineWorker"]
 
@@ -82,7 +88,11 @@ class EngineWorker:
     # ------------------------------------------------------------------ engines
     def build(self, role: str, kind: EngineKind, backend: str, spec: EngineSpec) -> dict[str, Any]:
         """Build ``role``'s engine through the registry; returns what the controller caches."""
-        from verl_core.registry import get_reward_engine, get_rollout_engine, get_training_engine
+        from verl_core.kernel.registry import (
+            get_reward_engine,
+            get_rollout_engine,
+            get_training_engine,
+        )
 
         if role in self.engines:
             raise ConfigError(f"worker group {self.group!r} rank {self.rank} already hosts role {role!r}")
@@ -216,7 +226,7 @@ class EngineWorker:
         self, actor_role: str, rollout_role: str, actor_backend: str, rollout_backend: str, version: int
     ) -> SyncReport:
         """Sync this process's actor into its rollout engine (colocated roles), by the registry's path."""
-        from verl_core.registry import get_weight_sync
+        from verl_core.kernel.registry import get_weight_sync
 
         sync = get_weight_sync(actor_backend, rollout_backend)
         report: SyncReport = sync.sync(self._engine(actor_role), self._engine(rollout_role), version=version)

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.byo import as_tokenizer
-from verl_core.capabilities import RewardCapabilities
-from verl_core.errors import BatchValidationError, ConfigError
-from verl_core.reward import RewardEngine
-from verl_core.schema import FIELDS
-from verl_core.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.enginekit.byo import as_tokenizer
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.errors import BatchValidationError, ConfigError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.schema import FIELDS
+from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
 
 __all__ = ["CrossTokenizerReward", "retokenize", "same_vocabulary"]
 

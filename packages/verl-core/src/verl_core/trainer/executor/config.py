@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl_core.engine import ROLES, ParallelSizes
-from verl_core.errors import ConfigError
+from verl_core.kernel.engine import ROLES, ParallelSizes
+from verl_core.kernel.errors import ConfigError
 
 __all__ = ["ExecutorName", "Placement", "RayConfig", "Strategy"]
 

@@ -1,6 +1,6 @@
 """The field schema of TensorBatch: names, dims, dtypes and meaning of every canonical field.
 
-Layout rules (DESIGN.md "Batch layout"):
+Layout rules (docs/architecture.md, "Batch layout"):
 
 * prompts are LEFT-padded (``prompt_ids``, ``prompt_mask``), responses RIGHT-padded
   (``response_ids``, ``response_mask``); masks are ``bool``, ids ``int64``;

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = ["Tokenizer", "TokenizerAdapter"]
 

@@ -4,7 +4,7 @@ A load must not copy anything until the whole checkpoint is known to fit the liv
 ``param.copy_(saved)`` broadcasts, so a tensor of the wrong shape (a ``(1, H)`` row into a
 ``(V, H)`` embedding) or dtype would otherwise load silently, and a load refused halfway leaves
 an engine that is neither the old state nor the saved one. Engines build the expected
-:class:`~verl_core.weights.TensorInfo` of every tensor they would restore, call
+:class:`~verl_core.kernel.weights.TensorInfo` of every tensor they would restore, call
 :func:`verify_tensors` (and :func:`verify_step_count` for counters) on everything they read, and
 copy only after all of it passed.
 """
@@ -19,8 +19,8 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.errors import CheckpointError
-from verl_core.weights import TensorInfo
+from verl_core.kernel.errors import CheckpointError
+from verl_core.kernel.weights import TensorInfo
 
 __all__ = ["fsync_dir", "verify_step_count", "verify_tensors"]
 

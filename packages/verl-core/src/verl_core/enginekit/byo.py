@@ -27,10 +27,10 @@ from typing import Any, Final, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from verl_core.engine import EngineSpec
-from verl_core.errors import BatchValidationError, ConfigError
-from verl_core.rollout import SamplingParams
-from verl_core.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import BatchValidationError, ConfigError
+from verl_core.kernel.rollout import SamplingParams
+from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
 
 __all__ = [
     "IN_MEMORY_MODEL",
@@ -203,7 +203,7 @@ def in_memory_spec(
     Raises:
         ConfigError: a dtype other than float32, bfloat16 or float16.
     """
-    from verl_core.engine import ParallelSizes
+    from verl_core.kernel.engine import ParallelSizes
 
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if dtype not in names:

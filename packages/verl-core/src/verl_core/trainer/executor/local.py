@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import final
 
-from verl_core.engine import EngineSpec, Role
-from verl_core.executor.base import Executor
-from verl_core.registry import (
+from verl_core.kernel.engine import EngineSpec, Role
+from verl_core.kernel.registry import (
     get_reward_engine,
     get_rollout_engine,
     get_training_engine,
     get_weight_sync,
 )
-from verl_core.reward import RewardEngine
-from verl_core.rollout import RolloutEngine
-from verl_core.training import TrainingEngine
-from verl_core.weights import WeightSync
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.weights import WeightSync
+from verl_core.trainer.executor.base import Executor
 
 __all__ = ["LocalExecutor"]
 

@@ -1,6 +1,6 @@
 """The TrainingEngine protocol and the loss-function contract it runs.
 
-Loss and distribution (DESIGN.md): the controller holds the global batch and computes
+Loss and distribution (docs/architecture.md): the controller holds the global batch and computes
 :class:`GlobalBatchStats` for each optimizer step's mini-batch. ``forward_backward`` is called once
 per optimizer step with this rank's share of the mini-batch; the engine splits it into
 micro-batches. A :class:`LossFn` returns a scalar already normalised by the *global* counts, so the
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 from torch import Tensor
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import TrainingCapabilities
-from verl_core.engine import EngineSpec
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import TrainingCapabilities
+from verl_core.kernel.engine import EngineSpec
 
 if TYPE_CHECKING:
-    from verl_core.tokenizer import Tokenizer
-    from verl_core.weights import WeightMessage
+    from verl_core.kernel.tokenizer import Tokenizer
+    from verl_core.kernel.weights import WeightMessage
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -174,7 +174,7 @@ class TrainingEngine(Protocol):
 
     Inputs are validated at the boundary: a batch missing a needed field, with a wrong dtype or
     shape, NaN/inf in a float field, wrong padding sides or ids outside the vocabulary raises
-    :class:`~verl_core.errors.BatchValidationError` before any model code runs, and the engine's
+    :class:`~verl_core.kernel.errors.BatchValidationError` before any model code runs, and the engine's
     state (weights, optimizer, accumulated gradients) is unchanged.
     """
 
@@ -239,7 +239,7 @@ class TrainingEngine(Protocol):
         """Stream the full weights in transformers naming: a manifest, chunks, then a commit.
 
         Tensors are cast to ``dtype`` (the receiver's) when given; a chunk is valid only until the
-        next one is requested. A tied lm_head is not sent. See :mod:`verl_core.weights`.
+        next one is requested. A tied lm_head is not sent. See :mod:`verl_core.kernel.weights`.
         """
 
     @abstractmethod

@@ -9,10 +9,10 @@ from typing import Any, Protocol
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import RewardCapabilities
-from verl_core.errors import BatchValidationError, NonFiniteError
-from verl_core.tokenizer import Tokenizer
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.errors import BatchValidationError, NonFiniteError
+from verl_core.kernel.tokenizer import Tokenizer
 
 __all__ = ["FunctionReward", "RewardEngine", "ScoreFn"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Protocol
 
-from verl_core.engine import EngineSpec, Role
-from verl_core.errors import VerlError
-from verl_core.reward import RewardEngine
-from verl_core.rollout import RolloutEngine
-from verl_core.training import TrainingEngine
-from verl_core.weights import WeightSync
+from verl_core.kernel.engine import EngineSpec, Role
+from verl_core.kernel.errors import VerlError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.weights import WeightSync
 
 __all__ = ["Executor", "WorkerFailedError"]
 
@@ -35,8 +35,8 @@ class Executor(Protocol):
     """Builds each role's engine somewhere and hands the controller an object that drives it.
 
     The returned engines satisfy the same protocols as the ones the registry builds, so the
-    controller calls them without knowing where they run. :class:`~verl_core.executor.LocalExecutor`
-    builds them in this process; :class:`~verl_core.executor.RayExecutor` builds them in Ray worker
+    controller calls them without knowing where they run. :class:`~verl_core.trainer.executor.LocalExecutor`
+    builds them in this process; :class:`~verl_core.trainer.executor.RayExecutor` builds them in Ray worker
     groups and returns proxies.
     """
 

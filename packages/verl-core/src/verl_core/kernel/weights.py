@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from verl_core.errors import WeightSyncError
+from verl_core.kernel.errors import WeightSyncError
 
 if TYPE_CHECKING:
-    from verl_core.rollout import RolloutEngine
-    from verl_core.training import TrainingEngine
+    from verl_core.kernel.rollout import RolloutEngine
+    from verl_core.kernel.training import TrainingEngine
 
 __all__ = [
     "StreamWeightSync",

@@ -6,7 +6,7 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Protocol
 
-from verl_core.batch import TensorBatch
+from verl_core.kernel.batch import TensorBatch
 
 __all__ = ["ReplayBuffer"]
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from verl_core.algorithm import AlgorithmComponent
-    from verl_core.registry import BackendSpec
-    from verl_core.weights import WeightSync
+    from verl_core.kernel.algorithm import AlgorithmComponent
+    from verl_core.kernel.registry import BackendSpec
+    from verl_core.kernel.weights import WeightSync
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
 
@@ -49,6 +49,6 @@ def verl_weight_sync(source: str, target: str) -> WeightSync | None:
     """Return a direct WeightSync from training backend ``source`` to rollout backend ``target``.
 
     Called when the trainer pairs two backends. Return None when this plugin has no direct path
-    for the pair; the canonical stream (:class:`~verl_core.weights.StreamWeightSync`) is used when
+    for the pair; the canonical stream (:class:`~verl_core.kernel.weights.StreamWeightSync`) is used when
     no plugin answers.
     """

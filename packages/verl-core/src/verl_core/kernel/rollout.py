@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verl_core.capabilities import RolloutCapabilities
-from verl_core.engine import EngineSpec
-from verl_core.errors import ConfigError
+from verl_core.kernel.capabilities import RolloutCapabilities
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError
 
 if TYPE_CHECKING:
-    from verl_core.batch import TensorBatch
-    from verl_core.tokenizer import Tokenizer
-    from verl_core.weights import WeightMessage
+    from verl_core.kernel.batch import TensorBatch
+    from verl_core.kernel.tokenizer import Tokenizer
+    from verl_core.kernel.weights import WeightMessage
 
 __all__ = ["RolloutEngine", "SamplingParams"]
 
@@ -130,7 +130,7 @@ class RolloutEngine(Protocol):
 
     @abstractmethod
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
-        """Apply a weight stream (see :func:`verl_core.weights.apply_weight_stream`).
+        """Apply a weight stream (see :func:`verl_core.kernel.weights.apply_weight_stream`).
 
         On success the new version serves and the prefix cache is invalidated; on any failure
         the engine is stale and ``generate`` raises until a complete sync succeeds.

@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.batch import BatchMeta, TensorBatch
-from verl_core.errors import BatchValidationError
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.errors import BatchValidationError
 
 __all__ = ["WIRE_FORMAT", "from_wire", "register_batch_serializer", "to_wire"]
 

@@ -1,6 +1,6 @@
 """RayExecutor: each role's engine runs in a Ray worker group placed by a placement group.
 
-A worker group is ``n`` Ray actors (:class:`~verl_core.executor.worker.EngineWorker`), one per
+A worker group is ``n`` Ray actors (:class:`~verl_core.trainer.executor.worker.EngineWorker`), one per
 rank, on the bundles of one placement group (``ray.num_cpus_per_worker`` CPUs and
 ``ray.num_gpus_per_worker`` GPUs each). Before any engine is built, the group sets up the
 torch.distributed rendezvous the way torchrun does (``MASTER_ADDR``/``MASTER_PORT`` on rank 0's
@@ -14,11 +14,11 @@ roles run ``dp`` independent replicas, each generating or scoring its share. Cal
 are submitted under a lock, so every rank sees them in the same order (collectives never cross).
 
 Weight sync: with ``placement = "split"`` the rollout replicas pull the actor's canonical weight
-stream (:mod:`verl_core.weights`) from actor rank 0 through the object store, one bucket at a time
+stream (:mod:`verl_core.kernel.weights`) from actor rank 0 through the object store, one bucket at a time
 (the other actor ranks run their side of the export's collectives); with ``"colocated"`` each
 process syncs its own actor into its own rollout replica by the registry's path for the pair.
 
-A worker that dies makes the call raise :class:`~verl_core.executor.WorkerFailedError` naming the
+A worker that dies makes the call raise :class:`~verl_core.trainer.executor.WorkerFailedError` naming the
 role and the rank; the group is then unusable, and the run resumes from its last checkpoint.
 """
 
@@ -35,18 +35,18 @@ from typing import Any, final
 
 import torch
 
-from verl_core.batch import TensorBatch
-from verl_core.capabilities import RewardCapabilities, RolloutCapabilities, TrainingCapabilities
-from verl_core.engine import EngineSpec, Role
-from verl_core.errors import ConfigError, VerlError
-from verl_core.executor.base import Executor, WorkerFailedError
-from verl_core.executor.config import RayConfig
-from verl_core.executor.wire import register_batch_serializer
-from verl_core.executor.worker import EngineKind, EngineWorker
-from verl_core.reward import RewardEngine
-from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.tokenizer import Tokenizer
-from verl_core.training import (
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import (
+    RewardCapabilities,
+    RolloutCapabilities,
+    TrainingCapabilities,
+)
+from verl_core.kernel.engine import EngineSpec, Role
+from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.kernel.training import (
     DEFAULT_BUCKET_BYTES,
     GlobalBatchStats,
     LossFn,
@@ -55,7 +55,17 @@ from verl_core.training import (
     StepMetrics,
     TrainingEngine,
 )
-from verl_core.weights import StreamWeightSync, SyncReport, WeightCommit, WeightMessage, WeightSync
+from verl_core.kernel.weights import (
+    StreamWeightSync,
+    SyncReport,
+    WeightCommit,
+    WeightMessage,
+    WeightSync,
+)
+from verl_core.trainer.executor.base import Executor, WorkerFailedError
+from verl_core.trainer.executor.config import RayConfig
+from verl_core.trainer.executor.wire import register_batch_serializer
+from verl_core.trainer.executor.worker import EngineKind, EngineWorker
 
 __all__ = ["RayExecutor", "RayRewardEngine", "RayRolloutEngine", "RayTrainingEngine", "RayWeightSync", "WorkerGroup"]
 

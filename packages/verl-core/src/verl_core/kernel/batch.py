@@ -19,8 +19,8 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from verl_core.errors import BatchValidationError, NonFiniteError
-from verl_core.schema import FIELDS, Dim, FieldSpec
+from verl_core.kernel.errors import BatchValidationError, NonFiniteError
+from verl_core.kernel.schema import FIELDS, Dim, FieldSpec
 
 __all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "partition_by_token_budget"]
 

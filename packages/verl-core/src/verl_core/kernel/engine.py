@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from verl_core.errors import ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = ["DType", "EngineSpec", "OptimConfig", "ParallelSizes", "Role"]
 

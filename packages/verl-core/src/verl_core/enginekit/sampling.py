@@ -20,8 +20,8 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from verl_core.batch import TensorBatch
-from verl_core.rollout import SamplingParams
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.rollout import SamplingParams
 
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from verl_core.batch import TensorBatch
-    from verl_core.training import GlobalBatchStats
+    from verl_core.kernel.batch import TensorBatch
+    from verl_core.kernel.training import GlobalBatchStats
 
 __all__ = [
     "Aggregation",

@@ -19,21 +19,21 @@ from typing import Any, Final, TypeVar, cast
 
 import pluggy
 
-from verl_core import hookspecs
-from verl_core.algorithm import AlgorithmComponent, ComponentKind
-from verl_core.capabilities import (
+from verl_core.kernel import hookspecs
+from verl_core.kernel.algorithm import AlgorithmComponent, ComponentKind
+from verl_core.kernel.capabilities import (
     Capabilities,
     RewardCapabilities,
     RolloutCapabilities,
     TrainingCapabilities,
 )
-from verl_core.engine import ROLES, EngineSpec, Role
-from verl_core.errors import ConfigError, PluginError, UnknownNameError
-from verl_core.reward import RewardEngine
-from verl_core.rollout import RolloutEngine
-from verl_core.training import TrainingEngine
-from verl_core.version import PROTOCOL_VERSION, protocol_compatible
-from verl_core.weights import StreamWeightSync, WeightSync
+from verl_core.kernel.engine import ROLES, EngineSpec, Role
+from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.version import PROTOCOL_VERSION, protocol_compatible
+from verl_core.kernel.weights import StreamWeightSync, WeightSync
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -119,6 +119,8 @@ class InstalledBackend:
         return caps if caps is not None else cast(Capabilities, _ROLE_CAPS[role]())
 
 
+_BUILTIN_ALGORITHMS: Final = "verl_core.algorithms.builtin"
+
 _T = TypeVar("_T")
 
 
@@ -169,8 +171,9 @@ class Registry:
         self._lock = threading.RLock()
         self._backends: dict[str, InstalledBackend] = {}
         self._components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
-        from verl_core.algorithms import builtin
-
+        # the built-in algorithms register like any plugin, by module name (the kernel never
+        # imports the algorithms layer; docs/architecture.md)
+        builtin = importlib.import_module(_BUILTIN_ALGORITHMS)
         self._register_module(builtin, "verl-core.algorithms", "verl-core", _core_version())
 
     # ------------------------------------------------------------- loading
@@ -313,7 +316,7 @@ def _dist_name(ep: md.EntryPoint) -> str:
 
 
 def _core_version() -> str:
-    from verl_core.version import __version__
+    from verl_core.kernel.version import __version__
 
     return __version__
 

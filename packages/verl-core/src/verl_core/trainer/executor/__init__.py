@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from verl_core.errors import ConfigError
-from verl_core.executor.base import Executor, WorkerFailedError
-from verl_core.executor.config import ExecutorName, Placement, RayConfig, Strategy
-from verl_core.executor.local import LocalExecutor
-from verl_core.executor.wire import WIRE_FORMAT, from_wire, register_batch_serializer, to_wire
+from verl_core.kernel.errors import ConfigError
+from verl_core.trainer.executor.base import Executor, WorkerFailedError
+from verl_core.trainer.executor.config import ExecutorName, Placement, RayConfig, Strategy
+from verl_core.trainer.executor.local import LocalExecutor
+from verl_core.trainer.executor.wire import (
+    WIRE_FORMAT,
+    from_wire,
+    register_batch_serializer,
+    to_wire,
+)
 
 if TYPE_CHECKING:
-    from verl_core.executor.ray_executor import RayExecutor
+    from verl_core.trainer.executor.ray_executor import RayExecutor
 
 __all__ = [
     "WIRE_FORMAT",
@@ -44,15 +49,15 @@ def make_executor(name: str, ray: RayConfig | None = None, *, device: str = "cpu
     if name == "local":
         return LocalExecutor()
     if name == "ray":
-        from verl_core.executor.ray_executor import RayExecutor
+        from verl_core.trainer.executor.ray_executor import RayExecutor
 
         return RayExecutor(ray, device=device)
     raise ConfigError(f"config key 'executor': unknown executor {name!r}; choices: 'local', 'ray'")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "RayExecutor":  # lazy: keeps Ray out of `import verl_core.executor`
-        from verl_core.executor.ray_executor import RayExecutor
+    if name == "RayExecutor":  # lazy: keeps Ray out of `import verl_core.trainer.executor`
+        from verl_core.trainer.executor.ray_executor import RayExecutor
 
         return RayExecutor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
