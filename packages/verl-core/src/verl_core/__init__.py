@@ -41,8 +41,10 @@ from verl_core.errors import (
     BatchValidationError,
     CheckpointError,
     ConfigError,
+    MissingFieldError,
     NonFiniteError,
     PluginError,
+    RequestTooLargeError,
     StaleWeightsError,
     UnknownNameError,
     VerlError,
@@ -63,7 +65,7 @@ from verl_core.registry import (
 )
 from verl_core.reward import FunctionReward, RewardEngine, ScoreFn
 from verl_core.rollout import RolloutEngine, SamplingParams
-from verl_core.schema import FIELDS, FieldSpec, register_field
+from verl_core.schema import FIELDS, MIN_TEMPERATURE, FieldSpec, register_field
 from verl_core.tokenizer import Tokenizer, TokenizerAdapter
 from verl_core.training import (
     GlobalBatchStats,
@@ -91,6 +93,7 @@ from verl_core.weights import (
 
 __all__ = [
     "FIELDS",
+    "MIN_TEMPERATURE",
     "PROTOCOL_VERSION",
     "ActorLoss",
     "ActorLossConfig",
@@ -122,6 +125,7 @@ __all__ = [
     "LossOutput",
     "Metrics",
     "MicroBatches",
+    "MissingFieldError",
     "ModelOutput",
     "NonFiniteError",
     "OptimConfig",
@@ -131,6 +135,7 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossTerms",
     "ReplayBuffer",
+    "RequestTooLargeError",
     "RewardCapabilities",
     "RewardConfig",
     "RewardEngine",
