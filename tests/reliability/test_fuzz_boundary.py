@@ -25,6 +25,7 @@ from torch import nn
 
 from verl_conformance.testkit import TinyModelSpec, build_tiny_model, random_batch
 from verl_core import (
+    MIN_TEMPERATURE,
     EngineSpec,
     GlobalBatchStats,
     OptimConfig,
@@ -261,7 +262,8 @@ def test_sampling_params_accept_only_valid_values(
     def integer(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    valid = (num(temperature) and math.isfinite(temperature) and temperature > 0 and num(top_p) and 0 < top_p <= 1
+    valid = (num(temperature) and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE
+             and num(top_p) and 0 < top_p <= 1
              and integer(top_k) and top_k >= 0 and integer(max_new_tokens) and max_new_tokens >= 1
              and integer(n) and n >= 1)
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, n=n)

@@ -29,7 +29,7 @@ from verl_core.capabilities import RolloutCapabilities
 from verl_core.engine import EngineSpec
 from verl_core.errors import BatchValidationError, ConfigError, StaleWeightsError, WeightSyncError
 from verl_core.registry import parse_options
-from verl_core.rollout import RolloutEngine, SamplingParams
+from verl_core.rollout import RolloutEngine, SamplingParams, check_generate_memory
 from verl_core.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
@@ -270,6 +270,8 @@ class HFRolloutEngine(RolloutEngine):
         for t in params.stop_token_ids:
             if not 0 <= t < self._vocab_size:
                 raise ConfigError(f"{where}: stop token id {t} is outside the vocabulary [0, {self._vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self._vocab_size,
+                              rows_at_once=self._options.rollout_batch_size, where=where)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""

@@ -44,6 +44,7 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.registry import parse_options
+from verl_core.rollout import check_generate_memory
 from verl_core.sampling import (
     StaticDecoders,
     TokenSampler,
@@ -177,6 +178,7 @@ class MegatronRolloutEngine(RolloutEngine):
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.dims.vocab_size]
         if bad:
             raise ConfigError(f"{where}: stop token ids {bad} are outside the vocabulary [0, {self.dims.vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self.dims.vocab_size, where=where)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""
