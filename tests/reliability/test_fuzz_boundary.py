@@ -29,6 +29,7 @@ from verl_core import (
     EngineSpec,
     GlobalBatchStats,
     OptimConfig,
+    RequestTooLargeError,
     SamplingParams,
     StaleWeightsError,
     TensorBatch,
@@ -242,6 +243,18 @@ def test_rollout_engine_refuses_bad_sampling_params(
     if engines.name == "hf":  # a stop id outside the vocabulary is harmless; hf refuses it as a likely typo
         tally["fuzz/engine boundary (sampling params)"] += 1
         _refused(lambda: engines.rollout.generate(prompts, SamplingParams(max_new_tokens=2, stop_token_ids=tuple(stop))))
+    assert engines.calls["rollout"] == 0
+
+
+def test_rollout_engine_refuses_a_request_too_large_for_memory(engines: Engines, tally: Counter[str]) -> None:
+    """2**18 prompts x n=65536 samples need terabytes: refused with the estimate before the model runs."""
+    one = valid_batch(0).select("prompt_ids", "prompt_mask", "group_ids")
+    prompts = one.index(torch.arange(2**18) % one.batch_size)  # a few MB of valid prompts
+    engines.calls.clear()
+    tally["fuzz/engine boundary (oversized request)"] += 1
+    with pytest.raises(RequestTooLargeError, match=r"262144 prompts x n=65536 = 17179869184 samples of \d+ prompt \+ 6 new "
+                                                    r"tokens.* needs at least .* GiB .* memory is available"):
+        engines.rollout.generate(prompts, SamplingParams(n=65536, max_new_tokens=MAX_RESPONSE, seed=0))
     assert engines.calls["rollout"] == 0
 
 

@@ -86,6 +86,8 @@ def check_fits(nbytes: int, device: torch.device | str, what: str, *, available:
 
 
 def _gib(nbytes: int) -> str:
+    if nbytes.bit_length() > 64:
+        return f"more than 2**64 bytes ({_short(nbytes)})"
     return f"{nbytes / 2**30:.3g} GiB ({nbytes} bytes)"
 
 
@@ -212,7 +214,7 @@ class TensorBatch(Mapping[str, Tensor]):
         device: list[torch.device] = []
         checked = {name: _validate_field(name, t, sizes, device) for name, t in tensors.items()}
         size = sizes["batch"][0] if "batch" in sizes else None
-        ext = _validate_extras(extras or {}, size if size is not None else batch_size)
+        ext = _validate_extras({} if extras is None else extras, size if size is not None else batch_size)
         if size is None:
             size = batch_size if batch_size is not None else _extras_size(ext)
         if batch_size is not None and batch_size != size:
@@ -310,7 +312,7 @@ class TensorBatch(Mapping[str, Tensor]):
         """Refuse an op that would make a batch of ``rows`` samples larger than the available memory."""
         per_row = sum(t.element_size() * math.prod(t.shape[1:]) for t in self._tensors.values())
         per_row += 8 * len(self._extras) + 24  # extras pointers, the gather index and sample_index
-        check_fits(rows * per_row, self.device, f"{what} (a batch of {rows} samples, {per_row} bytes each)")
+        check_fits(rows * per_row, self.device, f"{what} (a batch of {_short(rows)} samples, {per_row} bytes each)")
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self._tensors.items())
@@ -379,7 +381,7 @@ class TensorBatch(Mapping[str, Tensor]):
         for name, t in new.items():
             merged[name] = _validate_field(name, t, sizes, device)
         ext = dict(self._extras)
-        ext.update(_validate_extras(extras or {}, self._size))
+        ext.update(_validate_extras({} if extras is None else extras, self._size))
         return TensorBatch._trusted(merged, ext, meta or self._meta, self._size)
 
     def with_meta(self, **changes: Any) -> TensorBatch:
@@ -405,6 +407,10 @@ class TensorBatch(Mapping[str, Tensor]):
                 if value is not None:
                     check_int(value, f"index(): slice {part}", low=1 if part == "step" else None,
                               error=BatchValidationError)
+            start, stop, step = indices.indices(self._size)
+            # In range: torch truncates (with a warning) slice bounds beyond 64 bits, which would
+            # disagree with the rows counted here.
+            indices = slice(start, stop, min(step, max(self._size, 1)))
             rows = range(self._size)[indices]
             tensors = {k: v[indices] for k, v in self._tensors.items()}
             ext = {k: v[indices] for k, v in self._extras.items()}
@@ -441,7 +447,7 @@ class TensorBatch(Mapping[str, Tensor]):
     def chunk(self, n: int) -> list[TensorBatch]:
         """``n`` consecutive pieces whose sizes differ by at most one (the first ones larger)."""
         check_int(n, "chunk() n", low=1, error=BatchValidationError)
-        check_fits(n * _PIECE_BYTES, "cpu", f"chunk({n})")
+        check_fits(n * _PIECE_BYTES, "cpu", f"chunk({_short(n)})")
         base, extra = divmod(self._size, n)
         return self.split([base + (1 if i < extra else 0) for i in range(n)])
 
@@ -452,7 +458,7 @@ class TensorBatch(Mapping[str, Tensor]):
         ``group_ids`` (the n samples of one prompt form one group).
         """
         check_int(n, "repeat_interleave() n", low=1, error=BatchValidationError)
-        self._check_rows_fit(self._size * n, f"repeat_interleave({n}) of {self._size} samples")
+        self._check_rows_fit(self._size * n, f"repeat_interleave({_short(n)}) of {self._size} samples")
         idx = torch.arange(self._size).repeat_interleave(n)
         out = self.index(idx)
         if "group_ids" in self._tensors:
@@ -547,7 +553,7 @@ class TensorBatch(Mapping[str, Tensor]):
                 raise BatchValidationError(f"pad_prompts({width}): the prompts are already {current} wide")
             return self
         row_bytes = sum(t.element_size() for t in prompt_fields) * width
-        check_fits(self._size * row_bytes, self.device, f"pad_prompts({width}) of {self._size} samples")
+        check_fits(self._size * row_bytes, self.device, f"pad_prompts({_short(width)}) of {self._size} samples")
         tensors = dict(self._tensors)
         for name, t in tensors.items():
             spec = FIELDS[name]
@@ -569,7 +575,7 @@ class TensorBatch(Mapping[str, Tensor]):
             return self, 0
         if self._size == 0:
             raise BatchValidationError("pad_to_multiple(): an empty batch has no sample to pad with")
-        self._check_rows_fit(n_pad + self._size, f"pad_to_multiple({divisor}) of {self._size} samples")
+        self._check_rows_fit(n_pad + self._size, f"pad_to_multiple({_short(divisor)}) of {self._size} samples")
         pad = self.index([self._size - 1] * n_pad)
         if "response_mask" in pad._tensors:
             pad = pad.update(response_mask=torch.zeros_like(pad._tensors["response_mask"]))
