@@ -4,6 +4,9 @@ Each call may only succeed or raise a ``VerlError`` whose message names the argu
 that was wrong: never a TypeError/AttributeError from deep inside, never an object that holds a
 value it should have refused. An independent oracle in this file says which inputs are valid.
 
+Also: an oversized generate request is refused with its estimate, and two ranks that see
+different free memory refuse it together (``memory_worker.py`` under torchrun).
+
 Generated inputs (explicit ``max_examples``; about 25 s on one core):
     SamplingParams kwargs          1500
     temperatures vs. log-probs      300
@@ -29,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_conformance.testkit import random_batch
+from verl_conformance.testkit import launch_torchrun, random_batch
 from verl_core import (
     FIELDS,
     MIN_TEMPERATURE,
@@ -566,6 +569,17 @@ def test_an_oversized_generate_request_is_refused_with_its_estimate() -> None:
     assert check_generate_memory(prompts, SamplingParams(n=2, max_new_tokens=8), device="cpu") == 4 * 2 * (5 * 9 + 8 * 13)
     with pytest.raises(ConfigError, match=r"SamplingParams.n must be an integer in \[1, 65536\], got 1000000000"):
         SamplingParams(n=10**9)  # refused before anything is allocated
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_ranks_that_generate_together_refuse_together(tally: Counter[str]) -> None:
+    """With ``group=``, ranks that see different free memory take the smallest, so all refuse alike."""
+    ranks = launch_torchrun(Path(__file__).parent / "memory_worker.py", 2, timeout=120)
+    tally["fuzz/api oversized request (2 ranks)"] += 1
+    assert ranks[0]["alone"].startswith("a 2 GiB request needs at least 2 GiB") and ranks[1]["alone"] == "fits"
+    for r in ranks:
+        assert "but only 1 GiB" in r["together"], r
 
 
 # ----------------------------------------------------------------------------- registry

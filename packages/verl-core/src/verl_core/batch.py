@@ -60,7 +60,9 @@ def available_memory(device: torch.device | str) -> int:
     return free
 
 
-def check_fits(nbytes: int, device: torch.device | str, what: str, *, available: int | None = None) -> None:
+def check_fits(
+    nbytes: int, device: torch.device | str, what: str, *, available: int | None = None, group: Any = None
+) -> None:
     """Refuse an allocation of ``nbytes`` that cannot fit in ``device``'s available memory.
 
     Args:
@@ -70,6 +72,10 @@ def check_fits(nbytes: int, device: torch.device | str, what: str, *, available:
         what: The request and how the estimate was made, for the message.
         available: The available bytes (default: :func:`available_memory`, probed only when
             ``nbytes`` exceeds 64 MiB).
+        group: A ``torch.distributed`` process group whose ranks must decide alike (ranks that
+            run collectives together): the smallest available memory among them is used, so a
+            refusal on one rank never leaves the others waiting in a collective. Every rank of
+            the group must make the same call.
 
     Raises:
         RequestTooLargeError: the estimate exceeds the available memory; the message gives both.
@@ -78,6 +84,10 @@ def check_fits(nbytes: int, device: torch.device | str, what: str, *, available:
         if nbytes <= _PROBE_ABOVE:
             return
         available = available_memory(device)
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            least = torch.tensor([available], dtype=torch.int64, device=device)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN, group=group)
+            available = int(least.item())
     if nbytes > available:
         raise RequestTooLargeError(
             f"{what} needs at least {_gib(nbytes)}, but only {_gib(available)} of {torch.device(device)} memory "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 
@@ -127,7 +127,7 @@ def generate_memory_bytes(
 
 def check_generate_memory(
     prompts: TensorBatch, params: SamplingParams, *, device: torch.device | str, vocab_size: int = 0,
-    rows_at_once: int | None = None, where: str = "generate", available: int | None = None,
+    rows_at_once: int | None = None, where: str = "generate", available: int | None = None, group: Any = None,
 ) -> int:
     """Refuse a generate request that cannot fit in memory, before anything is allocated.
 
@@ -144,6 +144,9 @@ def check_generate_memory(
         rows_at_once: Rows the engine decodes together (None = all).
         where: The caller, for the message.
         available: Available bytes (default: probed on ``device``).
+        group: The process group of ranks that generate together (e.g. tensor-parallel ranks):
+            they compare against the smallest available memory among them, so all refuse or
+            all proceed (see :func:`verl_core.batch.check_fits`).
 
     Returns:
         The estimate in bytes.
@@ -159,7 +162,7 @@ def check_generate_memory(
     check_fits(need, device, (
         f"{where}: {prompts.batch_size} prompts x n={params.n} = {rows} samples of {prompts.prompt_len} prompt + "
         f"{params.max_new_tokens} new tokens{logits}"
-    ), available=available)
+    ), available=available, group=group)
     return need
 
 
