@@ -32,6 +32,12 @@ from verl_core.enginekit.sampling import (
     static_prompt_width,
     uniform_table,
 )
+from verl_core.enginekit.weight_stream import (
+    all_finite_flag,
+    apply_weight_stream,
+    contiguous_span,
+    first_non_finite,
+)
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RolloutCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -42,7 +48,7 @@ from verl_core.kernel.errors import (
     WeightSyncError,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams, check_generate_memory
 from verl_core.kernel.schema import FIELDS
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import (
@@ -51,10 +57,6 @@ from verl_core.kernel.weights import (
     TensorInfo,
     WeightMessage,
     WeightSync,
-    all_finite_flag,
-    apply_weight_stream,
-    contiguous_span,
-    first_non_finite,
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
@@ -275,6 +277,8 @@ class HFRolloutEngine(RolloutEngine):
         for t in params.stop_token_ids:
             if not 0 <= t < self._vocab_size:
                 raise ConfigError(f"{where}: stop token id {t} is outside the vocabulary [0, {self._vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self._vocab_size,
+                              rows_at_once=self._options.rollout_batch_size, where=where)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""

@@ -51,6 +51,7 @@ from verl_core.enginekit.sampling import (
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
+from verl_core.kernel.rollout import check_generate_memory
 from verl_core.kernel.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
@@ -177,6 +178,8 @@ class MegatronRolloutEngine(RolloutEngine):
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.dims.vocab_size]
         if bad:
             raise ConfigError(f"{where}: stop token ids {bad} are outside the vocabulary [0, {self.dims.vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self.dims.vocab_size, where=where,
+                              group=self._tp_group)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""

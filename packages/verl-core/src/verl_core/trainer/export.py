@@ -19,6 +19,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.weight_stream import apply_weight_stream
 from verl_core.kernel.errors import (
     CheckpointError,
     ConfigError,
@@ -29,7 +30,7 @@ from verl_core.kernel.errors import (
 from verl_core.kernel.registry import get_training_engine
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import TrainingEngine
-from verl_core.kernel.weights import WeightManifest, apply_weight_stream
+from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.reliability import fsync_dir, verify_checkpoint
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
