@@ -43,6 +43,7 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
@@ -59,7 +60,6 @@ from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
 from verl_megatron.plugin import rollout_capabilities
 from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last_logits
-from verl_megatron.tokenizer import HFTokenizer
 
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
 
@@ -121,7 +121,7 @@ class MegatronRolloutEngine(RolloutEngine):
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
-        self._tokenizer: Tokenizer = HFTokenizer(spec.model_path)
+        self._tokenizer: Tokenizer = load_tokenizer(spec.model_path)
         self._version = 0
         self._stale = False
 

@@ -226,16 +226,36 @@ class Registry:
     def _register_module(self, plugin: object, name: str, dist: str, version: str) -> None:
         if self.pm.has_plugin(name):
             raise PluginError(f"a verl plugin named {name!r} is already registered")
-        self.pm.register(plugin, name=name)
         try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"verl plugin {name!r} (from {dist}): {e}") from e
+        try:
+            self._check_hook_names(plugin, name, dist)
             self._collect(plugin, name, dist, version)
         except Exception:
             self.pm.unregister(plugin, name=name)
             raise
 
+    def _check_hook_names(self, plugin: object, name: str, dist: str) -> None:
+        """Refuse a plugin whose ``@hookimpl`` names no hook spec (a misspelt hook would never run)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            specs = sorted(n for n in dir(hookspecs) if n.startswith("verl_"))
+            raise PluginError(
+                f"verl plugin {name!r} (from {dist}) implements a hook that does not exist: {e}; "
+                f"the hooks are: {', '.join(specs)}"
+            ) from e
+
+    def _call(self, plugin: object, hook: str, **kwargs: Any) -> list[Any]:
+        """The results of ``plugin``'s implementation of ``hook``, called through pluggy."""
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
+        return list(self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs))
+
     def _collect(self, plugin: object, name: str, dist: str, version: str) -> None:
-        backend_fn = getattr(plugin, "verl_backend", None)
-        spec = backend_fn() if backend_fn is not None else None
+        specs = self._call(plugin, "verl_backend")
+        spec = specs[0] if specs else None
         if spec is not None:
             if not isinstance(spec, BackendSpec):
                 raise PluginError(f"plugin {name!r}: verl_backend() must return a BackendSpec, got {type(spec).__name__}")
@@ -254,8 +274,7 @@ class Registry:
                 other = self._backends[name].distribution
                 raise PluginError(f"two distributions claim the verl backend name {name!r}: {other} and {dist}")
             self._backends[name] = InstalledBackend(spec, dist, version)
-        comps_fn = getattr(plugin, "verl_algorithm_components", None)
-        for comp in (comps_fn() if comps_fn is not None else []) or []:
+        for comp in [c for comps in self._call(plugin, "verl_algorithm_components") for c in comps or []]:
             key = (comp.kind, comp.name)
             if key in self._components:
                 raise PluginError(
