@@ -45,7 +45,7 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from verl_core.trainer.config import config_to_dict, load_config
+    from verl_core.trainer.config import check_device_here, config_to_dict, load_config
 
     config_path = args.config
     overrides = list(args.overrides)
@@ -61,6 +61,7 @@ def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.trainer import Trainer
 
     trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
+    check_device_here(config)
     _check_backends(trainer)
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "

@@ -448,7 +448,15 @@ def _check_model_shape(cfg: RunConfig) -> None:
         )
 
 
-def _check_device(cfg: RunConfig) -> None:
+def check_device_here(cfg: RunConfig) -> None:
+    """Refuse a ``model.device`` this machine does not have (the local executor only).
+
+    Not part of loading a config: a config written for a GPU machine is valid anywhere; this runs
+    where the run starts (``Trainer.setup``, ``verl train --check``).
+
+    Raises:
+        ConfigError: ``cuda`` without CUDA, or a CUDA index beyond the devices present.
+    """
     device = cfg.model.device
     if device == "cpu" or cfg.executor != "local":
         return  # Ray workers may see GPUs this process does not; each checks its own device
@@ -468,7 +476,7 @@ def _check_device(cfg: RunConfig) -> None:
 
 
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape, _check_device)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape)
 
 
 # ---------------------------------------------------------------------------- building

@@ -47,7 +47,7 @@ from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.kernel.weights import WeightSync
-from verl_core.trainer.config import RunConfig, config_to_dict
+from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
 from verl_core.trainer.reliability import (
@@ -402,6 +402,7 @@ class Trainer:
         if self._built:
             return
         cfg = self.config
+        check_device_here(self.config)  # before the run folder is claimed or any engine is built
         run = self._claim(resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
