@@ -179,6 +179,8 @@ class HFRolloutEngine(RolloutEngine):
             attn_implementation=attn, seed=spec.seed,
         )
         self._model.requires_grad_(False)
+        # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
+        self._options = self._options.resolve_rollout(self._device, static_ok=_full_attention(self._model.config))
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
@@ -636,3 +638,11 @@ class HFDirectSync(WeightSync):
 def build_rollout_engine(spec: EngineSpec) -> HFRolloutEngine:
     """Factory of the ``hf`` backend's rollout engine."""
     return HFRolloutEngine(spec)
+
+
+def _full_attention(config: Any) -> bool:
+    """Whether every layer of the model attends to the whole context (a static KV cache fits it)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    return not bool(getattr(config, "use_sliding_window", False))
