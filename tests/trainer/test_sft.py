@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from verl_core import CheckpointError, ConfigError, TensorBatch
 from verl_core.cli import main
 from verl_core.kernel.training import GlobalBatchStats
 from verl_core.trainer import Trainer, latest_checkpoint, load_config
-from verl_core.trainer.config import RunConfig
+from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.sft import SFT_MODEL_DIR, SFTLoss, SFTTrainer
 
 
@@ -238,3 +240,12 @@ def _bad_rows(tmp: Path) -> Path:
     path = tmp / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "c1=", "response": 7}) + "\n")
     return path
+
+
+def test_the_docs_page_config_is_an_sft_config() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "sft-then-rl.md"
+    blocks = re.findall(r"```toml\n(.*?)```", page.read_text(), re.S)
+    assert blocks, "docs/sft-then-rl.md has no TOML example any more; drop this test"
+    for text in blocks:
+        config = config_from_dict(tomllib.loads(text))
+        assert SFTTrainer(config).config.data.train_paths  # its data section is accepted
