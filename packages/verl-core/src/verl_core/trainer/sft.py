@@ -48,7 +48,7 @@ from verl_core.kernel.errors import CheckpointError, ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import GlobalBatchStats, LossOutput, ModelOutput, TrainingEngine
 from verl_core.trainer.config import RunConfig, config_to_dict
-from verl_core.trainer.data import PromptDataset, PromptSampler
+from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.reliability import (
     TrainingDivergedError,
@@ -130,7 +130,7 @@ class SFTDataset:
 
     @classmethod
     def from_config(
-        cls, config: RunConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
+        cls, data: DataConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
         context: int | None = None,
     ) -> SFTDataset:
         """Load ``data.<split>`` with the config's prompt and response columns.
@@ -140,7 +140,7 @@ class SFTDataset:
         followed by the tokenizer's EOS.
 
         Args:
-            config: The run (its ``data`` section).
+            data: The run's ``data`` section.
             tokenizer: The actor's tokenizer.
             split: ``train`` or ``eval``.
             context: The model's longest sequence (None = unknown, not checked).
@@ -150,7 +150,6 @@ class SFTDataset:
                 (naming it and the columns there are); a response that is not text; a row longer
                 than ``context`` tokens.
         """
-        data = config.data
         where = f"data.{split}"
         prompts = PromptDataset.from_config(data, tokenizer, split=split)
         key = data.response_key
@@ -292,9 +291,9 @@ class SFTTrainer:
         self.actor = self.executor.training_engine("actor", cfg.backends.actor, spec)
         try:
             tokenizer = self.actor.tokenizer
-            self.train_data = SFTDataset.from_config(cfg, tokenizer, split="train", context=context)
+            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context)
             if cfg.data.eval_paths:
-                self.eval_data = SFTDataset.from_config(cfg, tokenizer, split="eval", context=context)
+                self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context)
         except BaseException:
             self.actor.close()
             self.executor.close()
