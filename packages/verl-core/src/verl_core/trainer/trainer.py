@@ -20,21 +20,15 @@ here knows which backend it talks to or where it runs.
 
 from __future__ import annotations
 
-import ast
-import base64
 import dataclasses
-import importlib.util
-import io
 import json
 import logging
 import math
 import os
 import random
-import re
-import shutil
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,7 +36,7 @@ import torch
 
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
+from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
@@ -53,13 +47,22 @@ from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
 from verl_core.trainer.reliability import (
     StepFailedError,
     TrainingDivergedError,
-    fsync_dir,
     resume_config_changes,
     verify_checkpoint,
-    write_manifest,
 )
 from verl_core.trainer.replay import HybridReplayBuffer, remove_stale_spill
 from verl_core.trainer.rundir import Mode, RunDir
+from verl_core.trainer.runstate import (
+    STATE_FILE,
+    build_run_model,
+    engine_spec,
+    latest_checkpoint,
+    load_engine_checkpoint,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from verl_core.trainer.scheduler import (
     Decision,
     DynamicBatchScheduler,
@@ -70,8 +73,6 @@ from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batc
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
 
-_STATE_FILE = "trainer_state.json"
-_STEP_DIR = re.compile(r"step-(\d+)")
 _log = logging.getLogger(__name__)
 _NOT_COMPARABLE = "not comparable"
 _EVAL_GROUP_BASE = 1 << 48
@@ -125,157 +126,6 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
         raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
     except TypeError as e:
         raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
-
-
-def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``<output_dir>/checkpoints`` (None when none).
-
-    Newest is the highest step number N of the ``step-N`` folders holding a trainer state
-    (``step-1000000`` after ``step-999999``); folders of other names are ignored.
-    """
-    done = _checkpoints(Path(output_dir) / "checkpoints")
-    return done[-1] if done else None
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    """Complete ``step-N`` folders under ``root``, oldest first by step number (N, not the name)."""
-    found: list[tuple[int, str, Path]] = []
-    if root.is_dir():
-        for p in root.glob("step-*"):
-            m = _STEP_DIR.fullmatch(p.name)
-            if m and (p / _STATE_FILE).is_file():
-                found.append((int(m.group(1)), p.name, p))
-    return [p for _, _, p in sorted(found)]
-
-
-def _b64_save(obj: Any) -> str:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": _b64_save(torch.get_rng_state()), "python": repr(random.getstate())}
-    np = sys.modules.get("numpy")  # its global generator can only have been used once it was imported
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = _b64_save(torch.cuda.get_rng_state_all())
-    return state
-
-
-def _decode_rng(rng: Any, field: Callable[[str, str, Any], CheckpointError]) -> dict[str, Any]:
-    """Decode the saved RNG states, each tried on a scratch generator first (nothing global is set)."""
-    if not isinstance(rng, dict):
-        raise field("rng", "a table of RNG states (torch, python, and numpy/cuda when used)", rng)
-    out: dict[str, Any] = {}
-    for part in ("torch", "python"):
-        if part not in rng:
-            raise field(f"rng.{part}", f"the saved {part} RNG state", ...)
-    try:
-        out["torch"] = torch.load(io.BytesIO(base64.b64decode(rng["torch"], validate=True)), weights_only=True)
-        torch.Generator().set_state(out["torch"])
-    except Exception:
-        raise field("rng.torch", "a base64 torch RNG state", rng["torch"]) from None
-    try:
-        out["python"] = ast.literal_eval(rng["python"])
-        random.Random().setstate(out["python"])
-    except Exception:
-        raise field("rng.python", "a repr of random.getstate()", rng["python"]) from None
-    if "numpy" in rng:
-        try:
-            import numpy as np
-
-            name, keys, pos, has_gauss, gauss = rng["numpy"]
-            out["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss)
-            np.random.RandomState().set_state(out["numpy"])
-        except ImportError:
-            pass  # numpy is not installed here: nothing can draw from its generator
-        except Exception:
-            raise field("rng.numpy", "numpy.random.get_state() as a list", rng["numpy"]) from None
-    if "cuda" in rng:
-        try:
-            out["cuda"] = torch.load(io.BytesIO(base64.b64decode(rng["cuda"], validate=True)), weights_only=True)
-            if not isinstance(out["cuda"], list) or not all(isinstance(t, torch.Tensor) for t in out["cuda"]):
-                raise TypeError
-        except Exception:
-            raise field("rng.cuda", "a base64 list of CUDA RNG states", rng["cuda"]) from None
-    return out
-
-
-def _set_rng_state(rng: Mapping[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "numpy" in rng:
-        import numpy as np
-
-        np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available():
-        for i, st in enumerate(rng["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(st, i)
-
-
-def _read_state(ckpt: Path, schedulers: Collection[str], algorithm: Collection[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``trainer_state.json`` of ``ckpt`` checked field by field, and its decoded RNG states.
-
-    Raises:
-        CheckpointError: the file is not a JSON object, or a field is missing or has the wrong type
-            or range; the message names the file and the field.
-    """
-    path = ckpt / _STATE_FILE
-
-    def field(name: str, expected: str, value: Any) -> CheckpointError:
-        # value ... (Ellipsis) stands for a missing field
-        got = "it is missing" if value is ... else f"got {_short(value)}"
-        return CheckpointError(
-            f"checkpoint {str(ckpt)!r}: {_STATE_FILE} field {name!r} must be {expected}, {got}; the file "
-            "is damaged or was not written by Trainer.save_checkpoint: resume from another checkpoint "
-            "or start a new run"
-        )
-
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable ({e})") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} must hold a JSON object, got {_short(state)}")
-
-    def count(table: Mapping[str, Any], key: str, name: str, low: int = 0, optional: bool = False) -> None:
-        v = table.get(key, ...)
-        if optional and v is ...:
-            return
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise field(name, f"an integer >= {low}", v)
-
-    count(state, "step", "step")
-    count(state, "weight_version", "weight_version")
-    count(state, "consecutive_nonfinite_skips", "consecutive_nonfinite_skips", optional=True)
-    if not isinstance(state.get("config"), dict):
-        raise field("config", "the run's config as a table", state.get("config", ...))
-    saved = state.get("schedulers", ...)
-    if not isinstance(saved, dict) or set(saved) != set(schedulers):
-        raise field("schedulers", f"a table with one entry per role ({', '.join(sorted(schedulers))})", saved)
-    for role, s in saved.items():
-        if not isinstance(s, dict):
-            raise field(f"schedulers.{role}", "a table (ceiling, successes, budget)", s)
-        count(s, "ceiling", f"schedulers.{role}.ceiling", low=1)
-        count(s, "successes", f"schedulers.{role}.successes")
-        if s.get("budget") is not None:
-            count(s, "budget", f"schedulers.{role}.budget", low=1)
-    algo = state.get("algorithm", ...)
-    if not isinstance(algo, dict):
-        raise field("algorithm", "a table of the algorithm's state", algo)
-    for key in algorithm:
-        v = algo.get(key, ...)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise field(f"algorithm.{key}", "a number", v)
-    return state, _decode_rng(state.get("rng", ...), field)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -350,40 +200,13 @@ class Trainer:
         if m.path:
             return m.path
         run = self._claim(None)  # the model is built inside the run's folder
-        dest = self.out / "model"
-        if (dest / "config.json").is_file():
-            return str(dest)
-        from verl_core.trainer.tiny_model import TinyModelSpec, build_tiny_model
-
-        if importlib.util.find_spec("transformers") is None:
-            raise ConfigError(
-                "config key 'model.path' is empty, which builds a tiny random model with transformers; "
-                "install it (pip install verl-hf) or set model.path to a transformers folder"
-            )
-        spec = TinyModelSpec(
-            arch=m.arch, tied=m.tied, hidden_size=m.hidden_size, num_layers=m.num_layers,
-            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            intermediate_size=m.intermediate_size, vocab_size=m.vocab_size,
-            max_position=max(64, self.task.max_prompt_len() + self.config.rollout.max_new_tokens + 8),
-            init_std=m.init_std, seed=self.config.seed,
-        )
-        tmp = run.model_tmp  # named by the run id: a leftover of this run's killed build, never another's
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_model(tmp, spec)
-        os.replace(tmp, dest)
-        return str(dest)
+        longest = self.task.max_prompt_len() + self.config.rollout.max_new_tokens
+        return build_run_model(self.config, run, max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
-        m = self.config.model
-        kwargs: dict[str, Any] = {}
-        if optim is not None:
-            kwargs["optim"] = optim
-        return EngineSpec(
-            model_path=path, role=role,  # type: ignore[arg-type]
-            dtype=m.dtype, device=m.device, seed=self.config.seed,
-            options=dict(self.config.backends.options.get(role, {})),
+        return engine_spec(
+            self.config, role, path, optim=optim,  # type: ignore[arg-type]
             max_prompt_len=self.task.max_prompt_len(), max_response_len=self.config.rollout.max_new_tokens,
-            **kwargs,
         )
 
     def setup(self, *, resume: bool | None = None) -> None:
@@ -783,39 +606,17 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write an atomic checkpoint of every trainable engine and the trainer state; returns its folder."""
         self.setup()
-        root = self.out / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:06d}"
-        tmp = root / f".tmp-step-{self.step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.actor.save_checkpoint(tmp / "actor")
-        if self.critic is not None:
-            self.critic.save_checkpoint(tmp / "critic")
         state = {
             "step": self.step,
             "weight_version": self.weight_version,
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "schedulers": {r: s.state_dict() for r, s in self.schedulers.items()},
             "algorithm": self.algorithm.state_dict(),
             "config": config_to_dict(self.config),
             "consecutive_nonfinite_skips": self._consecutive_skips,
         }
-        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=1))
-        write_manifest(tmp)  # sizes and hashes, after every file is fsynced
-        # Every step below is a rename, so a crash at any point leaves complete checkpoints only:
-        # a folder being replaced or pruned is first renamed out of the step-* namespace.
-        if final.exists():
-            os.replace(final, root / f".trash-{final.name}-{time.monotonic_ns()}")
-        os.replace(tmp, final)
-        fsync_dir(root)
-        keep = self.config.checkpoint.keep
-        for old in _checkpoints(root)[:-keep]:
-            if old != final:  # never the one just written, even below older runs' step numbers
-                os.replace(old, root / f".trash-{old.name}-{time.monotonic_ns()}")
-        fsync_dir(root)
-        for stale in root.glob(".trash-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        engines = {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+        final = write_checkpoint(self.out / "checkpoints", self.step, engines, state, keep=self.config.checkpoint.keep)
         self._on_disk_step = self.step
         return final
 
@@ -833,25 +634,16 @@ class Trainer:
         self.setup()
         ckpt = Path(path)
         engines = [r for r, e in (("actor", self.actor), ("critic", self.critic)) if e is not None]
-        verify_checkpoint(ckpt, required=(_STATE_FILE, *engines))
-        state, rng = _read_state(ckpt, self.schedulers, self.algorithm.state_dict())
+        verify_checkpoint(ckpt, required=(STATE_FILE, *engines))
+        state, rng = read_state(ckpt, self.schedulers, self.algorithm.state_dict())
         allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
         if allowed:
             line = "resume: changed keys allowed: " + "; ".join(allowed)
             _log.info(line)
             self._progress(line)
         for role, engine in (("actor", self.actor), ("critic", self.critic)):
-            if engine is None:
-                continue
-            try:
-                engine.load_checkpoint(ckpt / role)
-            except VerlError:
-                raise
-            except Exception as e:  # e.g. a pickle that weights_only loading refuses
-                raise CheckpointError(
-                    f"checkpoint {str(ckpt)!r}: the {role} engine (backend "
-                    f"{getattr(self.config.backends, role)!r}) cannot load its state: {type(e).__name__}: {e}"
-                ) from e
+            if engine is not None:
+                load_engine_checkpoint(ckpt, role, engine, getattr(self.config.backends, role))
         self.step = int(state["step"])
         self.weight_version = int(state["weight_version"])
         for role, s in state["schedulers"].items():
@@ -859,7 +651,7 @@ class Trainer:
         self.algorithm.load_state_dict(state["algorithm"])
         self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
         self._on_disk_step = self.step
-        _set_rng_state(rng)
+        set_rng_state(rng)
         self.rollout.wake()
         self.sync.sync(self.actor, self.rollout, version=self.weight_version)
         self._restore_logs()
