@@ -43,7 +43,7 @@ from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
+from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError, StageThreads
 from verl_core.trainer.reliability import (
     StepFailedError,
     TrainingDivergedError,
@@ -188,6 +188,7 @@ class Trainer:
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self._plan_written: dict[str, int] = {}
         self._stage = "prompts"  # the stage running outside the pipeline, named when it fails
+        self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
         self._failed: StepFailedError | None = None
         self._consecutive_skips = 0
         self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
@@ -360,7 +361,7 @@ class Trainer:
         ]
         if self.algorithm.estimator == "remax":
             stages.append(Stage("baseline", baseline, ("prompts",), ("baseline",), after=("rollout",)))
-        return HybridPipeline(stages, inputs=("prompts",))
+        return HybridPipeline(stages, inputs=("prompts",), threads=self._stage_threads)
 
     def train_step(self) -> dict[str, Any]:
         """Run one step and return its metrics (also appended to :attr:`history`).
@@ -755,6 +756,7 @@ class Trainer:
             self.executor.close()
             self.buffer.close()
             self._built = False
+        self._stage_threads.close()
         if self.run_dir is not None:
             self.run_dir.release()
 
