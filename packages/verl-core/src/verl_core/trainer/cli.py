@@ -60,7 +60,9 @@ def _handle(args: argparse.Namespace) -> int:
         return 0
     from verl_core.trainer.trainer import Trainer
 
-    trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
+    # checks the algorithm and its options against the rest of the config; relative paths in the
+    # config (datasets, reward functions, callbacks) are looked up next to the config file first
+    trainer = Trainer(config, base_dir=Path(config_path).parent if config_path is not None else None)
     _check_backends(trainer)
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
