@@ -148,11 +148,11 @@ def require_datasets() -> Any:
 
 
 # ----------------------------------------------------------------------------- reading files
-def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
-    """The columns of one file or ``save_to_disk`` folder, as Python lists."""
+def _read(path: str, cache_dir: str | None, where: str) -> dict[str, list[Any]]:
+    """The columns of one file or ``save_to_disk`` folder, as Python lists (``where`` starts every message)."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
+        raise ConfigError(f"{where}: dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
     datasets = require_datasets()
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # the trainer's own progress line owns stderr
@@ -162,22 +162,22 @@ def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
     log.setLevel(logging.CRITICAL)
     try:
         if p.is_dir():
-            return _read_folder(datasets, path)
+            return _read_folder(datasets, path, where)
         suffix = p.suffix.lower()
         if suffix not in FORMATS:
             raise ConfigError(
-                f"dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
+                f"{where}: dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
                 f"{', '.join(FORMATS)} files, or a folder written by datasets' save_to_disk"
             )
         size = p.stat().st_size
         if size == 0 or (suffix != ".parquet" and size < 1 << 16 and not p.read_bytes().strip()):
-            raise ConfigError(f"dataset {path!r} is empty; expected rows with at least a prompt column")
+            raise ConfigError(f"{where}: dataset {path!r} is empty; expected rows with at least a prompt column")
         try:
             ds = datasets.load_dataset(FORMATS[suffix], data_files=[str(p)], split="train", cache_dir=cache_dir)
         except Exception as e:  # datasets wraps parser errors in its own exception types
             if suffix == ".csv" and sum(1 for line in p.open(errors="replace") if line.strip()) <= 1:
-                raise ConfigError(f"dataset {path!r} has no rows (only a header)") from e
-            raise ConfigError(f"dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
+                raise ConfigError(f"{where}: dataset {path!r} has no rows (only a header)") from e
+            raise ConfigError(f"{where}: dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
         return dict(ds.to_dict())
     finally:
         log.setLevel(level)
@@ -185,18 +185,18 @@ def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
             datasets.enable_progress_bars()
 
 
-def _read_folder(datasets: Any, path: str) -> dict[str, list[Any]]:
+def _read_folder(datasets: Any, path: str, where: str) -> dict[str, list[Any]]:
     try:
         ds = datasets.load_from_disk(path)
     except Exception as e:
         raise ConfigError(
-            f"dataset folder {path!r} cannot be read with datasets.load_from_disk ({type(e).__name__}: {e}); "
+            f"{where}: dataset folder {path!r} cannot be read with datasets.load_from_disk ({type(e).__name__}: {e}); "
             "expected a folder written by Dataset.save_to_disk"
         ) from e
     if isinstance(ds, datasets.DatasetDict):
         example = "train" if "train" in ds else sorted(ds)[0]
         raise ConfigError(
-            f"dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
+            f"{where}: dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
             f"folder, e.g. {str(Path(path) / example)!r}"
         )
     return dict(ds.to_dict())
@@ -365,7 +365,7 @@ class PromptDataset:
         origin: list[tuple[str, int]] = []  # (path, first row) of each file, for error messages
         first_columns: list[str] = []
         for path in path_list:
-            data = _read(path, cache_dir)
+            data = _read(path, cache_dir, where)
             names = list(data)
             if prompt_key not in data:
                 raise ConfigError(

@@ -760,8 +760,11 @@ class Trainer:
 
     def _backend_of(self, stage: str) -> str:
         b = self.config.backends
+        reward = b.reward
+        if self.config.reward.functions:
+            reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
         return {
-            "rollout": b.rollout, "baseline": b.rollout, "reward": b.reward, "reference": b.reference,
+            "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
             "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
             "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
         }.get(stage, "trainer")
