@@ -290,3 +290,14 @@ def test_a_reward_function_that_raises_fails_the_first_step_naming_it(model: Pat
     assert "reward function 'boom' raised ValueError: the grader crashed" in str(err)
     assert not (out / "metrics.jsonl").read_text(), "the failed step left metrics behind"
     assert latest_checkpoint(out) is None
+
+
+# ---------------------------------------------------------------------------------------- the example
+def test_the_dataset_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Path(__file__).parents[2] / "examples" / "dataset"
+    monkeypatch.chdir(tmp_path)  # `verl train examples/dataset/config.toml` from anywhere finds its files
+    assert main(["train", str(example / "config.toml"), "steps=2", "logging.progress=false",
+                 "logging.plot=false"]) == 0
+    metrics = [json.loads(ln) for ln in (tmp_path / "runs" / "dataset_example" / "metrics.jsonl").read_text().splitlines()]
+    for name in ("exact_match", "prefix_match", "same_length"):
+        assert f"reward/{name}/mean" in metrics[0] and f"eval/reward/{name}/mean" in metrics[-1]

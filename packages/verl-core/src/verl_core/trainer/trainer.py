@@ -798,6 +798,8 @@ class Trainer:
         })
         if isinstance(self.reward, TaskReward):
             metrics["reward/exact_match"] = float(self.reward.exact_match(samples).mean())
+        if self._loader is not None:
+            metrics["data/epoch"] = self._loader.epoch  # epochs completed by the rows drawn so far
         if self.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = res["dropped_groups"]
             metrics["dynamic_sampling/kept_samples"] = batch.batch_size
