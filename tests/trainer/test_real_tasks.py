@@ -16,9 +16,9 @@ import pytest
 
 from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.cli import main
-from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.errors import CheckpointError, ConfigError, RewardError
 from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.reliability import StepFailedError
+from verl_core.trainer.reliability import MANIFEST_FILE, StepFailedError, write_manifest
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
 
 datasets.disable_progress_bars()
@@ -235,6 +235,18 @@ def test_resume_continues_the_data_order_exactly(model: Path, tmp_path: Path) ->
     assert ckpt is not None
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["data"] == {"epoch": 1, "index": 1, "size": 7, "seed": 3, "shuffle": True}
+    assert [m["data/epoch"] for m in resumed] == [0, 0, 0, 1]
+
+    # a damaged position is refused as a damaged checkpoint; a dataset of another size as a config change
+    state["data"]["index"] = "one"
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / MANIFEST_FILE).unlink()
+    write_manifest(ckpt)
+    with Trainer(cfg(cut, 4), base_dir=cut) as trainer, pytest.raises(CheckpointError, match=r"field 'data.index'"):
+        trainer.load_checkpoint(ckpt)
+    datasets.Dataset.from_list(ROWS[:6]).to_parquet(str(cut / "train.parquet"))
+    with Trainer(cfg(cut, 4), base_dir=cut) as trainer, pytest.raises(ConfigError, match=r"saved for 7 rows.*now 6"):
+        trainer.load_checkpoint(ckpt.parent / "step-000002")
 
 
 # ---------------------------------------------------------------------------------------- bad input
@@ -290,6 +302,19 @@ def test_a_reward_function_that_raises_fails_the_first_step_naming_it(model: Pat
     assert "reward function 'boom' raised ValueError: the grader crashed" in str(err)
     assert not (out / "metrics.jsonl").read_text(), "the failed step left metrics behind"
     assert latest_checkpoint(out) is None
+
+
+def test_reward_functions_score_the_built_in_task_s_prompts(model: Path, tmp_path: Path) -> None:
+    config = load_config(None, [
+        f"output_dir={json.dumps(str(tmp_path / 'out'))}", f"model.path={json.dumps(str(model))}", "steps=1",
+        "task.digits=1", "rollout.n=2", "rollout.max_new_tokens=2", "batch.prompts_per_step=2",
+        'reward.functions=["verl_core.trainer.reward_functions:exact_match"]', "logging.progress=false",
+        "logging.plot=false",
+    ])
+    with Trainer(config) as trainer:
+        (step,) = trainer.train()
+    assert "reward/exact_match/mean" in step and "reward/exact_match" not in step  # not the task's rule
+    assert "data/epoch" not in step
 
 
 # ---------------------------------------------------------------------------------------- the example

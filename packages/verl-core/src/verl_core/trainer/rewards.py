@@ -275,6 +275,12 @@ class RewardFunctions(RewardEngine):
                 out[f"{key}/mean"] = float(sum(values) / len(values))
         return out
 
+    def close(self) -> None:
+        """Close the reward-model engine, when there is one (the functions hold nothing to release)."""
+        close = getattr(self._model, "close", None)
+        if callable(close):
+            close()
+
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         texts: list[str] = []
         cache: dict[tuple[int, ...], str] = {}  # a prompt's n samples share its text

@@ -460,9 +460,12 @@ class Trainer:
         )
 
     def _prompt_limit(self) -> int:
-        """Longest prompt the engines must take: the datasets' longest kept prompt once :meth:`setup`
-        measured it (and the task's when the task supplies the training prompts), else
-        ``data.max_prompt_len`` or the task's (e.g. for the spec of an export, which runs no prompt)."""
+        """Longest prompt, in tokens, that the engines are built for.
+
+        The longest kept prompt of the datasets once :meth:`setup` measured them (and the task's
+        when the task supplies the training prompts); before that ``data.max_prompt_len`` or the
+        task's (e.g. for the spec of an export, which runs no prompt).
+        """
         if self._longest_prompt is not None:
             return self._longest_prompt
         d = self.config.data
@@ -548,8 +551,12 @@ class Trainer:
                     "model folder's tokenizer"
                 )
             setattr(self, f"_{split}_data", ds)
-        if self._train_data is not None:
+        if self._train_data is None:
+            return
+        if self._loader is None:
             self._loader = PromptLoader(self._train_data, seed=self.config.seed, shuffle=self.config.data.shuffle)
+        else:  # set up again after close(): the data order goes on from where it was
+            self._loader.dataset = self._train_data
 
     def setup(self, *, resume: bool | None = None) -> None:
         """Check the datasets and reward functions, claim the output folder, then build the model
@@ -988,14 +995,13 @@ class Trainer:
         def due(every: int) -> bool:  # the last step is always evaluated
             return self.step + 1 == self.config.steps or bool(every and (self.step + 1) % every == 0)
 
-        on_data = self._eval_data is not None and due(d.eval_every)
+        on_data = self._eval_data if due(d.eval_every) else None
         on_task = bool(tc.eval_prompts) and self._loader is None and due(tc.eval_every)
-        if on_data or on_task:
+        if on_data is not None or on_task:
             t = time.perf_counter()
             self._stage = "evaluation"
-            if on_data:
-                assert self._eval_data is not None
-                metrics.update(self._evaluate_dataset(self._eval_data))
+            if on_data is not None:
+                metrics.update(self._evaluate_dataset(on_data))
             if on_task:
                 metrics.update(self._evaluate_task())
             metrics["time/eval"] = time.perf_counter() - t
@@ -1165,7 +1171,10 @@ class Trainer:
             if cfg.checkpoint.final and self._on_disk_step != self.step:
                 self.save_checkpoint()
         except BaseException:
-            self._close_sinks(failed=True)
+            try:
+                self._close_sinks(failed=True)
+            except Exception as e:  # the error that stopped the run is the one to report
+                _log.warning("closing the metric sinks after a failed run: %s", e)
             raise
         finally:
             self._bar.close()
@@ -1206,18 +1215,20 @@ class Trainer:
 
     def close(self) -> None:
         """Close the metric sinks; release every engine, the buffer's spill files and the claim on the output folder."""
-        self._close_sinks(failed=self._failed is not None)
-        if self._built:
-            for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
-                if engine is not None:
-                    close: Callable[[], None] | None = getattr(engine, "close", None)
-                    if close is not None:
-                        close()
-            self.executor.close()
-            self.buffer.close()
-            self._built = False
-        if self.run_dir is not None:
-            self.run_dir.release()
+        try:
+            self._close_sinks(failed=self._failed is not None)
+        finally:
+            if self._built:
+                for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
+                    if engine is not None:
+                        close: Callable[[], None] | None = getattr(engine, "close", None)
+                        if close is not None:
+                            close()
+                self.executor.close()
+                self.buffer.close()
+                self._built = False
+            if self.run_dir is not None:
+                self.run_dir.release()
 
     def __enter__(self) -> Trainer:
         return self
