@@ -70,6 +70,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     return load_config(config_path, overrides)
 
 
+def config_folder(args: argparse.Namespace) -> Path | None:
+    """The folder of the config file named on the command line (None when only overrides were given)."""
+    path = args.config
+    return Path(path).parent if path is not None and Path(path).is_file() else None
+
+
 def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.config import check_device_here, config_to_dict
 
@@ -79,7 +85,9 @@ def _handle(args: argparse.Namespace) -> int:
         return 0
     from verl_core.trainer.trainer import Trainer
 
-    trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
+    # checks the algorithm and its options against the rest of the config; relative paths in the
+    # config (datasets, reward functions, callbacks) are looked up next to the config file first
+    trainer = Trainer(config, base_dir=config_folder(args))
     check_device_here(config)
     check_backends(config, _roles(trainer))
     if args.check:
