@@ -12,6 +12,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
     numerics,
     robustness,
     schema,
+    stateful,
     weight_sync,
 )
 from verl_conformance.checks._registry import AREAS, CHECKS, Area, Check, check
