@@ -126,7 +126,7 @@ def check_buffer(
     """
     label = name or f"{getattr(make_buffer, '__module__', '?')}:{getattr(make_buffer, '__qualname__', '?')}"
     buffer = BufferSubject(label, make_buffer, disk_tier)
-    harness = Harness(Subject(label, None, None), buffer=buffer)
+    harness = Harness(Subject(label, None, None, version="replay buffer"), buffer=buffer)
     selected = select_checks(list(checks or ["buffer::*"]))
     outside = [c.id for c in selected if c.area != "buffer"]
     if outside:

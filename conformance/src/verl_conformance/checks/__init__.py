@@ -7,6 +7,8 @@ Importing this package imports every area module, which registers its checks in 
 from __future__ import annotations
 
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
+    buffer,
+    declared,
     differential,
     invariance,
     numerics,
