@@ -15,6 +15,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
     robustness,
     schema,
     stateful,
+    trajectory,
     weight_sync,
 )
 from verl_conformance.checks._registry import AREAS, CHECKS, Area, Check, check

@@ -17,7 +17,7 @@ from verl_conformance.checks.numerics import one_update
 from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
-from verl_core import SamplingParams, TensorBatch
+from verl_core import Role, SamplingParams, TensorBatch
 
 
 def _device_available(device: str) -> bool:
@@ -37,8 +37,9 @@ def check_declared_dtypes_and_devices(h: Harness) -> None:
     """Each declared dtype on each declared device present here builds and matches the float64 reference in its tier."""
     suite_device = torch.device(h.device).type
     tried: list[str] = []
-    for role in ("actor", "rollout"):
-        if not h.provides(h.subject, role):  # type: ignore[arg-type]
+    roles: tuple[Role, ...] = ("actor", "rollout")
+    for role in roles:
+        if not h.provides(h.subject, role):
             continue
         caps = _role_caps(h, role)
         for device in sorted(d for d in caps.devices if _device_available(d)):
@@ -54,7 +55,7 @@ def check_declared_dtypes_and_devices(h: Harness) -> None:
 
 def _declared_combination(h: Harness, role: str) -> None:
     """One role built in ``h.dtype`` on ``h.device``: its log-probs against the float64 reference in that tier."""
-    where = f"declared dtype {h.dtype} on device {h.device}"
+    where = f"dtype {h.dtype} on device {h.device}"
     try:
         engine: Any = h.rollout(fresh=True) if role == "rollout" else h.training(fresh=True)
     except Exception as e:
