@@ -72,7 +72,8 @@ def check_backend(
         backend: Installed backend name, or a label when factories are given.
         against: A second installed backend for the differential checks.
         checks: Check ids to run (``area::name``, wildcards allowed); default all.
-        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness).
+        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness,
+            stateful, buffer).
         known_gaps: A known-gaps file (failures of listed checks are expected).
         make_training_engine: Build training engines with this instead of the registry.
         make_rollout_engine: Build rollout engines with this instead of the registry.

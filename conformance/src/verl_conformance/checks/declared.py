@@ -97,13 +97,13 @@ def check_truncated_sampling_keeps_top_token(h: Harness) -> None:
     caps = engine.capabilities
     cases = []
     if caps.top_k:
-        cases.append(("top_k=1", SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6, n=2, seed=13)))
+        cases.append(("top_k=1", SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5, n=2, seed=13)))
     if caps.top_p:
-        cases.append(("top_p=1e-6", SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=6, n=2, seed=13)))
+        cases.append(("top_p=1e-6", SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=5, n=2, seed=13)))
     if not cases:
         h.skip("backend declares top_k=False and top_p=False")
-    prompts = h.batch(seed=66, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
-    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6))
+    prompts = h.batch(seed=66, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=5))
     for label, params in cases:
         out = engine.generate(prompts, params)
         for i in range(out.batch_size):
