@@ -76,9 +76,9 @@ def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngi
 @check("stateful", gates=("training.checkpoint",))
 def check_checkpoint_round_trip(h: Harness) -> None:
     """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next update."""
-    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    if not engine.capabilities.checkpoint:
+    if not h.training().capabilities.checkpoint:
         h.skip("backend declares checkpoint=False")
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     _warm(h, engine)
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
         path = Path(tmp) / "checkpoint"
@@ -94,9 +94,9 @@ def check_checkpoint_round_trip(h: Harness) -> None:
 @check("stateful", gates=("training.offload",))
 def check_offload_round_trip(h: Harness) -> None:
     """offload() then onload() keeps weights and optimizer state: the same forward and next update as an engine never offloaded."""
-    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    if not engine.capabilities.offload:
+    if not h.training().capabilities.offload:
         h.skip("backend declares offload=False")
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     kept = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     _warm(h, engine)
     _warm(h, kept)
@@ -131,10 +131,10 @@ def _freed(h: Harness, used_before: int, weight_bytes: int, what: str) -> None:
 @check("stateful", gates=("training.offload",))
 def check_offload_frees_memory(h: Harness) -> None:
     """offload() releases the device memory of the weights and optimizer state (measured on CUDA)."""
-    engine = h.training(fresh=True, optim=STATE_OPTIM)
-    if not engine.capabilities.offload:
+    if not h.training().capabilities.offload:
         h.skip("backend declares offload=False")
     _memory_measurable(h, "offload()")
+    engine = h.training(fresh=True, optim=STATE_OPTIM)
     _warm(h, engine)
     weights = exported_weights(engine)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -190,10 +190,10 @@ def check_sleep_wake_round_trip(h: Harness) -> None:
 @check("stateful", gates=("rollout.sleep_frees_memory",))
 def check_sleep_frees_memory(h: Harness) -> None:
     """sleep() releases device memory (measured on CUDA) and wake() serves the same samples again."""
-    engine = h.rollout(fresh=True)
-    if not engine.capabilities.sleep_frees_memory:
+    if not h.rollout().capabilities.sleep_frees_memory:
         h.skip("backend declares sleep_frees_memory=False (sleep only pauses)")
     _memory_measurable(h, "sleep()")
+    engine = h.rollout(fresh=True)
     before = _generations(h, engine)
     weights = folder_weights(h.model_path("llama"))
     weight_bytes = sum(t.numel() for t in weights.values()) * torch.empty((), dtype=engine.weight_dtype).element_size()
