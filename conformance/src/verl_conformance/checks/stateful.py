@@ -108,11 +108,12 @@ def check_offload_round_trip(h: Harness) -> None:
     compare_next_update(h, engine, kept, what, "optimizer state was lost or changed by the offload")
 
 
-def _device_bytes_in_use(device: str) -> int:
-    """Bytes in use on a CUDA device: the larger of torch's allocations and the device's used memory."""
+def _device_memory(device: str) -> tuple[int, int]:
+    """Bytes torch has allocated on a CUDA device, and bytes in use on the whole device."""
     dev = torch.device(device)
+    torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
-    return max(int(torch.cuda.memory_allocated(dev)), int(total - free))
+    return int(torch.cuda.memory_allocated(dev)), int(total - free)
 
 
 def _memory_measurable(h: Harness, what: str) -> None:
@@ -121,11 +122,13 @@ def _memory_measurable(h: Harness, what: str) -> None:
                "device memory to release")
 
 
-def _freed(h: Harness, used_before: int, weight_bytes: int, what: str) -> None:
-    torch.cuda.synchronize()
-    freed = used_before - _device_bytes_in_use(h.device)
+def _freed(h: Harness, before: tuple[int, int], weight_bytes: int, what: str) -> None:
+    """Fail unless torch's allocations or the device's used memory dropped by half the weights or more."""
+    after = _device_memory(h.device)
+    freed = max(before[0] - after[0], before[1] - after[1])
     h.expect(freed >= weight_bytes // 2,
-             f"{what} released {freed} bytes of {h.device} memory; the weights alone take {weight_bytes} bytes")
+             f"{what} released {freed} bytes of {h.device} memory (torch allocations {before[0]} -> {after[0]}, "
+             f"device in use {before[1]} -> {after[1]}); the weights alone take {weight_bytes} bytes")
 
 
 @check("stateful", gates=("training.offload",))
@@ -138,9 +141,9 @@ def check_offload_frees_memory(h: Harness) -> None:
     _warm(h, engine)
     weights = exported_weights(engine)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    used = _device_bytes_in_use(h.device)
+    memory = _device_memory(h.device)
     engine.offload()
-    _freed(h, used, weight_bytes, "offload()")
+    _freed(h, memory, weight_bytes, "offload()")
     engine.onload()
     _same_weights(h, exported_weights(engine), weights, "after offload() and onload()")
 
@@ -197,9 +200,9 @@ def check_sleep_frees_memory(h: Harness) -> None:
     before = _generations(h, engine)
     weights = folder_weights(h.model_path("llama"))
     weight_bytes = sum(t.numel() for t in weights.values()) * torch.empty((), dtype=engine.weight_dtype).element_size()
-    used = _device_bytes_in_use(h.device)
+    memory = _device_memory(h.device)
     engine.sleep()
-    _freed(h, used, weight_bytes, "sleep()")
+    _freed(h, memory, weight_bytes, "sleep()")
     engine.wake()
     if engine.capabilities.weight_update:  # a sleep that discards the weights is followed by a sync
         engine.update_weights(folder_stream(h.model_path("llama"), 1, dtype=engine.weight_dtype))
