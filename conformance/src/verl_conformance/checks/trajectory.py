@@ -97,8 +97,11 @@ def cut_at_pad(samples: TensorBatch) -> TensorBatch:
     if not bool(real_pad.any()):
         return samples
     keep = mask & (real_pad.long().cumsum(1) == 0)
-    return samples.update(response_ids=samples["response_ids"].masked_fill(~keep, pad), response_mask=keep,
-                          rollout_log_probs=samples["rollout_log_probs"].masked_fill(~keep, 0.0))
+    fields = {"response_ids": samples["response_ids"].masked_fill(~keep, pad), "response_mask": keep,
+              "rollout_log_probs": samples["rollout_log_probs"].masked_fill(~keep, 0.0)}
+    if "truncated" in samples:  # a cut response ends without EOS
+        fields["truncated"] = samples["truncated"] | real_pad.any(1)
+    return samples.update(fields)
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
