@@ -31,6 +31,20 @@ FAULTS = [
      ["differential::trajectory_matches_reference"], ["3-step GRPO trajectory", "grad norm at step"]),
     ("broken-unseeded", ["invariance::seeded_sampling_reproducible"], ["invariance::seeded_sampling_reproducible"],
      ["not reproducible under a fixed seed"]),
+    ("broken-checkpoint-optimizer", ["stateful::checkpoint_round_trip"], ["stateful::checkpoint_round_trip"],
+     ["after save_checkpoint and load_checkpoint into a fresh engine", "moments or step were not restored"]),
+    ("broken-offload-tensor", ["stateful::offload_round_trip", "stateful::offload_frees_memory"],
+     ["stateful::offload_round_trip"], ["after offload() and onload()", "optimizer state was lost"]),
+    ("broken-wake-reload", ["stateful::sleep_wake_round_trip"], ["stateful::sleep_wake_round_trip"],
+     ["after sleep() and wake()", "gave other tokens than before"]),
+    ("broken-bfloat16", ["numerics::declared_dtypes_and_devices"], ["numerics::declared_dtypes_and_devices"],
+     ["declares dtype bfloat16 on device cpu but building it raised"]),
+    ("broken-checkpointing-grads", ["invariance::gradient_checkpointing_invariance"],
+     ["invariance::gradient_checkpointing_invariance"], ["with gradient_checkpointing=True vs without"]),
+    ("broken-top-k", ["invariance::truncated_sampling_keeps_top_token"],
+     ["invariance::truncated_sampling_keeps_top_token"], ["top_k=1: sample"]),
+    ("broken-rollout-tp", ["invariance::rollout_tensor_parallel_invariance"],
+     ["invariance::rollout_tensor_parallel_invariance"], ["rank 1: seeded generation with tp=2 vs one process"]),
 ]
 
 
@@ -82,3 +96,38 @@ def test_check_backend_with_own_factories() -> None:
     assert "provides no rollout engine" in report.results[1].message
     with pytest.raises(ConformanceError, match="a sync that does not apply the weights"):
         check_backend("mine", make_rollout_engine=IgnoredWeightSync, checks=["weight_sync::rollout_applies_stream"])
+
+
+@pytest.mark.slow
+def test_grpo_run_finds_the_step_where_a_backend_parts() -> None:
+    """A loss scaled by 1.01 from the third step on fails the 5-step run at step 3, not before."""
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-loss-scale", against="example", checks=["differential::against_grpo_run"])
+    message = str(info.value)
+    assert "step 3 of 5" in message and ": loss:" in message, message
+    assert "--verl-against example" in message
+
+
+BUFFER_FAULTS = [
+    # (faulty buffer of verl_broken_backends.buffers, the check it fails, fragments of the message)
+    ("DropOldestBuffer", "buffer::buffer_capacity", ["adding 4 samples to a buffer holding 5 of capacity=5"]),
+    ("ReorderingBuffer", "buffer::buffer_order", ["drain(): sample ids [5, 6, 7, 8, 3, 4, 0, 1, 2]"]),
+    ("LossySpillBuffer", "buffer::buffer_spill", ["across memory and disk", "is not bit-identical"]),
+    ("SeedIgnoredBuffer", "buffer::buffer_seeded_sampling", ["sample(6, seed=11) twice"]),
+]
+
+
+@pytest.mark.parametrize(("name", "target", "fragments"), BUFFER_FAULTS, ids=[f[0] for f in BUFFER_FAULTS])
+def test_broken_buffer_fails_its_check(name: str, target: str, fragments: list[str]) -> None:
+    from verl_broken_backends import buffers
+
+    from verl_conformance import check_buffer
+
+    with pytest.raises(ConformanceError) as info:
+        check_buffer(getattr(buffers, name), checks=[target])
+    report = info.value.report
+    assert report is not None and [r.id for r in report.failures] == [target]
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{name}: the error does not point at the fault ({fragment!r}):\n{message}"
+    assert f"--verl-buffer verl_broken_backends.buffers:{name}" in message

@@ -6,7 +6,14 @@ import os
 from collections.abc import Sequence
 
 from verl_conformance.errors import ConformanceError
-from verl_conformance.harness import EngineCache, EngineFactory, Harness, Subject
+from verl_conformance.harness import (
+    BufferFactory,
+    BufferSubject,
+    EngineCache,
+    EngineFactory,
+    Harness,
+    Subject,
+)
 from verl_conformance.runner import (
     ConformanceReport,
     load_known_gaps,
@@ -15,7 +22,7 @@ from verl_conformance.runner import (
     select_checks,
 )
 
-__all__ = ["check_backend", "check_backends_match", "run_conformance"]
+__all__ = ["check_backend", "check_backends_match", "check_buffer", "run_conformance"]
 
 
 def run_conformance(
@@ -65,7 +72,8 @@ def check_backend(
         backend: Installed backend name, or a label when factories are given.
         against: A second installed backend for the differential checks.
         checks: Check ids to run (``area::name``, wildcards allowed); default all.
-        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness).
+        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness,
+            stateful, buffer).
         known_gaps: A known-gaps file (failures of listed checks are expected).
         make_training_engine: Build training engines with this instead of the registry.
         make_rollout_engine: Build rollout engines with this instead of the registry.
@@ -91,3 +99,37 @@ def check_backends_match(
     report = run_conformance(a, against=b, checks=list(checks or ["differential::against_*"]),
                              known_gaps=known_gaps)
     return _raise_failures(report)
+
+
+def check_buffer(
+    make_buffer: BufferFactory,
+    *,
+    disk_tier: bool = True,
+    checks: Sequence[str] | None = None,
+    name: str | None = None,
+) -> ConformanceReport:
+    """Run the ``buffer`` checks on a replay buffer implementation; raise ConformanceError if any fails.
+
+    Args:
+        make_buffer: Builds a buffer from the keyword arguments ``capacity``, ``memory_samples``
+            and ``spill_dir`` (see :data:`~verl_conformance.harness.BufferFactory`);
+            :class:`verl_core.trainer.replay.HybridReplayBuffer` is one as it is.
+        disk_tier: Whether the buffer spills past ``memory_samples`` (False skips the spill check).
+        checks: Buffer check ids to run (``buffer::*`` by default; wildcards allowed).
+        name: Label in reports (default: ``module:qualname`` of ``make_buffer``, which the
+            reproduction snippets pass to ``--verl-buffer``).
+
+    Returns:
+        The report.
+
+    Raises:
+        ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
+    """
+    label = name or f"{getattr(make_buffer, '__module__', '?')}:{getattr(make_buffer, '__qualname__', '?')}"
+    buffer = BufferSubject(label, make_buffer, disk_tier)
+    harness = Harness(Subject(label, None, None, version="replay buffer"), buffer=buffer)
+    selected = select_checks(list(checks or ["buffer::*"]))
+    outside = [c.id for c in selected if c.area != "buffer"]
+    if outside:
+        raise ValueError(f"check_buffer runs buffer checks only; got {outside}")
+    return _raise_failures(run_checks(harness, selected))

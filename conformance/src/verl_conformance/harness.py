@@ -15,6 +15,7 @@ from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, to
 from verl_core import (
     EngineSpec,
     OptimConfig,
+    ReplayBuffer,
     Role,
     RolloutEngine,
     TensorBatch,
@@ -28,6 +29,8 @@ from verl_core import (
 __all__ = [
     "MODELS",
     "SUITE_OPTIM",
+    "BufferFactory",
+    "BufferSubject",
     "EngineCache",
     "EngineFactory",
     "Harness",
@@ -52,6 +55,29 @@ MODELS: Final[dict[str, TinyModelSpec]] = {
     "value": TinyModelSpec(head="value"),
 }
 """The test kit's tiny models the suite uses, by short name (``llama-alt``: same shapes, other weights)."""
+
+BufferFactory = Callable[..., ReplayBuffer]
+"""Builds a replay buffer from the keyword arguments ``capacity`` (most samples held, or None),
+``memory_samples`` (most samples kept in memory before older ones spill to disk, or None) and
+``spill_dir`` (the folder of the disk tier, or None): the signature of
+:class:`verl_core.trainer.replay.HybridReplayBuffer`, which is a factory as it is."""
+
+
+@dataclass(frozen=True)
+class BufferSubject:
+    """A replay buffer implementation under test (the ``buffer`` area).
+
+    Attributes:
+        name: Label for reports.
+        make: Builds a buffer (see :data:`BufferFactory`).
+        disk_tier: Whether the buffer spills to ``spill_dir`` past ``memory_samples`` (False: the
+            spill check is skipped, and ``memory_samples`` is never passed).
+    """
+
+    name: str
+    make: BufferFactory
+    disk_tier: bool = True
+
 
 MAX_PROMPT: Final = 12
 MAX_RESPONSE: Final = 12
@@ -156,6 +182,7 @@ class Harness:
         device: Device of every engine the suite builds (``cpu``, ``cuda``).
         options: Backend options given to every engine of the subject (``--verl-options``); a
             check's own options win.
+        buffer: The replay buffer implementation the ``buffer`` area checks, or None.
     """
 
     subject: Subject
@@ -164,6 +191,7 @@ class Harness:
     dtype: str = "float32"
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)
+    buffer: BufferSubject | None = None
     _fresh: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ outcome helpers
@@ -242,6 +270,12 @@ class Harness:
         if self.against is None:
             self.skip("no second backend: pass --verl-against NAME (or against= to check_backend)")
         return self.against
+
+    def require_buffer(self) -> BufferSubject:
+        """The replay buffer under test, or skip when none was given."""
+        if self.buffer is None:
+            self.skip("no replay buffer selected: pass --verl-buffer MODULE:FACTORY (or use check_buffer)")
+        return self.buffer
 
     # ------------------------------------------------------------------ data
     def batch(self, *, seed: int = 0, batch_size: int = 6, temperature: float = 1.0,

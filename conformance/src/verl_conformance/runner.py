@@ -151,6 +151,12 @@ def select_checks(checks: Sequence[str] | None = None, areas: Sequence[str] | No
 def reproduction(check_id: str, backend: str, against: str | None = None) -> str:
     """Commands that re-run one check alone."""
     c = CHECKS[check_id]
+    if c.area == "buffer":  # ``backend`` is the buffer's MODULE:FACTORY
+        return (
+            f"pytest --pyargs verl_conformance --verl-buffer {backend} -k 'TestBuffer and test_{c.name}'\n"
+            f"python -c \"from verl_conformance.api import check_buffer; from verl_core.kernel.registry import "
+            f"import_string; check_buffer(import_string({backend!r}), checks=[{check_id!r}])\""
+        )
     ag = f" --verl-against {against}" if against else ""
     ag_py = f", against={against!r}" if against else ""
     return (

@@ -30,12 +30,14 @@ from verl_conformance.errors import CheckSkipped
 from verl_conformance.harness import Harness
 
 __all__ = [
+    "BufferSuite",
     "ConformanceSuite",
     "DifferentialSuite",
     "InvarianceSuite",
     "NumericsSuite",
     "RobustnessSuite",
     "SchemaSuite",
+    "StatefulSuite",
     "WeightSyncSuite",
     "run_check",
 ]
@@ -92,13 +94,22 @@ class RobustnessSuite:
     """The robustness checks: edge lengths and bad input."""
 
 
+class StatefulSuite:
+    """The stateful checks: checkpoint round trips, offload/onload and sleep/wake keep every state."""
+
+
+class BufferSuite:
+    """The replay-buffer checks (with a buffer selected): capacity, order, spill, seeded sampling."""
+
+
 for _cls, _area in ((SchemaSuite, "schema"), (NumericsSuite, "numerics"), (InvarianceSuite, "invariance"),
                     (DifferentialSuite, "differential"), (WeightSyncSuite, "weight_sync"),
-                    (RobustnessSuite, "robustness")):
+                    (RobustnessSuite, "robustness"), (StatefulSuite, "stateful"), (BufferSuite, "buffer")):
     _fill(_cls, _area)
-assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness"}
+assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness",
+                              "stateful", "buffer"}
 
 
 class ConformanceSuite(SchemaSuite, NumericsSuite, InvarianceSuite, DifferentialSuite,
-                       WeightSyncSuite, RobustnessSuite):
+                       WeightSyncSuite, RobustnessSuite, StatefulSuite, BufferSuite):
     """Every check of every area."""

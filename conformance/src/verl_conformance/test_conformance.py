@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from verl_conformance.suite import (
+    BufferSuite,
     DifferentialSuite,
     InvarianceSuite,
     NumericsSuite,
     RobustnessSuite,
     SchemaSuite,
+    StatefulSuite,
     WeightSyncSuite,
 )
 
@@ -34,3 +36,11 @@ class TestWeightSync(WeightSyncSuite):
 
 class TestRobustness(RobustnessSuite):
     """Edge lengths work; bad input is rejected with a clear error."""
+
+
+class TestStateful(StatefulSuite):
+    """Checkpoints, offload/onload and sleep/wake keep weights, optimizer state and schedule."""
+
+
+class TestBuffer(BufferSuite):
+    """A replay buffer keeps capacity and order, spills bit-exactly and samples reproducibly."""
