@@ -34,6 +34,7 @@ __all__ = [
     "DifferentialSuite",
     "InvarianceSuite",
     "NumericsSuite",
+    "RewardSuite",
     "RobustnessSuite",
     "SchemaSuite",
     "WeightSyncSuite",
@@ -92,13 +93,18 @@ class RobustnessSuite:
     """The robustness checks: edge lengths and bad input."""
 
 
+class RewardSuite:
+    """The reward checks: scores belong to their samples whatever the batch; bad scores are refused."""
+
+
 for _cls, _area in ((SchemaSuite, "schema"), (NumericsSuite, "numerics"), (InvarianceSuite, "invariance"),
                     (DifferentialSuite, "differential"), (WeightSyncSuite, "weight_sync"),
-                    (RobustnessSuite, "robustness")):
+                    (RobustnessSuite, "robustness"), (RewardSuite, "reward")):
     _fill(_cls, _area)
-assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness"}
+assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness",
+                              "reward"}
 
 
 class ConformanceSuite(SchemaSuite, NumericsSuite, InvarianceSuite, DifferentialSuite,
-                       WeightSyncSuite, RobustnessSuite):
+                       WeightSyncSuite, RobustnessSuite, RewardSuite):
     """Every check of every area."""

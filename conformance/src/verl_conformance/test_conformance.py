@@ -6,6 +6,7 @@ from verl_conformance.suite import (
     DifferentialSuite,
     InvarianceSuite,
     NumericsSuite,
+    RewardSuite,
     RobustnessSuite,
     SchemaSuite,
     WeightSyncSuite,
@@ -34,3 +35,7 @@ class TestWeightSync(WeightSyncSuite):
 
 class TestRobustness(RobustnessSuite):
     """Edge lengths work; bad input is rejected with a clear error."""
+
+
+class TestReward(RewardSuite):
+    """Scores belong to their samples whatever the batch; non-finite scores are refused."""

@@ -10,8 +10,10 @@ from verl_conformance.harness import Harness
 
 __all__ = ["AREAS", "CHECKS", "Area", "Check", "check"]
 
-Area = Literal["schema", "numerics", "invariance", "differential", "weight_sync", "robustness"]
-AREAS: Final[tuple[Area, ...]] = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness")
+Area = Literal["schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "reward"]
+AREAS: Final[tuple[Area, ...]] = (
+    "schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "reward",
+)
 
 
 @dataclass(frozen=True)
