@@ -68,23 +68,57 @@ def _prompts(h: Harness) -> TensorBatch:
     return h.batch(seed=95, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
 
 
-def _reverted_log_probs(path: str, previous: dict[str, Tensor], out: TensorBatch
-                        ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Float64 log-probs of ``out`` under the folder's weights, and under them with each tensor left at ``previous``."""
-    ref = ReferenceModel(path)  # a private copy: its parameters are swapped below
-    want = ref.outputs(out)["log_probs"]
-    reverted: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            kept = p.detach().clone()
-            p.copy_(previous[name].to(p.dtype))
-            reverted[name] = ref.outputs(out)["log_probs"]
-            p.copy_(kept)
-    return want, reverted
+class _Reference:
+    """A float64 copy of the suite's Llama whose weights are set per comparison.
+
+    It scores a whole batch in one forward: each sample's real prompt and response tokens,
+    concatenated and right-padded, so no real position attends to padding and positions are
+    0..n-1 (the float64 reference's definition, batched for the many weight variants here).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.model = ReferenceModel(path).model
+        self.params = dict(self.model.named_parameters())
+
+    def set(self, weights: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(weights[name].to(p.dtype))
+
+    def log_probs(self, out: TensorBatch) -> Tensor:
+        pm, rm = out["prompt_mask"].cpu(), out["response_mask"].cpu()
+        rows = [torch.cat([out["prompt_ids"][b].cpu()[pm[b]], out["response_ids"][b].cpu()[rm[b]]])
+                for b in range(out.batch_size)]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)], mask[b, : len(r)] = r, 1
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.double(), -1)
+        result = torch.zeros(rm.shape, dtype=torch.float64)
+        for b in range(out.batch_size):
+            p, n = int(pm[b].sum()), int(rm[b].sum())
+            toks = out["response_ids"][b].cpu()[rm[b]]
+            result[b, :n] = logp[b, p - 1 : p + n - 1].gather(-1, toks.unsqueeze(-1)).squeeze(-1)
+        return result
+
+    def reverted(self, target: dict[str, Tensor], previous: dict[str, Tensor], out: TensorBatch
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Log-probs of ``out`` under ``target``, and under ``target`` with each tensor left at ``previous``."""
+        self.set(target)
+        want = self.log_probs(out)
+        reverted: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(previous[name].to(p.dtype))
+                reverted[name] = self.log_probs(out)
+                p.copy_(target[name].to(p.dtype))
+        return want, reverted
 
 
-def _sync_and_verify(h: Harness, engine: RolloutEngine, stream: Iterator[WeightMessage], version: int,
-                     target: str, previous: str, label: str) -> None:
+def _sync_and_verify(h: Harness, engine: RolloutEngine, ref: _Reference, stream: Iterator[WeightMessage],
+                     version: int, target: str, previous: str, label: str) -> None:
     chunks: list[list[str]] = []
     engine.update_weights(_recorded(stream, chunks))
     order = [n for c in chunks for n in c]
@@ -94,7 +128,7 @@ def _sync_and_verify(h: Harness, engine: RolloutEngine, stream: Iterator[WeightM
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=13)
     out = engine.generate(_prompts(h), params)
     mask = out["response_mask"]
-    want, reverted = _reverted_log_probs(h.model_path(target), folder_weights(h.model_path(previous)), out)
+    want, reverted = ref.reverted(folder_weights(h.model_path(target)), folder_weights(h.model_path(previous)), out)
     tol = tolerance(h.dtype, "log_probs")
 
     def excess(a: Tensor, b: Tensor) -> float:
@@ -132,12 +166,13 @@ def check_every_tensor_applied(h: Harness) -> None:
     wa, wb = folder_weights(h.model_path(a)), folder_weights(h.model_path(b))
     grouped = sorted(wa, key=fusion_group)
     dtype = engine.weight_dtype
-    _sync_and_verify(h, engine, _ordered(wa, grouped, 1, dtype), 1, a, "llama",
+    ref = _Reference(h.model_path("llama"))
+    _sync_and_verify(h, engine, ref, _ordered(wa, grouped, 1, dtype), 1, a, "llama",
                      f"sync 1 (fusion-group order, last tensor {grouped[-1]})")
-    _sync_and_verify(h, engine, _ordered(wb, grouped[::-1], 2, dtype), 2, b, a,
+    _sync_and_verify(h, engine, ref, _ordered(wb, grouped[::-1], 2, dtype), 2, b, a,
                      f"sync 2 (reversed order, last tensor {grouped[0]})")
     src = h.subject if h.provides(h.subject, "actor") else h.against
     if src is not None and h.provides(src, "actor"):
         trainer = h.training(subject=src)
-        _sync_and_verify(h, engine, _like_trainer(trainer, wa, 3, dtype), 3, a, b,
+        _sync_and_verify(h, engine, ref, _like_trainer(trainer, wa, 3, dtype), 3, a, b,
                          f"sync 3 (the order and chunks of {src.name}'s training engine export)")
