@@ -62,7 +62,7 @@ def check_score_layout(h: Harness) -> None:
     caps = engine.capabilities
     h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")
     if caps.scores:
-        _scores(h, engine, batch, where)
+        normal = _scores(h, engine, batch, where)
     if caps.token_scores:
         h.expect("token_scores" in out, f"{where}: token_scores declared but missing; got fields {list(out)}")
         t = out["token_scores"]
@@ -71,8 +71,9 @@ def check_score_layout(h: Harness) -> None:
                  f"{tuple(batch['response_mask'].shape)}")
         h.expect(bool(torch.isfinite(t).all()), f"{where}: token_scores holds NaN or inf")
         h.expect(bool((t[~batch["response_mask"]] == 0).all()), f"{where}: token_scores is not 0 where response_mask is False")
-    if caps.needs_text:
-        return  # a scorer of decoded text has no model output to corrupt
+    if not caps.scores:
+        return
+    # The same engine on a folder whose score head outputs NaN: a model must refuse, not score.
     broken = h.reward("reward-nan", fresh=True)
     try:
         out = broken.score(batch)
@@ -83,9 +84,12 @@ def check_score_layout(h: Harness) -> None:
     except Exception as e:
         h.fail(f"score of a model whose head outputs NaN raised {type(e).__name__}: {e}; expected NonFiniteError "
                "or RewardError")
-    s = out["scores"] if "scores" in out else out["token_scores"]
-    h.fail(f"a reward model whose head outputs NaN was scored {s.flatten()[:4].tolist()}...; score must raise "
-           "NonFiniteError or RewardError naming the samples instead of returning (or masking) non-finite scores")
+    s = out["scores"].detach().float().cpu() if "scores" in out else None
+    if s is not None and bool(torch.isfinite(s).all()) and bool(torch.equal(s, normal)):
+        return  # the scores do not read the folder's weights (rules, reward functions): nothing to corrupt
+    shown = "no scores" if s is None else f"{s.flatten()[:4].tolist()}..."
+    h.fail(f"a reward model whose head outputs NaN was scored {shown}; score must raise NonFiniteError or "
+           "RewardError naming the samples instead of returning (or masking) non-finite scores")
 
 
 @check("reward")
