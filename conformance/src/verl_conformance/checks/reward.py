@@ -61,8 +61,6 @@ def check_score_layout(h: Harness) -> None:
         h.expect(name in out and bool(torch.equal(out[name], batch[name])), f"{where}: input field {name} was changed")
     caps = engine.capabilities
     h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")
-    if caps.scores:
-        normal = _scores(h, engine, batch, where)
     if caps.token_scores:
         h.expect("token_scores" in out, f"{where}: token_scores declared but missing; got fields {list(out)}")
         t = out["token_scores"]
@@ -73,6 +71,7 @@ def check_score_layout(h: Harness) -> None:
         h.expect(bool((t[~batch["response_mask"]] == 0).all()), f"{where}: token_scores is not 0 where response_mask is False")
     if not caps.scores:
         return
+    normal = _scores(h, engine, batch, where)
     # The same engine on a folder whose score head outputs NaN: a model must refuse, not score.
     broken = h.reward("reward-nan", fresh=True)
     try:
