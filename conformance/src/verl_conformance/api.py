@@ -44,7 +44,7 @@ def run_conformance(
         harness.cache.close()
 
 
-def _raise_failures(report: ConformanceReport) -> ConformanceReport:
+def _raise_failures(report: ConformanceReport, subject: str | Subject | None = None) -> ConformanceReport:
     failures = report.failures
     if not failures:
         return report
@@ -52,7 +52,7 @@ def _raise_failures(report: ConformanceReport) -> ConformanceReport:
              + (f" against {report.against!r}" if report.against else "") + ":"]
     for r in failures:
         parts.append(f"\n- {r.id}: {r.message}\n  reproduce:\n    "
-                     + reproduction(r.id, report.backend, report.against).replace("\n", "\n    "))
+                     + reproduction(r.id, subject or report.backend, report.against).replace("\n", "\n    "))
     raise ConformanceError("\n".join(parts), report)
 
 
@@ -65,6 +65,7 @@ def check_backend(
     known_gaps: str | os.PathLike[str] | None = None,
     make_training_engine: EngineFactory | None = None,
     make_rollout_engine: EngineFactory | None = None,
+    make_reward_engine: EngineFactory | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -73,10 +74,13 @@ def check_backend(
         against: A second installed backend for the differential checks.
         checks: Check ids to run (``area::name``, wildcards allowed); default all.
         areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness,
-            stateful, buffer).
+            reward, stateful, buffer).
         known_gaps: A known-gaps file (failures of listed checks are expected).
         make_training_engine: Build training engines with this instead of the registry.
         make_rollout_engine: Build rollout engines with this instead of the registry.
+        make_reward_engine: Build reward engines (a reward model, or reward functions wrapped in
+            ``verl_core.FunctionReward`` or ``verl_core.trainer.rewards.RewardFunctions``) with this
+            instead of the registry.
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
@@ -84,12 +88,13 @@ def check_backend(
     Raises:
         ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
     """
-    if make_training_engine is not None or make_rollout_engine is not None:
-        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine)
+    if make_training_engine is not None or make_rollout_engine is not None or make_reward_engine is not None:
+        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine,
+                                         make_reward=make_reward_engine)
     else:
         subject = backend
     report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps)
-    return _raise_failures(report)
+    return _raise_failures(report, subject)
 
 
 def check_backends_match(

@@ -4,8 +4,9 @@ Options: ``--verl-backend NAME`` (or ``$VERL_BACKEND``) selects the installed ba
 ``--verl-against NAME`` adds differential checks against a second backend, ``--verl-buffer
 MODULE:FACTORY`` selects a replay buffer for the ``buffer`` area, ``--verl-options JSON``
 gives backend options to every engine of the backend under test, ``--verl-xfails-file
-PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine`` and
-``make_rollout_engine`` (override them to test engines that are not installed as a plugin),
+PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine``,
+``make_rollout_engine`` and ``make_reward_engine`` (override them to test engines that are not
+installed as a plugin),
 ``verl_harness`` (what each check runs against). Markers: ``verl_check(id)`` on every suite
 test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
 """
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 
-_AREAS = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "stateful", "buffer")
+_AREAS = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "reward", "stateful",
+          "buffer")
 _GAPS_KEY = pytest.StashKey[Any]()
 _UNMATCHED_KEY = pytest.StashKey[list[str]]()
 
@@ -142,9 +144,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             backend = item.config.getoption("--verl-buffer", None)
         against = item.config.getoption("--verl-against", None)
         cls = getattr(item, "cls", None)
-        if backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
-            from verl_conformance.runner import reproduction
+        harness = getattr(item, "funcargs", {}).get("verl_harness")
+        subject = getattr(harness, "subject", None)
+        from verl_conformance.runner import reproduction
 
+        if subject is not None and not subject.registered:
+            # engines from overridden fixtures: --verl-backend (if any) is not what ran
+            text = f"pytest '{item.nodeid}'\n" + reproduction(check_id, subject, against)
+        elif backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
             text = reproduction(check_id, backend, against)
         else:
             text = f"pytest '{item.nodeid}'"
@@ -213,6 +220,12 @@ def make_rollout_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | Non
     return None if verl_backend_subject is None else verl_backend_subject.make_rollout
 
 
+@pytest.fixture
+def make_reward_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
+    """Builds reward engines from an EngineSpec (override to test your own reward model or functions)."""
+    return None if verl_backend_subject is None else verl_backend_subject.make_reward
+
+
 @pytest.fixture(scope="session")
 def verl_engine_cache() -> Generator[Any, None, None]:
     """Engines shared across the session's checks (closed at the end)."""
@@ -228,6 +241,7 @@ def verl_harness(
     request: pytest.FixtureRequest,
     make_training_engine: Any,
     make_rollout_engine: Any,
+    make_reward_engine: Any,
     verl_backend_subject: Any,
     verl_against_subject: Any,
     verl_engine_cache: Any,
@@ -242,10 +256,14 @@ def verl_harness(
     if make_training_engine is None and make_rollout_engine is None and not (buffer_check and verl_buffer_subject):
         pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: "
                     "`verl backends`), or override the make_training_engine / make_rollout_engine fixtures")
+    if make_training_engine is None and make_rollout_engine is None and make_reward_engine is None:
+        pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: `verl backends`), "
+                    "or override the make_training_engine / make_rollout_engine / make_reward_engine fixtures")
     if subject is None or (make_training_engine is not subject.make_training
-                           or make_rollout_engine is not subject.make_rollout):
+                           or make_rollout_engine is not subject.make_rollout
+                           or make_reward_engine is not subject.make_reward):
         label = request.cls.__name__ if request.cls is not None else "custom"
-        subject = Subject(label, make_training_engine, make_rollout_engine)
+        subject = Subject(label, make_training_engine, make_rollout_engine, make_reward=make_reward_engine)
     return Harness(subject, verl_against_subject, verl_engine_cache,
                    dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
                    options=_options(request.config), buffer=verl_buffer_subject)

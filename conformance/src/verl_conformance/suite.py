@@ -35,6 +35,7 @@ __all__ = [
     "DifferentialSuite",
     "InvarianceSuite",
     "NumericsSuite",
+    "RewardSuite",
     "RobustnessSuite",
     "SchemaSuite",
     "StatefulSuite",
@@ -102,14 +103,19 @@ class BufferSuite:
     """The replay-buffer checks (with a buffer selected): capacity, order, spill, seeded sampling."""
 
 
+class RewardSuite:
+    """The reward checks: scores belong to their samples whatever the batch; bad scores are refused."""
+
+
 for _cls, _area in ((SchemaSuite, "schema"), (NumericsSuite, "numerics"), (InvarianceSuite, "invariance"),
                     (DifferentialSuite, "differential"), (WeightSyncSuite, "weight_sync"),
-                    (RobustnessSuite, "robustness"), (StatefulSuite, "stateful"), (BufferSuite, "buffer")):
+                    (RobustnessSuite, "robustness"), (RewardSuite, "reward"), (StatefulSuite, "stateful"),
+                    (BufferSuite, "buffer")):
     _fill(_cls, _area)
 assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness",
-                              "stateful", "buffer"}
+                              "reward", "stateful", "buffer"}
 
 
 class ConformanceSuite(SchemaSuite, NumericsSuite, InvarianceSuite, DifferentialSuite,
-                       WeightSyncSuite, RobustnessSuite, StatefulSuite, BufferSuite):
+                       WeightSyncSuite, RobustnessSuite, RewardSuite, StatefulSuite, BufferSuite):
     """Every check of every area."""

@@ -7,6 +7,7 @@ from verl_conformance.suite import (
     DifferentialSuite,
     InvarianceSuite,
     NumericsSuite,
+    RewardSuite,
     RobustnessSuite,
     SchemaSuite,
     StatefulSuite,
@@ -44,3 +45,5 @@ class TestStateful(StatefulSuite):
 
 class TestBuffer(BufferSuite):
     """A replay buffer keeps capacity and order, spills bit-exactly and samples reproducibly."""
+class TestReward(RewardSuite):
+    """Scores belong to their samples whatever the batch; non-finite scores are refused."""

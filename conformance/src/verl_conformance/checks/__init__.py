@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
     differential,
+    eos,
     invariance,
     numerics,
+    positions,
+    reward,
     robustness,
     schema,
+    sync_coverage,
     weight_sync,
 )
 

@@ -16,10 +16,10 @@ from verl_core.kernel.capabilities import (
 
 __all__ = ["AREAS", "CAPABILITY_CLASSES", "CHECKS", "Area", "Check", "capability_fields", "check"]
 
-Area = Literal["schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "stateful",
-               "buffer"]
+Area = Literal["schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "reward",
+               "stateful", "buffer"]
 AREAS: Final[tuple[Area, ...]] = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness",
-                                  "stateful", "buffer")
+                                  "reward", "stateful", "buffer")
 
 CAPABILITY_CLASSES: Final[dict[str, type]] = {
     "training": TrainingCapabilities,
