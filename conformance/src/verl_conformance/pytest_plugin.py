@@ -253,10 +253,8 @@ def verl_harness(
     subject = verl_backend_subject
     marker = request.node.get_closest_marker("verl_check")
     buffer_check = marker is not None and str(marker.args[0]).startswith("buffer::")
-    if make_training_engine is None and make_rollout_engine is None and not (buffer_check and verl_buffer_subject):
-        pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: "
-                    "`verl backends`), or override the make_training_engine / make_rollout_engine fixtures")
-    if make_training_engine is None and make_rollout_engine is None and make_reward_engine is None:
+    no_engines = make_training_engine is None and make_rollout_engine is None and make_reward_engine is None
+    if no_engines and not (buffer_check and verl_buffer_subject):
         pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: `verl backends`), "
                     "or override the make_training_engine / make_rollout_engine / make_reward_engine fixtures")
     if subject is None or (make_training_engine is not subject.make_training
