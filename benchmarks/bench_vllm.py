@@ -49,7 +49,7 @@ from verl_core import (
     get_rollout_engine,
     stream_weights,
 )
-from verl_core.kernel.weights import fusion_group
+from verl_core.enginekit.weight_stream import fusion_group
 
 NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 32, 128
 SMALL = TinyModelSpec(arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,

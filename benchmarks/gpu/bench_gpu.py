@@ -449,7 +449,7 @@ def profile(model_dir: Path, sz: Sizes) -> None:
 
 def profile_sync(model_dir: Path) -> None:
     """Where the time of the weight syncs goes (diagnostics)."""
-    from verl_core.kernel.weights import all_finite_flag, tensor_norms
+    from verl_core.enginekit.weight_stream import all_finite_flag, tensor_norms
 
     actor: Any = get_training_engine("hf", EngineSpec(model_path=str(model_dir), role="actor",
                                                       dtype=dtype_name(), device=DEVICE))

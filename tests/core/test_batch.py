@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from verl_core import (
     BatchMeta,
     BatchValidationError,
+    ConfigError,
     FieldSpec,
     NonFiniteError,
     TensorBatch,
@@ -264,7 +265,7 @@ def test_immutable_and_meta_validation() -> None:
     b = make_batch([(1, 1)])
     with pytest.raises(AttributeError, match="immutable"):
         b.foo = 1  # type: ignore[attr-defined]
-    with pytest.raises(BatchValidationError, match="temperature must be a finite number > 0"):
+    with pytest.raises(BatchValidationError, match=r"BatchMeta.temperature must be a finite number >= 0.0001"):
         BatchMeta(temperature=0.0)
 
 
@@ -272,7 +273,7 @@ def test_register_custom_field() -> None:
     spec = FieldSpec("test_bonus", ("batch",), torch.float32, "float", "A test-only field.")
     register_field(spec)
     register_field(spec)  # idempotent
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ConfigError, match="already registered"):
         register_field(FieldSpec("test_bonus", ("batch",), torch.float64, "float", "other"))
     assert "test_bonus" in TensorBatch({"test_bonus": torch.ones(2)})
 

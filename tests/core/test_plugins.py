@@ -100,6 +100,34 @@ def test_incompatible_protocol_version_is_refused_with_a_clear_message() -> None
         Registry(autoload=False).register(Future(), "future")
 
 
+def test_a_misspelt_hook_fails_loudly_and_the_plugin_is_not_registered() -> None:
+    class Misspelt:
+        @hookimpl
+        def verl_backnd(self) -> BackendSpec:  # the hook is verl_backend
+            return BackendSpec("misspelt", {"reward": "x:y"}, {}, protocol_version=PROTOCOL_VERSION)
+
+    registry = Registry(autoload=False)
+    with pytest.raises(PluginError, match=r"unknown hook 'verl_backnd'.*the hooks are: .*verl_backend"):
+        registry.register(Misspelt(), "misspelt")
+    assert "misspelt" not in registry.backends()
+    assert not registry.pm.has_plugin("misspelt")
+
+
+def test_hooks_are_called_through_pluggy_per_plugin() -> None:
+    class Two:
+        @hookimpl
+        def verl_backend(self) -> BackendSpec:
+            return BackendSpec("two", {"reward": "x:y"}, {}, protocol_version=PROTOCOL_VERSION)
+
+        def verl_weight_sync(self, source: str, target: str) -> None:  # not marked: never called
+            raise AssertionError("an unmarked function is not a hook")
+
+    registry = Registry(autoload=False)
+    registry.register(Two(), "two")
+    assert registry.backend("two").spec.name == "two"
+    assert type(registry.weight_sync("two", "two")).__name__ == "StreamWeightSync"
+
+
 def test_spec_name_must_match_entry_name_and_capabilities_match_role() -> None:
     class Wrong:
         @hookimpl

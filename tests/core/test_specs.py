@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,19 +24,45 @@ from verl_core import (
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: SamplingParams(temperature=0), "temperature must be > 0"),
-        (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (lambda: SamplingParams(n=0), "n must be >= 1"),
-        (lambda: ParallelSizes(tp=0), "tp must be >= 1"),
-        (lambda: OptimConfig(lr=0), "lr must be > 0"),
-        (lambda: EngineSpec(model_path="m", role="trainer"), "role must be one of actor"),  # type: ignore[arg-type]
-        (lambda: EngineSpec(model_path="m", role="actor", dtype="fp8"), "dtype must be float32"),  # type: ignore[arg-type]
-        (lambda: EngineSpec(model_path="m", role="actor", micro_batch_tokens=0), "micro_batch_tokens must be >= 1"),
+        (lambda: SamplingParams(temperature=0), r"SamplingParams.temperature must be a finite number >= 0.0001 .*got 0"),
+        (lambda: SamplingParams(temperature=1e-40), r"temperature must be a finite number >= 0.0001 .*greedy=True"),
+        (lambda: SamplingParams(top_p=1.5), r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
+        (lambda: SamplingParams(n=0), r"SamplingParams.n must be an integer in \[1, 65536\], got 0"),
+        (lambda: SamplingParams(n=10**9), r"SamplingParams.n must be an integer in \[1, 65536\], got 1000000000"),
+        (lambda: SamplingParams(n=True), r"SamplingParams.n must be an integer .*got True \(bool\)"),
+        (lambda: SamplingParams(max_new_tokens=2**21), r"max_new_tokens must be an integer in \[1, 1048576\]"),
+        (lambda: SamplingParams(seed="7"), r"SamplingParams.seed must be an integer .*or None, got '7' \(str\)"),
+        (lambda: SamplingParams(greedy=1), r"SamplingParams.greedy must be True or False, got 1 \(int\)"),
+        (lambda: SamplingParams(stop_token_ids=(3, -1)), r"SamplingParams.stop_token_ids\[1\] must be an integer in \[0,"),
+        (lambda: SamplingParams(stop_token_ids="7"), r"SamplingParams.stop_token_ids must be a tuple of token ids"),
+        (lambda: ParallelSizes(tp=0), "ParallelSizes.tp must be an integer >= 1"),
+        (lambda: ParallelSizes(tp="2"), r"ParallelSizes.tp must be an integer >= 1, got '2' \(str\)"),
+        (lambda: OptimConfig(lr=0), "OptimConfig.lr must be a finite number > 0"),
+        (lambda: OptimConfig(betas=(0.9, 1.0)), r"OptimConfig.betas\[1\] must be a finite number in \[0, 1\)"),
+        (lambda: OptimConfig(schedule="linear"), "OptimConfig.schedule must be one of constant, cosine, got 'linear'"),
+        (lambda: EngineSpec(model_path="m", role="trainer"), "EngineSpec.role must be one of actor"),  # type: ignore[arg-type]
+        (lambda: EngineSpec(model_path="m", role="actor", dtype="fp8"), "EngineSpec.dtype must be one of float32"),  # type: ignore[arg-type]
+        (lambda: EngineSpec(model_path="m", role="actor", micro_batch_tokens=0),
+         "EngineSpec.micro_batch_tokens must be an integer >= 1 or None, got 0"),
+        (lambda: EngineSpec(model_path="m", role="actor", max_prompt_len="10"),  # type: ignore[arg-type]
+         r"EngineSpec.max_prompt_len must be an integer >= 1, got '10' \(str\)"),
+        (lambda: EngineSpec(model_path="m", role="actor", device="gpu"), "EngineSpec.device must be a torch device"),
+        (lambda: EngineSpec(model_path="m", role="actor", seed=-1), r"EngineSpec.seed must be an integer in \[0, 4294967295\]"),
+        (lambda: EngineSpec(model_path="m", role="actor", options=["x"]),  # type: ignore[arg-type]
+         "EngineSpec.options must be a mapping with string keys"),
     ],
 )
 def test_invalid_configs(build: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build()  # type: ignore[operator]
+
+
+def test_specs_normalise_lists_and_paths() -> None:
+    assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)  # type: ignore[arg-type]
+    assert hash(SamplingParams(stop_token_ids=[5]))  # type: ignore[arg-type]
+    assert OptimConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)  # type: ignore[arg-type]
+    spec = EngineSpec(model_path=Path("/m"), role="actor", device=torch.device("cpu"))  # type: ignore[arg-type]
+    assert (spec.model_path, spec.device) == ("/m", "cpu")
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:

@@ -19,7 +19,7 @@ from verl_core import (
     apply_weight_stream,
     stream_weights,
 )
-from verl_core.kernel.weights import fusion_group
+from verl_core.enginekit.weight_stream import fusion_group
 
 
 def state(layers: int = 2, width: int = 4) -> dict[str, torch.Tensor]:

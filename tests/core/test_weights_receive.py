@@ -16,7 +16,7 @@ from verl_core import (
     apply_weight_stream,
     stream_weights,
 )
-from verl_core.kernel.weights import all_finite_flag, first_non_finite
+from verl_core.enginekit.weight_stream import all_finite_flag, first_non_finite
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -131,7 +131,7 @@ def test_deferred_checks_apply_every_chunk_then_refuse_at_the_commit(
 
 
 def test_tensor_norms_are_exact_about_finiteness() -> None:
-    from verl_core.kernel.weights import tensor_norms
+    from verl_core.enginekit.weight_stream import tensor_norms
 
     big = torch.full((64,), 3e38)  # finite; its float32 2-norm would overflow
     nan = torch.ones(5, dtype=torch.bfloat16)
@@ -144,7 +144,7 @@ def test_tensor_norms_are_exact_about_finiteness() -> None:
 
 
 def test_contiguous_span_covers_back_to_back_views_only() -> None:
-    from verl_core.kernel.weights import contiguous_span
+    from verl_core.enginekit.weight_stream import contiguous_span
 
     flat = torch.arange(20, dtype=torch.float32)
     a, b, c = flat[0:6].view(2, 3), flat[6:10], flat[10:20].view(5, 2)

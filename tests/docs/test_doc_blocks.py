@@ -162,7 +162,8 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     assert "verl_core.kernel.batch.TensorBatch" in html, "the API reference did not render TensorBatch"
 
 
-@pytest.mark.parametrize("page", ["quickstart.md", "algorithms.md"])
+@pytest.mark.parametrize("page", ["quickstart.md", "algorithms.md", "train-on-your-dataset.md",
+                                  "reward-functions.md", "logging.md"])
 def test_run_config_examples_are_valid(page: str) -> None:
     """The TOML run configs shown on these pages load as a RunConfig (no unknown key or bad value)."""
     import tomllib

@@ -154,11 +154,27 @@ def test_uniform_table_equals_one_draw_per_step() -> None:
 
 def test_decode_options_are_validated() -> None:
     with pytest.raises(ConfigError, match="needs a static KV cache"):
-        engine(rollout_cuda_graphs=True)
+        engine(rollout_cache="dynamic", rollout_cuda_graphs=True)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        engine(rollout_cuda_graphs=True)  # auto picks the static cache for it; graphs need CUDA
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         engine(rollout_cache="static", rollout_cuda_graphs=True)
-    with pytest.raises(ConfigError, match="rollout_cache must be"):
+    with pytest.raises(ConfigError, match="rollout_cache must be 'auto', 'dynamic' or 'static'"):
         engine(rollout_cache="paged")
+
+
+def test_auto_decode_mode_is_the_fast_path_on_cuda_only() -> None:
+    from verl_hf.config import HFOptions
+
+    cpu = HFOptions().resolve_rollout(torch.device("cpu"))
+    assert (cpu.rollout_cache, cpu.rollout_cuda_graphs, cpu.rollout_compile) == ("dynamic", False, False)
+    cuda = HFOptions().resolve_rollout(torch.device("cuda"))
+    assert (cuda.rollout_cache, cuda.rollout_cuda_graphs, cuda.rollout_compile) == ("static", True, True)
+    sliding = HFOptions().resolve_rollout(torch.device("cuda"), static_ok=False)
+    assert (sliding.rollout_cache, sliding.rollout_cuda_graphs, sliding.rollout_compile) == ("dynamic", False, False)
+    chosen = HFOptions(rollout_compile=False).resolve_rollout(torch.device("cuda"))
+    assert (chosen.rollout_cache, chosen.rollout_cuda_graphs, chosen.rollout_compile) == ("static", True, False)
+    assert engine().decode_mode == "dynamic"  # type: ignore[attr-defined]  # CPU default
 
 
 def test_update_weights_copies_into_the_live_parameters() -> None:

@@ -17,8 +17,8 @@ from verl_core import (
     WeightManifest,
 )
 from verl_core.algorithms import Algorithm
+from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.training import ModelOutput
-from verl_core.kernel.weights import fusion_group
 from verl_hf.training import HFTrainingEngine
 
 PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)

@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_conformance.testkit import random_batch
-from verl_core import BatchMeta, BatchValidationError, NonFiniteError, TensorBatch, VerlError
+from verl_core import (
+    MIN_TEMPERATURE,
+    BatchMeta,
+    BatchValidationError,
+    NonFiniteError,
+    TensorBatch,
+    VerlError,
+)
 from verl_core.kernel.schema import FIELDS
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -215,7 +222,7 @@ def test_batch_meta_accepts_only_valid_values(
         return isinstance(v, int) and not isinstance(v, bool)
 
     valid = (
-        is_num(temperature) and math.isfinite(temperature) and temperature > 0
+        is_num(temperature) and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE
         and is_num(top_p) and 0 < top_p <= 1
         and is_int(top_k) and top_k >= 0
         and is_int(pad_token_id) and pad_token_id >= 0

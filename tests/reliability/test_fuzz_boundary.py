@@ -25,9 +25,11 @@ from torch import nn
 
 from verl_conformance.testkit import TinyModelSpec, build_tiny_model, random_batch
 from verl_core import (
+    MIN_TEMPERATURE,
     EngineSpec,
     GlobalBatchStats,
     OptimConfig,
+    RequestTooLargeError,
     SamplingParams,
     StaleWeightsError,
     TensorBatch,
@@ -244,6 +246,18 @@ def test_rollout_engine_refuses_bad_sampling_params(
     assert engines.calls["rollout"] == 0
 
 
+def test_rollout_engine_refuses_a_request_too_large_for_memory(engines: Engines, tally: Counter[str]) -> None:
+    """2**18 prompts x n=65536 samples need terabytes: refused with the estimate before the model runs."""
+    one = valid_batch(0).select("prompt_ids", "prompt_mask", "group_ids")
+    prompts = one.index(torch.arange(2**18) % one.batch_size)  # a few MB of valid prompts
+    engines.calls.clear()
+    tally["fuzz/engine boundary (oversized request)"] += 1
+    with pytest.raises(RequestTooLargeError, match=r"262144 prompts x n=65536 = 17179869184 samples of \d+ prompt \+ 6 new "
+                                                    r"tokens.* needs at least .* GiB .* memory is available"):
+        engines.rollout.generate(prompts, SamplingParams(n=65536, max_new_tokens=MAX_RESPONSE, seed=0))
+    assert engines.calls["rollout"] == 0
+
+
 @given(
     temperature=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=2), st.none()),
     top_p=st.one_of(st.floats(allow_nan=True), st.integers(-2, 2), st.none()),
@@ -261,7 +275,8 @@ def test_sampling_params_accept_only_valid_values(
     def integer(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    valid = (num(temperature) and math.isfinite(temperature) and temperature > 0 and num(top_p) and 0 < top_p <= 1
+    valid = (num(temperature) and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE
+             and num(top_p) and 0 < top_p <= 1
              and integer(top_k) and top_k >= 0 and integer(max_new_tokens) and max_new_tokens >= 1
              and integer(n) and n >= 1)
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, n=n)

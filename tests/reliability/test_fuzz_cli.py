@@ -100,6 +100,7 @@ def _candidates(argv: list[str]) -> Iterator[str]:
         except ConfigError:
             continue
         yield from (repr(".".join(path[: i + 1])) for i in range(len(path)))
+        yield repr(".".join(path))[:-1] + "["  # an item of a list value: 'logging.sinks[0]'
         if isinstance(value, str):
             yield repr(value)
     if Path(argv[1]).is_file():  # the keys inside the config file

@@ -25,7 +25,6 @@ import pytest
 from verl_conformance.testkit import TinyModelSpec, build_tiny_model
 from verl_core import (
     EngineSpec,
-    OptimConfig,
     VerlError,
     get_reward_engine,
     get_rollout_engine,
@@ -141,7 +140,7 @@ def test_hf_engines_never_run_code_shipped_with_a_model(
     role: str, where: str, tmp_path: Path, tally: Counter[str]
 ) -> None:
     path, marker = _remote_code_folder(tmp_path, where, "reward" if role == "reward" else "causal_lm")
-    spec = EngineSpec(model_path=str(path), role=role, optim=OptimConfig() if role == "actor" else None)  # type: ignore[arg-type]
+    spec = EngineSpec(model_path=str(path), role=role)  # type: ignore[arg-type]
     build = {"actor": get_training_engine, "rollout": get_rollout_engine, "reward": get_reward_engine}[role]
     tally[f"fuzz/model folder with remote code ({where})"] += 1
     def load() -> object:

@@ -11,6 +11,7 @@ from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import (
     RunConfig,
     apply_overrides,
+    check_device_here,
     config_from_dict,
     config_to_dict,
     load_config,
@@ -173,12 +174,13 @@ def test_model_shape() -> None:
 def test_cuda_needs_cuda_here_unless_ray_workers_place_the_engines() -> None:
     import torch
 
+    cfg = load_config(None, ["model.device=cuda"])  # a config for a GPU machine loads anywhere
     if torch.cuda.is_available():
-        assert load_config(None, ["model.device=cuda"]).model.device == "cuda"
+        check_device_here(cfg)
     else:
         with pytest.raises(ConfigError, match=r"'model.device' = 'cuda', but CUDA is not available here"):
-            load_config(None, ["model.device=cuda"])
-    assert load_config(None, ["model.device=cuda:1", "executor=ray"]).model.device == "cuda:1"
+            check_device_here(cfg)
+    check_device_here(load_config(None, ["model.device=cuda:1", "executor=ray"]))
 
 
 def test_unknown_keys_suggest_the_closest() -> None:

@@ -8,8 +8,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+import torch
 
-from verl_core.trainer.pipeline import HybridPipeline, PipelineError, Stage, StageError
+from verl_core.trainer.pipeline import (
+    HybridPipeline,
+    PipelineError,
+    Stage,
+    StageError,
+    StageThreads,
+)
 
 
 def _sleeper(out: str, seconds: float) -> Stage:
@@ -130,3 +137,86 @@ def test_run_checks_inputs() -> None:
     pipe = HybridPipeline([_sleeper("a", 0.0)], inputs=("x",))
     with pytest.raises(PipelineError, match="missing"):
         pipe.run()
+
+
+def _thread_recorder(seen: dict[str, list[threading.Thread]]) -> list[Stage]:
+    """start -> (a, b) -> join, each stage recording the thread it ran on."""
+
+    def rec(name: str, out: str) -> Any:
+        def fn(**kwargs: Any) -> Mapping[str, Any]:
+            seen.setdefault(name, []).append(threading.current_thread())
+            return {out: 1}
+
+        return fn
+
+    return [
+        Stage("start", rec("start", "s"), ("x",), ("s",)),
+        Stage("a", rec("a", "va"), ("s",), ("va",)),
+        Stage("b", rec("b", "vb"), ("s",), ("vb",)),
+        Stage("join", rec("join", "j"), ("va", "vb"), ("j",)),
+    ]
+
+
+def _stage_threads_alive(prefix: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_stages_keep_their_threads_across_steps_and_close_ends_them() -> None:
+    # thread objects (not idents, which the OS reuses) are compared: a fresh thread per step
+    # would give a new object every run
+    seen: dict[str, list[threading.Thread]] = {}
+    with StageThreads(name_prefix="test-keep") as threads:
+        for _ in range(3):  # a new pipeline per step, as the trainer builds them
+            assert HybridPipeline(_thread_recorder(seen), inputs=("x",), threads=threads).run(x=0)["j"] == 1
+        assert all(len(v) == 3 for v in seen.values())
+        # stages ordered against all others run on the caller's thread, the others on their own
+        assert all(t is threading.current_thread() for t in seen["start"] + seen["join"])
+        for name in ("a", "b"):
+            assert all(t is seen[name][0] for t in seen[name]), name
+            assert seen[name][0].name.startswith(f"test-keep-{name}")
+        assert seen["a"][0] is not seen["b"][0]
+        assert sorted(_stage_threads_alive("test-keep")) == sorted(t.name for t in (seen["a"][0], seen["b"][0]))
+    assert _stage_threads_alive("test-keep") == []
+    # closed threads are started anew by the next run (an owner may close and run again)
+    seen.clear()
+    HybridPipeline(_thread_recorder(seen), inputs=("x",), threads=threads).run(x=0)
+    assert seen["a"][0].is_alive()
+    threads.close()
+    assert _stage_threads_alive("test-keep") == []
+
+
+def test_a_stage_that_runs_alone_behaves_like_a_direct_call() -> None:
+    def state() -> Mapping[str, Any]:
+        return {"grad": torch.is_grad_enabled(), "thread": threading.current_thread()}
+
+    pipe = HybridPipeline([Stage("rollout", state, (), ("grad", "thread"))])
+    with torch.no_grad():  # the caller's thread-local torch state reaches the stage
+        res = pipe.run()
+    assert res["grad"] is False
+    assert res["thread"] is threading.current_thread()
+    assert "time/rollout" in res.timings
+
+    def boom() -> Mapping[str, Any]:
+        raise ValueError("generation exploded")
+
+    with pytest.raises(StageError, match=r"stage 'rollout' failed: ValueError: generation exploded") as info:
+        HybridPipeline([Stage("rollout", boom, (), ("samples",))]).run()
+    assert info.value.stage == "rollout"
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_pipeline_without_given_threads_ends_its_own_on_close() -> None:
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet(name: str) -> Stage:
+        def fn() -> Mapping[str, Any]:
+            barrier.wait()
+            return {name: threading.current_thread().name}
+
+        return Stage(name, fn, (), (name,))
+
+    with HybridPipeline([meet("p"), meet("q")]) as pipe:
+        res = pipe.run()
+        assert res["p"].startswith("verl-stage-p") and res["q"].startswith("verl-stage-q")
+        assert len(_stage_threads_alive("verl-stage-p")) == 1
+    assert _stage_threads_alive("verl-stage-p") == _stage_threads_alive("verl-stage-q") == []

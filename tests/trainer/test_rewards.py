@@ -196,10 +196,10 @@ def test_construction_errors_are_config_errors(tok: HFTokenizer, tmp_path: Path)
         "no_such_module_xyz:fn": r"cannot import module 'no_such_module_xyz' \(ModuleNotFoundError",
         f"{BUILTINS}:nope": rf"'{BUILTINS}' has no attribute 'nope'; its public callables: .*exact_match",
         "missing.py:fn": r"the file '.*missing.py' does not exist",
-        "broken.py:fn": r"running '.*broken.py' failed \(RuntimeError: boom at import\)",
+        "broken.py:fn": r"running '.*broken.py' raised RuntimeError: boom at import",
         "consts.py:THRESHOLD": r"'consts.py:THRESHOLD' is a int, not a callable",
-        "no-colon": r"is not 'module:function' or 'path/to/file.py:function'",
-        "mod:": r"is not 'module:function'",
+        "no-colon": r"is not 'package.module:attr' or 'path/to/file.py:attr'",
+        "mod:": r"'mod:' is not 'package.module:attr'",
     }
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -237,7 +237,7 @@ def test_config_checks_weights_and_specs() -> None:
         RewardFunctionsConfig(functions=["a:b", "c:d"], weights=[1.0])
     with pytest.raises(ConfigError, match="reward weights must be finite numbers, got nan"):
         RewardFunctionsConfig(functions=["a:b"], weights=[math.nan])
-    with pytest.raises(ConfigError, match="is not 'module:function'"):
+    with pytest.raises(ConfigError, match="is not 'package.module:attr'"):
         RewardFunctionsConfig(functions=["ab"])
 
 

@@ -274,7 +274,7 @@ def test_callbacks_by_module_and_by_file_get_every_hook(tmp_path: Path, monkeypa
         sinks.log_eval(2, {"eval/exact_match": 0.75})
 
     by_module = sys.modules["sinks_test_callbacks"]
-    by_file = next(m for n, m in sys.modules.items() if n.startswith("verl_callback_sinks_test_callbacks_"))
+    by_file = next(m for n, m in sys.modules.items() if n.startswith("verl_user_sinks_test_callbacks_"))
     assert by_file is not by_module  # the file was imported on its own
     ckpt = tmp_path / "out" / "checkpoints" / "step-2"
     assert by_module.calls == [("only_checkpoint", 2, ckpt)]
@@ -308,11 +308,11 @@ def test_bad_callback_specs_are_config_errors(tmp_path: Path) -> None:
     cb_file.write_text(CALLBACKS)
     (tmp_path / "raises.py").write_text("raise RuntimeError('import-time failure')\n")
     cases = {
-        f"{tmp_path / 'nope.py'}:make": r"callback file .*nope.py' .* does not exist",
+        f"{tmp_path / 'nope.py'}:make": r"callback '.*nope.py:make': the file '.*nope.py' does not exist",
         f"{cb_file}:missing": r"cbs.py' has no attribute 'missing'",
         f"{cb_file}:NoHooks": r"has none of the hooks on_step_end, on_eval, on_checkpoint",
-        f"{tmp_path / 'raises.py'}:x": r"importing .*raises.py' .* raised RuntimeError: import-time failure",
-        "verl_core_no_such_module:cb": r"cannot import 'verl_core_no_such_module'",
+        f"{tmp_path / 'raises.py'}:x": r"running '.*raises.py' raised RuntimeError: import-time failure",
+        "verl_core_no_such_module:cb": r"cannot import module 'verl_core_no_such_module'",
         "verl_core.kernel.errors:NoSuchThing": r"has no attribute 'NoSuchThing'",
     }
     for spec, message in cases.items():

@@ -19,7 +19,7 @@ from verl_core import (
     WeightMessage,
     stream_weights,
 )
-from verl_core.kernel.weights import fusion_group
+from verl_core.enginekit.weight_stream import fusion_group
 
 KV_CACHE_BYTES = 32 * 1024 * 1024
 MAX_PROMPT = 16

@@ -27,7 +27,7 @@ from verl_core import (
     WeightSyncError,
     stream_weights,
 )
-from verl_core.kernel.weights import fusion_group
+from verl_core.enginekit.weight_stream import fusion_group
 
 
 def folder_weights(path: str) -> dict[str, Tensor]:

@@ -21,6 +21,7 @@ from verl_core import (
     apply_weight_stream,
     parse_options,
 )
+from verl_core.kernel.rollout import check_generate_memory
 from verl_example_backend.inputs import validate
 from verl_example_backend.model import load_model
 from verl_example_backend.plugin import ROLLOUT_CAPABILITIES, ExampleOptions
@@ -137,6 +138,7 @@ class ExampleRolloutEngine(RolloutEngine):
         cfg = self.model.cfg
         prompts = validate(prompts, where="generate", needs=("prompt_ids", "prompt_mask", "group_ids"),
                            vocab_size=cfg.vocab_size, max_prompt_len=self._spec.max_prompt_len)
+        check_generate_memory(prompts, params, device="cpu", vocab_size=cfg.vocab_size, where="generate")
         batch = prompts.repeat_interleave(params.n)
         gens = self.generators(batch, params)
         b = batch.batch_size

@@ -16,6 +16,7 @@ from verl_core.algorithms import (
     RewardConfig,
     TISConfig,
 )
+from verl_core.enginekit.weight_stream import apply_weight_stream, stream_weights
 from verl_core.kernel.algorithm import (
     AdvantageEstimator,
     Aggregation,
@@ -41,8 +42,10 @@ from verl_core.kernel.errors import (
     BatchValidationError,
     CheckpointError,
     ConfigError,
+    MissingFieldError,
     NonFiniteError,
     PluginError,
+    RequestTooLargeError,
     RewardError,
     StaleWeightsError,
     UnknownNameError,
@@ -64,7 +67,7 @@ from verl_core.kernel.registry import (
 )
 from verl_core.kernel.reward import FunctionReward, RewardEngine, ScoreFn
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.schema import FIELDS, FieldSpec, register_field
+from verl_core.kernel.schema import FIELDS, MIN_TEMPERATURE, FieldSpec, register_field
 from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
 from verl_core.kernel.training import (
     GlobalBatchStats,
@@ -86,12 +89,11 @@ from verl_core.kernel.weights import (
     WeightManifest,
     WeightMessage,
     WeightSync,
-    apply_weight_stream,
-    stream_weights,
 )
 
 __all__ = [
     "FIELDS",
+    "MIN_TEMPERATURE",
     "PROTOCOL_VERSION",
     "ActorLoss",
     "ActorLossConfig",
@@ -123,6 +125,7 @@ __all__ = [
     "LossOutput",
     "Metrics",
     "MicroBatches",
+    "MissingFieldError",
     "ModelOutput",
     "NonFiniteError",
     "OptimConfig",
@@ -132,6 +135,7 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossTerms",
     "ReplayBuffer",
+    "RequestTooLargeError",
     "RewardCapabilities",
     "RewardConfig",
     "RewardEngine",

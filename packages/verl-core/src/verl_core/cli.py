@@ -24,6 +24,7 @@ __all__ = ["main"]
 _SUBCOMMANDS: Final[dict[str, str]] = {
     # name -> "module:register" of a function(subparsers) -> handler; imported only when used
     "train": "verl_core.trainer.cli:register",
+    "sft": "verl_core.trainer.sft_cli:register",
     "export": "verl_core.trainer.export_cli:register",
     "conformance": "verl_conformance.cli:register",
 }

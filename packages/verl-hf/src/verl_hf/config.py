@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from verl_core.kernel.errors import ConfigError
 
@@ -29,13 +32,18 @@ class HFOptions:
         rollout_batch_size: Most sequences one ``generate`` step decodes together (None = all).
         rollout_cache: KV cache of the rollout decode loop: ``dynamic`` grows transformers'
             DynamicCache step by step; ``static`` preallocates a StaticCache of prompt + max new
-            tokens and keeps every decode step at one shape (the same samples up to float rounding).
+            tokens and keeps every decode step at one shape (the same samples up to float rounding);
+            ``auto`` (default) is ``static`` on a CUDA device for full-attention models and
+            ``dynamic`` elsewhere (see :meth:`resolve_rollout`).
         rollout_cuda_graphs: Capture the decode step (forward, sampling, bookkeeping) in a CUDA
-            graph and replay it; needs ``rollout_cache='static'`` and a CUDA device.
+            graph and replay it; needs ``rollout_cache='static'`` and a CUDA device. None
+            (default): on wherever the static cache is used on CUDA.
         rollout_compile: Run the static decode step's model forward through ``torch.compile``
             (inductor fuses the per-token elementwise work: norms, rotary embeddings,
             activations); needs ``rollout_cache='static'``. Compiled once per shape, on the first
-            ``generate`` of that shape; combines with ``rollout_cuda_graphs``.
+            ``generate`` of that shape (inductor's on-disk cache makes later runs' compiles
+            shorter); combines with ``rollout_cuda_graphs``. None (default): on wherever the
+            static cache is used on CUDA.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -48,9 +56,9 @@ class HFOptions:
     allreduce_bucket_bytes: int = 64 * 1024 * 1024
     forward_micro_batch_tokens: int | None = None
     rollout_batch_size: int | None = None
-    rollout_cache: Literal["dynamic", "static"] = "dynamic"
-    rollout_cuda_graphs: bool = False
-    rollout_compile: bool = False
+    rollout_cache: Literal["auto", "dynamic", "static"] = "auto"
+    rollout_cuda_graphs: bool | None = None
+    rollout_compile: bool | None = None
     master_weights: bool = True
 
     def __post_init__(self) -> None:
@@ -72,14 +80,35 @@ class HFOptions:
             )
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ConfigError(f"HFOptions.rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
-        if self.rollout_cache not in ("dynamic", "static"):
-            raise ConfigError(f"HFOptions.rollout_cache must be 'dynamic' or 'static', got {self.rollout_cache!r}")
-        if self.rollout_compile and self.rollout_cache != "static":
+        if self.rollout_cache not in ("auto", "dynamic", "static"):
+            raise ConfigError(
+                f"HFOptions.rollout_cache must be 'auto', 'dynamic' or 'static', got {self.rollout_cache!r}"
+            )
+        if self.rollout_compile and self.rollout_cache == "dynamic":
             raise ConfigError(
                 "HFOptions.rollout_compile compiles the static decode step; set rollout_cache='static' as well"
             )
-        if self.rollout_cuda_graphs and self.rollout_cache != "static":
+        if self.rollout_cuda_graphs and self.rollout_cache == "dynamic":
             raise ConfigError(
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
                 "set rollout_cache='static' as well"
             )
+
+
+    def resolve_rollout(self, device: torch.device, *, static_ok: bool = True) -> HFOptions:
+        """These options with the rollout's ``auto`` choices made for ``device``.
+
+        On CUDA the fast decode path is the default: a static KV cache, CUDA graphs and
+        ``torch.compile`` of the decode step (each can be turned off by setting it). Elsewhere, and
+        for models the static cache does not support (``static_ok=False``: sliding-window
+        layers), the dynamic cache without graphs or compilation.
+        """
+        cuda = device.type == "cuda"
+        cache = self.rollout_cache
+        if cache == "auto":
+            wanted = cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs)
+            cache = "static" if wanted and static_ok else "dynamic"
+        fast = cuda and cache == "static"
+        graphs = self.rollout_cuda_graphs if self.rollout_cuda_graphs is not None else fast
+        compiled = self.rollout_compile if self.rollout_compile is not None else fast
+        return dataclasses.replace(self, rollout_cache=cache, rollout_cuda_graphs=graphs, rollout_compile=compiled)

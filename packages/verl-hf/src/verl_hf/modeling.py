@@ -19,10 +19,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import BatchValidationError, ConfigError
-from verl_core.kernel.weights import fusion_group
 
 __all__ = [
     "GROUPED_SDPA",

@@ -32,6 +32,12 @@ from verl_core.enginekit.sampling import (
     static_prompt_width,
     uniform_table,
 )
+from verl_core.enginekit.weight_stream import (
+    all_finite_flag,
+    apply_weight_stream,
+    contiguous_span,
+    first_non_finite,
+)
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RolloutCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -42,7 +48,7 @@ from verl_core.kernel.errors import (
     WeightSyncError,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams, check_generate_memory
 from verl_core.kernel.schema import FIELDS
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import (
@@ -51,10 +57,6 @@ from verl_core.kernel.weights import (
     TensorInfo,
     WeightMessage,
     WeightSync,
-    all_finite_flag,
-    apply_weight_stream,
-    contiguous_span,
-    first_non_finite,
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
@@ -177,6 +179,8 @@ class HFRolloutEngine(RolloutEngine):
             attn_implementation=attn, seed=spec.seed,
         )
         self._model.requires_grad_(False)
+        # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
+        self._options = self._options.resolve_rollout(self._device, static_ok=_full_attention(self._model.config))
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
@@ -275,6 +279,8 @@ class HFRolloutEngine(RolloutEngine):
         for t in params.stop_token_ids:
             if not 0 <= t < self._vocab_size:
                 raise ConfigError(f"{where}: stop token id {t} is outside the vocabulary [0, {self._vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self._vocab_size,
+                              rows_at_once=self._options.rollout_batch_size, where=where)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""
@@ -632,3 +638,11 @@ class HFDirectSync(WeightSync):
 def build_rollout_engine(spec: EngineSpec) -> HFRolloutEngine:
     """Factory of the ``hf`` backend's rollout engine."""
     return HFRolloutEngine(spec)
+
+
+def _full_attention(config: Any) -> bool:
+    """Whether every layer of the model attends to the whole context (a static KV cache fits it)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    return not bool(getattr(config, "use_sliding_window", False))

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
 from verl_core.enginekit.precision import MasterWeights
+from verl_core.enginekit.weight_stream import stream_weights
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.capabilities import TrainingCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -36,12 +37,7 @@ from verl_core.kernel.training import (
     StepMetrics,
     TrainingEngine,
 )
-from verl_core.kernel.weights import (
-    TensorInfo,
-    WeightManifest,
-    WeightMessage,
-    stream_weights,
-)
+from verl_core.kernel.weights import TensorInfo, WeightManifest, WeightMessage
 from verl_hf import checkpoint as ckpt
 from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions

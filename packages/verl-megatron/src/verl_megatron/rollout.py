@@ -43,6 +43,7 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
@@ -51,6 +52,7 @@ from verl_core.enginekit.sampling import (
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
+from verl_core.kernel.rollout import check_generate_memory
 from verl_core.kernel.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
@@ -58,7 +60,6 @@ from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
 from verl_megatron.plugin import rollout_capabilities
 from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last_logits
-from verl_megatron.tokenizer import HFTokenizer
 
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
 
@@ -120,7 +121,7 @@ class MegatronRolloutEngine(RolloutEngine):
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
-        self._tokenizer: Tokenizer = HFTokenizer(spec.model_path)
+        self._tokenizer: Tokenizer = load_tokenizer(spec.model_path)
         self._version = 0
         self._stale = False
 
@@ -177,6 +178,8 @@ class MegatronRolloutEngine(RolloutEngine):
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.dims.vocab_size]
         if bad:
             raise ConfigError(f"{where}: stop token ids {bad} are outside the vocabulary [0, {self.dims.vocab_size})")
+        check_generate_memory(prompts, params, device=self._device, vocab_size=self.dims.vocab_size, where=where,
+                              group=self._tp_group)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""

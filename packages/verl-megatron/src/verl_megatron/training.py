@@ -60,6 +60,7 @@ from verl_core import (
     stream_weights,
 )
 from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
+from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES, GradientStash
@@ -70,7 +71,6 @@ from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weig
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import ParallelConfig, init_distributed
 from verl_megatron.plugin import training_capabilities
-from verl_megatron.tokenizer import HFTokenizer
 
 __all__ = ["MegatronTrainingEngine", "build_training_engine"]
 
@@ -137,7 +137,7 @@ class MegatronTrainingEngine(TrainingEngine):
             device=self._device, recompute=spec.gradient_checkpointing, attention=self._options.attention,
         )
         self._load_hf(spec.model_path)
-        self._tokenizer = HFTokenizer(spec.model_path)
+        self._tokenizer = load_tokenizer(spec.model_path)
         self._trainable = spec.role in ("actor", "critic")
         self._step = 0
         self._state_offloaded = False

@@ -42,7 +42,8 @@ from verl_core import (
     WeightSyncError,
     apply_weight_stream,
 )
-from verl_core.kernel.schema import FIELDS
+from verl_core.kernel.rollout import check_generate_memory
+from verl_core.kernel.schema import FIELDS, check_temperature
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.model_files import ModelFiles, read_model_files
@@ -325,12 +326,10 @@ class VllmRolloutEngine(RolloutEngine):
                 f"SamplingParams.max_new_tokens={params.max_new_tokens} exceeds "
                 f"EngineSpec.max_response_len={self._spec.max_response_len}"
             )
-        if not params.greedy and params.temperature < _MIN_TEMPERATURE:
-            raise ConfigError(
-                f"SamplingParams.temperature={params.temperature} is below {_MIN_TEMPERATURE}, which "
-                "vLLM silently raises to 0.01; use greedy=True or a temperature >= 0.01"
-            )
+        if not params.greedy:
+            check_temperature(params.temperature, floor=_MIN_TEMPERATURE, reason="vLLM silently raises lower ones to 0.01")
         token_lists = self._prompt_token_lists(prompts)
+        check_generate_memory(prompts, params, device="cpu", where="VllmRolloutEngine.generate")  # outputs land on the host
         n = params.n
         group_ids = prompts["group_ids"].tolist()
         requests: list[Any] = []

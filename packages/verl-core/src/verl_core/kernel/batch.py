@@ -2,7 +2,10 @@
 
 Construction checks names, ranks, dtypes, devices and shared dim sizes (cheap: no pass over the
 data). Value checks (NaN/inf, padding sides, pad values) cost a pass over the data and run only at
-protocol boundaries through :meth:`TensorBatch.check`.
+protocol boundaries through :meth:`TensorBatch.check`. Every op checks its arguments' types and
+ranges, and an op that would allocate more than the device's available memory (a huge repeat,
+padding width or multiple) is refused with :class:`~verl_core.kernel.errors.RequestTooLargeError` before
+it allocates.
 """
 
 from __future__ import annotations
@@ -19,12 +22,82 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
-from verl_core.kernel.errors import BatchValidationError, NonFiniteError
-from verl_core.kernel.schema import FIELDS, Dim, FieldSpec
+from verl_core.kernel.errors import (
+    BatchValidationError,
+    MissingFieldError,
+    NonFiniteError,
+    RequestTooLargeError,
+    check_bool,
+    check_int,
+    check_number,
+    describe,
+)
+from verl_core.kernel.schema import FIELDS, Dim, FieldSpec, check_temperature
 
-__all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "partition_by_token_budget"]
+__all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "available_memory", "check_fits", "partition_by_token_budget"]
 
 _FORMAT: Final = "verl.TensorBatch/1"
+_PROBE_ABOVE: Final = 64 << 20
+"""Allocations up to this many bytes are not checked against the available memory (a probe costs a
+file read or a device query)."""
+_PIECE_BYTES: Final = 1024
+"""What one TensorBatch object costs besides its tensors (the Python objects), for estimates."""
+
+
+def available_memory(device: torch.device | str) -> int:
+    """Bytes that can still be allocated on ``device``.
+
+    On CUDA: the free device memory plus what PyTorch's caching allocator holds unused (it reuses
+    that before asking the device). Elsewhere: the host's available memory (``MemAvailable``).
+    """
+    from verl_core.kernel.memory import default_memory_probe
+
+    dev = torch.device(device)
+    free = default_memory_probe(dev)().free_bytes
+    if dev.type == "cuda" and torch.cuda.is_available():
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return free
+
+
+def check_fits(
+    nbytes: int, device: torch.device | str, what: str, *, available: int | None = None, group: Any = None
+) -> None:
+    """Refuse an allocation of ``nbytes`` that cannot fit in ``device``'s available memory.
+
+    Args:
+        nbytes: What the allocation needs (an estimate; callers pass a lower bound, so a refusal
+            is never wrong).
+        device: Where it would be allocated.
+        what: The request and how the estimate was made, for the message.
+        available: The available bytes (default: :func:`available_memory`, probed only when
+            ``nbytes`` exceeds 64 MiB).
+        group: A ``torch.distributed`` process group whose ranks must decide alike (ranks that
+            run collectives together): the smallest available memory among them is used, so a
+            refusal on one rank never leaves the others waiting in a collective. Every rank of
+            the group must make the same call.
+
+    Raises:
+        RequestTooLargeError: the estimate exceeds the available memory; the message gives both.
+    """
+    if available is None:
+        if nbytes <= _PROBE_ABOVE:
+            return
+        available = available_memory(device)
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            least = torch.tensor([available], dtype=torch.int64, device=device)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN, group=group)
+            available = int(least.item())
+    if nbytes > available:
+        raise RequestTooLargeError(
+            f"{what} needs at least {_gib(nbytes)}, but only {_gib(available)} of {torch.device(device)} memory "
+            "is available; refused before allocating anything. Make the request smaller"
+        )
+
+
+def _gib(nbytes: int) -> str:
+    if nbytes.bit_length() > 64:
+        return f"more than 2**64 bytes ({_short(nbytes)})"
+    return f"{nbytes / 2**30:.3g} GiB ({nbytes} bytes)"
 
 
 @dataclass(frozen=True)
@@ -32,7 +105,8 @@ class BatchMeta:
     """What the whole batch shares; every op carries it through.
 
     Attributes:
-        temperature: Sampling temperature T; log-probs are of softmax(logits / T).
+        temperature: Sampling temperature T >= ``MIN_TEMPERATURE`` (1e-4); log-probs are of
+            softmax(logits / T).
         top_p: Nucleus sampling threshold used to generate the batch (1.0 = off).
         top_k: Top-k used to generate the batch (0 = off).
         pad_token_id: The tokenizer's pad id, which fills padding positions of id fields.
@@ -48,25 +122,12 @@ class BatchMeta:
     step: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise BatchValidationError(f"BatchMeta.{name} must be a number, got {value!r}")
-        for name in ("top_k", "pad_token_id", "weight_version", "step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise BatchValidationError(f"BatchMeta.{name} must be an integer, got {value!r}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise BatchValidationError(
-                f"BatchMeta.temperature must be a finite number > 0, got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise BatchValidationError(f"BatchMeta.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise BatchValidationError(f"BatchMeta.top_k must be >= 0 (0 = off), got {self.top_k}")
+        err = BatchValidationError
+        check_temperature(self.temperature, "BatchMeta.temperature", error=err)
+        check_number(self.top_p, "BatchMeta.top_p", low=0, high=1, low_open=True, error=err, hint=" (1 = off)")
+        check_int(self.top_k, "BatchMeta.top_k", low=0, error=err, hint=" (0 = off)")
         for name in ("pad_token_id", "weight_version", "step"):
-            if getattr(self, name) < 0:
-                raise BatchValidationError(f"BatchMeta.{name} must be >= 0, got {getattr(self, name)}")
+            check_int(getattr(self, name), f"BatchMeta.{name}", low=0, error=err)
 
 
 _SAMPLING_KEYS: Final = ("temperature", "top_p", "top_k", "pad_token_id")
@@ -79,6 +140,8 @@ def _describe(spec: FieldSpec) -> str:
 def _validate_field(
     name: str, value: object, sizes: dict[Dim, tuple[int, str]], device: list[torch.device]
 ) -> Tensor:
+    if not isinstance(name, str):
+        raise BatchValidationError(f"field names must be strings, got {describe(name)}")
     spec = FIELDS.get(name)
     if spec is None:
         known = ", ".join(sorted(FIELDS))
@@ -124,10 +187,17 @@ class TensorBatch(Mapping[str, Tensor]):
     and :class:`BatchMeta`. Every op returns a new batch; tensors are shared, not copied, so do not
     modify them in place.
 
+    Args:
+        tensors: Field name -> tensor; every name must be in the schema (:data:`~verl_core.kernel.schema.FIELDS`).
+        extras: Key -> one value per sample.
+        meta: What the whole batch shares (default: ``BatchMeta()``).
+        batch_size: The number of samples; needed only for a batch without fields or extras.
+
     Raises:
-        BatchValidationError: on an unknown field, a wrong rank, dtype or device, a dim size that
-            disagrees with another field, or extras of the wrong length. The message names the
-            field, the expected and the actual value.
+        BatchValidationError: on an argument of the wrong type, an unknown field, a wrong rank,
+            dtype or device, a dim size that disagrees with another field, or extras of the wrong
+            length. The message names the field, the expected and the actual value. Values
+            (NaN/inf, padding) are checked by :meth:`check`, not here.
     """
 
     __slots__ = ("_extras", "_meta", "_size", "_tensors")
@@ -145,11 +215,15 @@ class TensorBatch(Mapping[str, Tensor]):
         *,
         batch_size: int | None = None,
     ) -> None:
+        _check_mapping(tensors, "TensorBatch tensors", "field names to tensors")
+        _check_meta(meta, "TensorBatch meta")
+        if batch_size is not None:
+            check_int(batch_size, "TensorBatch batch_size", low=0, error=BatchValidationError)
         sizes: dict[Dim, tuple[int, str]] = {}
         device: list[torch.device] = []
         checked = {name: _validate_field(name, t, sizes, device) for name, t in tensors.items()}
         size = sizes["batch"][0] if "batch" in sizes else None
-        ext = _validate_extras(extras or {}, size if size is not None else batch_size)
+        ext = _validate_extras({} if extras is None else extras, size if size is not None else batch_size)
         if size is None:
             size = batch_size if batch_size is not None else _extras_size(ext)
         if batch_size is not None and batch_size != size:
@@ -178,11 +252,16 @@ class TensorBatch(Mapping[str, Tensor]):
 
     # ----------------------------------------------------------------- mapping and access
     def __getitem__(self, name: str) -> Tensor:
+        """The field ``name``.
+
+        Raises:
+            MissingFieldError: the batch has no such field (a ``KeyError`` too).
+        """
         try:
             return self._tensors[name]
-        except KeyError:
-            raise KeyError(
-                f"field {name!r} is not in this batch; it has: {', '.join(self._tensors) or 'none'}"
+        except (KeyError, TypeError):  # TypeError: an unhashable key
+            raise MissingFieldError(
+                f"field {describe(name)} is not in this batch; it has: {', '.join(self._tensors) or 'none'}"
             ) from None
 
     def __iter__(self) -> Iterator[str]:
@@ -230,12 +309,19 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def require(self, *names: str, where: str = "this operation") -> None:
         """Raise BatchValidationError naming every missing field that ``where`` needs."""
+        _check_names(names, f"{where}: field names")
         missing = [n for n in names if n not in self._tensors]
         if missing:
             raise BatchValidationError(
                 f"{where} needs field(s) {', '.join(missing)}, but the batch has only: "
                 f"{', '.join(self._tensors) or 'none'}"
             )
+
+    def _check_rows_fit(self, rows: int, what: str) -> None:
+        """Refuse an op that would make a batch of ``rows`` samples larger than the available memory."""
+        per_row = sum(t.element_size() * math.prod(t.shape[1:]) for t in self._tensors.values())
+        per_row += 8 * len(self._extras) + 24  # extras pointers, the gather index and sample_index
+        check_fits(rows * per_row, self.device, f"{what} (a batch of {_short(rows)} samples, {per_row} bytes each)")
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self._tensors.items())
@@ -260,6 +346,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def drop(self, *names: str) -> TensorBatch:
         """A batch without the named fields (missing names are ignored)."""
+        _check_names(names, "drop(): field names")
         kept = {k: v for k, v in self._tensors.items() if k not in names}
         return TensorBatch._trusted(kept, dict(self._extras), self._meta, self._size)
 
@@ -268,6 +355,9 @@ class TensorBatch(Mapping[str, Tensor]):
             return dict(self._extras)
         if extras is False:
             return {}
+        if not _is_list(extras):
+            raise BatchValidationError(f"extras= must be True, False or a list of extras keys, got {describe(extras)}")
+        _check_names(extras, "extras keys")
         missing = [k for k in extras if k not in self._extras]
         if missing:
             raise BatchValidationError(f"extras {missing} are not in the batch: {list(self._extras)}")
@@ -283,6 +373,9 @@ class TensorBatch(Mapping[str, Tensor]):
         **fields: Tensor,
     ) -> TensorBatch:
         """A new batch with fields added or replaced (validated against the existing ones)."""
+        if tensors is not None:
+            _check_mapping(tensors, "update() tensors", "field names to tensors")
+        _check_meta(meta, "update() meta")
         new = dict(tensors or {})
         new.update(fields)
         sizes: dict[Dim, tuple[int, str]] = {"batch": (self._size, "<batch>")}
@@ -297,7 +390,7 @@ class TensorBatch(Mapping[str, Tensor]):
         for name, t in new.items():
             merged[name] = _validate_field(name, t, sizes, device)
         ext = dict(self._extras)
-        ext.update(_validate_extras(extras or {}, self._size))
+        ext.update(_validate_extras({} if extras is None else extras, self._size))
         return TensorBatch._trusted(merged, ext, meta or self._meta, self._size)
 
     def with_meta(self, **changes: Any) -> TensorBatch:
@@ -312,19 +405,30 @@ class TensorBatch(Mapping[str, Tensor]):
         return TensorBatch._trusted(dict(self._tensors), dict(self._extras), meta, self._size)
 
     def index(self, indices: Tensor | Sequence[int] | slice) -> TensorBatch:
-        """The samples at ``indices`` (any order, repeats allowed), or a slice of them."""
+        """The samples at ``indices`` (any order, repeats allowed, negative from the end), or a slice of them.
+
+        ``indices`` is a 1-D integer tensor or array, a sequence of ints, or a slice with a positive
+        step; bools and floats are refused (a bool mask is not an index list).
+        """
         if isinstance(indices, slice):
+            for part in ("start", "stop", "step"):
+                value = getattr(indices, part)
+                if value is not None:
+                    check_int(value, f"index(): slice {part}", low=1 if part == "step" else None,
+                              error=BatchValidationError)
+            start, stop, step = indices.indices(self._size)
+            # In range: torch truncates (with a warning) slice bounds beyond 64 bits, which would
+            # disagree with the rows counted here.
+            indices = slice(start, stop, min(step, max(self._size, 1)))
             rows = range(self._size)[indices]
             tensors = {k: v[indices] for k, v in self._tensors.items()}
             ext = {k: v[indices] for k, v in self._extras.items()}
             return TensorBatch._trusted(tensors, ext, self._meta, len(rows))
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+        idx = _index_tensor(indices, self._size)
         if idx.dim() != 1:
             raise BatchValidationError(f"index() takes a 1-D index, got shape {tuple(idx.shape)}")
         if idx.numel() and (int(idx.min()) < -self._size or int(idx.max()) >= self._size):
-            raise BatchValidationError(
-                f"index() got indices in [{int(idx.min())}, {int(idx.max())}] for a batch of {self._size}"
-            )
+            raise _out_of_range(int(idx.min()), int(idx.max()), self._size)
         idx = idx % max(self._size, 1)
         tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self._tensors.items()}
         picked: list[int] = idx.tolist()
@@ -333,7 +437,12 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def split(self, sizes: Sequence[int]) -> list[TensorBatch]:
         """Consecutive pieces of the given sizes (must sum to the batch size; zeros allowed)."""
-        if any(s < 0 for s in sizes) or sum(sizes) != self._size:
+        if not _is_list(sizes):
+            raise BatchValidationError(f"split() takes a list of sizes, got {describe(sizes)}")
+        for s in sizes:
+            check_int(s, "split() sizes", low=0, error=BatchValidationError)
+        check_fits(len(sizes) * _PIECE_BYTES, "cpu", f"split() into {len(sizes)} pieces")
+        if sum(sizes) != self._size:
             raise BatchValidationError(
                 f"split() sizes {list(sizes)} must be >= 0 and sum to the batch size {self._size}"
             )
@@ -346,8 +455,8 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def chunk(self, n: int) -> list[TensorBatch]:
         """``n`` consecutive pieces whose sizes differ by at most one (the first ones larger)."""
-        if n <= 0:
-            raise BatchValidationError(f"chunk() needs n >= 1, got {n}")
+        check_int(n, "chunk() n", low=1, error=BatchValidationError)
+        check_fits(n * _PIECE_BYTES, "cpu", f"chunk({_short(n)})")
         base, extra = divmod(self._size, n)
         return self.split([base + (1 if i < extra else 0) for i in range(n)])
 
@@ -357,8 +466,8 @@ class TensorBatch(Mapping[str, Tensor]):
         Repeats keep their ``group_ids`` and get ``sample_index`` 0..n-1 when the batch has
         ``group_ids`` (the n samples of one prompt form one group).
         """
-        if n < 1:
-            raise BatchValidationError(f"repeat_interleave() needs n >= 1, got {n}")
+        check_int(n, "repeat_interleave() n", low=1, error=BatchValidationError)
+        self._check_rows_fit(self._size * n, f"repeat_interleave({_short(n)}) of {self._size} samples")
         idx = torch.arange(self._size).repeat_interleave(n)
         out = self.index(idx)
         if "group_ids" in self._tensors:
@@ -368,7 +477,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TensorBatch:
         """The batch with every tensor on ``device``."""
-        dev = torch.device(device)
+        dev = _device(device, "to() device")
         tensors = {k: v.to(dev, non_blocking=non_blocking) for k, v in self._tensors.items()}
         return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
 
@@ -379,6 +488,11 @@ class TensorBatch(Mapping[str, Tensor]):
         All batches must have the same fields and extras keys, and agree on temperature, top_p,
         top_k and pad id; the result's step and weight version are the oldest of the inputs.
         """
+        if not _is_list(batches):
+            raise BatchValidationError(f"concat() takes a list of TensorBatch, got {describe(batches)}")
+        for i, b in enumerate(batches):
+            if not isinstance(b, TensorBatch):
+                raise BatchValidationError(f"concat(): item {i} must be a TensorBatch, got {describe(b)}")
         if not batches:
             raise BatchValidationError("concat() needs at least one batch")
         first = batches[0]
@@ -440,11 +554,15 @@ class TensorBatch(Mapping[str, Tensor]):
         An engine that compiles or captures one program per prompt width pads to a few widths
         instead of one per batch.
         """
-        current = next((t.shape[1] for n, t in self._tensors.items() if FIELDS[n].dims[1:] == ("prompt",)), None)
+        check_int(width, "pad_prompts() width", low=0, error=BatchValidationError)
+        prompt_fields = [t for n, t in self._tensors.items() if FIELDS[n].dims[1:] == ("prompt",)]
+        current = prompt_fields[0].shape[1] if prompt_fields else None
         if current is None or width <= current:
             if current is not None and width < current:
                 raise BatchValidationError(f"pad_prompts({width}): the prompts are already {current} wide")
             return self
+        row_bytes = sum(t.element_size() for t in prompt_fields) * width
+        check_fits(self._size * row_bytes, self.device, f"pad_prompts({_short(width)}) of {self._size} samples")
         tensors = dict(self._tensors)
         for name, t in tensors.items():
             spec = FIELDS[name]
@@ -460,13 +578,13 @@ class TensorBatch(Mapping[str, Tensor]):
         aggregation ignores them. Returns the padded batch and the number of samples added, which
         :meth:`unpad` removes.
         """
-        if divisor < 1:
-            raise BatchValidationError(f"pad_to_multiple() needs divisor >= 1, got {divisor}")
+        check_int(divisor, "pad_to_multiple() divisor", low=1, error=BatchValidationError)
         n_pad = -self._size % divisor
         if n_pad == 0:
             return self, 0
         if self._size == 0:
             raise BatchValidationError("pad_to_multiple(): an empty batch has no sample to pad with")
+        self._check_rows_fit(n_pad + self._size, f"pad_to_multiple({_short(divisor)}) of {self._size} samples")
         pad = self.index([self._size - 1] * n_pad)
         if "response_mask" in pad._tensors:
             pad = pad.update(response_mask=torch.zeros_like(pad._tensors["response_mask"]))
@@ -480,8 +598,8 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def unpad(self, n_pad: int) -> TensorBatch:
         """Remove the last ``n_pad`` samples added by :meth:`pad_to_multiple`."""
-        if not 0 <= n_pad <= self._size:
-            raise BatchValidationError(f"unpad({n_pad}) on a batch of {self._size}")
+        check_int(n_pad, f"unpad() n_pad (on a batch of {self._size})", low=0, high=self._size,
+                  error=BatchValidationError)
         return self.index(slice(0, self._size - n_pad))
 
     def micro_batches(
@@ -497,13 +615,13 @@ class TensorBatch(Mapping[str, Tensor]):
         """
         if (max_tokens is None) == (size is None):
             raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")
+        check_bool(trim, "micro_batches() trim", error=BatchValidationError)
         lengths = self.seq_lengths()
         if max_tokens is not None:
             groups = partition_by_token_budget(lengths.tolist(), max_tokens)
         else:
             assert size is not None
-            if size < 1:
-                raise BatchValidationError(f"micro_batches(size={size}) needs size >= 1")
+            check_int(size, "micro_batches() size", low=1, error=BatchValidationError)
             groups = [list(range(i, min(i + size, self._size))) for i in range(0, self._size, size)]
         order = torch.tensor([i for g in groups for i in g], dtype=torch.int64)
         parts = []
@@ -525,6 +643,10 @@ class TensorBatch(Mapping[str, Tensor]):
             NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
             BatchValidationError: any other violation, naming ``where``, the field and the sample.
         """
+        if not isinstance(where, str):
+            raise BatchValidationError(f"check() where= must be a string, got {describe(where)}")
+        if vocab_size is not None:
+            check_int(vocab_size, f"{where}: check() vocab_size", low=1, error=BatchValidationError)
         sizes: dict[Dim, tuple[int, str]] = {"batch": (self._size, "<batch size>")}
         device: list[torch.device] = []
         for name, t in self._tensors.items():
@@ -580,7 +702,7 @@ class TensorBatch(Mapping[str, Tensor]):
             "meta": json.dumps(dataclasses.asdict(self._meta)),
             "batch_size": self._size,
         }
-        dest = Path(path)
+        dest = Path(_path(path, "save() path"))
         tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         try:
             torch.save(payload, tmp)
@@ -593,6 +715,7 @@ class TensorBatch(Mapping[str, Tensor]):
     @staticmethod
     def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> TensorBatch:
         """Read a batch written by :meth:`save` (never unpickles arbitrary objects)."""
+        _path(path, "load() path")
         try:
             payload = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as e:
@@ -614,8 +737,11 @@ class TensorBatch(Mapping[str, Tensor]):
 
 
 def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> dict[str, tuple[Any, ...]]:
+    _check_mapping(extras, "extras", "keys to one value per sample")
     out: dict[str, tuple[Any, ...]] = {}
     for key, values in extras.items():
+        if not isinstance(key, str):
+            raise BatchValidationError(f"extras keys must be strings, got {describe(key)}")
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise BatchValidationError(
                 f"extra {key!r}: expected a sequence of one value per sample, got {type(values).__name__}"
@@ -627,6 +753,80 @@ def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> d
         size = len(values)
         out[key] = tuple(values)
     return out
+
+
+def _is_list(value: object) -> bool:
+    """A sequence of items, not a string (whose characters would pass for items)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _check_mapping(value: object, name: str, what: str) -> None:
+    if not isinstance(value, Mapping):
+        raise BatchValidationError(f"{name} must be a mapping from {what}, got {describe(value)}")
+
+
+def _check_meta(meta: object, name: str) -> None:
+    if meta is not None and not isinstance(meta, BatchMeta):
+        raise BatchValidationError(f"{name} must be a BatchMeta or None, got {describe(meta)}")
+
+
+def _check_names(names: Sequence[object], name: str) -> None:
+    for n in names:
+        if not isinstance(n, str):
+            raise BatchValidationError(f"{name} must be strings, got {describe(n)}")
+
+
+def _short(i: int) -> str:
+    return str(i) if i.bit_length() <= 64 else f"<an integer of {i.bit_length()} bits>"
+
+
+def _out_of_range(lo: int, hi: int, size: int) -> BatchValidationError:
+    return BatchValidationError(
+        f"index() got indices in [{_short(lo)}, {_short(hi)}] for a batch of {size}; "
+        f"expected indices in [-{size}, {size})"
+    )
+
+
+def _index_tensor(indices: object, size: int) -> Tensor:
+    """``indices`` as an int64 tensor; bools, floats and anything not a list of integers are refused."""
+    if isinstance(indices, (list, tuple)):
+        for i in indices:
+            check_int(i, "index() indices", error=BatchValidationError)
+        if indices and (min(indices) < -size or max(indices) >= size):  # before torch, which overflows past int64
+            raise _out_of_range(min(indices), max(indices), size)
+        return torch.tensor(list(indices), dtype=torch.int64)
+    if isinstance(indices, (str, bytes, Mapping)):
+        raise BatchValidationError(f"index() takes integer indices, got {describe(indices)}")
+    try:
+        t = indices if isinstance(indices, Tensor) else torch.as_tensor(indices)
+    except Exception:  # whatever torch cannot read as an array
+        raise BatchValidationError(f"index() takes integer indices, got {describe(indices)}") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise BatchValidationError(
+            f"index() takes integer indices, got a tensor of dtype {t.dtype} (a bool mask or floats are not "
+            "indices; use mask.nonzero().squeeze(1) for a mask)"
+        )
+    return t.to(torch.int64)
+
+
+def _device(device: object, name: str) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise BatchValidationError(f"{name} must be a torch.device or a string like 'cpu' or 'cuda:0', got "
+                                   f"{describe(device)}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BatchValidationError(f"{name} must name a torch device like 'cpu' or 'cuda:0', got "
+                                   f"{describe(device)}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise BatchValidationError(f"{name} is {dev}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _path(path: object, name: str) -> str | os.PathLike[str]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise BatchValidationError(f"{name} must be a str or os.PathLike, got {describe(path)}")
+    return path
 
 
 def _extras_size(extras: Mapping[str, tuple[Any, ...]]) -> int:
@@ -668,8 +868,11 @@ def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[l
     Raises:
         BatchValidationError: ``max_tokens`` is smaller than the longest sample.
     """
-    if max_tokens < 1:
-        raise BatchValidationError(f"max_tokens must be >= 1, got {max_tokens}")
+    check_int(max_tokens, "max_tokens", low=1, error=BatchValidationError)
+    if not _is_list(lengths):
+        raise BatchValidationError(f"lengths must be a list of token counts, got {describe(lengths)}")
+    for n in lengths:
+        check_int(n, "lengths", low=0, error=BatchValidationError)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if order and lengths[order[0]] > max_tokens:
         raise BatchValidationError(
@@ -708,6 +911,8 @@ class MicroBatches:
 
     def restore(self, outputs: Sequence[TensorBatch]) -> TensorBatch:
         """Concatenate per-micro-batch outputs and put the samples back in the original order."""
+        if not _is_list(outputs) or not all(isinstance(o, TensorBatch) for o in outputs):
+            raise BatchValidationError(f"restore() takes a list of TensorBatch, got {describe(outputs)}")
         if [o.batch_size for o in outputs] != [b.batch_size for b in self.batches]:
             raise BatchValidationError(
                 "restore(): outputs have sizes "

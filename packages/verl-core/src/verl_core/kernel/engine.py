@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.errors import (
+    ConfigError,
+    check_bool,
+    check_int,
+    check_number,
+    check_str,
+    describe,
+)
 
 __all__ = ["DType", "EngineSpec", "OptimConfig", "ParallelSizes", "Role"]
 
@@ -18,12 +26,20 @@ ROLES: tuple[Role, ...] = ("actor", "reference", "critic", "rollout", "reward")
 DType = Literal["float32", "bfloat16", "float16"]
 """Parameter dtype of an engine's model. Log-probs are always computed in float32."""
 
+DTYPES: Final[tuple[DType, ...]] = ("float32", "bfloat16", "float16")
+_MAX_SEED: Final = 2**32 - 1  # numpy's seed range, which vLLM and others pass the seed on to
+
+
+def _one_of(value: object, allowed: tuple[str, ...], name: str) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {describe(value)}")
+
 
 @dataclass(frozen=True)
 class ParallelSizes:
     """Parallel degrees: tensor (tp), pipeline (pp) and data (dp) parallel.
 
-    The world size of an SPMD training group is ``tp * pp * dp``.
+    The world size of an SPMD training group is ``tp * pp * dp``; each degree is an integer >= 1.
     """
 
     tp: int = 1
@@ -32,8 +48,7 @@ class ParallelSizes:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ParallelSizes.{name} must be >= 1, got {getattr(self, name)}")
+            check_int(getattr(self, name), f"ParallelSizes.{name}", low=1)
 
     @property
     def world_size(self) -> int:
@@ -46,15 +61,17 @@ class OptimConfig:
     """Optimizer and schedule of a trainable engine (AdamW with warmup and cosine or constant decay).
 
     Attributes:
-        lr: Peak learning rate.
-        weight_decay: Decoupled weight decay.
-        betas: Adam betas.
-        eps: Adam epsilon.
-        warmup_steps: Linear warmup steps from 0 to ``lr``.
-        total_steps: Steps of the schedule (cosine decays to ``min_lr_ratio * lr`` at this step).
+        lr: Peak learning rate (> 0).
+        weight_decay: Decoupled weight decay (>= 0).
+        betas: Adam betas, two numbers in [0, 1) (a list is turned into a tuple).
+        eps: Adam epsilon (> 0).
+        warmup_steps: Linear warmup steps from 0 to ``lr`` (>= 0).
+        total_steps: Steps of the schedule (cosine decays to ``min_lr_ratio * lr`` at this step; >= 0).
         schedule: ``constant`` after warmup or ``cosine``.
-        min_lr_ratio: Floor of the cosine schedule as a fraction of ``lr``.
+        min_lr_ratio: Floor of the cosine schedule as a fraction of ``lr``, in [0, 1].
         grad_clip: Max global grad norm (0 disables clipping; the norm is still reported).
+
+    Every value must be finite and of its type; anything else raises ConfigError naming the field.
     """
 
     lr: float = 1e-5
@@ -68,14 +85,20 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"OptimConfig.lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0 or self.total_steps < 0:
-            raise ConfigError("OptimConfig.warmup_steps and total_steps must be >= 0")
-        if self.grad_clip < 0:
-            raise ConfigError(f"OptimConfig.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check_number(self.lr, "OptimConfig.lr", low=0, low_open=True)
+        check_number(self.weight_decay, "OptimConfig.weight_decay", low=0)
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ConfigError(f"OptimConfig.betas must be two numbers in [0, 1), got {describe(betas)}")
+        for i, b in enumerate(betas):
+            check_number(b, f"OptimConfig.betas[{i}]", low=0, high=1, high_open=True)
+        object.__setattr__(self, "betas", tuple(betas))
+        check_number(self.eps, "OptimConfig.eps", low=0, low_open=True)
+        check_int(self.warmup_steps, "OptimConfig.warmup_steps", low=0)
+        check_int(self.total_steps, "OptimConfig.total_steps", low=0)
+        _one_of(self.schedule, ("constant", "cosine"), "OptimConfig.schedule")
+        check_number(self.min_lr_ratio, "OptimConfig.min_lr_ratio", low=0, high=1)
+        check_number(self.grad_clip, "OptimConfig.grad_clip", low=0, hint=" (0 = off)")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step ``step`` (0-based)."""
@@ -94,20 +117,26 @@ class OptimConfig:
 class EngineSpec:
     """Everything needed to build an engine of any backend.
 
+    Every field is checked when the spec is built (types, ranges, that ``device`` parses as a
+    torch device); anything else raises ConfigError naming the field, the value and what is allowed.
+
     Attributes:
-        model_path: A transformers-format folder (config, safetensors weights, tokenizer).
+        model_path: A transformers-format folder (config, safetensors weights, tokenizer); a
+            ``pathlib.Path`` is turned into a string.
         role: The part the engine plays.
         dtype: Parameter dtype.
-        device: ``cpu``, ``cuda`` or ``cuda:N``; under torchrun each rank uses its local device.
-        seed: Seed of initialisation (value heads) and sampling.
-        max_prompt_len: Longest prompt the engine must accept.
-        max_response_len: Longest response the engine must accept or generate.
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (a ``torch.device`` is turned into its string);
+            under torchrun each rank uses its local device.
+        seed: Seed of initialisation (value heads) and sampling, in [0, 2**32 - 1].
+        max_prompt_len: Longest prompt the engine must accept (>= 1).
+        max_response_len: Longest response the engine must accept or generate (>= 1).
         parallel: Tensor, pipeline and data parallel sizes.
         optim: Optimizer settings (trainable roles: actor and critic).
-        micro_batch_tokens: Token budget per micro-batch (padded tokens); None uses micro_batch_size.
-        micro_batch_size: Samples per micro-batch when no token budget is set (None = whole batch).
+        micro_batch_tokens: Token budget per micro-batch (padded tokens, >= 1); None uses micro_batch_size.
+        micro_batch_size: Samples per micro-batch (>= 1) when no token budget is set (None = whole batch).
         gradient_checkpointing: Recompute activations in backward to save memory.
-        options: Backend-specific options, validated by the backend's own config class.
+        options: Backend-specific options (a mapping with string keys), validated by the backend's
+            own config class when the engine is built.
     """
 
     model_path: str
@@ -125,16 +154,28 @@ class EngineSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"EngineSpec.role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"EngineSpec.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.max_prompt_len < 1 or self.max_response_len < 1:
-            raise ConfigError("EngineSpec.max_prompt_len and max_response_len must be >= 1")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ConfigError(f"EngineSpec.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ConfigError(f"EngineSpec.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        path = self.model_path
+        object.__setattr__(self, "model_path", os.fspath(path) if isinstance(path, os.PathLike) else path)
+        check_str(self.model_path, "EngineSpec.model_path")
+        _one_of(self.role, ROLES, "EngineSpec.role")
+        _one_of(self.dtype, DTYPES, "EngineSpec.dtype")
+        object.__setattr__(self, "device", _device_string(self.device))
+        check_int(self.seed, "EngineSpec.seed", low=0, high=_MAX_SEED)
+        check_int(self.max_prompt_len, "EngineSpec.max_prompt_len", low=1)
+        check_int(self.max_response_len, "EngineSpec.max_response_len", low=1)
+        if not isinstance(self.parallel, ParallelSizes):
+            raise ConfigError(f"EngineSpec.parallel must be a ParallelSizes, got {describe(self.parallel)}")
+        if not isinstance(self.optim, OptimConfig):
+            raise ConfigError(f"EngineSpec.optim must be an OptimConfig, got {describe(self.optim)}")
+        for name in ("micro_batch_tokens", "micro_batch_size"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), f"EngineSpec.{name}", low=1, hint=" or None")
+        check_bool(self.gradient_checkpointing, "EngineSpec.gradient_checkpointing")
+        if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
+            raise ConfigError(
+                f"EngineSpec.options must be a mapping with string keys (the backend's options), got "
+                f"{describe(self.options)}"
+            )
 
     @property
     def torch_dtype(self) -> Any:
@@ -142,3 +183,19 @@ class EngineSpec:
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+def _device_string(device: object) -> str:
+    """``device`` as a string that ``torch.device`` accepts (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return str(device)
+    check_str(device, "EngineSpec.device")
+    assert isinstance(device, str)
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"EngineSpec.device must be a torch device such as 'cpu', 'cuda' or 'cuda:0', got "
+                          f"{describe(device)}") from None
+    return device

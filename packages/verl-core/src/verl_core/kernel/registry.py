@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, TypeVar, cast, get_args
 
 import pluggy
 
@@ -28,7 +28,7 @@ from verl_core.kernel.capabilities import (
     TrainingCapabilities,
 )
 from verl_core.kernel.engine import ROLES, EngineSpec, Role
-from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError
+from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError, check_str, describe
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine
 from verl_core.kernel.training import TrainingEngine
@@ -141,9 +141,17 @@ def import_string(path: str) -> Any:
 
 
 def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: str = "options") -> _T:
-    """Build a dataclass config from a mapping; unknown keys are an error listing the valid ones."""
-    if not dataclasses.is_dataclass(config_class):
-        raise TypeError(f"{config_class!r} is not a dataclass")
+    """Build a dataclass config from a mapping; unknown keys are an error listing the valid ones.
+
+    Raises:
+        ConfigError: ``options`` is not a mapping with string keys, has unknown keys, or holds a
+            value the config class refuses.
+        PluginError: ``config_class`` is not a dataclass (a backend declared a wrong config class).
+    """
+    if not isinstance(config_class, type) or not dataclasses.is_dataclass(config_class):
+        raise PluginError(f"{where}: the config class {describe(config_class)} is not a dataclass")
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(f"{where} must be a mapping with string keys, got {describe(options)}")
     names = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(options) - names)
     if unknown:
@@ -152,7 +160,9 @@ def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: 
         )
     try:
         return config_class(**options)
-    except TypeError as e:
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a config class that checks with plain Python errors
         raise ConfigError(f"{where}: {e}") from e
 
 
@@ -208,6 +218,7 @@ class Registry:
     def register(self, plugin: ModuleType | object, name: str, *, distribution: str = "<in-process>",
                  version: str = "0") -> None:
         """Register a plugin object in-process (for third-party code and tests without installing)."""
+        check_str(name, "plugin name", error=PluginError)
         with self._lock:
             self._ensure_loaded()
             self._register_module(plugin, name, distribution, version)
@@ -215,16 +226,36 @@ class Registry:
     def _register_module(self, plugin: object, name: str, dist: str, version: str) -> None:
         if self.pm.has_plugin(name):
             raise PluginError(f"a verl plugin named {name!r} is already registered")
-        self.pm.register(plugin, name=name)
         try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"verl plugin {name!r} (from {dist}): {e}") from e
+        try:
+            self._check_hook_names(plugin, name, dist)
             self._collect(plugin, name, dist, version)
         except Exception:
             self.pm.unregister(plugin, name=name)
             raise
 
+    def _check_hook_names(self, plugin: object, name: str, dist: str) -> None:
+        """Refuse a plugin whose ``@hookimpl`` names no hook spec (a misspelt hook would never run)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            specs = sorted(n for n in dir(hookspecs) if n.startswith("verl_"))
+            raise PluginError(
+                f"verl plugin {name!r} (from {dist}) implements a hook that does not exist: {e}; "
+                f"the hooks are: {', '.join(specs)}"
+            ) from e
+
+    def _call(self, plugin: object, hook: str, **kwargs: Any) -> list[Any]:
+        """The results of ``plugin``'s implementation of ``hook``, called through pluggy."""
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
+        return list(self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs))
+
     def _collect(self, plugin: object, name: str, dist: str, version: str) -> None:
-        backend_fn = getattr(plugin, "verl_backend", None)
-        spec = backend_fn() if backend_fn is not None else None
+        specs = self._call(plugin, "verl_backend")
+        spec = specs[0] if specs else None
         if spec is not None:
             if not isinstance(spec, BackendSpec):
                 raise PluginError(f"plugin {name!r}: verl_backend() must return a BackendSpec, got {type(spec).__name__}")
@@ -243,8 +274,7 @@ class Registry:
                 other = self._backends[name].distribution
                 raise PluginError(f"two distributions claim the verl backend name {name!r}: {other} and {dist}")
             self._backends[name] = InstalledBackend(spec, dist, version)
-        comps_fn = getattr(plugin, "verl_algorithm_components", None)
-        for comp in (comps_fn() if comps_fn is not None else []) or []:
+        for comp in [c for comps in self._call(plugin, "verl_algorithm_components") for c in comps or []]:
             key = (comp.kind, comp.name)
             if key in self._components:
                 raise PluginError(
@@ -260,6 +290,7 @@ class Registry:
 
     def backend(self, name: str) -> InstalledBackend:
         """The backend ``name``; an unknown name lists the installed ones and how to add it."""
+        check_str(name, "backend name")
         backends = self.backends()
         if name not in backends:
             hint = _INSTALL_HINTS.get(name, f"pip install verl-{name}")
@@ -272,6 +303,7 @@ class Registry:
 
     def build(self, name: str, spec: EngineSpec) -> Any:
         """Build the engine of ``spec.role`` from backend ``name`` (imports the engine here)."""
+        _check_spec(spec)
         backend = self.backend(name)
         factory_path = backend.spec.roles.get(spec.role)
         if factory_path is None:
@@ -289,6 +321,8 @@ class Registry:
 
     def weight_sync(self, source: str, target: str) -> WeightSync:
         """A direct WeightSync for the pair when a plugin registers one, else the canonical stream."""
+        check_str(source, "weight sync source backend name")
+        check_str(target, "weight sync target backend name")
         self._ensure_loaded()
         direct = self.pm.hook.verl_weight_sync(source=source, target=target)
         if direct is not None:
@@ -298,12 +332,16 @@ class Registry:
     # ------------------------------------------------------------- algorithms
     def components(self, kind: ComponentKind) -> dict[str, AlgorithmComponent]:
         """Registered components of ``kind`` by name."""
+        kinds = get_args(ComponentKind)
+        if not isinstance(kind, str) or kind not in kinds:
+            raise UnknownNameError(f"unknown algorithm component kind {describe(kind)}; kinds: {', '.join(kinds)}")
         self._ensure_loaded()
         return {n: c for (k, n), (c, _) in sorted(self._components.items()) if k == kind}
 
     def component(self, kind: ComponentKind, name: str) -> AlgorithmComponent:
         """The component ``name`` of ``kind``; an unknown name lists the registered ones."""
         comps = self.components(kind)
+        check_str(name, f"{kind} name")
         if name not in comps:
             raise UnknownNameError(
                 f"unknown {kind} {name!r}; registered: {', '.join(comps) or 'none'}"
@@ -353,6 +391,7 @@ def get_backend(name: str) -> InstalledBackend:
 
 def get_training_engine(name: str, spec: EngineSpec) -> TrainingEngine:
     """Build a training engine (actor, reference or critic) of backend ``name``."""
+    _check_spec(spec)
     if spec.role not in ("actor", "reference", "critic"):
         raise ConfigError(f"get_training_engine needs role actor, reference or critic, got {spec.role!r}")
     return cast(TrainingEngine, _checked(get_registry().build(name, spec), TrainingEngine, name, spec.role))
@@ -360,6 +399,7 @@ def get_training_engine(name: str, spec: EngineSpec) -> TrainingEngine:
 
 def get_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
     """Build a rollout engine of backend ``name``."""
+    _check_spec(spec)
     if spec.role != "rollout":
         raise ConfigError(f"get_rollout_engine needs role 'rollout', got {spec.role!r}")
     return cast(RolloutEngine, _checked(get_registry().build(name, spec), RolloutEngine, name, spec.role))
@@ -367,6 +407,7 @@ def get_rollout_engine(name: str, spec: EngineSpec) -> RolloutEngine:
 
 def get_reward_engine(name: str, spec: EngineSpec) -> RewardEngine:
     """Build a reward engine of backend ``name``."""
+    _check_spec(spec)
     if spec.role != "reward":
         raise ConfigError(f"get_reward_engine needs role 'reward', got {spec.role!r}")
     return cast(RewardEngine, _checked(get_registry().build(name, spec), RewardEngine, name, spec.role))
@@ -375,6 +416,11 @@ def get_reward_engine(name: str, spec: EngineSpec) -> RewardEngine:
 def get_weight_sync(source: str, target: str) -> WeightSync:
     """The WeightSync from training backend ``source`` to rollout backend ``target``."""
     return get_registry().weight_sync(source, target)
+
+
+def _check_spec(spec: object) -> None:
+    if not isinstance(spec, EngineSpec):
+        raise ConfigError(f"spec must be an EngineSpec, got {describe(spec)}")
 
 
 def _checked(obj: object, proto: type, name: str, role: str) -> object:

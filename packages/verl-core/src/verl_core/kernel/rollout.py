@@ -1,40 +1,67 @@
-"""The RolloutEngine protocol and SamplingParams."""
+"""The RolloutEngine protocol, SamplingParams, and the memory check every engine runs before generating."""
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 
+from verl_core.kernel.batch import check_fits
 from verl_core.kernel.capabilities import RolloutCapabilities
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.errors import ConfigError, check_bool, check_int, check_number, describe
+from verl_core.kernel.schema import check_temperature
 
 if TYPE_CHECKING:
     from verl_core.kernel.batch import TensorBatch
     from verl_core.kernel.tokenizer import Tokenizer
     from verl_core.kernel.weights import WeightMessage
 
-__all__ = ["RolloutEngine", "SamplingParams"]
+__all__ = [
+    "MAX_NEW_TOKENS",
+    "MAX_SAMPLES_PER_PROMPT",
+    "RolloutEngine",
+    "SamplingParams",
+    "check_generate_memory",
+    "generate_memory_bytes",
+]
+
+MAX_SAMPLES_PER_PROMPT: Final = 65536
+"""Largest ``SamplingParams.n``."""
+MAX_NEW_TOKENS: Final = 1 << 20
+"""Largest ``SamplingParams.max_new_tokens`` (1,048,576; engines also cap it at ``max_response_len``)."""
+_MAX_TOKEN_ID: Final = 2**63 - 1  # token ids are int64
+_MAX_TOP_K: Final = 2**31 - 1  # engines hold k in 32 bits
+_MAX_SEED: Final = 2**64 - 1  # torch.Generator.manual_seed's range
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample responses.
 
+    Every field is checked when the object is built: a value of the wrong type (a bool is not an
+    integer here) or out of range raises :class:`~verl_core.kernel.errors.ConfigError` naming the field,
+    the value and what is allowed.
+
     Attributes:
-        temperature: Softmax temperature T > 0; ``rollout_log_probs`` are of softmax(logits / T).
+        temperature: Softmax temperature, a finite T >= ``verl_core.kernel.schema.MIN_TEMPERATURE`` (1e-4);
+            ``rollout_log_probs`` are of softmax(logits / T). Lower temperatures are refused, not
+            clamped: below the floor ``logits / T`` overflows float32 and the log-probs would be NaN.
+            For argmax decoding use ``greedy=True``.
         top_p: Nucleus threshold in (0, 1] (1 = off).
-        top_k: Keep the k most likely tokens (0 = off).
-        max_new_tokens: Longest response; a response cut here has ``truncated`` True.
-        n: Samples per prompt; they share the prompt's group id.
-        stop_token_ids: Extra tokens that end a response besides EOS (kept in the response).
-        seed: Seed of sampling; with the group id and sample index it fixes each sample's stream
-            (engines with ``seeding="per_batch"`` seed the whole call). None = unseeded.
+        top_k: Keep the k most likely tokens, 0 <= k < 2**31 (0 = off).
+        max_new_tokens: Longest response, 1 to :data:`MAX_NEW_TOKENS`; a response cut here has
+            ``truncated`` True.
+        n: Samples per prompt, 1 to :data:`MAX_SAMPLES_PER_PROMPT` (65536); they share the prompt's
+            group id.
+        stop_token_ids: Extra tokens that end a response besides EOS (kept in the response): a
+            tuple (a list is turned into one) of token ids >= 0.
+        seed: Seed of sampling, an integer in [0, 2**64 - 1]; with the group id and sample index
+            it fixes each sample's stream (engines with ``seeding="per_batch"`` seed the whole
+            call). None = unseeded.
         greedy: Take the most likely token (ties to the lowest id); log-probs still use ``temperature``.
     """
 
@@ -48,31 +75,95 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f"SamplingParams.{name} must be a finite number, got {value!r}")
-        for name in ("top_k", "max_new_tokens", "n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"SamplingParams.{name} must be an integer, got {value!r}")
-        if not self.temperature > 0:
-            raise ConfigError(
-                f"SamplingParams.temperature must be > 0 (use greedy=True for argmax), got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}")
+        check_temperature(self.temperature)
+        check_number(self.top_p, "SamplingParams.top_p", low=0, high=1, low_open=True, hint=" (1 = off)")
+        check_int(self.top_k, "SamplingParams.top_k", low=0, high=_MAX_TOP_K, hint=" (0 = off)")
+        check_int(self.max_new_tokens, "SamplingParams.max_new_tokens", low=1, high=MAX_NEW_TOKENS)
+        check_int(self.n, "SamplingParams.n", low=1, high=MAX_SAMPLES_PER_PROMPT)
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)):
+            raise ConfigError(f"SamplingParams.stop_token_ids must be a tuple of token ids, got {describe(stops)}")
+        for i, t in enumerate(stops):
+            check_int(t, f"SamplingParams.stop_token_ids[{i}]", low=0, high=_MAX_TOKEN_ID)
+        object.__setattr__(self, "stop_token_ids", tuple(stops))  # hashable, like the declared type
+        if self.seed is not None:
+            check_int(self.seed, "SamplingParams.seed", low=0, high=_MAX_SEED, hint=" or None")
+        check_bool(self.greedy, "SamplingParams.greedy")
 
     @property
     def truncates(self) -> bool:
         """True when top-k or top-p cut the distribution that is sampled from."""
         return self.top_p < 1.0 or self.top_k > 0
+
+
+_PROMPT_TOKEN_BYTES: Final = 9  # int64 id + bool mask
+_RESPONSE_TOKEN_BYTES: Final = 13  # int64 id + bool mask + float32 log-prob
+_LOGIT_BYTES: Final = 8  # a float32 logit and its float32 log-softmax
+
+
+def generate_memory_bytes(
+    prompts: int, prompt_len: int, params: SamplingParams, *, vocab_size: int = 0, rows_at_once: int | None = None
+) -> int:
+    """A lower bound of the memory a generate call allocates, in bytes.
+
+    ``rows = prompts x n`` samples each hold a copy of their prompt (``prompt_len`` x 9 bytes: int64
+    id and bool mask) and ``max_new_tokens`` response slots (13 bytes: int64 id, bool mask, float32
+    log-prob); an engine that materialises full-vocabulary logits adds ``rows_at_once x vocab_size
+    x 8`` bytes (float32 logits and their log-softmax, for the rows decoded together). KV caches,
+    activations and sampling tables come on top, so a request above this bound can never fit.
+
+    Args:
+        prompts: Prompts in the call.
+        prompt_len: Their padded width.
+        params: The sampling parameters (``n``, ``max_new_tokens``).
+        vocab_size: Logit columns per row, 0 for an engine that keeps its logits elsewhere.
+        rows_at_once: Rows decoded together (None = all of them).
+    """
+    rows = prompts * params.n
+    at_once = rows if rows_at_once is None else min(rows, rows_at_once)
+    per_row = prompt_len * _PROMPT_TOKEN_BYTES + params.max_new_tokens * _RESPONSE_TOKEN_BYTES
+    return rows * per_row + at_once * vocab_size * _LOGIT_BYTES
+
+
+def check_generate_memory(
+    prompts: TensorBatch, params: SamplingParams, *, device: torch.device | str, vocab_size: int = 0,
+    rows_at_once: int | None = None, where: str = "generate", available: int | None = None, group: Any = None,
+) -> int:
+    """Refuse a generate request that cannot fit in memory, before anything is allocated.
+
+    Every engine calls this at the start of ``generate``. The estimate is
+    :func:`generate_memory_bytes` (a lower bound), compared with the memory available on
+    ``device`` (free CUDA memory plus PyTorch's unused cache, or the host's available memory);
+    requests under 64 MiB are not probed.
+
+    Args:
+        prompts: The prompts of the call.
+        params: Its sampling parameters.
+        device: Where the engine generates.
+        vocab_size: Logit columns per row when the engine materialises full-vocabulary logits.
+        rows_at_once: Rows the engine decodes together (None = all).
+        where: The caller, for the message.
+        available: Available bytes (default: probed on ``device``).
+        group: The process group of ranks that generate together (e.g. tensor-parallel ranks):
+            they compare against the smallest available memory among them, so all refuse or
+            all proceed (see :func:`verl_core.kernel.batch.check_fits`).
+
+    Returns:
+        The estimate in bytes.
+
+    Raises:
+        RequestTooLargeError: the estimate exceeds the available memory; the message gives the
+            estimate, how it was made and the memory available.
+    """
+    need = generate_memory_bytes(prompts.batch_size, prompts.prompt_len, params, vocab_size=vocab_size,
+                                 rows_at_once=rows_at_once)
+    rows = prompts.batch_size * params.n
+    logits = f" + logits of {min(rows, rows_at_once or rows)} rows x {vocab_size} tokens" if vocab_size else ""
+    check_fits(need, device, (
+        f"{where}: {prompts.batch_size} prompts x n={params.n} = {rows} samples of {prompts.prompt_len} prompt + "
+        f"{params.max_new_tokens} new tokens{logits}"
+    ), available=available, group=group)
+    return need
 
 
 class RolloutEngine(Protocol):
@@ -130,7 +221,7 @@ class RolloutEngine(Protocol):
 
     @abstractmethod
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
-        """Apply a weight stream (see :func:`verl_core.kernel.weights.apply_weight_stream`).
+        """Apply a weight stream (see :func:`verl_core.enginekit.weight_stream.apply_weight_stream`).
 
         On success the new version serves and the prefix cache is invalidated; on any failure
         the engine is stale and ``generate`` raises until a complete sync succeeds.

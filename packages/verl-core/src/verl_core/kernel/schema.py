@@ -8,23 +8,66 @@ Layout rules (docs/architecture.md, "Batch layout"):
 * pad positions of id fields hold the tokenizer's pad id (``BatchMeta.pad_token_id``);
 * ``log_probs[b, t] = log softmax(logits / T)[response_ids[b, t]]`` where the logits are those at the
   position of the preceding token and ``T`` is ``BatchMeta.temperature``, before any top-k/top-p/min-p
-  truncation or penalty, computed in float32.
+  truncation or penalty, computed in float32;
+* ``T`` is at least :data:`MIN_TEMPERATURE` (:func:`check_temperature`), so ``logits / T`` stays
+  finite in float32 and no log-prob is NaN.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
 
+from verl_core.kernel.errors import ConfigError, VerlError, check_number, check_str, describe
+
 __all__ = [
     "FIELDS",
+    "MIN_TEMPERATURE",
     "Dim",
     "FieldKind",
     "FieldSpec",
+    "check_temperature",
     "register_field",
 ]
+
+MIN_TEMPERATURE: Final = 1e-4
+"""Lowest temperature T accepted anywhere (sampling and log-probs).
+
+``logits / T`` then stays finite in float32 for every logit below 3.4e34 in magnitude (float32's
+largest value times ``1e-4``), so ``log softmax(logits / T)`` is never NaN. At T = 1e-40 the
+division overflows to inf and every log-prob becomes NaN. Lower temperatures are refused, not
+clamped; for argmax decoding use ``SamplingParams(greedy=True)``.
+"""
+
+
+def check_temperature(
+    value: object, name: str = "SamplingParams.temperature", *, floor: float = MIN_TEMPERATURE,
+    error: type[VerlError] = ConfigError, reason: str = "",
+) -> float:
+    """The one check of a temperature T: a finite number >= ``floor`` (:data:`MIN_TEMPERATURE` by default).
+
+    Every place that takes a temperature (``SamplingParams``, ``BatchMeta``, engines with a higher
+    floor of their own) calls this, so the rule and its message live here.
+
+    Args:
+        value: The temperature given.
+        name: How the message names it.
+        floor: The lowest allowed temperature (an engine may ask for more, never for less).
+        error: The error class to raise.
+        reason: Why this floor, for the message (default: float32 finiteness of ``logits / T``).
+
+    Returns:
+        The temperature as a float.
+
+    Raises:
+        ConfigError: (or ``error``) naming ``name``, the value and the allowed range.
+    """
+    why = reason or "lower ones overflow logits / T in float32 and give NaN log-probs"
+    return check_number(value, name, low=max(floor, MIN_TEMPERATURE), error=error,
+                        hint=f" ({why}; for argmax decoding use greedy=True)")
 
 Dim = Literal["batch", "prompt", "response"]
 """A named dimension. All fields share ``batch``; prompt fields share ``prompt``; per-token fields
@@ -34,13 +77,30 @@ FieldKind = Literal["ids", "mask", "float", "index", "flag"]
 """What a field holds, which decides its padding value and whether it is checked for NaN/inf."""
 
 
+def _integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+_KIND_DTYPES: Final[dict[str, Callable[[torch.dtype], bool]]] = {
+    "ids": _integer,
+    "mask": lambda d: d == torch.bool,
+    "float": lambda d: d.is_floating_point,
+    "index": _integer,
+    "flag": lambda d: d == torch.bool,
+}
+_KIND_VALUES: Final = {"ids": "integers", "mask": "booleans", "float": "floating-point numbers",
+                       "index": "integers", "flag": "booleans"}
+_LAYOUTS: Final[tuple[tuple[Dim, ...], ...]] = (("batch",), ("batch", "prompt"), ("batch", "response"))
+"""The shapes a field may have: per sample, per prompt token, per response token."""
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """The declared shape, dtype and meaning of one batch field.
 
     Attributes:
         name: Field name, a valid Python identifier.
-        dims: Named dims, always starting with ``"batch"``.
+        dims: Named dims: ``("batch",)``, ``("batch", "prompt")`` or ``("batch", "response")``.
         dtype: The exact torch dtype the field must have.
         kind: ``ids`` (padded with the pad id), ``mask`` (padded with False), ``float`` (padded with 0,
             must be finite), ``index`` (int64 per-sample ids), ``flag`` (bool per sample).
@@ -52,6 +112,27 @@ class FieldSpec:
     dtype: torch.dtype
     kind: FieldKind
     doc: str
+
+    def __post_init__(self) -> None:
+        check_str(self.name, "FieldSpec.name")
+        if not self.name.isidentifier():
+            raise ConfigError(f"FieldSpec.name must be a valid Python identifier, got {describe(self.name)}")
+        if self.dims not in _LAYOUTS:
+            raise ConfigError(
+                f"FieldSpec.dims of field {self.name!r} must be one of {', '.join(map(str, _LAYOUTS))}, "
+                f"got {describe(self.dims)}"
+            )
+        if not isinstance(self.kind, str) or self.kind not in _KIND_DTYPES:
+            raise ConfigError(
+                f"FieldSpec.kind of field {self.name!r} must be one of {', '.join(_KIND_DTYPES)}, got {describe(self.kind)}"
+            )
+        if not isinstance(self.dtype, torch.dtype) or not _KIND_DTYPES[self.kind](self.dtype):
+            raise ConfigError(
+                f"FieldSpec.dtype of field {self.name!r} (kind {self.kind!r}) must be a torch dtype that holds "
+                f"{_KIND_VALUES[self.kind]}, got {describe(self.dtype)}"
+            )
+        if not isinstance(self.doc, str):
+            raise ConfigError(f"FieldSpec.doc of field {self.name!r} must be a string, got {describe(self.doc)}")
 
     @property
     def pad_value(self) -> float | bool | None:
@@ -74,16 +155,17 @@ FIELDS: dict[str, FieldSpec] = {}
 def register_field(spec: FieldSpec) -> FieldSpec:
     """Add a field to the schema so batches accept it.
 
-    Registering the same spec twice is a no-op; registering a different spec under an existing name
-    raises ``ValueError`` naming both.
+    Registering the same spec twice is a no-op. :class:`FieldSpec` checks itself when built.
+
+    Raises:
+        ConfigError: ``spec`` is not a FieldSpec, or a different spec is registered under its name
+            (the message names both).
     """
-    if not spec.name.isidentifier():
-        raise ValueError(f"field name {spec.name!r} is not a valid identifier")
-    if not spec.dims or spec.dims[0] != "batch":
-        raise ValueError(f"field {spec.name!r}: dims must start with 'batch', got {spec.dims}")
+    if not isinstance(spec, FieldSpec):
+        raise ConfigError(f"register_field() takes a FieldSpec, got {describe(spec)}")
     old = FIELDS.get(spec.name)
     if old is not None and old != spec:
-        raise ValueError(f"field {spec.name!r} is already registered as {old}; refusing {spec}")
+        raise ConfigError(f"field {spec.name!r} is already registered as {old}; refusing {spec}")
     FIELDS[spec.name] = spec
     return spec
 

@@ -6,16 +6,17 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verl_core.kernel.errors import ConfigError, UnknownNameError
 
 if TYPE_CHECKING:
+    from verl_core.trainer.config import RunConfig
     from verl_core.trainer.trainer import Trainer
 
-__all__ = ["register"]
+__all__ = ["add_run_arguments", "check_backends", "load_run_config", "register"]
 
 
 def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
@@ -29,6 +30,13 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
             "Flags may come anywhere among the overrides."
         ),
     )
+    add_run_arguments(p, checks="keys, values, algorithm options, backends")
+    return _handle
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, checks: str) -> None:
+    """Add the arguments every run command takes to ``p``: CONFIG, overrides, ``--resume``,
+    ``--output-dir``, ``--print-config``, ``--check`` (its help names ``checks``) and ``--debug``."""
     p.add_argument("config", nargs="?", help="config file (.toml, .yaml, .yml); omitted = the defaults")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of output_dir")
@@ -36,16 +44,21 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument(
         "--check", action="store_true",
-        help="validate the config (keys, values, algorithm options) and exit 0 if it is valid; builds no "
-        "engine and writes nothing",
+        help=f"validate the config ({checks}) and exit 0 if it is valid; builds no engine and writes nothing",
     )
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="print the full traceback of an error")
-    return _handle
 
 
-def _handle(args: argparse.Namespace) -> int:
-    from verl_core.trainer.config import config_to_dict, load_config
+def load_run_config(args: argparse.Namespace) -> RunConfig:
+    """The run config of :func:`add_run_arguments`' arguments: the file (if any), then the overrides.
+
+    A first positional holding ``=`` that is not a file is taken as an override.
+
+    Raises:
+        ConfigError: the file or an override is invalid.
+    """
+    from verl_core.trainer.config import load_config
 
     config_path = args.config
     overrides = list(args.overrides)
@@ -54,14 +67,29 @@ def _handle(args: argparse.Namespace) -> int:
         config_path = None
     if args.output_dir:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
-    config = load_config(config_path, overrides)
+    return load_config(config_path, overrides)
+
+
+def config_folder(args: argparse.Namespace) -> Path | None:
+    """The folder of the config file named on the command line (None when only overrides were given)."""
+    path = args.config
+    return Path(path).parent if path is not None and Path(path).is_file() else None
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from verl_core.trainer.config import check_device_here, config_to_dict
+
+    config = load_run_config(args)
     if args.print_config and not args.check:
         print(json.dumps(config_to_dict(config), indent=1))
         return 0
     from verl_core.trainer.trainer import Trainer
 
-    trainer = Trainer(config)  # checks the algorithm and its options against the rest of the config
-    _check_backends(trainer)
+    # checks the algorithm and its options against the rest of the config; relative paths in the
+    # config (datasets, reward functions, callbacks) are looked up next to the config file first
+    trainer = Trainer(config, base_dir=config_folder(args))
+    check_device_here(config)
+    check_backends(config, _roles(trainer))
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)
@@ -88,19 +116,9 @@ def _handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_backends(trainer: Trainer) -> None:
-    """Every role the run uses has an installed backend that provides it and takes its options.
-
-    Building the engines checks the same, but only after the tiny model is written; this fails a
-    misspelt backend name or option first. With the Ray executor the workers' installation is
-    what counts, so it is left to them.
-    """
-    from verl_core.kernel.registry import get_backend, import_string, parse_options
-
-    config = trainer.config
-    if config.executor != "local":
-        return
-    b = config.backends
+def _roles(trainer: Trainer) -> dict[str, str]:
+    """Role -> backend of every engine the RL run builds."""
+    b = trainer.config.backends
     roles = {"actor": b.actor, "rollout": b.rollout}
     if trainer.use_reference:
         roles["reference"] = b.reference
@@ -108,6 +126,24 @@ def _check_backends(trainer: Trainer) -> None:
         roles["critic"] = b.critic
     if b.reward != "rule":
         roles["reward"] = b.reward
+    return roles
+
+
+def check_backends(config: RunConfig, roles: Mapping[str, str]) -> None:
+    """Every role -> backend of ``roles`` is installed, provides that role and takes its options.
+
+    Building the engines checks the same, but only after the tiny model is written; this fails a
+    misspelt backend name or option first. With the Ray executor the workers' installation is
+    what counts, so it is left to them.
+
+    Raises:
+        ConfigError: naming the ``backends.*`` key that is wrong.
+    """
+    from verl_core.kernel.registry import get_backend, import_string, parse_options
+
+    if config.executor != "local":
+        return
+    b = config.backends
     for role, name in roles.items():
         key = f"backends.{role}"
         try:

@@ -414,6 +414,8 @@ def _check_tokens(cfg: RunConfig) -> None:
             f"config keys 'batch.min_tokens' ({cfg.batch.min_tokens}) must be <= 'batch.max_tokens' "
             f"({cfg.batch.max_tokens})"
         )
+    if cfg.data.train_paths:
+        return  # the dataset supplies the prompts: the built-in task's answer length does not apply
     need = cfg.task.digits + (2 if cfg.task.name == "add" else 1)  # the answer, then EOS
     if cfg.rollout.max_new_tokens < need:
         raise ConfigError(
@@ -448,7 +450,15 @@ def _check_model_shape(cfg: RunConfig) -> None:
         )
 
 
-def _check_device(cfg: RunConfig) -> None:
+def check_device_here(cfg: RunConfig) -> None:
+    """Refuse a ``model.device`` this machine does not have (the local executor only).
+
+    Not part of loading a config: a config written for a GPU machine is valid anywhere; this runs
+    where the run starts (``Trainer.setup``, ``verl train --check``).
+
+    Raises:
+        ConfigError: ``cuda`` without CUDA, or a CUDA index beyond the devices present.
+    """
     device = cfg.model.device
     if device == "cpu" or cfg.executor != "local":
         return  # Ray workers may see GPUs this process does not; each checks its own device
@@ -468,7 +478,7 @@ def _check_device(cfg: RunConfig) -> None:
 
 
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape, _check_device)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape)
 
 
 # ---------------------------------------------------------------------------- building

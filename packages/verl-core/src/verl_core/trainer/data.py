@@ -73,6 +73,10 @@ class DataConfig:
         long_prompts: ``drop`` (leave longer prompts out and count them) or ``error`` (refuse
             the dataset, naming the first such row).
         shuffle: Shuffle the training rows every epoch (with the run seed; deterministic).
+        eval_every: Steps between evaluations on ``eval`` (0 = only after the last step; the
+            last step is always evaluated).
+        eval_n: Responses per evaluation prompt: 1 = one greedy response (the default); more =
+            that many sampled with the rollout's temperature, top-p and top-k.
     """
 
     train: str | list[str] = ""
@@ -82,6 +86,8 @@ class DataConfig:
     max_prompt_len: int | None = None
     long_prompts: LongPromptPolicy = "drop"
     shuffle: bool = True
+    eval_every: int = 0
+    eval_n: int = 1
 
     def __post_init__(self) -> None:
         for name in ("train", "eval"):
@@ -104,6 +110,10 @@ class DataConfig:
             raise ConfigError(f"data.max_prompt_len must be an integer >= 1 or none, got {self.max_prompt_len!r}")
         if self.long_prompts not in ("drop", "error"):
             raise ConfigError(f"data.long_prompts must be 'drop' or 'error', got {self.long_prompts!r}")
+        for name, low in (("eval_every", 0), ("eval_n", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"data.{name} must be an integer >= {low}, got {value!r}")
 
     @property
     def train_paths(self) -> list[str]:
@@ -139,11 +149,11 @@ def require_datasets() -> Any:
 
 
 # ----------------------------------------------------------------------------- reading files
-def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
-    """The columns of one file or ``save_to_disk`` folder, as Python lists."""
+def _read(path: str, cache_dir: str | None, where: str) -> dict[str, list[Any]]:
+    """The columns of one file or ``save_to_disk`` folder, as Python lists (``where`` starts every message)."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
+        raise ConfigError(f"{where}: dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
     datasets = require_datasets()
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # the trainer's own progress line owns stderr
@@ -153,22 +163,22 @@ def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
     log.setLevel(logging.CRITICAL)
     try:
         if p.is_dir():
-            return _read_folder(datasets, path)
+            return _read_folder(datasets, path, where)
         suffix = p.suffix.lower()
         if suffix not in FORMATS:
             raise ConfigError(
-                f"dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
+                f"{where}: dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
                 f"{', '.join(FORMATS)} files, or a folder written by datasets' save_to_disk"
             )
         size = p.stat().st_size
         if size == 0 or (suffix != ".parquet" and size < 1 << 16 and not p.read_bytes().strip()):
-            raise ConfigError(f"dataset {path!r} is empty; expected rows with at least a prompt column")
+            raise ConfigError(f"{where}: dataset {path!r} is empty; expected rows with at least a prompt column")
         try:
             ds = datasets.load_dataset(FORMATS[suffix], data_files=[str(p)], split="train", cache_dir=cache_dir)
         except Exception as e:  # datasets wraps parser errors in its own exception types
             if suffix == ".csv" and sum(1 for line in p.open(errors="replace") if line.strip()) <= 1:
-                raise ConfigError(f"dataset {path!r} has no rows (only a header)") from e
-            raise ConfigError(f"dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
+                raise ConfigError(f"{where}: dataset {path!r} has no rows (only a header)") from e
+            raise ConfigError(f"{where}: dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
         return dict(ds.to_dict())
     finally:
         log.setLevel(level)
@@ -176,18 +186,18 @@ def _read(path: str, cache_dir: str | None) -> dict[str, list[Any]]:
             datasets.enable_progress_bars()
 
 
-def _read_folder(datasets: Any, path: str) -> dict[str, list[Any]]:
+def _read_folder(datasets: Any, path: str, where: str) -> dict[str, list[Any]]:
     try:
         ds = datasets.load_from_disk(path)
     except Exception as e:
         raise ConfigError(
-            f"dataset folder {path!r} cannot be read with datasets.load_from_disk ({type(e).__name__}: {e}); "
+            f"{where}: dataset folder {path!r} cannot be read with datasets.load_from_disk ({type(e).__name__}: {e}); "
             "expected a folder written by Dataset.save_to_disk"
         ) from e
     if isinstance(ds, datasets.DatasetDict):
         example = "train" if "train" in ds else sorted(ds)[0]
         raise ConfigError(
-            f"dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
+            f"{where}: dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
             f"folder, e.g. {str(Path(path) / example)!r}"
         )
     return dict(ds.to_dict())
@@ -253,6 +263,10 @@ class PromptDataset:
         columns: Every other column, one value per kept row.
         dropped: Rows left out because their prompt was longer than ``max_prompt_len``.
         sources: The files or folders the rows came from, in order.
+
+    Args:
+        longest: Tokens of the longest prompt when already known (:meth:`load` measures every
+            prompt); ``None`` = encode them when :attr:`longest_prompt` is first read.
     """
 
     def __init__(
@@ -263,6 +277,7 @@ class PromptDataset:
         *,
         dropped: int = 0,
         sources: Sequence[str] = (),
+        longest: int | None = None,
     ) -> None:
         self.prompts: tuple[str, ...] = tuple(prompts)
         self.columns: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in columns.items()}
@@ -272,6 +287,14 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.dropped = dropped
         self.sources: tuple[str, ...] = tuple(sources)
+        self._longest = longest
+
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt (as measured at load, else encoded with :attr:`tokenizer` now)."""
+        if self._longest is None:
+            self._longest = max((len(self.tokenizer.encode(p)) for p in self.prompts), default=0)
+        return self._longest
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -343,7 +366,7 @@ class PromptDataset:
         origin: list[tuple[str, int]] = []  # (path, first row) of each file, for error messages
         first_columns: list[str] = []
         for path in path_list:
-            data = _read(path, cache_dir)
+            data = _read(path, cache_dir, where)
             names = list(data)
             if prompt_key not in data:
                 raise ConfigError(
@@ -378,6 +401,7 @@ class PromptDataset:
         keep: list[int] = []
         texts: list[str] = []
         dropped = 0
+        longest = 0
         for i, value in enumerate(merged[prompt_key]):
             if isinstance(value, str):
                 text = value
@@ -410,13 +434,14 @@ class PromptDataset:
                 continue
             keep.append(i)
             texts.append(text)
+            longest = max(longest, length)
         if not keep:
             raise ConfigError(
                 f"{where}: all {dropped} prompts are longer than max_prompt_len = {max_prompt_len} tokens; "
                 "raise data.max_prompt_len"
             )
         columns = {k: [v[i] for i in keep] for k, v in merged.items() if k != prompt_key}
-        return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list)
+        return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list, longest=longest)
 
     def to_batch(
         self, rows: Sequence[int], *, group_ids: Sequence[int], meta: BatchMeta | None = None

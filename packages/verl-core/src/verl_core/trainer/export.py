@@ -9,7 +9,6 @@ config. Nothing here knows which backend wrote the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -20,6 +19,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.weight_stream import apply_weight_stream
 from verl_core.kernel.errors import (
     CheckpointError,
     ConfigError,
@@ -30,7 +30,7 @@ from verl_core.kernel.errors import (
 from verl_core.kernel.registry import get_training_engine
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import TrainingEngine
-from verl_core.kernel.weights import WeightManifest, apply_weight_stream
+from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.reliability import fsync_dir, verify_checkpoint
 from verl_core.trainer.trainer import Trainer, latest_checkpoint
@@ -114,9 +114,7 @@ def export_checkpoint(
         )
     ckpt = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(ckpt)
-    config = _saved_config(ckpt)
-    if device is not None:
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+    config = _saved_config(ckpt, device)
     model_dir = _model_folder(ckpt, config)
     engine = _build_actor(ckpt, config, model_dir)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
@@ -138,7 +136,7 @@ def export_checkpoint(
     return out
 
 
-def _saved_config(ckpt: Path) -> RunConfig:
+def _saved_config(ckpt: Path, device: str | None) -> RunConfig:
     try:
         state = json.loads((ckpt / _STATE_FILE).read_text())
         saved = state["config"]
@@ -147,12 +145,16 @@ def _saved_config(ckpt: Path) -> RunConfig:
             f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable or has no run config "
             f"({type(e).__name__}: {e}); export a checkpoint written by `verl train`"
         ) from e
+    if device is not None and isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        # the device is checked with the rest of the config: a CUDA run loads on a CPU-only machine
+        saved = {**saved, "model": {**saved["model"], "device": device}}
     try:
         return config_from_dict(saved)
     except ConfigError as e:
+        hint = "; load it on another device with --device (device= in Python)" if "model.device" in str(e) else ""
         raise ConfigError(
             f"checkpoint {str(ckpt)!r}: the run config saved in its {_STATE_FILE} does not load with "
-            f"this verl-core: {e}"
+            f"this verl-core: {e}{hint}"
         ) from e
 
 

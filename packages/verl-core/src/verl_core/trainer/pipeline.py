@@ -3,8 +3,19 @@
 Each stage is a function of named inputs returning named outputs. When the pipeline is built, every
 input must be produced by exactly one stage or given to :meth:`HybridPipeline.run`, and the graph
 must be acyclic; violations raise :class:`PipelineError` naming the stage and the missing input or
-the cycle. During a step, every stage whose inputs are ready runs at once in a thread pool (torch
-releases the GIL inside its kernels, so e.g. reward scoring really overlaps reference log-probs).
+the cycle. During a step, every stage whose inputs are ready runs at once (torch releases the GIL
+inside its kernels, so e.g. reward scoring really overlaps reference log-probs).
+
+Threads: PyTorch keeps caches per thread (cuDNN's attention graphs, the CUDA current stream,
+autocast and grad mode), so the first call of an engine on a new thread is much slower than the
+next ones (4x measured for a GPU rollout). Stages therefore never run on fresh threads:
+
+* a stage that can never overlap another (every other stage is before or after it in the graph,
+  as the rollout that starts a step) runs on the thread that calls :meth:`HybridPipeline.run`,
+  exactly as if the caller called its function, and sees the caller's thread-local torch state;
+* every other stage runs on a long-lived thread of its own, one per stage name, from
+  :class:`StageThreads`. The trainer owns one for the run and hands it to the pipeline of each
+  step, so a stage runs on the same thread at every step; a pipeline given none owns its own.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from typing import Any
 
 from verl_core.kernel.errors import ConfigError, VerlError
 
-__all__ = ["HybridPipeline", "PipelineError", "PipelineResult", "Stage", "StageError"]
+__all__ = ["HybridPipeline", "PipelineError", "PipelineResult", "Stage", "StageError", "StageThreads"]
 
 
 class PipelineError(ConfigError):
@@ -73,13 +84,56 @@ class PipelineResult:
         return self.outputs[name]
 
 
+class StageThreads:
+    """Long-lived threads that run pipeline stages: a stage name always gets the same thread.
+
+    One object serves any number of pipelines in turn (the trainer builds a pipeline per step);
+    they run one at a time (:attr:`run_lock`), because their stages usually share engines.
+    :meth:`close` ends the threads; a later run starts new ones, so an owner may close it
+    whenever it releases its engines and still run again after building them anew.
+
+    Args:
+        name_prefix: Thread names are ``<name_prefix>-<stage>``.
+    """
+
+    def __init__(self, *, name_prefix: str = "verl-stage") -> None:
+        self._prefix = name_prefix
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._guard = threading.Lock()  # guards _pools
+        self.run_lock = threading.Lock()
+
+    def submit(self, stage: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on the thread of ``stage`` (started on first use)."""
+        with self._guard:
+            pool = self._pools.get(stage)
+            if pool is None:
+                pool = self._pools[stage] = ThreadPoolExecutor(1, thread_name_prefix=f"{self._prefix}-{stage}")
+        return pool.submit(fn, *args)
+
+    def close(self) -> None:
+        """End every thread after its current work (idempotent; a later submit starts new ones)."""
+        with self._guard:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> StageThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class HybridPipeline:
     """A validated stage graph that runs ready stages concurrently.
 
     Args:
         stages: The stages, in any order.
         inputs: Names of the values given to :meth:`run` (available before any stage runs).
-        max_workers: Threads used to run stages (default: the number of stages).
+        threads: The long-lived threads that run the stages which may overlap others (see the
+            module docstring). Give the same object to the pipelines of successive steps so a
+            stage keeps its thread; the caller closes it. Default: threads of this pipeline,
+            ended by :meth:`close` (or when the pipeline is garbage-collected).
 
     Raises:
         PipelineError: duplicate stage names or producers, an input nobody produces, an unknown
@@ -87,7 +141,7 @@ class HybridPipeline:
     """
 
     def __init__(
-        self, stages: Sequence[Stage], *, inputs: Iterable[str] = (), max_workers: int | None = None
+        self, stages: Sequence[Stage], *, inputs: Iterable[str] = (), threads: StageThreads | None = None
     ) -> None:
         self._inputs = frozenset(inputs)
         self._stages: dict[str, Stage] = {}
@@ -129,13 +183,38 @@ class HybridPipeline:
                 deps.add(other)
             self._deps[st.name] = frozenset(deps)
         self._order = self._toposort()
-        self._max_workers = max_workers or max(1, len(self._stages))
-        self._lock = threading.Lock()
+        self._inline = self._never_overlapping()
+        self._owns_threads = threads is None
+        self._threads = StageThreads() if threads is None else threads
 
     @property
     def stages(self) -> tuple[str, ...]:
         """Stage names in a valid execution order."""
         return self._order
+
+    def close(self) -> None:
+        """End the threads this pipeline started (not those given to it as ``threads``)."""
+        if self._owns_threads:
+            self._threads.close()
+
+    def __enter__(self) -> HybridPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _never_overlapping(self) -> frozenset[str]:
+        """Stages ordered against every other stage (each other one is an ancestor or descendant)."""
+        ancestors: dict[str, set[str]] = {}
+        for name in self._order:  # dependencies come first
+            anc = set(self._deps[name])
+            for dep in self._deps[name]:
+                anc |= ancestors[dep]
+            ancestors[name] = anc
+        return frozenset(
+            name for name in self._order
+            if all(o == name or o in ancestors[name] or name in ancestors[o] for o in self._order)
+        )
 
     def _toposort(self) -> tuple[str, ...]:
         state: dict[str, int] = {}  # 1 = on the current path, 2 = done
@@ -179,14 +258,17 @@ class HybridPipeline:
         started: set[str] = set()
         t0 = time.perf_counter()
         # one pipeline run at a time: the stage functions usually share engines
-        with self._lock, ThreadPoolExecutor(self._max_workers, thread_name_prefix="verl-stage") as pool:
+        with self._threads.run_lock:
             running: dict[Future[tuple[Mapping[str, Any], float]], str] = {}
             while len(done) < len(self._stages):
                 for name in self._order:
                     if name not in started and self._deps[name] <= done:
                         st = self._stages[name]
                         kwargs = {k: values[k] for k in st.inputs}
-                        running[pool.submit(_timed, st.fn, kwargs)] = name
+                        if name in self._inline:  # nothing else is running or ready
+                            running[_run_here(st.fn, kwargs)] = name
+                        else:
+                            running[self._threads.submit(name, _timed, st.fn, kwargs)] = name
                         started.add(name)
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 failure: tuple[str, BaseException] | None = None
@@ -220,3 +302,15 @@ def _timed(fn: Callable[..., Mapping[str, Any]], kwargs: dict[str, Any]) -> tupl
     t = time.perf_counter()
     out = fn(**kwargs)
     return out, time.perf_counter() - t
+
+
+def _run_here(
+    fn: Callable[..., Mapping[str, Any]], kwargs: dict[str, Any]
+) -> Future[tuple[Mapping[str, Any], float]]:
+    """Run a stage on the calling thread; its result or error as a finished future."""
+    fut: Future[tuple[Mapping[str, Any], float]] = Future()
+    try:
+        fut.set_result(_timed(fn, kwargs))
+    except Exception as e:  # reported as the stage's error, like a threaded stage's
+        fut.set_exception(e)
+    return fut

@@ -18,13 +18,9 @@ a reward-model engine's scores); functions are named ``"module:function"`` or
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -36,6 +32,7 @@ from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import ConfigError, RewardError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.trainer.usercode import import_object, split_spec
 
 __all__ = [
     "MODEL_NAME",
@@ -62,8 +59,8 @@ class RewardFunctionsConfig:
 
     Attributes:
         functions: Each ``"module:function"`` (an importable module) or
-            ``"path/to/file.py:function"`` (a Python file, relative to the working directory),
-            e.g. ``"verl_core.trainer.reward_functions:exact_match"``.
+            ``"path/to/file.py:function"`` (a Python file; a relative path is looked up in the
+            config file's folder, then in the working directory), e.g. ``"verl_core.trainer.reward_functions:exact_match"``.
         weights: One weight per function (empty = 1.0 each); the score is the weighted sum.
         model_weight: Weight of a reward-model engine's scores when the run also has one.
     """
@@ -74,7 +71,7 @@ class RewardFunctionsConfig:
 
     def __post_init__(self) -> None:
         for spec in self.functions:
-            _split_spec(spec)
+            split_spec(spec, "reward function")
         if self.weights and len(self.weights) != len(self.functions):
             raise ConfigError(
                 f"reward.weights has {len(self.weights)} values for {len(self.functions)} reward.functions; "
@@ -89,77 +86,24 @@ class RewardFunctionsConfig:
         return [float(w) for w in self.weights] if self.weights else [1.0] * len(self.functions)
 
 
-def _split_spec(spec: object) -> tuple[str, str]:
-    if not isinstance(spec, str):
-        raise ConfigError(f"a reward function is named by a string 'module:function' or 'file.py:function', got {spec!r}")
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise ConfigError(
-            f"reward function {spec!r} is not 'module:function' or 'path/to/file.py:function' "
-            "(e.g. 'verl_core.trainer.reward_functions:exact_match')"
-        )
-    return where, name
-
-
 def load_function(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
     """The callable that ``"module:function"`` or ``"path/to/file.py:function"`` names.
 
-    A file is run once as a module (named after its resolved path) and reused for every function
-    taken from it.
+    Resolved by :func:`verl_core.trainer.usercode.import_object`: a file is run once as a module
+    and reused for every function taken from it.
 
     Args:
         spec: The import string.
-        base_dir: Folder that relative file paths start from (default: the working directory).
+        base_dir: Folder where relative file paths are looked up first (then the working directory).
 
     Raises:
         ConfigError: the module or file cannot be found or fails to import, it has no such
             attribute, or the attribute is not callable.
     """
-    where, name = _split_spec(spec)
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _load_file(spec, Path(base_dir or ".") / where)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(
-                f"reward function {spec!r}: cannot import module {where!r} ({type(e).__name__}: {e}); "
-                "install it, add its folder to PYTHONPATH, or name a file as 'path/to/file.py:function'"
-            ) from e
-        except Exception as e:
-            raise ConfigError(f"reward function {spec!r}: importing {where!r} failed ({type(e).__name__}: {e})") from e
-    if not hasattr(module, name):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(
-            f"reward function {spec!r}: {where!r} has no attribute {name!r}; its public callables: "
-            f"{', '.join(found) or '(none)'}"
-        )
-    fn = getattr(module, name)
+    fn = import_object(spec, what="reward function", base_dir=base_dir)
     if not callable(fn):
         raise ConfigError(f"reward function {spec!r} is a {type(fn).__name__}, not a callable")
     return fn  # type: ignore[no-any-return]
-
-
-def _load_file(spec: str, path: Path) -> Any:
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"reward function {spec!r}: the file {str(path)!r} does not exist")
-    module_name = f"verl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    mod_spec = importlib.util.spec_from_file_location(module_name, path)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ConfigError(f"reward function {spec!r}: {str(path)!r} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[module_name] = module  # before running it, as importlib does (dataclasses, pickling)
-    try:
-        mod_spec.loader.exec_module(module)
-    except BaseException as e:
-        del sys.modules[module_name]
-        if not isinstance(e, Exception):
-            raise
-        raise ConfigError(f"reward function {spec!r}: running {str(path)!r} failed ({type(e).__name__}: {e})") from e
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +166,7 @@ class RewardFunctions(RewardEngine):
         model_weight: Weight of the model's scores.
         columns: The dataset's column names, when known: a function that requires a keyword that
             is none of them is refused at construction instead of at the first step.
-        base_dir: Folder that relative file paths start from (default: the working directory).
+        base_dir: Folder where relative file paths are looked up first (then the working directory).
 
     Raises:
         ConfigError: no function and no model; weights that do not match the functions or are not
@@ -344,6 +288,12 @@ class RewardFunctions(RewardEngine):
             if key.startswith("reward/") and values:
                 out[f"{key}/mean"] = float(sum(values) / len(values))
         return out
+
+    def close(self) -> None:
+        """Close the reward-model engine, when there is one (the functions hold nothing to release)."""
+        close = getattr(self._model, "close", None)
+        if callable(close):
+            close()
 
     def _decode(self, rows: list[list[int]]) -> list[str]:
         texts: list[str] = []

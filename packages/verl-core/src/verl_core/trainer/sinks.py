@@ -20,9 +20,7 @@ Messages go to the ``verl_core.trainer.sinks`` logger; :class:`ProgressBar` is t
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import json
 import logging
 import numbers
@@ -35,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final, Literal, Protocol, get_args
 
-from verl_core.kernel.errors import ConfigError, PluginError, VerlError
+from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.trainer.usercode import import_object, split_spec
 
 __all__ = [
     "BUILTIN_SINKS",
@@ -119,8 +118,11 @@ class SinkConfig:
 
 
 def _is_callback_spec(entry: str) -> bool:
-    target, _, attr = entry.rpartition(":")
-    return bool(target) and bool(attr)
+    try:
+        split_spec(entry, "callback")
+    except ConfigError:
+        return False
+    return True
 
 
 class RunCallback(Protocol):
@@ -358,65 +360,20 @@ def _has_hook(obj: object) -> bool:
     return any(callable(getattr(obj, h, None)) for h in HOOKS)
 
 
-def _import_file(path: Path, spec: str) -> types.ModuleType:
-    if not path.is_file():
-        raise ConfigError(
-            f"config key 'logging.sinks': callback file {str(path)!r} (from {spec!r}) does not exist; "
-            "expected 'path/to/file.py:attr'"
-        )
-    resolved = path.resolve()
-    # a unique module name per file, so two callback files both named callbacks.py do not collide
-    name = f"verl_callback_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    mod_spec = importlib.util.spec_from_file_location(name, resolved)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ConfigError(f"config key 'logging.sinks': {str(path)!r} (from {spec!r}) is not a Python file")
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise ConfigError(
-            f"config key 'logging.sinks': importing {str(path)!r} (from {spec!r}) raised "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    return module
-
-
-def load_callback(spec: str) -> object:
+def load_callback(spec: str, *, base_dir: str | os.PathLike[str] | None = None) -> object:
     """Load the callback named ``package.module:attr`` or ``path/to/file.py:attr``.
 
     ``attr`` (dotted for nested attributes) may be an object with at least one hook of
     :class:`RunCallback`, a class (instantiated with no arguments) or a factory function taking no
-    arguments that returns such an object. A target ending in ``.py`` or containing a path
-    separator is a file; anything else is an importable module.
+    arguments that returns such an object. The spec is resolved by
+    :func:`verl_core.trainer.usercode.import_object` (a target ending in ``.py`` or containing a
+    path separator is a file, looked up in ``base_dir`` first, then the working directory).
 
     Raises:
         ConfigError: the module or file cannot be imported, has no such attribute, the class or
             factory raised, or the object has none of the hooks.
     """
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise ConfigError(f"config key 'logging.sinks': {spec!r} is not a callback spec; expected {_CHOICES}")
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        obj: Any = _import_file(Path(target), spec)
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ConfigError(f"config key 'logging.sinks': {target!r} has no attribute {attr!r} (from {spec!r})")
-            obj = getattr(obj, part)
-    else:
-        from verl_core.kernel.registry import import_string
-
-        try:
-            obj = import_string(spec)
-        except PluginError as e:
-            raise ConfigError(f"config key 'logging.sinks': {e}") from e
-        except Exception as e:  # the module itself raised while importing
-            raise ConfigError(
-                f"config key 'logging.sinks': importing {target!r} (from {spec!r}) raised {type(e).__name__}: {e}"
-            ) from e
+    obj = import_object(spec, what="config key 'logging.sinks': callback", base_dir=base_dir)
     if isinstance(obj, type) or (callable(obj) and not _has_hook(obj)):
         try:
             obj = obj()
@@ -459,6 +416,7 @@ class MetricSinks:
         *,
         hparams: Mapping[str, Any] | None = None,
         callbacks: Sequence[object] = (),
+        base_dir: str | os.PathLike[str] | None = None,
     ) -> MetricSinks:
         """Open the sinks of ``config`` for a run writing to ``output_dir``.
 
@@ -471,6 +429,8 @@ class MetricSinks:
                 (:func:`truncate_metrics`) and continues the W&B run.
             hparams: The run's configuration, recorded as the W&B run config.
             callbacks: Callback objects given in code, called after those of ``config``.
+            base_dir: The config file's folder, where relative callback file paths are looked up
+                first (then the working directory).
 
         Raises:
             ConfigError: a sink's package is not installed (naming the pip command), a callback
@@ -485,7 +445,7 @@ class MetricSinks:
                 )
         # everything that can fail on a missing package or bad spec is checked before any file is
         # written, so a bad config leaves the output folder as it was
-        loaded = [(spec, load_callback(spec)) for spec in config.callbacks]
+        loaded = [(spec, load_callback(spec, base_dir=base_dir)) for spec in config.callbacks]
         if "tensorboard" in config.sinks:
             _require("torch.utils.tensorboard", "TensorBoard", "tensorboard")
         if "wandb" in config.sinks:

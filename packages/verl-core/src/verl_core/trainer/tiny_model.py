@@ -24,6 +24,7 @@ __all__ = [
     "ModelHead",
     "TinyModelSpec",
     "build_tiny_model",
+    "char_tokenizer",
     "load_tokenizer",
     "tiny_model",
 ]
@@ -114,7 +115,8 @@ def _config(spec: TinyModelSpec) -> Any:
     return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
 
 
-def _tokenizer(vocab_size: int) -> Any:
+def char_tokenizer(vocab_size: int) -> Any:
+    """The character-level transformers tokenizer a tiny model of ``vocab_size`` ids is saved with."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,7 +149,7 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
         torch.manual_seed(spec.seed)
         model = auto.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
-    _tokenizer(spec.vocab_size).save_pretrained(out)
+    char_tokenizer(spec.vocab_size).save_pretrained(out)
     (out / "verl_tiny_model.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
 

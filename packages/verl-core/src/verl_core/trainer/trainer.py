@@ -2,7 +2,9 @@
 
 One step:
 
-1. sample ``prompts_per_step`` prompts of the task (a deterministic function of seed and step);
+1. take ``prompts_per_step`` prompts: the next rows of the user's dataset (``data.train``, in a
+   seeded order that checkpoints keep), or the built-in task's (a deterministic function of seed
+   and step);
 2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline);
 3. concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
    reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values;
@@ -15,26 +17,23 @@ One step:
 
 Engines are built by backend name through :mod:`verl_core.kernel.registry`, placed by the executor of the
 config key ``executor`` (:mod:`verl_core.trainer.executor`: this process, or Ray worker groups); nothing
-here knows which backend it talks to or where it runs.
+here knows which backend it talks to or where it runs. The reward is the user's reward functions
+(``reward.functions``, :mod:`verl_core.trainer.rewards`), a reward-model backend, or the task's rule.
+Every step's metrics go to the sinks of ``logging.sinks`` (:mod:`verl_core.trainer.sinks`).
 """
 
 from __future__ import annotations
 
-import ast
-import base64
 import dataclasses
 import importlib.util
-import io
 import json
 import logging
 import math
 import os
 import random
-import re
-import shutil
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,36 +41,48 @@ import torch
 
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
+from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError, describe
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.kernel.weights import WeightSync
-from verl_core.trainer.config import RunConfig, config_to_dict
+from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
+from verl_core.trainer.data import PromptDataset, PromptLoader, PromptSampler
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError
+from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError, StageThreads
 from verl_core.trainer.reliability import (
     StepFailedError,
     TrainingDivergedError,
-    fsync_dir,
     resume_config_changes,
     verify_checkpoint,
-    write_manifest,
 )
 from verl_core.trainer.replay import HybridReplayBuffer, remove_stale_spill
+from verl_core.trainer.rewards import RewardFunctions
 from verl_core.trainer.rundir import Mode, RunDir
+from verl_core.trainer.runstate import (
+    STATE_FILE,
+    build_run_model,
+    engine_spec,
+    latest_checkpoint,
+    load_engine_checkpoint,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from verl_core.trainer.scheduler import (
     Decision,
     DynamicBatchScheduler,
     MemoryProbe,
     SchedulerConfig,
 )
+from verl_core.trainer.sinks import MetricSinks, ProgressBar, read_json_lines, write_text_atomic
 from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
+from verl_core.trainer.usercode import import_object, resolve_path
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
 
-_STATE_FILE = "trainer_state.json"
-_STEP_DIR = re.compile(r"step-(\d+)")
 _log = logging.getLogger(__name__)
 _NOT_COMPARABLE = "not comparable"
 _EVAL_GROUP_BASE = 1 << 48
@@ -127,155 +138,41 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
         raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
 
 
-def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``<output_dir>/checkpoints`` (None when none).
+def _read_data_state(ckpt: Path, state: Mapping[str, Any], loader: PromptLoader | None) -> dict[str, Any] | None:
+    """The data-order position of ``trainer_state.json`` (``data``), checked against the run's loader.
 
-    Newest is the highest step number N of the ``step-N`` folders holding a trainer state
-    (``step-1000000`` after ``step-999999``); folders of other names are ignored.
-    """
-    done = _checkpoints(Path(output_dir) / "checkpoints")
-    return done[-1] if done else None
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    """Complete ``step-N`` folders under ``root``, oldest first by step number (N, not the name)."""
-    found: list[tuple[int, str, Path]] = []
-    if root.is_dir():
-        for p in root.glob("step-*"):
-            m = _STEP_DIR.fullmatch(p.name)
-            if m and (p / _STATE_FILE).is_file():
-                found.append((int(m.group(1)), p.name, p))
-    return [p for _, _, p in sorted(found)]
-
-
-def _b64_save(obj: Any) -> str:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": _b64_save(torch.get_rng_state()), "python": repr(random.getstate())}
-    np = sys.modules.get("numpy")  # its global generator can only have been used once it was imported
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = _b64_save(torch.cuda.get_rng_state_all())
-    return state
-
-
-def _decode_rng(rng: Any, field: Callable[[str, str, Any], CheckpointError]) -> dict[str, Any]:
-    """Decode the saved RNG states, each tried on a scratch generator first (nothing global is set)."""
-    if not isinstance(rng, dict):
-        raise field("rng", "a table of RNG states (torch, python, and numpy/cuda when used)", rng)
-    out: dict[str, Any] = {}
-    for part in ("torch", "python"):
-        if part not in rng:
-            raise field(f"rng.{part}", f"the saved {part} RNG state", ...)
-    try:
-        out["torch"] = torch.load(io.BytesIO(base64.b64decode(rng["torch"], validate=True)), weights_only=True)
-        torch.Generator().set_state(out["torch"])
-    except Exception:
-        raise field("rng.torch", "a base64 torch RNG state", rng["torch"]) from None
-    try:
-        out["python"] = ast.literal_eval(rng["python"])
-        random.Random().setstate(out["python"])
-    except Exception:
-        raise field("rng.python", "a repr of random.getstate()", rng["python"]) from None
-    if "numpy" in rng:
-        try:
-            import numpy as np
-
-            name, keys, pos, has_gauss, gauss = rng["numpy"]
-            out["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss)
-            np.random.RandomState().set_state(out["numpy"])
-        except ImportError:
-            pass  # numpy is not installed here: nothing can draw from its generator
-        except Exception:
-            raise field("rng.numpy", "numpy.random.get_state() as a list", rng["numpy"]) from None
-    if "cuda" in rng:
-        try:
-            out["cuda"] = torch.load(io.BytesIO(base64.b64decode(rng["cuda"], validate=True)), weights_only=True)
-            if not isinstance(out["cuda"], list) or not all(isinstance(t, torch.Tensor) for t in out["cuda"]):
-                raise TypeError
-        except Exception:
-            raise field("rng.cuda", "a base64 list of CUDA RNG states", rng["cuda"]) from None
-    return out
-
-
-def _set_rng_state(rng: Mapping[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "numpy" in rng:
-        import numpy as np
-
-        np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available():
-        for i, st in enumerate(rng["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(st, i)
-
-
-def _read_state(ckpt: Path, schedulers: Collection[str], algorithm: Collection[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``trainer_state.json`` of ``ckpt`` checked field by field, and its decoded RNG states.
+    A run reading ``data.train`` saves the position of its :class:`PromptSampler`; a run on the
+    built-in task saves none. Nothing is changed here: the caller restores it once every check passed.
 
     Raises:
-        CheckpointError: the file is not a JSON object, or a field is missing or has the wrong type
-            or range; the message names the file and the field.
+        CheckpointError: the field is missing (or present for a run without data) or malformed.
+        ConfigError: the position was saved for another number of rows, seed or shuffle setting
+            (the dataset changed since the checkpoint).
     """
-    path = ckpt / _STATE_FILE
-
-    def field(name: str, expected: str, value: Any) -> CheckpointError:
-        # value ... (Ellipsis) stands for a missing field
-        got = "it is missing" if value is ... else f"got {_short(value)}"
-        return CheckpointError(
-            f"checkpoint {str(ckpt)!r}: {_STATE_FILE} field {name!r} must be {expected}, {got}; the file "
-            "is damaged or was not written by Trainer.save_checkpoint: resume from another checkpoint "
-            "or start a new run"
+    saved = state.get("data", ...)
+    if loader is None and saved is ...:
+        return None
+    if loader is None or saved is ... or not isinstance(saved, dict):
+        expected = "absent (this run takes its prompts from the built-in task)" if loader is None else (
+            "the data order's position (epoch, index, size, seed, shuffle)"
         )
-
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} is unreadable ({e})") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(ckpt)!r}: {_STATE_FILE} must hold a JSON object, got {_short(state)}")
-
-    def count(table: Mapping[str, Any], key: str, name: str, low: int = 0, optional: bool = False) -> None:
-        v = table.get(key, ...)
-        if optional and v is ...:
-            return
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise field(name, f"an integer >= {low}", v)
-
-    count(state, "step", "step")
-    count(state, "weight_version", "weight_version")
-    count(state, "consecutive_nonfinite_skips", "consecutive_nonfinite_skips", optional=True)
-    if not isinstance(state.get("config"), dict):
-        raise field("config", "the run's config as a table", state.get("config", ...))
-    saved = state.get("schedulers", ...)
-    if not isinstance(saved, dict) or set(saved) != set(schedulers):
-        raise field("schedulers", f"a table with one entry per role ({', '.join(sorted(schedulers))})", saved)
-    for role, s in saved.items():
-        if not isinstance(s, dict):
-            raise field(f"schedulers.{role}", "a table (ceiling, successes, budget)", s)
-        count(s, "ceiling", f"schedulers.{role}.ceiling", low=1)
-        count(s, "successes", f"schedulers.{role}.successes")
-        if s.get("budget") is not None:
-            count(s, "budget", f"schedulers.{role}.budget", low=1)
-    algo = state.get("algorithm", ...)
-    if not isinstance(algo, dict):
-        raise field("algorithm", "a table of the algorithm's state", algo)
-    for key in algorithm:
-        v = algo.get(key, ...)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise field(f"algorithm.{key}", "a number", v)
-    return state, _decode_rng(state.get("rng", ...), field)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        got = "it is missing" if saved is ... else f"got {describe(saved)}"
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data' must be {expected}, {got}; the file is "
+            "damaged or was not written by Trainer.save_checkpoint: resume from another checkpoint or start a new run"
+        )
+    for key, kind in (("epoch", int), ("index", int), ("size", int), ("seed", int), ("shuffle", bool)):
+        v = saved.get(key, ...)
+        if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 0)):
+            got = "it is missing" if v is ... else f"got {describe(v)}"
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data.{key}' must be "
+                f"{'true or false' if kind is bool else 'an integer >= 0'}, {got}; the file is damaged or was "
+                "not written by Trainer.save_checkpoint: resume from another checkpoint or start a new run"
+            )
+    sampler = loader.sampler
+    PromptSampler(sampler.size, seed=sampler.seed, shuffle=sampler.shuffle).load_state_dict(saved)  # a dry run
+    return saved
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -289,7 +186,10 @@ class Trainer:
     Args:
         config: The run.
         memory_probe: Memory probe of the micro-batch scheduler (default: the device's real memory).
-        stream: Where the progress line goes (default stderr).
+        stream: Where the progress bar and its messages go (default stderr).
+        base_dir: The config file's folder: relative paths of datasets, reward-function files and
+            callback files are looked up there first, then in the working directory (default:
+            the working directory only).
 
     Use :meth:`train` (optionally resuming from the newest checkpoint of the output dir); engines
     are built on first use and released by :meth:`close`. The output dir is claimed for one run
@@ -299,12 +199,14 @@ class Trainer:
     """
 
     def __init__(
-        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None
+        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
+        base_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = config
         self.out = Path(config.output_dir)
         self._probe = memory_probe
         self._stream = stream if stream is not None else sys.stderr
+        self.base_dir = Path(base_dir) if base_dir is not None else None
         self.task: DigitTask = get_task(config.task.name, config.task.digits)
         self.algorithm = build_algorithm(config.algorithm.name, config.algorithm.options)
         self.use_critic = (
@@ -317,10 +219,23 @@ class Trainer:
             )
         if not self.use_critic and self.algorithm.estimator == "gae":
             raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
+        if self.algorithm.estimator == "grpo_token" and config.reward.functions:
+            raise ConfigError(
+                "algorithm 'grpo_token' needs dense token scores, but the reward functions of 'reward.functions' "
+                "give one score per response; use algorithm 'grpo'"
+            )
         if self.algorithm.estimator == "grpo_token" and config.task.reward != "token" and config.backends.reward == "rule":
             raise ConfigError(
                 "algorithm 'grpo_token' needs dense token scores: set config key 'task.reward' to 'token' "
                 f"(it is {config.task.reward!r})"
+            )
+        data = config.data
+        if (data.train_paths or data.eval_paths) and not config.reward.functions and config.backends.reward == "rule":
+            raise ConfigError(
+                f"config key 'data.{'train' if data.train_paths else 'eval'}' is set but the run has no reward "
+                "for its prompts: list functions in 'reward.functions' (e.g. "
+                "['verl_core.trainer.reward_functions:exact_match']) or name a reward-model backend in "
+                "'backends.reward'"
             )
         self.use_reference = config.algorithm.use_reference or self.algorithm.uses_reference
         self.dynamic_sampling = config.algorithm.dynamic_sampling or config.algorithm.name == "dapo"
@@ -338,10 +253,20 @@ class Trainer:
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self._plan_written: dict[str, int] = {}
         self._stage = "prompts"  # the stage running outside the pipeline, named when it fails
+        self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
         self._failed: StepFailedError | None = None
         self._consecutive_skips = 0
         self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
         self.run_dir: RunDir | None = None
+        self.sinks: MetricSinks | None = None
+        self._logs_from: int | None = None  # the step the metric logs continue from (None: start afresh)
+        self._bar: ProgressBar | None = None
+        self._train_data: PromptDataset | None = None
+        self._eval_data: PromptDataset | None = None
+        self._loader: PromptLoader | None = None
+        self._longest_prompt: int | None = None  # measured by setup() when a dataset is used
+        self._columns: list[str] = ["answer"]  # per-sample extras the reward functions may ask for
+        self._data_checked = False
 
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
@@ -350,44 +275,118 @@ class Trainer:
         if m.path:
             return m.path
         run = self._claim(None)  # the model is built inside the run's folder
-        dest = self.out / "model"
-        if (dest / "config.json").is_file():
-            return str(dest)
-        from verl_core.trainer.tiny_model import TinyModelSpec, build_tiny_model
-
-        if importlib.util.find_spec("transformers") is None:
-            raise ConfigError(
-                "config key 'model.path' is empty, which builds a tiny random model with transformers; "
-                "install it (pip install verl-hf) or set model.path to a transformers folder"
-            )
-        spec = TinyModelSpec(
-            arch=m.arch, tied=m.tied, hidden_size=m.hidden_size, num_layers=m.num_layers,
-            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            intermediate_size=m.intermediate_size, vocab_size=m.vocab_size,
-            max_position=max(64, self.task.max_prompt_len() + self.config.rollout.max_new_tokens + 8),
-            init_std=m.init_std, seed=self.config.seed,
-        )
-        tmp = run.model_tmp  # named by the run id: a leftover of this run's killed build, never another's
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_model(tmp, spec)
-        os.replace(tmp, dest)
-        return str(dest)
+        longest = self._prompt_limit() + self.config.rollout.max_new_tokens
+        return build_run_model(self.config, run, max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
-        m = self.config.model
-        kwargs: dict[str, Any] = {}
-        if optim is not None:
-            kwargs["optim"] = optim
-        return EngineSpec(
-            model_path=path, role=role,  # type: ignore[arg-type]
-            dtype=m.dtype, device=m.device, seed=self.config.seed,
-            options=dict(self.config.backends.options.get(role, {})),
-            max_prompt_len=self.task.max_prompt_len(), max_response_len=self.config.rollout.max_new_tokens,
-            **kwargs,
+        return engine_spec(
+            self.config, role, path, optim=optim,  # type: ignore[arg-type]
+            max_prompt_len=self._prompt_limit(), max_response_len=self.config.rollout.max_new_tokens,
         )
 
+    def _prompt_limit(self) -> int:
+        """Longest prompt, in tokens, that the engines are built for.
+
+        The longest kept prompt of the datasets once :meth:`setup` measured them (and the task's
+        when the task supplies the training prompts); before that ``data.max_prompt_len`` or the
+        task's (e.g. for the spec of an export, which runs no prompt).
+        """
+        if self._longest_prompt is not None:
+            return self._longest_prompt
+        d = self.config.data
+        return d.max_prompt_len if d.train_paths and d.max_prompt_len else self.task.max_prompt_len()
+
+    def _model_tokenizer(self) -> Tokenizer:
+        """The policy model's tokenizer, read without building an engine (every backend loads this one)."""
+        m = self.config.model
+        if importlib.util.find_spec("transformers") is None:
+            raise ConfigError(
+                "reading data.train / data.eval and checking reward.functions needs the model's tokenizer, "
+                "which needs transformers: pip install verl-hf (or transformers)"
+            )
+        if not m.path:
+            from verl_core.trainer.tiny_model import char_tokenizer
+
+            return TokenizerAdapter(char_tokenizer(m.vocab_size), m.vocab_size)
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(m.path, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"config key 'model.path' = {m.path!r}: cannot load its tokenizer with transformers "
+                f"({type(e).__name__}: {e}); expected a transformers folder with a tokenizer"
+            ) from e
+        return TokenizerAdapter(tok)
+
+    def _load_data(self) -> None:
+        """Read and check ``data.train`` / ``data.eval``, the reward functions and callback imports.
+
+        Runs before the output folder is claimed and before the model or any engine is built, so a
+        bad dataset, column, reward function or callback is refused with nothing written. Prompts
+        are measured with the model folder's tokenizer; the engines are built for the longest one.
+        """
+        cfg = self.config
+        d = cfg.data
+        for spec in cfg.logging.sink_config().callbacks:  # imported (modules are cached) but not built yet
+            import_object(spec, what="config key 'logging.sinks': callback", base_dir=self.base_dir)
+        if not (d.train_paths or d.eval_paths or cfg.reward.functions):
+            return
+        tok = self._model_tokenizer()
+
+        def load(split: str, paths: list[str]) -> PromptDataset | None:
+            if not paths:
+                return None
+            return PromptDataset.load(
+                [str(resolve_path(p, self.base_dir)) for p in paths], tok, prompt_key=d.prompt_key,
+                max_prompt_len=d.max_prompt_len, long_prompts=d.long_prompts, where=f"data.{split}",
+            )
+
+        train, evals = load("train", d.train_paths), load("eval", d.eval_paths)
+        columns = train.column_names if train is not None else ["answer"]  # the task's prompts carry answers
+        if evals is not None:
+            columns = [c for c in columns if c in evals.column_names]
+        if cfg.reward.functions:
+            RewardFunctions.from_config(cfg.reward, tok, columns=columns, base_dir=self.base_dir)  # refused here
+        lengths = [ds.longest_prompt for ds in (train, evals) if ds is not None]
+        if train is None:
+            lengths.append(self.task.max_prompt_len())
+        self._train_data, self._eval_data, self._columns = train, evals, columns
+        self._longest_prompt = max(lengths)
+        for split, ds in (("train", train), ("eval", evals)):
+            if ds is not None:
+                left_out = f"; {ds.dropped} longer than data.max_prompt_len left out" if ds.dropped else ""
+                self._say(
+                    f"data.{split}: {len(ds)} prompts from {', '.join(ds.sources)} (longest {ds.longest_prompt} "
+                    f"tokens{left_out})"
+                )
+
+    def _bind_data(self, tokenizer: Tokenizer) -> None:
+        """Give the datasets the rollout engine's tokenizer, checking that every prompt still fits the engines."""
+        for split in ("train", "eval"):
+            ds: PromptDataset | None = getattr(self, f"_{split}_data")
+            if ds is None:
+                continue
+            ds = PromptDataset(ds.prompts, ds.columns, tokenizer, dropped=ds.dropped, sources=ds.sources)
+            if ds.longest_prompt > self._prompt_limit():
+                raise ConfigError(
+                    f"data.{split}: the rollout engine's tokenizer (backend {self.config.backends.rollout!r}) encodes "
+                    f"a prompt to {ds.longest_prompt} tokens, but the model folder's tokenizer, which the engines "
+                    f"were sized with, to at most {self._prompt_limit()}; use a backend that tokenizes with the "
+                    "model folder's tokenizer"
+                )
+            setattr(self, f"_{split}_data", ds)
+        if self._train_data is None:
+            return
+        if self._loader is None:
+            self._loader = PromptLoader(self._train_data, seed=self.config.seed, shuffle=self.config.data.shuffle)
+        else:  # set up again after close(): the data order goes on from where it was
+            self._loader.dataset = self._train_data
+
+
     def setup(self, *, resume: bool | None = None) -> None:
-        """Claim the output folder, then build the model (if tiny) and every engine.
+        """Check the datasets and reward functions, claim the output folder, then build the model
+        (if tiny) and every engine.
 
         Args:
             resume: True to continue the run the output folder holds (its ``verl_run.json`` must
@@ -396,12 +395,18 @@ class Trainer:
                 :meth:`train` passes its own ``resume``.
 
         Raises:
-            ConfigError: the output folder may not be used so (see
+            ConfigError: a dataset, column, reward function or callback is refused (see
+                :mod:`verl_core.trainer.data`, :mod:`verl_core.trainer.rewards`), before anything
+                is written; the output folder may not be used so (see
                 :mod:`verl_core.trainer.rundir`), before any engine is built.
         """
         if self._built:
             return
         cfg = self.config
+        if not self._data_checked:  # a trainer set up again after close() has its data already
+            self._load_data()
+            self._data_checked = True
+        check_device_here(self.config)  # before the run folder is claimed or any engine is built
         run = self._claim(resume)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -419,10 +424,16 @@ class Trainer:
                 "critic", b.critic, self._spec("critic", critic_path, cfg.critic_optim.to_optim(cfg.steps))
             )
         tokenizer = self.rollout.tokenizer
-        if b.reward == "rule":
-            self.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
+        self._bind_data(tokenizer)
+        model = None if b.reward == "rule" else ex.reward_engine(b.reward, self._spec("reward", path))
+        if cfg.reward.functions:
+            self.reward = RewardFunctions.from_config(
+                cfg.reward, tokenizer, model=model, columns=self._columns, base_dir=self.base_dir
+            )
+        elif model is not None:
+            self.reward = model
         else:
-            self.reward = ex.reward_engine(b.reward, self._spec("reward", path))
+            self.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
         self.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         if bc.micro_batch_tokens:
@@ -444,7 +455,7 @@ class Trainer:
             mode: Mode = "any" if resume is None else "resume" if resume else "fresh"
             run = self.run_dir = RunDir.claim(self.config.output_dir, self.config, mode=mode)
             if run.moved_aside is not None:
-                self._stream.write(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}\n")
+                self._say(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}")
             if not run.created:
                 remove_stale_spill(run.spill_root)  # left by a killed process of this run (the claim locks it)
         elif not run.held:
@@ -461,13 +472,20 @@ class Trainer:
         )
 
     def prompts(self, step: int) -> TensorBatch:
-        """The prompt batch of ``step`` (deterministic; group ids unique for the run)."""
+        """The prompt batch of ``step`` (group ids unique for the run).
+
+        With ``data.train``: the next rows of the data order, every other column as a per-sample
+        extra (each call advances the order; checkpoints save its position). Otherwise the built-in
+        task's prompts, a deterministic function of seed and step, with their answers.
+        """
         n = self.config.batch.prompts_per_step
-        examples = self.task.examples(n, seed=self.config.seed, step=step)
         tok = self.rollout.tokenizer
         r = self.config.rollout
         meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                          pad_token_id=tok.pad_token_id, weight_version=self.weight_version, step=step)
+        if self._loader is not None:
+            return self._loader.batch(step, n, meta=meta)
+        examples = self.task.examples(n, seed=self.config.seed, step=step)
         return prompt_batch(
             [p for p, _ in examples], tok, group_ids=[step * n + i for i in range(n)],
             extras={"answer": [a for _, a in examples]}, meta=meta,
@@ -493,8 +511,8 @@ class Trainer:
 
         def reward(samples: TensorBatch) -> Mapping[str, Any]:
             scored = self.reward.score(samples)
-            return {"scores": scored["scores"],
-                    "token_scores": scored.get("token_scores")}
+            return {"scores": scored["scores"], "token_scores": scored.get("token_scores"),
+                    "reward_terms": RewardFunctions.metrics(scored)}
 
         dense_only = isinstance(self.reward, TaskReward) and self.config.task.reward == "token"
 
@@ -528,7 +546,7 @@ class Trainer:
 
         stages = [
             Stage("rollout", rollout, ("prompts",), ("samples",)),
-            Stage("reward", reward, ("samples",), ("scores", "token_scores")),
+            Stage("reward", reward, ("samples",), ("scores", "token_scores", "reward_terms")),
             Stage("select", select, ("samples", "scores", "token_scores"), ("batch", "dropped_groups")),
             Stage("reference", reference, ("batch",), ("ref_log_probs",)),
             Stage("actor_forward", actor, ("batch",), ("old_log_probs", "entropy")),
@@ -536,7 +554,7 @@ class Trainer:
         ]
         if self.algorithm.estimator == "remax":
             stages.append(Stage("baseline", baseline, ("prompts",), ("baseline",), after=("rollout",)))
-        return HybridPipeline(stages, inputs=("prompts",))
+        return HybridPipeline(stages, inputs=("prompts",), threads=self._stage_threads)
 
     def train_step(self) -> dict[str, Any]:
         """Run one step and return its metrics (also appended to :attr:`history`).
@@ -576,8 +594,11 @@ class Trainer:
 
     def _backend_of(self, stage: str) -> str:
         b = self.config.backends
+        reward = b.reward
+        if self.config.reward.functions:
+            reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
         return {
-            "rollout": b.rollout, "baseline": b.rollout, "reward": b.reward, "reference": b.reference,
+            "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
             "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
             "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
         }.get(stage, "trainer")
@@ -607,9 +628,12 @@ class Trainer:
             "response/eos_fraction": float(ended.any(1).float().mean()),
             "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
             "samples": samples.batch_size,
+            **res["reward_terms"],  # reward/<function>/mean of each reward function
         })
         if isinstance(self.reward, TaskReward):
             metrics["reward/exact_match"] = float(self.reward.exact_match(samples).mean())
+        if self._loader is not None:
+            metrics["data/epoch"] = self._loader.epoch  # epochs completed by the rows drawn so far
         if self.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = res["dropped_groups"]
             metrics["dynamic_sampling/kept_samples"] = batch.batch_size
@@ -659,8 +683,46 @@ class Trainer:
         return self._finish_step(metrics, timings, t_step, samples)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy exact-match and mean score on the fixed evaluation prompts (``task.eval_prompts``)."""
+        """Evaluate on every row of ``data.eval`` and/or the task's fixed prompts; keys start with ``eval/``.
+
+        ``data.eval``: ``data.eval_n`` responses per prompt (one greedy response by default), scored
+        by the run's reward: ``eval/reward/mean``, ``eval/reward/<function>/mean`` of each reward
+        function and ``eval/response/length_mean``, averaged over every response. The task's
+        ``task.eval_prompts`` (when the task supplies the training prompts): ``eval/reward_mean``
+        and ``eval/exact_match`` of greedy responses.
+        """
         self.setup()
+        out: dict[str, float] = {}
+        if self._eval_data is not None:
+            out.update(self._evaluate_dataset(self._eval_data))
+        if self.config.task.eval_prompts and self._loader is None:
+            out.update(self._evaluate_task())
+        return out
+
+    def _evaluate_dataset(self, ds: PromptDataset) -> dict[str, float]:
+        r, n = self.config.rollout, self.config.data.eval_n
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, n=n, greedy=n == 1, seed=0)
+        meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                         pad_token_id=ds.tokenizer.pad_token_id, weight_version=self.weight_version, step=self.step)
+        sums: dict[str, float] = {}
+        count = 0
+        self.rollout.wake()
+        # ids far above any training group (rows drawn so far, or step * prompts_per_step + i)
+        for prompts in ds.batches(self.config.batch.prompts_per_step, group_id_base=_EVAL_GROUP_BASE, meta=meta):
+            scored = self.reward.score(self.rollout.generate(prompts, params))
+            size = scored.batch_size
+            means = {
+                "reward/mean": float(scored["scores"].mean()),
+                **RewardFunctions.metrics(scored),
+                "response/length_mean": float(scored["response_mask"].sum(1).float().mean()),
+            }
+            for k, v in means.items():
+                sums[k] = sums.get(k, 0.0) + v * size
+            count += size
+        return {f"eval/{k}": v / count for k, v in sums.items()}
+
+    def _evaluate_task(self) -> dict[str, float]:
         n = self.config.task.eval_prompts
         examples = self.task.examples(n, seed=-1, step=0)  # the same set for every seed and step
         tok = self.rollout.tokenizer
@@ -755,18 +817,24 @@ class Trainer:
                 metrics[f"scheduler/{role}/ooms"] = sum(d.ooms for d in decisions)
                 metrics[f"scheduler/{role}/budget"] = decisions[-1].budget
         metrics["weight_version"] = self.weight_version
-        tc = self.config.task
-        last = self.step + 1 == self.config.steps
-        if tc.eval_prompts and (last or (tc.eval_every and (self.step + 1) % tc.eval_every == 0)):
+        tc, d = self.config.task, self.config.data
+
+        def due(every: int) -> bool:  # the last step is always evaluated
+            return self.step + 1 == self.config.steps or bool(every and (self.step + 1) % every == 0)
+
+        on_data = self._eval_data if due(d.eval_every) else None
+        on_task = bool(tc.eval_prompts) and self._loader is None and due(tc.eval_every)
+        if on_data is not None or on_task:
             t = time.perf_counter()
             self._stage = "evaluation"
-            metrics.update(self.evaluate())
+            if on_data is not None:
+                metrics.update(self._evaluate_dataset(on_data))
+            if on_task:
+                metrics.update(self._evaluate_task())
             metrics["time/eval"] = time.perf_counter() - t
         self.step += 1
         self.history.append(metrics)
-        if "jsonl" in self.config.logging.sinks:
-            with open(self.out / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+        self._open_sinks().log_step(self.step, metrics)
         self._write_plan()
         return metrics
 
@@ -782,40 +850,22 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write an atomic checkpoint of every trainable engine and the trainer state; returns its folder."""
         self.setup()
-        root = self.out / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:06d}"
-        tmp = root / f".tmp-step-{self.step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.actor.save_checkpoint(tmp / "actor")
-        if self.critic is not None:
-            self.critic.save_checkpoint(tmp / "critic")
         state = {
             "step": self.step,
             "weight_version": self.weight_version,
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "schedulers": {r: s.state_dict() for r, s in self.schedulers.items()},
             "algorithm": self.algorithm.state_dict(),
             "config": config_to_dict(self.config),
             "consecutive_nonfinite_skips": self._consecutive_skips,
         }
-        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=1))
-        write_manifest(tmp)  # sizes and hashes, after every file is fsynced
-        # Every step below is a rename, so a crash at any point leaves complete checkpoints only:
-        # a folder being replaced or pruned is first renamed out of the step-* namespace.
-        if final.exists():
-            os.replace(final, root / f".trash-{final.name}-{time.monotonic_ns()}")
-        os.replace(tmp, final)
-        fsync_dir(root)
-        keep = self.config.checkpoint.keep
-        for old in _checkpoints(root)[:-keep]:
-            if old != final:  # never the one just written, even below older runs' step numbers
-                os.replace(old, root / f".trash-{old.name}-{time.monotonic_ns()}")
-        fsync_dir(root)
-        for stale in root.glob(".trash-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        if self._loader is not None:
+            state["data"] = self._loader.state_dict()  # a resumed run continues the data order exactly
+        engines = {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+        final = write_checkpoint(self.out / "checkpoints", self.step, engines, state, keep=self.config.checkpoint.keep)
         self._on_disk_step = self.step
+        if self.sinks is not None:
+            self.sinks.checkpoint(self.step, final)
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -823,58 +873,49 @@ class Trainer:
 
         Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
         its field checks and the saved config differs from the current one only in keys of
-        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS` (those changes are logged).
+        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS` (those changes are logged). A run
+        on ``data.train`` continues the data order from the saved position. The metric logs are
+        cut back to the checkpoint's step when the sinks open (:class:`MetricSinks`).
 
         Raises:
             CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named).
-            ConfigError: config keys that change the math differ from the checkpoint's (all listed).
+            ConfigError: config keys that change the math differ from the checkpoint's (all listed),
+                or the dataset now has another number of rows than when the checkpoint was written.
         """
         self.setup()
         ckpt = Path(path)
         engines = [r for r, e in (("actor", self.actor), ("critic", self.critic)) if e is not None]
-        verify_checkpoint(ckpt, required=(_STATE_FILE, *engines))
-        state, rng = _read_state(ckpt, self.schedulers, self.algorithm.state_dict())
+        verify_checkpoint(ckpt, required=(STATE_FILE, *engines))
+        state, rng = read_state(ckpt, self.schedulers, self.algorithm.state_dict())
         allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
+        data = _read_data_state(ckpt, state, self._loader)
         if allowed:
-            line = "resume: changed keys allowed: " + "; ".join(allowed)
-            _log.info(line)
-            self._progress(line)
+            self._say("resume: changed keys allowed: " + "; ".join(allowed))
         for role, engine in (("actor", self.actor), ("critic", self.critic)):
-            if engine is None:
-                continue
-            try:
-                engine.load_checkpoint(ckpt / role)
-            except VerlError:
-                raise
-            except Exception as e:  # e.g. a pickle that weights_only loading refuses
-                raise CheckpointError(
-                    f"checkpoint {str(ckpt)!r}: the {role} engine (backend "
-                    f"{getattr(self.config.backends, role)!r}) cannot load its state: {type(e).__name__}: {e}"
-                ) from e
+            if engine is not None:
+                load_engine_checkpoint(ckpt, role, engine, getattr(self.config.backends, role))
         self.step = int(state["step"])
         self.weight_version = int(state["weight_version"])
         for role, s in state["schedulers"].items():
             self.schedulers[role].load_state_dict(s)
         self.algorithm.load_state_dict(state["algorithm"])
         self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
+        if self._loader is not None and data is not None:
+            self._loader.load_state_dict(data)
         self._on_disk_step = self.step
-        _set_rng_state(rng)
+        self._logs_from = self.step
+        set_rng_state(rng)
         self.rollout.wake()
         self.sync.sync(self.actor, self.rollout, version=self.weight_version)
-        self._restore_logs()
+        self._restore_plan()
 
-    def _restore_logs(self) -> None:
-        """Keep the metrics of steps up to the checkpoint; replay the recorded scheduler plan after it."""
-        metrics = self.out / "metrics.jsonl"
-        if metrics.is_file():
-            kept = [ln for ln in _json_lines(metrics) if json.loads(ln)["step"] <= self.step]
-            _replace_text(metrics, "".join(ln + "\n" for ln in kept))
-            self.history = [json.loads(ln) for ln in kept]
+    def _restore_plan(self) -> None:
+        """Replay the recorded scheduler plan after the checkpoint (the metrics are cut by the sinks)."""
         plan = self.out / "scheduler_plan.jsonl"
         if plan.is_file():
             by_role: dict[str, list[Decision]] = {}
             kept_plan = []
-            for ln in _json_lines(plan):
+            for ln in read_json_lines(plan):
                 d = json.loads(ln)
                 step = int(str(d["key"]).split("/")[0].removeprefix("step"))
                 if step >= self.step:
@@ -883,7 +924,7 @@ class Trainer:
                     kept_plan.append(ln)
             for role, decisions in by_role.items():
                 self.schedulers[role].add_replay(decisions)
-            _replace_text(plan, "".join(ln + "\n" for ln in kept_plan))
+            write_text_atomic(plan, "".join(ln + "\n" for ln in kept_plan))
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
@@ -910,85 +951,88 @@ class Trainer:
                     "run without --resume to start fresh"
                 )
             self.load_checkpoint(ckpt)
-            self._progress(f"resumed from {ckpt} at step {self.step}")
+            self._say(f"resumed from {ckpt} at step {self.step}")
         else:
-            for name in ("metrics.jsonl", "scheduler_plan.jsonl"):
-                (self.out / name).unlink(missing_ok=True)
+            (self.out / "scheduler_plan.jsonl").unlink(missing_ok=True)  # metrics.jsonl: the sinks start it afresh
         # written once the run is known to start (a refused resume leaves the run's config as it was)
-        _replace_text(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
-        t0 = time.perf_counter()
-        while self.step < cfg.steps:
-            m = self.train_step()
-            if cfg.logging.progress:
-                self._progress_step(m, time.perf_counter() - t0)
-            every = cfg.checkpoint.every
-            if every and self.step % every == 0 and self.step < cfg.steps:
+        write_text_atomic(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
+        self._open_sinks()
+        self._bar = ProgressBar(cfg.steps, initial=self.step, enabled=cfg.logging.progress, stream=self._stream)
+        try:
+            while self.step < cfg.steps:
+                self._bar.update(self.train_step())
+                every = cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < cfg.steps:
+                    self.save_checkpoint()
+            if cfg.checkpoint.final and self._on_disk_step != self.step:
                 self.save_checkpoint()
-        if cfg.checkpoint.final and self._on_disk_step != self.step:
-            self.save_checkpoint()
-        if cfg.logging.progress:
-            self._stream.write("\n")
+        except BaseException:
+            try:
+                self._close_sinks(failed=True)
+            except Exception as e:  # the error that stopped the run is the one to report
+                _log.warning("closing the metric sinks after a failed run: %s", e)
+            raise
+        finally:
+            self._bar.close()
+            self._bar = None
+        self._close_sinks(failed=False)
         if cfg.logging.plot:
-            self._progress(plot_metrics(self.history, self.out / "curves.png"))
+            self._say(plot_metrics(self.history, self.out / "curves.png"))
         return self.history
 
-    def _progress(self, text: str) -> None:
-        if self.config.logging.progress:
+    def _open_sinks(self) -> MetricSinks:
+        """The run's metric sinks, opened on first use: afresh, or continuing the logs of a loaded checkpoint."""
+        if self.sinks is None:
+            cfg = self.config
+            self.sinks = MetricSinks.open(
+                self.out, cfg.logging.sink_config(), run_name=self.out.name, resume_step=self._logs_from,
+                hparams=config_to_dict(cfg), base_dir=self.base_dir,
+            )
+            if self._logs_from is not None and "jsonl" in self.sinks.names:
+                self.history = list(self.sinks.history)  # the steps up to the checkpoint, as logged then
+        return self.sinks
+
+    def _close_sinks(self, *, failed: bool) -> None:
+        if self.sinks is not None:
+            sinks, self.sinks = self.sinks, None
+            self._logs_from = self.step  # opened again, the logs continue
+            sinks.close(failed=failed)
+
+    def _say(self, text: str) -> None:
+        """A message of the run: to the ``verl_core.trainer.trainer`` logger, and above the progress bar."""
+        _log.info(text)
+        if not self.config.logging.progress:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
             self._stream.write(text + "\n")
             self._stream.flush()
 
-    def _progress_step(self, m: Mapping[str, Any], elapsed: float) -> None:
-        total = self.config.steps
-        done = int(m["step"])
-        width = 20
-        filled = int(width * done / total)
-        bar = "#" * filled + "-" * (width - filled)
-        line = (
-            f"[{bar}] step {done}/{total}  reward {m['reward/mean']:.3f} +- {m['reward/std']:.3f}  "
-            f"len {m['response/length_mean']:.1f}  {m['time/step']:.2f}s/step  {elapsed:.0f}s"
-        )
-        tty = getattr(self._stream, "isatty", lambda: False)()
-        self._stream.write(("\r" + line) if tty else (line + "\n"))
-        self._stream.flush()
-
     def close(self) -> None:
-        """Release every engine, the buffer's spill files and the claim on the output folder."""
-        if self._built:
-            for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
-                if engine is not None:
-                    close: Callable[[], None] | None = getattr(engine, "close", None)
-                    if close is not None:
-                        close()
-            self.executor.close()
-            self.buffer.close()
-            self._built = False
-        if self.run_dir is not None:
-            self.run_dir.release()
+        """Close the metric sinks; release every engine, the stage threads, the buffer's spill files and
+        the claim on the output folder."""
+        try:
+            self._close_sinks(failed=self._failed is not None)
+        finally:
+            if self._built:
+                for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
+                    if engine is not None:
+                        close: Callable[[], None] | None = getattr(engine, "close", None)
+                        if close is not None:
+                            close()
+                self.executor.close()
+                self.buffer.close()
+                self._built = False
+            self._stage_threads.close()
+            if self.run_dir is not None:
+                self.run_dir.release()
 
     def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write a file atomically (a process killed meanwhile leaves the old or the new content)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _json_lines(path: Path) -> list[str]:
-    """The complete JSON lines of a log file (a run killed mid-write leaves a torn last line)."""
-    out = []
-    for ln in path.read_text(errors="replace").splitlines():
-        try:
-            json.loads(ln)
-        except ValueError:
-            continue
-        out.append(ln)
-    return out
 
 
 def _groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,584 @@
+"""Supervised fine-tuning (``verl sft``): train the policy on prompt/response pairs, then hand it to RL.
+
+:class:`SFTTrainer` runs on the same training engines as ``verl train`` (any backend with an actor
+engine, built by the executor of ``executor``), with the same run folder rules
+(:class:`~verl_core.trainer.rundir.RunDir`), checkpoints (:mod:`verl_core.trainer.runstate`: atomic
+``checkpoints/step-N`` folders with a manifest and ``trainer_state.json``), ``--resume`` rules
+(:func:`~verl_core.trainer.reliability.resume_config_changes`) and metric sinks. At the end it
+exports the final weights as a transformers folder, ``<output_dir>/model-sft``
+(:data:`SFT_MODEL_DIR`), which ``verl train`` takes as ``model.path``.
+
+One step takes the next ``batch.prompts_per_step`` rows of ``data.train`` in the seeded, resumable
+data order (:class:`~verl_core.trainer.data.PromptSampler`, saved in every checkpoint). Each row is
+its prompt (text, or chat messages rendered with the chat template and the generation prompt),
+then its ``data.response_key`` text followed by EOS, tokenized with the actor's tokenizer into the
+batch layout of a rollout: ``prompt_ids``/``prompt_mask`` left-padded, ``response_ids``/
+``response_mask`` right-padded. So the engine's log-prob path is the one RL uses, and the loss
+(:class:`SFTLoss`) is the negative log-likelihood of the response tokens only, a token mean over
+the global mini-batch: results do not depend on the micro-batch split.
+
+Config sections read: ``model``, ``backends.actor`` and ``backends.options.actor``, ``optim``,
+``batch`` (``prompts_per_step`` = rows per step, ``mini_batch_size`` = rows per optimizer step
+with 0 = the whole step, ``micro_batch_tokens``, ``min_tokens``, ``max_tokens``), ``data`` (every
+key), ``steps``, ``seed``, ``output_dir``, ``overwrite``, ``checkpoint`` (``every``, ``keep``; the
+final checkpoint is always written, the export reads it), ``logging`` (``progress``, ``sinks`` and
+their settings), ``max_consecutive_skips``, ``executor`` and ``ray``. The RL-only keys are ignored:
+``task``, ``reward``, ``algorithm``, ``rollout``, ``critic_model``, ``critic_optim``, the other
+roles of ``backends``, ``batch.epochs``, ``batch.buffer_memory_bytes`` and ``logging.plot``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Final, Literal
+
+import torch
+
+from verl_core.algorithms.aggregation import masked_total, token_mean
+from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.errors import CheckpointError, ConfigError
+from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.kernel.training import GlobalBatchStats, LossOutput, ModelOutput, TrainingEngine
+from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
+from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
+from verl_core.trainer.executor import Executor, make_executor
+from verl_core.trainer.reliability import (
+    TrainingDivergedError,
+    resume_config_changes,
+    verify_checkpoint,
+)
+from verl_core.trainer.rundir import Mode, RunDir
+from verl_core.trainer.runstate import (
+    STATE_FILE,
+    build_run_model,
+    engine_spec,
+    latest_checkpoint,
+    load_engine_checkpoint,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
+from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
+
+__all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
+
+SFT_MODEL_DIR: Final = "model-sft"
+"""The folder under ``output_dir`` where :meth:`SFTTrainer.train` exports the final weights."""
+
+_TINY_MAX_POSITION: Final = 512  # context of the tiny model built when model.path is empty
+_NO_LIMIT: Final = 1 << 20  # engine length limits when the model folder states no context length
+_log = logging.getLogger(__name__)
+
+
+class SFTLoss:
+    """The SFT :class:`~verl_core.kernel.training.LossFn`: mean negative log-likelihood of the response tokens.
+
+    ``-(sum of log_probs over response tokens) / stats.num_tokens``: prompt and padding positions
+    do not count, and the normaliser is the response-token count of the whole mini-batch, so the
+    sum over micro-batches (and ranks) is the mini-batch's token mean whatever the split. The
+    log-probs are those of the batch temperature, which SFT batches set to 1.
+    """
+
+    @property
+    def needs(self) -> frozenset[ModelOutput]:
+        """``log_probs`` of the response tokens."""
+        return frozenset({"log_probs"})
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        """This micro-batch's share of the mini-batch's mean NLL (metric ``tokens``: its response tokens)."""
+        batch.require("log_probs", "response_mask", where="SFTLoss")
+        mask = batch["response_mask"]
+        loss = token_mean(-batch["log_probs"], mask, stats)
+        return LossOutput(loss, {"tokens": mask.sum().float()})
+
+
+class SFTDataset:
+    """Tokenized prompt/response rows of ``data.train`` or ``data.eval``.
+
+    Build it with :meth:`from_config`; :meth:`batch` makes the training batch of some rows.
+
+    Attributes:
+        prompts: Prompt token ids of every row.
+        responses: Response token ids of every row, EOS included.
+        dropped: Rows left out for a prompt longer than ``data.max_prompt_len``.
+        pad_token_id: The tokenizer's pad id.
+    """
+
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_token_id: int,
+        dropped: int = 0,
+    ) -> None:
+        if len(prompts) != len(responses) or not prompts:
+            raise ConfigError(f"SFTDataset needs as many responses as prompts (>= 1), got {len(prompts)} and {len(responses)}")
+        self.prompts = [tuple(p) for p in prompts]
+        self.responses = [tuple(r) for r in responses]
+        self.pad_token_id = pad_token_id
+        self.dropped = dropped
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @classmethod
+    def from_config(
+        cls, data: DataConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
+        context: int | None = None,
+    ) -> SFTDataset:
+        """Load ``data.<split>`` with the config's prompt and response columns.
+
+        Prompts are read, rendered and length-checked by
+        :meth:`~verl_core.trainer.data.PromptDataset.from_config`; each response is its text
+        followed by the tokenizer's EOS.
+
+        Args:
+            data: The run's ``data`` section.
+            tokenizer: The actor's tokenizer.
+            split: ``train`` or ``eval``.
+            context: The model's longest sequence (None = unknown, not checked).
+
+        Raises:
+            ConfigError: every problem of the prompt dataset; no ``data.response_key`` column
+                (naming it and the columns there are); a response that is not text; a row longer
+                than ``context`` tokens.
+        """
+        where = f"data.{split}"
+        prompts = PromptDataset.from_config(data, tokenizer, split=split)
+        key = data.response_key
+        if key not in prompts.columns:
+            raise ConfigError(
+                f"{where}: {', '.join(map(repr, prompts.sources))} has no column {key!r} (the response column, "
+                f"config key 'data.response_key'); its columns: {', '.join([data.prompt_key, *prompts.columns])}; "
+                "set data.response_key to the column holding the responses"
+            )
+        eos = tokenizer.eos_token_id
+        prompt_ids: list[list[int]] = []
+        response_ids: list[list[int]] = []
+        for text, response in zip(prompts.prompts, prompts.columns[key]):
+            if not isinstance(response, str):
+                raise ConfigError(
+                    f"{where}: the response of the row with prompt {_short(text)} is {_short(response)}; "
+                    f"column {key!r} must hold text"
+                )
+            p = tokenizer.encode(text)
+            r = [*tokenizer.encode(response), eos]
+            if context is not None and len(p) + len(r) > context:
+                raise ConfigError(
+                    f"{where}: the row with prompt {_short(text)} has {len(p)} prompt and {len(r)} response tokens "
+                    f"(EOS included), more than the model's {context} positions (max_position_embeddings); "
+                    "shorten it, or leave such rows out of the data"
+                )
+            prompt_ids.append(p)
+            response_ids.append(r)
+        return cls(prompt_ids, response_ids, pad_token_id=tokenizer.pad_token_id, dropped=prompts.dropped)
+
+    def batch(self, rows: Sequence[int], *, step: int = 0) -> TensorBatch:
+        """The batch of ``rows``: left-padded prompts, right-padded responses (EOS included), temperature 1."""
+        prompts = [self.prompts[i] for i in rows]
+        responses = [self.responses[i] for i in rows]
+        n, width_p, width_r = len(rows), max(map(len, prompts)), max(map(len, responses))
+        pad = self.pad_token_id
+        prompt_ids = torch.full((n, width_p), pad, dtype=torch.int64)
+        prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
+        response_ids = torch.full((n, width_r), pad, dtype=torch.int64)
+        response_mask = torch.zeros((n, width_r), dtype=torch.bool)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            prompt_ids[i, width_p - len(p):] = torch.tensor(p, dtype=torch.int64)
+            prompt_mask[i, width_p - len(p):] = True
+            response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            response_mask[i, : len(r)] = True
+        return TensorBatch(
+            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+             "response_ids": response_ids, "response_mask": response_mask},
+            meta=BatchMeta(temperature=1.0, pad_token_id=pad, step=step),
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _context_length(model_path: str) -> int | None:
+    """``max_position_embeddings`` of the model folder's config.json (None when it states none)."""
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class SFTTrainer:
+    """Runs supervised fine-tuning from a :class:`~verl_core.trainer.config.RunConfig`.
+
+    Args:
+        config: The run; see the module docstring for the sections it reads.
+        memory_probe: Memory probe of the micro-batch scheduler (default: the device's real memory).
+        stream: Where the progress bar and messages go (default stderr).
+
+    Use :meth:`train` (with ``resume=True`` to continue from the newest checkpoint of the output
+    folder); the actor engine is built on first use and released by :meth:`close` (or ``with``).
+
+    Raises:
+        ConfigError: ``data.train`` is not set, or ``data.prompt_key`` equals ``data.response_key``.
+    """
+
+    def __init__(
+        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None
+    ) -> None:
+        data = config.data
+        if not data.train_paths:
+            raise ConfigError(
+                "config key 'data.train' is empty; verl sft trains on a dataset: set data.train to a .jsonl, "
+                f".json, .parquet or .csv file (or a save_to_disk folder) with the columns {data.prompt_key!r} "
+                f"(data.prompt_key) and {data.response_key!r} (data.response_key)"
+            )
+        if data.prompt_key == data.response_key:
+            raise ConfigError(
+                f"config keys 'data.prompt_key' and 'data.response_key' are both {data.prompt_key!r}; the "
+                "prompt and the response must be different columns"
+            )
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.loss_fn = SFTLoss()
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.model_dir: Path | None = None
+        self.run_dir: RunDir | None = None
+        self._probe = memory_probe
+        self._stream = stream if stream is not None else sys.stderr
+        self._built = False
+        self._consecutive_skips = 0
+        self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
+        self.actor: TrainingEngine
+        self.executor: Executor
+        self.scheduler: DynamicBatchScheduler
+        self.train_data: SFTDataset
+        self.eval_data: SFTDataset | None = None
+        self.sampler: PromptSampler
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, *, resume: bool | None = None) -> None:
+        """Claim the output folder, build the model (if tiny) and the actor engine, load the data.
+
+        Args:
+            resume: True to continue the run the folder holds, False to start a fresh one, None
+                to open the run there or else start one (see :meth:`RunDir.claim`).
+
+        Raises:
+            ConfigError: the output folder may not be used so, or the data is invalid.
+        """
+        if self._built:
+            return
+        cfg = self.config
+        check_device_here(self.config)  # before the run folder is claimed or any engine is built
+        run = self._claim(resume)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        path = build_run_model(cfg, run, max_position=_TINY_MAX_POSITION)
+        context = _context_length(path)
+        limit = context or _NO_LIMIT
+        spec = engine_spec(cfg, "actor", path, optim=cfg.optim.to_optim(cfg.steps),
+                           max_prompt_len=limit, max_response_len=limit)
+        self.executor = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
+        self.actor = self.executor.training_engine("actor", cfg.backends.actor, spec)
+        try:
+            tokenizer = self.actor.tokenizer
+            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context)
+            if cfg.data.eval_paths:
+                self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context)
+        except BaseException:
+            self.actor.close()
+            self.executor.close()
+            raise
+        self.sampler = PromptSampler(len(self.train_data), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        bc = cfg.batch
+        low, high = (bc.micro_batch_tokens,) * 2 if bc.micro_batch_tokens else (bc.min_tokens, bc.max_tokens)
+        self.scheduler = DynamicBatchScheduler(
+            SchedulerConfig(min_tokens=low, max_tokens=high), probe=self._probe, device=cfg.model.device
+        )
+        # as in verl train: the budget is read once and checkpointed, so a resumed run splits its
+        # steps (and sums their gradients) exactly like an uninterrupted one
+        self.scheduler.fix_budget()
+        self._built = True
+
+    def _claim(self, resume: bool | None) -> RunDir:
+        run = self.run_dir
+        if run is None:
+            mode: Mode = "any" if resume is None else "resume" if resume else "fresh"
+            run = self.run_dir = RunDir.claim(self.config.output_dir, self.config, mode=mode)
+            if run.moved_aside is not None:
+                self._stream.write(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}\n")
+        elif not run.held:
+            run.acquire()  # set up again after close()
+        return run
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self) -> dict[str, Any]:
+        """Train on the next ``batch.prompts_per_step`` rows and return the step's metrics.
+
+        Metrics: ``train/loss`` (mean NLL per response token over the step), ``train/grad_norm``
+        (mean over the step's optimizer steps), ``train/lr``, ``train/response_tokens``,
+        ``train/tokens`` (prompt and response), ``data/epoch``, ``update/optimizer_steps``,
+        ``update/nonfinite_skips``, ``scheduler/actor/micro_batches``, ``time/step`` and
+        ``throughput/tokens_per_s`` (prompt and response tokens per second).
+
+        Raises:
+            TrainingDivergedError: ``max_consecutive_skips`` optimizer steps in a row were skipped
+                for a non-finite loss or gradient; a checkpoint was written first.
+        """
+        self.setup()
+        cfg = self.config
+        t0 = time.perf_counter()
+        rows = self.sampler.take(cfg.batch.prompts_per_step)
+        batch = self.train_data.batch(rows, step=self.step)
+        size = cfg.batch.mini_batch_size or batch.batch_size
+        nll = grad_norm = lr = 0.0
+        updates = skipped = micro_batches = 0
+        for i, start in enumerate(range(0, batch.batch_size, size)):
+            mb = batch.index(slice(start, start + size))
+            stats = GlobalBatchStats.of(mb)
+
+            def fn(micro: TensorBatch, stats: GlobalBatchStats = stats) -> Mapping[str, float]:
+                return self.actor.forward_backward(micro, self.loss_fn, stats)
+
+            parts = self.scheduler.run(mb, fn, key=f"step{self.step}/actor/update{i}")
+            nll += sum(float(m["loss"]) for _, m in parts) * stats.num_tokens
+            micro_batches += len(parts)
+            result = self.actor.optimizer_step()
+            grad_norm += result.grad_norm
+            lr = result.lr
+            updates += 1
+            skipped += result.skipped
+            # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
+            self._consecutive_skips = self._consecutive_skips + 1 if result.skipped else 0
+        self.step += 1
+        tokens = int(batch["response_mask"].sum())
+        all_tokens = tokens + int(batch["prompt_mask"].sum())
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            "train/loss": nll / max(tokens, 1),
+            "train/grad_norm": grad_norm / updates,
+            "train/lr": lr,
+            "train/response_tokens": tokens,
+            "train/tokens": all_tokens,
+            "data/epoch": self.sampler.epoch,
+            "update/optimizer_steps": updates,
+            "update/nonfinite_skips": skipped,
+            "scheduler/actor/micro_batches": micro_batches,
+        }
+        if self.eval_data is not None and self._eval_due():
+            t = time.perf_counter()
+            metrics.update(self.evaluate())
+            metrics["time/eval"] = time.perf_counter() - t
+        wall = time.perf_counter() - t0
+        metrics["time/step"] = wall
+        metrics["throughput/tokens_per_s"] = all_tokens / wall if wall > 0 else 0.0
+        self.history.append(metrics)
+        limit = cfg.max_consecutive_skips
+        if limit and self._consecutive_skips >= limit:
+            ckpt = self.save_checkpoint()
+            raise TrainingDivergedError(
+                f"step {self.step}: {self._consecutive_skips} optimizer steps in a row were skipped because "
+                f"the loss or gradient was NaN/inf (max_consecutive_skips={limit}); the weights are those of "
+                f"the last finite update, saved in {str(ckpt)!r}. Lower optim.lr, check the data, then "
+                "resume with `verl sft CONFIG --resume`"
+            )
+        return metrics
+
+    def _eval_due(self) -> bool:
+        every = self.config.checkpoint.every
+        return self.step == self.config.steps or bool(every and self.step % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean NLL per response token on ``data.eval`` (forward only): ``eval/loss`` and ``eval/response_tokens``.
+
+        Raises:
+            ConfigError: ``data.eval`` is not set.
+        """
+        self.setup()
+        if self.eval_data is None:
+            raise ConfigError("config key 'data.eval' is not set; give an evaluation dataset to evaluate on")
+        n = self.config.batch.prompts_per_step
+        total = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        for i, start in enumerate(range(0, len(self.eval_data), n)):
+            batch = self.eval_data.batch(range(start, min(start + n, len(self.eval_data))), step=self.step)
+
+            def fn(micro: TensorBatch) -> TensorBatch:
+                return self.actor.forward(micro, self.loss_fn.needs)
+
+            out = self.scheduler.run_forward(batch, fn, key=f"step{self.step}/actor/eval{i}")
+            total += masked_total(out["log_probs"].double(), out["response_mask"])
+            tokens += int(out["response_mask"].sum())
+        return {"eval/loss": float(-total / max(tokens, 1)), "eval/response_tokens": float(tokens)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write an atomic checkpoint (actor, data order, scheduler, RNG states); returns its folder."""
+        self.setup()
+        state = {
+            "trainer": "sft",
+            "step": self.step,
+            "weight_version": self.step,
+            "rng": rng_state(),
+            "schedulers": {"actor": self.scheduler.state_dict()},
+            "algorithm": {},
+            "data": self.sampler.state_dict(),
+            "config": config_to_dict(self.config),
+            "consecutive_nonfinite_skips": self._consecutive_skips,
+        }
+        final = write_checkpoint(
+            self.out / "checkpoints", self.step, {"actor": self.actor}, state, keep=self.config.checkpoint.keep
+        )
+        self._on_disk_step = self.step
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint`.
+
+        Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
+        its field checks, the data order continues (same rows, seed and shuffle) and the saved
+        config differs from the current one only in keys of
+        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS`.
+
+        Raises:
+            CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named), or
+                a checkpoint of ``verl train``.
+            ConfigError: the data changed, or config keys that change the math differ (all listed).
+        """
+        self.setup()
+        ckpt = Path(path)
+        verify_checkpoint(ckpt, required=(STATE_FILE, "actor"))
+        state, rng = read_state(ckpt, ("actor",), (), trainer="sft")
+        data = state.get("data")
+        if not isinstance(data, dict):
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data' must be the data order's position "
+                f"(a table), got {_short(data)}; resume from another checkpoint or start a new run"
+            )
+        # checked on a scratch sampler first, so a refusal leaves this trainer as it was
+        PromptSampler(self.sampler.size, seed=self.sampler.seed, shuffle=self.sampler.shuffle).load_state_dict(data)
+        allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
+        if allowed:
+            line = "resume: changed keys allowed: " + "; ".join(allowed)
+            _log.info(line)
+            self._stream.write(line + "\n")
+        load_engine_checkpoint(ckpt, "actor", self.actor, self.config.backends.actor)
+        self.sampler.load_state_dict(data)
+        self.step = int(state["step"])
+        self.scheduler.load_state_dict(state["schedulers"]["actor"])
+        self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
+        self._on_disk_step = self.step
+        set_rng_state(rng)
+
+    def export(self) -> Path:
+        """Export the newest checkpoint to ``<output_dir>/model-sft`` (replacing an earlier export).
+
+        Returns:
+            The transformers folder, a ``model.path`` for ``verl train``.
+
+        Raises:
+            CheckpointError: the run has no checkpoint.
+        """
+        from verl_core.trainer.export import export_checkpoint
+
+        run = self._claim(None)
+        ckpt = latest_checkpoint(self.out)
+        if ckpt is None:
+            raise CheckpointError(f"{str(self.out)!r} holds no checkpoint to export; train first")
+        dest = self.out / SFT_MODEL_DIR
+        tmp = self.out / f".{SFT_MODEL_DIR}-{run.run_id}"  # named by the run: only this run's leftovers
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_checkpoint(ckpt, tmp)
+        if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
+            old = self.out / f".{SFT_MODEL_DIR}-old-{run.run_id}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        self.model_dir = dest
+        return dest
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
+        """Run until ``config.steps``, checkpoint, and export the final weights (:attr:`model_dir`).
+
+        With ``resume`` the run continues from the newest checkpoint of the output folder. Returns
+        the metrics of every step (including those before a resume, read back from
+        ``metrics.jsonl`` when the ``jsonl`` sink is on).
+
+        Raises:
+            ConfigError: the output folder may not be used so (see :mod:`verl_core.trainer.rundir`),
+                ``resume`` without a checkpoint, or a resume that changes the math.
+        """
+        self.setup(resume=resume)
+        run = self._claim(resume)
+        run.check_owned()
+        if not resume:
+            run.require_fresh(self.config)
+        cfg = self.config
+        if resume:
+            ckpt = latest_checkpoint(self.out)
+            if ckpt is None:
+                raise ConfigError(
+                    f"--resume: no checkpoint under {str(self.out / 'checkpoints')!r}; "
+                    "run without --resume to start fresh"
+                )
+            self.load_checkpoint(ckpt)
+        write_text_atomic(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
+        sinks = MetricSinks.open(
+            self.out, cfg.logging.sink_config(), self.out.name, self.step if resume else None,
+            hparams=config_to_dict(cfg),
+        )
+        self.history = list(sinks.history)
+        dropped = f", {self.train_data.dropped} dropped for long prompts" if self.train_data.dropped else ""
+        with sinks, ProgressBar(cfg.steps, initial=self.step, enabled=cfg.logging.progress, stream=self._stream) as bar:
+            bar.write(f"sft: {len(self.train_data)} training rows{dropped}; {cfg.steps} steps of "
+                      f"{cfg.batch.prompts_per_step} rows, starting at step {self.step}")
+            report = max(1, cfg.steps // 10)
+            while self.step < cfg.steps:
+                m = self.train_step()
+                sinks.log_step(self.step, m)
+                bar.update(m)
+                if self.step % report == 0 or self.step == cfg.steps:
+                    evaluated = f", eval loss {m['eval/loss']:.4f}" if "eval/loss" in m else ""
+                    bar.write(f"step {self.step}: loss {m['train/loss']:.4f}{evaluated}")
+                every = cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < cfg.steps:
+                    sinks.checkpoint(self.step, self.save_checkpoint())
+            if self._on_disk_step != self.step:
+                sinks.checkpoint(self.step, self.save_checkpoint())  # the export reads it
+        self.actor.offload()  # the export builds its own engine from the checkpoint
+        try:
+            path = self.export()
+        finally:
+            self.actor.onload()
+        if cfg.logging.progress:
+            self._stream.write(f"sft: model for `verl train model.path=...`: {path}\n")
+        return self.history
+
+    def close(self) -> None:
+        """Release the actor engine, the executor and the claim on the output folder."""
+        if self._built:
+            self.actor.close()
+            self.executor.close()
+            self._built = False
+        if self.run_dir is not None:
+            self.run_dir.release()
+
+    def __enter__(self) -> SFTTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

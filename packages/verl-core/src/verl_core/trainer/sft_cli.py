@@ -1,0 +1,58 @@
+"""``verl sft [CONFIG] [key.sub=value ...] [--resume] [--check]``: supervised fine-tuning from a config file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from verl_core.trainer.cli import add_run_arguments, check_backends, load_run_config
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
+    """Add the ``sft`` subcommand to the ``verl`` parser; returns its handler."""
+    p = subparsers.add_parser(
+        "sft",
+        help="supervised fine-tuning on prompt/response pairs (its model-sft folder is a model.path for train)",
+        description=(
+            "Supervised fine-tuning of the actor on the prompt/response pairs of data.train (columns "
+            "data.prompt_key and data.response_key), with the loss on the response tokens only. It uses the "
+            "config format, engines, run folders, checkpoints and --resume of `verl train`; at the end it "
+            "writes the final weights as a transformers folder, OUTPUT_DIR/model-sft, and prints its path: "
+            "pass it to `verl train` as model.path. Overrides are key.sub=value (TOML literals; bare words "
+            "are strings); flags may come anywhere among them."
+        ),
+    )
+    add_run_arguments(p, checks="keys, values, that data.train is set, the actor backend")
+    return _handle
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from verl_core.trainer.config import check_device_here, config_to_dict
+    from verl_core.trainer.sft import SFTTrainer
+
+    config = load_run_config(args)
+    if args.print_config and not args.check:
+        print(json.dumps(config_to_dict(config), indent=1))
+        return 0
+    trainer = SFTTrainer(config)  # checks the data section
+    check_device_here(config)
+    check_backends(config, {"actor": config.backends.actor})
+    if args.check:
+        print(f"verl sft: config is valid ({config.steps} steps on {', '.join(config.data.train_paths)}, "
+              f"output_dir {config.output_dir!r})", file=sys.stderr)
+        if args.print_config:
+            print(json.dumps(config_to_dict(config), indent=1))
+        return 0
+    with trainer:
+        history = trainer.train(resume=args.resume)
+    if history:
+        first, last = history[0], history[-1]
+        print(f"done: {len(history)} steps, loss {first['train/loss']:.4f} (step {first['step']}) -> "
+              f"{last['train/loss']:.4f} (step {last['step']}); outputs in {config.output_dir}", file=sys.stderr)
+    print(trainer.model_dir)  # the model.path for `verl train`
+    return 0
