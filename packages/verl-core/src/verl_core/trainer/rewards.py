@@ -258,8 +258,9 @@ class RewardFunctions(RewardEngine):
             eos = self._tokenizer.eos_token_id
             truncated = [not ids or ids[-1] != eos for ids in completion_ids]
         columns = {k: list(v) for k, v in batch.extras.items() if not k.startswith("reward/")}
-        sample = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                  "truncated": truncated}
+        sample: dict[str, list[Any]] = {
+            "prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated,
+        }
         size = batch.batch_size
         total = [0.0] * size
         extras: dict[str, list[float]] = {}
