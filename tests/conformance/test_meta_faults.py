@@ -1,8 +1,10 @@
 """Meta-tests: deliberately broken backends, installed through real entry points, fail the suite.
 
-Each broken backend (tests/plugins/verl-broken-backends) is the example backend with one fault;
-each test runs only the checks that fault targets and asserts the failure message points at it.
-The unbroken example passing those same checks is proven by test_suite_example.py.
+Each broken backend (tests/plugins/verl-broken-backends) is the example backend (or, for reward
+engines and GPT-2 folders, the hf backend) with one fault; each test runs only the checks that
+fault targets (plus checks it passes, where that shows a gap the new check closes) and asserts the
+failure message points at it. The unbroken backends passing those same checks is proven by
+test_suite_example.py and test_suite_hf.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,45 @@ FAULTS = [
      ["differential::trajectory_matches_reference"], ["3-step GRPO trajectory", "grad norm at step"]),
     ("broken-unseeded", ["invariance::seeded_sampling_reproducible"], ["invariance::seeded_sampling_reproducible"],
      ["not reproducible under a fixed seed"]),
+    ("broken-checkpoint-optimizer", ["stateful::checkpoint_round_trip"], ["stateful::checkpoint_round_trip"],
+     ["after save_checkpoint and load_checkpoint into a fresh engine", "moments or step were not restored"]),
+    ("broken-offload-tensor", ["stateful::offload_round_trip", "stateful::offload_frees_memory"],
+     ["stateful::offload_round_trip"], ["after offload() and onload()", "optimizer state was lost"]),
+    ("broken-wake-reload", ["stateful::sleep_wake_round_trip"], ["stateful::sleep_wake_round_trip"],
+     ["after sleep() and wake()", "gave other tokens than before"]),
+    ("broken-bfloat16", ["numerics::declared_dtypes_and_devices"], ["numerics::declared_dtypes_and_devices"],
+     ["declares dtype bfloat16 on device cpu but building it raised"]),
+    ("broken-checkpointing-grads", ["invariance::gradient_checkpointing_invariance"],
+     ["invariance::gradient_checkpointing_invariance"], ["with gradient_checkpointing=True vs without"]),
+    ("broken-top-k", ["invariance::truncated_sampling_keeps_top_token"],
+     ["invariance::truncated_sampling_keeps_top_token"], ["top_k=1: sample"]),
+    ("broken-rollout-tp", ["invariance::rollout_tensor_parallel_invariance"],
+     ["invariance::rollout_tensor_parallel_invariance"], ["rank 1: seeded generation with tp=2 vs one process"]),
+    # EOS and truncation, on the test kit's EOS model
+    ("broken-eos-mask", ["schema::generate_layout", "robustness::generate_edge_cases", "schema::eos_ends_response"],
+     ["schema::eos_ends_response"], ["the EOS that ends the response is left out", "[11, 12, 1]"]),
+    ("broken-truncated", ["schema::eos_ends_response", "schema::truncated_flag"], ["schema::truncated_flag"],
+     ["truncated=True, expected False", "its last allowed token is EOS"]),
+    # position ids, on a GPT-2 with absolute position embeddings
+    ("broken-positions", ["invariance::padding_invariance", "invariance::positions_under_left_padding"],
+     ["invariance::positions_under_left_padding"], ["absolute-position model", "not arange over the padded row"]),
+    # every tensor of a weight stream applied
+    ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
+                           "weight_sync::every_tensor_applied"],
+     ["weight_sync::every_tensor_applied"], ["model.norm.weight", "in the last chunk", "it was not applied"]),
+    # reward engines
+    ("broken-reward-nan", ["reward::score_layout"], ["reward::score_layout"], ["head outputs NaN", "must raise"]),
+    ("broken-reward-order", ["reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
+     ["reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
+     ["score i must belong to sample i"]),
+    ("broken-reward-centered", ["reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
+     ["reward::scores_independent_of_batch"], ["each sample scored alone"]),
+    ("broken-reward-last-column", ["reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
+     ["reward::scores_independent_of_batch"], ["each sample scored alone"]),
+    ("broken-reward-noisy", ["reward::scores_deterministic"], ["reward::scores_deterministic"],
+     ["two score() calls on one batch differ"]),
+    ("broken-reward-tokenizer", ["reward::scores_independent_of_batch", "reward::cross_tokenizer_scores"],
+     ["reward::cross_tokenizer_scores"], ["another tokenizer's ids", "no extra BOS"]),
 ]
 
 
@@ -80,5 +121,70 @@ def test_check_backend_with_own_factories() -> None:
     assert [(r.id, r.status) for r in report.results] == [
         ("schema::forward_layout", "passed"), ("schema::generate_layout", "skipped")]
     assert "provides no rollout engine" in report.results[1].message
-    with pytest.raises(ConformanceError, match="a sync that does not apply the weights"):
+    with pytest.raises(ConformanceError, match="a sync that does not apply the weights") as info:
         check_backend("mine", make_rollout_engine=IgnoredWeightSync, checks=["weight_sync::rollout_applies_stream"])
+    # the snippet re-runs the factories that were checked, not a backend called "mine"
+    message = str(info.value)
+    assert "--verl-backend mine" not in message and "check_backend('mine')" not in message, message
+    assert ("from verl_broken_backends.engines import IgnoredWeightSync; check_backend('mine', "
+            "make_rollout_engine=IgnoredWeightSync, checks=['weight_sync::rollout_applies_stream'])") in message
+
+
+@pytest.mark.slow
+def test_reward_checks_pass_on_reward_functions() -> None:
+    """Reward functions (FunctionReward, RewardFunctions) are checked through a reward-engine factory."""
+    from verl_conformance.testkit import load_tokenizer
+    from verl_core import EngineSpec, FunctionReward
+    from verl_core.trainer.reward_functions import regex_reward
+    from verl_core.trainer.rewards import RewardFunctions
+
+    def text_score(completions: list[str], prompts: list[str]) -> list[float]:
+        return [len(c) / 4 + sum(map(ord, c + p)) % 7 for c, p in zip(completions, prompts, strict=True)]
+
+    def function_reward(spec: EngineSpec) -> FunctionReward:
+        return FunctionReward(lambda p, r, _: text_score([r], [p])[0], load_tokenizer(spec.model_path))
+
+    def reward_functions(spec: EngineSpec) -> RewardFunctions:
+        return RewardFunctions([text_score, regex_reward(r".*\d.*", name="digit")], load_tokenizer(spec.model_path),
+                               weights=[1.0, 0.5])
+
+    for make in (function_reward, reward_functions):
+        report = check_backend("reward-functions", make_reward_engine=make, areas=["reward"])
+        status = {r.id: (r.status, r.message) for r in report.results}
+        assert status.pop("reward::cross_tokenizer_scores")[0] == "skipped"  # they expose no `tokenizer`
+        assert {s for s, _ in status.values()} == {"passed"}, status
+
+
+@pytest.mark.slow
+def test_grpo_run_finds_the_step_where_a_backend_parts() -> None:
+    """A loss scaled by 1.01 from the third step on fails the 5-step run at step 3, not before."""
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-loss-scale", against="example", checks=["differential::against_grpo_run"])
+    message = str(info.value)
+    assert "step 3 of 5" in message and ": loss:" in message, message
+    assert "--verl-against example" in message
+
+
+BUFFER_FAULTS = [
+    # (faulty buffer of verl_broken_backends.buffers, the check it fails, fragments of the message)
+    ("DropOldestBuffer", "buffer::buffer_capacity", ["adding 4 samples to a buffer holding 5 of capacity=5"]),
+    ("ReorderingBuffer", "buffer::buffer_order", ["drain(): sample ids [5, 6, 7, 8, 3, 4, 0, 1, 2]"]),
+    ("LossySpillBuffer", "buffer::buffer_spill", ["across memory and disk", "is not bit-identical"]),
+    ("SeedIgnoredBuffer", "buffer::buffer_seeded_sampling", ["sample(6, seed=11) twice"]),
+]
+
+
+@pytest.mark.parametrize(("name", "target", "fragments"), BUFFER_FAULTS, ids=[f[0] for f in BUFFER_FAULTS])
+def test_broken_buffer_fails_its_check(name: str, target: str, fragments: list[str]) -> None:
+    from verl_broken_backends import buffers
+
+    from verl_conformance import check_buffer
+
+    with pytest.raises(ConformanceError) as info:
+        check_buffer(getattr(buffers, name), checks=[target])
+    report = info.value.report
+    assert report is not None and [r.id for r in report.failures] == [target]
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{name}: the error does not point at the fault ({fragment!r}):\n{message}"
+    assert f"--verl-buffer verl_broken_backends.buffers:{name}" in message

@@ -74,6 +74,9 @@ def test_third_party_subclass_with_own_fixtures(tmp_path: Path) -> None:
     assert "PASSED" in out and "test_forward_layout" in out, out[-3000:]
     assert "FAILED" in out and "test_rollout_applies_stream" in out, out[-3000:]
     assert "a sync that does not apply the weights" in out
+    # the snippet re-runs the test and the factories the fixtures returned
+    assert "test_mine.py::TestMine::test_rollout_applies_stream'" in out
+    assert "make_training_engine=ExampleTrainingEngine, make_rollout_engine=IgnoredWeightSync" in out
 
 
 @pytest.mark.slow

@@ -70,3 +70,28 @@ def test_report_counts_and_json_round_trip(statuses: list[str]) -> None:
 
 def test_pytest_suffix_names_the_collected_test() -> None:
     assert pytest_suffix(CHECKS["weight_sync::bad_streams_rejected"]) == "TestWeightSync::test_bad_streams_rejected"
+
+
+def test_reproduction_names_the_backend_or_the_factories() -> None:
+    from verl_conformance.harness import Subject
+    from verl_conformance.runner import reproduction
+
+    text = reproduction("schema::forward_layout", "hf", "example")
+    assert "--verl-backend hf --verl-against example" in text and "check_backend('hf', against='example'" in text
+    from verl_example_backend.training import ExampleTrainingEngine
+
+    mine = Subject("mine", ExampleTrainingEngine, lambda spec: None)
+    text = reproduction("schema::forward_layout", mine)
+    assert "--verl-backend" not in text
+    assert "from verl_example_backend.training import ExampleTrainingEngine" in text
+    assert "make_training_engine=ExampleTrainingEngine" in text
+    assert "make_rollout_engine=<" in text and "<lambda>: not importable, pass the same factory>" in text
+
+
+def test_differential_skip_names_both_flags() -> None:
+    from verl_conformance.api import run_conformance
+
+    report = run_conformance("example", checks=["differential::against_greedy"])
+    [result] = report.results
+    assert result.status == "skipped"
+    assert "--against NAME to `verl conformance`" in result.message and "--verl-against NAME" in result.message

@@ -473,3 +473,39 @@ def test_reward_step_ignores_masked_positions(shape: tuple[int, list[int], int, 
     assert torch.equal(a["token_rewards"], b["token_rewards"])
     assert ma == mb
     assert not a["token_rewards"][~a["response_mask"]].any()
+
+
+def test_whitening_statistics_are_accurate_on_a_large_batch() -> None:
+    """Mean and variance over 4M tokens within 1e-5 of float64 (a float32 dot product is ~1e-4 off)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 4096, 1024
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    x = (torch.randn(B, T, generator=g) * 3 + 0.7).where(mask, 0.0)
+    out = masked_whiten(x, mask)
+    xd = x.double()[mask]
+    ref = (xd - xd.mean()) * torch.rsqrt(xd.var() + 1e-8)
+    # a whitened output is scale-free: its own mean and unbiased variance show the statistics' error
+    got = out.double()[mask]
+    assert abs(float(got.mean())) < 1e-5
+    assert abs(float(got.var()) - 1.0) < 1e-5
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert not out[~mask].any()
+    # the same through an estimator (REINFORCE++ whitens its discounted returns over the batch)
+    adv = reinforce_pp(TensorBatch({"response_mask": mask, "token_rewards": x}), ReinforcePPConfig(gamma=1.0))
+    a = adv["advantages"].double()[mask]
+    assert abs(float(a.var()) - 1.0) < 1e-5
+
+
+def test_outcome_sums_read_each_row_up_to_its_length() -> None:
+    """Totals over the blocked path (whole blocks, the end block, columns past the last block)."""
+    g = torch.Generator().manual_seed(1)
+    for width in (1, 63, 64, 65, 200, 256):
+        lengths = torch.randint(0, width + 1, (37,), generator=g)
+        lengths[:3] = torch.tensor([0, width, min(64, width)])
+        mask = make_mask(lengths.tolist(), width)
+        r = torch.randn(37, width, generator=g, dtype=F64).float()
+        junk = torch.where(mask, r, torch.full_like(r, 1e30))
+        b = TensorBatch({"response_mask": mask, "token_rewards": junk, "group_ids": torch.arange(37)})
+        ref = (r.double() * mask).sum(-1)
+        close(rloo(b)["advantages"][:, 0].where(lengths > 0, 0.0), ref.where(lengths > 0, 0.0), 1e-5)

@@ -7,8 +7,8 @@ import torch
 import transformers
 from hf_helpers import model_path
 
-from verl_conformance.testkit import random_batch
-from verl_core import ConfigError, EngineSpec
+from verl_conformance.testkit import nan_reward_model, random_batch
+from verl_core import ConfigError, EngineSpec, RewardError
 from verl_hf.reward import HFRewardEngine
 
 
@@ -47,6 +47,14 @@ def test_batched_and_single_scores_agree() -> None:
     whole = HFRewardEngine(EngineSpec(model_path=path, role="reward")).score(batch)
     single = HFRewardEngine(EngineSpec(model_path=path, role="reward", options={"rollout_batch_size": 1}))
     assert torch.allclose(whole["scores"], single.score(batch)["scores"], atol=1e-5)
+    by_spec = HFRewardEngine(EngineSpec(model_path=path, role="reward", micro_batch_size=1))
+    assert torch.allclose(whole["scores"], by_spec.score(batch)["scores"], atol=1e-5)
+
+
+def test_non_finite_scores_raise_naming_the_samples() -> None:
+    engine = HFRewardEngine(EngineSpec(model_path=str(nan_reward_model()), role="reward"))
+    with pytest.raises(RewardError, match=r"non-finite scores \(NaN or inf\) to samples \[0, 1, 2\] of 3"):
+        engine.score(random_batch(batch_size=3, seed=1))
 
 
 def test_a_causal_lm_folder_is_not_a_reward_model() -> None:

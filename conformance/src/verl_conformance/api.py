@@ -6,7 +6,14 @@ import os
 from collections.abc import Sequence
 
 from verl_conformance.errors import ConformanceError
-from verl_conformance.harness import EngineCache, EngineFactory, Harness, Subject
+from verl_conformance.harness import (
+    BufferFactory,
+    BufferSubject,
+    EngineCache,
+    EngineFactory,
+    Harness,
+    Subject,
+)
 from verl_conformance.runner import (
     ConformanceReport,
     load_known_gaps,
@@ -15,7 +22,7 @@ from verl_conformance.runner import (
     select_checks,
 )
 
-__all__ = ["check_backend", "check_backends_match", "run_conformance"]
+__all__ = ["check_backend", "check_backends_match", "check_buffer", "run_conformance"]
 
 
 def run_conformance(
@@ -37,7 +44,7 @@ def run_conformance(
         harness.cache.close()
 
 
-def _raise_failures(report: ConformanceReport) -> ConformanceReport:
+def _raise_failures(report: ConformanceReport, subject: str | Subject | None = None) -> ConformanceReport:
     failures = report.failures
     if not failures:
         return report
@@ -45,7 +52,7 @@ def _raise_failures(report: ConformanceReport) -> ConformanceReport:
              + (f" against {report.against!r}" if report.against else "") + ":"]
     for r in failures:
         parts.append(f"\n- {r.id}: {r.message}\n  reproduce:\n    "
-                     + reproduction(r.id, report.backend, report.against).replace("\n", "\n    "))
+                     + reproduction(r.id, subject or report.backend, report.against).replace("\n", "\n    "))
     raise ConformanceError("\n".join(parts), report)
 
 
@@ -58,6 +65,7 @@ def check_backend(
     known_gaps: str | os.PathLike[str] | None = None,
     make_training_engine: EngineFactory | None = None,
     make_rollout_engine: EngineFactory | None = None,
+    make_reward_engine: EngineFactory | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -65,10 +73,14 @@ def check_backend(
         backend: Installed backend name, or a label when factories are given.
         against: A second installed backend for the differential checks.
         checks: Check ids to run (``area::name``, wildcards allowed); default all.
-        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness).
+        areas: Areas to run (schema, numerics, invariance, differential, weight_sync, robustness,
+            reward, stateful, buffer).
         known_gaps: A known-gaps file (failures of listed checks are expected).
         make_training_engine: Build training engines with this instead of the registry.
         make_rollout_engine: Build rollout engines with this instead of the registry.
+        make_reward_engine: Build reward engines (a reward model, or reward functions wrapped in
+            ``verl_core.FunctionReward`` or ``verl_core.trainer.rewards.RewardFunctions``) with this
+            instead of the registry.
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
@@ -76,12 +88,13 @@ def check_backend(
     Raises:
         ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
     """
-    if make_training_engine is not None or make_rollout_engine is not None:
-        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine)
+    if make_training_engine is not None or make_rollout_engine is not None or make_reward_engine is not None:
+        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine,
+                                         make_reward=make_reward_engine)
     else:
         subject = backend
     report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps)
-    return _raise_failures(report)
+    return _raise_failures(report, subject)
 
 
 def check_backends_match(
@@ -91,3 +104,37 @@ def check_backends_match(
     report = run_conformance(a, against=b, checks=list(checks or ["differential::against_*"]),
                              known_gaps=known_gaps)
     return _raise_failures(report)
+
+
+def check_buffer(
+    make_buffer: BufferFactory,
+    *,
+    disk_tier: bool = True,
+    checks: Sequence[str] | None = None,
+    name: str | None = None,
+) -> ConformanceReport:
+    """Run the ``buffer`` checks on a replay buffer implementation; raise ConformanceError if any fails.
+
+    Args:
+        make_buffer: Builds a buffer from the keyword arguments ``capacity``, ``memory_samples``
+            and ``spill_dir`` (see :data:`~verl_conformance.harness.BufferFactory`);
+            :class:`verl_core.trainer.replay.HybridReplayBuffer` is one as it is.
+        disk_tier: Whether the buffer spills past ``memory_samples`` (False skips the spill check).
+        checks: Buffer check ids to run (``buffer::*`` by default; wildcards allowed).
+        name: Label in reports (default: ``module:qualname`` of ``make_buffer``, which the
+            reproduction snippets pass to ``--verl-buffer``).
+
+    Returns:
+        The report.
+
+    Raises:
+        ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
+    """
+    label = name or f"{getattr(make_buffer, '__module__', '?')}:{getattr(make_buffer, '__qualname__', '?')}"
+    buffer = BufferSubject(label, make_buffer, disk_tier)
+    harness = Harness(Subject(label, None, None, version="replay buffer"), buffer=buffer)
+    selected = select_checks(list(checks or ["buffer::*"]))
+    outside = [c.id for c in selected if c.area != "buffer"]
+    if outside:
+        raise ValueError(f"check_buffer runs buffer checks only; got {outside}")
+    return _raise_failures(run_checks(harness, selected))

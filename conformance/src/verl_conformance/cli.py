@@ -24,7 +24,8 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
     p.add_argument("--check", "-k", dest="checks", action="append", default=None, metavar="ID",
                    help="run only checks matching ID (area::name, wildcards allowed); repeatable")
     p.add_argument("--area", dest="areas", action="append", default=None, metavar="AREA",
-                   help="run only this area (schema, numerics, invariance, differential, weight_sync, robustness)")
+                   help="run only this area (schema, numerics, invariance, differential, weight_sync, robustness, "
+                        "reward, stateful, buffer)")
     p.add_argument("--xfails-file", default=None, metavar="PATH", help="known gaps of the backend")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="where to write the JSON report (default: conformance-NAME.json)")

@@ -11,10 +11,21 @@ import torch
 from torch import Tensor
 
 from verl_conformance.errors import CheckFailed, CheckSkipped
-from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, tolerance
+from verl_conformance.testkit import (
+    TinyModelSpec,
+    absolute_position_model,
+    eos_model,
+    nan_reward_model,
+    perturbed_model,
+    random_batch,
+    tiny_model,
+    tolerance,
+)
 from verl_core import (
     EngineSpec,
     OptimConfig,
+    ReplayBuffer,
+    RewardEngine,
     Role,
     RolloutEngine,
     TensorBatch,
@@ -28,6 +39,8 @@ from verl_core import (
 __all__ = [
     "MODELS",
     "SUITE_OPTIM",
+    "BufferFactory",
+    "BufferSubject",
     "EngineCache",
     "EngineFactory",
     "Harness",
@@ -50,8 +63,40 @@ MODELS: Final[dict[str, TinyModelSpec]] = {
     "qwen3-tied": TinyModelSpec(arch="qwen3", tied=True),
     "llama-alt": TinyModelSpec(seed=1),
     "value": TinyModelSpec(head="value"),
+    "reward": TinyModelSpec(head="reward"),
 }
 """The test kit's tiny models the suite uses, by short name (``llama-alt``: same shapes, other weights)."""
+
+BufferFactory = Callable[..., ReplayBuffer]
+"""Builds a replay buffer from the keyword arguments ``capacity`` (most samples held, or None),
+``memory_samples`` (most samples kept in memory before older ones spill to disk, or None) and
+``spill_dir`` (the folder of the disk tier, or None): the signature of
+:class:`verl_core.trainer.replay.HybridReplayBuffer`, which is a factory as it is."""
+
+
+@dataclass(frozen=True)
+class BufferSubject:
+    """A replay buffer implementation under test (the ``buffer`` area).
+
+    Attributes:
+        name: Label for reports.
+        make: Builds a buffer (see :data:`BufferFactory`).
+        disk_tier: Whether the buffer spills to ``spill_dir`` past ``memory_samples`` (False: the
+            spill check is skipped, and ``memory_samples`` is never passed).
+    """
+
+    name: str
+    make: BufferFactory
+    disk_tier: bool = True
+
+CRAFTED: Final[dict[str, Callable[[], Any]]] = {
+    "eos": eos_model,
+    "gpt2": absolute_position_model,
+    "reward-nan": nan_reward_model,
+    "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
+    "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),
+}
+"""The test kit's crafted folders (:mod:`verl_conformance.testkit.crafted`) by short name."""
 
 MAX_PROMPT: Final = 12
 MAX_RESPONSE: Final = 12
@@ -68,6 +113,7 @@ class Subject:
         roles: Roles the backend declares (None when unknown, e.g. fixture-supplied factories).
         version: Distribution and version, for reports.
         registered: True when built through verl_core's registry (so ``verl_*`` hooks apply).
+        make_reward: Builds reward engines (None: the backend has none).
     """
 
     name: str
@@ -76,11 +122,17 @@ class Subject:
     roles: frozenset[str] | None = None
     version: str = ""
     registered: bool = False
+    make_reward: EngineFactory | None = None
 
     @classmethod
     def from_registry(cls, name: str) -> Subject:
         """The installed backend ``name`` (raises the registry's error listing installed ones)."""
-        from verl_core import get_backend, get_rollout_engine, get_training_engine
+        from verl_core import (
+            get_backend,
+            get_reward_engine,
+            get_rollout_engine,
+            get_training_engine,
+        )
 
         backend = get_backend(name)
         roles = frozenset(backend.spec.roles)
@@ -92,6 +144,9 @@ class Subject:
         def make_rollout(spec: EngineSpec) -> RolloutEngine:
             return get_rollout_engine(name, spec)
 
+        def make_reward(spec: EngineSpec) -> RewardEngine:
+            return get_reward_engine(name, spec)
+
         return cls(
             name=name,
             make_training=make_training if training else None,
@@ -99,6 +154,7 @@ class Subject:
             roles=roles,
             version=f"{backend.distribution} {backend.version}",
             registered=True,
+            make_reward=make_reward if "reward" in roles else None,
         )
 
     @property
@@ -107,7 +163,7 @@ class Subject:
         if self.registered:
             return f"registry:{self.name}"
         parts = [self.name]
-        for f in (self.make_training, self.make_rollout):
+        for f in (self.make_training, self.make_rollout, self.make_reward):
             parts.append("-" if f is None else f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', id(f))}")
         return "|".join(parts)
 
@@ -156,6 +212,7 @@ class Harness:
         device: Device of every engine the suite builds (``cpu``, ``cuda``).
         options: Backend options given to every engine of the subject (``--verl-options``); a
             check's own options win.
+        buffer: The replay buffer implementation the ``buffer`` area checks, or None.
     """
 
     subject: Subject
@@ -164,6 +221,7 @@ class Harness:
     dtype: str = "float32"
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)
+    buffer: BufferSubject | None = None
     _fresh: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ outcome helpers
@@ -191,8 +249,8 @@ class Harness:
     # ------------------------------------------------------------------ models and specs
     @staticmethod
     def model_path(name: str = "llama") -> str:
-        """Folder of the suite model ``name`` (see :data:`MODELS`)."""
-        return str(tiny_model(MODELS[name]))
+        """Folder of the suite model ``name`` (see :data:`MODELS` and :data:`CRAFTED`)."""
+        return str(CRAFTED[name]()) if name in CRAFTED else str(tiny_model(MODELS[name]))
 
     def spec(self, role: Role, model: str = "llama", **kw: Any) -> EngineSpec:
         """The EngineSpec the suite builds engines from (tiny limits, the suite's optimizer)."""
@@ -203,10 +261,14 @@ class Harness:
         base.update(kw)
         return EngineSpec(**base)
 
+    @staticmethod
+    def _maker(subject: Subject, role: Role) -> EngineFactory | None:
+        return {"rollout": subject.make_rollout, "reward": subject.make_reward}.get(role, subject.make_training)
+
     def _factory(self, subject: Subject, role: Role) -> EngineFactory:
-        f = subject.make_rollout if role == "rollout" else subject.make_training
+        f = self._maker(subject, role)
         if f is None or (subject.roles is not None and role not in subject.roles):
-            kind = "rollout engine" if role == "rollout" else f"training engine for role {role!r}"
+            kind = {"rollout": "rollout engine", "reward": "reward engine"}.get(role, f"training engine for role {role!r}")
             self.skip(f"backend {subject.name!r} provides no {kind}")
         return f
 
@@ -222,6 +284,11 @@ class Harness:
         """A rollout engine of the subject."""
         return self._engine(subject or self.subject, self.spec("rollout", model, **kw), fresh)  # type: ignore[no-any-return]
 
+    def reward(self, model: str = "reward", *, fresh: bool = False, subject: Subject | None = None,
+               **kw: Any) -> RewardEngine:
+        """A reward engine of the subject (on the test kit's reward-model folder by default)."""
+        return self._engine(subject or self.subject, self.spec("reward", model, **kw), fresh)  # type: ignore[no-any-return]
+
     def _engine(self, subject: Subject, spec: EngineSpec, fresh: bool) -> Any:
         factory = self._factory(subject, spec.role)
         if self.options and subject is self.subject:
@@ -234,14 +301,21 @@ class Harness:
 
     def provides(self, subject: Subject, role: Role) -> bool:
         """Whether ``subject`` can build an engine of ``role``."""
-        f = subject.make_rollout if role == "rollout" else subject.make_training
+        f = self._maker(subject, role)
         return f is not None and (subject.roles is None or role in subject.roles)
 
     def require_against(self) -> Subject:
         """The second backend, or skip when none was given."""
         if self.against is None:
-            self.skip("no second backend: pass --verl-against NAME (or against= to check_backend)")
+            self.skip("no second backend: pass --against NAME to `verl conformance`, --verl-against NAME to "
+                      "pytest, or against= to check_backend")
         return self.against
+
+    def require_buffer(self) -> BufferSubject:
+        """The replay buffer under test, or skip when none was given."""
+        if self.buffer is None:
+            self.skip("no replay buffer selected: pass --verl-buffer MODULE:FACTORY (or use check_buffer)")
+        return self.buffer
 
     # ------------------------------------------------------------------ data
     def batch(self, *, seed: int = 0, batch_size: int = 6, temperature: float = 1.0,

@@ -4,7 +4,9 @@ Usage: ``python -m torch.distributed.run --nproc_per_node N multirank.py BACKEND
 where SPEC_JSON holds ``parallel`` (tp, pp, dp; their product is N) and other EngineSpec fields.
 Each rank builds the backend's actor through the registry, takes its :func:`~verl_core.dp_shard`
 of the suite's batch (the whole batch when dp = 1), runs forward, one forward_backward with the
-global batch counts and one optimizer step, exports the weights and writes its result.
+global batch counts and one optimizer step, exports the weights and writes its result. With
+``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine instead and writes what it
+generates for :func:`rollout_cases`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["dp_batch", "main"]
+__all__ = ["dp_batch", "main", "rollout_cases", "rollout_generations"]
 
 
 def dp_batch() -> Any:
@@ -24,6 +26,26 @@ def dp_batch() -> Any:
     b = random_batch(batch_size=6, max_prompt=8, max_response=8, seed=70, empty_responses=1, with_rl_fields=True)
     return b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "truncated",
                     "old_log_probs", "advantages")
+
+
+def rollout_cases() -> dict[str, Any]:
+    """Sampling parameters of the rollout parallelism check, by label: greedy, and seeded at T=1."""
+    from verl_core import SamplingParams
+
+    return {"greedy": SamplingParams(greedy=True, max_new_tokens=6),
+            "seeded": SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=17)}
+
+
+def rollout_generations(engine: Any) -> dict[str, dict[str, Any]]:
+    """What ``engine`` generates for each of :func:`rollout_cases` on the check's prompts."""
+    from verl_conformance.testkit import random_batch
+
+    prompts = random_batch(batch_size=4, max_prompt=8, seed=71).select("prompt_ids", "prompt_mask", "group_ids")
+    out = {}
+    for label, params in rollout_cases().items():
+        b = engine.generate(prompts, params)
+        out[label] = {k: b[k] for k in ("response_ids", "response_mask", "rollout_log_probs")}
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -36,6 +58,14 @@ def main(argv: list[str]) -> None:
     backend, model_path, extra = argv[0], argv[1], json.loads(argv[2])
     rank = int(os.environ["RANK"])
     parallel = ParallelSizes(**extra.pop("parallel"))
+    if extra.pop("role", "actor") == "rollout":
+        from verl_core import get_rollout_engine
+
+        rollout = get_rollout_engine(backend, EngineSpec(model_path=model_path, role="rollout", max_prompt_len=12,
+                                                         max_response_len=12, parallel=parallel, **extra))
+        write_rank_result(rollout_generations(rollout))
+        rollout.close()
+        return
     spec = EngineSpec(model_path=model_path, role="actor", optim=SUITE_OPTIM, max_prompt_len=12,
                       max_response_len=12, parallel=parallel, **extra)
     engine = get_training_engine(backend, spec)

@@ -1,10 +1,12 @@
 """pytest plugin of the conformance suite (import-light: heavy modules load inside hooks and fixtures).
 
 Options: ``--verl-backend NAME`` (or ``$VERL_BACKEND``) selects the installed backend under test,
-``--verl-against NAME`` adds differential checks against a second backend, ``--verl-options JSON``
+``--verl-against NAME`` adds differential checks against a second backend, ``--verl-buffer
+MODULE:FACTORY`` selects a replay buffer for the ``buffer`` area, ``--verl-options JSON``
 gives backend options to every engine of the backend under test, ``--verl-xfails-file
-PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine`` and
-``make_rollout_engine`` (override them to test engines that are not installed as a plugin),
+PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine``,
+``make_rollout_engine`` and ``make_reward_engine`` (override them to test engines that are not
+installed as a plugin),
 ``verl_harness`` (what each check runs against). Markers: ``verl_check(id)`` on every suite
 test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
 """
@@ -20,7 +22,8 @@ from typing import Any
 
 import pytest
 
-_AREAS = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness")
+_AREAS = ("schema", "numerics", "invariance", "differential", "weight_sync", "robustness", "reward", "stateful",
+          "buffer")
 _GAPS_KEY = pytest.StashKey[Any]()
 _UNMATCHED_KEY = pytest.StashKey[list[str]]()
 
@@ -36,6 +39,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="parameter dtype of every engine the suite builds; selects the tolerance tier")
     group.addoption("--verl-against", default=None, metavar="NAME",
                     help="second installed backend for the differential checks")
+    group.addoption("--verl-buffer", default=None, metavar="MODULE:FACTORY",
+                    help="replay buffer for the buffer area: a callable taking capacity=, memory_samples=, "
+                         "spill_dir= (e.g. verl_core.trainer.replay:HybridReplayBuffer)")
     group.addoption("--verl-options", default=None, metavar="JSON",
                     help="backend options (a JSON object) for every engine of the backend under test, "
                          'e.g. \'{"optimizer": "megatron"}\'')
@@ -134,11 +140,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if marker is not None and report.when == "call" and report.failed:
         check_id = str(marker.args[0])
         backend = _backend_name(item.config)
+        if check_id.startswith("buffer::"):
+            backend = item.config.getoption("--verl-buffer", None)
         against = item.config.getoption("--verl-against", None)
         cls = getattr(item, "cls", None)
-        if backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
-            from verl_conformance.runner import reproduction
+        harness = getattr(item, "funcargs", {}).get("verl_harness")
+        subject = getattr(harness, "subject", None)
+        from verl_conformance.runner import reproduction
 
+        if subject is not None and not subject.registered:
+            # engines from overridden fixtures: --verl-backend (if any) is not what ran
+            text = f"pytest '{item.nodeid}'\n" + reproduction(check_id, subject, against)
+        elif backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
             text = reproduction(check_id, backend, against)
         else:
             text = f"pytest '{item.nodeid}'"
@@ -176,6 +189,25 @@ def verl_against_subject(request: pytest.FixtureRequest) -> Any:
         pytest.fail(f"--verl-against {name}: {e}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def verl_buffer_subject(request: pytest.FixtureRequest) -> Any:
+    """The replay buffer named by --verl-buffer as a BufferSubject (None when not given)."""
+    path = request.config.getoption("--verl-buffer", None)
+    if not path:
+        return None
+    from verl_conformance.harness import BufferSubject
+    from verl_core import VerlError
+    from verl_core.kernel.registry import import_string
+
+    try:
+        factory = import_string(str(path))
+    except VerlError as e:
+        raise pytest.UsageError(f"--verl-buffer {path}: {e}") from None
+    if not callable(factory):
+        raise pytest.UsageError(f"--verl-buffer {path}: {factory!r} is not callable; name a buffer class or factory")
+    return BufferSubject(str(path), factory)
+
+
 @pytest.fixture
 def make_training_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
     """Builds training engines from an EngineSpec (override to test your own engines)."""
@@ -186,6 +218,12 @@ def make_training_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | No
 def make_rollout_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
     """Builds rollout engines from an EngineSpec (override to test your own engines)."""
     return None if verl_backend_subject is None else verl_backend_subject.make_rollout
+
+
+@pytest.fixture
+def make_reward_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None:
+    """Builds reward engines from an EngineSpec (override to test your own reward model or functions)."""
+    return None if verl_backend_subject is None else verl_backend_subject.make_reward
 
 
 @pytest.fixture(scope="session")
@@ -203,24 +241,32 @@ def verl_harness(
     request: pytest.FixtureRequest,
     make_training_engine: Any,
     make_rollout_engine: Any,
+    make_reward_engine: Any,
     verl_backend_subject: Any,
     verl_against_subject: Any,
     verl_engine_cache: Any,
+    verl_buffer_subject: Any,
 ) -> Any:
     """What each conformance check runs against."""
     from verl_conformance.harness import Harness, Subject
 
     subject = verl_backend_subject
-    if make_training_engine is None and make_rollout_engine is None:
+    marker = request.node.get_closest_marker("verl_check")
+    buffer_check = marker is not None and str(marker.args[0]).startswith("buffer::")
+    if make_training_engine is None and make_rollout_engine is None and not (buffer_check and verl_buffer_subject):
         pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: "
                     "`verl backends`), or override the make_training_engine / make_rollout_engine fixtures")
+    if make_training_engine is None and make_rollout_engine is None and make_reward_engine is None:
+        pytest.skip("no backend selected: run with --verl-backend NAME (installed backends: `verl backends`), "
+                    "or override the make_training_engine / make_rollout_engine / make_reward_engine fixtures")
     if subject is None or (make_training_engine is not subject.make_training
-                           or make_rollout_engine is not subject.make_rollout):
+                           or make_rollout_engine is not subject.make_rollout
+                           or make_reward_engine is not subject.make_reward):
         label = request.cls.__name__ if request.cls is not None else "custom"
-        subject = Subject(label, make_training_engine, make_rollout_engine)
+        subject = Subject(label, make_training_engine, make_rollout_engine, make_reward=make_reward_engine)
     return Harness(subject, verl_against_subject, verl_engine_cache,
                    dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
-                   options=_options(request.config))
+                   options=_options(request.config), buffer=verl_buffer_subject)
 
 
 def _options(config: pytest.Config) -> dict[str, Any]:

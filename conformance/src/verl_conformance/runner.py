@@ -14,7 +14,7 @@ from typing import Literal
 
 from verl_conformance.checks import AREAS, CHECKS, Check
 from verl_conformance.errors import CheckFailed, CheckSkipped
-from verl_conformance.harness import Harness
+from verl_conformance.harness import Harness, Subject
 
 __all__ = [
     "CheckResult",
@@ -148,15 +148,51 @@ def select_checks(checks: Sequence[str] | None = None, areas: Sequence[str] | No
     return out
 
 
-def reproduction(check_id: str, backend: str, against: str | None = None) -> str:
-    """Commands that re-run one check alone."""
+def reproduction(check_id: str, backend: str | Subject, against: str | None = None) -> str:
+    """Commands that re-run one check alone.
+
+    An installed backend (a name, or a registry Subject) gets the pytest and the Python command;
+    engines given as factories get the ``check_backend`` call with those factories (and their
+    imports), since no installed backend ran.
+    """
+    if isinstance(backend, Subject):
+        if not backend.registered:
+            return _factories_reproduction(check_id, backend, against)
+        backend = backend.name
     c = CHECKS[check_id]
+    if c.area == "buffer":  # ``backend`` is the buffer's MODULE:FACTORY
+        return (
+            f"pytest --pyargs verl_conformance --verl-buffer {backend} -k 'TestBuffer and test_{c.name}'\n"
+            f"python -c \"from verl_conformance.api import check_buffer; from verl_core.kernel.registry import "
+            f"import_string; check_buffer(import_string({backend!r}), checks=[{check_id!r}])\""
+        )
     ag = f" --verl-against {against}" if against else ""
     ag_py = f", against={against!r}" if against else ""
     return (
         f"pytest --pyargs verl_conformance --verl-backend {backend}{ag} -k '{pytest_suffix(c).split('::')[0]} and test_{c.name}'\n"
         f"python -c \"from verl_conformance import check_backend; check_backend({backend!r}{ag_py}, checks=[{check_id!r}])\""
     )
+
+
+def _factories_reproduction(check_id: str, subject: Subject, against: str | None) -> str:
+    imports = ["from verl_conformance import check_backend"]
+    args = [repr(subject.name)]
+    for keyword, factory in (("make_training_engine", subject.make_training),
+                             ("make_rollout_engine", subject.make_rollout),
+                             ("make_reward_engine", subject.make_reward)):
+        if factory is None:
+            continue
+        module = getattr(factory, "__module__", None) or "?"
+        qualname = getattr(factory, "__qualname__", None) or repr(factory)
+        if "<" in qualname or module in ("?", "__main__"):
+            args.append(f"{keyword}=<{module}.{qualname}: not importable, pass the same factory>")
+        else:
+            imports.append(f"from {module} import {qualname.split('.')[0]}")
+            args.append(f"{keyword}={qualname}")
+    if against:
+        args.append(f"against={against!r}")
+    args.append(f"checks=[{check_id!r}]")
+    return f"python -c \"{'; '.join(imports)}; check_backend({', '.join(args)})\""
 
 
 def run_one(check: Check, harness: Harness) -> tuple[Status, str]:

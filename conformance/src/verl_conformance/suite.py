@@ -30,12 +30,15 @@ from verl_conformance.errors import CheckSkipped
 from verl_conformance.harness import Harness
 
 __all__ = [
+    "BufferSuite",
     "ConformanceSuite",
     "DifferentialSuite",
     "InvarianceSuite",
     "NumericsSuite",
+    "RewardSuite",
     "RobustnessSuite",
     "SchemaSuite",
+    "StatefulSuite",
     "WeightSyncSuite",
     "run_check",
 ]
@@ -92,13 +95,27 @@ class RobustnessSuite:
     """The robustness checks: edge lengths and bad input."""
 
 
+class StatefulSuite:
+    """The stateful checks: checkpoint round trips, offload/onload and sleep/wake keep every state."""
+
+
+class BufferSuite:
+    """The replay-buffer checks (with a buffer selected): capacity, order, spill, seeded sampling."""
+
+
+class RewardSuite:
+    """The reward checks: scores belong to their samples whatever the batch; bad scores are refused."""
+
+
 for _cls, _area in ((SchemaSuite, "schema"), (NumericsSuite, "numerics"), (InvarianceSuite, "invariance"),
                     (DifferentialSuite, "differential"), (WeightSyncSuite, "weight_sync"),
-                    (RobustnessSuite, "robustness")):
+                    (RobustnessSuite, "robustness"), (RewardSuite, "reward"), (StatefulSuite, "stateful"),
+                    (BufferSuite, "buffer")):
     _fill(_cls, _area)
-assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness"}
+assert {a for a in AREAS} == {"schema", "numerics", "invariance", "differential", "weight_sync", "robustness",
+                              "reward", "stateful", "buffer"}
 
 
 class ConformanceSuite(SchemaSuite, NumericsSuite, InvarianceSuite, DifferentialSuite,
-                       WeightSyncSuite, RobustnessSuite):
+                       WeightSyncSuite, RobustnessSuite, RewardSuite, StatefulSuite, BufferSuite):
     """Every check of every area."""

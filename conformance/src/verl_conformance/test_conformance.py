@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from verl_conformance.suite import (
+    BufferSuite,
     DifferentialSuite,
     InvarianceSuite,
     NumericsSuite,
+    RewardSuite,
     RobustnessSuite,
     SchemaSuite,
+    StatefulSuite,
     WeightSyncSuite,
 )
 
@@ -34,3 +37,13 @@ class TestWeightSync(WeightSyncSuite):
 
 class TestRobustness(RobustnessSuite):
     """Edge lengths work; bad input is rejected with a clear error."""
+
+
+class TestStateful(StatefulSuite):
+    """Checkpoints, offload/onload and sleep/wake keep weights, optimizer state and schedule."""
+
+
+class TestBuffer(BufferSuite):
+    """A replay buffer keeps capacity and order, spills bit-exactly and samples reproducibly."""
+class TestReward(RewardSuite):
+    """Scores belong to their samples whatever the batch; non-finite scores are refused."""

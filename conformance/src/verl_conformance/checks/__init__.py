@@ -1,18 +1,31 @@
 """The conformance checks, registered by area: each is a function of a Harness.
 
 Importing this package imports every area module, which registers its checks in :data:`CHECKS`
-(in the order of :data:`AREAS`, then definition order).
+(in import order, then definition order).
 """
 
 from __future__ import annotations
 
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
     differential,
+    eos,
     invariance,
     numerics,
+    positions,
+    reward,
     robustness,
     schema,
+    sync_coverage,
     weight_sync,
+)
+
+# isort: split
+# checks of declared capabilities, state and runs: listed after the checks above of the same area
+from verl_conformance.checks import (  # noqa: F401  (registration by import)
+    buffer,
+    declared,
+    stateful,
+    trajectory,
 )
 from verl_conformance.checks._registry import AREAS, CHECKS, Area, Check, check
 

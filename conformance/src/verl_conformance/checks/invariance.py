@@ -26,13 +26,16 @@ def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> Tensor
     return batch.update(fields)
 
 
-@check("invariance")
+@check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences"))
 def check_micro_batch_invariance(h: Harness) -> None:
     """log-probs, loss and gradients do not depend on micro_batch_size or micro_batch_tokens."""
     batch = h.batch(seed=20, rl_fields=True)
     variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
-    if h.training().capabilities.micro_batch_tokens:
+    caps = h.training().capabilities
+    if caps.micro_batch_tokens:
         variants.append({"micro_batch_tokens": 24})
+    if caps.packed_sequences:  # the smallest budget a packing engine takes: it packs short samples together
+        variants.append({"micro_batch_tokens": int(batch.seq_lengths().max())})
     base_lp = None
     for kw in variants:
         lp = h.training(**kw).forward(batch)["log_probs"]  # type: ignore[arg-type]
@@ -56,7 +59,7 @@ def check_micro_batch_invariance(h: Harness) -> None:
             h.close_to(grads[name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
 
 
-@check("invariance")
+@check("invariance", gates=("training.entropy",))
 def check_padding_invariance(h: Harness) -> None:
     """Extra left padding of prompts and right padding of responses changes no output on real tokens."""
     engine = h.training()
@@ -86,7 +89,7 @@ def check_batch_order_invariance(h: Harness) -> None:
                mask=batch["response_mask"][perm])
 
 
-@check("invariance")
+@check("invariance", gates=("rollout.seeding",))
 def check_seeded_sampling_reproducible(h: Harness) -> None:
     """The same seed gives the same samples; per-sample seeding does not depend on batch order; seeds differ."""
     engine = h.rollout()
@@ -163,19 +166,19 @@ def _layout_invariance(h: Harness, layout: dict[str, int], capability: str) -> N
                    f"gradient of {name} with {label} vs one process (framework averaging must be undone)")
 
 
-@check("invariance")
+@check("invariance", gates=("training.data_parallel",))
 def check_data_parallel_invariance(h: Harness) -> None:
     """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
     _layout_invariance(h, {"dp": 2}, "data_parallel")
 
 
-@check("invariance")
+@check("invariance", gates=("training.tensor_parallel",))
 def check_tensor_parallel_invariance(h: Harness) -> None:
     """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
     _layout_invariance(h, {"tp": 2}, "tensor_parallel")
 
 
-@check("invariance")
+@check("invariance", gates=("training.pipeline_parallel",))
 def check_pipeline_parallel_invariance(h: Harness) -> None:
     """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
     _layout_invariance(h, {"pp": 2}, "pipeline_parallel")

@@ -18,9 +18,11 @@ _ARCH_MODELS = ("llama", "llama-tied", "qwen2", "qwen3-tied")
 _TEMPERATURES = (1.0, 0.7)
 
 
-@check("numerics")
+@check("numerics", gates=("training.log_probs",))
 def check_log_probs_match_reference(h: Harness) -> None:
     """log_probs equal the float64 reference for Llama, Qwen2 and Qwen3 (tied and untied) at T=1 and T=0.7."""
+    if not h.training().capabilities.log_probs:
+        h.skip("backend declares log_probs=False")
     for model in _ARCH_MODELS:
         engine = h.training(model=model)
         for temp in _TEMPERATURES:
@@ -31,7 +33,7 @@ def check_log_probs_match_reference(h: Harness) -> None:
                        mask=batch["response_mask"])
 
 
-@check("numerics")
+@check("numerics", gates=("training.entropy",))
 def check_entropy_matches_reference(h: Harness) -> None:
     """entropy equals the float64 reference (same tempered distribution as the log-probs)."""
     engine = h.training()
@@ -44,7 +46,7 @@ def check_entropy_matches_reference(h: Harness) -> None:
         h.close_to(got, ref, "entropy", f"entropy at temperature {temp} vs float64 reference", mask=batch["response_mask"])
 
 
-@check("numerics")
+@check("numerics", gates=("training.values",))
 def check_values_match_reference(h: Harness) -> None:
     """A critic's values equal the float64 reference of the value-head folder."""
     critic = h.training("critic")
@@ -82,7 +84,7 @@ def compare_update(h: Harness, loss: SuiteLoss | NamedLoss, model: str, batch: T
                    "(recovered from the first AdamW step)")
 
 
-@check("numerics")
+@check("numerics", gates=("training.entropy",))
 def check_loss_and_grads_match_reference(h: Harness) -> None:
     """For each policy loss: one update's loss, grad norm and gradients equal the float64 reference (micro-batches of 2)."""
     batch = h.batch(seed=13, rl_fields=True)
@@ -93,7 +95,7 @@ def check_loss_and_grads_match_reference(h: Harness) -> None:
     compare_update(h, suite_losses()[0], "qwen3-tied", batch)
 
 
-@check("numerics")
+@check("numerics", gates=("training.values",))
 def check_value_loss_matches_reference(h: Harness) -> None:
     """A critic's value loss, grad norm and gradients equal the float64 reference."""
     critic = h.training("critic")
@@ -116,13 +118,17 @@ def check_value_loss_matches_reference(h: Harness) -> None:
             h.close_to(grads[name], g, "grad", f"{label}: gradient of {name} vs float64 reference")  # type: ignore[arg-type]
 
 
-@check("numerics")
+@check("numerics", gates=("rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.exact_log_probs",
+                           "rollout.exact_log_probs_truncated"))
 def check_rollout_log_probs_match_reference(h: Harness) -> None:
     """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact."""
     engine = h.rollout()
     prompts = h.batch(seed=15, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
-    cases = [SamplingParams(temperature=t, max_new_tokens=6, n=2, seed=3) for t in _TEMPERATURES]
-    cases.append(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=6, n=2, seed=3))
+    caps = engine.capabilities
+    temperatures = _TEMPERATURES if caps.temperature else (1.0,)
+    cases = [SamplingParams(temperature=t, max_new_tokens=6, n=2, seed=3) for t in temperatures]
+    if caps.temperature and caps.top_k and caps.top_p:
+        cases.append(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=6, n=2, seed=3))
     checked = 0
     for params in cases:
         if not engine.log_probs_exact(params):

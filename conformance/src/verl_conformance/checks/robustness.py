@@ -171,7 +171,7 @@ def check_bad_training_input_rejected(h: Harness) -> None:
              "be unchanged by a rejected call")
 
 
-@check("robustness")
+@check("robustness", gates=("rollout.stop_token_ids",))
 def check_generate_edge_cases(h: Harness) -> None:
     """A stop token first ends the response at length 1; hitting max_new_tokens sets truncated; a full-length prompt works."""
     engine = h.rollout()

@@ -43,7 +43,7 @@ def _float_outputs(h: Harness, out: TensorBatch, inp: TensorBatch, names: tuple[
     _valid(h, out, where)
 
 
-@check("schema")
+@check("schema", gates=("training.entropy",))
 def check_forward_layout(h: Harness) -> None:
     """forward returns the input batch plus float32 [batch, response] outputs, 0 where masked."""
     engine = h.training()
@@ -60,7 +60,7 @@ def check_forward_layout(h: Harness) -> None:
         h.expect(bool((ent >= -1e-6).all()), f"forward: entropy must be >= 0, min is {float(ent.min()):.4g}")
 
 
-@check("schema")
+@check("schema", gates=("training.values",))
 def check_critic_layout(h: Harness) -> None:
     """A critic's forward returns float32 values [batch, response], 0 where masked."""
     critic = h.training("critic")
@@ -89,7 +89,7 @@ def check_train_step_metrics(h: Harness) -> None:
     h.scalar_close(step.lr, engine.spec.optim.lr_at(0), "loss", "optimizer_step lr (OptimConfig.lr_at(0))")
 
 
-@check("schema")
+@check("schema", gates=("rollout.stop_token_ids",))
 def check_generate_layout(h: Harness) -> None:
     """generate returns n right-padded samples per prompt with group ids, sample index, log-probs, truncated and meta."""
     engine = h.rollout()

@@ -93,7 +93,7 @@ def check_export_matches_folder(h: Harness) -> None:
                              "(q/k/v and gate/up must travel together)")
 
 
-@check("weight_sync")
+@check("weight_sync", gates=("rollout.weight_update",))
 def check_rollout_applies_stream(h: Harness) -> None:
     """After update_weights(a complete stream of other weights) the rollout engine serves them, at that version."""
     engine = h.rollout(fresh=True)
@@ -144,7 +144,7 @@ def _bad_streams(path: str, dtype: torch.dtype) -> dict[str, Callable[[], Iterat
             "tensor of the wrong shape": wrong_shape, "NaN weights": nan, "chunk before the manifest": chunk_first}
 
 
-@check("weight_sync")
+@check("weight_sync", gates=("rollout.weight_update",))
 def check_bad_streams_rejected(h: Harness) -> None:
     """Partial or malformed streams raise WeightSyncError, leave the engine stale, and a full sync recovers it."""
     engine = h.rollout(fresh=True)

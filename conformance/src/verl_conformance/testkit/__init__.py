@@ -7,11 +7,21 @@
 * :data:`TOLERANCES` / :func:`assert_close`: the tolerance tiers per dtype, declared once.
 * :func:`random_batch`: ragged, correctly padded TensorBatches for tests.
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
+* :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
+  with absolute positions, perturbed weights, a NaN reward model) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
 
 from verl_conformance.testkit.batches import random_batch
+from verl_conformance.testkit.crafted import (
+    ShuffledTokenizer,
+    absolute_position_model,
+    eos_model,
+    eos_model_continuation,
+    nan_reward_model,
+    perturbed_model,
+)
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
 from verl_conformance.testkit.models import (
     ARCHS,
@@ -33,12 +43,18 @@ __all__ = [
     "CharTokenizer",
     "LaunchError",
     "ModelHead",
+    "ShuffledTokenizer",
     "TinyModelSpec",
     "Tolerance",
+    "absolute_position_model",
     "assert_close",
     "build_tiny_model",
+    "eos_model",
+    "eos_model_continuation",
     "launch_torchrun",
     "load_tokenizer",
+    "nan_reward_model",
+    "perturbed_model",
     "random_batch",
     "reference_forward",
     "tiny_model",

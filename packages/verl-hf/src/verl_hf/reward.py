@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.errors import ConfigError, RewardError
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
@@ -25,8 +25,9 @@ class HFRewardEngine(RewardEngine):
     """Scores each sample with ``AutoModelForSequenceClassification`` (one label).
 
     The score is the head's output at the last real token of prompt + response (found from the
-    masks, never from the pad id, which may equal EOS). Samples are scored in batches of
-    ``HFOptions.rollout_batch_size`` (all at once by default).
+    masks, never from the pad id, which may equal EOS). Samples are scored in micro-batches of
+    ``HFOptions.rollout_batch_size``, else ``EngineSpec.micro_batch_size`` (all at once by
+    default). A non-finite score raises :class:`~verl_core.RewardError` naming the samples.
 
     Args:
         spec: The engine spec (role reward).
@@ -69,16 +70,26 @@ class HFRewardEngine(RewardEngine):
         return self._tokenizer
 
     def score(self, batch: TensorBatch) -> TensorBatch:
-        """Return ``batch`` with ``scores`` [batch] (float32)."""
+        """Return ``batch`` with ``scores`` [batch] (float32).
+
+        Raises:
+            RewardError: the model gave a NaN or inf score (naming the samples).
+        """
         where = "HFRewardEngine.score"
         validate_inputs(batch, where, self._vocab_size, self._spec)
-        step = self._options.rollout_batch_size or max(batch.batch_size, 1)
+        step = self._options.rollout_batch_size or self._spec.micro_batch_size or max(batch.batch_size, 1)
         parts: list[Tensor] = []
         work = batch.to(self._device)
         with torch.no_grad():
             for start in range(0, batch.batch_size, step):
                 parts.append(self._score(work.index(slice(start, start + step)).trim()))
         scores = torch.cat(parts) if parts else torch.zeros(0)
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            raise RewardError(
+                f"{where}: the reward model gave non-finite scores (NaN or inf) to samples {bad[:8]}"
+                f"{'...' if len(bad) > 8 else ''} of {batch.batch_size}; check the model's weights and dtype"
+            )
         return batch.update(scores=scores.float().to(batch.device))
 
     def _score(self, chunk: TensorBatch) -> Tensor:

@@ -65,6 +65,9 @@ _LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
 # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes; the engine's
 # explicit kv_cache_bytes wins, so it is hidden while the engine starts.
 _KV_ENV: Final = "VLLM_CPU_KVCACHE_SPACE"
+_OPEN_ENGINES: set[int] = set()
+"""Ids of this process's open engines: in-process vLLM engines share one process-wide distributed
+state, which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`)."""
 
 
 class EngineAsleepError(VerlError, RuntimeError):
@@ -156,6 +159,7 @@ class VllmRolloutEngine(RolloutEngine):
         self._asleep = False
         self._closed = False
         self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu)
+        _OPEN_ENGINES.add(id(self))
         self.last_sync_seconds: Mapping[str, float] = {}
         """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
 
@@ -493,13 +497,29 @@ class VllmRolloutEngine(RolloutEngine):
         self._asleep = False
 
     def close(self) -> None:
-        """Shut vLLM down and drop the model; the engine is unusable afterwards."""
+        """Shut vLLM down and drop the model; the engine is unusable afterwards.
+
+        vLLM's engine shutdown also destroys the process-wide distributed state (model-parallel
+        groups) that every in-process engine uses, so while other engines of this process are
+        open only this engine's own parts are shut down, and the last one to close does the rest.
+        """
         if self._closed:
             return
         self._closed = True
-        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
-        shutdown = getattr(core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        _OPEN_ENGINES.discard(id(self))
+        client = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        core = getattr(client, "engine_core", None)
+        finalizer = getattr(client, "_finalizer", None)
+        if _OPEN_ENGINES and core is not None and finalizer is not None:
+            finalizer.detach()  # the client's finalizer would run the full shutdown when collected
+            for part in ("model_executor", "scheduler"):
+                stop = getattr(getattr(core, part, None), "shutdown", None)
+                if callable(stop):
+                    stop()
+            gc.unfreeze()  # what EngineCore.shutdown does besides destroying the shared state
+        else:
+            shutdown = getattr(client, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
         del self._llm
         gc.collect()

@@ -375,6 +375,8 @@ _OPTIM_RULES: dict[str, _Rule] = {
 _RULES: dict[str, _Rule] = {
     "steps": _at_least(1),
     "seed": _Rule(lambda v: 0 <= v < _SEEDS, f"0 to {_SEEDS - 1}"),
+    "data.eval_every": _at_least(0, " (0 = only after the last step)"),
+    "data.eval_n": _at_least(1),
     "reward.model_weight": _Rule(math.isfinite, "any finite number (the reward model's weight; negative flips it)"),
     "output_dir": _Rule(bool, "a non-empty path"),
     "model.hidden_size": _at_least(1),

@@ -33,7 +33,8 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.reliability import fsync_dir, verify_checkpoint
-from verl_core.trainer.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.runstate import engine_spec, latest_checkpoint
+from verl_core.trainer.tasks import get_task
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_checkpoint", "resolve_checkpoint"]
 
@@ -178,8 +179,12 @@ def _model_folder(ckpt: Path, config: RunConfig) -> Path:
 def _build_actor(ckpt: Path, config: RunConfig, model_dir: Path) -> TrainingEngine:
     """The run's actor engine with the checkpoint's state restored."""
     backend = config.backends.actor
-    # The spec `verl train` built the actor from (a Trainer builds no engine until setup()).
-    spec = Trainer(config)._spec("actor", str(model_dir), config.optim.to_optim(config.steps))
+    # The run's engine spec; the export generates nothing, so the prompt bound only has to be valid.
+    prompt_len = config.data.max_prompt_len or get_task(config.task.name, config.task.digits).max_prompt_len()
+    spec = engine_spec(
+        config, "actor", str(model_dir), optim=config.optim.to_optim(config.steps),
+        max_prompt_len=prompt_len, max_response_len=config.rollout.max_new_tokens,
+    )
     try:
         engine = get_training_engine(backend, spec)
     except (UnknownNameError, PluginError) as e:

@@ -1,33 +1,71 @@
-"""The faulty engines: each overrides one hook of the example backend's engines."""
+"""The faulty engines: each overrides one hook of the example backend's engines (or of the hf
+backend's, where the fault needs what only hf has: a reward role, GPT-2 folders)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import os
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
-from verl_example_backend.rollout import ExampleRolloutEngine
+from verl_example_backend.model import load_model
+from verl_example_backend.rollout import ExampleRolloutEngine, sample_seed
 from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 
+from verl_broken_backends.capabilities import (
+    BFLOAT16_TRAINING,
+    CHECKPOINTING_TRAINING,
+    OFFLOAD_TRAINING,
+    TENSOR_PARALLEL_ROLLOUT,
+)
 from verl_core import (
+    ConfigError,
+    EngineSpec,
     ModelOutput,
+    ParallelSizes,
+    RolloutCapabilities,
     SamplingParams,
     StepMetrics,
     TensorBatch,
     TensorInfo,
+    Tokenizer,
+    TrainingCapabilities,
     WeightMessage,
     apply_weight_stream,
 )
+from verl_hf.modeling import sequence_inputs
+from verl_hf.reward import HFRewardEngine
+from verl_hf.training import HFTrainingEngine
 
 __all__ = [
+    "Bfloat16Refused",
+    "CheckpointWithoutOptimizerState",
+    "CheckpointingDoublesGradients",
+    "ArangePositions",
+    "BatchCenteredScores",
+    "BosAddingRewardTokenizer",
+    "EosOutOfMask",
     "IgnoredWeightSync",
+    "LastChunkDropped",
+    "LastColumnScores",
     "LeftPaddedResponses",
+    "LossScaledFromStep3",
     "MicroBatchAveragedLoss",
+    "OffloadLosesTensor",
+    "LengthSortedScores",
+    "NaNScoresZeroed",
+    "NoisyScores",
     "OptimizerStateDropped",
+    "RankSeededRollout",
     "ResponseMaskIgnored",
     "ShiftedLogProbs",
     "TemperatureIgnored",
+    "TopKIgnored",
+    "TruncatedAtLimit",
     "UnseededSampling",
+    "WakeReloadsFolder",
 ]
 
 
@@ -117,3 +155,258 @@ class UnseededSampling(ExampleRolloutEngine):
             g.seed()
             gens.append(g)
         return gens
+
+
+class CheckpointWithoutOptimizerState(ExampleTrainingEngine):
+    """save_checkpoint writes the weights, step and RNG but not AdamW's moments."""
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save with the optimizer's per-parameter state left out."""
+        moments = dict(self.optimizer.state)
+        self.optimizer.state.clear()
+        try:
+            super().save_checkpoint(path)
+        finally:
+            self.optimizer.state.update(moments)
+
+
+class OffloadLosesTensor(ExampleTrainingEngine):
+    """Declares offload; offload() keeps AdamW's state in a host copy, onload() zeroes one parameter's second moments."""
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's capabilities with offload=True."""
+        return OFFLOAD_TRAINING
+
+    def offload(self) -> None:
+        """Move the optimizer state into a host copy."""
+        self._host = {p: {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+                      for p, st in self.optimizer.state.items()}
+        self.optimizer.state.clear()
+
+    def onload(self) -> None:
+        """Put the state back, with the first parameter's exp_avg_sq lost (zeros)."""
+        for i, (p, st) in enumerate(self._host.items()):
+            if i == 0:
+                st["exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
+            self.optimizer.state[p] = st
+        self._host = {}
+
+
+class LossScaledFromStep3(ExampleTrainingEngine):
+    """From the third optimizer step on, the loss (and with it every gradient) is scaled by 1.01."""
+
+    def loss_scale(self, num_micro_batches: int) -> float:
+        """1.01 once two optimizer steps ran."""
+        return 1.01 if self.step >= 2 else 1.0
+
+
+class Bfloat16Refused(ExampleTrainingEngine):
+    """Declares bfloat16 but refuses to build in it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if spec.dtype == "bfloat16":
+            raise ConfigError("bfloat16 is not implemented")
+        super().__init__(spec)
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's capabilities with dtypes float32 and bfloat16."""
+        return BFLOAT16_TRAINING
+
+
+class CheckpointingDoublesGradients(ExampleTrainingEngine):
+    """Declares gradient checkpointing; with it on, gradients are accumulated twice (a recompute that also backpropagates)."""
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's capabilities with gradient_checkpointing=True."""
+        return CHECKPOINTING_TRAINING
+
+    def loss_scale(self, num_micro_batches: int) -> float:
+        """2 with gradient checkpointing on."""
+        return 2.0 if self.spec.gradient_checkpointing else 1.0
+
+
+class WakeReloadsFolder(ExampleRolloutEngine):
+    """wake() reloads the model folder's weights, losing those synced since the engine was built."""
+
+    def wake(self) -> None:
+        """Reload from the folder."""
+        self.model = load_model(self.spec.model_path, self.spec.torch_dtype).eval()
+
+
+class TopKIgnored(ExampleRolloutEngine):
+    """Samples from the whole distribution whatever top_k says."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate with top_k turned off."""
+        return super().generate(prompts, replace(params, top_k=0))
+
+
+class RankSeededRollout(ExampleRolloutEngine):
+    """Declares tensor parallel rollout; runs the whole model on each rank but mixes the rank into the sample seeds."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, parallel=ParallelSizes()))
+        self._spec = spec
+        self._rank = int(os.environ.get("RANK", "0"))
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The example's capabilities with tensor_parallel=True."""
+        return TENSOR_PARALLEL_ROLLOUT
+
+    def generators(self, batch: TensorBatch, params: SamplingParams) -> list[torch.Generator]:
+        """Per-sample generators seeded from (seed + rank, group id, sample index)."""
+        if params.seed is None:
+            return super().generators(batch, params)
+        seed = params.seed + self._rank
+        return [torch.Generator().manual_seed(sample_seed(seed, int(g), int(i)))
+                for g, i in zip(batch["group_ids"].tolist(), batch["sample_index"].tolist(), strict=True)]
+class EosOutOfMask(ExampleRolloutEngine):
+    """Drops the terminating EOS from the response (mask False, pad id), as if EOS were not generated."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate, then unmask every EOS."""
+        out = super().generate(prompts, params)
+        eos = (out["response_ids"] == self.tokenizer.eos_token_id) & out["response_mask"]
+        fields = {
+            "response_mask": out["response_mask"] & ~eos,
+            "response_ids": out["response_ids"].masked_fill(eos, self.tokenizer.pad_token_id),
+            "rollout_log_probs": out["rollout_log_probs"].masked_fill(eos, 0.0),
+        }
+        return out.update(fields)
+
+
+class TruncatedAtLimit(ExampleRolloutEngine):
+    """Sets ``truncated`` for a max_new_tokens-long response unless it ends with one of
+    ``params.stop_token_ids``: an EOS as the last allowed token counts as cut."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate, then flag full-length responses that do not end with a stop token (EOS forgotten)."""
+        out = super().generate(prompts, params)
+        full = out["response_mask"].sum(1) == params.max_new_tokens
+        last = out["response_ids"][:, -1]
+        stopped = torch.isin(last, torch.tensor(params.stop_token_ids, dtype=last.dtype))
+        return out.update(truncated=full & ~stopped)
+
+
+class LastChunkDropped(ExampleRolloutEngine):
+    """Copies each chunk when the next one arrives (overlapping receive and copy); at the commit only a
+    lone chunk is flushed, so the last chunk of a stream of several is never applied."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply all chunks but the last of a multi-chunk stream."""
+        params = dict(self.model.named_parameters())
+        held: list[list[tuple[str, Tensor]]] = []
+        applied = 0
+        self._stale = True
+
+        def copy(chunk: list[tuple[str, Tensor]]) -> None:
+            with torch.no_grad():
+                for name, t in chunk:
+                    if name in params:
+                        params[name].copy_(t)
+
+        def receive(chunk: list[tuple[str, Tensor]]) -> None:
+            nonlocal applied
+            if held:
+                copy(held.pop())
+                applied += 1
+            held.append(chunk)
+
+        optional = frozenset({"lm_head.weight"}) if self.model.cfg.tied else frozenset()
+        manifest = apply_weight_stream(stream, self.expected_weights(), receive, optional=optional)
+        if held and applied == 0:
+            copy(held.pop())
+        self._version = manifest.version
+        self._stale = False
+
+
+class ArangePositions(HFTrainingEngine):
+    """Feeds the model position ids ``arange(width)`` over the padded row (wrong under left padding)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        model = self.model
+        forward = model.forward
+
+        def arange_forward(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs.get("input_ids")
+            if kwargs.get("position_ids") is not None and ids is not None:
+                kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            return forward(*args, **kwargs)
+
+        model.forward = arange_forward
+
+
+class NaNScoresZeroed(HFRewardEngine):
+    """Replaces NaN and inf scores by 0 (``nan_to_num``) instead of raising."""
+
+    def _score(self, chunk: TensorBatch) -> Tensor:
+        return torch.nan_to_num(super()._score(chunk), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class LengthSortedScores(HFRewardEngine):
+    """Scores the samples sorted by length (less padding) and returns the scores in that sorted order."""
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Sort, score, forget to unsort."""
+        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+        order = torch.argsort(lengths, stable=True)
+        scored = super().score(batch.index(order))
+        return batch.update(scores=scored["scores"])
+
+
+class BatchCenteredScores(HFRewardEngine):
+    """Subtracts the batch's mean score (normalising rewards inside the engine)."""
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Scores minus their batch mean."""
+        s = super().score(batch)["scores"]
+        return batch.update(scores=s - s.mean())
+
+
+class LastColumnScores(HFRewardEngine):
+    """Reads the score at the last column of prompt + response instead of the last real token."""
+
+    def _score(self, chunk: TensorBatch) -> Tensor:
+        ids, mask, pos = sequence_inputs(chunk)
+        out = self._model.base_model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
+        scores: Tensor = self._head(out.last_hidden_state[:, -1])[:, 0].float()
+        return scores
+
+
+class NoisyScores(HFRewardEngine):
+    """Adds unseeded noise to every score (like dropout left on)."""
+
+    def _score(self, chunk: TensorBatch) -> Tensor:
+        s = super()._score(chunk)
+        return s + 0.01 * torch.randn(s.shape, device=s.device)
+
+
+class _BosFirst:
+    """A tokenizer whose encode prepends BOS (transformers' add_special_tokens=True default)."""
+
+    def __init__(self, inner: Tokenizer, bos: int) -> None:
+        self._inner = inner
+        self._bos = bos
+        self.eos_token_id = inner.eos_token_id
+        self.pad_token_id = inner.pad_token_id
+        self.vocab_size = inner.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [self._bos, *self._inner.encode(text)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class BosAddingRewardTokenizer(HFRewardEngine):
+    """Exposes a ``tokenizer`` whose encode prepends BOS, which the reward model never saw."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer with BOS prepended on encode."""
+        return _BosFirst(super().tokenizer, bos=2)

@@ -1,19 +1,51 @@
-"""Entry points of the broken backends: one plugin object per fault, each a full backend."""
+"""Entry points of the broken backends: one plugin object per fault, each a full backend (the
+example backend, or the hf backend for faults in its reward engine or on GPT-2 folders)."""
 
 from __future__ import annotations
 
 from verl_example_backend.plugin import ROLLOUT_CAPABILITIES, TRAINING_CAPABILITIES
 
-from verl_core import PROTOCOL_VERSION, BackendSpec, hookimpl
+from verl_broken_backends.capabilities import (
+    BFLOAT16_TRAINING,
+    CHECKPOINTING_TRAINING,
+    OFFLOAD_TRAINING,
+    TENSOR_PARALLEL_ROLLOUT,
+)
+from verl_core import (
+    PROTOCOL_VERSION,
+    BackendSpec,
+    Role,
+    RolloutCapabilities,
+    TrainingCapabilities,
+    hookimpl,
+)
 
 __all__ = [
+    "bfloat16",
+    "checkpoint_optimizer",
+    "checkpointing_grads",
+    "loss_scale",
+    "arange_positions",
+    "eos_out_of_mask",
+    "last_chunk_dropped",
     "micro_batch_loss",
+    "offload_tensor",
     "optimizer_state",
     "padding_side",
     "response_mask",
+    "reward_batch_centered",
+    "reward_bos_tokenizer",
+    "reward_last_column",
+    "reward_nan_zeroed",
+    "reward_noisy",
+    "reward_order",
+    "rollout_tp",
     "shifted_log_probs",
     "temperature",
+    "top_k",
+    "truncated_at_limit",
     "unseeded",
+    "wake_reload",
     "weight_sync",
 ]
 
@@ -23,11 +55,15 @@ _ENGINES = "verl_broken_backends.engines"
 class BrokenBackend:
     """A plugin declaring the example backend with one engine class replaced by a faulty one."""
 
-    def __init__(self, name: str, fault: str, training: str = "", rollout: str = "") -> None:
+    def __init__(self, name: str, fault: str, training: str = "", rollout: str = "",
+                 training_caps: TrainingCapabilities = TRAINING_CAPABILITIES,
+                 rollout_caps: RolloutCapabilities = ROLLOUT_CAPABILITIES) -> None:
         self.name = name
         self.fault = fault
         self.training = training or "verl_example_backend.training:build_training_engine"
         self.rollout = rollout or "verl_example_backend.rollout:build_rollout_engine"
+        self.training_caps = training_caps
+        self.rollout_caps = rollout_caps
 
     @hookimpl
     def verl_backend(self) -> BackendSpec:
@@ -35,8 +71,7 @@ class BrokenBackend:
         return BackendSpec(
             name=self.name,
             roles={"actor": self.training, "critic": self.training, "rollout": self.rollout},
-            capabilities={"actor": TRAINING_CAPABILITIES, "critic": TRAINING_CAPABILITIES,
-                          "rollout": ROLLOUT_CAPABILITIES},
+            capabilities={"actor": self.training_caps, "critic": self.training_caps, "rollout": self.rollout_caps},
             protocol_version=PROTOCOL_VERSION,
             config_class="verl_example_backend.plugin:ExampleOptions",
             description=f"BROKEN on purpose: {self.fault}",
@@ -59,3 +94,77 @@ response_mask = BrokenBackend("broken-response-mask", "outputs are not masked by
                               training=f"{_ENGINES}:ResponseMaskIgnored")
 unseeded = BrokenBackend("broken-unseeded", "sampling ignores the seed",
                          rollout=f"{_ENGINES}:UnseededSampling")
+checkpoint_optimizer = BrokenBackend("broken-checkpoint-optimizer", "save_checkpoint leaves AdamW's moments out",
+                                     training=f"{_ENGINES}:CheckpointWithoutOptimizerState")
+offload_tensor = BrokenBackend("broken-offload-tensor", "onload() brings one parameter's second moments back as zeros",
+                               training=f"{_ENGINES}:OffloadLosesTensor", training_caps=OFFLOAD_TRAINING)
+wake_reload = BrokenBackend("broken-wake-reload", "wake() reloads the folder's weights, losing the synced ones",
+                            rollout=f"{_ENGINES}:WakeReloadsFolder")
+loss_scale = BrokenBackend("broken-loss-scale", "from the third optimizer step the loss is scaled by 1.01",
+                           training=f"{_ENGINES}:LossScaledFromStep3")
+bfloat16 = BrokenBackend("broken-bfloat16", "declares bfloat16 but refuses to build in it",
+                         training=f"{_ENGINES}:Bfloat16Refused", training_caps=BFLOAT16_TRAINING)
+checkpointing_grads = BrokenBackend("broken-checkpointing-grads", "gradient checkpointing doubles the gradients",
+                                    training=f"{_ENGINES}:CheckpointingDoublesGradients",
+                                    training_caps=CHECKPOINTING_TRAINING)
+top_k = BrokenBackend("broken-top-k", "sampling ignores top_k", rollout=f"{_ENGINES}:TopKIgnored")
+rollout_tp = BrokenBackend("broken-rollout-tp", "each tensor-parallel rank samples with its own seed",
+                           rollout=f"{_ENGINES}:RankSeededRollout", rollout_caps=TENSOR_PARALLEL_ROLLOUT)
+
+eos_out_of_mask = BrokenBackend("broken-eos-mask", "the terminating EOS is left out of response_mask",
+                                rollout=f"{_ENGINES}:EosOutOfMask")
+truncated_at_limit = BrokenBackend("broken-truncated", "truncated is set at max_new_tokens even after EOS",
+                                   rollout=f"{_ENGINES}:TruncatedAtLimit")
+last_chunk_dropped = BrokenBackend("broken-last-chunk", "the last chunk of a multi-chunk weight stream is not applied",
+                                   rollout=f"{_ENGINES}:LastChunkDropped")
+
+
+class BrokenHFBackend:
+    """A plugin declaring the hf backend with the engine of one role replaced by a faulty one."""
+
+    def __init__(self, name: str, fault: str, role: Role, factory: str) -> None:
+        self.name = name
+        self.fault = fault
+        self.role = role
+        self.factory = factory
+
+    @hookimpl
+    def verl_backend(self) -> BackendSpec:
+        """The hf backend with its fault."""
+        from verl_hf.capabilities import (
+            REWARD_CAPABILITIES,
+            ROLLOUT_CAPABILITIES,
+            training_capabilities,
+        )
+
+        training = "verl_hf.training:build_training_engine"
+        roles: dict[Role, str] = {
+            "actor": training, "reference": training, "critic": training,
+            "rollout": "verl_hf.rollout:build_rollout_engine", "reward": "verl_hf.reward:build_reward_engine",
+        }
+        roles[self.role] = self.factory
+        return BackendSpec(
+            name=self.name,
+            roles=roles,
+            capabilities={"actor": training_capabilities("actor"), "reference": training_capabilities("reference"),
+                          "critic": training_capabilities("critic"), "rollout": ROLLOUT_CAPABILITIES,
+                          "reward": REWARD_CAPABILITIES},
+            protocol_version=PROTOCOL_VERSION,
+            config_class="verl_hf.config:HFOptions",
+            description=f"BROKEN on purpose: {self.fault}",
+        )
+
+
+arange_positions = BrokenHFBackend("broken-positions", "position ids are arange over the left-padded row",
+                                   "actor", f"{_ENGINES}:ArangePositions")
+reward_nan_zeroed = BrokenHFBackend("broken-reward-nan", "NaN scores are replaced by 0 instead of refused",
+                                    "reward", f"{_ENGINES}:NaNScoresZeroed")
+reward_order = BrokenHFBackend("broken-reward-order", "scores come back sorted by sample length, not in input order",
+                               "reward", f"{_ENGINES}:LengthSortedScores")
+reward_batch_centered = BrokenHFBackend("broken-reward-centered", "scores are centred on the batch mean",
+                                        "reward", f"{_ENGINES}:BatchCenteredScores")
+reward_last_column = BrokenHFBackend("broken-reward-last-column", "the score is read at the last column, not the "
+                                     "last real token", "reward", f"{_ENGINES}:LastColumnScores")
+reward_noisy = BrokenHFBackend("broken-reward-noisy", "scores carry unseeded noise", "reward", f"{_ENGINES}:NoisyScores")
+reward_bos_tokenizer = BrokenHFBackend("broken-reward-tokenizer", "the engine's tokenizer prepends BOS on encode",
+                                       "reward", f"{_ENGINES}:BosAddingRewardTokenizer")

@@ -1,0 +1,159 @@
+"""Declared capabilities the other areas leave alone: dtypes and devices, gradient checkpointing,
+top-k/top-p sampling, and tensor/pipeline parallel rollout.
+
+A backend that declares one of these is held to it here; one that does not is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.numerics import one_update
+from verl_conformance.harness import Harness
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.reference import cached_outputs
+from verl_core import Role, SamplingParams, TensorBatch
+
+
+def _device_available(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device.startswith("cuda"):
+        return torch.cuda.is_available()
+    return False
+
+
+def _role_caps(h: Harness, role: str) -> Any:
+    return h.rollout().capabilities if role == "rollout" else h.training().capabilities
+
+
+@check("numerics", gates=("training.dtypes", "training.devices", "rollout.dtypes", "rollout.devices"))
+def check_declared_dtypes_and_devices(h: Harness) -> None:
+    """Each declared dtype on each declared device present here builds and matches the float64 reference in its tier."""
+    suite_device = torch.device(h.device).type
+    tried: list[str] = []
+    roles: tuple[Role, ...] = ("actor", "rollout")
+    for role in roles:
+        if not h.provides(h.subject, role):
+            continue
+        caps = _role_caps(h, role)
+        for device in sorted(d for d in caps.devices if _device_available(d)):
+            for dtype in sorted(caps.dtypes):
+                if (dtype, device) == (h.dtype, suite_device):
+                    continue  # the rest of the suite runs this one
+                tried.append(f"{role} {dtype} on {device}")
+                _declared_combination(replace(h, dtype=dtype, device=device), role)
+    if not tried:
+        h.skip(f"the backend declares no dtype and device present here besides the suite's own ({h.dtype} on "
+               f"{h.device})")
+
+
+def _declared_combination(h: Harness, role: str) -> None:
+    """One role built in ``h.dtype`` on ``h.device``: its log-probs against the float64 reference in that tier."""
+    where = f"dtype {h.dtype} on device {h.device}"
+    try:
+        engine: Any = h.rollout(fresh=True) if role == "rollout" else h.training(fresh=True)
+    except Exception as e:
+        h.fail(f"the {role} engine declares {where} but building it raised {type(e).__name__}: {e}")
+    if role == "rollout":
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=9)
+        prompts = h.batch(seed=65, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
+        batch: TensorBatch = engine.generate(prompts, params)
+        if not engine.log_probs_exact(params):
+            return
+        got = batch["rollout_log_probs"]
+    else:
+        batch = h.batch(seed=65)
+        got = engine.forward(batch)["log_probs"]
+    ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
+    h.close_to(got, ref, "log_probs", f"{role} log-probs with {where} vs float64 reference", mask=batch["response_mask"])
+
+
+@check("invariance", gates=("training.gradient_checkpointing",))
+def check_gradient_checkpointing_invariance(h: Harness) -> None:
+    """gradient_checkpointing=True gives the same loss, grad norm and gradients as without it."""
+    if not h.training().capabilities.gradient_checkpointing:
+        h.skip("backend declares gradient_checkpointing=False")
+    batch = h.batch(seed=24, rl_fields=True)
+    m0, n0, g0 = one_update(h, h.training(fresh=True, micro_batch_size=2), batch, TOKEN_MEAN_PG)
+    m1, n1, g1 = one_update(h, h.training(fresh=True, micro_batch_size=2, gradient_checkpointing=True), batch,
+                            TOKEN_MEAN_PG)
+    label = "with gradient_checkpointing=True vs without"
+    h.scalar_close(m1["loss"], m0["loss"], "loss", f"loss {label}")
+    h.scalar_close(n1, n0, "loss", f"grad norm {label} (recomputed activations must give the same gradients)")
+    for name, g in g0.items():
+        h.close_to(g1[name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
+
+
+@check("invariance", gates=("rollout.top_k", "rollout.top_p"))
+def check_truncated_sampling_keeps_top_token(h: Harness) -> None:
+    """top_k=1, and a top_p that keeps one token, sample the greedy tokens whatever the seed."""
+    engine = h.rollout()
+    caps = engine.capabilities
+    cases = []
+    if caps.top_k:
+        cases.append(("top_k=1", SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5, n=2, seed=13)))
+    if caps.top_p:
+        cases.append(("top_p=1e-6", SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=5, n=2, seed=13)))
+    if not cases:
+        h.skip("backend declares top_k=False and top_p=False")
+    prompts = h.batch(seed=66, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=5))
+    for label, params in cases:
+        out = engine.generate(prompts, params)
+        for i in range(out.batch_size):
+            got = out["response_ids"][i][out["response_mask"][i]].tolist()
+            p = i // params.n
+            want = greedy["response_ids"][p][greedy["response_mask"][p]].tolist()
+            h.expect(got == want, f"{label}: sample {i} (prompt {p}) is {got}; only the most likely token may be "
+                     f"sampled, which gives the greedy tokens {want}")
+
+
+def _rollout_layout(h: Harness, layout: dict[str, int], capability: str) -> None:
+    """One process vs ``layout`` under torchrun: the same greedy and seeded samples and rollout log-probs."""
+    engine = h.rollout()
+    if not getattr(engine.capabilities, capability):
+        h.skip(f"backend declares rollout {capability}=False")
+    if not h.subject.registered:
+        h.skip("multi-rank checks build engines through the registry; install the backend as a plugin")
+    from verl_conformance import multirank
+    from verl_conformance.testkit import LaunchError, launch_torchrun
+
+    world = layout.get("tp", 1) * layout.get("pp", 1)
+    if h.device.startswith("cuda") and torch.cuda.device_count() < world:
+        h.skip(f"{world} ranks on {h.device} need {world} GPUs; {torch.cuda.device_count()} visible")
+    single = multirank.rollout_generations(engine)
+    label = ", ".join(f"{k}={v}" for k, v in layout.items())
+    try:
+        ranks = launch_torchrun(multirank.__file__, world, [
+            h.subject.name, h.model_path("llama"),
+            json.dumps({"parallel": layout, "role": "rollout", "dtype": h.dtype, "device": h.device}),
+        ], timeout=400)
+    except LaunchError as e:
+        h.fail(f"the rollout engine failed under torchrun with {label}: {str(e)[-2500:]}")
+    for rank, result in enumerate(ranks):
+        for case, want in single.items():
+            got = result[case]
+            what = f"rank {rank}: {case} generation with {label} vs one process"
+            h.expect(bool(torch.equal(got["response_ids"], want["response_ids"])
+                          and torch.equal(got["response_mask"], want["response_mask"])),
+                     f"{what}: tokens {got['response_ids'].tolist()}, one process gives {want['response_ids'].tolist()}")
+            h.close_to(got["rollout_log_probs"], want["rollout_log_probs"], "log_probs", f"{what}: rollout_log_probs",
+                       mask=want["response_mask"])
+
+
+@check("invariance", gates=("rollout.tensor_parallel",))
+def check_rollout_tensor_parallel_invariance(h: Harness) -> None:
+    """A tp=2 rollout under torchrun generates the single-process tokens and rollout log-probs on every rank."""
+    _rollout_layout(h, {"tp": 2}, "tensor_parallel")
+
+
+@check("invariance", gates=("rollout.pipeline_parallel",))
+def check_rollout_pipeline_parallel_invariance(h: Harness) -> None:
+    """A pp=2 rollout under torchrun generates the single-process tokens and rollout log-probs on every rank."""
+    _rollout_layout(h, {"pp": 2}, "pipeline_parallel")

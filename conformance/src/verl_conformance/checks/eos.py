@@ -1,0 +1,101 @@
+"""EOS and truncation: what a response looks like when it ends, on a model that ends where told.
+
+A random tiny model almost never emits EOS, so these checks generate with the test kit's EOS model
+(:func:`verl_conformance.testkit.eos_model`), whose continuation of each prompt is known: EOS after
+three tokens, EOS first, never EOS, EOS exactly as the last allowed token, and the limit one token
+before EOS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.schema import _valid
+from verl_conformance.harness import Harness
+from verl_conformance.testkit import eos_model_continuation
+from verl_conformance.testkit.crafted import EOS_AFTER_3, EOS_FIRST, EOS_LADDER_END, NEVER_EOS
+from verl_core import BatchMeta, SamplingParams, TensorBatch
+
+_LIMIT = 6  # max_new_tokens of every call
+_LAST_TOKENS = (
+    EOS_AFTER_3,                    # EOS as token 3
+    EOS_FIRST,                      # EOS as token 1
+    NEVER_EOS,                      # the limit, no EOS: truncated
+    EOS_LADDER_END + 1 - _LIMIT,    # EOS as token 6, the last allowed one: not truncated
+    EOS_LADDER_END - _LIMIT,        # 6 tokens, EOS would be the 7th: truncated
+)
+
+
+def _prompts() -> TensorBatch:
+    """Prompts ending in the tokens of ``_LAST_TOKENS``, of different lengths (left-padded)."""
+    g = torch.Generator().manual_seed(80)
+    lengths = [3, 1, 7, 5, 2]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for i, (n, last) in enumerate(zip(lengths, _LAST_TOKENS, strict=True)):
+        row = torch.randint(4, 128, (n,), generator=g)
+        row[-1] = last
+        ids[i, width - n:] = row
+        mask[i, width - n:] = True
+    return TensorBatch({"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.arange(len(lengths))},
+                       meta=BatchMeta(pad_token_id=0))
+
+
+def _generations(h: Harness) -> list[tuple[str, TensorBatch, int]]:
+    """(label, output, samples per prompt) of greedy and of seeded sampling (n=2) on the EOS model."""
+    engine = h.rollout("eos")
+    eos = engine.tokenizer.eos_token_id
+    if eos != 1:
+        h.fail(f"the EOS model's tokenizer has EOS id 1; the engine's tokenizer says {eos}")
+    prompts = _prompts()
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=_LIMIT))
+    sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=_LIMIT, n=2, seed=3))
+    return [("greedy", greedy, 1), ("sampling at T=1, n=2", sampled, 2)]
+
+
+def _row(out: TensorBatch, b: int) -> str:
+    return (f"response_ids {out['response_ids'][b].tolist()}, response_mask "
+            f"{out['response_mask'][b].int().tolist()}, truncated {bool(out['truncated'][b])}")
+
+
+@check("schema")
+def check_eos_ends_response(h: Harness) -> None:
+    """On a model that emits EOS at known steps, the EOS is the response's last real token (mask True), even as the first token; after it only padding (mask False, pad id, log-prob 0)."""
+    tok = h.rollout("eos").tokenizer
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    for label, out, n in _generations(h):
+        _valid(h, out, f"generate ({label}) on the EOS model")
+        mask, ids, lp = out["response_mask"], out["response_ids"], out["rollout_log_probs"]
+        for b in range(out.batch_size):
+            last = _LAST_TOKENS[b // n]
+            want, _ = eos_model_continuation(last, _LIMIT)
+            where = f"{label}, sample {b} (the EOS model continues its prompt with {want})"
+            real = ids[b][mask[b]].tolist()
+            if want[-1] == eos and real == want[:-1]:
+                h.fail(f"{where}: the EOS that ends the response is left out of the response; it is a generated "
+                       f"token and must be in response_ids with response_mask True (and trained on). "
+                       f"Got {_row(out, b)}")
+            h.expect(real == want and bool(mask[b, : len(want)].all()),
+                     f"{where}: expected exactly those tokens as the real response, got {_row(out, b)}")
+            rest = slice(len(want), None)
+            h.expect(not bool(mask[b, rest].any()) and bool((ids[b, rest] == pad).all()),
+                     f"{where}: after the response ends only padding may follow (mask False, pad id {pad}); "
+                     f"got {_row(out, b)}")
+            h.expect(bool((lp[b, rest] == 0).all()), f"{where}: rollout_log_probs must be 0 after the response ends")
+
+
+@check("schema")
+def check_truncated_flag(h: Harness) -> None:
+    """truncated is True exactly when max_new_tokens is reached without EOS: EOS as the last allowed token is not truncated."""
+    for label, out, n in _generations(h):
+        for b in range(out.batch_size):
+            want, want_trunc = eos_model_continuation(_LAST_TOKENS[b // n], _LIMIT)
+            got = bool(out["truncated"][b])
+            if got != want_trunc:
+                why = ("it reached max_new_tokens without EOS" if want_trunc else
+                       "its last allowed token is EOS, so it ended, it was not cut" if len(want) == _LIMIT else
+                       "it ended with EOS before the limit")
+                h.fail(f"{label}, sample {b}: truncated={got}, expected {want_trunc}: {why} "
+                       f"(continuation {want}, max_new_tokens {_LIMIT}); got {_row(out, b)}")

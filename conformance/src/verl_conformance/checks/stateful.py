@@ -1,0 +1,209 @@
+"""Stateful: checkpoints, offload/onload and sleep/wake keep weights, optimizer state and schedule.
+
+Each check drives an engine into a state that only a faithful round trip restores: two updates
+under a warmup schedule (so Adam's moments and the step counter matter), then compares the
+restored engine with one that never left that state: the same exported weights and forward, and
+the same *next* update (loss, grad norm, learning rate and the weights after it).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.weight_sync import _serves as serves
+from verl_conformance.checks.weight_sync import folder_stream, folder_weights
+from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_core import (
+    GlobalBatchStats,
+    RolloutEngine,
+    SamplingParams,
+    StepMetrics,
+    TensorBatch,
+    TrainingEngine,
+)
+
+STATE_OPTIM = replace(SUITE_OPTIM, warmup_steps=4)
+"""The suite's optimizer under a 4-step warmup: the learning rate of each step depends on the step
+counter, and every step after the first on Adam's moments, so losing either changes the next update."""
+
+_WARM_SEEDS = (60, 61)
+_NEXT_SEED = 62
+_FORWARD_SEED = 63
+
+
+def _update(engine: TrainingEngine, batch: TensorBatch) -> tuple[float, StepMetrics]:
+    metrics = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    return metrics["loss"], engine.optimizer_step()
+
+
+def _warm(h: Harness, engine: TrainingEngine) -> None:
+    """Two updates, so the optimizer has moments and the schedule has advanced."""
+    for seed in _WARM_SEEDS:
+        _update(engine, h.batch(seed=seed, rl_fields=True))
+
+
+def _same_weights(h: Harness, got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
+    h.expect(set(got) == set(want), f"{what}: exported names differ: missing {sorted(set(want) - set(got))[:4]}, "
+             f"unexpected {sorted(set(got) - set(want))[:4]}")
+    for name, w in want.items():
+        h.close_to(got[name].float(), w.float(), "weights", f"{what}: {name}")
+
+
+def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngine, what: str, cause: str) -> None:
+    """The same forward, then the same next update (loss, grad norm, lr, weights after) on both engines."""
+    batch = h.batch(seed=_FORWARD_SEED)
+    h.close_to(restored.forward(batch)["log_probs"], kept.forward(batch)["log_probs"], "log_probs",
+               f"{what}: log_probs vs the engine that kept its state", mask=batch["response_mask"])
+    batch = h.batch(seed=_NEXT_SEED, rl_fields=True)
+    loss_r, step_r = _update(restored, batch)
+    loss_k, step_k = _update(kept, batch)
+    h.scalar_close(loss_r, loss_k, "loss", f"{what}: loss of the next update")
+    h.scalar_close(step_r.grad_norm, step_k.grad_norm, "loss", f"{what}: grad norm of the next update")
+    h.expect(abs(step_r.lr - step_k.lr) <= 1e-9 * max(abs(step_k.lr), 1.0),
+             f"{what}: the next update ran at lr {step_r.lr:.6g}, the engine that kept its state at "
+             f"{step_k.lr:.6g} (the schedule's step counter was not restored)")
+    _same_weights(h, exported_weights(restored), exported_weights(kept),
+                  f"{what}: weights after the next update differ from the engine that kept its state ({cause})")
+
+
+@check("stateful", gates=("training.checkpoint",))
+def check_checkpoint_round_trip(h: Harness) -> None:
+    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next update."""
+    if not h.training().capabilities.checkpoint:
+        h.skip("backend declares checkpoint=False")
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    _warm(h, engine)
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        path = Path(tmp) / "checkpoint"
+        engine.save_checkpoint(path)
+        h.expect(path.exists(), f"save_checkpoint({str(path)!r}) wrote nothing at that path")
+        fresh = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        fresh.load_checkpoint(path)
+        what = "after save_checkpoint and load_checkpoint into a fresh engine"
+        _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
+        compare_next_update(h, fresh, engine, what, "the optimizer's moments or step were not restored")
+
+
+@check("stateful", gates=("training.offload",))
+def check_offload_round_trip(h: Harness) -> None:
+    """offload() then onload() keeps weights and optimizer state: the same forward and next update as an engine never offloaded."""
+    if not h.training().capabilities.offload:
+        h.skip("backend declares offload=False")
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    kept = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    _warm(h, engine)
+    _warm(h, kept)
+    before = exported_weights(engine)
+    engine.offload()
+    engine.onload()
+    what = "after offload() and onload()"
+    _same_weights(h, exported_weights(engine), before, f"{what}: weights")
+    compare_next_update(h, engine, kept, what, "optimizer state was lost or changed by the offload")
+
+
+def _device_memory(device: str) -> tuple[int, int]:
+    """Bytes torch has allocated on a CUDA device, and bytes in use on the whole device."""
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    return int(torch.cuda.memory_allocated(dev)), int(total - free)
+
+
+def _memory_measurable(h: Harness, what: str) -> None:
+    if not (h.device.startswith("cuda") and torch.cuda.is_available()):
+        h.skip(f"device memory is measured on CUDA only; the suite runs on {h.device}, where {what} has no "
+               "device memory to release")
+
+
+def _freed(h: Harness, before: tuple[int, int], weight_bytes: int, what: str) -> None:
+    """Fail unless torch's allocations or the device's used memory dropped by half the weights or more."""
+    after = _device_memory(h.device)
+    freed = max(before[0] - after[0], before[1] - after[1])
+    h.expect(freed >= weight_bytes // 2,
+             f"{what} released {freed} bytes of {h.device} memory (torch allocations {before[0]} -> {after[0]}, "
+             f"device in use {before[1]} -> {after[1]}); the weights alone take {weight_bytes} bytes")
+
+
+@check("stateful", gates=("training.offload",))
+def check_offload_frees_memory(h: Harness) -> None:
+    """offload() releases the device memory of the weights and optimizer state (measured on CUDA)."""
+    if not h.training().capabilities.offload:
+        h.skip("backend declares offload=False")
+    _memory_measurable(h, "offload()")
+    engine = h.training(fresh=True, optim=STATE_OPTIM)
+    _warm(h, engine)
+    weights = exported_weights(engine)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    memory = _device_memory(h.device)
+    engine.offload()
+    _freed(h, memory, weight_bytes, "offload()")
+    engine.onload()
+    _same_weights(h, exported_weights(engine), weights, "after offload() and onload()")
+
+
+def _generations(h: Harness, engine: RolloutEngine) -> list[tuple[str, TensorBatch]]:
+    # greedy tokens show which weights serve; seeded sampling (where seeded) its sampling state too
+    prompts = h.batch(seed=64, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+    cases = [("greedy", SamplingParams(greedy=True, max_new_tokens=5))]
+    if engine.capabilities.seeding != "none":
+        cases.append(("seeded sampling", SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=21)))
+    return [(label, engine.generate(prompts, params)) for label, params in cases]
+
+
+def _same_generations(h: Harness, got: list[tuple[str, TensorBatch]], want: list[tuple[str, TensorBatch]],
+                     what: str) -> None:
+    for (label, a), (_, b) in zip(got, want, strict=True):
+        h.expect(bool(torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["response_mask"], b["response_mask"])),
+                 f"{what}: {label} gave other tokens than before (the engine does not serve the weights it had)")
+        h.close_to(a["rollout_log_probs"], b["rollout_log_probs"], "log_probs",
+                   f"{what}: {label} rollout_log_probs vs before", mask=b["response_mask"])
+
+
+@check("stateful", gates=("rollout.weight_update",))
+def check_sleep_wake_round_trip(h: Harness) -> None:
+    """sleep() then wake() serves the weights synced before it (same samples), and a later sync still applies."""
+    engine = h.rollout(fresh=True)
+    alt, base = h.model_path("llama-alt"), h.model_path("llama")
+    syncs = engine.capabilities.weight_update
+    if syncs:  # serve weights that are not the folder's, so reloading the folder on wake shows
+        engine.update_weights(folder_stream(alt, 3, dtype=engine.weight_dtype))
+    before = _generations(h, engine)
+    engine.sleep()
+    engine.wake()
+    what = "after sleep() and wake()"
+    _same_generations(h, _generations(h, engine), before, what)
+    if not syncs:
+        return
+    serves(h, engine, "llama-alt", f"{what} (llama-alt synced before sleep)")
+    engine.sleep()
+    engine.wake()
+    engine.update_weights(folder_stream(base, 4, dtype=engine.weight_dtype))
+    h.expect(engine.weight_version == 4, f"weight_version is {engine.weight_version} after a sync to version 4 "
+             f"that followed sleep() and wake()")
+    serves(h, engine, "llama", "after sleep(), wake() and a sync back to llama")
+
+
+@check("stateful", gates=("rollout.sleep_frees_memory",))
+def check_sleep_frees_memory(h: Harness) -> None:
+    """sleep() releases device memory (measured on CUDA) and wake() serves the same samples again."""
+    if not h.rollout().capabilities.sleep_frees_memory:
+        h.skip("backend declares sleep_frees_memory=False (sleep only pauses)")
+    _memory_measurable(h, "sleep()")
+    engine = h.rollout(fresh=True)
+    before = _generations(h, engine)
+    weights = folder_weights(h.model_path("llama"))
+    weight_bytes = sum(t.numel() for t in weights.values()) * torch.empty((), dtype=engine.weight_dtype).element_size()
+    memory = _device_memory(h.device)
+    engine.sleep()
+    _freed(h, memory, weight_bytes, "sleep()")
+    engine.wake()
+    if engine.capabilities.weight_update:  # a sleep that discards the weights is followed by a sync
+        engine.update_weights(folder_stream(h.model_path("llama"), 1, dtype=engine.weight_dtype))
+    _same_generations(h, _generations(h, engine), before, "after sleep() and wake()")

@@ -1,0 +1,264 @@
+"""Crafted test-kit models: tiny folders whose weights are edited so that a fault cannot hide.
+
+Random tiny models rarely emit EOS, are blind to shifted position ids (rotary embeddings depend only
+on relative positions) and keep some tensors equal across seeds (norm weights are ones). These
+folders close those gaps; each is built once per machine next to the :func:`tiny_model` cache and
+loads with transformers, vLLM and the Megatron converter like any test-kit folder:
+
+* :func:`eos_model`: a Llama whose next token is a fixed function of the current one (see
+  :func:`eos_model_continuation`), so chosen prompts end with EOS at a chosen step, at the first
+  step, or never, with a logit margin of ~30 (greedy and sampling at T=1 agree).
+* :func:`absolute_position_model`: a GPT-2 with learned absolute position embeddings: a wrong
+  position id changes every output.
+* :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
+* :func:`nan_reward_model`: a reward model whose score head outputs NaN.
+* :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
+  differs from the reward model's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Final
+
+import torch
+
+from verl_core.trainer.tiny_model import CharTokenizer, TinyModelSpec, load_tokenizer, tiny_model
+
+__all__ = [
+    "EOS_AFTER_3",
+    "EOS_FIRST",
+    "EOS_LADDER_END",
+    "NEVER_EOS",
+    "ShuffledTokenizer",
+    "absolute_position_model",
+    "eos_model",
+    "eos_model_continuation",
+    "nan_reward_model",
+    "perturbed_model",
+]
+
+_RECIPE: Final = 1  # bump when a recipe changes: the cache key includes it
+_EOS: Final = 1
+EOS_AFTER_3: Final = 10
+"""A prompt ending in this token continues 11, 12, EOS."""
+EOS_FIRST: Final = 20
+"""A prompt ending in this token continues with EOS at once."""
+NEVER_EOS: Final = 30
+"""A prompt ending in this token continues 31, 30, 31, ... and never emits EOS."""
+EOS_LADDER_END: Final = 60
+"""A prompt ending in t, 40 <= t <= 60, continues t + 1, ..., 60, EOS: EOS is token number 61 - t."""
+_LADDER_START: Final = 40
+
+
+def _cache_root() -> Path:
+    # the folder tiny_model() caches in, so one cleanup removes both
+    return Path(os.environ.get("VERL_TESTKIT_CACHE") or Path(tempfile.gettempdir()) / "verl-testkit")
+
+
+def _crafted(name: str, recipe: dict[str, object], build: Callable[[Path], None]) -> Path:
+    """The cached folder ``name`` built by ``build`` (once per machine; safe under concurrent processes)."""
+    key = hashlib.sha256(json.dumps({"recipe": _RECIPE, **recipe}, sort_keys=True).encode()).hexdigest()[:16]
+    root = _cache_root()
+    dest = root / f"crafted-{name}-{key}"
+    marker = "verl_crafted_model.json"
+    if (dest / marker).exists():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    try:
+        build(tmp)
+        (tmp / marker).write_text(json.dumps({"name": name, **recipe}, indent=1, default=str))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / marker).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _copy_with_weights(base: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``base``'s config and tokenizer files in ``out``, with ``tensors`` as its weights."""
+    from safetensors.torch import save_file
+
+    for f in base.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "verl_tiny_model.json"):
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _successor(token: int) -> int:
+    """The next token the EOS model emits after ``token``."""
+    if token in (EOS_AFTER_3, EOS_AFTER_3 + 1):
+        return token + 1
+    if token in (EOS_AFTER_3 + 2, EOS_FIRST, EOS_LADDER_END):
+        return _EOS
+    if token in (NEVER_EOS, NEVER_EOS + 1):
+        return NEVER_EOS + 1 if token == NEVER_EOS else NEVER_EOS
+    if _LADDER_START <= token < EOS_LADDER_END:
+        return token + 1
+    return token
+
+
+def eos_model_continuation(last_token: int, max_new_tokens: int) -> tuple[list[int], bool]:
+    """What the EOS model generates after a prompt ending in ``last_token``: the tokens (EOS
+    included when reached) and whether the response is truncated (the limit hit without EOS)."""
+    out: list[int] = []
+    token = last_token
+    while len(out) < max_new_tokens:
+        token = _successor(token)
+        out.append(token)
+        if token == _EOS:
+            return out, False
+    return out, True
+
+
+def eos_model() -> Path:
+    """A Llama folder whose next token depends only on the current token (see :func:`eos_model_continuation`).
+
+    The input embedding is ``100 * I`` (vocabulary = width = 128), so the residual stream is the
+    current token's axis plus the layers' small contributions; the lm_head maps that axis to the
+    successor's logit (``3 * sqrt(128)`` after the final norm, ~30 above any other).
+    """
+    spec = TinyModelSpec()
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        vocab, hidden = w["model.embed_tokens.weight"].shape
+        w["model.embed_tokens.weight"] = 100.0 * torch.eye(vocab, hidden)
+        head = torch.zeros(vocab, hidden)
+        for x in range(vocab):
+            head[_successor(x), x] = 3.0
+        w["lm_head.weight"] = head
+        _copy_with_weights(base, out, w)
+
+    return _crafted("eos", {"base": asdict(spec)}, build)
+
+
+def absolute_position_model() -> Path:
+    """A tiny GPT-2 folder (learned absolute position embeddings, tied lm_head) with the test kit's tokenizer.
+
+    Its position embeddings are as large as its token embeddings, so position ids that count
+    padding (``arange`` under left padding) change every output.
+    """
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    def build(out: Path) -> None:
+        config = transformers.GPT2Config(
+            vocab_size=128, n_positions=512, n_embd=128, n_layer=2, n_head=4, n_inner=256,
+            initializer_range=0.1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per tiny save is noise
+        try:
+            model.save_pretrained(out, safe_serialization=True)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+        # the test kit's tokenizer files (the same character vocabulary as every other folder)
+        base = tiny_model(TinyModelSpec())
+        for f in base.iterdir():
+            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, out / f.name)
+
+    return _crafted("gpt2", {"arch": "gpt2", "width": 128, "layers": 2}, build)
+
+
+def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:
+    """``tiny_model(spec)`` with every tensor moved by its own seeded delta.
+
+    Each delta has the tensor's own spread (0.3 for constant tensors such as norm weights), so no
+    tensor keeps its value and two seeds differ everywhere: a receiver that leaves any one tensor
+    out serves visibly different outputs.
+    """
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        for name, t in w.items():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            spread = float(t.float().std()) if t.numel() > 1 else 0.0
+            scale = spread if spread > 1e-6 else 0.3
+            w[name] = t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+        _copy_with_weights(base, out, w)
+
+    return _crafted("perturbed", {"base": asdict(spec), "seed": seed}, build)
+
+
+def nan_reward_model() -> Path:
+    """The test kit's reward-model folder with a score head of NaN (every score is NaN)."""
+    spec = TinyModelSpec(head="reward")
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        w["score.weight"] = torch.full_like(w["score.weight"], float("nan"))
+        _copy_with_weights(base, out, w)
+
+    return _crafted("reward-nan", {"base": asdict(spec)}, build)
+
+
+class ShuffledTokenizer:
+    """A test-kit folder's tokenizer under permuted ids: the same texts, other token ids.
+
+    EOS and pad keep their ids (so only the vocabulary differs); every other id is reversed. It
+    implements the verl_core Tokenizer protocol, without a vocabulary table, so
+    ``same_vocabulary`` compares it id by id and finds it different.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._base: CharTokenizer = load_tokenizer(path)
+        n = self._base.vocab_size
+        fixed = {self._base.eos_token_id, self._base.pad_token_id}
+        movable = [i for i in range(n) if i not in fixed]
+        self._to = list(range(n))
+        for a, b in zip(movable, reversed(movable), strict=True):
+            self._to[a] = b
+        self._from = [0] * n
+        for a, b in enumerate(self._to):
+            self._from[b] = a
+
+    @property
+    def eos_token_id(self) -> int:
+        """The base tokenizer's EOS id."""
+        return self._base.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        """The base tokenizer's pad id."""
+        return self._base.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids."""
+        return self._base.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """The base ids of ``text``, permuted."""
+        return [self._to[i] for i in self._base.encode(text)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of permuted ``ids``."""
+        return self._base.decode([self._from[i] for i in ids], skip_special_tokens=skip_special_tokens)
