@@ -12,7 +12,7 @@ from verl_core.trainer.config import RunConfig, load_config
 from verl_core.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples" / "configs" / "grpo_demo.toml"
+DEMO = ROOT / "examples" / "configs" / "grpo_token_demo.toml"
 STEPS = 3
 RAY_SPLIT = ("executor=ray", "ray.placement=split", "ray.num_cpus_per_worker=1")
 

@@ -135,7 +135,7 @@ def test_verl_train_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     from verl_core.cli import main
 
     out = tmp_path / "cli"
-    args = ["train", "examples/configs/grpo_demo.toml", "steps=2", *EASY[:-2], "task.reward=token", "logging.plot=true",
+    args = ["train", "examples/configs/grpo_token_demo.toml", "steps=2", *EASY[:-2], "task.reward=token", "logging.plot=true",
             f"output_dir={json.dumps(str(out))}"]
     assert main(args) == 0
     err = capsys.readouterr().err

@@ -271,8 +271,8 @@ def test_bad_datasets_and_reward_functions_are_refused_before_anything_is_writte
         ({"data": {"train": "broken.jsonl"}}, "cannot be read as JSONL: line 3 is not valid JSON"),
         ({"data": {"train": "missing.jsonl"}}, "data.train: dataset '" + str(folder / "missing.jsonl") + "' does not exist"),
         ({"reward": {"functions": ["rewards.py:needs_label"]}},
-         "'rewards.py:needs_label' requires ['label'], which are neither 'prompts', 'completions' nor dataset "
-         "columns (answer, id)"),
+         "'rewards.py:needs_label' requires ['label'], which are neither 'prompts', 'completions', "
+         "'completion_ids', 'truncated' nor dataset columns (answer, id)"),
         ({"reward": {"functions": ["no_such_module_xyz:fn"]}}, "cannot import module 'no_such_module_xyz'"),
         ({"reward": {"functions": ["nowhere.py:fn"]}}, "nowhere.py' does not exist (relative paths are looked up in"),
         ({"reward": {"functions": ["rewards.py:nope"]}}, "has no attribute 'nope'; its public callables: Path, aligned, boom"),

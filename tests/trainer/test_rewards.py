@@ -78,7 +78,7 @@ def test_columns_arrive_aligned_with_shuffled_prompts_and_n_samples(tok: HFToken
     idx = list(samples.extras["idx"])
     assert seen["idx"] == idx and len(idx) == 4 * n
     assert idx[0] == idx[1] == idx[2] and idx != sorted(idx)  # n repeats, shuffled prompts
-    assert seen["kwargs"] == {}  # group ids and other tensors are not columns
+    assert set(seen["kwargs"]) == {"completion_ids", "truncated"}  # group ids and other tensors are not columns
     match = [1.0 if j % 2 == 0 else 0.0 for j in range(len(idx))]
     assert out["scores"].tolist() == pytest.approx([0.5 * i + 2.0 * m for i, m in zip(idx, match)])
     assert out.extras["reward/aligned"] == tuple(float(i) for i in idx)
@@ -102,7 +102,28 @@ def test_functions_get_only_the_keywords_they_name(tok: HFTokenizer) -> None:
 
     batch = scored_batch(tok, ["x", "y"], answer=["x", "z"], pattern=["x", "y"])
     RewardFunctions([few, kw_only], tok, columns=["answer", "pattern"]).score(batch)
-    assert got == [{"completions", "answer"}, {"prompts", "completions", "answer", "pattern"}]
+    assert got == [{"completions", "answer"},
+                   {"prompts", "completions", "completion_ids", "truncated", "answer", "pattern"}]
+
+
+def test_functions_see_response_ids_and_truncation(tok: HFTokenizer) -> None:
+    """The decoded completion drops EOS: completion_ids and truncated tell a finished "7" from a cut one."""
+    seen: dict[str, Any] = {}
+
+    def finished(completions: list[str], completion_ids: list[list[int]], truncated: list[bool]) -> list[float]:
+        seen.update(completions=completions, completion_ids=completion_ids, truncated=truncated)
+        return [0.0 if t else 1.0 for t in truncated]
+
+    batch = scored_batch(tok, ["7", "7"])  # both responses end with EOS
+    seven, eos = tok.encode("7")[0], tok.eos_token_id
+    engine = RewardFunctions([finished], tok)
+    assert engine.score(batch)["scores"].tolist() == [1.0, 1.0]  # no truncated field: EOS decides
+    assert seen == {"completions": ["7", "7"], "completion_ids": [[seven, eos], [seven, eos]],
+                    "truncated": [False, False]}
+    cut = batch.update(response_mask=torch.tensor([[True, True], [True, False]]),
+                       truncated=torch.tensor([False, True]))
+    assert engine.score(cut)["scores"].tolist() == [1.0, 0.0]
+    assert seen["completions"] == ["7", "7"] and seen["completion_ids"] == [[seven, eos], [seven]]
 
 
 def test_by_module_path_and_by_file_path(tok: HFTokenizer, tmp_path: Path) -> None:

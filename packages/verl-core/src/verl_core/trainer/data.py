@@ -50,8 +50,9 @@ counts it (:attr:`PromptDataset.dropped`); ``error`` refuses the dataset, naming
 FORMATS: Final = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> ``datasets`` builder; a folder is read with ``datasets.load_from_disk``."""
 
-RESERVED_COLUMNS: Final = ("prompts", "completions")
-"""Column names a dataset may not use: reward functions get these keywords for the decoded texts."""
+RESERVED_COLUMNS: Final = ("prompts", "completions", "completion_ids", "truncated")
+"""Column names a dataset may not use: reward functions get these keywords for each sample's texts,
+response ids and truncation (:data:`verl_core.trainer.rewards.SAMPLE_KEYWORDS`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +377,7 @@ class PromptDataset:
             if clash:
                 raise ConfigError(
                     f"{where}: {path!r} has the column(s) {clash}, names reward functions receive the "
-                    "decoded texts under; rename them"
+                    "samples' texts, response ids and truncation under; rename them"
                 )
             if not merged:
                 first_columns = names

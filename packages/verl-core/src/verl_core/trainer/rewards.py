@@ -3,10 +3,12 @@
 A reward function follows TRL's convention: it is called once per batch as
 ``fn(prompts=list[str], completions=list[str], **columns)`` and returns one number per completion.
 ``prompts`` and ``completions`` are the decoded prompt and response of every sample (special
-tokens such as EOS dropped); each other keyword is a dataset column (a per-sample extra of the
-batch), holding that column's value for the same samples in the same order (a prompt's ``n``
-samples repeat its values). A function that names only some keywords (``def f(completions,
-answer)``) gets just those; one with ``**kwargs`` gets all.
+tokens such as EOS dropped); ``completion_ids`` holds each response's token ids (EOS included when
+one was generated) and ``truncated`` whether the response was cut at ``max_new_tokens`` without
+EOS, so a function can tell ``"123"`` followed by EOS from a ``"123"`` that was cut off. Each other
+keyword is a dataset column (a per-sample extra of the batch), holding that column's value for the
+same samples in the same order (a prompt's ``n`` samples repeat its values). A function that names
+only some keywords (``def f(completions, answer)``) gets just those; one with ``**kwargs`` gets all.
 
 :class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
 a reward-model engine's scores); functions are named ``"module:function"`` or
@@ -34,6 +36,7 @@ from verl_core.trainer.usercode import import_object, split_spec
 
 __all__ = [
     "MODEL_NAME",
+    "SAMPLE_KEYWORDS",
     "RewardFn",
     "RewardFunctions",
     "RewardFunctionsConfig",
@@ -42,6 +45,9 @@ __all__ = [
 
 RewardFn = Callable[..., Sequence[float]]
 """``fn(prompts=list[str], completions=list[str], **columns) -> one number per completion``."""
+
+SAMPLE_KEYWORDS: Final = ("prompts", "completions", "completion_ids", "truncated")
+"""Keywords every reward function is offered besides the dataset columns (which may not use these names)."""
 
 MODEL_NAME: Final = "model"
 """Name of the reward-model engine's term in metrics and extras (``reward/model/mean``)."""
@@ -130,15 +136,15 @@ def _accepted_keywords(name: str, fn: Callable[..., Any], columns: Sequence[str]
             f"expected {expected} (a **kwargs parameter takes the keywords it does not name)"
         )
     if columns is not None:
-        offered = {"prompts", "completions", *columns}
+        offered = {*SAMPLE_KEYWORDS, *columns}
         missing = [
             p.name for p in params
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in offered
         ]
         if missing:
             raise ConfigError(
-                f"reward function {name!r} requires {missing}, which are neither 'prompts', 'completions' nor "
-                f"dataset columns ({', '.join(columns) or 'none'}); expected {expected}"
+                f"reward function {name!r} requires {missing}, which are neither {', '.join(map(repr, SAMPLE_KEYWORDS))} "
+                f"nor dataset columns ({', '.join(columns) or 'none'}); expected {expected}"
             )
     return None if var_kw else frozenset(named)
 
@@ -243,14 +249,23 @@ class RewardFunctions(RewardEngine):
                 model returned no ``scores``.
         """
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where="RewardFunctions.score")
-        prompts = self._decode(batch["prompt_ids"], batch["prompt_mask"])
-        completions = self._decode(batch["response_ids"], batch["response_mask"])
+        prompts = self._decode(_rows(batch["prompt_ids"], batch["prompt_mask"]))
+        completion_ids = _rows(batch["response_ids"], batch["response_mask"])
+        completions = self._decode(completion_ids)
+        if "truncated" in batch:
+            truncated = [bool(t) for t in batch["truncated"].cpu().tolist()]
+        else:  # a batch scored outside a rollout: a response is complete when it ends with EOS
+            eos = self._tokenizer.eos_token_id
+            truncated = [not ids or ids[-1] != eos for ids in completion_ids]
         columns = {k: list(v) for k, v in batch.extras.items() if not k.startswith("reward/")}
+        sample: dict[str, list[Any]] = {
+            "prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated,
+        }
         size = batch.batch_size
         total = [0.0] * size
         extras: dict[str, list[float]] = {}
         for term in self._terms:
-            values = self._call(term, prompts, completions, columns, size)
+            values = self._call(term, sample, columns, size)
             extras[f"reward/{term.name}"] = values
             total = [t + term.weight * v for t, v in zip(total, values)]
         if self._model is not None:
@@ -281,21 +296,19 @@ class RewardFunctions(RewardEngine):
         if callable(close):
             close()
 
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    def _decode(self, rows: list[list[int]]) -> list[str]:
         texts: list[str] = []
         cache: dict[tuple[int, ...], str] = {}  # a prompt's n samples share its text
-        for row, keep in zip(ids.cpu().tolist(), mask.cpu().tolist()):
-            toks = tuple(t for t, m in zip(row, keep) if m)
+        for row in rows:
+            toks = tuple(row)
             if toks not in cache:
                 cache[toks] = self._tokenizer.decode(toks)
             texts.append(cache[toks])
         return texts
 
     @staticmethod
-    def _call(
-        term: _Term, prompts: list[str], completions: list[str], columns: Mapping[str, list[Any]], size: int
-    ) -> list[float]:
-        kwargs = {"prompts": prompts, "completions": completions, **columns}
+    def _call(term: _Term, sample: Mapping[str, list[Any]], columns: Mapping[str, list[Any]], size: int) -> list[float]:
+        kwargs = {**sample, **columns}
         if term.accepts is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in term.accepts}
         try:
@@ -327,3 +340,8 @@ class RewardFunctions(RewardEngine):
                 raise RewardError(f"reward function {term.name!r} returned {f} for sample {i}; rewards must be finite")
             values.append(f)
         return values
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """The ids of each row where the mask is True."""
+    return [[t for t, m in zip(row, keep) if m] for row, keep in zip(ids.cpu().tolist(), mask.cpu().tolist())]
