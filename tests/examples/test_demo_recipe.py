@@ -1,8 +1,8 @@
 """The demo recipe of ``make demo``: data files, reward, and both stages run as shipped for seed 0.
 
 The SFT warm start alone stays well below the target and GRPO with the exact reward lifts the
-held-out greedy exact match above 0.9 (the README's figures; seed 0 takes under a minute of
-training on 2 CPU cores).
+held-out greedy exact match above 0.9 (the README's figures; seed 0 takes well under a minute of
+training on 2 CPU cores); a run pushed into collapse is stopped by the demo's callback.
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ GRPO_CONFIG = "examples/configs/grpo_demo.toml"
 METRIC = "eval/reward/exact_answer_then_eos/mean"
 
 
-def _run(*args: str, timeout: float = 600) -> str:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def _run(*args: str, timeout: float = 600) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
@@ -79,20 +83,47 @@ def test_makefile_demo_runs_the_two_stages() -> None:
     ]
 
 
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SFT stage as shipped (seed 0); its model folder."""
+    out = tmp_path_factory.mktemp("demo") / "sft"
+    printed = _run("-m", "verl_core.cli", "sft", SFT_CONFIG, f"output_dir={json.dumps(str(out))}",
+                   "logging.progress=false").strip().splitlines()[-1]
+    assert Path(printed) == out / "model-sft"
+    return Path(printed)
+
+
+def _grpo(model: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "verl_core.cli", "train", GRPO_CONFIG, f"output_dir={json.dumps(str(out))}",
+         f"model.path={json.dumps(str(model))}", "logging.progress=false", "logging.plot=false", *overrides],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+
+
 @pytest.mark.slow
-def test_sft_then_grpo_reaches_the_target_on_held_out_prompts(tmp_path: Path) -> None:
-    sft_dir, rl_dir = tmp_path / "sft", tmp_path / "grpo"
-    model = _run("-m", "verl_core.cli", "sft", SFT_CONFIG, f"output_dir={json.dumps(str(sft_dir))}",
-                 "logging.progress=false").strip().splitlines()[-1]
-    assert Path(model) == sft_dir / "model-sft"
-    line = _run(str(DEMO / "evaluate.py"), model)
+def test_sft_then_grpo_reaches_the_target_on_held_out_prompts(sft_model: Path, tmp_path: Path) -> None:
+    line = _run(str(DEMO / "evaluate.py"), str(sft_model))
     after_sft = float(line.split()[-1])
     assert 0.05 <= after_sft <= 0.7, line  # the warm start learned something, far from the target
 
-    _run("-m", "verl_core.cli", "train", GRPO_CONFIG, f"output_dir={json.dumps(str(rl_dir))}",
-         f"model.path={json.dumps(model)}", "logging.progress=false", "logging.plot=false")
-    steps = [json.loads(line) for line in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    proc = _grpo(sft_model, tmp_path / "grpo")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    steps = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = [m[METRIC] for m in steps if METRIC in m]
     assert len(steps) == 150 and len(evals) == 6  # every 25 steps, the last after step 150
     assert evals[-1] >= 0.9, evals
     assert steps[0]["reward/mean"] < 0.5 < steps[-1]["reward/mean"]  # RL did the work
+    assert f"step 150: held-out exact match {evals[-1]:.3f}" in proc.stderr  # the ShowHeldOut callback
+
+
+@pytest.mark.slow
+def test_a_collapsed_run_is_stopped_with_the_reason(sft_model: Path, tmp_path: Path) -> None:
+    """Ten times the learning rate, no warmup and temperature 1: the first updates destroy the policy."""
+    proc = _grpo(sft_model, tmp_path / "collapse", "optim.lr=1e-2", "optim.warmup_steps=0",
+                 "rollout.temperature=1.0", "steps=60")
+    assert proc.returncode != 0
+    assert "StopWhenRewardIsZero" in proc.stderr
+    assert "no sample earned a reward in the last 20 steps" in proc.stderr
+    steps = [json.loads(line) for line in (tmp_path / "collapse" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) < 60 and all(m["reward/mean"] == 0 for m in steps[-20:])
