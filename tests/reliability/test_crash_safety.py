@@ -113,6 +113,10 @@ def _install_kill_point(kill_at: int | None, delay: float, report_fd: int, only:
 
 
 def _child(trainer: Trainer, kill_at: int | None, delay: float, report_fd: int, only: str = "") -> None:
+    # OpenMP's thread team does not survive fork(): a forked child that runs torch ops on its stage
+    # threads with several intra-op threads can hit "Invalid thread pool"; every child (the
+    # uninterrupted run included) computes with one, so their results stay comparable bit for bit
+    torch.set_num_threads(1)
     count = _install_kill_point(kill_at, delay, report_fd, only)
     trainer.train(resume=latest_checkpoint(trainer.out) is not None)
     os.write(report_fd, f"done {count[0]}\n".encode())
@@ -123,6 +127,9 @@ def _fork(trainer: Trainer, kill_at: int | None, delay: float, only: str = "") -
     r, w = os.pipe()
     err = trainer.out.parent / "child-error.txt"
     err.unlink(missing_ok=True)
+    # fork only a single-threaded process: the stage threads (and the OpenMP state they hold) do not
+    # survive a fork, so end them first; both processes start new ones when they next run a step
+    trainer._stage_threads.close()
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         code = 3
