@@ -532,8 +532,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         value_type = get_args(tp)[1]
         out = {}
         for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(f"config key {key!r}: keys must be strings, got {k!r}")
+            if not isinstance(k, str) or not k:
+                raise ConfigError(f"config key {key!r}: keys must be non-empty strings, got {k!r}")
             out[k] = _convert(v, value_type, f"{key}.{k}")
         return out
     if origin is list or (origin is tuple and len(get_args(tp)) == 2 and get_args(tp)[1] is Ellipsis):

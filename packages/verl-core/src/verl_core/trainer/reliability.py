@@ -103,6 +103,11 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
+def _manifest_text(manifest: Any) -> str:
+    """The one serialization of a manifest: a reader refuses any other bytes, even equal JSON."""
+    return json.dumps(manifest, indent=1, sort_keys=True)
+
+
 def write_manifest(folder: Path) -> Path:
     """fsync every file under ``folder`` and write ``manifest.json`` with their sizes and SHA-256."""
     entries: dict[str, dict[str, Any]] = {}
@@ -114,7 +119,7 @@ def write_manifest(folder: Path) -> Path:
         fsync_dir(d)
     dest = folder / MANIFEST_FILE
     with open(dest, "w") as fh:
-        json.dump({"format": _FORMAT, "files": entries}, fh, indent=1)
+        fh.write(_manifest_text({"format": _FORMAT, "files": entries}))
         fh.flush()
         os.fsync(fh.fileno())
     fsync_dir(folder)
@@ -148,7 +153,8 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, required: Iterable[str]
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not exist (expected a folder)")
     path = ckpt / MANIFEST_FILE
     try:
-        manifest = json.loads(path.read_text())
+        text = path.read_text()
+        manifest = json.loads(text)
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} has no {MANIFEST_FILE}: it is incomplete or was not written by "
@@ -183,6 +189,11 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, required: Iterable[str]
                 f"checkpoint {str(ckpt)!r} is incomplete: {need!r}, which the loader reads, is missing "
                 f"(not in {MANIFEST_FILE}); {fix}"
             )
+    if text != _manifest_text(manifest):
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r}: {MANIFEST_FILE} was changed after it was written (its bytes are "
+            f"not the form Trainer.save_checkpoint writes); {fix}"
+        )
     for rel, entry in sorted(files.items()):
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             raise CheckpointError(f"checkpoint {str(ckpt)!r}: {MANIFEST_FILE} entry {rel!r} is corrupted; {fix}")
