@@ -122,6 +122,29 @@ def test_chat_messages_need_a_chat_template(tmp_path: Path, cache: str) -> None:
         PromptDataset.load(path, plain, cache_dir=cache)
 
 
+def test_chat_template_option_renders_text_prompts_as_a_user_message(
+    tok: HFTokenizer, tmp_path: Path, cache: str
+) -> None:
+    rows = [{"question": "2+2?", "answer": "4"}, {"question": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], "answer": "x"}]
+    path = write_parquet(tmp_path / "q.parquet", rows[:1]), write_jsonl(tmp_path / "m.jsonl", rows[1:])
+    ds = PromptDataset.from_config(DataConfig(train=list(path), prompt_key="question", chat_template=True), tok, cache_dir=cache)
+    assert ds.prompts == ("user: 2+2?; assistant:", "system: s; user: hi; assistant:")  # messages as before
+    assert ds.columns == {"answer": ("4", "x")}
+    assert ds.longest_prompt == len(tok.encode("system: s; user: hi; assistant:"))
+    plain = PromptDataset.from_config(DataConfig(train=path[0], prompt_key="question"), tok, cache_dir=cache)
+    assert plain.prompts == ("2+2?",)  # off by default: text is used as written
+
+
+def test_chat_template_option_needs_a_chat_template(tmp_path: Path, cache: str) -> None:
+    plain = load_tokenizer(tiny_model(TinyModelSpec(vocab_size=96, tied=True)))
+    plain.wrapped.chat_template = None
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(ConfigError, match=r"data.train: data.chat_template is true, but the tokenizer has no chat_template"):
+        PromptDataset.from_config(DataConfig(train=path, chat_template=True), plain, cache_dir=cache)
+    with pytest.raises(ConfigError, match=r"data.chat_template must be true or false, got 'yes'"):
+        DataConfig(train=path, chat_template="yes")  # type: ignore[arg-type]
+
+
 def test_malformed_chat_message_names_the_row(tok: HFTokenizer, tmp_path: Path, cache: str) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "ok"}, {"prompt": [{"role": "user", "text": "hi"}]}])
     with pytest.raises(ConfigError, match=r"'.*chat.jsonl' row 1: message 0 is .*'role': str, 'content': str"):

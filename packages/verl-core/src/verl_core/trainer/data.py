@@ -67,6 +67,10 @@ class DataConfig:
         prompt_key: Column holding each prompt: a string, or a list of chat messages
             (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template and
             the generation prompt appended.
+        chat_template: Render text prompts through the tokenizer's chat template too, each as one
+            user message (``[{"role": "user", "content": text}]``) with the generation prompt
+            appended: a column of plain questions becomes chat prompts for an instruction-tuned
+            model. Needs a tokenizer with a chat template.
         response_key: Column holding reference responses (for supervised fine-tuning; RL runs
             pass it along like any other column).
         max_prompt_len: Longest prompt in tokens (after the chat template); ``None`` = no limit.
@@ -82,6 +86,7 @@ class DataConfig:
     train: str | list[str] = ""
     eval: str | list[str] | None = None
     prompt_key: str = "prompt"
+    chat_template: bool = False
     response_key: str = "response"
     max_prompt_len: int | None = None
     long_prompts: LongPromptPolicy = "drop"
@@ -104,6 +109,8 @@ class DataConfig:
         for name in ("prompt_key", "response_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")
+        if not isinstance(self.chat_template, bool):
+            raise ConfigError(f"data.chat_template must be true or false, got {self.chat_template!r}")
         if self.max_prompt_len is not None and (
             isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 1
         ):
@@ -221,17 +228,20 @@ def _why(path: Path, error: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- chat templates
-def _chat_renderer(tokenizer: Tokenizer, where: str) -> Any:
-    """The object whose ``apply_chat_template`` renders chat messages (a transformers tokenizer)."""
+def _chat_renderer(tokenizer: Tokenizer, why: str) -> Any:
+    """The object whose ``apply_chat_template`` renders chat messages (a transformers tokenizer).
+
+    ``why`` says what needs the chat template (it starts the error message).
+    """
     inner = tokenizer.wrapped if isinstance(tokenizer, TokenizerAdapter) else tokenizer
     if not callable(getattr(inner, "apply_chat_template", None)):
         raise ConfigError(
-            f"{where} holds chat messages, but the tokenizer {type(inner).__name__} has no "
+            f"{why}, but the tokenizer {type(inner).__name__} has no "
             "apply_chat_template; use a transformers tokenizer with a chat template, or text prompts"
         )
     if getattr(inner, "chat_template", "unknown") is None:
         raise ConfigError(
-            f"{where} holds chat messages, but the tokenizer has no chat_template; use a model whose "
+            f"{why}, but the tokenizer has no chat_template; use a model whose "
             "tokenizer_config.json has one, or text prompts"
         )
     return inner
@@ -322,8 +332,9 @@ class PromptDataset:
         if not paths:
             raise ConfigError(f"data.{split} is not set; give a dataset file or folder")
         return cls.load(
-            paths, tokenizer, prompt_key=config.prompt_key, max_prompt_len=config.max_prompt_len,
-            long_prompts=config.long_prompts, cache_dir=cache_dir, where=f"data.{split}",
+            paths, tokenizer, prompt_key=config.prompt_key, chat_template=config.chat_template,
+            max_prompt_len=config.max_prompt_len, long_prompts=config.long_prompts, cache_dir=cache_dir,
+            where=f"data.{split}",
         )
 
     @classmethod
@@ -333,6 +344,7 @@ class PromptDataset:
         tokenizer: Tokenizer,
         *,
         prompt_key: str = "prompt",
+        chat_template: bool = False,
         max_prompt_len: int | None = None,
         long_prompts: LongPromptPolicy = "drop",
         cache_dir: str | None = None,
@@ -344,6 +356,8 @@ class PromptDataset:
             paths: A path or a list of paths; rows are concatenated in this order.
             tokenizer: Renders chat prompts (its chat template) and measures prompt lengths.
             prompt_key: The prompt column.
+            chat_template: Render text prompts through the chat template as one user message each
+                (chat-message prompts always are).
             max_prompt_len: Longest prompt in tokens; ``None`` = no limit.
             long_prompts: ``drop`` or ``error`` for longer prompts (see :data:`LongPromptPolicy`).
             cache_dir: ``datasets``' cache folder (``None`` = its default, ``HF_DATASETS_CACHE``).
@@ -354,7 +368,8 @@ class PromptDataset:
                 is empty or does not parse (for JSONL: the line); files with different columns;
                 a missing prompt column (naming the columns there are) or one named like a reward
                 keyword (:data:`RESERVED_COLUMNS`); a prompt that is neither text nor chat
-                messages, or is empty; a too-long prompt under ``long_prompts="error"``; no rows
+                messages, or is empty; chat prompts (or ``chat_template``) with a tokenizer that has no
+                chat template; a too-long prompt under ``long_prompts="error"``; no rows
                 left; ``datasets`` not installed.
         """
         path_list = [paths] if isinstance(paths, str) else list(paths)
@@ -398,17 +413,19 @@ class PromptDataset:
             return f"{where}: {path!r} row {i - start}"
 
         renderer = None
+        if chat_template:  # refused here even when every prompt is text
+            renderer = _chat_renderer(tokenizer, f"{where}: data.chat_template is true")
         keep: list[int] = []
         texts: list[str] = []
         dropped = 0
         longest = 0
         for i, value in enumerate(merged[prompt_key]):
-            if isinstance(value, str):
+            if isinstance(value, str) and not chat_template:
                 text = value
-            elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+            elif isinstance(value, (str, Sequence)) and not isinstance(value, (bytes, bytearray)):
                 if renderer is None:
-                    renderer = _chat_renderer(tokenizer, f"{where}: column {prompt_key!r}")
-                messages = _messages(value, row_name(i))
+                    renderer = _chat_renderer(tokenizer, f"{where}: column {prompt_key!r} holds chat messages")
+                messages = [{"role": "user", "content": value}] if isinstance(value, str) else _messages(value, row_name(i))
                 try:
                     text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 except Exception as e:  # Jinja errors, template-specific checks

@@ -339,7 +339,8 @@ class Trainer:
                 return None
             return PromptDataset.load(
                 [str(resolve_path(p, self.base_dir)) for p in paths], tok, prompt_key=d.prompt_key,
-                max_prompt_len=d.max_prompt_len, long_prompts=d.long_prompts, where=f"data.{split}",
+                chat_template=d.chat_template, max_prompt_len=d.max_prompt_len, long_prompts=d.long_prompts,
+                where=f"data.{split}",
             )
 
         train, evals = load("train", d.train_paths), load("eval", d.eval_paths)
