@@ -1,0 +1,98 @@
+"""Write the math example's arithmetic word problems: ``train.jsonl`` and ``eval.jsonl``.
+
+Each line is ``{"question": "...", "answer": "12"}``: a one- or two-step problem about whole
+numbers (addition, subtraction, multiplication, exact division), and its answer as the text of an
+integer. The files are deterministic for a seed, and no question of the evaluation set is in the
+training set. Every character is one the character-level tokenizer of ``make_model.py`` knows
+(letters, digits, spaces and ``.,?``).
+
+Usage: ``python examples/math/make_data.py [--out DIR] [--train 400] [--eval 100] [--seed 0]``
+(``--out`` defaults to this file's folder, where the shipped files are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+NAMES = ("Tom", "Ana", "Ben", "Mia", "Sam", "Lea", "Max", "Zoe", "Leo", "Ivy", "Omar", "Nina")
+ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "coins", "stamps", "cards", "shells")
+
+Problem = tuple[str, int]
+
+
+def _add(r: random.Random, name: str, item: str) -> Problem:
+    a, b = r.randint(2, 60), r.randint(2, 60)
+    return f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?", a + b
+
+
+def _subtract(r: random.Random, name: str, item: str) -> Problem:
+    friend = r.choice([n for n in NAMES if n != name])
+    a = r.randint(10, 90)
+    b = r.randint(1, a - 1)
+    return f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?", a - b
+
+
+def _multiply(r: random.Random, name: str, item: str) -> Problem:
+    a, b = r.randint(2, 12), r.randint(2, 12)
+    return f"{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy in total?", a * b
+
+
+def _divide(r: random.Random, name: str, item: str) -> Problem:
+    each, friends = r.randint(2, 12), r.randint(2, 9)
+    return (
+        f"{name} shares {each * friends} {item} equally among {friends} friends. "
+        f"How many {item} does each friend get?", each,
+    )
+
+
+def _two_steps(r: random.Random, name: str, item: str) -> Problem:
+    a, b = r.randint(5, 50), r.randint(5, 50)
+    c = r.randint(1, a + b - 1)
+    return (
+        f"{name} has {a} {item}, buys {b} more and then gives away {c}. "
+        f"How many {item} does {name} have at the end?", a + b - c,
+    )
+
+
+KINDS: tuple[Callable[[random.Random, str, str], Problem], ...] = (_add, _subtract, _multiply, _divide, _two_steps)
+
+
+def problems(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` distinct problems as ``{"question", "answer"}`` rows, the kinds in turn."""
+    r = random.Random(seed)
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    while len(rows) < n:
+        kind = KINDS[len(rows) % len(KINDS)]
+        question, answer = kind(r, r.choice(NAMES), r.choice(ITEMS))
+        if question not in seen:
+            seen.add(question)
+            rows.append({"question": question, "answer": str(answer)})
+    return rows
+
+
+def write(out: Path, n_train: int, n_eval: int, seed: int) -> None:
+    """Write ``train.jsonl`` (the first ``n_train`` problems) and ``eval.jsonl`` (the next ``n_eval``)."""
+    rows = problems(n_train + n_eval, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", rows[:n_train]), ("eval", rows[n_train:])):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="output folder")
+    p.add_argument("--train", type=int, default=400, help="training problems")
+    p.add_argument("--eval", type=int, default=100, help="held-out problems")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    write(args.out, args.train, args.eval, args.seed)
+    print(f"wrote {args.train} training and {args.eval} evaluation problems to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
