@@ -4,7 +4,7 @@
 # metrics (wall time per step, reward, evaluation) and saves it with the run's files under $OUT.
 #
 # Here, on the CPU machine, once: the project's wheels (benchmarks/gpu/prepare.sh), then the
-# `datasets` library's wheels, which the GPU image lacks:
+# `datasets` library's wheels (4.8.5, as carried before), which the GPU image lacks:
 #   bash benchmarks/gpu/prepare.sh && bash benchmarks/gpu/run_math_example.sh --wheels
 # On the GPU machine, from the repository root with .whl carried (or with the project installed):
 #   bash benchmarks/gpu/run_math_example.sh [STEPS (default 5)] [key=value overrides of verl train...]
@@ -21,7 +21,7 @@ if [ "${1:-}" = "--wheels" ]; then  # CPU side: datasets and the two packages of
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
+    -d .whl "datasets==4.8.5" "dill==0.4.1" "multiprocess==0.70.19"
   ls -la .whl
   exit 0
 fi
