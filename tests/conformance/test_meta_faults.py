@@ -55,6 +55,10 @@ FAULTS = [
     # position ids, on a GPT-2 with absolute position embeddings
     ("broken-positions", ["invariance::padding_invariance", "invariance::positions_under_left_padding"],
      ["invariance::positions_under_left_padding"], ["absolute-position model", "not arange over the padded row"]),
+    # the same fault in a rotary-only backend (it refuses GPT-2), on a Llama with LongRoPE
+    ("broken-rotary-positions", ["invariance::positions_under_left_padding",
+                                 "invariance::rotary_positions_under_left_padding"],
+     ["invariance::rotary_positions_under_left_padding"], ["rotary LongRoPE model", "not arange over the padded row"]),
     # every tensor of a weight stream applied
     ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
                            "weight_sync::every_tensor_applied"],
