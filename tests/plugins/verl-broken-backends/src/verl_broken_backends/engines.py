@@ -451,6 +451,8 @@ class LastTokenScores(HFRewardEngine):
     @staticmethod
     def place(scores: Tensor, mask: Tensor) -> Tensor:
         """``scores`` at the last True column of each row of ``mask`` (rows without one stay 0)."""
+        if mask.shape[1] == 0:
+            return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         last = (mask.long() * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
         dense = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         dense[torch.arange(mask.shape[0], device=mask.device), last] = scores.float()
