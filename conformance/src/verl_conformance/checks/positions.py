@@ -12,7 +12,10 @@ folders do not forgive them:
   position ids count real tokens.
 
 A backend that does not load a folder (an architecture or RoPE type it refuses with a ConfigError)
-skips that check with the reason.
+skips that check with the reason. So does a backend that computes LongRoPE otherwise than
+transformers even on one unpadded sample, where positions cannot be wrong (vLLM applies the long
+factors to every position once its max_model_len exceeds the trained range, which makes the model
+shift-invariant again; its positions are its own, built from real tokens).
 """
 
 from __future__ import annotations
@@ -64,20 +67,53 @@ def _offsets(width: int, lengths: Sequence[int]) -> str:
     return f"prompts left-padded by {width - max(lengths)} to {width - min(lengths)} columns"
 
 
+def _unpadded_disagreement(h: Harness, engine: Any, role: str, path: str, length: int) -> str | None:
+    """How ``engine`` departs from the float64 reference on one unpadded sample (None: it agrees).
+
+    Without padding, position ids are ``arange`` whichever way an engine builds them, so a
+    difference here is the model's arithmetic (another reading of the folder's RoPE scaling), not
+    its positions.
+    """
+    prompts = _batch(93, length, (length,), (_RESPONSE,))
+    if role == "actor":
+        got, mask = engine.forward(prompts, ["log_probs"])["log_probs"], prompts["response_mask"]
+        ref = cached_outputs(path, prompts)["log_probs"]
+    else:
+        params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=5)
+        if not engine.log_probs_exact(params):
+            return None
+        out = engine.generate(prompts.select("prompt_ids", "prompt_mask", "group_ids"), params)
+        got, mask = out["rollout_log_probs"], out["response_mask"]
+        ref = cached_outputs(path, out)["log_probs"]
+    tol = tolerance(h.dtype, "log_probs")
+    err = ((got.detach().double().cpu() - ref.double()).abs() - tol.rtol * ref.double().abs())[mask.cpu()]
+    worst = float(err.max()) if err.numel() else 0.0
+    return None if worst <= tol.atol else f"{role}: log-probs off by up to {worst:.3g} on one unpadded sample"
+
+
 def _positions_match_reference(h: Harness, model: str, what: str, width: int, lengths: Sequence[int], seed: int,
-                               forward_lengths: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                               forward_lengths: tuple[Sequence[int], Sequence[int]] | None = None,
+                               calibrate: bool = False) -> None:
     """Forward log-probs, rollout log-probs and greedy tokens of ``model`` on prompts of ``lengths``
     real tokens left-padded to ``width`` columns equal the float64 reference (each sample alone).
 
     ``forward_lengths``: the prompt and response lengths of the forward's batch instead (default:
-    ``lengths`` and random responses).
+    ``lengths`` and random responses). ``calibrate``: first compare each engine with the reference
+    on one unpadded sample, and leave out (as refused) an engine that computes the model otherwise.
     """
     actor, rollout = _build(h, "actor", model, width), _build(h, "rollout", model, width)
+    if calibrate:
+        path = h.model_path(model)
+        if actor is not None and not isinstance(actor, str):
+            actor = _unpadded_disagreement(h, actor, "actor", path, max(lengths)) or actor
+        if rollout is not None and not isinstance(rollout, str):
+            rollout = _unpadded_disagreement(h, rollout, "rollout", path, max(lengths)) or rollout
     if actor is None and rollout is None:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
     refused = [e for e in (actor, rollout) if isinstance(e, str)]
     if len(refused) == sum(e is not None for e in (actor, rollout)):
-        h.skip(f"the backend does not load the {what} folder ({model}), which this check needs: " + "; ".join(refused))
+        h.skip(f"the {what} folder ({model}), which this check needs, cannot show this backend's position ids "
+               "(refused, or computed otherwise than transformers without any padding): " + "; ".join(refused))
     path = h.model_path(model)
     if actor is not None and not isinstance(actor, str):
         batch = _batch(seed, width, *(forward_lengths or (lengths, None)))
@@ -133,4 +169,4 @@ assert max(_ROTARY_PROMPTS) + _RESPONSE <= LONG_ROPE_TRAINED
 def check_rotary_positions_under_left_padding(h: Harness) -> None:
     """On a rotary (LongRoPE) Llama whose frequencies change past position 24, forward log-probs and generated tokens and log-probs of sequences of at most 24 tokens, left-padded beyond it, equal the float64 reference: position ids count real tokens only."""
     _positions_match_reference(h, "llama-longrope", "rotary LongRoPE", _ROTARY_WIDTH, _ROTARY_PROMPTS, seed=92,
-                               forward_lengths=_ROTARY_FORWARD)
+                               forward_lengths=_ROTARY_FORWARD, calibrate=True)
