@@ -95,11 +95,14 @@ class _Scored:
                        None if first.tokens is None else [t for p in parts for t in p.tokens])  # type: ignore[union-attr]
 
 
-def _scored(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str) -> _Scored:
-    """Every output the engine declares (``scores``, ``token_scores``), validated."""
+def _scored(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str,
+            out: TensorBatch | None = None) -> _Scored:
+    """Every output the engine declares (``scores``, ``token_scores``) of ``engine.score(batch)`` (or of
+    ``out``, its result), validated."""
     caps = engine.capabilities
     h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")
-    out = engine.score(batch)
+    if out is None:
+        out = engine.score(batch)
     return _Scored(_valid_scores(h, out, batch, where) if caps.scores else None,
                    _valid_token_scores(h, out, batch, where) if caps.token_scores else None)
 
@@ -307,9 +310,10 @@ def check_declared_devices(h: Harness) -> None:
             other = h.reward(fresh=True, device=device)
         except Exception as e:
             h.fail(f"the reward engine declares device {device} but building it there raised {type(e).__name__}: {e}")
-        out = other.score(batch.to(device))
+        moved = batch.to(device)
+        out = other.score(moved)
         for name in ("scores", "token_scores"):
             if name in out:
                 h.expect(out[name].device.type == device,
                          f"{where}: {name} is on {out[name].device}, expected the batch's device ({device})")
-        _same(h, _scored(h, other, batch.to(device), where), base, f"{where} vs on {h.device}")
+        _same(h, _scored(h, other, moved, where, out), base, f"{where} vs on {h.device}")
