@@ -55,6 +55,10 @@ FAULTS = [
     # position ids, on a GPT-2 with absolute position embeddings
     ("broken-positions", ["invariance::padding_invariance", "invariance::positions_under_left_padding"],
      ["invariance::positions_under_left_padding"], ["absolute-position model", "not arange over the padded row"]),
+    # the same fault in a rotary-only backend (it refuses GPT-2), on a Llama with LongRoPE
+    ("broken-rotary-positions", ["invariance::positions_under_left_padding",
+                                 "invariance::rotary_positions_under_left_padding"],
+     ["invariance::rotary_positions_under_left_padding"], ["rotary LongRoPE model", "not arange over the padded row"]),
     # every tensor of a weight stream applied
     ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
                            "weight_sync::every_tensor_applied"],
@@ -72,6 +76,18 @@ FAULTS = [
      ["two score() calls on one batch differ"]),
     ("broken-reward-tokenizer", ["reward::scores_independent_of_batch", "reward::cross_tokenizer_scores"],
      ["reward::cross_tokenizer_scores"], ["another tokenizer's ids", "no extra BOS"]),
+    # declared reward capabilities: scores, token_scores, needs_text, devices
+    ("broken-reward-no-scores", ["reward::score_layout", "reward::scores_deterministic"],
+     ["reward::score_layout", "reward::scores_deterministic"], ["returned no 'scores'", "declares scores=True"]),
+    ("broken-reward-token-scores", ["reward::score_layout", "reward::scores_follow_input_order",
+                                    "reward::scores_independent_of_batch", "reward::scores_deterministic"],
+     ["reward::score_layout", "reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
+     ["token_scores is not 0 where response_mask is False"]),
+    ("broken-reward-special-tokens", ["reward::score_layout", "reward::scores_independent_of_batch",
+                                      "reward::text_scores_ignore_special_tokens"],
+     ["reward::text_scores_ignore_special_tokens"], ["BOS (id 2) before each prompt", "skip_special_tokens=True"]),
+    ("broken-reward-devices", ["reward::score_layout", "reward::declared_devices"], ["reward::declared_devices"],
+     ["declares devices ['cpu', 'gpu']", "name no torch device type"]),
 ]
 
 
@@ -152,7 +168,20 @@ def test_reward_checks_pass_on_reward_functions() -> None:
         report = check_backend("reward-functions", make_reward_engine=make, areas=["reward"])
         status = {r.id: (r.status, r.message) for r in report.results}
         assert status.pop("reward::cross_tokenizer_scores")[0] == "skipped"  # they expose no `tokenizer`
+        assert status.pop("reward::declared_devices")[0] == "skipped"  # they declare only the CPU
         assert {s for s, _ in status.values()} == {"passed"}, status
+
+
+@pytest.mark.slow
+def test_reward_checks_pass_on_a_token_scoring_engine() -> None:
+    """A correct engine declaring token_scores (the score at the last real response token) passes the reward area."""
+    from verl_broken_backends.engines import LastTokenScores
+
+    report = check_backend("last-token-scores", make_reward_engine=LastTokenScores, areas=["reward"])
+    status = {r.id: r.status for r in report.results}
+    assert status.pop("reward::text_scores_ignore_special_tokens") == "skipped"  # it scores ids
+    assert status.pop("reward::declared_devices") == "skipped"  # no GPU here
+    assert set(status.values()) == {"passed"}, status
 
 
 @pytest.mark.slow

@@ -95,3 +95,17 @@ def test_differential_skip_names_both_flags() -> None:
     [result] = report.results
     assert result.status == "skipped"
     assert "--against NAME to `verl conformance`" in result.message and "--verl-against NAME" in result.message
+
+
+def test_one_role_sync_skip_names_the_against_flag() -> None:
+    """A backend with a rollout engine only, checked alone, is told how to pair it with a trainer."""
+    from verl_example_backend.rollout import ExampleRolloutEngine
+
+    from verl_conformance.api import run_conformance
+    from verl_conformance.harness import Subject
+
+    report = run_conformance(Subject("rollout-only", None, ExampleRolloutEngine),
+                             checks=["weight_sync::trainer_to_rollout_sync"])
+    [result] = report.results
+    assert result.status == "skipped", result
+    assert "provides no training engine" in result.message and "--against NAME to `verl conformance`" in result.message

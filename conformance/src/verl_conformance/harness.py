@@ -15,6 +15,7 @@ from verl_conformance.testkit import (
     TinyModelSpec,
     absolute_position_model,
     eos_model,
+    long_rope_model,
     nan_reward_model,
     perturbed_model,
     random_batch,
@@ -92,6 +93,7 @@ class BufferSubject:
 CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "eos": eos_model,
     "gpt2": absolute_position_model,
+    "llama-longrope": long_rope_model,
     "reward-nan": nan_reward_model,
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),

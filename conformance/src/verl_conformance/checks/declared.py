@@ -20,7 +20,8 @@ from verl_conformance.reference import cached_outputs
 from verl_core import Role, SamplingParams, TensorBatch
 
 
-def _device_available(device: str) -> bool:
+def device_available(device: str) -> bool:
+    """Whether this machine has a device of type ``device`` (cpu, or cuda with a GPU visible)."""
     if device == "cpu":
         return True
     if device.startswith("cuda"):
@@ -42,7 +43,7 @@ def check_declared_dtypes_and_devices(h: Harness) -> None:
         if not h.provides(h.subject, role):
             continue
         caps = _role_caps(h, role)
-        for device in sorted(d for d in caps.devices if _device_available(d)):
+        for device in sorted(d for d in caps.devices if device_available(d)):
             for dtype in sorted(caps.dtypes):
                 if (dtype, device) == (h.dtype, suite_device):
                     continue  # the rest of the suite runs this one

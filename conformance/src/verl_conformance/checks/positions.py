@@ -1,78 +1,139 @@
-"""Position ids under left padding, on a model where a wrong position id shows.
+"""Position ids under left padding, on models where a wrong position id shows.
 
 Rotary embeddings see only relative positions, so on the suite's Llama/Qwen models position ids
-built with ``arange`` over a left-padded row (counting padding) give the right answer. A GPT-2 with
-learned absolute position embeddings (:func:`verl_conformance.testkit.absolute_position_model`) does
-not forgive them: every output moves. Backends that do not load GPT-2 folders (an architecture
-they refuse with a ConfigError) skip this check with the reason.
+built with ``arange`` over a left-padded row (counting padding) give the right answer. Two crafted
+folders do not forgive them:
+
+* a GPT-2 with learned absolute position embeddings
+  (:func:`verl_conformance.testkit.absolute_position_model`): every output moves;
+* for rotary-only backends, the tiny Llama with LongRoPE scaling
+  (:func:`verl_conformance.testkit.long_rope_model`), whose frequencies change past position 24:
+  sequences of at most 24 real tokens, left-padded beyond it, stay in the trained range only when
+  position ids count real tokens.
+
+A backend that does not load a folder (an architecture or RoPE type it refuses with a ConfigError)
+skips that check with the reason. So does a backend that computes LongRoPE otherwise than
+transformers even on one unpadded sample, where positions cannot be wrong (vLLM applies the long
+factors to every position once its max_model_len exceeds the trained range, which makes the model
+shift-invariant again; its positions are its own, built from real tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from verl_conformance.checks._registry import check
 from verl_conformance.harness import Harness
 from verl_conformance.reference import cached_outputs, greedy_reference
-from verl_conformance.testkit import random_batch, tolerance
-from verl_core import ConfigError, SamplingParams
+from verl_conformance.testkit import LONG_ROPE_TRAINED, random_batch, tolerance
+from verl_core import ConfigError, SamplingParams, TensorBatch
 
-_PROMPT = 40  # padded prompt width: offsets up to 39 columns
 _RESPONSE = 6
 
 
-def _batch(seed: int) -> Any:
-    """Six samples whose prompts have 40 (no padding) down to 1 real tokens: left-padding offsets 0 to 39."""
-    b = random_batch(batch_size=6, max_prompt=_PROMPT, max_response=_RESPONSE, seed=seed)
-    lengths = [40, 1, 13, 27, 4, 33]
+def _batch(seed: int, width: int, lengths: Sequence[int], responses: Sequence[int] | None = None) -> TensorBatch:
+    """Samples whose prompts, left-padded to ``width`` columns, have ``lengths`` real tokens (and
+    whose responses have ``responses`` real tokens, when given)."""
+    b = random_batch(batch_size=len(lengths), max_prompt=width, max_response=max(responses or [_RESPONSE]), seed=seed)
     mask = b["prompt_mask"].clone()
     for i, n in enumerate(lengths):
         mask[i] = False
-        mask[i, _PROMPT - n:] = True
-    return b.update(prompt_mask=mask, prompt_ids=b["prompt_ids"].masked_fill(~mask, b.meta.pad_token_id))
+        mask[i, width - n:] = True
+    b = b.update(prompt_mask=mask, prompt_ids=b["prompt_ids"].masked_fill(~mask, b.meta.pad_token_id))
+    if responses is None:
+        return b
+    rmask = b["response_mask"].clone()
+    for i, n in enumerate(responses):
+        rmask[i] = False
+        rmask[i, :n] = True
+    return b.update(response_mask=rmask, response_ids=b["response_ids"].masked_fill(~rmask, b.meta.pad_token_id))
 
 
-def _build(h: Harness, role: str) -> Any:
-    """The subject's engine of ``role`` on the GPT-2 folder; None when the role is missing, skip-worthy text when refused."""
+def _build(h: Harness, role: str, model: str, width: int) -> Any:
+    """The subject's engine of ``role`` on ``model``; None when the role is missing, skip-worthy text when refused."""
     if not h.provides(h.subject, role):  # type: ignore[arg-type]
         return None
-    limit = _PROMPT + 8
+    limit = width + 8
     try:
         if role == "actor":
-            return h.training(model="gpt2", max_prompt_len=limit)
-        return h.rollout("gpt2", max_prompt_len=limit)
+            return h.training(model=model, max_prompt_len=limit)
+        return h.rollout(model, max_prompt_len=limit)
     except ConfigError as e:
         return f"{role}: {e}"
 
 
-@check("invariance")
-def check_positions_under_left_padding(h: Harness) -> None:
-    """On a model with absolute position embeddings, log-probs (forward) and generated tokens and log-probs (generate) under left-padding offsets of 0 to 39 equal the float64 reference: position ids count real tokens only."""
-    actor, rollout = _build(h, "actor"), _build(h, "rollout")
+def _offsets(width: int, lengths: Sequence[int]) -> str:
+    return f"prompts left-padded by {width - max(lengths)} to {width - min(lengths)} columns"
+
+
+def _unpadded_disagreement(h: Harness, engine: Any, role: str, path: str, length: int) -> str | None:
+    """How ``engine`` departs from the float64 reference on one unpadded sample (None: it agrees).
+
+    Without padding, position ids are ``arange`` whichever way an engine builds them, so a
+    difference here is the model's arithmetic (another reading of the folder's RoPE scaling), not
+    its positions.
+    """
+    prompts = _batch(93, length, (length,), (_RESPONSE,))
+    if role == "actor":
+        got, mask = engine.forward(prompts, ["log_probs"])["log_probs"], prompts["response_mask"]
+        ref = cached_outputs(path, prompts)["log_probs"]
+    else:
+        params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=5)
+        if not engine.log_probs_exact(params):
+            return None
+        out = engine.generate(prompts.select("prompt_ids", "prompt_mask", "group_ids"), params)
+        got, mask = out["rollout_log_probs"], out["response_mask"]
+        ref = cached_outputs(path, out)["log_probs"]
+    tol = tolerance(h.dtype, "log_probs")
+    keep = mask.cpu().bool()
+    err = (got.detach().double().cpu() - ref.double()).abs()[keep]
+    if not bool((err > tol.atol + tol.rtol * ref.double().abs()[keep]).any()):
+        return None
+    return f"{role}: log-probs off by up to {float(err.max()):.3g} on one unpadded sample ({h.dtype} tier: atol={tol.atol:g})"
+
+
+def _positions_match_reference(h: Harness, model: str, what: str, width: int, lengths: Sequence[int], seed: int,
+                               forward_lengths: tuple[Sequence[int], Sequence[int]] | None = None,
+                               calibrate: bool = False) -> None:
+    """Forward log-probs, rollout log-probs and greedy tokens of ``model`` on prompts of ``lengths``
+    real tokens left-padded to ``width`` columns equal the float64 reference (each sample alone).
+
+    ``forward_lengths``: the prompt and response lengths of the forward's batch instead (default:
+    ``lengths`` and random responses). ``calibrate``: first compare each engine with the reference
+    on one unpadded sample, and leave out (as refused) an engine that computes the model otherwise.
+    """
+    actor, rollout = _build(h, "actor", model, width), _build(h, "rollout", model, width)
+    if calibrate:
+        path = h.model_path(model)
+        if actor is not None and not isinstance(actor, str):
+            actor = _unpadded_disagreement(h, actor, "actor", path, max(lengths)) or actor
+        if rollout is not None and not isinstance(rollout, str):
+            rollout = _unpadded_disagreement(h, rollout, "rollout", path, max(lengths)) or rollout
     if actor is None and rollout is None:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
     refused = [e for e in (actor, rollout) if isinstance(e, str)]
     if len(refused) == sum(e is not None for e in (actor, rollout)):
-        h.skip("the backend does not load GPT-2 folders (learned absolute positions), which this check needs: "
-               + "; ".join(refused))
-    path = h.model_path("gpt2")
+        h.skip(f"the {what} folder ({model}), which this check needs, cannot show this backend's position ids "
+               "(refused, or computed otherwise than transformers without any padding): " + "; ".join(refused))
+    path = h.model_path(model)
     if actor is not None and not isinstance(actor, str):
-        batch = _batch(seed=90)
+        batch = _batch(seed, width, *(forward_lengths or (lengths, None)))
         got = actor.forward(batch, ["log_probs"])["log_probs"]
         ref = cached_outputs(path, batch)["log_probs"]
         h.close_to(got, ref, "log_probs",
-                   "forward log_probs of the absolute-position model, prompts left-padded by 0 to 39 columns, vs "
-                   "the float64 reference (position ids must be cumsum(mask) - 1, not arange over the padded row)",
+                   f"forward log_probs of the {what} model, {_offsets(width, (forward_lengths or (lengths,))[0])}, vs the float64 reference (position ids "
+                   "must be cumsum(mask) - 1, not arange over the padded row)",
                    mask=batch["response_mask"])
     if rollout is not None and not isinstance(rollout, str):
-        prompts = _batch(seed=91).select("prompt_ids", "prompt_mask", "group_ids")
+        prompts = _batch(seed + 1, width, lengths).select("prompt_ids", "prompt_mask", "group_ids")
         params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=5)
         if rollout.log_probs_exact(params):
             out = rollout.generate(prompts, params)
             ref = cached_outputs(path, out)["log_probs"]
             h.close_to(out["rollout_log_probs"], ref, "log_probs",
-                       "rollout_log_probs of the absolute-position model, prompts left-padded by 0 to 39 columns, "
-                       "vs the float64 reference (prefill and decode positions must count real tokens only)",
+                       f"rollout_log_probs of the {what} model, {_offsets(width, lengths)}, vs the float64 reference (prefill and "
+                       "decode positions must count real tokens only)",
                        mask=out["response_mask"])
         out = rollout.generate(prompts, SamplingParams(greedy=True, max_new_tokens=_RESPONSE))
         margin = max(1e-4, 2 * tolerance(h.dtype, "log_probs").atol)
@@ -83,5 +144,31 @@ def check_positions_under_left_padding(h: Harness) -> None:
             want, decided = greedy_reference(path, prompt, _RESPONSE, {eos}, margin=margin)
             n = min(decided, len(want))
             h.expect(toks[:n] == want[:n],
-                     f"greedy sample {b} of the absolute-position model (left padding "
+                     f"greedy sample {b} of the {what} model (left padding "
                      f"{int((~out['prompt_mask'][b]).sum())}): got {toks}, the float64 reference gives {want}")
+
+
+@check("invariance")
+def check_positions_under_left_padding(h: Harness) -> None:
+    """On a model with absolute position embeddings, log-probs (forward) and generated tokens and log-probs (generate) under left-padding offsets of 0 to 39 equal the float64 reference: position ids count real tokens only."""
+    _positions_match_reference(h, "gpt2", "absolute-position", 40, (40, 1, 13, 27, 4, 33), seed=90)
+
+
+# Sequences stay within the trained range (at most LONG_ROPE_TRAINED tokens: the model's own
+# frequencies, as in the reference, which runs each sample alone) while arange positions leave it,
+# even in an engine that first trims the batch's padding columns: the forward batch pairs the
+# longest prompt (16) with an empty response and the longest response (12) with a one-token prompt,
+# so a trimmed row is 28 wide but no sequence is longer than 18. The rollout's prompts plus their
+# 6 new tokens stay within the range too.
+_ROTARY_WIDTH = 40
+_ROTARY_FORWARD = ((16, 1, 9, 4, 12, 6), (0, 12, 5, 9, 3, 12))
+_ROTARY_PROMPTS = (18, 1, 9, 4, 12, 6)
+assert max(p + r for p, r in zip(*_ROTARY_FORWARD, strict=True)) <= LONG_ROPE_TRAINED < sum(map(max, _ROTARY_FORWARD))
+assert max(_ROTARY_PROMPTS) + _RESPONSE <= LONG_ROPE_TRAINED
+
+
+@check("invariance")
+def check_rotary_positions_under_left_padding(h: Harness) -> None:
+    """On a rotary (LongRoPE) Llama whose frequencies change past position 24, forward log-probs and generated tokens and log-probs of sequences of at most 24 tokens, left-padded beyond it, equal the float64 reference: position ids count real tokens only."""
+    _positions_match_reference(h, "llama-longrope", "rotary LongRoPE", _ROTARY_WIDTH, _ROTARY_PROMPTS, seed=92,
+                               forward_lengths=_ROTARY_FORWARD, calibrate=True)

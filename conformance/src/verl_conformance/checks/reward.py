@@ -7,13 +7,18 @@ deterministic; samples in another tokenizer's ids score as their text; non-finit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from verl_conformance.checks._registry import check
+from verl_conformance.checks.declared import device_available
 from verl_conformance.checks.invariance import pad_more
 from verl_conformance.harness import Harness
 from verl_conformance.testkit import ShuffledTokenizer, load_tokenizer
+from verl_conformance.testkit.models import SPECIAL_TOKENS
 from verl_core import (
     BatchMeta,
     ConfigError,
@@ -33,12 +38,10 @@ def _batch(h: Harness, seed: int = 70) -> TensorBatch:
     return h.batch(seed=seed).select(*_INPUTS, "group_ids")
 
 
-def _scores(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str) -> Tensor:
-    """``engine.score(batch)["scores"]``, failing unless it is one finite float32 per sample."""
-    if not engine.capabilities.scores:
-        h.skip("the engine declares scores=False (token scores only)")
-    out = engine.score(batch)
-    h.expect("scores" in out, f"{where}: score() returned no 'scores'; got fields {list(out)}")
+def _valid_scores(h: Harness, out: TensorBatch, batch: TensorBatch, where: str) -> Tensor:
+    """``out["scores"]``, failing unless it is one finite float32 per sample."""
+    h.expect("scores" in out, f"{where}: score() returned no 'scores' although the engine declares scores=True; "
+             f"got fields {list(out)}")
     s = out["scores"]
     h.expect(tuple(s.shape) == (batch.batch_size,),
              f"{where}: scores has shape {tuple(s.shape)}, expected ({batch.batch_size},): one score per sample")
@@ -49,29 +52,87 @@ def _scores(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str) ->
     return s.detach().cpu()
 
 
-@check("reward")
+def _valid_token_scores(h: Harness, out: TensorBatch, batch: TensorBatch, where: str) -> list[Tensor]:
+    """``out["token_scores"]`` on each sample's real response tokens, failing unless it is finite float32
+    [batch, response] and 0 where ``response_mask`` is False."""
+    h.expect("token_scores" in out, f"{where}: token_scores declared but missing; got fields {list(out)}")
+    t = out["token_scores"]
+    mask = batch["response_mask"]
+    h.expect(tuple(t.shape) == tuple(mask.shape) and t.dtype == torch.float32,
+             f"{where}: token_scores is {t.dtype} {tuple(t.shape)}, expected float32 {tuple(mask.shape)}")
+    h.expect(bool(torch.isfinite(t).all()), f"{where}: token_scores holds NaN or inf")
+    t, mask = t.detach().cpu(), mask.cpu()
+    stray = (t != 0) & ~mask
+    h.expect(not bool(stray.any()), f"{where}: token_scores is not 0 where response_mask is False (samples "
+             f"{stray.any(1).nonzero().flatten().tolist()}): a token score belongs to a real response token")
+    return [t[i][mask[i]] for i in range(batch.batch_size)]
+
+
+def _scores(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str) -> Tensor:
+    """``engine.score(batch)["scores"]``, failing unless it is one finite float32 per sample."""
+    if not engine.capabilities.scores:
+        h.skip("the engine declares scores=False (token scores only)")
+    return _valid_scores(h, engine.score(batch), batch, where)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """What an engine declares it gives for a batch: scores and/or each sample's real token scores."""
+
+    scores: Tensor | None
+    tokens: list[Tensor] | None
+
+    def rows(self, rows: Sequence[int]) -> _Scored:
+        """The outputs of ``rows``, in that order."""
+        return _Scored(None if self.scores is None else self.scores[list(rows)],
+                       None if self.tokens is None else [self.tokens[i] for i in rows])
+
+    @staticmethod
+    def stack(parts: Sequence[_Scored]) -> _Scored:
+        """The outputs of single-sample batches, as one batch's."""
+        first = parts[0]
+        return _Scored(None if first.scores is None else torch.cat([p.scores for p in parts]),  # type: ignore[misc]
+                       None if first.tokens is None else [t for p in parts for t in p.tokens])  # type: ignore[union-attr]
+
+
+def _scored(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str,
+            out: TensorBatch | None = None) -> _Scored:
+    """Every output the engine declares (``scores``, ``token_scores``) of ``engine.score(batch)`` (or of
+    ``out``, its result), validated."""
+    caps = engine.capabilities
+    h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")
+    if out is None:
+        out = engine.score(batch)
+    return _Scored(_valid_scores(h, out, batch, where) if caps.scores else None,
+                   _valid_token_scores(h, out, batch, where) if caps.token_scores else None)
+
+
+def _same(h: Harness, got: _Scored, want: _Scored, what: str) -> None:
+    """``got`` equals ``want`` in the values tier: scores, and token scores on real tokens."""
+    if want.scores is not None and got.scores is not None:
+        h.close_to(got.scores, want.scores, "values", f"scores {what}")
+    if want.tokens is not None and got.tokens is not None:
+        for i, (g, w) in enumerate(zip(got.tokens, want.tokens, strict=True)):
+            h.close_to(g, w, "values", f"token_scores of sample {i} {what}")
+
+
+@check("reward", gates=("reward.scores", "reward.token_scores"))
 def check_score_layout(h: Harness) -> None:
-    """score returns the input batch plus one finite float32 score per sample (token_scores [batch, response], 0 where masked, where declared); a model that outputs NaN makes score raise."""
+    """score returns the input batch plus one finite float32 score per sample where scores are declared, token_scores [batch, response] (0 where masked) where declared; a model that outputs NaN makes score raise."""
     engine = h.reward()
     batch = _batch(h)
-    out = engine.score(batch)
     where = "score"
+    out = engine.score(batch)
     h.expect(out.batch_size == batch.batch_size, f"{where} changed the batch size to {out.batch_size}")
     for name in _INPUTS:
         h.expect(name in out and bool(torch.equal(out[name], batch[name])), f"{where}: input field {name} was changed")
     caps = engine.capabilities
     h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")
     if caps.token_scores:
-        h.expect("token_scores" in out, f"{where}: token_scores declared but missing; got fields {list(out)}")
-        t = out["token_scores"]
-        h.expect(tuple(t.shape) == tuple(batch["response_mask"].shape) and t.dtype == torch.float32,
-                 f"{where}: token_scores is {t.dtype} {tuple(t.shape)}, expected float32 "
-                 f"{tuple(batch['response_mask'].shape)}")
-        h.expect(bool(torch.isfinite(t).all()), f"{where}: token_scores holds NaN or inf")
-        h.expect(bool((t[~batch["response_mask"]] == 0).all()), f"{where}: token_scores is not 0 where response_mask is False")
+        _valid_token_scores(h, out, batch, where)
     if not caps.scores:
         return
-    normal = _scores(h, engine, batch, where)
+    normal = _valid_scores(h, out, batch, where)
     # The same engine on a folder whose score head outputs NaN: a model must refuse, not score.
     broken = h.reward("reward-nan", fresh=True)
     try:
@@ -91,46 +152,45 @@ def check_score_layout(h: Harness) -> None:
            "RewardError naming the samples instead of returning (or masking) non-finite scores")
 
 
-@check("reward")
+@check("reward", gates=("reward.scores", "reward.token_scores"))
 def check_scores_follow_input_order(h: Harness) -> None:
-    """Permuting the samples permutes the scores the same way."""
+    """Permuting the samples permutes the scores (and token scores) the same way."""
     engine = h.reward()
     batch = _batch(h, seed=71)
-    base = _scores(h, engine, batch, "score")
+    base = _scored(h, engine, batch, "score")
     for perm in (torch.tensor([3, 0, 5, 1, 4, 2]), torch.arange(batch.batch_size - 1, -1, -1)):
-        got = _scores(h, engine, batch.index(perm), "score of a permuted batch")
-        h.close_to(got, base[perm], "values",
-                   f"scores of the batch permuted by {perm.tolist()} vs the scores permuted the same way "
-                   "(score i must belong to sample i)")
+        got = _scored(h, engine, batch.index(perm), "score of a permuted batch")
+        _same(h, got, base.rows(perm.tolist()),
+              f"of the batch permuted by {perm.tolist()} vs the scores permuted the same way "
+              "(score i must belong to sample i)")
 
 
-@check("reward")
+@check("reward", gates=("reward.scores", "reward.token_scores"))
 def check_scores_independent_of_batch(h: Harness) -> None:
-    """A sample's score does not depend on its batch: alone, at another position, with more or less padding, or in micro-batches of 1 and 4."""
+    """A sample's score (and token scores) does not depend on its batch: alone, at another position, with more or less padding, or in micro-batches of 1 and 4."""
     engine = h.reward()
     batch = _batch(h, seed=72)
-    base = _scores(h, engine, batch, "score")
+    base = _scored(h, engine, batch, "score")
     for prompt_cols, response_cols in ((4, 0), (0, 3), (3, 4)):
         padded = pad_more(batch, prompt_cols, response_cols)
-        got = _scores(h, engine, padded, "score of a padded batch")
-        h.close_to(got, base, "values",
-                   f"scores with {prompt_cols} more left-pad prompt columns and {response_cols} more right-pad "
-                   "response columns (the last real token must come from the masks, not the width or the pad id)")
-    h.close_to(_scores(h, engine, batch.trim(), "score of a trimmed batch"), base, "values",
-               "scores of the batch with its padding columns trimmed")
-    alone = torch.stack([_scores(h, engine, batch.index([i]).trim(), f"score of sample {i} alone")[0]
-                         for i in range(batch.batch_size)])
-    h.close_to(base, alone, "values", "scores in a batch of 6 vs each sample scored alone (batch of one, no padding)")
+        _same(h, _scored(h, engine, padded, "score of a padded batch"), base,
+              f"with {prompt_cols} more left-pad prompt columns and {response_cols} more right-pad "
+              "response columns (the last real token must come from the masks, not the width or the pad id)")
+    _same(h, _scored(h, engine, batch.trim(), "score of a trimmed batch"), base,
+          "of the batch with its padding columns trimmed")
+    alone = _Scored.stack([_scored(h, engine, batch.index([i]).trim(), f"score of sample {i} alone")
+                           for i in range(batch.batch_size)])
+    _same(h, base, alone, "in a batch of 6 vs each sample scored alone (batch of one, no padding)")
     # sample 0 at every position, between the others
-    rows = torch.tensor([0, 1, 0, 2, 3, 0])
-    moved = _scores(h, engine, batch.index(rows), "score of a batch repeating sample 0")
-    h.close_to(moved[rows == 0], base[0].expand(3), "values", "scores of sample 0 at positions 0, 2 and 5 vs its score")
+    rows = [0, 1, 0, 2, 3, 0]
+    moved = _scored(h, engine, batch.index(torch.tensor(rows)), "score of a batch repeating sample 0")
+    _same(h, moved.rows([0, 2, 5]), base.rows([0, 0, 0]), "of sample 0 at positions 0, 2 and 5 vs its score")
     for size in (1, 4):
-        got = _scores(h, h.reward(micro_batch_size=size), batch, f"score with micro_batch_size={size}")
-        h.close_to(got, base, "values", f"scores with micro_batch_size={size} vs one micro-batch")
+        got = _scored(h, h.reward(micro_batch_size=size), batch, f"score with micro_batch_size={size}")
+        _same(h, got, base, f"with micro_batch_size={size} vs one micro-batch")
 
 
-@check("reward")
+@check("reward", gates=("reward.scores",))
 def check_scores_deterministic(h: Harness) -> None:
     """Scoring a batch twice, or with a second engine of the same spec, gives identical scores."""
     batch = _batch(h, seed=74)
@@ -152,9 +212,9 @@ _TEXTS = (  # (prompt, response, the response ended with EOS): well within the s
 )
 
 
-def _encode(tok: Tokenizer, texts: tuple[tuple[str, str, bool], ...]) -> TensorBatch:
-    """Left-padded prompts and right-padded responses of ``texts`` in ``tok``'s ids."""
-    prompts = [tok.encode(p) for p, _, _ in texts]
+def _encode(tok: Tokenizer, texts: tuple[tuple[str, str, bool], ...], prompt_prefix: Sequence[int] = ()) -> TensorBatch:
+    """Left-padded prompts (each after ``prompt_prefix``) and right-padded responses of ``texts`` in ``tok``'s ids."""
+    prompts = [[*prompt_prefix, *tok.encode(p)] for p, _, _ in texts]
     responses = [tok.encode(r) + ([tok.eos_token_id] if eos else []) for _, r, eos in texts]
     pw, rw = max(map(len, prompts)), max(map(len, responses))
     n, pad = len(texts), tok.pad_token_id
@@ -173,7 +233,7 @@ def _encode(tok: Tokenizer, texts: tuple[tuple[str, str, bool], ...]) -> TensorB
     return TensorBatch(fields, meta=BatchMeta(pad_token_id=pad))
 
 
-@check("reward")
+@check("reward", gates=("reward.scores",))
 def check_cross_tokenizer_scores(h: Harness) -> None:
     """Through CrossTokenizerReward, samples in another tokenizer's ids score as the same text in the model folder's ids (the engine's `tokenizer` is its model's)."""
     engine = h.reward()
@@ -197,3 +257,63 @@ def check_cross_tokenizer_scores(h: Harness) -> None:
                f"scores of {[r for _, r, _ in _TEXTS]} given in another tokenizer's ids (converted through text "
                "into the engine's `tokenizer`) vs the same texts in the model folder's ids: the engine's "
                "tokenizer must encode text as its model was trained (no extra BOS, same ids)")
+
+
+@check("reward", gates=("reward.needs_text",))
+def check_text_scores_ignore_special_tokens(h: Harness) -> None:
+    """An engine that declares needs_text scores the decoded text: a BOS before each prompt, which decodes to no text, changes no score."""
+    engine = h.reward()
+    if not engine.capabilities.needs_text:
+        h.skip("the engine declares needs_text=False: it scores token ids, where a BOS is part of the input")
+    tok = load_tokenizer(h.model_path("reward"))
+    bos = SPECIAL_TOKENS.index("<bos>")
+    texts = _encode(tok, _TEXTS)
+    plain = _scored(h, engine, texts, "score of the texts")
+    with_bos = _encode(tok, _TEXTS, prompt_prefix=[bos])
+    _same(h, _scored(h, engine, with_bos, "score of the texts with a BOS before each prompt"), plain,
+          f"of {[p for p, _, _ in _TEXTS]} with the special token BOS (id {bos}) before each prompt vs without "
+          "(a text scorer must decode with skip_special_tokens=True: special tokens are not text)")
+
+
+def _unknown_devices(devices: frozenset[str]) -> list[str]:
+    """Declared devices that are not a torch device type (``cpu``, ``cuda``, ... without an index)."""
+    bad = []
+    for d in sorted(devices):
+        try:
+            parsed = torch.device(d)
+        except RuntimeError:
+            bad.append(d)
+            continue
+        if parsed.index is not None:
+            bad.append(d)
+    return bad
+
+
+@check("reward", gates=("reward.devices",))
+def check_declared_devices(h: Harness) -> None:
+    """Each declared device is a torch device type; on each one present here besides the suite's, the engine builds and scores as on the suite's device, with its outputs on the batch's device."""
+    engine = h.reward()
+    devices = engine.capabilities.devices
+    bad = _unknown_devices(devices)
+    h.expect(not bad, f"the engine declares devices {sorted(devices)}; {bad} name no torch device type "
+             "(declare types such as 'cpu' and 'cuda', without an index)")
+    suite = torch.device(h.device).type
+    others = sorted(d for d in devices if d != suite and device_available(d))
+    if not others:
+        h.skip(f"the engine declares no device present here besides the suite's own ({h.device}); declared: "
+               f"{sorted(devices)}")
+    batch = _batch(h, seed=75)
+    base = _scored(h, engine, batch, f"score on {h.device}")
+    for device in others:
+        where = f"score on {device}"
+        try:
+            other = h.reward(fresh=True, device=device)
+        except Exception as e:
+            h.fail(f"the reward engine declares device {device} but building it there raised {type(e).__name__}: {e}")
+        moved = batch.to(device)
+        out = other.score(moved)
+        for name in ("scores", "token_scores"):
+            if name in out:
+                h.expect(out[name].device.type == device,
+                         f"{where}: {name} is on {out[name].device}, expected the batch's device ({device})")
+        _same(h, _scored(h, other, moved, where, out), base, f"{where} vs on {h.device}")

@@ -182,6 +182,11 @@ def check_trainer_to_rollout_sync(h: Harness) -> None:
         src = h.against
     if not h.provides(dst, "rollout") and h.against is not None and h.provides(h.against, "rollout"):
         dst = h.against
+    for subject, role, kind in ((src, "actor", "training"), (dst, "rollout", "rollout")):
+        if not h.provides(subject, role):  # type: ignore[arg-type]
+            h.skip(f"backend {h.subject.name!r} provides no {kind} engine and no second backend provides one: pass "
+                   f"--against NAME to `verl conformance` (--verl-against NAME to pytest, against= to check_backend) "
+                   f"to pair it with another backend's {kind} engine")
     actor = h.training(fresh=True, subject=src)
     rollout = h.rollout(fresh=True, subject=dst)
     batch = h.batch(seed=51, rl_fields=True)

@@ -8,17 +8,19 @@
 * :func:`random_batch`: ragged, correctly padded TensorBatches for tests.
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
-  with absolute positions, perturbed weights, a NaN reward model) and a shuffled tokenizer.
+  with absolute positions, a Llama with LongRoPE, perturbed weights, a NaN reward model) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
 
 from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
+    LONG_ROPE_TRAINED,
     ShuffledTokenizer,
     absolute_position_model,
     eos_model,
     eos_model_continuation,
+    long_rope_model,
     nan_reward_model,
     perturbed_model,
 )
@@ -38,6 +40,7 @@ from verl_conformance.testkit.tolerances import TOLERANCES, Tolerance, assert_cl
 
 __all__ = [
     "ARCHS",
+    "LONG_ROPE_TRAINED",
     "TOLERANCES",
     "Arch",
     "CharTokenizer",
@@ -53,6 +56,7 @@ __all__ = [
     "eos_model_continuation",
     "launch_torchrun",
     "load_tokenizer",
+    "long_rope_model",
     "nan_reward_model",
     "perturbed_model",
     "random_batch",

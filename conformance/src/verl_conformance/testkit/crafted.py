@@ -10,6 +10,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   step, or never, with a logit margin of ~30 (greedy and sampling at T=1 agree).
 * :func:`absolute_position_model`: a GPT-2 with learned absolute position embeddings: a wrong
   position id changes every output.
+* :func:`long_rope_model`: the tiny Llama with LongRoPE scaling whose frequencies change past
+  position :data:`LONG_ROPE_TRAINED`: rotary, yet position ids that count padding show.
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
@@ -37,11 +39,13 @@ __all__ = [
     "EOS_AFTER_3",
     "EOS_FIRST",
     "EOS_LADDER_END",
+    "LONG_ROPE_TRAINED",
     "NEVER_EOS",
     "ShuffledTokenizer",
     "absolute_position_model",
     "eos_model",
     "eos_model_continuation",
+    "long_rope_model",
     "nan_reward_model",
     "perturbed_model",
 ]
@@ -57,6 +61,8 @@ NEVER_EOS: Final = 30
 EOS_LADDER_END: Final = 60
 """A prompt ending in t, 40 <= t <= 60, continues t + 1, ..., 60, EOS: EOS is token number 61 - t."""
 _LADDER_START: Final = 40
+LONG_ROPE_TRAINED: Final = 24
+"""Positions of :func:`long_rope_model` below this use the model's own rotary frequencies."""
 
 
 def _cache_root() -> Path:
@@ -184,6 +190,35 @@ def absolute_position_model() -> Path:
                 shutil.copy(f, out / f.name)
 
     return _crafted("gpt2", {"arch": "gpt2", "width": 128, "layers": 2}, build)
+
+
+def long_rope_model() -> Path:
+    """The test kit's tiny Llama with LongRoPE scaling: plain RoPE within the trained range, other frequencies past it.
+
+    Rotary embeddings see only relative positions, so position ids shifted by a constant (``arange``
+    over a left-padded row) give the same outputs, and a rotary model cannot see them. LongRoPE
+    picks its frequencies by the largest position id of the forward (transformers), or of the
+    batch (vLLM): up to :data:`LONG_ROPE_TRAINED` the short factors (all 1: this is the tiny Llama
+    exactly), past it long factors of 1 to 64 that move every output by nats. Sequences that stay
+    within the trained range but are left-padded beyond it therefore give the tiny Llama's outputs
+    only when position ids count real tokens. The attention factor is 1 (no temperature change).
+    """
+    spec = TinyModelSpec()
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        half = spec.head_dim // 2
+        config["rope_parameters"] = {
+            "rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.0,
+            "original_max_position_embeddings": LONG_ROPE_TRAINED,
+            "short_factor": [1.0] * half,
+            "long_factor": [1.0 + 63.0 * i / (half - 1) for i in range(half)],
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted("long-rope", {"base": asdict(spec), "trained": LONG_ROPE_TRAINED}, build)
 
 
 def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:

@@ -4,7 +4,7 @@ backend's, where the fault needs what only hf has: a reward role, GPT-2 folders)
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,8 +23,10 @@ from verl_broken_backends.capabilities import (
 from verl_core import (
     ConfigError,
     EngineSpec,
+    FunctionReward,
     ModelOutput,
     ParallelSizes,
+    RewardCapabilities,
     RolloutCapabilities,
     SamplingParams,
     StepMetrics,
@@ -35,6 +37,7 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.trainer.tiny_model import load_tokenizer
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
 from verl_hf.training import HFTrainingEngine
@@ -66,6 +69,12 @@ __all__ = [
     "TruncatedAtLimit",
     "UnseededSampling",
     "WakeReloadsFolder",
+    "LastTokenScores",
+    "RotaryOnlyArangePositions",
+    "SpecialTokensInText",
+    "TokenScoresAtLastColumn",
+    "TokenScoresOnly",
+    "UnknownDeviceDeclared",
 ]
 
 
@@ -410,3 +419,98 @@ class BosAddingRewardTokenizer(HFRewardEngine):
     def tokenizer(self) -> Any:
         """The model's tokenizer with BOS prepended on encode."""
         return _BosFirst(super().tokenizer, bos=2)
+
+
+class RotaryOnlyArangePositions(ArangePositions):
+    """Position ids ``arange`` over the padded row in a backend that refuses GPT-2 folders (rotary models only)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        import json
+        from pathlib import Path
+
+        config = json.loads((Path(spec.model_path) / "config.json").read_text())
+        if config.get("model_type") == "gpt2":
+            raise ConfigError("this backend runs rotary models only; got a gpt2 folder")
+        super().__init__(spec)
+
+
+class LastTokenScores(HFRewardEngine):
+    """The hf reward engine with ``token_scores`` too: each sample's score at its last real response
+    token, 0 elsewhere (a correct token-scoring engine, which the faulty ones below change)."""
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        """Scores and token scores."""
+        return replace(super().capabilities, token_scores=True)
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """Scores, and the same scores placed at the last real response token."""
+        out = super().score(batch)
+        return out.update(token_scores=self.place(out["scores"], batch["response_mask"]))
+
+    @staticmethod
+    def place(scores: Tensor, mask: Tensor) -> Tensor:
+        """``scores`` at the last True column of each row of ``mask`` (rows without one stay 0)."""
+        if mask.shape[1] == 0:
+            return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        last = (mask.long() * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
+        dense = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        dense[torch.arange(mask.shape[0], device=mask.device), last] = scores.float()
+        return dense * mask
+
+
+class TokenScoresAtLastColumn(LastTokenScores):
+    """Places each token score at the last column of the response, padding or not."""
+
+    @staticmethod
+    def place(scores: Tensor, mask: Tensor) -> Tensor:
+        """``scores`` at the last column."""
+        dense = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        dense[:, -1] = scores.float()
+        return dense
+
+
+class TokenScoresOnly(LastTokenScores):
+    """Declares scores (and token scores) but returns only ``token_scores``."""
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """The token scores without the sequence scores."""
+        out = super().score(batch)
+        return batch.update(token_scores=out["token_scores"])
+
+
+class UnknownDeviceDeclared(HFRewardEngine):
+    """Declares the devices ``cpu`` and ``gpu`` (no such torch device type)."""
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        """The hf reward capabilities with ``gpu`` for ``cuda``."""
+        return replace(super().capabilities, devices=frozenset({"cpu", "gpu"}))
+
+
+def _text_score(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
+    """A score of both texts (their lengths and characters)."""
+    return len(response) / 4 + sum(map(ord, prompt + response)) % 7
+
+
+class SpecialTokensInText(FunctionReward):
+    """A reward function over decoded text whose decoding keeps special tokens (``<bos>``, ``<eos>``) in the text."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(_text_score, _SpecialsKept(load_tokenizer(spec.model_path)))
+
+
+class _SpecialsKept:
+    """A tokenizer whose decode ignores ``skip_special_tokens`` and keeps them."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self._inner = inner
+        self.eos_token_id = inner.eos_token_id
+        self.pad_token_id = inner.pad_token_id
+        self.vocab_size = inner.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self._inner.encode(text)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._inner.decode(ids, skip_special_tokens=False)

@@ -39,7 +39,12 @@ __all__ = [
     "reward_nan_zeroed",
     "reward_noisy",
     "reward_order",
+    "reward_scores_missing",
+    "reward_special_tokens_text",
+    "reward_token_scores_last_column",
+    "reward_unknown_device",
     "rollout_tp",
+    "rotary_arange_positions",
     "shifted_log_probs",
     "temperature",
     "top_k",
@@ -168,3 +173,16 @@ reward_last_column = BrokenHFBackend("broken-reward-last-column", "the score is 
 reward_noisy = BrokenHFBackend("broken-reward-noisy", "scores carry unseeded noise", "reward", f"{_ENGINES}:NoisyScores")
 reward_bos_tokenizer = BrokenHFBackend("broken-reward-tokenizer", "the engine's tokenizer prepends BOS on encode",
                                        "reward", f"{_ENGINES}:BosAddingRewardTokenizer")
+rotary_arange_positions = BrokenHFBackend("broken-rotary-positions", "a rotary-only backend (GPT-2 refused) whose "
+                                          "position ids are arange over the left-padded row", "actor",
+                                          f"{_ENGINES}:RotaryOnlyArangePositions")
+reward_token_scores_last_column = BrokenHFBackend("broken-reward-token-scores", "token scores placed at the last "
+                                                  "column, not the last real token", "reward",
+                                                  f"{_ENGINES}:TokenScoresAtLastColumn")
+reward_scores_missing = BrokenHFBackend("broken-reward-no-scores", "declares scores but returns only token_scores",
+                                        "reward", f"{_ENGINES}:TokenScoresOnly")
+reward_unknown_device = BrokenHFBackend("broken-reward-devices", "declares the device 'gpu', which torch does not know",
+                                        "reward", f"{_ENGINES}:UnknownDeviceDeclared")
+reward_special_tokens_text = BrokenHFBackend("broken-reward-special-tokens", "a text reward whose decoding keeps "
+                                             "special tokens (<bos>) in the text", "reward",
+                                             f"{_ENGINES}:SpecialTokensInText")
