@@ -1,4 +1,4 @@
-"""Helpers for engines that save and load checkpoints: durable renames and checks before a load.
+"""Helpers for engines that load checkpoints: checks before a load (durable writes: ``kernel.atomic``).
 
 A load must not copy anything until the whole checkpoint is known to fit the live engine:
 ``param.copy_(saved)`` broadcasts, so a tensor of the wrong shape (a ``(1, H)`` row into a
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -22,23 +21,9 @@ import torch
 from verl_core.kernel.errors import CheckpointError
 from verl_core.kernel.weights import TensorInfo
 
-__all__ = ["fsync_dir", "verify_step_count", "verify_tensors"]
+__all__ = ["verify_step_count", "verify_tensors"]
 
 _LISTED: Final = 5  # names listed in a missing/unexpected message
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so a rename inside it survives a crash (a no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _names(names: set[str]) -> str:

@@ -16,12 +16,12 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 from torch import Tensor
 
+from verl_core.kernel.atomic import write_atomic
 from verl_core.kernel.errors import (
     BatchValidationError,
     MissingFieldError,
@@ -687,7 +687,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     # ----------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the batch atomically (write to a temporary file, then rename).
+        """Write the batch atomically (:func:`~verl_core.kernel.atomic.write_atomic`).
 
         Extras must be JSON values (str, int, float, bool, None, lists and dicts of them).
         """
@@ -702,15 +702,7 @@ class TensorBatch(Mapping[str, Tensor]):
             "meta": json.dumps(dataclasses.asdict(self._meta)),
             "batch_size": self._size,
         }
-        dest = Path(_path(path, "save() path"))
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        try:
-            torch.save(payload, tmp)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(_path(path, "save() path"), lambda fh: torch.save(payload, fh))
 
     @staticmethod
     def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> TensorBatch:
