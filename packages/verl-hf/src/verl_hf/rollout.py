@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
@@ -48,7 +49,7 @@ from verl_core.kernel.errors import (
     WeightSyncError,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import RolloutEngine, SamplingParams, check_generate_memory
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import FIELDS
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import (

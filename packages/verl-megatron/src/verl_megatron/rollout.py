@@ -44,6 +44,7 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
@@ -52,7 +53,6 @@ from verl_core.enginekit.sampling import (
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import check_generate_memory
 from verl_core.kernel.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims

@@ -32,6 +32,7 @@ __all__ = [
     "kept_probs",
     "sample_seed",
     "static_prompt_width",
+    "tempered_log_probs",
     "uniform_table",
 ]
 
@@ -59,6 +60,16 @@ def uniform_table(seeds: Sequence[int], steps: int, device: torch.device | str =
     """
     draws = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
     return torch.stack(draws).to(device) if draws else torch.zeros(0, steps, dtype=torch.float64, device=device)
+
+
+def tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / T)`` over the last dimension, in float32 (T = 1 skips the division).
+
+    The log-probs and entropy of the batch layout are of this distribution (docs/architecture.md,
+    "Batch layout"); every engine computes them here.
+    """
+    z = logits.float()
+    return torch.log_softmax(z / temperature if temperature != 1.0 else z, -1)
 
 
 def kept_probs(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -111,13 +122,12 @@ class TokenSampler:
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token (pad where not alive), log-prob (0 where not alive) and "stopped now" of step ``t``."""
         p = self.params
-        scaled = logits / p.temperature if p.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, -1)
+        logp = tempered_log_probs(logits, p.temperature)
         if p.greedy or self.uniforms is None:
             tok = torch.argmax(logits, -1)
         else:
             u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-            tok = inverse_cdf(kept_probs(scaled, p.top_k, p.top_p), u)
+            tok = inverse_cdf(kept_probs(logp, p.top_k, p.top_p), u)  # softmax(logp) = softmax(logits / T)
         tok = torch.where(alive, tok, self.pad)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
