@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from verl_core.kernel.atomic import write_atomic
+from verl_core.enginekit.checkpoint import write_atomic
 
 __all__ = ["LaunchError", "launch_torchrun", "write_rank_result"]
 

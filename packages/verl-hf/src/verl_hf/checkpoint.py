@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.kernel.atomic import fsync_dir, write_atomic
+from verl_core.enginekit.checkpoint import fsync_dir, write_atomic
 from verl_core.kernel.errors import CheckpointError, ConfigError
 
 __all__ = [

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from verl_core.kernel.atomic import fsync_dir, write_atomic
+from verl_core.enginekit.checkpoint import fsync_dir, write_atomic
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
 from verl_core.trainer.pipeline import StageError
 

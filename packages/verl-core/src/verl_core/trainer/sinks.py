@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final, Literal, Protocol, get_args
 
-from verl_core.kernel.atomic import write_atomic
+from verl_core.enginekit.checkpoint import write_atomic
 from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.trainer.usercode import import_object, split_spec
 
