@@ -15,7 +15,6 @@ cache) so every detail of the contract is under its control:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -29,6 +28,7 @@ from verl_core.enginekit.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
     TokenSampler,
+    expand_prompts,
     sample_seed,
     static_prompt_width,
     uniform_table,
@@ -50,7 +50,6 @@ from verl_core.kernel.errors import (
 )
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.schema import FIELDS
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import (
     StreamWeightSync,
@@ -293,13 +292,8 @@ class HFRolloutEngine(RolloutEngine):
         if self._asleep:
             raise ConfigError("HFRolloutEngine.generate: the engine is asleep; call wake() first")
         self._validate(prompts, params)
-        base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
-        expanded = base.repeat_interleave(params.n)
         pad = self._tokenizer.pad_token_id
-        meta = dataclasses.replace(
-            prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            pad_token_id=pad, weight_version=self._version,
-        )
+        expanded, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
         size = expanded.batch_size
         if size == 0:
             empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)

@@ -44,7 +44,8 @@ from verl_core import (
 )
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.enginekit.memory import check_generate_memory
-from verl_core.kernel.schema import FIELDS, check_temperature
+from verl_core.enginekit.sampling import expand_prompts
+from verl_core.kernel.schema import check_temperature
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.model_files import ModelFiles, read_model_files
@@ -384,16 +385,7 @@ class VllmRolloutEngine(RolloutEngine):
                     dtype=torch.float32,
                 )
             truncated[r] = c.finish_reason == "length"
-        per_token = [n for n, f in FIELDS.items() if f.dims == ("batch", "response") and n in prompts]
-        base = prompts.drop(*per_token, "truncated").repeat_interleave(params.n)
-        meta = dataclasses.replace(
-            prompts.meta,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            pad_token_id=pad,
-            weight_version=self._version,
-        )
+        base, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
         device = prompts.device
         fields: dict[str, Tensor] = {
             "response_ids": response_ids,

@@ -12,6 +12,7 @@ model calls left to a subclass, and :class:`StaticDecoders` keeps an engine's de
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,14 +21,16 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.rollout import SamplingParams
+from verl_core.kernel.schema import FIELDS
 
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",
     "StaticDecodeLoop",
     "StaticDecoders",
     "TokenSampler",
+    "expand_prompts",
     "inverse_cdf",
     "kept_probs",
     "sample_seed",
@@ -60,6 +63,23 @@ def uniform_table(seeds: Sequence[int], steps: int, device: torch.device | str =
     """
     draws = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
     return torch.stack(draws).to(device) if draws else torch.zeros(0, steps, dtype=torch.float64, device=device)
+
+
+def expand_prompts(
+    prompts: TensorBatch, params: SamplingParams, *, pad_token_id: int, weight_version: int
+) -> tuple[TensorBatch, BatchMeta]:
+    """The rows a generate call fills, and the meta of its output.
+
+    Each prompt is repeated ``params.n`` times (its samples adjacent, sharing its group id and
+    extras), without any response field the input carried. The meta records what the log-probs
+    are of (temperature, top-p, top-k), the pad id and the weight version that generated them.
+    """
+    base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
+    meta = dataclasses.replace(
+        prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        pad_token_id=pad_token_id, weight_version=weight_version,
+    )
+    return base.repeat_interleave(params.n), meta
 
 
 def tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
