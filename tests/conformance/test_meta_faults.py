@@ -1,4 +1,4 @@
-"""Meta-tests: deliberately broken backends, installed through real entry points, fail the suite.
+"""Meta-tests: deliberately broken backends, registered for each test (``broken_backends``), fail the suite.
 
 Each broken backend (tests/plugins/verl-broken-backends) is the example backend (or, for reward
 engines and GPT-2 folders, the hf backend) with one fault; each test runs only the checks that
@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 from verl_conformance import ConformanceError, check_backend
+
+pytestmark = pytest.mark.usefixtures("broken_backends")
 
 FAULTS = [
     # (backend, checks to run, checks that must fail, fragments the message must contain)

@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.usefixtures("broken_backends")
+
 
 def _pytest(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -33,7 +35,7 @@ def test_header_known_gaps_and_reproduction(tmp_path: Path) -> None:
                 "-k", "TestNumerics and (test_log_probs_match_reference or test_entropy_matches_reference)")
     out = r.stdout
     assert r.returncode == 1, out[-3000:]
-    assert "verl backend: broken-temperature (verl-broken-backends 0.0.1, protocol 1.0)" in out
+    assert "verl backend: broken-temperature (VERL_PLUGINS verl_broken_backends.plugin:temperature, protocol 1.0)" in out
     assert "rollout: temperature, top_p" in out  # capabilities in the header
     assert "1 failed" in out and "1 xfailed" in out, out[-3000:]
     assert "known gap: temperature is not applied yet" in out

@@ -19,6 +19,7 @@ from verl_core import (
     partition_by_token_budget,
     register_field,
 )
+from verl_core.trainer.batch_io import load_batch, save_batch
 
 
 def make_batch(
@@ -183,8 +184,8 @@ def test_trim_removes_only_padding_columns() -> None:
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
     b = make_batch([(2, 3), (1, 0)]).with_meta(temperature=0.7, step=4)
-    b.save(tmp_path / "b.pt")
-    assert_same(TensorBatch.load(tmp_path / "b.pt"), b)
+    save_batch(b, tmp_path / "b.pt")
+    assert_same(load_batch(tmp_path / "b.pt"), b)
     assert [p.name for p in tmp_path.iterdir()] == ["b.pt"], "no temporary file left behind"
 
 
@@ -197,13 +198,13 @@ def test_load_refuses_arbitrary_pickles(tmp_path: Path) -> None:
 
     (tmp_path / "evil.pt").write_bytes(pickle.dumps({"format": "verl.TensorBatch/1", "x": Evil()}))
     with pytest.raises(BatchValidationError, match="not a readable TensorBatch"):
-        TensorBatch.load(tmp_path / "evil.pt")
+        load_batch(tmp_path / "evil.pt")
 
 
 def test_save_rejects_non_json_extras(tmp_path: Path) -> None:
     b = TensorBatch({"scores": torch.zeros(1)}, {"obj": [object()]})
     with pytest.raises(BatchValidationError, match="extras must be JSON"):
-        b.save(tmp_path / "x.pt")
+        save_batch(b, tmp_path / "x.pt")
     assert not list(tmp_path.iterdir())
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_core import BatchValidationError, ConfigError, Tokenizer, TokenizerAdapter
+from verl_core import BatchValidationError, ConfigError, HFTokenizer, Tokenizer
 from verl_core.enginekit.byo import (
     IN_MEMORY_MODEL,
     as_tokenizer,
@@ -88,7 +88,7 @@ def test_as_tokenizer_wraps_transformers_tokenizers_and_keeps_others() -> None:
     plain = _Plain()
     assert as_tokenizer(plain) is plain
     wrapped = as_tokenizer(_TransformersLike(), vocab_size=8)
-    assert isinstance(wrapped, TokenizerAdapter) and isinstance(wrapped, Tokenizer)
+    assert isinstance(wrapped, HFTokenizer) and isinstance(wrapped, Tokenizer)
     assert wrapped.encode("ab") == [3, 3]  # no special tokens added
     assert wrapped.pad_token_id == 1 and wrapped.vocab_size == 8  # pad falls back to EOS
     assert wrapped.decode([3, 1, 3]) == "aa"

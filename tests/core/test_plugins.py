@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from verl_core import (
     UnknownNameError,
     hookimpl,
 )
-from verl_core.kernel.registry import Registry, get_reward_engine, reset_registry
+from verl_core.kernel.registry import PLUGINS_ENV, Registry, get_reward_engine, reset_registry
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +166,35 @@ def test_cli_version_and_backends_json() -> None:
     data = json.loads(out.stdout)
     assert data["toy"]["distribution"] == "verl-toy-plugin"
     assert data["toy"]["roles"]["reward"]["scores"] is True
+
+
+def test_cli_backends_lists_no_conformance_meta_test_backend() -> None:
+    """The meta-tests' broken backends are registered by those tests only, never installed."""
+    env = {k: v for k, v in os.environ.items() if k != PLUGINS_ENV}
+    out = subprocess.run([sys.executable, "-m", "verl_core.cli", "backends", "--json"],
+                         capture_output=True, text=True, check=True, env=env)
+    data = json.loads(out.stdout)
+    assert {"example", "hf", "megatron", "vllm"} <= set(data), sorted(data)
+    test_only = sorted(n for n, b in data.items() if n.startswith("broken-") or "broken" in b["distribution"])
+    assert test_only == [], f"`verl backends` lists test-only backends: {test_only}"
+
+
+def test_plugins_named_in_the_environment_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PLUGINS_ENV, f" toy2 = {__name__}:_TOY2 ")
+    b = Registry(autoload=False).backend("toy2")
+    assert (b.distribution, b.version, b.spec.roles["reward"]) == (PLUGINS_ENV, f"{__name__}:_TOY2", "m:f")
+    monkeypatch.setenv(PLUGINS_ENV, "toy2")
+    with pytest.raises(PluginError, match=r"VERL_PLUGINS entries must be 'name=module:attr', got 'toy2'"):
+        Registry(autoload=False).backends()
+    monkeypatch.setenv(PLUGINS_ENV, "toy2=no_such_module_xyz:plugin")
+    with pytest.raises(PluginError, match=r"cannot import 'no_such_module_xyz'"):
+        Registry(autoload=False).backends()
+
+
+class _Toy2:
+    @hookimpl
+    def verl_backend(self) -> BackendSpec:
+        return BackendSpec(name="toy2", roles={"reward": "m:f"}, capabilities={}, protocol_version=PROTOCOL_VERSION)
+
+
+_TOY2 = _Toy2()

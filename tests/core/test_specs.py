@@ -12,9 +12,9 @@ from verl_core import (
     EngineSpec,
     FunctionReward,
     GlobalBatchStats,
-    NonFiniteError,
     OptimConfig,
     ParallelSizes,
+    RewardError,
     SamplingParams,
     TensorBatch,
     dp_shard,
@@ -117,5 +117,5 @@ def test_function_reward_scores_decoded_text_with_extras() -> None:
     scored = FunctionReward(exact, tok).score(batch)  # type: ignore[arg-type]
     assert scored["scores"].tolist() == [1.0, 1.0]
     assert seen == [("1", "45"), ("23", "4")]
-    with pytest.raises(NonFiniteError, match="returned nan for sample 0"):
+    with pytest.raises(RewardError, match="reward function '<lambda>' returned nan for sample 0"):
         FunctionReward(lambda p, r, e: float("nan"), tok).score(batch)

@@ -56,10 +56,11 @@ from verl_core import (
     get_weight_sync,
     parse_options,
 )
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import TokenSampler
 from verl_core.kernel.algorithm import ComponentKind
 from verl_core.kernel.registry import Registry
-from verl_core.kernel.rollout import MAX_NEW_TOKENS, MAX_SAMPLES_PER_PROMPT, check_generate_memory
+from verl_core.kernel.rollout import MAX_NEW_TOKENS, MAX_SAMPLES_PER_PROMPT
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 

@@ -102,8 +102,10 @@ def test_wrong_types_name_the_key() -> None:
 
 
 def test_out_of_range_values_name_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"'rollout.temperature' = 0.0 is out of range; allowed: > 0"):
+    with pytest.raises(ConfigError, match=r"config key 'rollout.temperature' must be a finite number >= 0.0001 .*got 0.0"):
         load_config(None, ["rollout.temperature=0"])
+    with pytest.raises(ConfigError, match=r"config key 'rollout.top_p' must be a finite number in \(0, 1\].*got 1.5"):
+        load_config(None, ["rollout.top_p=1.5"])
     with pytest.raises(ConfigError, match=r"'steps' = 0 is out of range"):
         load_config(None, ["steps=0"])
     with pytest.raises(ConfigError, match=r"'rollout.max_new_tokens' = 3 is too short"):
@@ -203,7 +205,7 @@ def test_file_text_errors_name_the_line(tmp_path: Path) -> None:
         load_config(tmp_path)
     with pytest.raises(ConfigError, match="a config must be a table"):
         config_from_dict([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"'algorithm.options': keys must be strings, got 1"):
+    with pytest.raises(ConfigError, match=r"'algorithm.options': keys must be non-empty strings, got 1"):
         config_from_dict({"algorithm": {"options": {1: 2}}})  # YAML allows such keys
 
 

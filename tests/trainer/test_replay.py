@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
+from verl_core.trainer.batch_io import save_batch
 from verl_core.trainer.replay import (
     BufferClosedError,
     BufferEmptyError,
@@ -194,7 +195,7 @@ def test_a_spill_file_changed_on_disk_is_reported_when_read_back(kind: str, tmp_
     elif kind == "flip":
         path.write_bytes(raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0xFF]) + raw[len(raw) // 2 + 1 :])
     elif kind == "same shape, other values":
-        make_batch(4, 5, seed=7).save(path)
+        save_batch(make_batch(4, 5, seed=7), path)
     elif kind == "delete":
         path.unlink()
     else:
@@ -212,7 +213,7 @@ def test_a_spilled_field_of_another_shape_is_named(tmp_path: Path) -> None:
     buf.add(make_batch(3, 4, seed=1))
     assert buf.spill_path is not None
     path = next(buf.spill_path.glob("segment-*.pt"))
-    make_batch(3, 6, seed=0).save(path)  # a valid batch file, written by something else
+    save_batch(make_batch(3, 6, seed=0), path)  # a valid batch file, written by something else
     with pytest.raises(CheckpointError, match=r"field 'advantages' is torch.float32 \[3, 6\], torch.float32 \[3, 4\] was"):
         buf.sample(6, seed=0)
 

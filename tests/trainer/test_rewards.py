@@ -14,7 +14,6 @@ import torch
 from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError, RewardError
-from verl_core.kernel.reward import FunctionReward
 from verl_core.trainer.data import PromptDataset, PromptLoader
 from verl_core.trainer.reward_functions import (
     exact_match,
@@ -23,7 +22,12 @@ from verl_core.trainer.reward_functions import (
     numeric_match,
     regex_reward,
 )
-from verl_core.trainer.rewards import RewardFunctions, RewardFunctionsConfig, load_function
+from verl_core.trainer.rewards import (
+    FunctionReward,
+    RewardFunctions,
+    RewardFunctionsConfig,
+    load_function,
+)
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 BUILTINS = "verl_core.trainer.reward_functions"

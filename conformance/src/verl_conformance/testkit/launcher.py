@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from verl_core.enginekit.checkpoint import write_atomic
+
 __all__ = ["LaunchError", "launch_torchrun", "write_rank_result"]
 
 _RESULT_DIR_ENV = "VERL_TESTKIT_RESULT_DIR"
@@ -34,9 +36,7 @@ def write_rank_result(obj: Any) -> None:
     """Called inside a launched script: store this rank's result (tensors, numbers, str, dicts)."""
     rank = int(os.environ.get("RANK", "0"))
     out = Path(os.environ[_RESULT_DIR_ENV]) / f"rank{rank}.pt"
-    tmp = out.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, out)
+    write_atomic(out, lambda fh: torch.save(obj, fh))
 
 
 def launch_torchrun(

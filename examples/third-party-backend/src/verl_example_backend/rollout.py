@@ -21,7 +21,8 @@ from verl_core import (
     apply_weight_stream,
     parse_options,
 )
-from verl_core.kernel.rollout import check_generate_memory
+from verl_core.enginekit.memory import check_generate_memory
+from verl_core.enginekit.sampling import tempered_log_probs
 from verl_example_backend.inputs import validate
 from verl_example_backend.model import load_model
 from verl_example_backend.plugin import ROLLOUT_CAPABILITIES, ExampleOptions
@@ -121,7 +122,7 @@ class ExampleRolloutEngine(RolloutEngine):
 
     def tempered_log_probs(self, logits: Tensor, params: SamplingParams) -> Tensor:
         """log softmax(logits / T) in float32: the reported log-prob distribution."""
-        return torch.log_softmax(logits.float() / params.temperature, -1)
+        return tempered_log_probs(logits, params.temperature)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt, token by token."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from verl_core.algorithms import (
     ActorLoss,
     ActorLossConfig,
@@ -16,6 +18,7 @@ from verl_core.algorithms import (
     RewardConfig,
     TISConfig,
 )
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.enginekit.weight_stream import apply_weight_stream, stream_weights
 from verl_core.kernel.algorithm import (
     AdvantageEstimator,
@@ -65,10 +68,10 @@ from verl_core.kernel.registry import (
     get_weight_sync,
     parse_options,
 )
-from verl_core.kernel.reward import FunctionReward, RewardEngine, ScoreFn
+from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import FIELDS, MIN_TEMPERATURE, FieldSpec, register_field
-from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import (
     GlobalBatchStats,
     LossFn,
@@ -118,6 +121,7 @@ __all__ = [
     "GAEConfig",
     "GRPOConfig",
     "GlobalBatchStats",
+    "HFTokenizer",
     "InstalledBackend",
     "KLEstimator",
     "KLName",
@@ -154,7 +158,6 @@ __all__ = [
     "TensorBatch",
     "TensorInfo",
     "Tokenizer",
-    "TokenizerAdapter",
     "TrainingCapabilities",
     "TrainingEngine",
     "UnknownNameError",
@@ -183,3 +186,16 @@ __all__ = [
     "stream_weights",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from verl_core.trainer.rewards import FunctionReward, ScoreFn
+
+
+def __getattr__(name: str) -> Any:
+    # Reward functions belong to the trainer layer; importing it here eagerly would load the whole
+    # trainer into every backend process that imports this package.
+    if name in ("FunctionReward", "ScoreFn"):
+        from verl_core.trainer import rewards
+
+        return getattr(rewards, name)
+    raise AttributeError(f"module 'verl_core' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import torch
 
-from verl_core.enginekit.checkpoint import fsync_dir
+from verl_core.enginekit.checkpoint import fsync_dir, write_atomic
 from verl_core.kernel.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -61,12 +61,7 @@ def commit_state_dir(root: Path, name: str) -> None:
     fsync_tree(part)
     os.rename(part, root / name)
     fsync_dir(root)
-    tmp = root / f".{_POINTER}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(name + "\n")
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / _POINTER)
-    fsync_dir(root)
+    write_atomic(root / _POINTER, name + "\n")
     for old in root.iterdir():
         if old.name == name or old.name == _POINTER:
             continue

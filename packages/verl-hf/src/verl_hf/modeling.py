@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from verl_core.enginekit.sampling import tempered_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
@@ -366,10 +367,7 @@ def token_outputs(
         input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
         logits_to_keep=r + 1,
     )
-    logits = out.logits[:, :r].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, -1)
+    logp = tempered_log_probs(out.logits[:, :r], temperature)
     if "log_probs" in outputs:
         lp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
         result["log_probs"] = torch.where(rmask, lp, 0.0)

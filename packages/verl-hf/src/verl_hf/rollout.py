@@ -15,7 +15,6 @@ cache) so every detail of the contract is under its control:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -24,10 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import (
     StaticDecodeLoop,
     StaticDecoders,
     TokenSampler,
+    expand_prompts,
     sample_seed,
     static_prompt_width,
     uniform_table,
@@ -48,8 +49,7 @@ from verl_core.kernel.errors import (
     WeightSyncError,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import RolloutEngine, SamplingParams, check_generate_memory
-from verl_core.kernel.schema import FIELDS
+from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import (
     StreamWeightSync,
@@ -292,13 +292,8 @@ class HFRolloutEngine(RolloutEngine):
         if self._asleep:
             raise ConfigError("HFRolloutEngine.generate: the engine is asleep; call wake() first")
         self._validate(prompts, params)
-        base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
-        expanded = base.repeat_interleave(params.n)
         pad = self._tokenizer.pad_token_id
-        meta = dataclasses.replace(
-            prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            pad_token_id=pad, weight_version=self._version,
-        )
+        expanded, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
         size = expanded.batch_size
         if size == 0:
             empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)

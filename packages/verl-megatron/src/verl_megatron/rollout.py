@@ -22,7 +22,6 @@ Semantics shared with the other backends:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator, Iterable
 
 import torch
@@ -44,16 +43,16 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
+    expand_prompts,
     sample_seed,
     static_prompt_width,
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.rollout import check_generate_memory
-from verl_core.kernel.schema import FIELDS
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
@@ -189,13 +188,8 @@ class MegatronRolloutEngine(RolloutEngine):
                 "update_weights before generating"
             )
         self._validate(prompts, params)
-        base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
-        expanded = base.repeat_interleave(params.n)
         pad = self._tokenizer.pad_token_id
-        meta = dataclasses.replace(
-            prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            pad_token_id=pad, weight_version=self._version,
-        )
+        expanded, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
         if expanded.batch_size == 0:
             empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)
             return expanded.update(response_ids=empty, response_mask=empty.bool(), rollout_log_probs=empty.float(),

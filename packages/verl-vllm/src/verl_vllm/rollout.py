@@ -42,13 +42,14 @@ from verl_core import (
     WeightSyncError,
     apply_weight_stream,
 )
-from verl_core.kernel.rollout import check_generate_memory
-from verl_core.kernel.schema import FIELDS, check_temperature
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
+from verl_core.enginekit.memory import check_generate_memory
+from verl_core.enginekit.sampling import expand_prompts
+from verl_core.kernel.schema import check_temperature
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.model_files import ModelFiles, read_model_files
 from verl_vllm.plugin import ROLLOUT_CAPABILITIES
-from verl_vllm.tokenizer import VllmTokenizer
 
 _vllm = import_vllm()
 
@@ -153,7 +154,7 @@ class VllmRolloutEngine(RolloutEngine):
             )
         self._on_gpu = platform == "cuda"
         self._llm = self._start_llm(max_model_len)
-        self._tokenizer = VllmTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
+        self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
         self._version = 0
         self._stale_reason: str | None = None
         self._asleep = False
@@ -224,7 +225,7 @@ class VllmRolloutEngine(RolloutEngine):
         return self._caps
 
     @property
-    def tokenizer(self) -> VllmTokenizer:
+    def tokenizer(self) -> HFTokenizer:
         """Tokenizer of the model."""
         return self._tokenizer
 
@@ -384,16 +385,7 @@ class VllmRolloutEngine(RolloutEngine):
                     dtype=torch.float32,
                 )
             truncated[r] = c.finish_reason == "length"
-        per_token = [n for n, f in FIELDS.items() if f.dims == ("batch", "response") and n in prompts]
-        base = prompts.drop(*per_token, "truncated").repeat_interleave(params.n)
-        meta = dataclasses.replace(
-            prompts.meta,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            pad_token_id=pad,
-            weight_version=self._version,
-        )
+        base, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
         device = prompts.device
         fields: dict[str, Tensor] = {
             "response_ids": response_ids,

@@ -27,10 +27,11 @@ from typing import Any, Final, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import BatchValidationError, ConfigError
 from verl_core.kernel.rollout import SamplingParams
-from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.tokenizer import Tokenizer
 
 __all__ = [
     "IN_MEMORY_MODEL",
@@ -182,7 +183,7 @@ def as_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> Tokenizer:
     if not transformers_like and isinstance(tokenizer, Tokenizer):
         return tokenizer
     if transformers_like or (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
-        return TokenizerAdapter(tokenizer, vocab_size)
+        return HFTokenizer(tokenizer, vocab_size)
     raise ConfigError(
         f"expected a tokenizer (a verl_core.Tokenizer or a transformers tokenizer), got "
         f"{type(tokenizer).__name__}"

@@ -1,4 +1,7 @@
-"""Helpers for engines that save and load checkpoints: durable renames and checks before a load.
+"""Helpers for checkpoints: atomic file writes, and the checks an engine runs before a load.
+
+:func:`write_atomic` is the one atomic file write of every package (batches, metric files,
+manifests, checkpoint pointers): a crash at any moment leaves the old content or the new one.
 
 A load must not copy anything until the whole checkpoint is known to fit the live engine:
 ``param.copy_(saved)`` broadcasts, so a tensor of the wrong shape (a ``(1, H)`` row into a
@@ -13,21 +16,21 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import torch
 
 from verl_core.kernel.errors import CheckpointError
 from verl_core.kernel.weights import TensorInfo
 
-__all__ = ["fsync_dir", "verify_step_count", "verify_tensors"]
+__all__ = ["fsync_dir", "verify_step_count", "verify_tensors", "write_atomic"]
 
 _LISTED: Final = 5  # names listed in a missing/unexpected message
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a folder so a rename inside it survives a crash (a no-op where unsupported)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -39,6 +42,32 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes | Callable[[BinaryIO], object]) -> None:
+    """Replace the file ``path`` by ``data`` atomically and durably.
+
+    Writes a hidden temporary file beside ``path``, fsyncs it, renames it over ``path`` and fsyncs
+    the folder; the temporary file is removed when anything fails.
+
+    Args:
+        path: The file to write.
+        data: Text (UTF-8), bytes, or a function writing to the open binary file (``torch.save``).
+    """
+    dest = Path(path)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(dest.parent)
 
 
 def _names(names: set[str]) -> str:

@@ -17,19 +17,20 @@ from typing import Any
 import torch
 
 from verl_core.enginekit.byo import as_tokenizer
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import BatchValidationError, ConfigError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.schema import FIELDS
-from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.tokenizer import Tokenizer
 
 __all__ = ["CrossTokenizerReward", "retokenize", "same_vocabulary"]
 
 
 def _vocab_table(tok: Tokenizer) -> dict[str, int] | None:
     """The token -> id table of a transformers tokenizer behind ``tok`` (None when there is none)."""
-    inner = tok.wrapped if isinstance(tok, TokenizerAdapter) else tok
+    inner = tok.wrapped if isinstance(tok, HFTokenizer) else tok
     get_vocab = getattr(inner, "get_vocab", None)
     if callable(get_vocab):
         table = get_vocab()

@@ -12,6 +12,7 @@ model calls left to a subclass, and :class:`StaticDecoders` keeps an engine's de
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,18 +21,21 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.rollout import SamplingParams
+from verl_core.kernel.schema import FIELDS
 
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",
     "StaticDecodeLoop",
     "StaticDecoders",
     "TokenSampler",
+    "expand_prompts",
     "inverse_cdf",
     "kept_probs",
     "sample_seed",
     "static_prompt_width",
+    "tempered_log_probs",
     "uniform_table",
 ]
 
@@ -59,6 +63,33 @@ def uniform_table(seeds: Sequence[int], steps: int, device: torch.device | str =
     """
     draws = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
     return torch.stack(draws).to(device) if draws else torch.zeros(0, steps, dtype=torch.float64, device=device)
+
+
+def expand_prompts(
+    prompts: TensorBatch, params: SamplingParams, *, pad_token_id: int, weight_version: int
+) -> tuple[TensorBatch, BatchMeta]:
+    """The rows a generate call fills, and the meta of its output.
+
+    Each prompt is repeated ``params.n`` times (its samples adjacent, sharing its group id and
+    extras), without any response field the input carried. The meta records what the log-probs
+    are of (temperature, top-p, top-k), the pad id and the weight version that generated them.
+    """
+    base = prompts.drop(*[n for n, f in FIELDS.items() if "response" in f.dims or n == "truncated"])
+    meta = dataclasses.replace(
+        prompts.meta, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        pad_token_id=pad_token_id, weight_version=weight_version,
+    )
+    return base.repeat_interleave(params.n), meta
+
+
+def tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / T)`` over the last dimension, in float32 (T = 1 skips the division).
+
+    The log-probs and entropy of the batch layout are of this distribution (docs/architecture.md,
+    "Batch layout"); every engine computes them here.
+    """
+    z = logits.float()
+    return torch.log_softmax(z / temperature if temperature != 1.0 else z, -1)
 
 
 def kept_probs(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -111,13 +142,12 @@ class TokenSampler:
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token (pad where not alive), log-prob (0 where not alive) and "stopped now" of step ``t``."""
         p = self.params
-        scaled = logits / p.temperature if p.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, -1)
+        logp = tempered_log_probs(logits, p.temperature)
         if p.greedy or self.uniforms is None:
             tok = torch.argmax(logits, -1)
         else:
             u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-            tok = inverse_cdf(kept_probs(scaled, p.top_k, p.top_p), u)
+            tok = inverse_cdf(kept_probs(logp, p.top_k, p.top_p), u)  # softmax(logp) = softmax(logits / T)
         tok = torch.where(alive, tok, self.pad)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.

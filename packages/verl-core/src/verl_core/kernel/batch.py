@@ -11,12 +11,9 @@ it allocates.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -36,7 +33,6 @@ from verl_core.kernel.schema import FIELDS, Dim, FieldSpec, check_temperature
 
 __all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "available_memory", "check_fits", "partition_by_token_budget"]
 
-_FORMAT: Final = "verl.TensorBatch/1"
 _PROBE_ABOVE: Final = 64 << 20
 """Allocations up to this many bytes are not checked against the available memory (a probe costs a
 file read or a device query)."""
@@ -50,10 +46,10 @@ def available_memory(device: torch.device | str) -> int:
     On CUDA: the free device memory plus what PyTorch's caching allocator holds unused (it reuses
     that before asking the device). Elsewhere: the host's available memory (``MemAvailable``).
     """
-    from verl_core.kernel.memory import default_memory_probe
+    from verl_core.kernel.memory import device_memory
 
     dev = torch.device(device)
-    free = default_memory_probe(dev)().free_bytes
+    free = device_memory(dev)[0]
     if dev.type == "cuda" and torch.cuda.is_available():
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     return free
@@ -685,56 +681,6 @@ class TensorBatch(Mapping[str, Tensor]):
             raise BatchValidationError(f"{where}: group_ids must be >= 0")
         return self
 
-    # ----------------------------------------------------------------- persistence
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the batch atomically (write to a temporary file, then rename).
-
-        Extras must be JSON values (str, int, float, bool, None, lists and dicts of them).
-        """
-        try:
-            extras_json = json.dumps({k: list(v) for k, v in self._extras.items()})
-        except TypeError as e:
-            raise BatchValidationError(f"save(): extras must be JSON values: {e}") from None
-        payload = {
-            "format": _FORMAT,
-            "tensors": {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()},
-            "extras": extras_json,
-            "meta": json.dumps(dataclasses.asdict(self._meta)),
-            "batch_size": self._size,
-        }
-        dest = Path(_path(path, "save() path"))
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        try:
-            torch.save(payload, tmp)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    @staticmethod
-    def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> TensorBatch:
-        """Read a batch written by :meth:`save` (never unpickles arbitrary objects)."""
-        _path(path, "load() path")
-        try:
-            payload = torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as e:
-            raise BatchValidationError(f"load({str(path)!r}): not a readable TensorBatch file: {e}") from e
-        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-            raise BatchValidationError(f"load({str(path)!r}): not a {_FORMAT} file")
-        try:
-            meta = BatchMeta(**json.loads(payload["meta"]))
-            return TensorBatch(
-                payload["tensors"], json.loads(payload["extras"]), meta, batch_size=payload["batch_size"]
-            )
-        except BatchValidationError as e:
-            raise BatchValidationError(f"load({str(path)!r}): {e}") from e
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BatchValidationError(
-                f"load({str(path)!r}): a malformed {_FORMAT} file ({type(e).__name__}: {e}); "
-                "write it with TensorBatch.save"
-            ) from e
-
 
 def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> dict[str, tuple[Any, ...]]:
     _check_mapping(extras, "extras", "keys to one value per sample")
@@ -821,12 +767,6 @@ def _device(device: object, name: str) -> torch.device:
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise BatchValidationError(f"{name} is {dev}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-def _path(path: object, name: str) -> str | os.PathLike[str]:
-    if not isinstance(path, (str, os.PathLike)):
-        raise BatchValidationError(f"{name} must be a str or os.PathLike, got {describe(path)}")
-    return path
 
 
 def _extras_size(extras: Mapping[str, tuple[Any, ...]]) -> int:

@@ -1,34 +1,28 @@
-"""Memory probes: how many bytes a device has free (host memory, or CUDA's ``mem_get_info``).
+"""How many bytes a device has available: CUDA's free memory, or the host's ``MemAvailable``.
 
-Used by the micro-batch scheduler to pick budgets and by :func:`verl_core.kernel.batch.check_fits`
-to refuse requests that cannot fit.
+Read by :func:`verl_core.kernel.batch.check_fits` to refuse requests that cannot fit; the probes of
+the micro-batch scheduler build on it (:mod:`verl_core.trainer.memory`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MemoryInfo", "MemoryProbe", "cuda_memory_probe", "default_memory_probe", "host_memory_probe"]
+__all__ = ["device_memory"]
 
 
-@dataclass(frozen=True)
-class MemoryInfo:
-    """Free and total bytes of the device that runs the micro-batches."""
+def device_memory(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """Available and total bytes of ``device``.
 
-    free_bytes: int
-    total_bytes: int
-
-
-MemoryProbe = Callable[[], MemoryInfo]
-"""A function reporting the memory available now."""
-
-
-def host_memory_probe() -> MemoryInfo:
-    """Host memory: ``MemAvailable`` and ``MemTotal`` of /proc/meminfo (sysconf where it is absent)."""
+    ``torch.cuda.mem_get_info`` for a CUDA device when CUDA is available; otherwise the host's
+    ``MemAvailable`` and ``MemTotal`` of /proc/meminfo (sysconf where it is absent).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(free), int(total)
     try:
         fields: dict[str, int] = {}
         with open("/proc/meminfo") as fh:
@@ -37,27 +31,7 @@ def host_memory_probe() -> MemoryInfo:
                 parts = rest.split()
                 if parts:
                     fields[key] = int(parts[0]) * 1024
-        return MemoryInfo(fields["MemAvailable"], fields["MemTotal"])
+        return fields["MemAvailable"], fields["MemTotal"]
     except (OSError, KeyError, ValueError):
-        pages = os.sysconf("SC_PHYS_PAGES")
         size = os.sysconf("SC_PAGE_SIZE")
-        avail = os.sysconf("SC_AVPHYS_PAGES")
-        return MemoryInfo(avail * size, pages * size)
-
-
-def cuda_memory_probe(device: str | torch.device = "cuda") -> MemoryProbe:
-    """A probe reading ``torch.cuda.mem_get_info`` of ``device``."""
-
-    def probe() -> MemoryInfo:
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        return MemoryInfo(int(free), int(total))
-
-    return probe
-
-
-def default_memory_probe(device: str | torch.device = "cpu") -> MemoryProbe:
-    """The CUDA probe for a CUDA device when CUDA is available, else the host-memory probe."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return cuda_memory_probe(dev)
-    return host_memory_probe
+        return os.sysconf("SC_AVPHYS_PAGES") * size, os.sysconf("SC_PHYS_PAGES") * size

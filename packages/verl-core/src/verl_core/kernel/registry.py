@@ -2,6 +2,8 @@
 
 Plugins are discovered through the ``verl.plugins`` entry-point group on first use (set
 ``VERL_DISABLE_PLUGIN_AUTOLOAD=1`` to skip discovery; built-in algorithms stay registered).
+Plugins that are not installed are named in ``VERL_PLUGINS`` (``name=module:attr`` entries,
+comma-separated); child processes inherit the variable, so torchrun ranks see them too.
 Listing backends reads only their BackendSpecs and imports no engine library.
 """
 
@@ -53,6 +55,7 @@ __all__ = [
 
 ENTRY_POINT_GROUP: Final = "verl.plugins"
 AUTOLOAD_ENV: Final = "VERL_DISABLE_PLUGIN_AUTOLOAD"
+PLUGINS_ENV: Final = "VERL_PLUGINS"
 _INSTALL_HINTS: Final = {
     "hf": "pip install verl-hf",
     "megatron": "pip install verl-megatron",
@@ -125,14 +128,14 @@ _T = TypeVar("_T")
 
 
 def import_string(path: str) -> Any:
-    """Import ``"package.module:attr"`` and return the attribute."""
+    """Import ``"package.module:attr"`` and return the attribute (the module for ``"package.module"``)."""
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise PluginError(f"cannot import {module_name!r} (from {path!r}): {e}") from e
     obj: Any = module
-    for part in attr.split("."):
+    for part in attr.split(".") if attr else []:
         try:
             obj = getattr(obj, part)
         except AttributeError:
@@ -194,6 +197,7 @@ class Registry:
             self._loaded = True
             if self._autoload:
                 self._load_entry_points()
+            self._load_env_plugins()
 
     def _load_entry_points(self) -> None:
         by_name: dict[str, list[md.EntryPoint]] = {}
@@ -214,6 +218,14 @@ class Registry:
                 raise PluginError(f"cannot load verl plugin {name!r} ({ep.value}) from {_dist_name(ep)}: {e}") from e
             dist = ep.dist
             self._register_module(module, name, _dist_name(ep), dist.version if dist else "unknown")
+
+    def _load_env_plugins(self) -> None:
+        """Register the plugins named in ``VERL_PLUGINS`` (``name=module:attr``, comma-separated)."""
+        for entry in filter(None, (e.strip() for e in os.environ.get(PLUGINS_ENV, "").split(","))):
+            name, _, target = (part.strip() for part in entry.partition("="))
+            if not name or not target:
+                raise PluginError(f"{PLUGINS_ENV} entries must be 'name=module:attr', got {entry!r}")
+            self._register_module(import_string(target), name, PLUGINS_ENV, target)
 
     def register(self, plugin: ModuleType | object, name: str, *, distribution: str = "<in-process>",
                  version: str = "0") -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from verl_core.kernel.engine import OptimConfig
 from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.data import DataConfig
 from verl_core.trainer.executor.config import ExecutorName, RayConfig
 from verl_core.trainer.rewards import RewardFunctionsConfig
@@ -170,10 +171,12 @@ class RolloutConfig:
 
     Attributes:
         n: Samples per prompt (the group size).
-        temperature: Sampling temperature (> 0).
-        top_p: Nucleus threshold in (0, 1].
+        temperature: Sampling temperature.
+        top_p: Nucleus threshold.
         top_k: Top-k (0 = off).
         max_new_tokens: Longest response.
+
+    Each value is checked by :class:`~verl_core.kernel.rollout.SamplingParams` (bounds there).
     """
 
     n: int = 8
@@ -391,11 +394,6 @@ _RULES: dict[str, _Rule] = {
     "task.digits": _Rule(lambda v: 1 <= v <= 9, "1 to 9"),
     "task.eval_prompts": _at_least(0, " (0 = no evaluation)"),
     "task.eval_every": _at_least(0, " (0 = only at the end)"),
-    "rollout.n": _at_least(1),
-    "rollout.temperature": _above(0),
-    "rollout.top_p": _Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rollout.top_k": _at_least(0, " (0 = off)"),
-    "rollout.max_new_tokens": _at_least(1),
     "batch.prompts_per_step": _at_least(1),
     "batch.mini_batch_size": _at_least(0, " (0 = whole batch)"),
     "batch.epochs": _at_least(1),
@@ -408,6 +406,15 @@ _RULES: dict[str, _Rule] = {
     "checkpoint.keep": _at_least(1),
     "max_consecutive_skips": _at_least(0, " (0 = never stop)"),
 }
+
+
+def _check_rollout(cfg: RunConfig) -> None:
+    """The rollout section is checked by SamplingParams itself: one rule for sampling parameters."""
+    r = cfg.rollout
+    try:
+        SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, n=r.n)
+    except ConfigError as e:
+        raise ConfigError(re.sub(r"SamplingParams\.(\w+)", r"config key 'rollout.\1'", str(e))) from None
 
 
 def _check_tokens(cfg: RunConfig) -> None:
@@ -480,7 +487,7 @@ def check_device_here(cfg: RunConfig) -> None:
 
 
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_tokens, _check_model_shape)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape)
 
 
 # ---------------------------------------------------------------------------- building

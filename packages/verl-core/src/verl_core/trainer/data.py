@@ -27,9 +27,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import ConfigError
-from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.tasks import prompt_batch
 
 __all__ = [
@@ -233,7 +234,7 @@ def _chat_renderer(tokenizer: Tokenizer, why: str) -> Any:
 
     ``why`` says what needs the chat template (it starts the error message).
     """
-    inner = tokenizer.wrapped if isinstance(tokenizer, TokenizerAdapter) else tokenizer
+    inner = tokenizer.wrapped if isinstance(tokenizer, HFTokenizer) else tokenizer
     if not callable(getattr(inner, "apply_chat_template", None)):
         raise ConfigError(
             f"{why}, but the tokenizer {type(inner).__name__} has no "

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from verl_core.enginekit.checkpoint import fsync_dir
+from verl_core.enginekit.checkpoint import fsync_dir, write_atomic
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
 from verl_core.trainer.pipeline import StageError
 
@@ -118,11 +118,7 @@ def write_manifest(folder: Path) -> Path:
     for d in sorted({p.parent for p in _files(folder)} | {folder}):
         fsync_dir(d)
     dest = folder / MANIFEST_FILE
-    with open(dest, "w") as fh:
-        fh.write(_manifest_text({"format": _FORMAT, "files": entries}))
-        fh.flush()
-        os.fsync(fh.fileno())
-    fsync_dir(folder)
+    write_atomic(dest, _manifest_text({"format": _FORMAT, "files": entries}))
     return dest
 
 

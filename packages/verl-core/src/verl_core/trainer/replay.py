@@ -2,7 +2,7 @@
 
 Batches are stored whole (one segment per :meth:`~HybridReplayBuffer.add`). When the memory tier
 holds more samples or bytes than its bounds, the oldest in-memory segments are written to the spill
-directory with :meth:`TensorBatch.save` and read back with :meth:`TensorBatch.load` when needed, so
+directory with :func:`~verl_core.trainer.batch_io.save_batch` and read back with :func:`~verl_core.trainer.batch_io.load_batch` when needed, so
 nothing is lost and every value comes back bit for bit.
 
 The buffer deletes only what it wrote: its spill files, the private folder it created for them
@@ -33,6 +33,7 @@ import torch
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.buffer import ReplayBuffer
 from verl_core.kernel.errors import BatchValidationError, CheckpointError, ConfigError, VerlError
+from verl_core.trainer.batch_io import load_batch, save_batch
 
 __all__ = [
     "BufferClosedError",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 _DIR_PREFIX: Final = "verl-replay-"
-# what a buffer writes into its private folder: segments, and TensorBatch.save's temporary files
+# what a buffer writes into its private folder: segments, and save_batch's temporary files
 _OWN_FILE: Final = re.compile(r"segment-\d{8}\.pt|\.segment-\d{8}\.pt\.tmp-\d+")
 
 
@@ -100,7 +101,7 @@ class _Segment:
         what = "truncated" if size < self.file_bytes else "corrupted"
         sizes = f"it has {size} bytes, {self.file_bytes} were written"
         try:
-            batch = TensorBatch.load(self.path)
+            batch = load_batch(self.path)
         except BatchValidationError as e:
             detail = sizes if size != self.file_bytes else str(e)
             raise CheckpointError(f"{where} is {what}: {detail}; {fix}") from e
@@ -288,7 +289,7 @@ class HybridReplayBuffer(ReplayBuffer):
             path = self._spill_dir() / f"segment-{next(self._counter):08d}.pt"
             written = _fingerprint(seg.batch)
             self._files.append(path)
-            seg.batch.save(path)
+            save_batch(seg.batch, path)
             seg.file_bytes, seg.file_crc = path.stat().st_size, _file_crc(path)
             seg.path, seg.written = path, written
             seg.batch = None

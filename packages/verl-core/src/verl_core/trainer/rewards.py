@@ -37,9 +37,11 @@ from verl_core.trainer.usercode import import_object, split_spec
 __all__ = [
     "MODEL_NAME",
     "SAMPLE_KEYWORDS",
+    "FunctionReward",
     "RewardFn",
     "RewardFunctions",
     "RewardFunctionsConfig",
+    "ScoreFn",
     "load_function",
 ]
 
@@ -340,6 +342,36 @@ class RewardFunctions(RewardEngine):
                 raise RewardError(f"reward function {term.name!r} returned {f} for sample {i}; rewards must be finite")
             values.append(f)
         return values
+
+
+ScoreFn = Callable[[str, str, Mapping[str, Any]], float]
+"""``fn(prompt_text, response_text, extras_of_the_sample) -> score``."""
+
+
+class FunctionReward(RewardFunctions):
+    """A reward engine over one per-sample scoring function: :class:`RewardFunctions` of one term.
+
+    Each sample's prompt and response are decoded (special tokens such as EOS dropped) and scored
+    one by one; the scores are the function's values.
+
+    Args:
+        fn: Scoring function ``fn(prompt, response, extras) -> float``; ``extras`` holds the
+            sample's per-sample extras (e.g. ``{"answer": "42"}``).
+        tokenizer: Decodes prompt and response ids.
+
+    Raises:
+        RewardError: (from :meth:`score`) the function raised or returned a value that is not a
+            finite number, naming the sample.
+    """
+
+    def __init__(self, fn: ScoreFn, tokenizer: Tokenizer) -> None:
+        def per_sample(prompts: list[str], completions: list[str], completion_ids: Any, truncated: Any,
+                       **columns: list[Any]) -> list[float]:
+            return [fn(p, c, {k: v[i] for k, v in columns.items()})
+                    for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
+
+        per_sample.__name__ = str(getattr(fn, "__name__", "fn"))
+        super().__init__([per_sample], tokenizer)
 
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

@@ -24,7 +24,7 @@ import torch
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError, VerlError
-from verl_core.kernel.memory import (
+from verl_core.trainer.memory import (
     MemoryInfo,
     MemoryProbe,
     cuda_memory_probe,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final, Literal, Protocol, get_args
 
+from verl_core.enginekit.checkpoint import write_atomic
 from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.trainer.usercode import import_object, split_spec
 
@@ -184,11 +185,7 @@ def read_json_lines(path: Path) -> list[str]:
     return out
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file atomically (a process killed meanwhile leaves the old or the new content)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+write_text_atomic = write_atomic  # the name the run loops import
 
 
 def truncate_metrics(path: str | os.PathLike[str], step: int) -> list[dict[str, Any]]:
@@ -200,7 +197,7 @@ def truncate_metrics(path: str | os.PathLike[str], step: int) -> list[dict[str, 
     if not p.is_file():
         return []
     kept = [ln for ln in read_json_lines(p) if json.loads(ln)["step"] <= step]
-    write_text_atomic(p, "".join(ln + "\n" for ln in kept))
+    write_atomic(p, "".join(ln + "\n" for ln in kept))
     return [json.loads(ln) for ln in kept]
 
 
@@ -291,7 +288,7 @@ class _WandbSink:
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else ""
         if not run_id:
             run_id = uuid.uuid4().hex[:12]
-            write_text_atomic(id_file, run_id + "\n")
+            write_atomic(id_file, run_id + "\n")
         try:
             self._run = wandb.init(
                 mode=config.wandb_mode, dir=str(out), project=config.wandb_project, name=run_name,

@@ -39,12 +39,13 @@ from typing import IO, Any
 
 import torch
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError, describe
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.tokenizer import Tokenizer, TokenizerAdapter
+from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
@@ -307,7 +308,7 @@ class Trainer:
         if not m.path:
             from verl_core.trainer.tiny_model import char_tokenizer
 
-            return TokenizerAdapter(char_tokenizer(m.vocab_size), m.vocab_size)
+            return HFTokenizer(char_tokenizer(m.vocab_size), m.vocab_size)
         from transformers import AutoTokenizer
 
         try:
@@ -317,7 +318,7 @@ class Trainer:
                 f"config key 'model.path' = {m.path!r}: cannot load its tokenizer with transformers "
                 f"({type(e).__name__}: {e}); expected a transformers folder with a tokenizer"
             ) from e
-        return TokenizerAdapter(tok)
+        return HFTokenizer(tok)
 
     def _load_data(self) -> None:
         """Read and check ``data.train`` / ``data.eval``, the reward functions and callback imports.

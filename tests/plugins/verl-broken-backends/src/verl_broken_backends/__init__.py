@@ -1,1 +1,23 @@
-"""Deliberately broken backends: the example backend with one fault each (for the suite's meta-tests)."""
+"""Deliberately broken backends: the example backend with one fault each (for the suite's meta-tests).
+
+They are never installed, so ``verl backends`` lists only what a user installed: the meta-tests
+put ``src/`` on the path and name the backends in ``VERL_PLUGINS`` (see :func:`verl_plugins`), which
+the registry reads in the test process and in every process it starts (pytest runs, ``verl
+conformance``, torchrun ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent
+"""The folder to put on ``sys.path`` / ``PYTHONPATH`` for ``import verl_broken_backends``."""
+
+
+def verl_plugins() -> str:
+    """The ``VERL_PLUGINS`` value registering every broken backend: ``name=module:attr``, comma-separated."""
+    from verl_broken_backends import plugin
+
+    backends = (plugin.BrokenBackend, plugin.BrokenHFBackend)
+    return ",".join(f"{obj.name}={plugin.__name__}:{attr}"
+                    for attr, obj in vars(plugin).items() if isinstance(obj, backends))
