@@ -1,11 +1,12 @@
 """HFTrainingEngine: actor, frozen reference and critic over transformers models.
 
 Layout of one ``forward_backward``: the rank's share of the mini-batch is split into micro-batches
-(by token budget or size), every rank runs the same number of them (padding with empty ones that
-contribute zero gradient), the outputs the loss needs are computed with autograd, and each
-micro-batch's loss (already normalised by the global counts) is backpropagated. Gradients are
-summed over micro-batches and ranks, so results do not depend on micro-batch size or data-parallel
-degree.
+by the kernel partitioner (under the call's token budget, else the spec's budget or size), every
+rank runs the same number of them (padding with empty ones that contribute zero gradient), the
+outputs the loss needs are computed with autograd, and each micro-batch's loss (already normalised
+by the global counts) is backpropagated. Gradients are summed over micro-batches and, once at the
+end of the call, over ranks, so results do not depend on micro-batch size or data-parallel degree.
+A call that raises clears the gradients it left.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from verl_core.kernel.registry import parse_options
 from verl_core.kernel.training import (
     DEFAULT_BUCKET_BYTES,
     GlobalBatchStats,
-    GradientStash,
     LossFn,
     Metrics,
     ModelOutput,
@@ -139,6 +139,8 @@ class HFTrainingEngine(TrainingEngine):
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
         self._offloaded = False
+        # True from a successful forward_backward until optimizer_step consumes its gradients.
+        self._grads_pending = False
         self._master: MasterWeights | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -289,24 +291,36 @@ class HFTrainingEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ training
     def forward_backward(
-        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
     ) -> Metrics:
-        """Accumulate the gradients of ``loss_fn`` over this rank's share of one optimizer step."""
+        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
+
+        Micro-batches hold at most ``max_tokens`` padded tokens (else ``spec.micro_batch_tokens``,
+        else ``spec.micro_batch_size`` samples); see :meth:`TrainingEngine.forward_backward` for
+        the contract, including what a call that raises leaves (no gradients).
+        """
         where = f"HFTrainingEngine.forward_backward ({self._spec.role})"
         if not self._trainable:
             raise ConfigError(f"{where}: the reference engine is frozen; train the actor or critic")
         needs = set(loss_fn.needs)
         self._check_outputs(needs, where)
         self._require_onloaded(where)
+        if self._grads_pending:
+            raise ConfigError(
+                f"{where}: the gradients of the previous call have not been applied; call optimizer_step() "
+                "first (forward_backward takes the whole mini-batch of one optimizer step)"
+            )
         self._validate(mini_batch, where)
         work = mini_batch.to(self._device)
-        plan = self._plan(work, self._spec.micro_batch_tokens, self._spec.micro_batch_size)
+        if max_tokens is not None:
+            plan = self._plan(work, max_tokens, None)
+        else:
+            plan = self._plan(work, self._spec.micro_batch_tokens, self._spec.micro_batch_size)
         n = self._dp.max_int(len(plan))
         temperature = mini_batch.meta.temperature
         loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         metric_sums: dict[str, Tensor] = {}
         params = [p for p in self._model.parameters() if p.requires_grad]
-        stash = GradientStash(params)
         self._model.train()
         try:
             for i in range(n):
@@ -340,14 +354,15 @@ class HFTrainingEngine(TrainingEngine):
                 if loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
         except BaseException:
-            stash.restore()
+            for p in params:  # the call started without gradients: it leaves none
+                p.grad = None
             raise
         finally:
             self._model.eval()
             if self._fsdp:
                 self._set_grad_sync(True)
         self._reduce_new_grads(params)
-        stash.merge()
+        self._grads_pending = True
         keys = self._dp.union_keys(list(metric_sums))
         packed = torch.stack(
             [loss_sum] + [metric_sums.get(k, torch.zeros((), device=self._device)) for k in keys]
@@ -359,7 +374,7 @@ class HFTrainingEngine(TrainingEngine):
         return metrics
 
     def _reduce_new_grads(self, params: list[nn.Parameter]) -> None:
-        """Turn this rank's fresh gradients into the sum over ranks."""
+        """Turn this rank's gradients of the call into the sum over ranks (once per call)."""
         if not self._dp.active:
             return
         if not self._fsdp:
@@ -393,6 +408,7 @@ class HFTrainingEngine(TrainingEngine):
             norm = full()
         norm = norm.float()
         lr = float(self._optimizer.param_groups[0]["lr"])
+        self._grads_pending = False
         if not self._dp.all_finite(norm):
             self._optimizer.zero_grad(set_to_none=True)
             return StepMetrics(grad_norm=float(norm), lr=lr, skipped=True)
@@ -560,6 +576,7 @@ class HFTrainingEngine(TrainingEngine):
             self._scheduler.load_state_dict(trainer["scheduler"])
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
+        self._grads_pending = False
         self._step = int(trainer["step"])
         ckpt.set_rng_state(rng)
 

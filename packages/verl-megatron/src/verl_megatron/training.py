@@ -11,7 +11,9 @@ PP). The loss function's scalar is already normalised by the global counts, so t
 with ``calculate_per_token_loss`` (no division by the number of micro-batches). Gradients are
 then made global: summed over the tensor-parallel group for the replicated QK-norm weights,
 over the embedding group for a tied embedding split across pipeline stages, and over
-data-parallel ranks.
+data-parallel ranks, once at the end of each call. Micro-batches are cut by the kernel partitioner
+under the call's token budget and handed to the schedule as ``num_microbatches``; a call that
+raises clears the gradients it left.
 
 Mixed precision: with a bfloat16 (or float16) spec and ``MegatronOptions.master_weights`` on,
 AdamW steps float32 master copies of the parameters (:class:`verl_core.enginekit.precision.MasterWeights`)
@@ -63,9 +65,9 @@ from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.kernel.registry import parse_options
-from verl_core.kernel.training import DEFAULT_BUCKET_BYTES, GradientStash
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_megatron.convert import StateDictAdapter
-from verl_megatron.core_optimizer import CoreOptimizer, GradBufferStash
+from verl_megatron.core_optimizer import CoreOptimizer
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
@@ -140,6 +142,8 @@ class MegatronTrainingEngine(TrainingEngine):
         self._tokenizer = load_tokenizer(spec.model_path)
         self._trainable = spec.role in ("actor", "critic")
         self._step = 0
+        # True from a successful forward_backward until optimizer_step consumes its gradients.
+        self._grads_pending = False
         self._state_offloaded = False
         self._offload_s = 0.0  # time of the last switch to rollout, reported with the switch back
         self.optimizer: torch.optim.Optimizer | None = None
@@ -256,10 +260,12 @@ class MegatronTrainingEngine(TrainingEngine):
         dev = self._device
         return _Prepared(mb, tokens.to(dev), gather_idx.to(dev), response_mask.to(dev), real)
 
-    def _micro_batches(self, batch: TensorBatch) -> tuple[list[_Prepared], Any]:
+    def _micro_batches(self, batch: TensorBatch, max_tokens: int | None = None) -> tuple[list[_Prepared], Any]:
+        """Micro-batches by the kernel partitioner: the call's budget, else the spec's budget or size."""
         spec = self._spec
-        if spec.micro_batch_tokens is not None:
-            mbs = batch.micro_batches(max_tokens=spec.micro_batch_tokens, trim=self.pp == 1)
+        budget = max_tokens if max_tokens is not None else spec.micro_batch_tokens
+        if budget is not None:
+            mbs = batch.micro_batches(max_tokens=budget, trim=self.pp == 1)
         else:
             mbs = batch.micro_batches(size=spec.micro_batch_size or max(batch.batch_size, 1), trim=self.pp == 1)
         parts = list(mbs.batches)
@@ -384,16 +390,30 @@ class MegatronTrainingEngine(TrainingEngine):
         return self._device
 
     # ------------------------------------------------------------------ training
-    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
-        """Accumulate gradients of ``loss_fn`` over this rank's share of one optimizer step."""
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    ) -> Metrics:
+        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
+
+        Megatron's schedule (``num_microbatches``) runs the micro-batches the kernel partitioner
+        cuts under ``max_tokens`` (else the spec's budget or size); see
+        :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
+        raises leaves (no gradients).
+        """
         if not self._trainable:
             raise ConfigError(f"forward_backward needs role actor or critic; this engine is {self._spec.role}")
+        if self._grads_pending:
+            raise ConfigError(
+                "MegatronTrainingEngine.forward_backward: the gradients of the previous call have not been "
+                "applied; call optimizer_step() first (forward_backward takes the whole mini-batch of one "
+                "optimizer step)"
+            )
         needed = frozenset(loss_fn.needs)
         self._validate(mini_batch, "MegatronTrainingEngine.forward_backward", needed)
         if mini_batch.batch_size == 0:
             raise BatchValidationError("forward_backward got an empty mini-batch; every data-parallel rank needs >= 1 sample")
         onload_s = self._ensure_onloaded()
-        preps, _ = self._micro_batches(mini_batch)
+        preps, _ = self._micro_batches(mini_batch, max_tokens)
         n_mb = torch.tensor([len(preps)], dtype=torch.int64, device=self._device)
         if self.dp > 1:
             dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=self._ps.get_data_parallel_group())
@@ -414,17 +434,15 @@ class MegatronTrainingEngine(TrainingEngine):
             metrics["loss"] = res.loss.detach().float().reshape(()).clone().cpu()
             return res.loss, torch.ones((), dtype=torch.int, device=out.device), metrics
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        stash = GradientStash(params) if self._core is None else GradBufferStash(self._core)
         self.model.train()
         try:
             stored = self._run(preps, loss_of, forward_only=False,
                                model=self._core.ddp if self._core is not None else None)
         except BaseException:
-            stash.restore()
+            self._clear_grads()  # the call started without gradients: it leaves none
             raise
         self._sync_grads()
-        stash.merge()
+        self._grads_pending = True
         metrics = self._reduce_metrics(stored, len(preps))
         if onload_s is not None:
             metrics["switch_to_rollout_s"] = self._offload_s
@@ -451,6 +469,15 @@ class MegatronTrainingEngine(TrainingEngine):
         out = {k: float(v) for k, v in zip(keys, vec.cpu().tolist(), strict=True)}
         out["num_micro_batches"] = float(n_mb)
         return out
+
+    def _clear_grads(self) -> None:
+        """Drop every gradient (the torch ``.grad`` of each parameter, or megatron's buffers)."""
+        if self._core is not None:
+            self._core.zero_grad()
+        else:
+            for p in self.model.parameters():
+                p.grad = None
+        self._grads_pending = False
 
     def _sync_grads(self) -> None:
         ps = self._ps
@@ -491,6 +518,7 @@ class MegatronTrainingEngine(TrainingEngine):
 
     def optimizer_step(self) -> StepMetrics:
         """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
+        self._grads_pending = False
         if self._core is not None:
             lr = self._spec.optim.lr_at(self._step)
             norm, skipped = self._core.step(lr, self._spec.optim.grad_clip)
@@ -741,6 +769,7 @@ class MegatronTrainingEngine(TrainingEngine):
                         }
         torch.set_rng_state(payload["rng"])
         self._step = int(payload["step"])
+        self._clear_grads()
         dist.barrier()
 
     def _verify_checkpoint(self, folder: Path, payload: Any) -> None:
