@@ -314,7 +314,8 @@ class HFTrainingEngine(TrainingEngine):
         """Drop the model and optimizer (and every part holding them)."""
         self._optim = None
         self._model = None
-        del self._loop, self._checkpoint, self._offloader
+        for part in ("_loop", "_checkpoint", "_offloader"):  # idempotent: close() may come twice
+            self.__dict__.pop(part, None)
 
 
 def _apply_fsdp2(model: Any) -> None:

@@ -350,7 +350,8 @@ class MegatronTrainingEngine(TrainingEngine):
             self._opt.close()
         self._opt = None
         self.model = None
-        del self._loop, self._weights, self._checkpoint, self._switch
+        for part in ("_loop", "_weights", "_checkpoint", "_switch"):  # idempotent: close() may come twice
+            self.__dict__.pop(part, None)
 
 
 def _resolve_device(device: str) -> torch.device:
