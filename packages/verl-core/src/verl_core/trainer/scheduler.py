@@ -7,8 +7,8 @@ response). The budget comes from the free memory a probe reports, clamped to ``[
 max_tokens]``, to a ceiling learned from out-of-memory errors and from below to the call's longest
 sample. On ``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller
 budget (an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``),
-so no sample is lost or counted twice; after ``grow_after`` successful calls the ceiling doubles
-again. Every call's final budget is recorded as a :class:`Decision`; a scheduler given those
+so no sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
+ceiling doubles again. Every call's final budget is recorded as a :class:`Decision`; a scheduler given those
 decisions (``replay=``) reuses the recorded budget for the same call keys instead of probing, so a
 resumed run executes the same micro-batches.
 
@@ -64,7 +64,8 @@ class SchedulerConfig:
         max_tokens: Largest budget.
         bytes_per_token: Estimated activation bytes one padded token costs (forward plus backward).
         memory_fraction: Share of the free memory the budget may use.
-        grow_after: Successful calls after which an OOM-lowered ceiling doubles again.
+        grow_after: Successful micro-batches after which an OOM-lowered ceiling doubles again (counted
+            at the end of each successful call).
     """
 
     min_tokens: int = 64
@@ -266,7 +267,7 @@ class DynamicBatchScheduler:
                 budget = new_budget
                 self._ceiling = new_budget
         self._stats.micro_batches += len(groups)
-        self._successes += 1
+        self._successes += len(groups)
         if self._successes >= self.config.grow_after and self._ceiling < self.config.max_tokens:
             self._ceiling = min(self.config.max_tokens, self._ceiling * 2)
             self._successes = 0
