@@ -144,7 +144,7 @@ class TrainingEngine(Protocol):
     Inputs are validated at the boundary: a batch missing a needed field, with a wrong dtype or
     shape, NaN/inf in a float field, wrong padding sides or ids outside the vocabulary raises
     :class:`~verl_core.kernel.errors.BatchValidationError` before any model code runs, and the engine's
-    state (weights, optimizer, accumulated gradients) is unchanged.
+    state (weights, optimizer, gradients) is unchanged.
     """
 
     @property
