@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, write_rank_result
 from verl_core import (
+    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossOutput,
@@ -369,41 +370,47 @@ class FailingPG(TokenMeanPG):
 
 
 def failed_call(par: ParallelSizes, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Gradients around a forward_backward whose loss raises, next to an engine that never failed."""
+    """Gradients after a forward_backward whose loss raises, and after running that call again."""
     spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1,
                       options=options or {})
     failing, clean = MegatronTrainingEngine(spec), MegatronTrainingEngine(spec)
-    first, second = actor_batch(3, 1.0), actor_batch(4, 1.0)
-    for e in (failing, clean):
-        e.forward_backward(first, TokenMeanPG(), GlobalBatchStats.of(first))
-    before = failing.hf_state_dict(grads=True)
+    batch = actor_batch(4, 1.0)
     loss = FailingPG()
     try:
-        failing.forward_backward(second, loss, GlobalBatchStats.of(second))
+        failing.forward_backward(batch, loss, GlobalBatchStats.of(batch))
         raised = ""
     except RuntimeError as e:
         raised = str(e)
     after_failure = failing.hf_state_dict(grads=True)
     for e in (failing, clean):
-        e.forward_backward(second, TokenMeanPG(), GlobalBatchStats.of(second))
-    return {"raised": raised, "calls": loss.calls, "before": before, "after_failure": after_failure,
+        e.forward_backward(batch, TokenMeanPG(), GlobalBatchStats.of(batch))
+    return {"raised": raised, "calls": loss.calls, "after_failure": after_failure,
             "resumed": failing.hf_state_dict(grads=True), "clean": clean.hf_state_dict(grads=True)}
 
 
 def accumulate(par: ParallelSizes, dp_rank: int) -> dict[str, Any]:
-    """Gradients of two forward_backward calls into one step, and of each call alone."""
+    """Under data parallelism: one call per step, and a per-call budget against the spec's micro-batches."""
     spec = EngineSpec(str(tiny_model(TinyModelSpec())), "actor", parallel=par, micro_batch_size=2, seed=1)
-    eng = MegatronTrainingEngine(spec)
-    first, second = actor_batch(5, 1.0), actor_batch(6, 1.0)
-    alone = []
-    for b in (first, second):
-        eng.forward_backward(dp_shard(b, dp_rank, par.dp), TokenMeanPG(), GlobalBatchStats.of(b))
-        alone.append(eng.hf_state_dict(grads=True))
-        assert eng.optimizer is not None
-        eng.optimizer.zero_grad(set_to_none=True)
-    for b in (first, second):
-        eng.forward_backward(dp_shard(b, dp_rank, par.dp), TokenMeanPG(), GlobalBatchStats.of(b))
-    return {"alone": alone, "both": eng.hf_state_dict(grads=True)}
+    by_size, by_budget = MegatronTrainingEngine(spec), MegatronTrainingEngine(spec)
+    batch = actor_batch(5, 1.0)
+    shard = dp_shard(batch, dp_rank, par.dp)
+    stats = GlobalBatchStats.of(batch)
+    sized = by_size.forward_backward(shard, TokenMeanPG(), stats)
+    # a budget of the longest sample: the kernel partitioner's micro-batches instead of pairs
+    budget = int(batch.seq_lengths().max())
+    budgeted = by_budget.forward_backward(shard, TokenMeanPG(), stats, max_tokens=budget)
+    try:
+        by_size.forward_backward(shard, TokenMeanPG(), stats)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {"by_size": by_size.hf_state_dict(grads=True), "by_budget": by_budget.hf_state_dict(grads=True),
+            "loss": (sized["loss"], budgeted["loss"]),
+            "micro_batches": (sized["num_micro_batches"], budgeted["num_micro_batches"]),
+            # every rank runs as many micro-batches as the busiest one
+            "expected_micro_batches": max(len(dp_shard(batch, r, par.dp).micro_batches(max_tokens=budget))
+                                          for r in range(par.dp)),
+            "refused": refused}
 
 
 # Adam's normalised step is at most ~lr per weight: 1.5e-3 is below half of bfloat16's spacing

@@ -4,9 +4,10 @@
   step with a StepFailedError naming the stage and the backend; nothing of the step is written, the
   trainer refuses more steps, and a new trainer resumed from the last checkpoint reproduces the
   uninterrupted run exactly.
-- The DynamicBatchScheduler's out-of-memory recovery runs every sample exactly once (sample ids
-  counted), and with the hf engine an OOM in the middle of a call (after earlier micro-batches'
-  backward) leaves exactly the gradients of a run without OOM.
+- The DynamicBatchScheduler's out-of-memory recovery runs the whole call again on a halved budget,
+  and the call that finishes runs every sample exactly once (sample ids counted); with the hf
+  engine an OOM in the middle of a call (after earlier micro-batches' backward) leaves no
+  gradients, and the retried call gives exactly the gradients of a run without OOM.
 - A NaN/inf loss or gradient skips the update (weights untouched), is counted in the metrics, and
   ``max_consecutive_skips`` skips in a row stop the run with TrainingDivergedError after a
   checkpoint holding the last finite weights.
@@ -158,13 +159,19 @@ def test_oom_recovery_runs_every_sample_exactly_once(
     batch = _id_batch(lengths)
     rng = random.Random(seed)
     ooms = [0]
+    longest = max(lengths)
 
-    def fn(mb: TensorBatch) -> list[int]:
-        cost = mb.batch_size * int(mb.seq_lengths().max())
-        if cost > capacity or (mb.batch_size > 1 and rng.random() < transient):
-            ooms[0] += 1
-            raise torch.OutOfMemoryError(f"injected: {cost} tokens")
-        return mb["group_ids"].tolist()
+    def call(budget: int) -> list[list[int]]:
+        # like an engine's forward_backward: the whole batch under one budget, nothing kept on failure
+        ran = []
+        for mb in batch.micro_batches(max_tokens=budget):
+            cost = mb.batch_size * int(mb.seq_lengths().max())
+            # a transient OOM strikes a micro-batch larger than the longest sample alone
+            if cost > capacity or (cost > longest and rng.random() < transient):
+                ooms[0] += 1
+                raise torch.OutOfMemoryError(f"injected: {cost} tokens")
+            ran.append(mb["group_ids"].tolist())
+        return ran
 
     sched = DynamicBatchScheduler(
         SchedulerConfig(min_tokens=1, max_tokens=4096, grow_after=2),
@@ -172,18 +179,19 @@ def test_oom_recovery_runs_every_sample_exactly_once(
     )
     error: MicroBatchOOMError | None = None
     try:
-        parts = sched.run(batch, fn, key="k")
+        ran = sched.run(batch, call, key="k")
     except MicroBatchOOMError as e:
         error = e
     tally["fault/OOM (scheduler)"] += ooms[0]
-    if error is not None:  # only a sample too large on its own may fail, and it says so
-        assert max(lengths) > capacity and "on its own" in str(error)
+    if error is not None:  # only a sample too large on its own may fail, and the error names the floor
+        msg = str(error)
+        assert longest > capacity and ("on its own" in msg or f"longest sample {longest} tokens" in msg)
         return
-    seen = Counter(i for _, ids in parts for i in ids)
+    seen = Counter(i for ids in ran for i in ids)
     assert sorted(seen) == list(range(len(lengths))), "a sample was lost"
     assert set(seen.values()) == {1}, "a sample ran twice"
-    for group, ids in parts:
-        assert list(group) == ids  # the indices reported are the samples that ran
+    (decision,) = sched.plan
+    assert [list(g) for g in decision.groups] == ran  # the recorded partition is the one that ran
 
 
 def test_oom_in_the_middle_of_an_hf_call_leaves_exactly_the_gradients_of_a_clean_run(
@@ -194,43 +202,49 @@ def test_oom_in_the_middle_of_an_hf_call_leaves_exactly_the_gradients_of_a_clean
     batch = random_batch(batch_size=12, max_prompt=6, max_response=6, seed=3, with_rl_fields=True, group_size=2)
     loss = Algorithm.grpo().actor_loss
     stats = GlobalBatchStats.of(batch)
+    longest = int(batch.seq_lengths().max())
 
     def engine() -> Any:
-        # the engine's own micro-batches hold 2 samples: one call runs several forward/backward passes
-        spec = EngineSpec(model_path=str(path), role="actor", optim=OptimConfig(lr=1e-2), micro_batch_size=2)
+        spec = EngineSpec(model_path=str(path), role="actor", optim=OptimConfig(lr=1e-2))
         return get_training_engine("hf", spec)
-
-    clean = engine()
-    clean.forward_backward(batch, loss, stats)
-    want = {n: p.grad.clone() for n, p in clean.model.named_parameters() if p.grad is not None}
 
     faulty = engine()
     passes = [0]
+    budget_now = [0]
 
     def oom_on_second_pass(module: Any, args: Any, kwargs: Any) -> None:
         passes[0] += 1
-        if passes[0] >= 2 and current[0] > 4:  # calls of more than 4 samples fail on their 2nd pass
+        # calls on budgets over two of the longest samples fail on their 2nd pass, after a backward
+        if passes[0] >= 2 and budget_now[0] > 2 * longest:
             raise torch.OutOfMemoryError("injected after an earlier micro-batch's backward")
 
-    current = [0]
     faulty.model.register_forward_pre_hook(oom_on_second_pass, with_kwargs=True)
-    real = faulty.forward_backward
 
-    def call(mb: TensorBatch) -> Any:
+    def call(budget: int) -> Any:
         passes[0] = 0
-        current[0] = mb.batch_size
-        return real(mb, loss, stats)
+        budget_now[0] = budget
+        try:
+            return faulty.forward_backward(batch, loss, stats, max_tokens=budget)
+        except torch.OutOfMemoryError:
+            left = [n for n, p in faulty.model.named_parameters() if p.grad is not None]
+            assert not left, f"a failed call left gradients on {left[:3]}"
+            raise
 
-    sched = DynamicBatchScheduler(SchedulerConfig(min_tokens=1, max_tokens=4096),
+    sched = DynamicBatchScheduler(SchedulerConfig(min_tokens=1, max_tokens=8 * longest),
                                   probe=lambda: MemoryInfo(1 << 40, 1 << 40))
-    parts = sched.run(batch, call, key="update")
+    metrics = sched.run(batch, call, key="update")
     ooms = sched.metrics()["scheduler/ooms"]
     tally["fault/OOM (hf engine, mid-call)"] += int(ooms)
-    assert ooms >= 1 and sorted(i for g, _ in parts for i in g) == list(range(12))
+    (decision,) = sched.plan
+    assert ooms >= 1 and decision.budget <= 2 * longest
+    assert metrics["num_micro_batches"] == len(decision.groups) > 1
+    clean = engine()
+    clean.forward_backward(batch, loss, stats, max_tokens=decision.budget)
+    want = {n: p.grad.clone() for n, p in clean.model.named_parameters() if p.grad is not None}
     got = {n: p.grad for n, p in faulty.model.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys()
     for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------------------------------- non-finite guard
@@ -272,8 +286,8 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(
         real = trainer.actor.forward_backward
         poisoned = [True]
 
-        def fb(mb: TensorBatch, loss: Any, stats: GlobalBatchStats) -> Any:
-            return real(mb, _Poison(loss, mode if poisoned[0] else None), stats)
+        def fb(mb: TensorBatch, loss: Any, stats: GlobalBatchStats, **kw: Any) -> Any:
+            return real(mb, _Poison(loss, mode if poisoned[0] else None), stats, **kw)
 
         trainer.actor.forward_backward = fb  # type: ignore[method-assign]
         tally[f"fault/non-finite loss or gradient ({mode})"] += 3

@@ -1,13 +1,15 @@
-"""DynamicBatchScheduler: budgets from an injected probe, OOM back-off without loss, plan replay."""
+"""DynamicBatchScheduler: budgets from an injected probe, whole-call OOM back-off without loss, budget replay."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.batch import TensorBatch, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.scheduler import (
     Decision,
@@ -16,7 +18,6 @@ from verl_core.trainer.scheduler import (
     MicroBatchOOMError,
     SchedulerConfig,
     host_memory_probe,
-    partition_in_order,
 )
 
 GiB = 1 << 30
@@ -38,7 +39,11 @@ def make_batch(lengths: list[int]) -> TensorBatch:
 
 
 class DeviceWithLimit:
-    """An engine stand-in for memory: raises the real torch.OutOfMemoryError over a token limit."""
+    """An engine stand-in for memory: raises the real torch.OutOfMemoryError over a token limit.
+
+    :meth:`call` behaves like ``forward_backward``: it cuts the whole batch with the kernel
+    partitioner under the budget it is given, and a call that runs out of memory keeps nothing.
+    """
 
     def __init__(self, limit_tokens: int) -> None:
         self.limit = limit_tokens
@@ -54,6 +59,13 @@ class DeviceWithLimit:
             raise torch.OutOfMemoryError(f"tried to allocate for {cost} tokens")
         self.seen.extend(mb["group_ids"].tolist())
         return mb.update(scores=mb["group_ids"].float() * 2)
+
+    def caller(self, batch: TensorBatch) -> Callable[[int], list[list[int]]]:
+        def call(budget: int) -> list[list[int]]:
+            ran = [self.forward(mb)["group_ids"].tolist() for mb in batch.micro_batches(max_tokens=budget)]
+            return ran  # only a call that finished counts (an engine call that raises leaves nothing)
+
+        return call
 
 
 def probe_of(free: int) -> MemoryInfo:
@@ -86,15 +98,34 @@ def test_oom_halves_and_retries_without_losing_or_repeating_samples(lengths: lis
     device = DeviceWithLimit(limit)
     cfg = SchedulerConfig(min_tokens=1, max_tokens=1024, bytes_per_token=1, memory_fraction=1.0, grow_after=1000)
     sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
-    out = sched.run_forward(batch, device.forward, key="k")
-    assert sorted(device.seen) == list(range(len(lengths)))  # each sample processed exactly once
-    assert torch.equal(out["scores"], torch.arange(len(lengths)).float() * 2)  # input order restored
-    assert torch.equal(out["response_ids"], batch["response_ids"])
+    ran = sched.run(batch, device.caller(batch), key="k")
+    assert sorted(i for g in ran for i in g) == list(range(len(lengths)))  # the successful call: each sample once
     assert sched.metrics()["scheduler/ooms"] == device.ooms
+    (decision,) = sched.plan
+    assert decision.ooms == device.ooms
     if device.ooms:
         assert sched.ceiling < 1024
+    # the decision holds the partition the successful call ran, at the budget it ran under
+    assert [list(g) for g in decision.groups] == partition_by_token_budget(batch.seq_lengths().tolist(), decision.budget)
+    assert ran == [list(g) for g in decision.groups]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    limit=st.integers(14, 200),
+)
+def test_forward_runs_every_sample_once_in_input_order(lengths: list[int], limit: int) -> None:
+    batch = make_batch(lengths)
+    device = DeviceWithLimit(limit)
+    cfg = SchedulerConfig(min_tokens=1, max_tokens=1024, bytes_per_token=1, memory_fraction=1.0, grow_after=1000)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    out = sched.run_forward(batch, device.forward, key="k")
+    assert torch.equal(out["scores"], torch.arange(len(lengths)).float() * 2)  # input order restored
+    assert torch.equal(out["response_ids"], batch["response_ids"])
     (decision,) = sched.plan
-    assert sorted(i for g in decision.groups for i in g) == list(range(len(lengths)))
+    n_ok = sum(len(g) for g in decision.groups)
+    assert sorted(device.seen[-n_ok:]) == list(range(len(lengths)))  # the last (successful) pass: each once
 
 
 def test_ceiling_grows_back_after_successes() -> None:
@@ -102,21 +133,24 @@ def test_ceiling_grows_back_after_successes() -> None:
     device = DeviceWithLimit(48)
     cfg = SchedulerConfig(min_tokens=6, max_tokens=96, bytes_per_token=1, memory_fraction=1.0, grow_after=2)
     sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
-    sched.run(batch, device.forward, key="a")
+    sched.run(batch, device.caller(batch), key="a")
     assert device.ooms == 1
-    assert sched.ceiling == 96  # halved to 48, then doubled back after 2 successes
+    assert sched.ceiling == 96  # halved to 48, then doubled back after 2 successful micro-batches
     lowered = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
     device2 = DeviceWithLimit(48)
-    lowered.run(make_batch([4] * 8), device2.forward, key="b")  # 8 x 6 = 48 fits in one
+    small = make_batch([4] * 8)
+    lowered.run(small, device2.caller(small), key="b")  # 8 x 6 = 48 fits in one
     assert device2.ooms == 0
     # a long run of successes at a lowered ceiling doubles it
     s3 = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
     dev3 = DeviceWithLimit(24)
-    s3.run(make_batch([4] * 16), dev3.forward, key="c")
+    big = make_batch([4] * 16)
+    s3.run(big, dev3.caller(big), key="c")
     assert dev3.ooms >= 1
     ceilings = []
     for i in range(4):
-        s3.run(make_batch([4] * 2), dev3.forward, key=f"d{i}")
+        pair = make_batch([4] * 2)
+        s3.run(pair, dev3.caller(pair), key=f"d{i}")
         ceilings.append(s3.ceiling)
     assert max(ceilings) > min(ceilings)
 
@@ -124,13 +158,14 @@ def test_ceiling_grows_back_after_successes() -> None:
 def test_single_sample_oom_is_a_clear_error() -> None:
     device = DeviceWithLimit(3)
     sched = DynamicBatchScheduler(SchedulerConfig(min_tokens=1, bytes_per_token=1), probe=lambda: probe_of(1 << 40))
+    one = make_batch([10])
     with pytest.raises(MicroBatchOOMError, match="one sample of 12 tokens ran out of memory") as info:
-        sched.run(make_batch([10]), device.forward, key="x")
+        sched.run(one, device.caller(one), key="x")
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
 
 
 def test_other_errors_are_not_swallowed() -> None:
-    def broken(mb: TensorBatch) -> int:
+    def broken(budget: int) -> int:
         raise RuntimeError("not memory")
 
     sched = DynamicBatchScheduler(probe=lambda: probe_of(1 << 40))
@@ -140,25 +175,29 @@ def test_other_errors_are_not_swallowed() -> None:
 
 def test_resumed_run_replays_the_recorded_plan() -> None:
     lengths = [5, 3, 8, 2, 7, 7, 1, 4, 6, 2]
+    batch = make_batch(lengths)
     cfg = SchedulerConfig(min_tokens=4, max_tokens=1000, bytes_per_token=1, memory_fraction=1.0, grow_after=3)
     first = DynamicBatchScheduler(cfg, probe=lambda: probe_of(60))
     dev = DeviceWithLimit(40)
     for step in range(3):
-        first.run(make_batch(lengths), dev.forward, key=f"step{step}")
+        first.run(batch, dev.caller(batch), key=f"step{step}")
     plan = [Decision.from_json(d.to_json()) for d in first.plan]
-    # the resumed run sees plenty of memory, yet runs the same micro-batches
+    # the resumed run sees plenty of memory, yet runs the same micro-batches at the same budgets
     resumed = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40), replay=plan[1:])
     resumed.load_state_dict({"ceiling": plan[0].ceiling, "successes": plan[0].successes})
     dev2 = DeviceWithLimit(40)
+    budgets: list[int] = []
     for step in (1, 2):
-        resumed.run(make_batch(lengths), dev2.forward, key=f"step{step}")
+        resumed.run(batch, lambda b: budgets.append(b) or dev2.caller(batch)(b), key=f"step{step}")
+    assert budgets == [d.budget for d in plan[1:]]
     assert [d.groups for d in resumed.plan] == [d.groups for d in plan[1:]]
-    assert dev2.ooms == 0  # the recorded partition already fits
+    assert dev2.ooms == 0  # the recorded budget already fits
     assert resumed.metrics()["scheduler/replayed_calls"] == 2
     # a plan that does not cover the batch is refused
     bad = DynamicBatchScheduler(cfg, replay=[Decision("z", ((0,),), 4)])
+    pair = make_batch([1, 1])
     with pytest.raises(ConfigError, match="covers 1 samples, the batch has 2"):
-        bad.run(make_batch([1, 1]), dev.forward, key="z")
+        bad.run(pair, dev.caller(pair), key="z")
 
 
 def test_a_fixed_budget_ignores_later_memory_and_travels_in_the_state() -> None:
@@ -176,11 +215,12 @@ def test_a_fixed_budget_ignores_later_memory_and_travels_in_the_state() -> None:
     free[0], before = 1 << 40, reads[0]
     assert sched.probe_budget() == 60 and reads[0] == before  # fixed: the probe is not read again
     lengths = [5, 3, 8, 2, 7, 7]
-    assert [g for g, _ in sched.run(make_batch(lengths), DeviceWithLimit(1000).forward, key="a")] == (
-        partition_in_order(lengths, 60)
-    )
+    six = make_batch(lengths)
+    seen: list[int] = []
+    sched.run(six, lambda b: seen.append(b) or DeviceWithLimit(1000).caller(six)(b), key="a")
+    assert seen == [60]
     # an OOM still halves the budget; the state carries the fixed budget to a resumed scheduler
-    sched.run(make_batch(lengths), DeviceWithLimit(20).forward, key="b")
+    sched.run(six, DeviceWithLimit(20).caller(six), key="b")
     assert sched.ceiling < 60 and sched.probe_budget() == sched.ceiling
     resumed = DynamicBatchScheduler(cfg, probe=lambda: probe_of(8))
     resumed.fix_budget()
@@ -196,9 +236,17 @@ def test_a_fixed_budget_ignores_later_memory_and_travels_in_the_state() -> None:
         sched.fix_budget(0)
 
 
-def test_partition_in_order_respects_budget() -> None:
-    groups = partition_in_order([3, 3, 3, 10, 1], 9)
-    assert groups == [(0, 1, 2), (3,), (4,)]
+def test_budget_never_falls_below_the_longest_sample() -> None:
+    # the partitioner needs every sample to fit one micro-batch: a budget from scarce memory is raised
+    cfg = SchedulerConfig(min_tokens=1, max_tokens=1000, bytes_per_token=1, memory_fraction=1.0)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(5))
+    batch = make_batch([10, 3, 3])
+    budgets: list[int] = []
+    sched.run(batch, lambda b: budgets.append(b) or DeviceWithLimit(100).caller(batch)(b), key="k")
+    assert budgets == [12]  # 2 prompt + 10 response tokens
+    # an OOM at the smallest budget the batch allows is a clear error naming the floor
+    with pytest.raises(MicroBatchOOMError, match="cannot go below 12"):
+        sched.run(batch, DeviceWithLimit(11).caller(batch), key="k2")
 
 
 def test_config_validation() -> None:

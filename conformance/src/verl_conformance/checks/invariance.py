@@ -28,7 +28,7 @@ def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> Tensor
 
 @check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences"))
 def check_micro_batch_invariance(h: Harness) -> None:
-    """log-probs, loss and gradients do not depend on micro_batch_size or micro_batch_tokens."""
+    """log-probs, loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget."""
     batch = h.batch(seed=20, rl_fields=True)
     variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
     caps = h.training().capabilities
@@ -44,13 +44,17 @@ def check_micro_batch_invariance(h: Harness) -> None:
         else:
             h.close_to(lp, base_lp, "log_probs", f"log_probs with {kw} vs one micro-batch", mask=batch["response_mask"])
     base = None
-    for kw in variants:
+    # the spec's micro-batching, and (forward_backward's max_tokens) the budget a trainer passes per call
+    calls: list[tuple[dict[str, int], int | None]] = [(kw, None) for kw in variants]
+    if caps.micro_batch_tokens:
+        calls.append(({}, 24))
+    for kw, budget in calls:
         engine = h.training(fresh=True, **kw)  # type: ignore[arg-type]
-        metrics, norm, grads = one_update(h, engine, batch, TOKEN_MEAN_PG)
+        metrics, norm, grads = one_update(h, engine, batch, TOKEN_MEAN_PG, max_tokens=budget)
         if base is None:
             base = (metrics, norm, grads)
             continue
-        label = f"with {kw} vs one micro-batch"
+        label = f"with {kw} vs one micro-batch" if budget is None else f"with max_tokens={budget} vs one micro-batch"
         h.scalar_close(metrics["loss"], base[0]["loss"], "loss",
                        f"loss {label} (the loss is normalised by global counts: an engine that averages "
                        "per micro-batch or over micro-batches changes it)")

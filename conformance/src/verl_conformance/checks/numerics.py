@@ -58,11 +58,15 @@ def check_values_match_reference(h: Harness) -> None:
     h.close_to(got, ref, "values", "critic values vs float64 reference", mask=batch["response_mask"])
 
 
-def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: LossFn
-               ) -> tuple[dict[str, float], float, dict[str, object]]:
-    """Run forward_backward + optimizer_step; return metrics, grad norm and recovered gradients."""
+def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: LossFn, *,
+               max_tokens: int | None = None) -> tuple[dict[str, float], float, dict[str, object]]:
+    """Run forward_backward (under the call's token budget ``max_tokens``) + optimizer_step.
+
+    Returns:
+        The call's metrics, the grad norm and the gradients recovered from the step.
+    """
     before = exported_weights(engine)
-    metrics = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch))
+    metrics = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch), max_tokens=max_tokens)
     step = engine.optimizer_step()
     after = exported_weights(engine)
     h.expect(set(after) == set(before), "export_weights names changed after a step")

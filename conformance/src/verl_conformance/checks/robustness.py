@@ -1,4 +1,4 @@
-"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input."""
+"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input, a failed call."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from verl_conformance.checks._registry import check
+from verl_conformance.checks.numerics import one_update
 from verl_conformance.errors import CheckSkipped
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
@@ -14,7 +15,9 @@ from verl_conformance.reference import cached_outputs
 from verl_core import (
     BatchMeta,
     BatchValidationError,
+    ConfigError,
     GlobalBatchStats,
+    LossOutput,
     SamplingParams,
     TensorBatch,
     TrainingEngine,
@@ -169,6 +172,54 @@ def check_bad_training_input_rejected(h: Harness) -> None:
     h.expect(step.grad_norm == 0.0,
              f"rejected inputs left gradients behind (grad norm {step.grad_norm}); the engine's state must "
              "be unchanged by a rejected call")
+
+
+class _FailOnSecondMicroBatch:
+    """The suite's token-mean policy-gradient loss, raising on the second micro-batch it sees."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.needs = TOKEN_MEAN_PG.needs
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("injected failure in the second micro-batch")
+        return TOKEN_MEAN_PG(batch, stats)
+
+
+@check("robustness")
+def check_failed_call_leaves_no_gradients(h: Harness) -> None:
+    """A forward_backward that raises mid-call leaves no gradients (running it again equals a clean update); a second call before optimizer_step is refused."""
+    batch = h.batch(seed=65, rl_fields=True)
+    stats = GlobalBatchStats.of(batch)
+    failing = h.training(fresh=True, micro_batch_size=2)
+    loss = _FailOnSecondMicroBatch()
+    try:
+        failing.forward_backward(batch, loss, stats)
+    except RuntimeError as e:
+        h.expect("injected failure" in str(e), f"the loss's error was replaced by {type(e).__name__}: {e}")
+    else:
+        h.fail("forward_backward returned although its loss raised on the second micro-batch")
+    h.expect(loss.calls == 2, f"the loss ran {loss.calls} times; the call must stop at the micro-batch that raised")
+    got = one_update(h, failing, batch, TOKEN_MEAN_PG)
+    want = one_update(h, h.training(fresh=True, micro_batch_size=2), batch, TOKEN_MEAN_PG)
+    label = "after a failed call vs an engine that never failed (the failed call must leave no gradients)"
+    h.scalar_close(got[0]["loss"], want[0]["loss"], "loss", f"loss {label}")
+    h.scalar_close(got[1], want[1], "loss", f"grad norm {label}")
+    for name, g in want[2].items():
+        h.close_to(got[2][name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
+    failing.forward_backward(batch, TOKEN_MEAN_PG, stats)
+    try:
+        failing.forward_backward(batch, TOKEN_MEAN_PG, stats)
+    except ConfigError as e:
+        h.expect("optimizer_step" in str(e), f"the refusal of a second call should say to call optimizer_step: {e}")
+    except Exception as e:
+        h.fail(f"a second forward_backward before optimizer_step raised {type(e).__name__}: {e}; expected ConfigError")
+    else:
+        h.fail("a second forward_backward before optimizer_step was accepted; one call takes the whole "
+               "mini-batch of an optimizer step, so a second one must raise ConfigError")
+    failing.optimizer_step()
 
 
 @check("robustness", gates=("rollout.stop_token_ids",))

@@ -104,6 +104,7 @@ class ExampleTrainingEngine(TrainingEngine):
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
         self.step = 0
+        self._pending = False  # a forward_backward's gradients wait for optimizer_step
 
     @property
     def spec(self) -> EngineSpec:
@@ -121,10 +122,11 @@ class ExampleTrainingEngine(TrainingEngine):
         return self._tokenizer
 
     # ------------------------------------------------------------------ compute
-    def _split(self, batch: TensorBatch) -> tuple[list[TensorBatch], object]:
+    def _split(self, batch: TensorBatch, max_tokens: int | None = None) -> tuple[list[TensorBatch], object]:
         spec = self._spec
-        if spec.micro_batch_tokens is not None:
-            mbs = batch.micro_batches(max_tokens=spec.micro_batch_tokens)
+        budget = max_tokens if max_tokens is not None else spec.micro_batch_tokens
+        if budget is not None:
+            mbs = batch.micro_batches(max_tokens=budget)
         else:
             mbs = batch.micro_batches(size=spec.micro_batch_size or max(batch.batch_size, 1))
         return list(mbs), mbs
@@ -171,29 +173,40 @@ class ExampleTrainingEngine(TrainingEngine):
         return 1.0
 
     def forward_backward(
-        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
     ) -> Metrics:
-        """Accumulate the gradients of ``loss_fn`` over micro-batches of ``mini_batch``."""
+        """The gradients of ``loss_fn`` over micro-batches of ``mini_batch`` (at most ``max_tokens`` each).
+
+        A call that raises leaves no gradients, so the caller can run it again on a smaller budget.
+        """
+        if self._pending:
+            raise ConfigError("forward_backward: the previous call's gradients are not applied yet; "
+                              "call optimizer_step() first (one call per optimizer step)")
         needs = loss_fn.needs
         self._check_outputs(needs)
         batch = validate(mini_batch, where="forward_backward", needs=_NEEDS,
                          vocab_size=self.model.cfg.vocab_size,
                          max_prompt_len=self._spec.max_prompt_len,
                          max_response_len=self._spec.max_response_len)
-        parts, _ = self._split(batch)
+        parts, _ = self._split(batch, max_tokens)
         scale = self.loss_scale(len(parts))
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, Tensor] = {}
         self.model.train()
-        for mb in parts:
-            filled: dict[str, Tensor] = dict(self.compute(mb, needs))
-            out = loss_fn(mb.update(filled), stats)
-            loss = out.loss * scale
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += loss.detach().double()
-            for k, v in out.metrics.items():
-                v = v.detach().double()
-                sums[k] = sums[k] + v if k in sums else v
+        try:
+            for mb in parts:
+                filled: dict[str, Tensor] = dict(self.compute(mb, needs))
+                out = loss_fn(mb.update(filled), stats)
+                loss = out.loss * scale
+                loss.backward()  # type: ignore[no-untyped-call]
+                total += loss.detach().double()
+                for k, v in out.metrics.items():
+                    v = v.detach().double()
+                    sums[k] = sums[k] + v if k in sums else v
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed call leaves no gradients
+            raise
+        self._pending = True
         metrics: Metrics = {k: float(v) for k, v in sums.items()}
         metrics["loss"] = float(total)
         metrics["num_micro_batches"] = float(len(parts))
@@ -201,6 +214,7 @@ class ExampleTrainingEngine(TrainingEngine):
 
     def optimizer_step(self) -> StepMetrics:
         """Clip, step AdamW at the scheduled learning rate, zero the gradients."""
+        self._pending = False
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.sqrt(sum((p.grad.double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64)))  # type: ignore[union-attr]
         grad_norm = float(norm)
@@ -258,6 +272,8 @@ class ExampleTrainingEngine(TrainingEngine):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = False
         torch.set_rng_state(state["rng"])
 
     def offload(self) -> None:

@@ -10,7 +10,7 @@ and with a bfloat16 spec megatron's float32 main parameters. With ``distributed=
 megatron's ``DistributedOptimizer``: each data-parallel rank keeps the float32 main parameters
 and Adam moments of its shard of the buffer only, steps that shard and all-gathers the
 parameters. Gradients are still all-reduced in full (not reduce-scattered), so every rank can
-export them and keep accumulating over several ``forward_backward`` calls.
+export them.
 
 :meth:`CoreOptimizer.step` keeps the engine's contract: the global gradient norm is computed
 first (megatron's own ``get_grad_norm``), a non-finite norm skips the step on every rank without
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from verl_core import ConfigError, OptimConfig
 
-__all__ = ["CoreOptimizer", "GradBufferStash"]
+__all__ = ["CoreOptimizer"]
 
 StateKey = Literal["master", "exp_avg", "exp_avg_sq"]
 
@@ -43,43 +43,6 @@ class _Owner:
     main: Tensor  # the whole main tensor, or this rank's flat shard under the distributed optimizer
     start: int = 0  # the shard's range in the flattened parameter (distributed optimizer)
     end: int = 0
-
-
-class GradBufferStash:
-    """Earlier calls' gradients set aside while one ``forward_backward`` runs (grad-buffer version).
-
-    Gradients of earlier calls are already reduced, so a call reduces only its own contribution:
-    the buffers are copied aside and zeroed, :meth:`merge` adds the copies back, :meth:`restore`
-    drops a failed call's partial gradients and puts the earlier ones back. Nothing is copied
-    when the buffers hold no gradients.
-    """
-
-    def __init__(self, opt: CoreOptimizer) -> None:
-        self._opt = opt
-        self._saved: list[Tensor] | None = None
-        if opt.has_grads:
-            self._saved = [b.clone() for b in opt.grad_buffers()]
-            for b in opt.grad_buffers():
-                b.zero_()
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Drop the running call's gradients and put the earlier ones back."""
-        for p in self._opt.params:
-            p.grad = None
-        for i, b in enumerate(self._opt.grad_buffers()):
-            if self._saved is None:
-                b.zero_()
-            else:
-                b.copy_(self._saved[i])
-
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Add the earlier gradients to the (reduced) gradients of the call."""
-        if self._saved is not None:
-            for b, s in zip(self._opt.grad_buffers(), self._saved, strict=True):
-                b.add_(s)
-        self._opt.has_grads = True
 
 
 class CoreOptimizer:
@@ -134,7 +97,6 @@ class CoreOptimizer:
                     main = p if main is None else main
                     if id(main) in mains:
                         self._owners[p] = _Owner(inner, main)
-        self.has_grads = False
 
     # ------------------------------------------------------------------ gradients
     def grad_buffers(self) -> list[Tensor]:
@@ -148,7 +110,7 @@ class CoreOptimizer:
         return grad
 
     def reduce(self) -> None:
-        """Sum this call's gradients over the data-parallel group (all ranks end with all of them)."""
+        """Sum the call's gradients over the data-parallel group (all ranks end with all of them)."""
         self.ddp.finish_grad_sync(force_all_reduce=True)
 
     def zero_grad(self) -> None:
@@ -157,7 +119,6 @@ class CoreOptimizer:
         for p in self.params:
             p.grad = None
         self.ddp.zero_grad_buffer()
-        self.has_grads = False
 
     # ------------------------------------------------------------------ step
     def step(self, lr: float, clip: float) -> tuple[float, bool]:

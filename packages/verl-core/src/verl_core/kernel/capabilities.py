@@ -38,7 +38,7 @@ class TrainingCapabilities:
     data_parallel: bool = False
     """Runs with parallel.dp > 1 (gradients reduced over data-parallel ranks)."""
     micro_batch_tokens: bool = True
-    """Honours EngineSpec.micro_batch_tokens (token-budget micro-batching)."""
+    """Honours EngineSpec.micro_batch_tokens and forward_backward's max_tokens (token-budget micro-batching)."""
     packed_sequences: bool = False
     """Packs sequences without padding; the token budget then counts real tokens."""
     gradient_checkpointing: bool = False

@@ -2,18 +2,23 @@
 
 Loss and distribution (docs/architecture.md): the controller holds the global batch and computes
 :class:`GlobalBatchStats` for each optimizer step's mini-batch. ``forward_backward`` is called once
-per optimizer step with this rank's share of the mini-batch; the engine splits it into
-micro-batches. A :class:`LossFn` returns a scalar already normalised by the *global* counts, so the
-sum of its gradients over all micro-batches and ranks is the gradient of the global loss. Engines
-undo framework averaging (DDP/FSDP mean over ranks, Megatron's division by the number of
-micro-batches), so results do not depend on micro-batch size or data-parallel degree.
+per optimizer step with this rank's share of the whole mini-batch; the engine splits it into
+micro-batches with the kernel's one partitioner (:func:`~verl_core.kernel.batch.partition_by_token_budget`,
+through :meth:`TensorBatch.micro_batches <verl_core.kernel.batch.TensorBatch.micro_batches>`) under
+the token budget the caller passes (else the spec's). A :class:`LossFn` returns a scalar already
+normalised by the *global* counts, so the sum of its gradients over all micro-batches and ranks is
+the gradient of the global loss. Engines undo framework averaging (DDP/FSDP mean over ranks,
+Megatron's division by the number of micro-batches), so results do not depend on micro-batch size
+or data-parallel degree. Gradients are reduced over data-parallel ranks once per call, at its end;
+a call that raises leaves no gradients, so the caller may run the whole call again (e.g. on a
+smaller budget after an out-of-memory error).
 """
 
 from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -31,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "GlobalBatchStats",
-    "GradientStash",
     "LossFn",
     "LossOutput",
     "Metrics",
@@ -126,41 +130,6 @@ class StepMetrics:
     skipped: bool
 
 
-class GradientStash:
-    """Earlier calls' gradients set aside while one ``forward_backward`` call runs.
-
-    Gradients of earlier calls are already reduced over ranks, so a call sets them aside, reduces
-    only its own contribution and then :meth:`merge` adds them back; a call that fails (e.g. out of
-    memory, retried by the caller on smaller micro-batches) contributes nothing: :meth:`restore`
-    drops its partial gradients and puts the earlier ones back.
-
-    Args:
-        params: The trainable parameters (their gradients are cleared on construction).
-    """
-
-    def __init__(self, params: Sequence[Tensor]) -> None:
-        self._params = list(params)
-        self._saved = [(p, p.grad) for p in self._params if p.grad is not None]
-        for p, _ in self._saved:
-            p.grad = None
-
-    def restore(self) -> None:
-        """Drop the running call's gradients and put the earlier ones back."""
-        for p in self._params:
-            p.grad = None
-        for p, g in self._saved:
-            p.grad = g
-
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Add the earlier gradients to the (reduced) gradients of the call."""
-        for p, g in self._saved:
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
-
-
 def dp_shard(batch: TensorBatch, rank: int, world: int) -> TensorBatch:
     """The share of ``batch`` that data-parallel ``rank`` of ``world`` processes.
 
@@ -175,7 +144,7 @@ class TrainingEngine(Protocol):
     Inputs are validated at the boundary: a batch missing a needed field, with a wrong dtype or
     shape, NaN/inf in a float field, wrong padding sides or ids outside the vocabulary raises
     :class:`~verl_core.kernel.errors.BatchValidationError` before any model code runs, and the engine's
-    state (weights, optimizer, accumulated gradients) is unchanged.
+    state (weights, optimizer, gradients) is unchanged.
     """
 
     @property
@@ -210,18 +179,40 @@ class TrainingEngine(Protocol):
 
     @abstractmethod
     def forward_backward(
-        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
     ) -> Metrics:
-        """Accumulate gradients of ``loss_fn`` over this rank's share of one optimizer step.
+        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step's mini-batch.
 
-        Splits ``mini_batch`` into micro-batches (by ``spec.micro_batch_tokens`` or
-        ``micro_batch_size``), fills the outputs ``loss_fn.needs`` with autograd, calls ``loss_fn``
-        with the global ``stats`` and backpropagates. Every data-parallel rank runs the same number
-        of micro-batches (padded with empty ones).
+        The engine owns the micro-batch loop: it partitions ``mini_batch`` with
+        ``mini_batch.micro_batches(max_tokens=...)`` (the kernel's one partitioner) under the budget
+        ``max_tokens`` (padded tokens per micro-batch), else ``spec.micro_batch_tokens``, else into
+        ``spec.micro_batch_size`` samples (the whole share when neither is set). It fills the outputs
+        ``loss_fn.needs`` with autograd, calls ``loss_fn`` with the global ``stats`` and
+        backpropagates each micro-batch. Every data-parallel rank runs the same number of
+        micro-batches (padded with empty ones); the gradients are summed over ranks once, at the end
+        of the call, and stay until :meth:`optimizer_step` consumes them.
+
+        Call it once per optimizer step: the gradients of a mini-batch are those of one call.
+
+        A call that raises (invalid input, out of memory, an error of the loss function) leaves no
+        gradients: the engine's weights, optimizer state and step count are as before the call and
+        its gradients are cleared, so the caller can run the same call again (the trainer's
+        scheduler does so with a halved budget after ``torch.OutOfMemoryError``).
+
+        Args:
+            mini_batch: This rank's share of the mini-batch (all of it when there is one rank).
+            loss_fn: The loss; its ``needs`` name the model outputs to compute.
+            stats: Counts of the global mini-batch (over every rank).
+            max_tokens: Token budget of one micro-batch for this call (>= the longest sample's
+                prompt plus response tokens); None uses the spec's.
 
         Returns:
             ``loss`` and every metric of the loss function, summed over micro-batches and ranks
             (so they are global values), plus ``num_micro_batches``.
+
+        Raises:
+            ConfigError: the previous call's gradients were not consumed by :meth:`optimizer_step`.
+            BatchValidationError: invalid input, or ``max_tokens`` below 1 or below a sample's length.
         """
 
     @abstractmethod

@@ -1,12 +1,16 @@
-"""DynamicBatchScheduler: micro-batch token budgets from free memory, with OOM back-off and replay.
+"""DynamicBatchScheduler: the memory policy of micro-batching, with OOM back-off and replay.
 
-The budget (padded tokens per micro-batch: size x longest sequence, prompt plus response) is
-picked from the free memory a probe reports, clamped to ``[min_tokens, max_tokens]`` and to a
-ceiling learned from out-of-memory errors. On ``torch.OutOfMemoryError`` the ceiling halves and the
-same micro-batch is split and retried, so no sample is lost or repeated; after ``grow_after``
-successful micro-batches the ceiling doubles again. Every call's final partition is recorded as a
-:class:`Decision`; a scheduler given those decisions (``replay=``) reuses the recorded partition for
-the same call keys instead of probing, so a resumed run executes the same micro-batches.
+The scheduler does not cut batches itself: engines micro-batch internally with the kernel's one
+partitioner (:func:`~verl_core.kernel.batch.partition_by_token_budget`), and the scheduler picks the
+token budget they run under (padded tokens per micro-batch: size x longest sequence, prompt plus
+response). The budget comes from the free memory a probe reports, clamped to ``[min_tokens,
+max_tokens]``, to a ceiling learned from out-of-memory errors and from below to the call's longest
+sample. On ``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller
+budget (an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``),
+so no sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
+ceiling doubles again. Every call's final budget is recorded as a :class:`Decision`; a scheduler given those
+decisions (``replay=``) reuses the recorded budget for the same call keys instead of probing, so a
+resumed run executes the same micro-batches.
 
 By default the probe is read at every call. :meth:`DynamicBatchScheduler.fix_budget` reads it once
 and keeps that budget (the trainer does so at run start and stores it in its checkpoints): the
@@ -16,13 +20,13 @@ free when the step runs, and a resumed run splits its steps like an uninterrupte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.batch import TensorBatch, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.trainer.memory import (
     MemoryInfo,
@@ -48,7 +52,7 @@ T = TypeVar("T")
 
 
 class MicroBatchOOMError(VerlError, RuntimeError):
-    """A single sample does not fit in memory even alone, or the budget cannot shrink further."""
+    """A call ran out of memory and its budget cannot shrink further (a single sample does not fit)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ class SchedulerConfig:
         max_tokens: Largest budget.
         bytes_per_token: Estimated activation bytes one padded token costs (forward plus backward).
         memory_fraction: Share of the free memory the budget may use.
-        grow_after: Successful micro-batches after which an OOM-lowered ceiling doubles again.
+        grow_after: Successful micro-batches after which an OOM-lowered ceiling doubles again (counted
+            at the end of each successful call).
     """
 
     min_tokens: int = 64
@@ -88,8 +93,9 @@ class Decision:
 
     Attributes:
         key: Caller-chosen identifier of the call (e.g. ``"step3/actor_update/0"``).
-        groups: The micro-batches that ran, as sample indices of the call's batch, in run order.
-        budget: Budget in force when the call finished.
+        groups: The micro-batches of the call at its final budget, as sample indices of the call's
+            batch (``partition_by_token_budget`` of its sample lengths).
+        budget: Budget of the call's successful run (what a replay passes again).
         ooms: Out-of-memory errors handled during the call.
         ceiling: The scheduler's OOM ceiling after the call (restored when the call is replayed).
         successes: The scheduler's success counter after the call.
@@ -124,35 +130,15 @@ class _Stats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def partition_in_order(lengths: Sequence[int], budget: int) -> list[tuple[int, ...]]:
-    """Cut consecutive samples into groups whose size x longest length stays within ``budget``.
-
-    A sample longer than the budget forms a group of its own. Order is kept.
-    """
-    groups: list[tuple[int, ...]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        n = max(int(n), 1)
-        if current and (len(current) + 1) * max(longest, n) > budget:
-            groups.append(tuple(current))
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        groups.append(tuple(current))
-    return groups
-
-
 class DynamicBatchScheduler:
-    """Splits batches into micro-batches sized by free memory and survives out-of-memory errors.
+    """Picks micro-batch token budgets from free memory and survives out-of-memory errors.
 
     Args:
         config: Bounds and policy.
         probe: Memory probe (default: :func:`default_memory_probe` of ``device``); inject one to
             simulate memory pressure.
         device: Device whose memory the default probe reads.
-        replay: Decisions of an earlier run; calls with a recorded key run the recorded partition.
+        replay: Decisions of an earlier run; calls with a recorded key run at the recorded budget.
     """
 
     def __init__(
@@ -225,82 +211,91 @@ class DynamicBatchScheduler:
             self._replay[d.key] = d
 
     # ------------------------------------------------------------------ run
-    def run(self, batch: TensorBatch, fn: Callable[[TensorBatch], T], *, key: str) -> list[tuple[tuple[int, ...], T]]:
-        """Call ``fn`` on micro-batches of ``batch`` covering every sample exactly once.
+    def run(self, batch: TensorBatch, fn: Callable[[int], T], *, key: str) -> T:
+        """Call ``fn(budget)`` for the whole ``batch``; on out-of-memory, call it again on a halved budget.
+
+        ``fn`` runs the whole batch under the token budget it is given (e.g.
+        ``lambda budget: engine.forward_backward(batch, loss, stats, max_tokens=budget)``) and must
+        leave nothing behind when it raises, as engine calls do. The budget is never below the
+        batch's longest sample, which the partitioner needs to fit into one micro-batch.
 
         Returns:
-            ``(indices, result)`` per micro-batch in run order; ``indices`` are rows of ``batch``.
+            What the successful call of ``fn`` returned.
 
         Raises:
-            MicroBatchOOMError: a single sample ran out of memory, or the budget reached
-                ``min_tokens`` and the micro-batch still did not fit.
+            MicroBatchOOMError: the call ran out of memory with every micro-batch a single sample,
+                or at the smallest budget allowed (``min_tokens``, or the longest sample).
+            ConfigError: a replayed decision does not cover ``batch``.
         """
-        lengths = batch.seq_lengths().tolist()
+        lengths = [int(n) for n in batch.seq_lengths().tolist()]
+        longest = max(lengths, default=1)
         recorded = self._replay.pop(key, None)
         if recorded is not None:
-            queue = [tuple(g) for g in recorded.groups]
-            covered = sorted(i for g in queue for i in g)
+            covered = sorted(i for g in recorded.groups for i in g)
             if covered != list(range(batch.batch_size)):
                 raise ConfigError(
                     f"replayed plan for {key!r} covers {len(covered)} samples, the batch has "
                     f"{batch.batch_size}; the resumed run differs from the recorded one"
                 )
-            budget = recorded.budget
+            budget = max(recorded.budget, longest)
             self._stats.replayed += 1
         else:
-            budget = self.probe_budget()
-            queue = partition_in_order(lengths, budget)
-        done: list[tuple[tuple[int, ...], T]] = []
+            budget = max(self.probe_budget(), longest)
         ooms = 0
-        while queue:
-            group = queue.pop(0)
+        while True:
+            groups = partition_by_token_budget(lengths, budget)
             try:
-                result = fn(batch.index(list(group)))
+                result = fn(budget)
+                break
             except torch.OutOfMemoryError as e:
                 ooms += 1
                 self._stats.ooms += 1
                 self._successes = 0
-                cost = len(group) * max(max(lengths[i] for i in group), 1)
-                if len(group) == 1:
+                worst = max((len(g) * max(max(lengths[i] for i in g), 1) for g in groups), default=1)
+                if all(len(g) == 1 for g in groups):
                     raise MicroBatchOOMError(
-                        f"{key}: one sample of {lengths[group[0]]} tokens ran out of memory on its own; "
+                        f"{key}: one sample of {longest} tokens ran out of memory on its own; "
                         "lower max_prompt_len/max_response_len, use a smaller model or free memory"
                     ) from e
-                new_budget = max(self.config.min_tokens, min(budget, cost) // 2)
-                pieces = partition_in_order([lengths[i] for i in group], new_budget)
-                if len(pieces) == 1:  # cannot split at this budget: force halves
-                    half = len(group) // 2
-                    pieces = [tuple(range(half)), tuple(range(half, len(group)))]
+                new_budget = max(self.config.min_tokens, longest, min(budget, worst) // 2)
+                if new_budget >= worst:
+                    raise MicroBatchOOMError(
+                        f"{key}: micro-batches of {worst} padded tokens ran out of memory and the budget "
+                        f"cannot go below {new_budget} (batch.min_tokens={self.config.min_tokens}, longest "
+                        f"sample {longest} tokens); lower batch.min_tokens or the sequence lengths, or free memory"
+                    ) from e
                 budget = new_budget
-                self._ceiling = max(self.config.min_tokens, new_budget)
-                queue = [tuple(group[j] for j in p) for p in pieces] + queue
-                continue
-            done.append((group, result))
-            self._stats.micro_batches += 1
-            self._successes += 1
-            if self._successes >= self.config.grow_after and self._ceiling < self.config.max_tokens:
-                self._ceiling = min(self.config.max_tokens, self._ceiling * 2)
-                self._successes = 0
+                self._ceiling = new_budget
+        self._stats.micro_batches += len(groups)
+        self._successes += len(groups)
+        if self._successes >= self.config.grow_after and self._ceiling < self.config.max_tokens:
+            self._ceiling = min(self.config.max_tokens, self._ceiling * 2)
+            self._successes = 0
         if recorded is not None and recorded.ceiling:
             self._ceiling, self._successes = recorded.ceiling, recorded.successes
         self._stats.last_budget = budget
         self._plan.append(
-            Decision(key, tuple(g for g, _ in done), budget, ooms, self._ceiling, self._successes)
+            Decision(key, tuple(tuple(g) for g in groups), budget, ooms, self._ceiling, self._successes)
         )
-        return done
+        return result
 
     def run_forward(self, batch: TensorBatch, fn: Callable[[TensorBatch], TensorBatch], *, key: str) -> TensorBatch:
-        """Run a batch-to-batch function per micro-batch and reassemble the samples in input order."""
-        parts = self.run(batch, fn, key=key)
-        order = torch.tensor([i for g, _ in parts for i in g], dtype=torch.int64)
-        merged = TensorBatch.concat([out for _, out in parts])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        return merged.index(inverse)
+        """Run a batch-to-batch function (a forward pass) per micro-batch and reassemble the samples in input order.
+
+        The micro-batches are ``batch.micro_batches(max_tokens=budget)`` (the kernel partitioner)
+        at the budget :meth:`run` picks; a forward computes no gradients, so its pieces are
+        independent calls and an out-of-memory error runs the whole batch again on a smaller budget.
+        """
+
+        def whole(budget: int) -> TensorBatch:
+            mbs = batch.micro_batches(max_tokens=budget, trim=False)
+            return mbs.restore([fn(mb) for mb in mbs])
+
+        return self.run(batch, whole, key=key)
 
     # ------------------------------------------------------------------ state
     def metrics(self) -> dict[str, float]:
-        """Counters since construction: OOMs handled, micro-batches run, replayed calls, budgets."""
+        """Counters since construction: OOMs handled, micro-batches of successful calls, replayed calls, budgets."""
         return {
             "scheduler/ooms": float(self._stats.ooms),
             "scheduler/micro_batches": float(self._stats.micro_batches),

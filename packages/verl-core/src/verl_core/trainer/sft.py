@@ -347,12 +347,12 @@ class SFTTrainer:
             mb = batch.index(slice(start, start + size))
             stats = GlobalBatchStats.of(mb)
 
-            def fn(micro: TensorBatch, stats: GlobalBatchStats = stats) -> Mapping[str, float]:
-                return self.actor.forward_backward(micro, self.loss_fn, stats)
+            def fn(budget: int, mb: TensorBatch = mb, stats: GlobalBatchStats = stats) -> Mapping[str, float]:
+                return self.actor.forward_backward(mb, self.loss_fn, stats, max_tokens=budget)
 
-            parts = self.scheduler.run(mb, fn, key=f"step{self.step}/actor/update{i}")
-            nll += sum(float(m["loss"]) for _, m in parts) * stats.num_tokens
-            micro_batches += len(parts)
+            key = f"step{self.step}/actor/update{i}"
+            nll += float(self.scheduler.run(mb, fn, key=key)["loss"]) * stats.num_tokens
+            micro_batches += len(self.scheduler.plan[-1].groups)
             result = self.actor.optimizer_step()
             grad_norm += result.grad_norm
             lr = result.lr

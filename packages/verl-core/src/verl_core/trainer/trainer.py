@@ -785,15 +785,13 @@ class Trainer:
     def _train_engine(
         self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, stats: GlobalBatchStats, index: int
     ) -> dict[str, float]:
-        def fn(micro: TensorBatch) -> Mapping[str, float]:
-            return engine.forward_backward(micro, loss, stats)
+        def fn(budget: int) -> Mapping[str, float]:
+            # the engine micro-batches the whole mini-batch under the scheduler's budget
+            return engine.forward_backward(mb, loss, stats, max_tokens=budget)
 
         self._stage = f"{role}_update"
-        parts = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
-        total: dict[str, float] = {}
-        for _, m in parts:
-            for k, v in m.items():
-                total[k] = total.get(k, 0.0) + float(v)
+        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
+        total = {k: float(v) for k, v in metrics.items()}
         step = engine.optimizer_step()
         total["grad_norm"] = step.grad_norm
         total["lr"] = step.lr

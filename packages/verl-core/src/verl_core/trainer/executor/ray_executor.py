@@ -351,9 +351,11 @@ class RayTrainingEngine(TrainingEngine):
         joined = TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
         return batch.update({n: joined[n] for n in names})
 
-    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
-        """Every rank accumulates gradients of its share; metrics are global (rank 0's)."""
-        out: list[Metrics] = self._place.sharded("call", mini_batch, pre=("forward_backward",), post=(loss_fn, stats))
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    ) -> Metrics:
+        """Every rank computes the gradients of its share under ``max_tokens``; metrics are global (rank 0's)."""
+        out: list[Metrics] = self._place.sharded("forward_backward", mini_batch, post=(loss_fn, stats, max_tokens))
         return out[0]
 
     def optimizer_step(self) -> StepMetrics:

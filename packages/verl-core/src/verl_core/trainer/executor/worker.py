@@ -133,6 +133,13 @@ class EngineWorker:
         out: TensorBatch = self._engine(role).forward(batch, outputs)
         return out.select(*outputs, extras=False)
 
+    def forward_backward(
+        self, role: str, batch: TensorBatch, loss_fn: Any, stats: Any, max_tokens: int | None
+    ) -> dict[str, float]:
+        """The engine's forward_backward on this rank's share, under the controller's token budget."""
+        out: dict[str, float] = self._engine(role).forward_backward(batch, loss_fn, stats, max_tokens=max_tokens)
+        return out
+
     def close_role(self, role: str) -> None:
         """Close and forget ``role``'s engine."""
         engine = self.engines.pop(role, None)
