@@ -132,9 +132,9 @@ def _lengths(mask: Tensor) -> Tensor:
     W = T // 8
     chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # sums that fit int64
     sums = mask.view(torch.int64).view(B, chunks, W // chunks).sum(-1)
-    # each chunk's length is one less than the count of possible sums up to its own
-    lengths = torch.searchsorted(_word_sums(W // chunks, dev), sums, right=True)
-    return lengths.sum(-1).sub_(chunks)
+    # a chunk's length is the count of possible sums below its own
+    lengths = torch.searchsorted(_word_sums(W // chunks, dev), sums)
+    return lengths.squeeze(1) if chunks == 1 else lengths.sum(-1)
 
 
 def _mask_from_lengths(lengths: Tensor, width: int) -> Tensor:
@@ -145,8 +145,13 @@ def _mask_from_lengths(lengths: Tensor, width: int) -> Tensor:
     is right-padded.
     """
     out = torch.empty(lengths.shape[0], width, dtype=torch.float32, device=lengths.device)
-    cols = torch.arange(width, dtype=torch.float32, device=lengths.device)
-    return torch.lt(cols, lengths.to(torch.float32).unsqueeze(-1), out=out)
+    return torch.lt(_columns(width, lengths.device), lengths.to(torch.float32).unsqueeze(-1), out=out)
+
+
+@functools.lru_cache(maxsize=32)
+def _columns(width: int, device: torch.device) -> Tensor:
+    """``arange(width)`` as float32 (read-only, shared)."""
+    return torch.arange(width, dtype=torch.float32, device=device)
 
 
 def _weights(batch: TensorBatch, lengths: Tensor | None = None) -> Tensor:
