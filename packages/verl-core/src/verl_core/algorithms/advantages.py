@@ -193,9 +193,11 @@ def _prefix_sums(x: Tensor, lengths: Tensor) -> Tensor:
     # the block each row ends in: the last one for a row that reaches the last whole block's end
     end = torch.div(lengths, K, rounding_mode="floor").clamp_(max=nb - 1)
     before = torch.nn.functional.pad(block_sums, (1, 0)).cumsum_(-1).gather(1, end.unsqueeze(-1)).squeeze(1)
-    start = end.mul_(K)
-    rest = (lengths.clamp(max=whole) if whole < T else lengths) - start  # values of the end block, 0..K
-    ends = x.view(-1).unfold(0, K, 1).index_select(0, start.add_(torch.arange(0, B * T, T, device=dev)))
+    rest = (lengths.clamp(max=whole) if whole < T else lengths) - end * K  # values of the end block, 0..K
+    if whole == T:  # the end blocks are rows of the [batch * blocks, K] view
+        ends = x.view(B * nb, K).index_select(0, end.add_(torch.arange(0, B * nb, nb, device=dev)))
+    else:  # windows of K values starting at each end block
+        ends = x.view(-1).unfold(0, K, 1).index_select(0, end.mul_(K).add_(torch.arange(0, B * T, T, device=dev)))
     total = ends.mul_(_leading_ones(K, x.dtype, dev).index_select(0, rest)).sum(-1).add_(before)
     if whole < T:
         tail = x[:, whole:]
