@@ -137,14 +137,15 @@ def _lengths(mask: Tensor) -> Tensor:
     return lengths.squeeze(1) if chunks == 1 else lengths.sum(-1)
 
 
-def _mask_from_lengths(lengths: Tensor, width: int) -> Tensor:
-    """A new float32 ``[batch, width]`` tensor: 1 before each row's length, 0 after.
+def _mask_from_lengths(lengths: Tensor, width: int, out: Tensor | None = None) -> Tensor:
+    """A float32 ``[batch, width]`` tensor (new, or ``out``): 1 before each row's length, 0 after.
 
     Written by one comparison against the lengths: several times faster on CPU than converting
     the bool mask (a ``uint8 -> float32`` copy is not vectorised), and exact for any mask that
     is right-padded.
     """
-    out = torch.empty(lengths.shape[0], width, dtype=torch.float32, device=lengths.device)
+    if out is None:
+        out = torch.empty(lengths.shape[0], width, dtype=torch.float32, device=lengths.device)
     return torch.lt(_columns(width, lengths.device), lengths.to(torch.float32).unsqueeze(-1), out=out)
 
 
@@ -473,8 +474,14 @@ def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     ``baseline_scores`` and rewards.
     """
     batch.require("response_mask", "baseline_scores", where="ReMax")
-    w = _weights(batch)
-    r = token_rewards(batch, w)
-    returns = _suffix_sums(r)  # 0 after the response (right padding)
-    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0, out=r)
+    if "token_rewards" not in batch:
+        batch, _ = compute_token_rewards(batch)
+    mask = batch["response_mask"]
+    lengths = _lengths(mask)
+    # one [batch, response] buffer holds the masked rewards, then the mask again, then the
+    # advantages: a fresh buffer costs page faults on CPU, a rewrite of the mask much less
+    buf = _mask_from_lengths(lengths, mask.shape[-1])
+    returns = _suffix_sums(torch.mul(batch["token_rewards"], buf, out=buf))  # 0 after the response
+    w = _mask_from_lengths(lengths, mask.shape[-1], out=buf)
+    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0, out=w)
     return _finish(batch, adv, returns)
