@@ -6,11 +6,13 @@ estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[
 reduced with ``torch.unique`` + ``index_add``; discounted sums over time use blocked matrix
 products, with no Python loop over samples, groups or tokens.
 
-Speed (these functions are memory-bound on CPU): the response lengths are found by a binary search
-per row of the right-padded mask, float masks are written from the lengths (converting a bool
-mask is a slow copy), a sample's total reward reads its row once up to its length
-(blocked sums, ``_prefix_sums``), and the outcome estimators whiten per-sequence values in ``[batch]``
-space. ``benchmarks/bench_advantages.py`` times them against verl 0.9.1.
+Speed (these functions are memory-bound on CPU): the response lengths come from summing the
+right-padded mask as int64 words (``_lengths``), float masks are written from the lengths
+(converting a bool mask is a slow copy), a sample's total reward reads its row once up to its
+length (blocked sums, ``_prefix_sums``), reward-to-go sums run over short blocks
+(``_suffix_sums``), fresh ``[batch, response]`` buffers are kept few (each costs page faults),
+and the outcome estimators whiten per-sequence values in ``[batch]`` space.
+``benchmarks/bench_advantages.py`` times them against verl 0.9.1.
 
 Rewards: the outcome estimators (GRPO, RLOO, REINFORCE++-baseline) use each sample's total reward
 :func:`outcome_rewards` (as verl's ``token_level_rewards.sum(-1)``); the per-token estimators (GAE,
