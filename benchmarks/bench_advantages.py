@@ -15,7 +15,12 @@ preference:
 The header names the baseline used. Calls alternate (ours, baseline, ours, ...) so both see the
 same machine load; ``--cpu-time`` times the calling thread's CPU time instead of wall time, which
 a loaded machine disturbs less. Inputs come from ``bench_algorithms.make_inputs`` (right-padded
-bool mask, groups of 16, rewards 0 after each response).
+bool mask, groups of 16, rewards 0 after each response); verl gets its float mask ready made, as
+its trainer hands it over, while ours reads the bool mask of the canonical layout.
+
+The table ends with the lowest ratio; ``--min-ratio R`` makes the script exit with status 1 when
+an estimator is slower than ``R`` times the baseline (``--min-ratio 1`` checks that every
+estimator is at least as fast as verl's fastest variant).
 
 Usage::
 
@@ -86,6 +91,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
     p.add_argument("--cpu-time", action="store_true", help="time the thread's CPU time, not wall time")
     p.add_argument("--only", nargs="*", choices=ESTIMATORS, help="estimators to time (default: all)")
+    p.add_argument("--min-ratio", type=float, metavar="R",
+                   help="exit with status 1 when an estimator's base/ours ratio is below R")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
@@ -156,6 +163,10 @@ def main() -> None:
     print("-" * len(head))
     for name, o, best, b, diff in rows:
         print(f"{name:<22} {o:>9.2f} {b:>9.2f} {b / o:>9.2f} {diff:>10.2e}  {best}")
+    low_name, low = min(((r[0], r[3] / r[1]) for r in rows), key=lambda r: r[1])
+    print(f"lowest base/ours: {low:.2f} ({low_name})")
+    if args.min_ratio is not None and low < args.min_ratio:
+        sys.exit(f"{low_name} is {low:.2f}x the baseline, below --min-ratio {args.min_ratio}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[
 reduced with ``torch.unique`` + ``index_add``; discounted sums over time use blocked matrix
 products, with no Python loop over samples, groups or tokens.
 
-Speed (these functions are memory-bound on CPU): the response lengths are found by a binary search
-per row of the right-padded mask, float masks are written from the lengths (converting a bool
-mask is a slow copy), a sample's total reward reads its row once up to its length
-(blocked sums, ``_prefix_sums``), and the outcome estimators whiten per-sequence values in ``[batch]``
-space. ``benchmarks/bench_advantages.py`` times them against verl 0.9.1.
+Speed (these functions are memory-bound on CPU): the response lengths come from summing the
+right-padded mask as int64 words (``_lengths``), float masks are written from the lengths
+(converting a bool mask is a slow copy), a sample's total reward reads its row once up to its
+length (blocked sums, ``_prefix_sums``), reward-to-go sums run over short blocks
+(``_suffix_sums``), fresh ``[batch, response]`` buffers are kept few (each costs page faults),
+and the outcome estimators whiten per-sequence values in ``[batch]`` space.
+``benchmarks/bench_advantages.py`` times them against verl 0.9.1.
 
 Rewards: the outcome estimators (GRPO, RLOO, REINFORCE++-baseline) use each sample's total reward
 :func:`outcome_rewards` (as verl's ``token_level_rewards.sum(-1)``); the per-token estimators (GAE,
@@ -37,6 +39,7 @@ REINFORCE++ (both kinds) whiten over the batch's response tokens with the unbias
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -71,6 +74,7 @@ __all__ = [
 
 _BLOCK = 64
 _SUM_BLOCK = 64
+_SUFFIX_BLOCK = 32
 _WHITEN_EPS = 1e-8
 
 
@@ -90,32 +94,67 @@ def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
 
 
-def _lengths(mask: Tensor) -> Tensor:
-    """Response lengths (int64 ``[batch]``) of a right-padded bool mask, by a binary search per row.
+# a bool mask viewed as int64 holds 8 mask bytes per word; a word of 8 True bytes is _ONES
+_ONES = 0x0101010101010101
+# at most this many words are summed together: 127 * _ONES < 2**63
+_MAX_WORDS = 127
 
-    A right-padded row is ``True* False*``, so its negation is sorted and the length is where the
-    first 1 stands: ``O(batch * log(response))`` work after one cheap pass (the negation), where a
-    sum over a bool mask is a slow non-vectorised reduction on CPU.
+
+@functools.lru_cache(maxsize=32)
+def _word_sums(words: int, device: torch.device) -> Tensor:
+    """Every sum of ``words`` mask words of a right-padded row, in order (read-only, shared).
+
+    A right-padded run of ``n`` True bytes is ``n // 8`` words of ``_ONES`` and one word holding
+    ``n % 8`` low bytes of 1, so its sum is ``(n // 8) * _ONES + (256**(n % 8) - 1) // 255``:
+    increasing in ``n``, so ``n`` is the position of a sum among these.
+    """
+    n = torch.arange(8 * words + 1, dtype=torch.int64)
+    part = torch.tensor([(256**k - 1) // 255 for k in range(8)], dtype=torch.int64)
+    return (torch.div(n, 8, rounding_mode="floor") * _ONES + part[n % 8]).to(device)
+
+
+def _lengths(mask: Tensor) -> Tensor:
+    """Response lengths (int64 ``[batch]``) of a right-padded bool mask.
+
+    The mask's bytes are read 8 at a time as int64 words and summed per row (a vectorised
+    integer reduction, where a sum over a bool mask is a slow non-vectorised one); the sum of a
+    right-padded row's words names its length (:func:`_word_sums`), found by a binary search.
+    Masks whose rows are not a whole number of words (or that are not contiguous) are searched
+    per row instead: the negation of a right-padded row is sorted, so its length is where the
+    first 1 stands.
     """
     B, T = mask.shape
     dev = mask.device
     if B == 0 or T == 0:
         return torch.zeros(B, dtype=torch.int64, device=dev)
-    pad = (~mask).view(torch.uint8)
-    one = torch.ones(B, 1, dtype=torch.uint8, device=dev)
-    return torch.searchsorted(pad, one).squeeze(1)
+    if T % 8 or not mask.is_contiguous() or mask.storage_offset() % 8:
+        pad = (~mask).view(torch.uint8)
+        one = torch.ones(B, 1, dtype=torch.uint8, device=dev)
+        return torch.searchsorted(pad, one).squeeze(1)
+    W = T // 8
+    chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # sums that fit int64
+    sums = mask.view(torch.int64).view(B, chunks, W // chunks).sum(-1)
+    # a chunk's length is the count of possible sums below its own
+    lengths = torch.searchsorted(_word_sums(W // chunks, dev), sums)
+    return lengths.squeeze(1) if chunks == 1 else lengths.sum(-1)
 
 
-def _mask_from_lengths(lengths: Tensor, width: int) -> Tensor:
-    """A new float32 ``[batch, width]`` tensor: 1 before each row's length, 0 after.
+def _mask_from_lengths(lengths: Tensor, width: int, out: Tensor | None = None) -> Tensor:
+    """A float32 ``[batch, width]`` tensor (new, or ``out``): 1 before each row's length, 0 after.
 
     Written by one comparison against the lengths: several times faster on CPU than converting
     the bool mask (a ``uint8 -> float32`` copy is not vectorised), and exact for any mask that
     is right-padded.
     """
-    out = torch.empty(lengths.shape[0], width, dtype=torch.float32, device=lengths.device)
-    cols = torch.arange(width, dtype=torch.float32, device=lengths.device)
-    return torch.lt(cols, lengths.to(torch.float32).unsqueeze(-1), out=out)
+    if out is None:
+        out = torch.empty(lengths.shape[0], width, dtype=torch.float32, device=lengths.device)
+    return torch.lt(_columns(width, lengths.device), lengths.to(torch.float32).unsqueeze(-1), out=out)
+
+
+@functools.lru_cache(maxsize=32)
+def _columns(width: int, device: torch.device) -> Tensor:
+    """``arange(width)`` as float32 (read-only, shared)."""
+    return torch.arange(width, dtype=torch.float32, device=device)
 
 
 def _weights(batch: TensorBatch, lengths: Tensor | None = None) -> Tensor:
@@ -124,35 +163,45 @@ def _weights(batch: TensorBatch, lengths: Tensor | None = None) -> Tensor:
     return _mask_from_lengths(_lengths(mask) if lengths is None else lengths, mask.shape[-1])
 
 
+@functools.lru_cache(maxsize=32)
+def _leading_ones(block: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[block + 1, block]``: row ``i`` holds ``i`` ones, then zeros (read-only, shared)."""
+    i = torch.arange(block + 1, device=device)
+    return (torch.arange(block, device=device) < i.unsqueeze(-1)).to(dtype)
+
+
 def _prefix_sums(x: Tensor, lengths: Tensor) -> Tensor:
     """``sum_{t < lengths[b]} x[b, t]`` per row, never reading what lies after a row's length.
 
     One pass over ``x``: blocks of ``_SUM_BLOCK`` columns are summed whole (a fast inner
-    reduction) and kept when they end before the row's length; the one block holding the end of
-    each row is gathered (``batch x _SUM_BLOCK`` values) and summed up to the end; columns past
-    the last whole block are summed under a mask. Masking the product ``x * mask`` instead costs
-    three more passes over ``[batch, response]`` (write, read, refill). Values after a row's
-    length may hold anything finite.
+    reduction) and the sums of the blocks before the one each row ends in are read from their
+    running sum (prefix sums never see a later block); that end block is gathered
+    (``batch x _SUM_BLOCK`` values) and summed up to the row's end; columns past the last whole
+    block are summed under a mask. Masking the product ``x * mask`` instead costs three more
+    passes over ``[batch, response]`` (write, read, refill). Values after a row's length may
+    hold anything finite.
     """
     B, T = x.shape
     K = _SUM_BLOCK
     nb = T // K
     whole = nb * K
     dev = x.device
-    total = torch.zeros(B, dtype=x.dtype, device=dev)
     if B == 0 or T == 0:
-        return total
-    if nb:
-        x = x.contiguous()
-        block_sums = x[:, :whole].reshape(B, nb, K).sum(-1)
-        done = lengths // K  # whole blocks before the end of the row
-        total = torch.where(torch.arange(nb, device=dev) < done.unsqueeze(-1), block_sums, 0.0).sum(-1)
-        # the block the row ends in (if it is a whole one): its first `rest` values count
-        rest = torch.where(done < nb, lengths - done * K, 0)
-        start = torch.arange(B, device=dev) * T + done.clamp(max=nb - 1) * K
-        ends = x.reshape(-1).unfold(0, K, 1).index_select(0, start)  # [B, K] copies, no mask pass
-        upto = (torch.arange(K, device=dev) < torch.arange(K, device=dev).unsqueeze(-1)).to(x.dtype)
-        total = total + (ends * upto.index_select(0, rest)).sum(-1)
+        return torch.zeros(B, dtype=x.dtype, device=dev)
+    if not nb:
+        keep = torch.arange(T, device=dev) < lengths.unsqueeze(-1)
+        return torch.where(keep, x, 0.0).sum(-1)
+    x = x.contiguous()
+    block_sums = x[:, :whole].reshape(B, nb, K).sum(-1)
+    # the block each row ends in: the last one for a row that reaches the last whole block's end
+    end = torch.div(lengths, K, rounding_mode="floor").clamp_(max=nb - 1)
+    before = torch.nn.functional.pad(block_sums, (1, 0)).cumsum_(-1).gather(1, end.unsqueeze(-1)).squeeze(1)
+    rest = (lengths.clamp(max=whole) if whole < T else lengths) - end * K  # values of the end block, 0..K
+    if whole == T:  # the end blocks are rows of the [batch * blocks, K] view
+        ends = x.view(B * nb, K).index_select(0, end.add_(torch.arange(0, B * nb, nb, device=dev)))
+    else:  # windows of K values starting at each end block
+        ends = x.view(-1).unfold(0, K, 1).index_select(0, end.mul_(K).add_(torch.arange(0, B * T, T, device=dev)))
+    total = ends.mul_(_leading_ones(K, x.dtype, dev).index_select(0, rest)).sum(-1).add_(before)
     if whole < T:
         tail = x[:, whole:]
         keep = whole + torch.arange(T - whole, device=dev) < lengths.unsqueeze(-1)
@@ -200,6 +249,27 @@ def token_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
     return batch["token_rewards"] * (_weights(batch) if weights is None else weights)
 
 
+def _suffix_sums(x: Tensor) -> Tensor:
+    """A new tensor ``y[..., t] = sum_{k >= t} x[..., k]``.
+
+    A cumulative sum runs one dependent addition per element; over short blocks of
+    ``_SUFFIX_BLOCK`` columns the processor overlaps the chains of neighbouring blocks, which is
+    about twice as fast on CPU as one sum along the whole row (and needs no flipped copies). The
+    suffix sum at ``t`` in block ``j`` is ``x_t - (inclusive prefix of t within block j)`` plus
+    the suffix sum of the blocks from ``j`` on. Where ``x`` is 0 from some column on (a masked,
+    right-padded row) the result is exactly 0 there: a block's running sum over zeros stays
+    equal to its total.
+    """
+    lead, T = x.shape[:-1], x.shape[-1]
+    K = _SUFFIX_BLOCK
+    if T <= K or T % K or x.numel() == 0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    rows = x.reshape(-1, T // K, K)
+    local = rows.cumsum(-1)
+    from_block = local[..., -1].flip(-1).cumsum(-1).flip(-1)  # sum of the blocks from j on
+    return torch.sub(rows, local, out=local).add_(from_block.unsqueeze(-1)).reshape(*lead, T)
+
+
 def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor:
     """Reverse discounted sum along the last dim: ``y[..., t] = sum_{k >= t} gamma**(k - t) x[..., k]``.
 
@@ -213,7 +283,7 @@ def discounted_cumsum(x: Tensor, gamma: float, *, block: int = _BLOCK) -> Tensor
     if x.shape[-1] == 0 or gamma == 0.0:
         return x.clone()
     if gamma == 1.0:
-        return x.flip(-1).cumsum(-1).flip(-1)
+        return _suffix_sums(x)
     lead, T = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     flat = x.reshape(rows, T)
@@ -406,11 +476,14 @@ def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     ``baseline_scores`` and rewards.
     """
     batch.require("response_mask", "baseline_scores", where="ReMax")
-    w = _weights(batch)
-    r = token_rewards(batch, w)
-    # reward-to-go as total - (inclusive prefix sum) + r, in place: no flipped copies
-    returns = r.cumsum(-1)
-    total = returns[:, -1:].clone()
-    returns.neg_().add_(r).add_(total)  # 0 after the response (right padding)
-    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0, out=r)
+    if "token_rewards" not in batch:
+        batch, _ = compute_token_rewards(batch)
+    mask = batch["response_mask"]
+    lengths = _lengths(mask)
+    # one [batch, response] buffer holds the masked rewards, then the mask again, then the
+    # advantages: a fresh buffer costs page faults on CPU, a rewrite of the mask much less
+    buf = _mask_from_lengths(lengths, mask.shape[-1])
+    returns = _suffix_sums(torch.mul(batch["token_rewards"], buf, out=buf))  # 0 after the response
+    w = _mask_from_lengths(lengths, mask.shape[-1], out=buf)
+    adv = torch.addcmul(returns, batch["baseline_scores"].unsqueeze(-1), w, value=-1.0, out=w)
     return _finish(batch, adv, returns)
