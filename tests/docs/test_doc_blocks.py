@@ -125,6 +125,9 @@ def _env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env["NO_MKDOCS_2_WARNING"] = "1"
+    # The backend guide's worked example runs from source whether or not it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "examples" / "tiny-backend" / "src"),
+                                                    env.get("PYTHONPATH", "")) if p)
     return env
 
 
