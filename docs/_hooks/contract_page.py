@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -101,6 +102,32 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Attributes|Note|Notes|Example|Examples):$")
+_ENTRY = re.compile(r"^    (\S[^:]*):(.*)$")
+
+
+def _markdown(doc: str) -> str:
+    """A Google-style docstring as Markdown: sections in bold, their entries as list items.
+
+    Left as written, the indented section bodies would render as code blocks.
+    """
+    out: list[str] = []
+    for line in doc.splitlines():
+        section = _SECTION.match(line)
+        entry = _ENTRY.match(line)
+        if section:
+            out.append(f"**{section.group(1)}:**")
+        elif line.startswith("        "):  # continuation of an entry
+            out.append("  " + line.strip())
+        elif entry and out and (out[-1].startswith("**") or out[-1].startswith(("- ", "  "))):
+            out.append(f"- `{entry.group(1)}`:{entry.group(2)}")
+        elif line.startswith("    "):
+            out.append(line.strip())
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -176,7 +203,7 @@ def contract_markdown() -> str:
             lines += [f"### `{pname}.{name}`", "", "```python", _signature(proto, name), "```", ""]
             doc = _doc(proto, name)
             if doc:
-                lines += ["**Contract:**", "", textwrap.indent(doc, "> ", lambda _: True), ""]
+                lines += ["**Contract:**", "", textwrap.indent(_markdown(doc), "> ", lambda _: True), ""]
             if not checks:
                 unproved.append(f"`{pname}.{name}`")
                 lines += ["**Proved by:** no check calls it directly.", ""]
