@@ -1,0 +1,207 @@
+"""Llama / Qwen2 / Qwen3 decoder in plain torch, loaded from a transformers folder (transformers naming)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from verl_core import ConfigError
+
+
+@dataclass(frozen=True)
+class Cfg:
+    """What the model needs from a folder's config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    theta: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    value_head: bool
+
+    @staticmethod
+    def load(path: str) -> Cfg:
+        """Read ``config.json``; an unsupported architecture raises ConfigError naming it."""
+        file = Path(path) / "config.json"
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path} is not a transformers model folder: cannot read {file} ({e})") from None
+        mt = raw.get("model_type")
+        if mt not in ("llama", "qwen2", "qwen3"):
+            raise ConfigError(f"the tiny backend runs llama, qwen2 and qwen3 folders; {path} has model_type {mt!r}")
+        rope = raw.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        heads = int(raw["num_attention_heads"])
+        archs = raw.get("architectures") or []
+        return Cfg(mt, int(raw["vocab_size"]), int(raw["hidden_size"]), int(raw["num_hidden_layers"]), heads,
+                   int(raw.get("num_key_value_heads", heads)),
+                   int(raw.get("head_dim") or raw["hidden_size"] // heads), int(raw["intermediate_size"]),
+                   float(raw["rms_norm_eps"]), theta, bool(raw.get("tie_word_embeddings", False)),
+                   mt == "qwen2" or bool(raw.get("attention_bias", False)), mt == "qwen3",
+                   any("TokenClassification" in a for a in archs))
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation in float32, scaled by a learned weight."""
+
+    def __init__(self, n: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding of ``x`` [batch, heads, seq, head_dim] at positions ``pos`` [batch, seq]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos.float()[..., None] * inv  # [b, s, d/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attn(nn.Module):
+    """Grouped-query attention with optional QKV bias (Qwen2) and QK norm (Qwen3)."""
+
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.eps)
+            self.k_norm = RMSNorm(c.head_dim, c.eps)
+
+    def forward(self, x: Tensor, pos: Tensor, bias: Tensor) -> Tensor:
+        c = self.c
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, c.heads, c.head_dim)
+        k = self.k_proj(x).view(b, s, c.kv_heads, c.head_dim)
+        v = self.v_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q.transpose(1, 2), pos, c.theta), rope(k.transpose(1, 2), pos, c.theta)
+        rep = c.heads // c.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim) + bias
+        out = att.softmax(-1) @ v
+        proj: Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return proj
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden, c.inter, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.inter, bias=False)
+        self.down_proj = nn.Linear(c.inter, c.hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        down: Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
+
+
+class Layer(nn.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.self_attn = Attn(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden, c.eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden, c.eps)
+
+    def forward(self, x: Tensor, pos: Tensor, bias: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), pos, bias)
+        mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
+
+
+class Body(nn.Module):
+    """Embedding, layers and final norm (``model.*`` in transformers naming)."""
+
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.eps)
+
+
+class Model(nn.Module):
+    """Names follow transformers: model.*, lm_head (causal LM) or score (value head)."""
+
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.cfg = c
+        self.model = Body(c)
+        if c.value_head:
+            self.score = nn.Linear(c.hidden, 1, bias=True)
+        elif not c.tied:
+            self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
+
+    @staticmethod
+    def from_folder(path: str, dtype: torch.dtype = torch.float32) -> Model:
+        """Build the model of a folder and load its safetensors weights."""
+        m = Model(Cfg.load(path))
+        weights = Path(path) / "model.safetensors"
+        if not weights.is_file():
+            raise ConfigError(f"{path} has no model.safetensors; the tiny backend reads single-file safetensors folders")
+        state = load_file(str(weights))
+        missing, unexpected = m.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ConfigError(f"{path}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+        return m.to(dtype)
+
+    def hidden(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """Final hidden states; positions count real tokens only (left padding safe)."""
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        allowed = causal[None] & mask[:, None, :]
+        allowed = allowed | torch.eye(s, dtype=torch.bool)[None]  # padding rows attend to themselves
+        bias = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, float("-inf"))[:, None]
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x, pos, bias.to(x.dtype))
+        normed: Tensor = self.model.norm(x)
+        return normed
+
+    def logits(self, h: Tensor) -> Tensor:
+        """float32 logits of hidden states (tied to the embedding when the folder says so)."""
+        w = self.model.embed_tokens.weight if self.cfg.tied else self.lm_head.weight
+        return (h @ w.t()).float()
+
+    def values(self, h: Tensor) -> Tensor:
+        """float32 values of the value head."""
+        score: Tensor = self.score(h)
+        return score.float().squeeze(-1)
+
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        """Every parameter in transformers naming (a tied lm_head is not a parameter here)."""
+        return [(n, p) for n, p in self.named_parameters()]

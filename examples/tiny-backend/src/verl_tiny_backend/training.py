@@ -1,0 +1,200 @@
+"""The training engine: forward, forward_backward, AdamW steps, the weight stream, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from verl_core import (
+    BatchValidationError,
+    CheckpointError,
+    EngineSpec,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    ModelOutput,
+    StepMetrics,
+    TensorBatch,
+    TensorInfo,
+    Tokenizer,
+    TrainingCapabilities,
+    TrainingEngine,
+    WeightManifest,
+    WeightMessage,
+    stream_weights,
+)
+from verl_core.enginekit.hf_tokenizer import load_tokenizer
+from verl_tiny_backend.model import Model
+from verl_tiny_backend.plugin import ACTOR_CAPABILITIES, CRITIC_CAPABILITIES
+
+__all__ = ["DTYPES", "TinyTrainingEngine", "build_training_engine", "validate"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size: int) -> TensorBatch:
+    """Rebuild ``batch`` through the TensorBatch constructor and value-check it.
+
+    Raises:
+        BatchValidationError: naming ``where``, the field and what was expected.
+    """
+    if not isinstance(batch, TensorBatch):
+        raise BatchValidationError(f"{where}: expected a TensorBatch, got {type(batch).__name__}")
+    batch.require(*needs, where=where)
+    try:
+        rebuilt = TensorBatch(dict(batch.items()), batch.extras, batch.meta, batch_size=batch.batch_size)
+    except BatchValidationError as e:
+        raise BatchValidationError(f"{where}: {e}") from None
+    return rebuilt.check(where=where, vocab_size=vocab_size)
+
+
+class TinyTrainingEngine(TrainingEngine):
+    """Actor, reference or critic (on a value-head folder) in plain torch.
+
+    Args:
+        spec: What to build; ``spec.model_path`` is a Llama, Qwen2 or Qwen3 transformers folder.
+
+    Raises:
+        ConfigError: the folder's architecture is not supported.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        torch.manual_seed(spec.seed)
+        self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
+        self._caps = CRITIC_CAPABILITIES if self.model.cfg.value_head else ACTOR_CAPABILITIES
+        self._tok = load_tokenizer(spec.model_path, self.model.cfg.vocab_size)
+        o = spec.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.step = 0  # applied optimizer steps: the schedule's index and the weight version
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec the engine was built from."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """Values only on a value-head folder (the critic's)."""
+        return self._caps
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The folder's tokenizer; vocab_size is the model's embedding rows."""
+        return self._tok
+
+    def _outputs(self, b: TensorBatch, outputs: Collection[str]) -> dict[str, Tensor]:
+        ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1)
+        mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1)
+        p, r = b["prompt_ids"].shape[1], b["response_ids"].shape[1]
+        h = self.model.hidden(ids, mask)[:, p - 1: p + r - 1]  # the position before each response token
+        rmask = b["response_mask"]
+        out: dict[str, Tensor] = {}
+        if "log_probs" in outputs or "entropy" in outputs:
+            logp = torch.log_softmax(self.model.logits(h) / b.meta.temperature, -1)
+            if "log_probs" in outputs:
+                lp = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
+                out["log_probs"] = lp.masked_fill(~rmask, 0.0)
+            if "entropy" in outputs:
+                out["entropy"] = -(logp.exp() * logp).sum(-1).masked_fill(~rmask, 0.0)
+        if "values" in outputs:
+            if not self.model.cfg.value_head:
+                raise BatchValidationError("forward: values were asked of a model without a value head")
+            out["values"] = self.model.values(h).masked_fill(~rmask, 0.0)
+        return out
+
+    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """Log-probs, entropy and values of the response tokens, without gradients."""
+        b = validate(batch, "forward", _SEQ, self.model.cfg.vocab_size)
+        with torch.no_grad():
+            return b.update(self._outputs(b, outputs))
+
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
+        """Accumulate the gradients of ``loss_fn`` (already normalised by the global counts)."""
+        b = validate(mini_batch, "forward_backward", _SEQ, self.model.cfg.vocab_size)
+        s = self._spec
+        parts = (b.micro_batches(max_tokens=s.micro_batch_tokens) if s.micro_batch_tokens
+                 else b.micro_batches(size=s.micro_batch_size or b.batch_size))
+        total = 0.0
+        sums: dict[str, float] = {}
+        for mb in parts:
+            out = loss_fn(mb.update(self._outputs(mb, loss_fn.needs)), stats)
+            out.loss.backward()  # type: ignore[no-untyped-call]
+            total += float(out.loss.detach())
+            for k, v in out.metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {**sums, "loss": total, "num_micro_batches": float(len(parts))}
+
+    def optimizer_step(self) -> StepMetrics:
+        """Clip, step AdamW at ``lr_at(step)``; a non-finite grad norm skips (schedule untouched)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            sq = sq + g.double().pow(2).sum()
+        norm = float(sq.sqrt())
+        lr = self._spec.optim.lr_at(self.step)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
+        clip = self._spec.optim.grad_clip
+        if clip > 0 and norm > clip:
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepMetrics(grad_norm=norm, lr=lr, skipped=False)
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The weights as a stream whose version is the count of applied steps."""
+        named = self.model.named_weights()
+        infos = {n: TensorInfo(tuple(t.shape), dtype or t.dtype) for n, t in named}
+        manifest = WeightManifest(self.step, infos, tied_embeddings=self.model.cfg.tied)
+        return stream_weights(((n, t.detach()) for n, t in named), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Model, optimizer, step and RNG states, written to a temporary file and renamed."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "state.pt.tmp"
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": self.step,
+                    "rng": torch.get_rng_state(), "py_rng": random.getstate()}, tmp)
+        os.replace(tmp, folder / "state.pt")
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (weights-only loading).
+
+        Raises:
+            CheckpointError: the folder holds no checkpoint of this backend.
+        """
+        file = Path(path) / "state.pt"
+        if not file.exists():
+            raise CheckpointError(f"{path} holds no tiny-backend checkpoint (no state.pt)")
+        state = torch.load(file, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+        random.setstate(state["py_rng"])
+
+    def offload(self) -> None:
+        """Nothing to move on a CPU (the backend declares offload=False)."""
+
+    def onload(self) -> None:
+        """Nothing to move back."""
+
+
+def build_training_engine(spec: EngineSpec) -> TinyTrainingEngine:
+    """The factory the entry point names for the actor, reference and critic roles."""
+    return TinyTrainingEngine(spec)
