@@ -21,8 +21,8 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
+from verl_core.enginekit.memory import check_generate_memory
 from verl_core.enginekit.sampling import TokenSampler, sample_seed, uniform_table
-from verl_core.kernel.rollout import check_generate_memory
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ROLLOUT_CAPABILITIES
 from verl_tiny_backend.training import DTYPES, validate

@@ -14,6 +14,7 @@ from torch import Tensor
 from verl_core import (
     BatchValidationError,
     CheckpointError,
+    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossFn,
@@ -75,6 +76,7 @@ class TinyTrainingEngine(TrainingEngine):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.step = 0  # applied optimizer steps: the schedule's index and the weight version
+        self._pending = False  # gradients of a forward_backward call not yet applied
 
     @property
     def spec(self) -> EngineSpec:
@@ -117,24 +119,35 @@ class TinyTrainingEngine(TrainingEngine):
         with torch.no_grad():
             return b.update(self._outputs(b, outputs))
 
-    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> Metrics:
-        """Accumulate the gradients of ``loss_fn`` (already normalised by the global counts)."""
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *,
+                         max_tokens: int | None = None) -> Metrics:
+        """The gradients of ``loss_fn`` (already normalised by the global counts) over micro-batches
+        of the whole mini-batch; once per optimizer step; a call that raises leaves no gradients."""
+        if self._pending:
+            raise ConfigError("forward_backward: call optimizer_step() first (one call per optimizer step)")
         b = validate(mini_batch, "forward_backward", _SEQ, self.model.cfg.vocab_size)
         s = self._spec
-        parts = (b.micro_batches(max_tokens=s.micro_batch_tokens) if s.micro_batch_tokens
+        budget = max_tokens or s.micro_batch_tokens
+        parts = (b.micro_batches(max_tokens=budget) if budget
                  else b.micro_batches(size=s.micro_batch_size or b.batch_size))
         total = 0.0
         sums: dict[str, float] = {}
-        for mb in parts:
-            out = loss_fn(mb.update(self._outputs(mb, loss_fn.needs)), stats)
-            out.loss.backward()  # type: ignore[no-untyped-call]
-            total += float(out.loss.detach())
-            for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        try:
+            for mb in parts:
+                out = loss_fn(mb.update(self._outputs(mb, loss_fn.needs)), stats)
+                out.loss.backward()  # type: ignore[no-untyped-call]
+                total += float(out.loss.detach())
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed call leaves no gradients
+            raise
+        self._pending = True
         return {**sums, "loss": total, "num_micro_batches": float(len(parts))}
 
     def optimizer_step(self) -> StepMetrics:
         """Clip, step AdamW at ``lr_at(step)``; a non-finite grad norm skips (schedule untouched)."""
+        self._pending = False
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
         for g in grads:
