@@ -1,0 +1,83 @@
+"""The engines of an RL run, built by backend name and placed by the executor.
+
+:class:`RLEngines` holds them; the trainer's components read them from it at call time, so an
+engine replaced after setup (a wrapper that times calls, a test's fault) is the one they use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine
+from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.weights import WeightSync
+from verl_core.trainer.config import RunConfig
+from verl_core.trainer.executor import Executor
+
+__all__ = ["RLEngines"]
+
+
+class RLEngines:
+    """The actor, rollout, reward, reference and critic engines of a run and the weight sync.
+
+    Attributes:
+        executor: Where the engines run.
+        actor: The policy being trained.
+        rollout: The engine that samples responses.
+        reward: Scores responses (reward functions, a reward model or the task's rule).
+        reference: The frozen reference policy, or None when the algorithm needs none.
+        critic: The value model, or None when the algorithm has no critic.
+        sync: Sends the actor's weights to the rollout engine.
+    """
+
+    executor: Executor
+    actor: TrainingEngine
+    rollout: RolloutEngine
+    reward: RewardEngine
+    sync: WeightSync
+
+    def __init__(self) -> None:
+        self.reference: TrainingEngine | None = None
+        self.critic: TrainingEngine | None = None
+
+    def build(
+        self, config: RunConfig, executor: Executor, spec: Callable[..., EngineSpec], path: str, *,
+        use_reference: bool, use_critic: bool,
+    ) -> None:
+        """Build the training and rollout engines (the caller builds the reward, then the weight sync).
+
+        Args:
+            config: The run.
+            executor: Where the engines run.
+            spec: ``spec(role, path, optim)``: a role's :class:`EngineSpec`.
+            path: The policy model folder.
+            use_reference: Build the reference.
+            use_critic: Build the critic (from ``critic_model`` when set).
+        """
+        cfg, b = config, config.backends
+        self.executor = executor
+        self.actor = executor.training_engine("actor", b.actor, spec("actor", path, cfg.optim.to_optim(cfg.steps)))
+        self.rollout = executor.rollout_engine(b.rollout, spec("rollout", path))
+        if use_reference:
+            self.reference = executor.training_engine("reference", b.reference, spec("reference", path))
+        if use_critic:
+            self.critic = executor.training_engine(
+                "critic", b.critic, spec("critic", cfg.critic_model or path, cfg.critic_optim.to_optim(cfg.steps))
+            )
+
+    def trainable(self) -> dict[str, TrainingEngine]:
+        """The engines a checkpoint holds, by role: the actor, and the critic when there is one."""
+        return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+
+    def close(self) -> None:
+        """Release every engine and the executor."""
+        engines: tuple[Any, ...] = (self.rollout, self.actor, self.reference, self.critic, self.reward)
+        for engine in engines:
+            if engine is not None:
+                close: Callable[[], None] | None = getattr(engine, "close", None)
+                if close is not None:
+                    close()
+        self.executor.close()
