@@ -203,7 +203,7 @@ def test_file_text_errors_name_the_line(tmp_path: Path) -> None:
         load_config(tmp_path)
     with pytest.raises(ConfigError, match="a config must be a table"):
         config_from_dict([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"'algorithm.options': keys must be strings, got 1"):
+    with pytest.raises(ConfigError, match=r"'algorithm.options': keys must be non-empty strings, got 1"):
         config_from_dict({"algorithm": {"options": {1: 2}}})  # YAML allows such keys
 
 

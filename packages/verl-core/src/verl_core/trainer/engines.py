@@ -7,6 +7,7 @@ engine replaced after setup (a wrapper that times calls, a test's fault) is the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from verl_core.kernel.engine import EngineSpec
@@ -16,8 +17,23 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor
+from verl_core.trainer.rewards import RewardFunctions
+from verl_core.trainer.tasks import DigitTask, TaskReward
 
-__all__ = ["RLEngines"]
+__all__ = ["RLEngines", "stage_backend"]
+
+
+def stage_backend(config: RunConfig, stage: str) -> str:
+    """The backend that runs ``stage`` of a step, as a failed step's error names it."""
+    b = config.backends
+    reward = b.reward
+    if config.reward.functions:
+        reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
+    return {
+        "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
+        "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
+        "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
+    }.get(stage, "trainer")
 
 
 class RLEngines:
@@ -67,6 +83,23 @@ class RLEngines:
             self.critic = executor.training_engine(
                 "critic", b.critic, spec("critic", cfg.critic_model or path, cfg.critic_optim.to_optim(cfg.steps))
             )
+
+    def build_reward(
+        self, config: RunConfig, spec: EngineSpec, task: DigitTask, *, columns: list[str], base_dir: Path | None,
+    ) -> None:
+        """The reward: ``reward.functions`` (with the reward model of ``backends.reward``, if any), the
+        reward model alone, or the task's rule; after :meth:`build` (it tokenizes with the rollout's tokenizer)."""
+        b = config.backends
+        tokenizer = self.rollout.tokenizer
+        model = None if b.reward == "rule" else self.executor.reward_engine(b.reward, spec)
+        if config.reward.functions:
+            self.reward = RewardFunctions.from_config(
+                config.reward, tokenizer, model=model, columns=columns, base_dir=base_dir
+            )
+        elif model is not None:
+            self.reward = model
+        else:
+            self.reward = TaskReward(task, tokenizer, mode=config.task.reward)
 
     def trainable(self) -> dict[str, TrainingEngine]:
         """The engines a checkpoint holds, by role: the actor, and the critic when there is one."""

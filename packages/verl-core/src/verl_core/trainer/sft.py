@@ -188,6 +188,28 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _export_latest(out: Path, run_id: str) -> Path:
+    """Export the newest checkpoint under ``out`` to ``out/model-sft`` through a temporary folder of the run."""
+    from verl_core.trainer.export import export_checkpoint
+
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        raise CheckpointError(f"{str(out)!r} holds no checkpoint to export; train first")
+    dest = out / SFT_MODEL_DIR
+    tmp = out / f".{SFT_MODEL_DIR}-{run_id}"  # named by the run: only this run's leftovers
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_checkpoint(ckpt, tmp)
+    if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
+        old = out / f".{SFT_MODEL_DIR}-old-{run_id}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
 def _context_length(model_path: str) -> int | None:
     """``max_position_embeddings`` of the model folder's config.json (None when it states none)."""
     try:
@@ -435,26 +457,8 @@ class SFTTrainer:
         Raises:
             CheckpointError: the run has no checkpoint.
         """
-        from verl_core.trainer.export import export_checkpoint
-
-        run = self.ctx.claim(None)
-        ckpt = latest_checkpoint(self.out)
-        if ckpt is None:
-            raise CheckpointError(f"{str(self.out)!r} holds no checkpoint to export; train first")
-        dest = self.out / SFT_MODEL_DIR
-        tmp = self.out / f".{SFT_MODEL_DIR}-{run.run_id}"  # named by the run: only this run's leftovers
-        shutil.rmtree(tmp, ignore_errors=True)
-        export_checkpoint(ckpt, tmp)
-        if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
-            old = self.out / f".{SFT_MODEL_DIR}-old-{run.run_id}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-        self.model_dir = dest
-        return dest
+        self.model_dir = _export_latest(self.out, self.ctx.claim(None).run_id)
+        return self.model_dir
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> list[dict[str, Any]]:

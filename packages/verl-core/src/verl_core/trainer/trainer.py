@@ -43,7 +43,7 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.algorithm_setup import AlgorithmSetup, build_algorithm
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.engines import RLEngines
+from verl_core.trainer.engines import RLEngines, stage_backend
 from verl_core.trainer.evaluation import Evaluator
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.generation import GenerationStage
@@ -51,7 +51,6 @@ from verl_core.trainer.pipeline import StageError, StageThreads
 from verl_core.trainer.prompt_source import PromptSource
 from verl_core.trainer.reliability import StepFailedError
 from verl_core.trainer.replay import HybridReplayBuffer
-from verl_core.trainer.rewards import RewardFunctions
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
 from verl_core.trainer.runstate import build_run_model, engine_spec, latest_checkpoint
@@ -64,23 +63,23 @@ from verl_core.trainer.step_metrics import (
     rollout_metrics,
 )
 from verl_core.trainer.step_state import RunProgress, StepState
-from verl_core.trainer.tasks import TaskReward, get_task
+from verl_core.trainer.tasks import get_task
 from verl_core.trainer.update import UpdateStage
 from verl_core.trainer.weightsync import WeightSyncStage
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
 
 
-def _engine(role: str) -> Any:
-    """A property of :class:`Trainer` that reads and replaces ``role`` in its :class:`RLEngines`."""
+def _delegate(owner: str, name: str, doc: str, *, settable: bool = True) -> Any:
+    """A property of :class:`Trainer` that reads (and sets) ``name`` of the component in attribute ``owner``."""
 
     def get(self: Trainer) -> Any:
-        return getattr(self.engines, role)
+        return getattr(getattr(self, owner), name)
 
-    def put(self: Trainer, engine: Any) -> None:
-        setattr(self.engines, role, engine)
+    def put(self: Trainer, value: Any) -> None:
+        setattr(getattr(self, owner), name, value)
 
-    return property(get, put, doc=f"The run's {role} (built by :meth:`Trainer.setup`).")
+    return property(get, put if settable else None, doc=doc)
 
 
 class Trainer:
@@ -101,13 +100,20 @@ class Trainer:
     files of its own run.
     """
 
-    actor: TrainingEngine = _engine("actor")
-    rollout: RolloutEngine = _engine("rollout")
-    reward: RewardEngine = _engine("reward")
-    reference: TrainingEngine | None = _engine("reference")
-    critic: TrainingEngine | None = _engine("critic")
-    sync: WeightSync = _engine("sync")
-    executor: Executor = _engine("executor")
+    # the engines (built by setup; replacing one here replaces it for every component)
+    actor: TrainingEngine = _delegate("engines", "actor", "The policy being trained.")
+    rollout: RolloutEngine = _delegate("engines", "rollout", "The engine that samples responses.")
+    reward: RewardEngine = _delegate("engines", "reward", "Scores the responses.")
+    reference: TrainingEngine | None = _delegate("engines", "reference", "The reference policy (None: not used).")
+    critic: TrainingEngine | None = _delegate("engines", "critic", "The value model (None: not used).")
+    sync: WeightSync = _delegate("engines", "sync", "Sends the actor's weights to the rollout engine.")
+    executor: Executor = _delegate("engines", "executor", "Where the engines run.")
+    # the counters and the run's records, shared with the components
+    step: int = _delegate("progress", "step", "Steps completed.")
+    weight_version: int = _delegate("progress", "weight_version", "Weight syncs done (the rollout samples from it).")
+    history: list[dict[str, Any]] = _delegate("ctx", "history", "The metrics of every step.", settable=False)
+    run_dir: RunDir | None = _delegate("ctx", "run_dir", "The claim on the output folder.", settable=False)
+    sinks: MetricSinks | None = _delegate("ctx", "sinks", "The open metric sinks (None: closed).", settable=False)
 
     def __init__(
         self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
@@ -137,40 +143,6 @@ class Trainer:
         self.updater: UpdateStage
         self.weights: WeightSyncStage
         self.evaluator: Evaluator
-
-    # ------------------------------------------------------------------ state shared with the components
-    @property
-    def step(self) -> int:
-        """Steps completed."""
-        return self.progress.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.progress.step = value
-
-    @property
-    def weight_version(self) -> int:
-        """Weight syncs done: the rollout engine samples from this version."""
-        return self.progress.weight_version
-
-    @weight_version.setter
-    def weight_version(self, value: int) -> None:
-        self.progress.weight_version = value
-
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        """The metrics of every step (with those before a resume, as logged then)."""
-        return self.ctx.history
-
-    @property
-    def run_dir(self) -> RunDir | None:
-        """The claim on the output folder (None until :meth:`setup`)."""
-        return self.ctx.run_dir
-
-    @property
-    def sinks(self) -> MetricSinks | None:
-        """The open metric sinks (None when closed)."""
-        return self.ctx.sinks
 
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
@@ -219,15 +191,7 @@ class Trainer:
         e.build(cfg, ex, self._spec, path, use_reference=self.use_reference, use_critic=self.use_critic)
         tokenizer = e.rollout.tokenizer
         self.source.bind(tokenizer)
-        model = None if b.reward == "rule" else ex.reward_engine(b.reward, self._spec("reward", path))
-        if cfg.reward.functions:
-            e.reward = RewardFunctions.from_config(
-                cfg.reward, tokenizer, model=model, columns=self.source.columns, base_dir=self.base_dir
-            )
-        elif model is not None:
-            e.reward = model
-        else:
-            e.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
+        e.build_reward(cfg, self._spec("reward", path), self.task, columns=self.source.columns, base_dir=self.base_dir)
         e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         if bc.micro_batch_tokens:
@@ -287,23 +251,12 @@ class Trainer:
         except Exception as e:
             stage, cause = (e.stage, e.__cause__ or e) if isinstance(e, StageError) else (self.progress.stage, e)
             self._failed = StepFailedError(
-                stage, self._backend_of(stage), self.step + 1, cause, latest_checkpoint(self.out)
+                stage, stage_backend(self.config, stage), self.step + 1, cause, latest_checkpoint(self.out)
             )
             raise self._failed from cause
         self.ctx.check_diverged(self.step, self.progress.consecutive_skips, self.save_checkpoint,
                                 check="the reward and the data")
         return metrics
-
-    def _backend_of(self, stage: str) -> str:
-        b = self.config.backends
-        reward = b.reward
-        if self.config.reward.functions:
-            reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
-        return {
-            "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
-            "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
-            "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
-        }.get(stage, "trainer")
 
     def _train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
