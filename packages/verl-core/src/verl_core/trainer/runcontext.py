@@ -25,6 +25,7 @@ from verl_core.trainer.config import RunConfig, check_device_here, config_to_dic
 from verl_core.trainer.reliability import TrainingDivergedError
 from verl_core.trainer.replay import remove_stale_spill
 from verl_core.trainer.rundir import Mode, RunDir
+from verl_core.trainer.runstate import build_run_model
 from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
 
 __all__ = ["RunContext"]
@@ -89,6 +90,12 @@ class RunContext:
         elif not run.held:
             run.acquire()  # set up again after close()
         return run
+
+    def model_path(self, *, max_position: int) -> str:
+        """``model.path``, or a tiny random model of ``max_position`` positions built in the run's folder."""
+        if self.config.model.path:
+            return self.config.model.path
+        return build_run_model(self.config, self.claim(None), max_position=max_position)
 
     def prepare(self, resume: bool | None) -> RunDir:
         """Before any engine is built: check the device, claim the folder, seed the process RNGs."""

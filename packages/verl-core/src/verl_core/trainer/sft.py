@@ -49,7 +49,7 @@ from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
-from verl_core.trainer.runstate import build_run_model, engine_spec, latest_checkpoint
+from verl_core.trainer.runstate import engine_spec, latest_checkpoint
 from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
@@ -291,8 +291,8 @@ class SFTTrainer:
         if self._built:
             return
         cfg = self.config
-        run = self.ctx.prepare(resume)
-        path = build_run_model(cfg, run, max_position=_TINY_MAX_POSITION)
+        self.ctx.prepare(resume)
+        path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
         limit = context or _NO_LIMIT
         spec = engine_spec(cfg, "actor", path, optim=cfg.optim.to_optim(cfg.steps),

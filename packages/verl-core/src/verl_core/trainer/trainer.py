@@ -53,7 +53,7 @@ from verl_core.trainer.reliability import StepFailedError
 from verl_core.trainer.replay import HybridReplayBuffer
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
-from verl_core.trainer.runstate import build_run_model, engine_spec, latest_checkpoint
+from verl_core.trainer.runstate import engine_spec, latest_checkpoint
 from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
 from verl_core.trainer.sinks import MetricSinks
 from verl_core.trainer.step_metrics import (
@@ -147,12 +147,8 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
         """The policy model folder (built as a tiny random model when ``model.path`` is empty)."""
-        m = self.config.model
-        if m.path:
-            return m.path
-        run = self.ctx.claim(None)  # the model is built inside the run's folder
         longest = self.source.prompt_limit() + self.config.rollout.max_new_tokens
-        return build_run_model(self.config, run, max_position=max(64, longest + 8))
+        return self.ctx.model_path(max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         return engine_spec(
