@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ast
-import inspect
 import re
 from pathlib import Path
 from typing import Any
 
-from verl_core.algorithms import PRESETS, Algorithm
+from verl_core.algorithms import PRESET_TABLE, PRESETS
 from verl_core.algorithms.config import AGG_MODES, KL_ESTIMATORS
 from verl_core.kernel.registry import get_registry
 
@@ -31,16 +30,13 @@ def preset_rows() -> dict[str, str]:
 
 
 def signature_options(preset: str) -> dict[str, Any]:
-    """Keyword options (name -> default) of the preset's constructor, as the trainer accepts them."""
-    factory = Algorithm.reinforce_pp if preset == "reinforce_pp_baseline" else getattr(Algorithm, preset)
-    params = inspect.signature(factory).parameters
-    return {k: p.default for k, p in params.items()
-            if k != "kwargs" and not (preset == "reinforce_pp_baseline" and k == "baseline")}
+    """Keyword options (name -> default) of the preset, as the trainer accepts them."""
+    return PRESET_TABLE[preset].options()
 
 
 def test_every_preset_has_a_row() -> None:
-    """The table has a row per preset, plus the trainer's dapo and grpo_token."""
-    assert set(preset_rows()) == {*PRESETS, "dapo", "grpo_token"}
+    """The table has a row per preset of the preset table (dapo and grpo_token included)."""
+    assert set(preset_rows()) == set(PRESET_TABLE)
 
 
 def test_rows_match_the_constructors() -> None:

@@ -112,11 +112,34 @@ def _install_kill_point(kill_at: int | None, delay: float, report_fd: int, only:
     return count
 
 
+def _own_tqdm_lock() -> None:
+    """Give this (forked) process a tqdm lock of its own.
+
+    tqdm guards every bar (creating, drawing, closing: transformers draws one per checkpoint it
+    saves) with a multiprocessing lock made once and shared by every process forked afterwards; a
+    sibling SIGKILLed while holding it would leave it held for good and block this child forever.
+    """
+    import multiprocessing
+
+    from tqdm import std
+
+    std.TqdmDefaultWriteLock.mp_lock = multiprocessing.RLock()
+    std.TqdmDefaultWriteLock.th_lock = std.TRLock()
+    lock = std.TqdmDefaultWriteLock()
+    classes: list[type] = [std.tqdm]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if cls is std.tqdm or "_lock" in vars(cls):
+            cls._lock = lock  # type: ignore[attr-defined]
+
+
 def _child(trainer: Trainer, kill_at: int | None, delay: float, report_fd: int, only: str = "") -> None:
     # OpenMP's thread team does not survive fork(): a forked child that runs torch ops on its stage
     # threads with several intra-op threads can hit "Invalid thread pool"; every child (the
     # uninterrupted run included) computes with one, so their results stay comparable bit for bit
     torch.set_num_threads(1)
+    _own_tqdm_lock()
     count = _install_kill_point(kill_at, delay, report_fd, only)
     trainer.train(resume=latest_checkpoint(trainer.out) is not None)
     os.write(report_fd, f"done {count[0]}\n".encode())

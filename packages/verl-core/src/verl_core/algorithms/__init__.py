@@ -41,7 +41,7 @@ from verl_core.algorithms.aggregation import (
     masked_row_sums,
     masked_total,
 )
-from verl_core.algorithms.bundle import PRESETS, Algorithm
+from verl_core.algorithms.bundle import Algorithm
 from verl_core.algorithms.config import (
     AGG_MODES,
     KL_ESTIMATORS,
@@ -82,6 +82,7 @@ from verl_core.algorithms.losses import (
     reinforce_loss,
     tis_weights,
 )
+from verl_core.algorithms.presets import PRESET_TABLE, PRESETS, Preset
 
 __all__ = [
     "AGGREGATIONS",
@@ -90,6 +91,7 @@ __all__ = [
     "KL_FUNCTIONS",
     "POLICY_LOSSES",
     "PRESETS",
+    "PRESET_TABLE",
     "ActorLoss",
     "ActorLossConfig",
     "AdaptiveKLController",
@@ -103,6 +105,7 @@ __all__ = [
     "KLController",
     "KLName",
     "PolicyLossConfig",
+    "Preset",
     "RLOOConfig",
     "ReMaxConfig",
     "ReinforcePPBaselineConfig",

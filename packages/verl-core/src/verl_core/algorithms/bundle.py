@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 from verl_core.algorithms.config import (
     ActorLossConfig,
@@ -22,15 +22,13 @@ from verl_core.algorithms.config import (
 )
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
+from verl_core.algorithms.presets import PRESET_TABLE, PRESETS
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError, UnknownNameError
 from verl_core.kernel.training import Metrics
 
 __all__ = ["PRESETS", "Algorithm"]
 
-PRESETS: Final = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                  "remax", "gspo", "cispo")
-"""Names accepted by :meth:`Algorithm.from_name`."""
 
 
 class Algorithm:
@@ -411,15 +409,16 @@ class Algorithm:
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> Algorithm:
-        """The preset ``name`` (see :data:`PRESETS`) built with ``kwargs``.
+        """The preset ``name`` (see :data:`~verl_core.algorithms.presets.PRESETS`) built with ``kwargs``.
 
         Raises:
             UnknownNameError: ``name`` is not a preset (the message lists them).
         """
         if name not in PRESETS:
             raise UnknownNameError(f"unknown algorithm {name!r}; available: {', '.join(PRESETS)}")
-        factory: Callable[..., Algorithm] = getattr(cls, name)
-        return factory(**kwargs)
+        preset = PRESET_TABLE[name]
+        factory: Callable[..., Algorithm] = getattr(cls, preset.constructor)
+        return factory(**preset.fixed, **kwargs)
 
     def replace(self, **changes: Any) -> Algorithm:
         """A copy with constructor arguments replaced (``actor=``, ``critic=``, ``reward=``, ...)."""

@@ -30,11 +30,8 @@ roles of ``backends``, ``batch.epochs``, ``batch.buffer_memory_bytes`` and ``log
 from __future__ import annotations
 
 import json
-import logging
 import os
-import random
 import shutil
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,28 +44,13 @@ from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import GlobalBatchStats, LossOutput, ModelOutput, TrainingEngine
-from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
+from verl_core.trainer.config import RunConfig
 from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.reliability import (
-    TrainingDivergedError,
-    resume_config_changes,
-    verify_checkpoint,
-)
-from verl_core.trainer.rundir import Mode, RunDir
-from verl_core.trainer.runstate import (
-    STATE_FILE,
-    build_run_model,
-    engine_spec,
-    latest_checkpoint,
-    load_engine_checkpoint,
-    read_state,
-    rng_state,
-    set_rng_state,
-    write_checkpoint,
-)
+from verl_core.trainer.runcontext import RunContext
+from verl_core.trainer.rundir import RunDir
+from verl_core.trainer.runstate import engine_spec, latest_checkpoint
 from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
-from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -77,7 +59,6 @@ SFT_MODEL_DIR: Final = "model-sft"
 
 _TINY_MAX_POSITION: Final = 512  # context of the tiny model built when model.path is empty
 _NO_LIMIT: Final = 1 << 20  # engine length limits when the model folder states no context length
-_log = logging.getLogger(__name__)
 
 
 class SFTLoss:
@@ -207,6 +188,28 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _export_latest(out: Path, run_id: str) -> Path:
+    """Export the newest checkpoint under ``out`` to ``out/model-sft`` through a temporary folder of the run."""
+    from verl_core.trainer.export import export_checkpoint
+
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        raise CheckpointError(f"{str(out)!r} holds no checkpoint to export; train first")
+    dest = out / SFT_MODEL_DIR
+    tmp = out / f".{SFT_MODEL_DIR}-{run_id}"  # named by the run: only this run's leftovers
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_checkpoint(ckpt, tmp)
+    if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
+        old = out / f".{SFT_MODEL_DIR}-old-{run_id}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
 def _context_length(model_path: str) -> int | None:
     """``max_position_embeddings`` of the model folder's config.json (None when it states none)."""
     try:
@@ -226,6 +229,8 @@ class SFTTrainer:
 
     Use :meth:`train` (with ``resume=True`` to continue from the newest checkpoint of the output
     folder); the actor engine is built on first use and released by :meth:`close` (or ``with``).
+    The run folder, messages, metric sinks, checkpoints and the loop are the
+    :class:`~verl_core.trainer.runcontext.RunContext`'s, as in ``verl train``.
 
     Raises:
         ConfigError: ``data.train`` is not set, or ``data.prompt_key`` equals ``data.response_key``.
@@ -248,22 +253,29 @@ class SFTTrainer:
             )
         self.config = config
         self.out = Path(config.output_dir)
+        self.ctx = RunContext(config, runner="sft", stream=stream)
         self.loss_fn = SFTLoss()
         self.step = 0
-        self.history: list[dict[str, Any]] = []
         self.model_dir: Path | None = None
-        self.run_dir: RunDir | None = None
         self._probe = memory_probe
-        self._stream = stream if stream is not None else sys.stderr
         self._built = False
         self._consecutive_skips = 0
-        self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
         self.actor: TrainingEngine
         self.executor: Executor
         self.scheduler: DynamicBatchScheduler
         self.train_data: SFTDataset
         self.eval_data: SFTDataset | None = None
         self.sampler: PromptSampler
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The metrics of every step (with those before a resume, read back when the ``jsonl`` sink is on)."""
+        return self.ctx.history
+
+    @property
+    def run_dir(self) -> RunDir | None:
+        """The claim on the output folder (None until :meth:`setup`)."""
+        return self.ctx.run_dir
 
     # ------------------------------------------------------------------ setup
     def setup(self, *, resume: bool | None = None) -> None:
@@ -279,11 +291,8 @@ class SFTTrainer:
         if self._built:
             return
         cfg = self.config
-        check_device_here(self.config)  # before the run folder is claimed or any engine is built
-        run = self._claim(resume)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        path = build_run_model(cfg, run, max_position=_TINY_MAX_POSITION)
+        self.ctx.prepare(resume)
+        path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
         limit = context or _NO_LIMIT
         spec = engine_spec(cfg, "actor", path, optim=cfg.optim.to_optim(cfg.steps),
@@ -310,17 +319,6 @@ class SFTTrainer:
         self.scheduler.fix_budget()
         self._built = True
 
-    def _claim(self, resume: bool | None) -> RunDir:
-        run = self.run_dir
-        if run is None:
-            mode: Mode = "any" if resume is None else "resume" if resume else "fresh"
-            run = self.run_dir = RunDir.claim(self.config.output_dir, self.config, mode=mode)
-            if run.moved_aside is not None:
-                self._stream.write(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}\n")
-        elif not run.held:
-            run.acquire()  # set up again after close()
-        return run
-
     # ------------------------------------------------------------------ steps
     def train_step(self) -> dict[str, Any]:
         """Train on the next ``batch.prompts_per_step`` rows and return the step's metrics.
@@ -329,7 +327,8 @@ class SFTTrainer:
         (mean over the step's optimizer steps), ``train/lr``, ``train/response_tokens``,
         ``train/tokens`` (prompt and response), ``data/epoch``, ``update/optimizer_steps``,
         ``update/nonfinite_skips``, ``scheduler/actor/micro_batches``, ``time/step`` and
-        ``throughput/tokens_per_s`` (prompt and response tokens per second).
+        ``throughput/tokens_per_s`` (prompt and response tokens per second). They are appended
+        to :attr:`history` and sent to the metric sinks.
 
         Raises:
             TrainingDivergedError: ``max_consecutive_skips`` optimizer steps in a row were skipped
@@ -382,16 +381,8 @@ class SFTTrainer:
         wall = time.perf_counter() - t0
         metrics["time/step"] = wall
         metrics["throughput/tokens_per_s"] = all_tokens / wall if wall > 0 else 0.0
-        self.history.append(metrics)
-        limit = cfg.max_consecutive_skips
-        if limit and self._consecutive_skips >= limit:
-            ckpt = self.save_checkpoint()
-            raise TrainingDivergedError(
-                f"step {self.step}: {self._consecutive_skips} optimizer steps in a row were skipped because "
-                f"the loss or gradient was NaN/inf (max_consecutive_skips={limit}); the weights are those of "
-                f"the last finite update, saved in {str(ckpt)!r}. Lower optim.lr, check the data, then "
-                "resume with `verl sft CONFIG --resume`"
-            )
+        self.ctx.log_step(self.step, metrics)
+        self.ctx.check_diverged(self.step, self._consecutive_skips, self.save_checkpoint, check="the data")
         return metrics
 
     def _eval_due(self) -> bool:
@@ -426,21 +417,14 @@ class SFTTrainer:
         """Write an atomic checkpoint (actor, data order, scheduler, RNG states); returns its folder."""
         self.setup()
         state = {
-            "trainer": "sft",
-            "step": self.step,
             "weight_version": self.step,
-            "rng": rng_state(),
             "schedulers": {"actor": self.scheduler.state_dict()},
             "algorithm": {},
             "data": self.sampler.state_dict(),
-            "config": config_to_dict(self.config),
-            "consecutive_nonfinite_skips": self._consecutive_skips,
         }
-        final = write_checkpoint(
-            self.out / "checkpoints", self.step, {"actor": self.actor}, state, keep=self.config.checkpoint.keep
-        )
-        self._on_disk_step = self.step
-        return final
+        final = self.ctx.checkpoints.save(self.step, {"actor": self.actor}, state,
+                                          consecutive_skips=self._consecutive_skips)
+        return self.ctx.saved(self.step, final)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`.
@@ -456,29 +440,13 @@ class SFTTrainer:
             ConfigError: the data changed, or config keys that change the math differ (all listed).
         """
         self.setup()
-        ckpt = Path(path)
-        verify_checkpoint(ckpt, required=(STATE_FILE, "actor"))
-        state, rng = read_state(ckpt, ("actor",), (), trainer="sft")
-        data = state.get("data")
-        if not isinstance(data, dict):
-            raise CheckpointError(
-                f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data' must be the data order's position "
-                f"(a table), got {_short(data)}; resume from another checkpoint or start a new run"
-            )
-        # checked on a scratch sampler first, so a refusal leaves this trainer as it was
-        PromptSampler(self.sampler.size, seed=self.sampler.seed, shuffle=self.sampler.shuffle).load_state_dict(data)
-        allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
-        if allowed:
-            line = "resume: changed keys allowed: " + "; ".join(allowed)
-            _log.info(line)
-            self._stream.write(line + "\n")
-        load_engine_checkpoint(ckpt, "actor", self.actor, self.config.backends.actor)
-        self.sampler.load_state_dict(data)
-        self.step = int(state["step"])
-        self.scheduler.load_state_dict(state["schedulers"]["actor"])
-        self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
-        self._on_disk_step = self.step
-        set_rng_state(rng)
+        restored = self.ctx.checkpoints.load(
+            Path(path), {"actor": self.actor}, {"actor": self.scheduler}, sampler=self.sampler
+        )
+        self.step = restored.step
+        self._consecutive_skips = restored.consecutive_skips
+        self.ctx.logs_from = self.step
+        self.ctx.checkpoints.restore_rng()
 
     def export(self) -> Path:
         """Export the newest checkpoint to ``<output_dir>/model-sft`` (replacing an earlier export).
@@ -489,26 +457,8 @@ class SFTTrainer:
         Raises:
             CheckpointError: the run has no checkpoint.
         """
-        from verl_core.trainer.export import export_checkpoint
-
-        run = self._claim(None)
-        ckpt = latest_checkpoint(self.out)
-        if ckpt is None:
-            raise CheckpointError(f"{str(self.out)!r} holds no checkpoint to export; train first")
-        dest = self.out / SFT_MODEL_DIR
-        tmp = self.out / f".{SFT_MODEL_DIR}-{run.run_id}"  # named by the run: only this run's leftovers
-        shutil.rmtree(tmp, ignore_errors=True)
-        export_checkpoint(ckpt, tmp)
-        if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
-            old = self.out / f".{SFT_MODEL_DIR}-old-{run.run_id}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-        self.model_dir = dest
-        return dest
+        self.model_dir = _export_latest(self.out, self.ctx.claim(None).run_id)
+        return self.model_dir
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
@@ -523,59 +473,42 @@ class SFTTrainer:
                 ``resume`` without a checkpoint, or a resume that changes the math.
         """
         self.setup(resume=resume)
-        run = self._claim(resume)
-        run.check_owned()
-        if not resume:
-            run.require_fresh(self.config)
-        cfg = self.config
-        if resume:
-            ckpt = latest_checkpoint(self.out)
-            if ckpt is None:
-                raise ConfigError(
-                    f"--resume: no checkpoint under {str(self.out / 'checkpoints')!r}; "
-                    "run without --resume to start fresh"
-                )
+        ckpt = self.ctx.begin(resume)
+        if ckpt is not None:
             self.load_checkpoint(ckpt)
-        write_text_atomic(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
-        sinks = MetricSinks.open(
-            self.out, cfg.logging.sink_config(), self.out.name, self.step if resume else None,
-            hparams=config_to_dict(cfg),
-        )
-        self.history = list(sinks.history)
+        self.ctx.write_config()
+        cfg = self.config
         dropped = f", {self.train_data.dropped} dropped for long prompts" if self.train_data.dropped else ""
-        with sinks, ProgressBar(cfg.steps, initial=self.step, enabled=cfg.logging.progress, stream=self._stream) as bar:
-            bar.write(f"sft: {len(self.train_data)} training rows{dropped}; {cfg.steps} steps of "
-                      f"{cfg.batch.prompts_per_step} rows, starting at step {self.step}")
-            report = max(1, cfg.steps // 10)
-            while self.step < cfg.steps:
-                m = self.train_step()
-                sinks.log_step(self.step, m)
-                bar.update(m)
-                if self.step % report == 0 or self.step == cfg.steps:
-                    evaluated = f", eval loss {m['eval/loss']:.4f}" if "eval/loss" in m else ""
-                    bar.write(f"step {self.step}: loss {m['train/loss']:.4f}{evaluated}")
-                every = cfg.checkpoint.every
-                if every and self.step % every == 0 and self.step < cfg.steps:
-                    sinks.checkpoint(self.step, self.save_checkpoint())
-            if self._on_disk_step != self.step:
-                sinks.checkpoint(self.step, self.save_checkpoint())  # the export reads it
+        report = max(1, cfg.steps // 10)
+
+        def print_loss(m: Mapping[str, Any]) -> None:
+            if self.step % report == 0 or self.step == cfg.steps:
+                evaluated = f", eval loss {m['eval/loss']:.4f}" if "eval/loss" in m else ""
+                self.ctx.say(f"step {self.step}: loss {m['train/loss']:.4f}{evaluated}")
+
+        self.ctx.run_steps(
+            self.train_step, self.save_checkpoint, current=lambda: self.step, final=True,  # the export reads it
+            after_step=print_loss, intro=f"sft: {len(self.train_data)} training rows{dropped}; {cfg.steps} steps of "
+            f"{cfg.batch.prompts_per_step} rows, starting at step {self.step}",
+        )
         self.actor.offload()  # the export builds its own engine from the checkpoint
         try:
             path = self.export()
         finally:
             self.actor.onload()
-        if cfg.logging.progress:
-            self._stream.write(f"sft: model for `verl train model.path=...`: {path}\n")
+        self.ctx.say(f"sft: model for `verl train model.path=...`: {path}")
         return self.history
 
     def close(self) -> None:
-        """Release the actor engine, the executor and the claim on the output folder."""
-        if self._built:
-            self.actor.close()
-            self.executor.close()
-            self._built = False
-        if self.run_dir is not None:
-            self.run_dir.release()
+        """Close the metric sinks; release the actor engine, the executor and the claim on the output folder."""
+        try:
+            self.ctx.close_sinks(failed=False, step=self.step)
+        finally:
+            if self._built:
+                self.actor.close()
+                self.executor.close()
+                self._built = False
+            self.ctx.release()
 
     def __enter__(self) -> SFTTrainer:
         return self

@@ -1,184 +1,85 @@
 """The single-controller RL trainer: rollout -> reward/reference/critic -> advantages -> updates -> sync.
 
-One step:
+One step, each a component of its own that reads and fills the step's typed
+:class:`~verl_core.trainer.step_state.StepState`:
 
 1. take ``prompts_per_step`` prompts: the next rows of the user's dataset (``data.train``, in a
    seeded order that checkpoints keep), or the built-in task's (a deterministic function of seed
-   and step);
-2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline);
-3. concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
-   reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values;
-4. (optional) DAPO dynamic sampling drops groups whose scores are all equal;
-5. advantages on the global batch (:class:`verl_core.algorithms.Algorithm`);
-6. mini-batches from the replay buffer; per mini-batch ``forward_backward`` over micro-batches
-   picked by the :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`, then
-   ``optimizer_step`` (actor, and critic when the algorithm has one);
-7. weight sync actor -> rollout.
+   and step) (:class:`~verl_core.trainer.prompt_source.PromptSource`);
+2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline), then
+   concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
+   reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values; DAPO's
+   dynamic sampling drops groups whose scores are all equal
+   (:class:`~verl_core.trainer.generation.GenerationStage`);
+3. advantages on the global batch (:class:`verl_core.algorithms.Algorithm`), then mini-batches from
+   the replay buffer; per mini-batch ``forward_backward`` over micro-batches picked by the
+   :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`, then ``optimizer_step`` (actor,
+   and critic when the algorithm has one) (:class:`~verl_core.trainer.update.UpdateStage`);
+4. weight sync actor -> rollout (:class:`~verl_core.trainer.weightsync.WeightSyncStage`);
+5. evaluation when due (:class:`~verl_core.trainer.evaluation.Evaluator`) and the step's metrics
+   (:mod:`verl_core.trainer.step_metrics`).
 
 Engines are built by backend name through :mod:`verl_core.kernel.registry`, placed by the executor of the
 config key ``executor`` (:mod:`verl_core.trainer.executor`: this process, or Ray worker groups); nothing
 here knows which backend it talks to or where it runs. The reward is the user's reward functions
 (``reward.functions``, :mod:`verl_core.trainer.rewards`), a reward-model backend, or the task's rule.
-Every step's metrics go to the sinks of ``logging.sinks`` (:mod:`verl_core.trainer.sinks`).
+The run folder, metric sinks (``logging.sinks``), checkpoints and the loop are the
+:class:`~verl_core.trainer.runcontext.RunContext`'s, shared with ``verl sft``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
-import logging
-import math
 import os
-import random
-import sys
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from verl_core.enginekit.hf_tokenizer import HFTokenizer
-from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError, describe
+from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.tokenizer import Tokenizer
-from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
+from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
-from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
-from verl_core.trainer.data import PromptDataset, PromptLoader, PromptSampler
+from verl_core.trainer.algorithm_setup import AlgorithmSetup, build_algorithm
+from verl_core.trainer.config import RunConfig
+from verl_core.trainer.engines import RLEngines, stage_backend
+from verl_core.trainer.evaluation import Evaluator
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.pipeline import HybridPipeline, Stage, StageError, StageThreads
-from verl_core.trainer.reliability import (
-    StepFailedError,
-    TrainingDivergedError,
-    resume_config_changes,
-    verify_checkpoint,
+from verl_core.trainer.generation import GenerationStage
+from verl_core.trainer.pipeline import StageError, StageThreads
+from verl_core.trainer.prompt_source import PromptSource
+from verl_core.trainer.reliability import StepFailedError
+from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.runcontext import RunContext
+from verl_core.trainer.rundir import RunDir
+from verl_core.trainer.runstate import engine_spec, latest_checkpoint
+from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
+from verl_core.trainer.sinks import MetricSinks
+from verl_core.trainer.step_metrics import (
+    SchedulerPlanLog,
+    finish_metrics,
+    plot_metrics,
+    rollout_metrics,
 )
-from verl_core.trainer.replay import HybridReplayBuffer, remove_stale_spill
-from verl_core.trainer.rewards import RewardFunctions
-from verl_core.trainer.rundir import Mode, RunDir
-from verl_core.trainer.runstate import (
-    STATE_FILE,
-    build_run_model,
-    engine_spec,
-    latest_checkpoint,
-    load_engine_checkpoint,
-    read_state,
-    rng_state,
-    set_rng_state,
-    write_checkpoint,
-)
-from verl_core.trainer.scheduler import (
-    Decision,
-    DynamicBatchScheduler,
-    MemoryProbe,
-    SchedulerConfig,
-)
-from verl_core.trainer.sinks import MetricSinks, ProgressBar, read_json_lines, write_text_atomic
-from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
-from verl_core.trainer.usercode import import_object, resolve_path
+from verl_core.trainer.step_state import RunProgress, StepState
+from verl_core.trainer.tasks import get_task
+from verl_core.trainer.update import UpdateStage
+from verl_core.trainer.weightsync import WeightSyncStage
 
-__all__ = ["Trainer", "build_algorithm", "latest_checkpoint"]
-
-_log = logging.getLogger(__name__)
-_NOT_COMPARABLE = "not comparable"
-_EVAL_GROUP_BASE = 1 << 48
+__all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
 
 
-def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
-    """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
+def _delegate(owner: str, name: str, doc: str, *, settable: bool = True) -> Any:
+    """A property of :class:`Trainer` that reads (and sets) ``name`` of the component in attribute ``owner``."""
 
-    ``dapo`` is GRPO with clip-higher (``clip_high=0.28``) and no KL loss; the trainer turns on
-    dynamic sampling for it. ``grpo_token`` is GRPO's loss with the per-position estimator of
-    :mod:`verl_core.trainer.estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
+    def get(self: Trainer) -> Any:
+        return getattr(getattr(self, owner), name)
 
-    Raises:
-        ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``).
-    """
-    import inspect
+    def put(self: Trainer, value: Any) -> None:
+        setattr(getattr(self, owner), name, value)
 
-    from verl_core.algorithms import PRESETS, Algorithm
-
-    opts = dict(options)
-    preset = name
-    if name == "grpo_token":
-        from verl_core.trainer.estimators import register
-
-        register()
-        preset = "grpo"
-    if name == "dapo":
-        preset = "grpo"
-        opts = {"clip_high": 0.28, "kl_loss_coef": 0.0, **opts}
-    if preset not in PRESETS:
-        raise ConfigError(
-            f"config key 'algorithm.name': unknown algorithm {name!r}; choices: "
-            f"{', '.join((*PRESETS, 'dapo', 'grpo_token'))}"
-        )
-    factory = getattr(Algorithm, preset)
-    params = [p for p in inspect.signature(factory).parameters if p not in ("cls", "self", "kwargs")]
-    if preset == "reinforce_pp_baseline":
-        params = [p for p in inspect.signature(Algorithm.reinforce_pp).parameters if p != "baseline"]
-    unknown = sorted(set(opts) - set(params))
-    if unknown:
-        raise ConfigError(
-            f"config key 'algorithm.options.{unknown[0]}' is not an option of algorithm {name!r}; "
-            f"valid options: {', '.join(params)}"
-        )
-    try:
-        algo = factory(**opts)
-        if name == "grpo_token":
-            algo = algo.replace(name="grpo_token", estimator="grpo_token")
-        return algo
-    except VerlError as e:
-        raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
-    except TypeError as e:
-        raise ConfigError(f"config section 'algorithm.options' of {name!r}: {e}") from e
-
-
-def _read_data_state(ckpt: Path, state: Mapping[str, Any], loader: PromptLoader | None) -> dict[str, Any] | None:
-    """The data-order position of ``trainer_state.json`` (``data``), checked against the run's loader.
-
-    A run reading ``data.train`` saves the position of its :class:`PromptSampler`; a run on the
-    built-in task saves none. Nothing is changed here: the caller restores it once every check passed.
-
-    Raises:
-        CheckpointError: the field is missing (or present for a run without data) or malformed.
-        ConfigError: the position was saved for another number of rows, seed or shuffle setting
-            (the dataset changed since the checkpoint).
-    """
-    saved = state.get("data", ...)
-    if loader is None and saved is ...:
-        return None
-    if loader is None or saved is ... or not isinstance(saved, dict):
-        expected = "absent (this run takes its prompts from the built-in task)" if loader is None else (
-            "the data order's position (epoch, index, size, seed, shuffle)"
-        )
-        got = "it is missing" if saved is ... else f"got {describe(saved)}"
-        raise CheckpointError(
-            f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data' must be {expected}, {got}; the file is "
-            "damaged or was not written by Trainer.save_checkpoint: resume from another checkpoint or start a new run"
-        )
-    for key, kind in (("epoch", int), ("index", int), ("size", int), ("seed", int), ("shuffle", bool)):
-        v = saved.get(key, ...)
-        if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 0)):
-            got = "it is missing" if v is ... else f"got {describe(v)}"
-            raise CheckpointError(
-                f"checkpoint {str(ckpt)!r}: {STATE_FILE} field 'data.{key}' must be "
-                f"{'true or false' if kind is bool else 'an integer >= 0'}, {got}; the file is damaged or was "
-                "not written by Trainer.save_checkpoint: resume from another checkpoint or start a new run"
-            )
-    sampler = loader.sampler
-    PromptSampler(sampler.size, seed=sampler.seed, shuffle=sampler.shuffle).load_state_dict(saved)  # a dry run
-    return saved
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    n = int(mask.sum())
-    return float((values * mask).sum() / n) if n else 0.0
+    return property(get, put if settable else None, doc=doc)
 
 
 class Trainer:
@@ -199,6 +100,21 @@ class Trainer:
     files of its own run.
     """
 
+    # the engines (built by setup; replacing one here replaces it for every component)
+    actor: TrainingEngine = _delegate("engines", "actor", "The policy being trained.")
+    rollout: RolloutEngine = _delegate("engines", "rollout", "The engine that samples responses.")
+    reward: RewardEngine = _delegate("engines", "reward", "Scores the responses.")
+    reference: TrainingEngine | None = _delegate("engines", "reference", "The reference policy (None: not used).")
+    critic: TrainingEngine | None = _delegate("engines", "critic", "The value model (None: not used).")
+    sync: WeightSync = _delegate("engines", "sync", "Sends the actor's weights to the rollout engine.")
+    executor: Executor = _delegate("engines", "executor", "Where the engines run.")
+    # the counters and the run's records, shared with the components
+    step: int = _delegate("progress", "step", "Steps completed.")
+    weight_version: int = _delegate("progress", "weight_version", "Weight syncs done (the rollout samples from it).")
+    history: list[dict[str, Any]] = _delegate("ctx", "history", "The metrics of every step.", settable=False)
+    run_dir: RunDir | None = _delegate("ctx", "run_dir", "The claim on the output folder.", settable=False)
+    sinks: MetricSinks | None = _delegate("ctx", "sinks", "The open metric sinks (None: closed).", settable=False)
+
     def __init__(
         self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
         base_dir: str | os.PathLike[str] | None = None,
@@ -206,185 +122,39 @@ class Trainer:
         self.config = config
         self.out = Path(config.output_dir)
         self._probe = memory_probe
-        self._stream = stream if stream is not None else sys.stderr
         self.base_dir = Path(base_dir) if base_dir is not None else None
-        self.task: DigitTask = get_task(config.task.name, config.task.digits)
-        self.algorithm = build_algorithm(config.algorithm.name, config.algorithm.options)
-        self.use_critic = (
-            config.algorithm.use_critic if config.algorithm.use_critic is not None else self.algorithm.uses_critic
-        )
-        if self.use_critic and not self.algorithm.uses_critic:
-            raise ConfigError(
-                f"config key 'algorithm.use_critic' is true but algorithm {config.algorithm.name!r} has no "
-                "critic loss; use algorithm.name='ppo' or set use_critic=false"
-            )
-        if not self.use_critic and self.algorithm.estimator == "gae":
-            raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
-        if self.algorithm.estimator == "grpo_token" and config.reward.functions:
-            raise ConfigError(
-                "algorithm 'grpo_token' needs dense token scores, but the reward functions of 'reward.functions' "
-                "give one score per response; use algorithm 'grpo'"
-            )
-        if self.algorithm.estimator == "grpo_token" and config.task.reward != "token" and config.backends.reward == "rule":
-            raise ConfigError(
-                "algorithm 'grpo_token' needs dense token scores: set config key 'task.reward' to 'token' "
-                f"(it is {config.task.reward!r})"
-            )
-        data = config.data
-        if (data.train_paths or data.eval_paths) and not config.reward.functions and config.backends.reward == "rule":
-            raise ConfigError(
-                f"config key 'data.{'train' if data.train_paths else 'eval'}' is set but the run has no reward "
-                "for its prompts: list functions in 'reward.functions' (e.g. "
-                "['verl_core.trainer.reward_functions:exact_match']) or name a reward-model backend in "
-                "'backends.reward'"
-            )
-        self.use_reference = config.algorithm.use_reference or self.algorithm.uses_reference
-        self.dynamic_sampling = config.algorithm.dynamic_sampling or config.algorithm.name == "dapo"
-        self.step = 0
-        self.weight_version = 0
-        self.history: list[dict[str, Any]] = []
-        self._built = False
-        self.actor: TrainingEngine
-        self.rollout: RolloutEngine
-        self.reward: RewardEngine
-        self.reference: TrainingEngine | None = None
-        self.critic: TrainingEngine | None = None
-        self.sync: WeightSync
-        self.executor: Executor
+        self.task = get_task(config.task.name, config.task.digits)
+        setup = AlgorithmSetup.from_config(config)
+        self.algorithm = setup.algorithm
+        self.use_critic = setup.use_critic
+        self.use_reference = setup.use_reference
+        self.dynamic_sampling = setup.dynamic_sampling
+        self.progress = RunProgress()
+        self.ctx = RunContext(config, runner="rl", stream=stream, base_dir=self.base_dir)
+        self.source = PromptSource(config, self.task, base_dir=self.base_dir, say=self.ctx.say)
+        self.engines = RLEngines()
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
-        self._plan_written: dict[str, int] = {}
-        self._stage = "prompts"  # the stage running outside the pipeline, named when it fails
+        self.plan = SchedulerPlanLog(self.out, self.schedulers)
         self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
         self._failed: StepFailedError | None = None
-        self._consecutive_skips = 0
-        self._on_disk_step = -1  # the step whose checkpoint this trainer wrote or loaded last
-        self.run_dir: RunDir | None = None
-        self.sinks: MetricSinks | None = None
-        self._logs_from: int | None = None  # the step the metric logs continue from (None: start afresh)
-        self._bar: ProgressBar | None = None
-        self._train_data: PromptDataset | None = None
-        self._eval_data: PromptDataset | None = None
-        self._loader: PromptLoader | None = None
-        self._longest_prompt: int | None = None  # measured by setup() when a dataset is used
-        self._columns: list[str] = ["answer"]  # per-sample extras the reward functions may ask for
-        self._data_checked = False
+        self._built = False
+        self.buffer: HybridReplayBuffer
+        self.generation: GenerationStage
+        self.updater: UpdateStage
+        self.weights: WeightSyncStage
+        self.evaluator: Evaluator
 
     # ------------------------------------------------------------------ setup
     def model_path(self) -> str:
         """The policy model folder (built as a tiny random model when ``model.path`` is empty)."""
-        m = self.config.model
-        if m.path:
-            return m.path
-        run = self._claim(None)  # the model is built inside the run's folder
-        longest = self._prompt_limit() + self.config.rollout.max_new_tokens
-        return build_run_model(self.config, run, max_position=max(64, longest + 8))
+        longest = self.source.prompt_limit() + self.config.rollout.max_new_tokens
+        return self.ctx.model_path(max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         return engine_spec(
             self.config, role, path, optim=optim,  # type: ignore[arg-type]
-            max_prompt_len=self._prompt_limit(), max_response_len=self.config.rollout.max_new_tokens,
+            max_prompt_len=self.source.prompt_limit(), max_response_len=self.config.rollout.max_new_tokens,
         )
-
-    def _prompt_limit(self) -> int:
-        """Longest prompt, in tokens, that the engines are built for.
-
-        The longest kept prompt of the datasets once :meth:`setup` measured them (and the task's
-        when the task supplies the training prompts); before that ``data.max_prompt_len`` or the
-        task's (e.g. for the spec of an export, which runs no prompt).
-        """
-        if self._longest_prompt is not None:
-            return self._longest_prompt
-        d = self.config.data
-        return d.max_prompt_len if d.train_paths and d.max_prompt_len else self.task.max_prompt_len()
-
-    def _model_tokenizer(self) -> Tokenizer:
-        """The policy model's tokenizer, read without building an engine (every backend loads this one)."""
-        m = self.config.model
-        if importlib.util.find_spec("transformers") is None:
-            raise ConfigError(
-                "reading data.train / data.eval and checking reward.functions needs the model's tokenizer, "
-                "which needs transformers: pip install verl-hf (or transformers)"
-            )
-        if not m.path:
-            from verl_core.trainer.tiny_model import char_tokenizer
-
-            return HFTokenizer(char_tokenizer(m.vocab_size), m.vocab_size)
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(m.path, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"config key 'model.path' = {m.path!r}: cannot load its tokenizer with transformers "
-                f"({type(e).__name__}: {e}); expected a transformers folder with a tokenizer"
-            ) from e
-        return HFTokenizer(tok)
-
-    def _load_data(self) -> None:
-        """Read and check ``data.train`` / ``data.eval``, the reward functions and callback imports.
-
-        Runs before the output folder is claimed and before the model or any engine is built, so a
-        bad dataset, column, reward function or callback is refused with nothing written. Prompts
-        are measured with the model folder's tokenizer; the engines are built for the longest one.
-        """
-        cfg = self.config
-        d = cfg.data
-        for spec in cfg.logging.sink_config().callbacks:  # imported (modules are cached) but not built yet
-            import_object(spec, what="config key 'logging.sinks': callback", base_dir=self.base_dir)
-        if not (d.train_paths or d.eval_paths or cfg.reward.functions):
-            return
-        tok = self._model_tokenizer()
-
-        def load(split: str, paths: list[str]) -> PromptDataset | None:
-            if not paths:
-                return None
-            return PromptDataset.load(
-                [str(resolve_path(p, self.base_dir)) for p in paths], tok, prompt_key=d.prompt_key,
-                chat_template=d.chat_template, max_prompt_len=d.max_prompt_len, long_prompts=d.long_prompts,
-                where=f"data.{split}",
-            )
-
-        train, evals = load("train", d.train_paths), load("eval", d.eval_paths)
-        columns = train.column_names if train is not None else ["answer"]  # the task's prompts carry answers
-        if evals is not None:
-            columns = [c for c in columns if c in evals.column_names]
-        if cfg.reward.functions:
-            RewardFunctions.from_config(cfg.reward, tok, columns=columns, base_dir=self.base_dir)  # refused here
-        lengths = [ds.longest_prompt for ds in (train, evals) if ds is not None]
-        if train is None:
-            lengths.append(self.task.max_prompt_len())
-        self._train_data, self._eval_data, self._columns = train, evals, columns
-        self._longest_prompt = max(lengths)
-        for split, ds in (("train", train), ("eval", evals)):
-            if ds is not None:
-                left_out = f"; {ds.dropped} longer than data.max_prompt_len left out" if ds.dropped else ""
-                self._say(
-                    f"data.{split}: {len(ds)} prompts from {', '.join(ds.sources)} (longest {ds.longest_prompt} "
-                    f"tokens{left_out})"
-                )
-
-    def _bind_data(self, tokenizer: Tokenizer) -> None:
-        """Give the datasets the rollout engine's tokenizer, checking that every prompt still fits the engines."""
-        for split in ("train", "eval"):
-            ds: PromptDataset | None = getattr(self, f"_{split}_data")
-            if ds is None:
-                continue
-            ds = PromptDataset(ds.prompts, ds.columns, tokenizer, dropped=ds.dropped, sources=ds.sources)
-            if ds.longest_prompt > self._prompt_limit():
-                raise ConfigError(
-                    f"data.{split}: the rollout engine's tokenizer (backend {self.config.backends.rollout!r}) encodes "
-                    f"a prompt to {ds.longest_prompt} tokens, but the model folder's tokenizer, which the engines "
-                    f"were sized with, to at most {self._prompt_limit()}; use a backend that tokenizes with the "
-                    "model folder's tokenizer"
-                )
-            setattr(self, f"_{split}_data", ds)
-        if self._train_data is None:
-            return
-        if self._loader is None:
-            self._loader = PromptLoader(self._train_data, seed=self.config.seed, shuffle=self.config.data.shuffle)
-        else:  # set up again after close(): the data order goes on from where it was
-            self._loader.dataset = self._train_data
-
 
     def setup(self, *, resume: bool | None = None) -> None:
         """Check the datasets and reward functions, claim the output folder, then build the model
@@ -405,38 +175,20 @@ class Trainer:
         if self._built:
             return
         cfg = self.config
-        if not self._data_checked:  # a trainer set up again after close() has its data already
-            self._load_data()
-            self._data_checked = True
-        check_device_here(self.config)  # before the run folder is claimed or any engine is built
-        run = self._claim(resume)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
+        if not self.source.checked:  # a trainer set up again after close() has its data already
+            self.source.load()
+            self.source.checked = True
+        run = self.ctx.prepare(resume)
         path = self.model_path()
         b = cfg.backends
         # engines are placed by the executor (this process, or Ray worker groups) and called alike
-        ex = self.executor = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
-        self.actor = ex.training_engine("actor", b.actor, self._spec("actor", path, cfg.optim.to_optim(cfg.steps)))
-        self.rollout = ex.rollout_engine(b.rollout, self._spec("rollout", path))
-        if self.use_reference:
-            self.reference = ex.training_engine("reference", b.reference, self._spec("reference", path))
-        if self.use_critic:
-            critic_path = cfg.critic_model or path
-            self.critic = ex.training_engine(
-                "critic", b.critic, self._spec("critic", critic_path, cfg.critic_optim.to_optim(cfg.steps))
-            )
-        tokenizer = self.rollout.tokenizer
-        self._bind_data(tokenizer)
-        model = None if b.reward == "rule" else ex.reward_engine(b.reward, self._spec("reward", path))
-        if cfg.reward.functions:
-            self.reward = RewardFunctions.from_config(
-                cfg.reward, tokenizer, model=model, columns=self._columns, base_dir=self.base_dir
-            )
-        elif model is not None:
-            self.reward = model
-        else:
-            self.reward = TaskReward(self.task, tokenizer, mode=cfg.task.reward)
-        self.sync = ex.weight_sync(b.actor, b.rollout)
+        ex = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
+        e = self.engines
+        e.build(cfg, ex, self._spec, path, use_reference=self.use_reference, use_critic=self.use_critic)
+        tokenizer = e.rollout.tokenizer
+        self.source.bind(tokenizer)
+        e.build_reward(cfg, self._spec("reward", path), self.task, columns=self.source.columns, base_dir=self.base_dir)
+        e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         if bc.micro_batch_tokens:
             sched_cfg = SchedulerConfig(min_tokens=bc.micro_batch_tokens, max_tokens=bc.micro_batch_tokens)
@@ -448,30 +200,21 @@ class Trainer:
             # splits its steps (and sums their gradients) exactly like an uninterrupted one
             self.schedulers[role].fix_budget()
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
+        p = self.progress
+        self.generation = GenerationStage(
+            e, self.schedulers, p, self._stage_threads, baseline=self.algorithm.estimator == "remax",
+            dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
+        )
+        self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
+                                   dynamic_sampling=self.dynamic_sampling)
+        self.weights = WeightSyncStage(e, p)
+        self.evaluator = Evaluator(cfg, e, self.source, p)
         self._built = True
-
-    def _claim(self, resume: bool | None) -> RunDir:
-        """The run's claim on the output folder (made on first use; see :class:`RunDir`)."""
-        run = self.run_dir
-        if run is None:
-            mode: Mode = "any" if resume is None else "resume" if resume else "fresh"
-            run = self.run_dir = RunDir.claim(self.config.output_dir, self.config, mode=mode)
-            if run.moved_aside is not None:
-                self._say(f"overwrite=true: moved what {str(self.out)!r} held to {str(run.moved_aside)!r}")
-            if not run.created:
-                remove_stale_spill(run.spill_root)  # left by a killed process of this run (the claim locks it)
-        elif not run.held:
-            run.acquire()  # set up again after close()
-        return run
 
     # ------------------------------------------------------------------ one step
     def sampling_params(self) -> SamplingParams:
         """Sampling parameters of a step (the seed makes every sample reproducible)."""
-        r = self.config.rollout
-        return SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            n=r.n, seed=self.config.seed * 1_000_003 + self.step,
-        )
+        return self.source.sampling_params(self.step)
 
     def prompts(self, step: int) -> TensorBatch:
         """The prompt batch of ``step`` (group ids unique for the run).
@@ -480,83 +223,7 @@ class Trainer:
         extra (each call advances the order; checkpoints save its position). Otherwise the built-in
         task's prompts, a deterministic function of seed and step, with their answers.
         """
-        n = self.config.batch.prompts_per_step
-        tok = self.rollout.tokenizer
-        r = self.config.rollout
-        meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                         pad_token_id=tok.pad_token_id, weight_version=self.weight_version, step=step)
-        if self._loader is not None:
-            return self._loader.batch(step, n, meta=meta)
-        examples = self.task.examples(n, seed=self.config.seed, step=step)
-        return prompt_batch(
-            [p for p, _ in examples], tok, group_ids=[step * n + i for i in range(n)],
-            extras={"answer": [a for _, a in examples]}, meta=meta,
-        )
-
-    def _forward(self, role: str, engine: TrainingEngine, batch: TensorBatch, outputs: tuple[str, ...]) -> TensorBatch:
-        def fn(mb: TensorBatch) -> TensorBatch:
-            return engine.forward(mb, outputs)  # type: ignore[arg-type]
-
-        return self.schedulers[role].run_forward(batch, fn, key=f"step{self.step}/{role}/forward")
-
-    def _pipeline(self) -> HybridPipeline:
-        params = self.sampling_params()
-
-        def rollout(prompts: TensorBatch) -> Mapping[str, Any]:
-            self.rollout.wake()
-            return {"samples": self.rollout.generate(prompts, params)}
-
-        def baseline(prompts: TensorBatch) -> Mapping[str, Any]:
-            greedy = dataclasses.replace(params, n=1, greedy=True)
-            scored = self.reward.score(self.rollout.generate(prompts, greedy))
-            return {"baseline": scored["scores"].repeat_interleave(params.n)}
-
-        def reward(samples: TensorBatch) -> Mapping[str, Any]:
-            scored = self.reward.score(samples)
-            return {"scores": scored["scores"], "token_scores": scored.get("token_scores"),
-                    "reward_terms": RewardFunctions.metrics(scored)}
-
-        dense_only = isinstance(self.reward, TaskReward) and self.config.task.reward == "token"
-
-        def select(samples: TensorBatch, scores: torch.Tensor, token_scores: torch.Tensor | None) -> Mapping[str, Any]:
-            # the task's dense scores sum to its sequence score: the algorithm gets them alone, so the
-            # score is not counted twice (once spread over the tokens, once on the last token)
-            batch = samples if dense_only else samples.update(scores=scores)
-            if token_scores is not None:
-                batch = batch.update(token_scores=token_scores)
-            if not self.dynamic_sampling:
-                return {"batch": batch, "dropped_groups": 0}
-            keep = _groups_with_signal(samples["group_ids"], scores)
-            dropped = int(torch.unique(batch["group_ids"]).numel()) - int(torch.unique(batch["group_ids"][keep]).numel())
-            return {"batch": batch.index(keep.nonzero()[:, 0]), "dropped_groups": dropped}
-
-        def reference(batch: TensorBatch) -> Mapping[str, Any]:
-            if self.reference is None or batch.batch_size == 0:
-                return {"ref_log_probs": None}
-            return {"ref_log_probs": self._forward("reference", self.reference, batch, ("log_probs",))["log_probs"]}
-
-        def actor(batch: TensorBatch) -> Mapping[str, Any]:
-            if batch.batch_size == 0:
-                return {"old_log_probs": None, "entropy": None}
-            out = self._forward("actor", self.actor, batch, ("log_probs", "entropy"))
-            return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
-
-        def critic(batch: TensorBatch) -> Mapping[str, Any]:
-            if self.critic is None or batch.batch_size == 0:
-                return {"values": None}
-            return {"values": self._forward("critic", self.critic, batch, ("values",))["values"]}
-
-        stages = [
-            Stage("rollout", rollout, ("prompts",), ("samples",)),
-            Stage("reward", reward, ("samples",), ("scores", "token_scores", "reward_terms")),
-            Stage("select", select, ("samples", "scores", "token_scores"), ("batch", "dropped_groups")),
-            Stage("reference", reference, ("batch",), ("ref_log_probs",)),
-            Stage("actor_forward", actor, ("batch",), ("old_log_probs", "entropy")),
-            Stage("critic_forward", critic, ("batch",), ("values",)),
-        ]
-        if self.algorithm.estimator == "remax":
-            stages.append(Stage("baseline", baseline, ("prompts",), ("baseline",), after=("rollout",)))
-        return HybridPipeline(stages, inputs=("prompts",), threads=self._stage_threads)
+        return self.source.batch(step, self.rollout.tokenizer, weight_version=self.weight_version)
 
     def train_step(self) -> dict[str, Any]:
         """Run one step and return its metrics (also appended to :attr:`history`).
@@ -574,115 +241,40 @@ class Trainer:
                 f"this Trainer cannot run more steps after a failed one ({self._failed}); close it and "
                 "resume from the last checkpoint with a new Trainer"
             )
-        self._stage = "prompts"
+        self.progress.stage = "prompts"
         try:
             metrics = self._train_step()
         except Exception as e:
-            stage, cause = (e.stage, e.__cause__ or e) if isinstance(e, StageError) else (self._stage, e)
+            stage, cause = (e.stage, e.__cause__ or e) if isinstance(e, StageError) else (self.progress.stage, e)
             self._failed = StepFailedError(
-                stage, self._backend_of(stage), self.step + 1, cause, latest_checkpoint(self.out)
+                stage, stage_backend(self.config, stage), self.step + 1, cause, latest_checkpoint(self.out)
             )
             raise self._failed from cause
-        limit = self.config.max_consecutive_skips
-        if limit and self._consecutive_skips >= limit:
-            ckpt = self.save_checkpoint()
-            raise TrainingDivergedError(
-                f"step {self.step}: {self._consecutive_skips} optimizer steps in a row were skipped because "
-                f"the loss or gradient was NaN/inf (max_consecutive_skips={limit}); the weights are those of "
-                f"the last finite update, saved in {str(ckpt)!r}. Lower optim.lr, check the reward and the "
-                "data, then resume with `verl train CONFIG --resume`"
-            )
+        self.ctx.check_diverged(self.step, self.progress.consecutive_skips, self.save_checkpoint,
+                                check="the reward and the data")
         return metrics
 
-    def _backend_of(self, stage: str) -> str:
-        b = self.config.backends
-        reward = b.reward
-        if self.config.reward.functions:
-            reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
-        return {
-            "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
-            "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
-            "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
-        }.get(stage, "trainer")
-
     def _train_step(self) -> dict[str, Any]:
-        t_step = time.perf_counter()
-        params = self.sampling_params()
-        res = self._pipeline().run(prompts=self.prompts(self.step))
-        t = time.perf_counter()
-        self.rollout.sleep()  # frees the rollout's device memory for the update (woken by the weight sync)
-        timings: dict[str, float] = dict(res.timings)
-        timings["time/rollout_sleep"] = time.perf_counter() - t
-        samples: TensorBatch = res["samples"]
-        batch: TensorBatch = res["batch"]
-        metrics: dict[str, Any] = {"step": self.step + 1}
-        scores: torch.Tensor = res["scores"]
-        rmask = samples["response_mask"]
-        lengths = rmask.sum(1).float()
-        eos = self.rollout.tokenizer.eos_token_id
-        ended = (samples["response_ids"] == eos) & rmask
-        metrics.update({
-            "reward/mean": float(scores.mean()),
-            "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "reward/max": float(scores.max()),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/eos_fraction": float(ended.any(1).float().mean()),
-            "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
-            "samples": samples.batch_size,
-            **res["reward_terms"],  # reward/<function>/mean of each reward function
-        })
-        if isinstance(self.reward, TaskReward):
-            metrics["reward/exact_match"] = float(self.reward.exact_match(samples).mean())
-        if self._loader is not None:
-            metrics["data/epoch"] = self._loader.epoch  # epochs completed by the rows drawn so far
-        if self.dynamic_sampling:
-            metrics["dynamic_sampling/dropped_groups"] = res["dropped_groups"]
-            metrics["dynamic_sampling/kept_samples"] = batch.batch_size
-        if batch.batch_size == 0:
-            metrics["update/skipped"] = 1
-            return self._finish_step(metrics, timings, t_step, samples)
-        batch = batch.update(old_log_probs=res["old_log_probs"])
-        entropy = res["entropy"]
-        metrics["actor/entropy"] = _masked_mean(entropy, batch["response_mask"])
-        if res["ref_log_probs"] is not None:
-            batch = batch.update(ref_log_probs=res["ref_log_probs"])
-            metrics["actor/kl_ref"] = _masked_mean(batch["old_log_probs"] - batch["ref_log_probs"],
-                                                   batch["response_mask"])
-        if res["values"] is not None:
-            batch = batch.update(values=res["values"], old_values=res["values"])
-        if "baseline" in res.outputs:
-            baseline = res["baseline"]
-            if self.dynamic_sampling:
-                baseline = baseline[_groups_with_signal(samples["group_ids"], res["scores"])]
-            batch = batch.update(baseline_scores=baseline)
-        # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact)
-        if "rollout_log_probs" in batch and self.rollout.log_probs_exact(params):
-            delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
-            n = int(batch["response_mask"].sum())
-            metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
-            metrics["logprob_mismatch/max"] = float(delta.max()) if n else 0.0
+        started = time.perf_counter()
+        state = StepState(self.step, self.prompts(self.step), self.sampling_params())
+        self.generation.run(state)  # rollout -> reward -> select -> reference / actor / critic forwards
+        self.weights.sleep(state)  # the update needs the rollout's device memory
+        rollout_metrics(state, eos_token_id=self.rollout.tokenizer.eos_token_id, reward=self.reward,
+                        loader=self.source.loader, dynamic_sampling=self.dynamic_sampling)
+        if state.batch.batch_size == 0:  # dynamic sampling kept no group: nothing to learn from
+            state.metrics["update/skipped"] = 1
         else:
-            metrics["logprob_mismatch/mean"] = _NOT_COMPARABLE
-            metrics["logprob_mismatch/max"] = _NOT_COMPARABLE
-        t = time.perf_counter()
-        self._stage = "advantages"
-        batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
-        timings["time/advantages"] = time.perf_counter() - t
-        metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
-        metrics["algorithm/advantage_abs_mean"] = _masked_mean(batch["advantages"].abs(), batch["response_mask"])
-        t = time.perf_counter()
-        metrics.update(self._update(batch))
-        timings["time/update"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._stage = "weight_sync"
-        self.rollout.wake()
-        report = self.sync.sync(self.actor, self.rollout, version=self.weight_version + 1)
-        self.weight_version += 1
-        self._stage = "logging"
-        timings["time/weight_sync"] = time.perf_counter() - t
-        metrics["weight_sync/bytes"] = report.bytes
-        return self._finish_step(metrics, timings, t_step, samples)
+            with state.timed("advantages"):
+                self.updater.advantages(state)
+            with state.timed("update"):
+                self.updater.run(state)
+            self.weights.sync(state)  # the next step samples from the new policy
+        finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
+        self.evaluator.on_step(state)
+        self.step += 1
+        self.ctx.log_step(self.step, state.metrics)
+        self.plan.append()
+        return state.metrics
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate on every row of ``data.eval`` and/or the task's fixed prompts; keys start with ``eval/``.
@@ -694,179 +286,23 @@ class Trainer:
         and ``eval/exact_match`` of greedy responses.
         """
         self.setup()
-        out: dict[str, float] = {}
-        if self._eval_data is not None:
-            out.update(self._evaluate_dataset(self._eval_data))
-        if self.config.task.eval_prompts and self._loader is None:
-            out.update(self._evaluate_task())
-        return out
-
-    def _evaluate_dataset(self, ds: PromptDataset) -> dict[str, float]:
-        r, n = self.config.rollout, self.config.data.eval_n
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, n=n, greedy=n == 1, seed=0)
-        meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                         pad_token_id=ds.tokenizer.pad_token_id, weight_version=self.weight_version, step=self.step)
-        sums: dict[str, float] = {}
-        count = 0
-        self.rollout.wake()
-        # ids far above any training group (rows drawn so far, or step * prompts_per_step + i)
-        for prompts in ds.batches(self.config.batch.prompts_per_step, group_id_base=_EVAL_GROUP_BASE, meta=meta):
-            scored = self.reward.score(self.rollout.generate(prompts, params))
-            size = scored.batch_size
-            means = {
-                "reward/mean": float(scored["scores"].mean()),
-                **RewardFunctions.metrics(scored),
-                "response/length_mean": float(scored["response_mask"].sum(1).float().mean()),
-            }
-            for k, v in means.items():
-                sums[k] = sums.get(k, 0.0) + v * size
-            count += size
-        return {f"eval/{k}": v / count for k, v in sums.items()}
-
-    def _evaluate_task(self) -> dict[str, float]:
-        n = self.config.task.eval_prompts
-        examples = self.task.examples(n, seed=-1, step=0)  # the same set for every seed and step
-        tok = self.rollout.tokenizer
-        r = self.config.rollout
-        prompts = prompt_batch(
-            # ids far above any training group (step * prompts_per_step + i), so they never collide
-            [p for p, _ in examples], tok, group_ids=[_EVAL_GROUP_BASE + i for i in range(n)],
-            extras={"answer": [a for _, a in examples]},
-            meta=BatchMeta(temperature=r.temperature, pad_token_id=tok.pad_token_id, step=self.step),
-        )
-        params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0)
-        self.rollout.wake()
-        out = self.reward.score(self.rollout.generate(prompts, params))
-        metrics = {"eval/reward_mean": float(out["scores"].mean())}
-        if isinstance(self.reward, TaskReward):
-            metrics["eval/exact_match"] = float(self.reward.exact_match(out).mean())
-        return metrics
-
-    def _update(self, batch: TensorBatch) -> dict[str, float]:
-        cfg = self.config.batch
-        fields_drop = [f for f in ("log_probs", "entropy", "values") if f in batch]
-        batch = batch.drop(*fields_drop)
-        self.buffer.add(batch)
-        spilled = self.buffer.samples_on_disk
-        size = cfg.mini_batch_size or batch.batch_size
-        sums: dict[str, float] = {}
-        updates = 0
-        skipped_updates = 0
-
-        def add(prefix: str, values: Mapping[str, float]) -> None:
-            for k, v in values.items():
-                sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
-
-        try:
-            seed = self.config.seed * 1_000_003 + self.step
-            for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
-                stats = GlobalBatchStats.of(mb)
-                actor_m = self._train_engine("actor", self.actor, mb, self.algorithm.actor_loss, stats, i)
-                add("actor", actor_m)
-                skipped = actor_m["skipped"] > 0
-                if self.critic is not None and self.algorithm.critic_loss is not None:
-                    critic_m = self._train_engine("critic", self.critic, mb, self.algorithm.critic_loss, stats, i)
-                    add("critic", critic_m)
-                    skipped = skipped or critic_m["skipped"] > 0
-                updates += 1
-                # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
-                skipped_updates += skipped
-                self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
-        finally:
-            self.buffer.clear()
-        out = {k: v / max(updates, 1) for k, v in sums.items()}
-        out["buffer/spilled_samples"] = float(spilled)
-        out["update/optimizer_steps"] = float(updates)
-        out["update/nonfinite_skips"] = float(skipped_updates)
-        out["update/consecutive_nonfinite_skips"] = float(self._consecutive_skips)
-        return out
-
-    def _train_engine(
-        self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, stats: GlobalBatchStats, index: int
-    ) -> dict[str, float]:
-        def fn(budget: int) -> Mapping[str, float]:
-            # the engine micro-batches the whole mini-batch under the scheduler's budget
-            return engine.forward_backward(mb, loss, stats, max_tokens=budget)
-
-        self._stage = f"{role}_update"
-        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
-        total = {k: float(v) for k, v in metrics.items()}
-        step = engine.optimizer_step()
-        total["grad_norm"] = step.grad_norm
-        total["lr"] = step.lr
-        total["skipped"] = float(step.skipped)
-        return total
-
-    def _finish_step(
-        self, metrics: dict[str, Any], timings: dict[str, float], t_step: float, samples: TensorBatch
-    ) -> dict[str, Any]:
-        wall = time.perf_counter() - t_step
-        timings["time/step"] = wall
-        metrics.update(timings)
-        tokens = int(samples["response_mask"].sum())
-        metrics["throughput/response_tokens"] = tokens
-        metrics["throughput/tokens_per_s"] = tokens / wall if wall > 0 else 0.0
-        rollout_t = timings.get("time/rollout", 0.0)
-        metrics["throughput/rollout_tokens_per_s"] = tokens / rollout_t if rollout_t > 0 else 0.0
-        prefix = f"step{self.step}/"
-        for role, sched in self.schedulers.items():
-            decisions = [d for d in sched.plan if d.key.startswith(prefix)]
-            if decisions:
-                metrics[f"scheduler/{role}/micro_batches"] = sum(len(d.groups) for d in decisions)
-                metrics[f"scheduler/{role}/ooms"] = sum(d.ooms for d in decisions)
-                metrics[f"scheduler/{role}/budget"] = decisions[-1].budget
-        metrics["weight_version"] = self.weight_version
-        tc, d = self.config.task, self.config.data
-
-        def due(every: int) -> bool:  # the last step is always evaluated
-            return self.step + 1 == self.config.steps or bool(every and (self.step + 1) % every == 0)
-
-        on_data = self._eval_data if due(d.eval_every) else None
-        on_task = bool(tc.eval_prompts) and self._loader is None and due(tc.eval_every)
-        if on_data is not None or on_task:
-            t = time.perf_counter()
-            self._stage = "evaluation"
-            if on_data is not None:
-                metrics.update(self._evaluate_dataset(on_data))
-            if on_task:
-                metrics.update(self._evaluate_task())
-            metrics["time/eval"] = time.perf_counter() - t
-        self.step += 1
-        self.history.append(metrics)
-        self._open_sinks().log_step(self.step, metrics)
-        self._write_plan()
-        return metrics
+        return self.evaluator.evaluate()
 
     # ------------------------------------------------------------------ checkpoints
-    def _write_plan(self) -> None:
-        with open(self.out / "scheduler_plan.jsonl", "a") as fh:
-            for role, sched in self.schedulers.items():
-                plan = sched.plan
-                for d in plan[self._plan_written.get(role, 0):]:
-                    fh.write(json.dumps({"role": role, **d.to_json()}) + "\n")
-                self._plan_written[role] = len(plan)
-
     def save_checkpoint(self) -> Path:
         """Write an atomic checkpoint of every trainable engine and the trainer state; returns its folder."""
         self.setup()
-        state = {
-            "step": self.step,
+        state: dict[str, Any] = {
             "weight_version": self.weight_version,
-            "rng": rng_state(),
             "schedulers": {r: s.state_dict() for r, s in self.schedulers.items()},
             "algorithm": self.algorithm.state_dict(),
-            "config": config_to_dict(self.config),
-            "consecutive_nonfinite_skips": self._consecutive_skips,
         }
-        if self._loader is not None:
-            state["data"] = self._loader.state_dict()  # a resumed run continues the data order exactly
-        engines = {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
-        final = write_checkpoint(self.out / "checkpoints", self.step, engines, state, keep=self.config.checkpoint.keep)
-        self._on_disk_step = self.step
-        if self.sinks is not None:
-            self.sinks.checkpoint(self.step, final)
-        return final
+        loader = self.source.loader
+        if loader is not None:
+            state["data"] = loader.state_dict()  # a resumed run continues the data order exactly
+        final = self.ctx.checkpoints.save(self.step, self.engines.trainable(), state,
+                                          consecutive_skips=self.progress.consecutive_skips)
+        return self.ctx.saved(self.step, final)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` and sync the rollout engine.
@@ -883,48 +319,19 @@ class Trainer:
                 or the dataset now has another number of rows than when the checkpoint was written.
         """
         self.setup()
-        ckpt = Path(path)
-        engines = [r for r, e in (("actor", self.actor), ("critic", self.critic)) if e is not None]
-        verify_checkpoint(ckpt, required=(STATE_FILE, *engines))
-        state, rng = read_state(ckpt, self.schedulers, self.algorithm.state_dict())
-        allowed = resume_config_changes(state["config"], config_to_dict(self.config), ckpt)
-        data = _read_data_state(ckpt, state, self._loader)
-        if allowed:
-            self._say("resume: changed keys allowed: " + "; ".join(allowed))
-        for role, engine in (("actor", self.actor), ("critic", self.critic)):
-            if engine is not None:
-                load_engine_checkpoint(ckpt, role, engine, getattr(self.config.backends, role))
-        self.step = int(state["step"])
-        self.weight_version = int(state["weight_version"])
-        for role, s in state["schedulers"].items():
-            self.schedulers[role].load_state_dict(s)
-        self.algorithm.load_state_dict(state["algorithm"])
-        self._consecutive_skips = int(state.get("consecutive_nonfinite_skips", 0))
-        if self._loader is not None and data is not None:
-            self._loader.load_state_dict(data)
-        self._on_disk_step = self.step
-        self._logs_from = self.step
-        set_rng_state(rng)
-        self.rollout.wake()
-        self.sync.sync(self.actor, self.rollout, version=self.weight_version)
-        self._restore_plan()
-
-    def _restore_plan(self) -> None:
-        """Replay the recorded scheduler plan after the checkpoint (the metrics are cut by the sinks)."""
-        plan = self.out / "scheduler_plan.jsonl"
-        if plan.is_file():
-            by_role: dict[str, list[Decision]] = {}
-            kept_plan = []
-            for ln in read_json_lines(plan):
-                d = json.loads(ln)
-                step = int(str(d["key"]).split("/")[0].removeprefix("step"))
-                if step >= self.step:
-                    by_role.setdefault(d.pop("role"), []).append(Decision.from_json(d))
-                else:
-                    kept_plan.append(ln)
-            for role, decisions in by_role.items():
-                self.schedulers[role].add_replay(decisions)
-            write_text_atomic(plan, "".join(ln + "\n" for ln in kept_plan))
+        loader = self.source.loader
+        restored = self.ctx.checkpoints.load(
+            Path(path), self.engines.trainable(), self.schedulers, algorithm_state=self.algorithm.state_dict(),
+            sampler=loader.sampler if loader is not None else None,
+        )
+        self.step = restored.step
+        self.weight_version = int(restored.state["weight_version"])
+        self.algorithm.load_state_dict(restored.state["algorithm"])
+        self.progress.consecutive_skips = restored.consecutive_skips
+        self.ctx.logs_from = self.step
+        self.ctx.checkpoints.restore_rng()
+        self.weights.resync()
+        self.plan.restore(self.step)  # the metrics are cut by the sinks
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
@@ -938,95 +345,31 @@ class Trainer:
                 process is running in; see :mod:`verl_core.trainer.rundir`.
         """
         self.setup(resume=resume)
-        run = self._claim(resume)
-        run.check_owned()
-        if not resume:
-            run.require_fresh(self.config)  # never restart a run this trainer opened rather than started
-        cfg = self.config
-        if resume:
-            ckpt = latest_checkpoint(self.out)
-            if ckpt is None:
-                raise ConfigError(
-                    f"--resume: no checkpoint under {str(self.out / 'checkpoints')!r}; "
-                    "run without --resume to start fresh"
-                )
+        ckpt = self.ctx.begin(resume)
+        if ckpt is not None:
             self.load_checkpoint(ckpt)
-            self._say(f"resumed from {ckpt} at step {self.step}")
+            self.ctx.say(f"resumed from {ckpt} at step {self.step}")
         else:
-            (self.out / "scheduler_plan.jsonl").unlink(missing_ok=True)  # metrics.jsonl: the sinks start it afresh
-        # written once the run is known to start (a refused resume leaves the run's config as it was)
-        write_text_atomic(self.out / "config.json", json.dumps(config_to_dict(cfg), indent=1))
-        self._open_sinks()
-        self._bar = ProgressBar(cfg.steps, initial=self.step, enabled=cfg.logging.progress, stream=self._stream)
-        try:
-            while self.step < cfg.steps:
-                self._bar.update(self.train_step())
-                every = cfg.checkpoint.every
-                if every and self.step % every == 0 and self.step < cfg.steps:
-                    self.save_checkpoint()
-            if cfg.checkpoint.final and self._on_disk_step != self.step:
-                self.save_checkpoint()
-        except BaseException:
-            try:
-                self._close_sinks(failed=True)
-            except Exception as e:  # the error that stopped the run is the one to report
-                _log.warning("closing the metric sinks after a failed run: %s", e)
-            raise
-        finally:
-            self._bar.close()
-            self._bar = None
-        self._close_sinks(failed=False)
-        if cfg.logging.plot:
-            self._say(plot_metrics(self.history, self.out / "curves.png"))
+            self.plan.reset()  # metrics.jsonl: the sinks start it afresh
+        self.ctx.write_config()
+        self.ctx.run_steps(self.train_step, self.save_checkpoint, current=lambda: self.step,
+                           final=self.config.checkpoint.final)
+        if self.config.logging.plot:
+            self.ctx.say(plot_metrics(self.history, self.out / "curves.png"))
         return self.history
-
-    def _open_sinks(self) -> MetricSinks:
-        """The run's metric sinks, opened on first use: afresh, or continuing the logs of a loaded checkpoint."""
-        if self.sinks is None:
-            cfg = self.config
-            self.sinks = MetricSinks.open(
-                self.out, cfg.logging.sink_config(), run_name=self.out.name, resume_step=self._logs_from,
-                hparams=config_to_dict(cfg), base_dir=self.base_dir,
-            )
-            if self._logs_from is not None and "jsonl" in self.sinks.names:
-                self.history = list(self.sinks.history)  # the steps up to the checkpoint, as logged then
-        return self.sinks
-
-    def _close_sinks(self, *, failed: bool) -> None:
-        if self.sinks is not None:
-            sinks, self.sinks = self.sinks, None
-            self._logs_from = self.step  # opened again, the logs continue
-            sinks.close(failed=failed)
-
-    def _say(self, text: str) -> None:
-        """A message of the run: to the ``verl_core.trainer.trainer`` logger, and above the progress bar."""
-        _log.info(text)
-        if not self.config.logging.progress:
-            return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            self._stream.write(text + "\n")
-            self._stream.flush()
 
     def close(self) -> None:
         """Close the metric sinks; release every engine, the stage threads, the buffer's spill files and
         the claim on the output folder."""
         try:
-            self._close_sinks(failed=self._failed is not None)
+            self.ctx.close_sinks(failed=self._failed is not None, step=self.step)
         finally:
             if self._built:
-                for engine in (self.rollout, self.actor, self.reference, self.critic, self.reward):
-                    if engine is not None:
-                        close: Callable[[], None] | None = getattr(engine, "close", None)
-                        if close is not None:
-                            close()
-                self.executor.close()
+                self.engines.close()
                 self.buffer.close()
                 self._built = False
             self._stage_threads.close()
-            if self.run_dir is not None:
-                self.run_dir.release()
+            self.ctx.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -1034,53 +377,3 @@ class Trainer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Bool mask of samples whose group's scores are not all equal (DAPO dynamic sampling)."""
-    uniq, inverse = torch.unique(group_ids, return_inverse=True)
-    n = uniq.numel()
-    lo = torch.full((n,), math.inf).scatter_reduce(0, inverse, scores.float(), "amin")
-    hi = torch.full((n,), -math.inf).scatter_reduce(0, inverse, scores.float(), "amax")
-    return (hi > lo)[inverse]
-
-
-_PLOTTED: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("reward/mean", "reward/exact_match"), "reward"),
-    (("response/length_mean",), "response length"),
-    (("actor/entropy",), "entropy"),
-    (("actor/kl_ref",), "KL to reference"),
-    (("actor/grad_norm",), "actor grad norm"),
-    (("time/step",), "seconds per step"),
-)
-
-
-def plot_metrics(history: list[dict[str, Any]], path: Path) -> str:
-    """Write a PNG of the main curves; returns a line saying where (or why not)."""
-    if not history:
-        return "no steps: no plot written"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install 'verl-core[plot]')"
-
-    def has(key: str) -> bool:
-        return any(isinstance(m.get(key), (int, float)) for m in history)
-
-    panels = [(tuple(k for k in keys if has(k)), title) for keys, title in _PLOTTED]
-    panels = [(keys, title) for keys, title in panels if keys]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
-    for ax, (keys, title) in zip(axes[0], panels):
-        for key in keys:
-            pts = [(m["step"], m[key]) for m in history if isinstance(m.get(key), (int, float))]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return f"curves written to {path}"

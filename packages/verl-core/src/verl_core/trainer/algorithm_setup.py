@@ -1,0 +1,102 @@
+"""The algorithm of an RL run from its config: the preset, and which engines and stages it needs.
+
+The presets are :data:`verl_core.algorithms.presets.PRESET_TABLE`'s; :func:`build_algorithm`
+builds one (registering the trainer's own estimators first) and :class:`AlgorithmSetup` checks the
+``algorithm`` section against the rest of the config before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from verl_core.algorithms.presets import PRESET_TABLE
+from verl_core.kernel.errors import ConfigError
+from verl_core.trainer.config import RunConfig
+
+__all__ = ["AlgorithmSetup", "build_algorithm"]
+
+
+def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
+    """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
+
+    The names and what each one sets are the rows of
+    :data:`~verl_core.algorithms.presets.PRESET_TABLE`: e.g. ``dapo`` is GRPO with clip-higher
+    (``clip_high=0.28``) and no KL loss, for which the trainer turns on dynamic sampling;
+    ``grpo_token`` is GRPO's loss with the per-position estimator of
+    :mod:`verl_core.trainer.estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
+
+    Raises:
+        ConfigError: an unknown name (listing the presets), or an option the preset does not take
+            (naming ``algorithm.options.<key>``).
+    """
+    preset = PRESET_TABLE.get(name)
+    if preset is None:
+        raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(PRESET_TABLE)}")
+    if preset.estimator is not None:
+        from verl_core.trainer import estimators
+
+        estimators.register()  # the trainer's estimators (grpo_token) are a plugin of this package
+    return preset.build(options)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSetup:
+    """The run's algorithm and what it needs.
+
+    Attributes:
+        algorithm: The :class:`~verl_core.algorithms.Algorithm`.
+        use_critic: A critic is built and trained.
+        use_reference: A reference is built (KL in the reward, a KL loss, or ``algorithm.use_reference``).
+        dynamic_sampling: Groups whose scores are all equal are dropped (``algorithm.dynamic_sampling``
+            or the preset's).
+    """
+
+    algorithm: Any
+    use_critic: bool
+    use_reference: bool
+    dynamic_sampling: bool
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> AlgorithmSetup:
+        """Build and check the ``algorithm`` section against the reward and data of ``config``.
+
+        Raises:
+            ConfigError: an unknown preset or option, a critic the algorithm has no loss for (or
+                GAE without one), ``grpo_token`` without dense token scores, or a dataset without a
+                reward for its prompts.
+        """
+        a = config.algorithm
+        algorithm = build_algorithm(a.name, a.options)
+        use_critic = a.use_critic if a.use_critic is not None else algorithm.uses_critic
+        if use_critic and not algorithm.uses_critic:
+            raise ConfigError(
+                f"config key 'algorithm.use_critic' is true but algorithm {a.name!r} has no "
+                "critic loss; use algorithm.name='ppo' or set use_critic=false"
+            )
+        if not use_critic and algorithm.estimator == "gae":
+            raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
+        if algorithm.estimator == "grpo_token" and config.reward.functions:
+            raise ConfigError(
+                "algorithm 'grpo_token' needs dense token scores, but the reward functions of 'reward.functions' "
+                "give one score per response; use algorithm 'grpo'"
+            )
+        if algorithm.estimator == "grpo_token" and config.task.reward != "token" and config.backends.reward == "rule":
+            raise ConfigError(
+                "algorithm 'grpo_token' needs dense token scores: set config key 'task.reward' to 'token' "
+                f"(it is {config.task.reward!r})"
+            )
+        data = config.data
+        if (data.train_paths or data.eval_paths) and not config.reward.functions and config.backends.reward == "rule":
+            raise ConfigError(
+                f"config key 'data.{'train' if data.train_paths else 'eval'}' is set but the run has no reward "
+                "for its prompts: list functions in 'reward.functions' (e.g. "
+                "['verl_core.trainer.reward_functions:exact_match']) or name a reward-model backend in "
+                "'backends.reward'"
+            )
+        return cls(
+            algorithm=algorithm, use_critic=use_critic,
+            use_reference=a.use_reference or algorithm.uses_reference,
+            dynamic_sampling=a.dynamic_sampling or PRESET_TABLE[a.name].dynamic_sampling,
+        )

@@ -1,0 +1,173 @@
+"""The second half of an RL step: advantages on the global batch, then the optimizer steps.
+
+:class:`UpdateStage` gathers the forwards' outputs into the training batch and computes the
+advantages (:class:`~verl_core.algorithms.Algorithm`), then takes the step's mini-batches from the
+replay buffer and trains each engine on them: per mini-batch, ``forward_backward`` over the
+micro-batches the :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler` picks, then
+``optimizer_step`` (actor, and critic when the algorithm has one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
+from verl_core.trainer.config import RunConfig
+from verl_core.trainer.engines import RLEngines
+from verl_core.trainer.generation import groups_with_signal
+from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.scheduler import DynamicBatchScheduler
+from verl_core.trainer.step_state import RunProgress, StepState, StepStateError
+
+__all__ = ["UpdateStage", "masked_mean"]
+
+_NOT_COMPARABLE = "not comparable"
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``values`` where ``mask`` is True (0 for an empty mask)."""
+    n = int(mask.sum())
+    return float((values * mask).sum() / n) if n else 0.0
+
+
+class UpdateStage:
+    """Advantages and optimizer steps of one RL step.
+
+    Args:
+        config: The run.
+        engines: The run's engines (read at call time).
+        algorithm: The run's :class:`~verl_core.algorithms.Algorithm`.
+        schedulers: The micro-batch scheduler of each training role.
+        buffer: The replay buffer the mini-batches are drawn from.
+        progress: The trainer's counters (step, non-finite skips in a row, the running stage).
+        dynamic_sampling: The batch keeps only groups with signal (the baseline is cut alike).
+    """
+
+    def __init__(
+        self, config: RunConfig, engines: RLEngines, algorithm: Any, schedulers: Mapping[str, DynamicBatchScheduler],
+        buffer: HybridReplayBuffer, progress: RunProgress, *, dynamic_sampling: bool,
+    ) -> None:
+        self.config = config
+        self.engines = engines
+        self.algorithm = algorithm
+        self.schedulers = schedulers
+        self.buffer = buffer
+        self.progress = progress
+        self.dynamic_sampling = dynamic_sampling
+
+    @property
+    def step(self) -> int:
+        """The steps completed (the running step's index)."""
+        return self.progress.step
+
+    @property
+    def _stage(self) -> str:
+        return self.progress.stage
+
+    @_stage.setter
+    def _stage(self, name: str) -> None:
+        self.progress.stage = name
+
+    # ------------------------------------------------------------------ advantages
+    def advantages(self, state: StepState) -> None:
+        """Gather the forwards' outputs into ``state.train_batch`` and add the advantages; adds their metrics."""
+        metrics = state.metrics
+        old, entropy = state.old_log_probs, state.entropy
+        if old is None or entropy is None:
+            raise StepStateError(
+                f"step {state.step + 1}: the advantages need the actor's log-probs and entropy, but stage "
+                f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
+            )
+        batch = state.batch.update(old_log_probs=old)
+        metrics["actor/entropy"] = masked_mean(entropy, batch["response_mask"])
+        if state.ref_log_probs is not None:
+            batch = batch.update(ref_log_probs=state.ref_log_probs)
+            metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch["response_mask"])
+        if state.values is not None:
+            batch = batch.update(values=state.values, old_values=state.values)
+        if state.has("baseline"):
+            baseline = state.baseline
+            if self.dynamic_sampling:
+                baseline = baseline[groups_with_signal(state.samples["group_ids"], state.scores)]
+            batch = batch.update(baseline_scores=baseline)
+        # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact)
+        if "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params):
+            delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
+            n = int(batch["response_mask"].sum())
+            metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
+            metrics["logprob_mismatch/max"] = float(delta.max()) if n else 0.0
+        else:
+            metrics["logprob_mismatch/mean"] = _NOT_COMPARABLE
+            metrics["logprob_mismatch/max"] = _NOT_COMPARABLE
+        self._stage = "advantages"
+        batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
+        metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
+        metrics["algorithm/advantage_abs_mean"] = masked_mean(batch["advantages"].abs(), batch["response_mask"])
+        state.train_batch = batch
+
+    # ------------------------------------------------------------------ optimizer steps
+    def run(self, state: StepState) -> None:
+        """Train on ``state.train_batch``: sets ``state.update`` (and adds it to the step's metrics)."""
+        state.update = self._update(state.train_batch)
+        state.metrics.update(state.update)
+
+    def _update(self, batch: TensorBatch) -> dict[str, float]:
+        cfg = self.config.batch
+        fields_drop = [f for f in ("log_probs", "entropy", "values") if f in batch]
+        batch = batch.drop(*fields_drop)
+        self.buffer.add(batch)
+        spilled = self.buffer.samples_on_disk
+        size = cfg.mini_batch_size or batch.batch_size
+        sums: dict[str, float] = {}
+        updates = 0
+        skipped_updates = 0
+        p = self.progress
+
+        def add(prefix: str, values: Mapping[str, float]) -> None:
+            for k, v in values.items():
+                sums[f"{prefix}/{k}"] = sums.get(f"{prefix}/{k}", 0.0) + float(v)
+
+        try:
+            seed = self.config.seed * 1_000_003 + self.step
+            actor, critic, critic_loss = self.engines.actor, self.engines.critic, self.algorithm.critic_loss
+            for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
+                stats = GlobalBatchStats.of(mb)
+                actor_m = self._train_engine("actor", actor, mb, self.algorithm.actor_loss, stats, i)
+                add("actor", actor_m)
+                skipped = actor_m["skipped"] > 0
+                if critic is not None and critic_loss is not None:
+                    critic_m = self._train_engine("critic", critic, mb, critic_loss, stats, i)
+                    add("critic", critic_m)
+                    skipped = skipped or critic_m["skipped"] > 0
+                updates += 1
+                # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
+                skipped_updates += skipped
+                p.consecutive_skips = p.consecutive_skips + 1 if skipped else 0
+        finally:
+            self.buffer.clear()
+        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out["buffer/spilled_samples"] = float(spilled)
+        out["update/optimizer_steps"] = float(updates)
+        out["update/nonfinite_skips"] = float(skipped_updates)
+        out["update/consecutive_nonfinite_skips"] = float(p.consecutive_skips)
+        return out
+
+    def _train_engine(
+        self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, stats: GlobalBatchStats, index: int
+    ) -> dict[str, float]:
+        def fn(budget: int) -> Mapping[str, float]:
+            # the engine micro-batches the whole mini-batch under the scheduler's budget
+            return engine.forward_backward(mb, loss, stats, max_tokens=budget)
+
+        self._stage = f"{role}_update"
+        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
+        total = {k: float(v) for k, v in metrics.items()}
+        step = engine.optimizer_step()
+        total["grad_norm"] = step.grad_norm
+        total["lr"] = step.lr
+        total["skipped"] = float(step.skipped)
+        return total
