@@ -13,10 +13,10 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
-from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.data import PromptDataset, PromptLoader
