@@ -51,8 +51,9 @@ def test_grpo_reward_improves(tmp_path: Path) -> None:
     assert "eval/exact_match" not in hist[15]
     assert 0.0 <= last["eval/reward_mean"] <= 1.0
     # the hf rollout's log-probs are exact: the mismatch to the actor's forward is a float rounding
-    assert isinstance(last["logprob_mismatch/max"], float)
-    assert last["logprob_mismatch/max"] < 1e-4
+    # (one update per batch: the update's own forward gives the old log-probs and the mean mismatch)
+    assert isinstance(last["logprob_mismatch/mean"], float)
+    assert last["logprob_mismatch/mean"] < 1e-5
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == list(range(1, 31))
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000030"

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verl_core.algorithms.losses import ActorLoss
 from verl_core.algorithms.presets import PRESET_TABLE
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import RunConfig
@@ -51,12 +52,16 @@ class AlgorithmSetup:
         use_reference: A reference is built (KL in the reward, a KL loss, or ``algorithm.use_reference``).
         dynamic_sampling: Groups whose scores are all equal are dropped (``algorithm.dynamic_sampling``
             or the preset's).
+        on_policy_old_log_probs: The old log-probs are the update's own (``batch.old_log_probs``
+            = ``auto``, one optimizer step per batch, nothing needs them before the update): the
+            separate actor forward is skipped.
     """
 
     algorithm: Any
     use_critic: bool
     use_reference: bool
     dynamic_sampling: bool
+    on_policy_old_log_probs: bool = False
 
     @classmethod
     def from_config(cls, config: RunConfig) -> AlgorithmSetup:
@@ -95,8 +100,15 @@ class AlgorithmSetup:
                 "['verl_core.trainer.reward_functions:exact_match']) or name a reward-model backend in "
                 "'backends.reward'"
             )
+        b = config.batch
+        samples = config.batch.prompts_per_step * config.rollout.n  # dynamic sampling only drops samples
+        one_update = b.epochs == 1 and (b.mini_batch_size == 0 or b.mini_batch_size >= samples)
         return cls(
             algorithm=algorithm, use_critic=use_critic,
             use_reference=a.use_reference or algorithm.uses_reference,
             dynamic_sampling=a.dynamic_sampling or PRESET_TABLE[a.name].dynamic_sampling,
+            on_policy_old_log_probs=(
+                b.old_log_probs == "auto" and one_update and isinstance(algorithm.actor_loss, ActorLoss)
+                and "old_log_probs" not in algorithm.advantage_fields
+            ),
         )

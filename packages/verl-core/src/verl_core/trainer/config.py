@@ -200,6 +200,11 @@ class BatchConfig:
         max_tokens: Largest dynamic budget.
         buffer_memory_bytes: Tensor bytes the replay buffer keeps in memory before it spills
             whole batches to ``<output_dir>/spill-<run id>`` (0 = no bound).
+        old_log_probs: Where the PPO ratio's old log-probs come from. ``auto``: when each step's
+            batch gets exactly one optimizer step (one mini-batch, one epoch) and nothing needs them
+            before the update (no KL penalty in the reward), the detached log-probs of the update's
+            own forward (the same numbers, one actor forward less per step); otherwise a separate
+            actor forward. ``recompute``: always the separate forward.
     """
 
     prompts_per_step: int = 16
@@ -209,6 +214,7 @@ class BatchConfig:
     min_tokens: int = 64
     max_tokens: int = 16384
     buffer_memory_bytes: int = 0
+    old_log_probs: Literal["auto", "recompute"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,14 @@ class GenerationStage:
         baseline: Also generate a greedy response per prompt and score it (ReMax).
         dynamic_sampling: Drop groups whose scores are all equal (DAPO).
         dense_only: The reward's dense scores sum to its sequence score: the algorithm gets them alone.
+        actor_forward: Run the actor's no-grad forward for ``old_log_probs`` and entropy (False when
+            the update takes them from its own forward: the stage then gives None).
     """
 
     def __init__(
         self, engines: RLEngines, schedulers: Mapping[str, DynamicBatchScheduler], progress: RunProgress,
         threads: StageThreads, *, baseline: bool, dynamic_sampling: bool, dense_only: bool,
+        actor_forward: bool = True,
     ) -> None:
         self.engines = engines
         self.schedulers = schedulers
@@ -62,6 +65,7 @@ class GenerationStage:
         self.baseline = baseline
         self.dynamic_sampling = dynamic_sampling
         self.dense_only = dense_only
+        self.actor_forward = actor_forward
 
     def run(self, state: StepState) -> None:
         """Run the stages on ``state.prompts``; sets every field up to the forwards and ``state.timings``."""
@@ -114,7 +118,7 @@ class GenerationStage:
             return {"ref_log_probs": self._forward("reference", e.reference, batch, ("log_probs",))["log_probs"]}
 
         def actor(batch: TensorBatch) -> Mapping[str, Any]:
-            if batch.batch_size == 0:
+            if batch.batch_size == 0 or not self.actor_forward:
                 return {"old_log_probs": None, "entropy": None}
             out = self._forward("actor", e.actor, batch, ("log_probs", "entropy"))
             return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}

@@ -129,6 +129,7 @@ class Trainer:
         self.use_critic = setup.use_critic
         self.use_reference = setup.use_reference
         self.dynamic_sampling = setup.dynamic_sampling
+        self.on_policy_old_log_probs = setup.on_policy_old_log_probs
         self.progress = RunProgress()
         self.ctx = RunContext(config, runner="rl", stream=stream, base_dir=self.base_dir)
         self.source = PromptSource(config, self.task, base_dir=self.base_dir, say=self.ctx.say)
@@ -204,9 +205,11 @@ class Trainer:
         self.generation = GenerationStage(
             e, self.schedulers, p, self._stage_threads, baseline=self.algorithm.estimator == "remax",
             dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
+            actor_forward=not self.on_policy_old_log_probs,
         )
         self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
-                                   dynamic_sampling=self.dynamic_sampling)
+                                   dynamic_sampling=self.dynamic_sampling,
+                                   on_policy_old_log_probs=self.on_policy_old_log_probs)
         self.weights = WeightSyncStage(e, p)
         self.evaluator = Evaluator(cfg, e, self.source, p)
         self._built = True

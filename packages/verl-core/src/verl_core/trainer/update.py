@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from verl_core.algorithms.onpolicy import OnPolicyActorLoss
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.trainer.config import RunConfig
@@ -45,11 +46,16 @@ class UpdateStage:
         buffer: The replay buffer the mini-batches are drawn from.
         progress: The trainer's counters (step, non-finite skips in a row, the running stage).
         dynamic_sampling: The batch keeps only groups with signal (the baseline is cut alike).
+        on_policy_old_log_probs: The batch gets one optimizer step and no separate actor forward ran:
+            the actor trains under :class:`~verl_core.algorithms.onpolicy.OnPolicyActorLoss`, whose
+            old log-probs are its own forward's, and the entropy, KL-to-reference and log-prob
+            mismatch metrics come from that forward.
     """
 
     def __init__(
         self, config: RunConfig, engines: RLEngines, algorithm: Any, schedulers: Mapping[str, DynamicBatchScheduler],
         buffer: HybridReplayBuffer, progress: RunProgress, *, dynamic_sampling: bool,
+        on_policy_old_log_probs: bool = False,
     ) -> None:
         self.config = config
         self.engines = engines
@@ -58,6 +64,8 @@ class UpdateStage:
         self.buffer = buffer
         self.progress = progress
         self.dynamic_sampling = dynamic_sampling
+        self.on_policy = on_policy_old_log_probs
+        self._compare_rollout = False
 
     @property
     def step(self) -> int:
@@ -77,16 +85,21 @@ class UpdateStage:
         """Gather the forwards' outputs into ``state.train_batch`` and add the advantages; adds their metrics."""
         metrics = state.metrics
         old, entropy = state.old_log_probs, state.entropy
-        if old is None or entropy is None:
+        batch = state.batch
+        if self.on_policy:
+            self._compare_rollout = "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params)
+        elif old is None or entropy is None:
             raise StepStateError(
                 f"step {state.step + 1}: the advantages need the actor's log-probs and entropy, but stage "
                 f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
             )
-        batch = state.batch.update(old_log_probs=old)
-        metrics["actor/entropy"] = masked_mean(entropy, batch["response_mask"])
+        else:
+            batch = batch.update(old_log_probs=old)
+            metrics["actor/entropy"] = masked_mean(entropy, batch["response_mask"])
         if state.ref_log_probs is not None:
             batch = batch.update(ref_log_probs=state.ref_log_probs)
-            metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch["response_mask"])
+            if not self.on_policy:
+                metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch["response_mask"])
         if state.values is not None:
             batch = batch.update(values=state.values, old_values=state.values)
         if state.has("baseline"):
@@ -94,8 +107,11 @@ class UpdateStage:
             if self.dynamic_sampling:
                 baseline = baseline[groups_with_signal(state.samples["group_ids"], state.scores)]
             batch = batch.update(baseline_scores=baseline)
-        # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact)
-        if "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params):
+        # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact); on
+        # policy, the update's forward reports the mean only (a max does not sum over micro-batches)
+        if self.on_policy:
+            pass  # reported by the update (see _update)
+        elif "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params):
             delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
             n = int(batch["response_mask"].sum())
             metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
@@ -110,6 +126,11 @@ class UpdateStage:
         state.train_batch = batch
 
     # ------------------------------------------------------------------ optimizer steps
+    def _actor_loss(self) -> LossFn:
+        if not self.on_policy:
+            return self.algorithm.actor_loss  # type: ignore[no-any-return]
+        return OnPolicyActorLoss(self.algorithm.actor_loss, compare_rollout=self._compare_rollout)
+
     def run(self, state: StepState) -> None:
         """Train on ``state.train_batch``: sets ``state.update`` (and adds it to the step's metrics)."""
         state.update = self._update(state.train_batch)
@@ -136,7 +157,7 @@ class UpdateStage:
             actor, critic, critic_loss = self.engines.actor, self.engines.critic, self.algorithm.critic_loss
             for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
                 stats = GlobalBatchStats.of(mb)
-                actor_m = self._train_engine("actor", actor, mb, self.algorithm.actor_loss, stats, i)
+                actor_m = self._train_engine("actor", actor, mb, self._actor_loss(), stats, i)
                 add("actor", actor_m)
                 skipped = actor_m["skipped"] > 0
                 if critic is not None and critic_loss is not None:
@@ -150,6 +171,9 @@ class UpdateStage:
         finally:
             self.buffer.clear()
         out = {k: v / max(updates, 1) for k, v in sums.items()}
+        if self.on_policy:
+            mismatch = out.pop("actor/logprob_mismatch", None)
+            out["logprob_mismatch/mean"] = _NOT_COMPARABLE if mismatch is None else mismatch  # type: ignore[assignment]
         out["buffer/spilled_samples"] = float(spilled)
         out["update/optimizer_steps"] = float(updates)
         out["update/nonfinite_skips"] = float(skipped_updates)
