@@ -74,9 +74,11 @@ def build_inputs(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
 
 def verl_has_datasets() -> bool:
     """Whether this checkout's trainer reads ``data.train`` (the prompt loader is wired in)."""
-    import verl_core.trainer.trainer as trainer_module
-
-    return hasattr(trainer_module, "PromptLoader")
+    try:
+        from verl_core.trainer.data import PromptLoader  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- verl side
