@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_core import ConfigError
+from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.config import (
     _RULES,
     RunConfig,
@@ -243,7 +244,11 @@ def test_every_field_is_fuzzed_and_every_rule_names_a_field() -> None:
     assert set(SECTIONS) == {f.name for f in dataclasses.fields(RunConfig)} - set(SCALAR_KEYS)
     assert set(_RULES) <= set(LEAVES), set(_RULES) - set(LEAVES)
     numeric = {k for k, tp in LEAVES.items() if tp in (int, float) and not k.startswith("ray.")}
-    assert numeric - set(_RULES) == set(), "a number without a bound (add a rule to _RULES)"
+    # the rollout section is bounded by SamplingParams itself (one rule for sampling parameters)
+    sampling = {k for k in numeric if k.startswith("rollout.")}
+    assert {k.removeprefix("rollout.") for k in sampling} <= {f.name for f in dataclasses.fields(SamplingParams)}
+    assert not sampling & set(_RULES), "a rollout value with a second rule besides SamplingParams'"
+    assert numeric - sampling - set(_RULES) == set(), "a number without a bound (add a rule to _RULES)"
 
 
 @pytest.mark.parametrize(("text", "match"), [

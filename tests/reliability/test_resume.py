@@ -307,7 +307,7 @@ def test_two_steps_plus_a_resume_equal_four_steps_whatever_memory_the_resume_fin
     assert DynamicBatchScheduler(probe=lambda: SCARCE).probe_budget() == 64
     straight = _train(tiny_config(tmp_path / "straight", *EXACT, "steps=4"), PLENTY)
     assert [m["scheduler/actor/budget"] for m in straight] == [16384] * 4
-    assert straight[0]["scheduler/actor/micro_batches"] == 2  # actor forward + update, one each
+    assert straight[0]["scheduler/actor/micro_batches"] == 1  # the update (its forward gives the old log-probs)
 
     half = tmp_path / "half"
     _train(tiny_config(half, *EXACT, "steps=2"), PLENTY)

@@ -46,7 +46,8 @@ def test_each_stage_runs_on_the_same_thread_at_every_step(tmp_path: Path, monkey
     # thread objects, not idents (the OS reuses those): a fresh thread per step would differ
     rollout: list[threading.Thread] = []
     forward: list[threading.Thread] = []
-    trainer = _trainer(tmp_path, "steps=3", "algorithm.use_reference=true")
+    # recompute: the actor's separate forward runs as a stage (one update per batch skips it)
+    trainer = _trainer(tmp_path, "steps=3", "algorithm.use_reference=true", "batch.old_log_probs=recompute")
     with trainer:
         trainer.setup()
         _record_threads(trainer.rollout, "generate", rollout, monkeypatch)
