@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-import verl_core.kernel.batch as batch_module
+import verl_core.kernel.memory as memory_module
 from verl_conformance.testkit import write_rank_result
 from verl_core.kernel.errors import RequestTooLargeError
 
@@ -20,11 +20,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     # Each rank's own reading of its free memory (the probe is the only thing replaced here).
-    batch_module.available_memory = lambda device: (1 + 3 * rank) * GIB
+    memory_module.available_memory = lambda device: (1 + 3 * rank) * GIB
     decided: dict[str, str] = {}
     for name, group in (("alone", None), ("together", dist.group.WORLD)):
         try:
-            batch_module.check_fits(2 * GIB, "cpu", "a 2 GiB request", group=group)
+            memory_module.check_fits(2 * GIB, "cpu", "a 2 GiB request", group=group)
             decided[name] = "fits"
         except RequestTooLargeError as e:
             decided[name] = str(e)

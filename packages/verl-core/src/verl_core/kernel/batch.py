@@ -14,86 +14,24 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from verl_core.kernel import batch_ops as _ops
+from verl_core.kernel.batch_ops import partition_by_token_budget
 from verl_core.kernel.errors import (
     BatchValidationError,
     MissingFieldError,
-    NonFiniteError,
-    RequestTooLargeError,
-    check_bool,
     check_int,
     check_number,
     describe,
 )
-from verl_core.kernel.schema import FIELDS, Dim, FieldSpec, check_temperature
+from verl_core.kernel.memory import _short, available_memory, check_fits
+from verl_core.kernel.schema import FIELDS, Dim, check_temperature
 
 __all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "available_memory", "check_fits", "partition_by_token_budget"]
-
-_PROBE_ABOVE: Final = 64 << 20
-"""Allocations up to this many bytes are not checked against the available memory (a probe costs a
-file read or a device query)."""
-_PIECE_BYTES: Final = 1024
-"""What one TensorBatch object costs besides its tensors (the Python objects), for estimates."""
-
-
-def available_memory(device: torch.device | str) -> int:
-    """Bytes that can still be allocated on ``device``.
-
-    On CUDA: the free device memory plus what PyTorch's caching allocator holds unused (it reuses
-    that before asking the device). Elsewhere: the host's available memory (``MemAvailable``).
-    """
-    from verl_core.kernel.memory import device_memory
-
-    dev = torch.device(device)
-    free = device_memory(dev)[0]
-    if dev.type == "cuda" and torch.cuda.is_available():
-        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    return free
-
-
-def check_fits(
-    nbytes: int, device: torch.device | str, what: str, *, available: int | None = None, group: Any = None
-) -> None:
-    """Refuse an allocation of ``nbytes`` that cannot fit in ``device``'s available memory.
-
-    Args:
-        nbytes: What the allocation needs (an estimate; callers pass a lower bound, so a refusal
-            is never wrong).
-        device: Where it would be allocated.
-        what: The request and how the estimate was made, for the message.
-        available: The available bytes (default: :func:`available_memory`, probed only when
-            ``nbytes`` exceeds 64 MiB).
-        group: A ``torch.distributed`` process group whose ranks must decide alike (ranks that
-            run collectives together): the smallest available memory among them is used, so a
-            refusal on one rank never leaves the others waiting in a collective. Every rank of
-            the group must make the same call.
-
-    Raises:
-        RequestTooLargeError: the estimate exceeds the available memory; the message gives both.
-    """
-    if available is None:
-        if nbytes <= _PROBE_ABOVE:
-            return
-        available = available_memory(device)
-        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            least = torch.tensor([available], dtype=torch.int64, device=device)
-            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN, group=group)
-            available = int(least.item())
-    if nbytes > available:
-        raise RequestTooLargeError(
-            f"{what} needs at least {_gib(nbytes)}, but only {_gib(available)} of {torch.device(device)} memory "
-            "is available; refused before allocating anything. Make the request smaller"
-        )
-
-
-def _gib(nbytes: int) -> str:
-    if nbytes.bit_length() > 64:
-        return f"more than 2**64 bytes ({_short(nbytes)})"
-    return f"{nbytes / 2**30:.3g} GiB ({nbytes} bytes)"
 
 
 @dataclass(frozen=True)
@@ -126,54 +64,6 @@ class BatchMeta:
             check_int(getattr(self, name), f"BatchMeta.{name}", low=0, error=err)
 
 
-_SAMPLING_KEYS: Final = ("temperature", "top_p", "top_k", "pad_token_id")
-
-
-def _describe(spec: FieldSpec) -> str:
-    return f"[{', '.join(spec.dims)}] {spec.dtype}"
-
-
-def _validate_field(
-    name: str, value: object, sizes: dict[Dim, tuple[int, str]], device: list[torch.device]
-) -> Tensor:
-    if not isinstance(name, str):
-        raise BatchValidationError(f"field names must be strings, got {describe(name)}")
-    spec = FIELDS.get(name)
-    if spec is None:
-        known = ", ".join(sorted(FIELDS))
-        raise BatchValidationError(
-            f"unknown field {name!r}; known fields: {known}. "
-            "Register a custom field with verl_core.register_field(FieldSpec(...))."
-        )
-    if not isinstance(value, Tensor):
-        raise BatchValidationError(
-            f"field {name!r}: expected a torch.Tensor {_describe(spec)}, got {type(value).__name__}"
-        )
-    if value.dim() != len(spec.dims):
-        raise BatchValidationError(
-            f"field {name!r}: expected rank {len(spec.dims)} {_describe(spec)}, "
-            f"got shape {tuple(value.shape)}"
-        )
-    if value.dtype != spec.dtype:
-        raise BatchValidationError(
-            f"field {name!r}: expected dtype {spec.dtype} {_describe(spec)}, got {value.dtype}"
-        )
-    if device:
-        if value.device != device[0]:
-            raise BatchValidationError(
-                f"field {name!r}: on device {value.device}, but other fields are on {device[0]}"
-            )
-    else:
-        device.append(value.device)
-    for dim, size in zip(spec.dims, value.shape, strict=True):
-        seen = sizes.get(dim)
-        if seen is None:
-            sizes[dim] = (size, name)
-        elif seen[0] != size:
-            raise BatchValidationError(
-                f"field {name!r}: dim {dim!r} has size {size}, but field {seen[1]!r} has {seen[0]}"
-            )
-    return value
 
 
 class TensorBatch(Mapping[str, Tensor]):
@@ -211,15 +101,15 @@ class TensorBatch(Mapping[str, Tensor]):
         *,
         batch_size: int | None = None,
     ) -> None:
-        _check_mapping(tensors, "TensorBatch tensors", "field names to tensors")
+        _ops._check_mapping(tensors, "TensorBatch tensors", "field names to tensors")
         _check_meta(meta, "TensorBatch meta")
         if batch_size is not None:
             check_int(batch_size, "TensorBatch batch_size", low=0, error=BatchValidationError)
         sizes: dict[Dim, tuple[int, str]] = {}
         device: list[torch.device] = []
-        checked = {name: _validate_field(name, t, sizes, device) for name, t in tensors.items()}
+        checked = {name: _ops._validate_field(name, t, sizes, device) for name, t in tensors.items()}
         size = sizes["batch"][0] if "batch" in sizes else None
-        ext = _validate_extras({} if extras is None else extras, size if size is not None else batch_size)
+        ext = _ops._validate_extras({} if extras is None else extras, size if size is not None else batch_size)
         if size is None:
             size = batch_size if batch_size is not None else _extras_size(ext)
         if batch_size is not None and batch_size != size:
@@ -305,7 +195,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def require(self, *names: str, where: str = "this operation") -> None:
         """Raise BatchValidationError naming every missing field that ``where`` needs."""
-        _check_names(names, f"{where}: field names")
+        _ops._check_names(names, f"{where}: field names")
         missing = [n for n in names if n not in self._tensors]
         if missing:
             raise BatchValidationError(
@@ -342,7 +232,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     def drop(self, *names: str) -> TensorBatch:
         """A batch without the named fields (missing names are ignored)."""
-        _check_names(names, "drop(): field names")
+        _ops._check_names(names, "drop(): field names")
         kept = {k: v for k, v in self._tensors.items() if k not in names}
         return TensorBatch._trusted(kept, dict(self._extras), self._meta, self._size)
 
@@ -351,9 +241,9 @@ class TensorBatch(Mapping[str, Tensor]):
             return dict(self._extras)
         if extras is False:
             return {}
-        if not _is_list(extras):
+        if not _ops._is_list(extras):
             raise BatchValidationError(f"extras= must be True, False or a list of extras keys, got {describe(extras)}")
-        _check_names(extras, "extras keys")
+        _ops._check_names(extras, "extras keys")
         missing = [k for k in extras if k not in self._extras]
         if missing:
             raise BatchValidationError(f"extras {missing} are not in the batch: {list(self._extras)}")
@@ -370,7 +260,7 @@ class TensorBatch(Mapping[str, Tensor]):
     ) -> TensorBatch:
         """A new batch with fields added or replaced (validated against the existing ones)."""
         if tensors is not None:
-            _check_mapping(tensors, "update() tensors", "field names to tensors")
+            _ops._check_mapping(tensors, "update() tensors", "field names to tensors")
         _check_meta(meta, "update() meta")
         new = dict(tensors or {})
         new.update(fields)
@@ -384,92 +274,19 @@ class TensorBatch(Mapping[str, Tensor]):
                     device.append(t.device)
         merged = dict(self._tensors)
         for name, t in new.items():
-            merged[name] = _validate_field(name, t, sizes, device)
+            merged[name] = _ops._validate_field(name, t, sizes, device)
         ext = dict(self._extras)
-        ext.update(_validate_extras({} if extras is None else extras, self._size))
+        ext.update(_ops._validate_extras({} if extras is None else extras, self._size))
         return TensorBatch._trusted(merged, ext, meta or self._meta, self._size)
 
     def with_meta(self, **changes: Any) -> TensorBatch:
         """A new batch whose meta has the given attributes replaced."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(BatchMeta)})
+        valid = [f.name for f in dataclasses.fields(BatchMeta)]
+        unknown = sorted(set(changes) - set(valid))
         if unknown:
-            raise BatchValidationError(
-                f"with_meta(): unknown BatchMeta attribute(s) {unknown}; valid: "
-                f"{', '.join(f.name for f in dataclasses.fields(BatchMeta))}"
-            )
+            raise BatchValidationError(f"with_meta(): unknown BatchMeta attribute(s) {unknown}; valid: {', '.join(valid)}")
         meta = dataclasses.replace(self._meta, **changes)
         return TensorBatch._trusted(dict(self._tensors), dict(self._extras), meta, self._size)
-
-    def index(self, indices: Tensor | Sequence[int] | slice) -> TensorBatch:
-        """The samples at ``indices`` (any order, repeats allowed, negative from the end), or a slice of them.
-
-        ``indices`` is a 1-D integer tensor or array, a sequence of ints, or a slice with a positive
-        step; bools and floats are refused (a bool mask is not an index list).
-        """
-        if isinstance(indices, slice):
-            for part in ("start", "stop", "step"):
-                value = getattr(indices, part)
-                if value is not None:
-                    check_int(value, f"index(): slice {part}", low=1 if part == "step" else None,
-                              error=BatchValidationError)
-            start, stop, step = indices.indices(self._size)
-            # In range: torch truncates (with a warning) slice bounds beyond 64 bits, which would
-            # disagree with the rows counted here.
-            indices = slice(start, stop, min(step, max(self._size, 1)))
-            rows = range(self._size)[indices]
-            tensors = {k: v[indices] for k, v in self._tensors.items()}
-            ext = {k: v[indices] for k, v in self._extras.items()}
-            return TensorBatch._trusted(tensors, ext, self._meta, len(rows))
-        idx = _index_tensor(indices, self._size)
-        if idx.dim() != 1:
-            raise BatchValidationError(f"index() takes a 1-D index, got shape {tuple(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < -self._size or int(idx.max()) >= self._size):
-            raise _out_of_range(int(idx.min()), int(idx.max()), self._size)
-        idx = idx % max(self._size, 1)
-        tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self._tensors.items()}
-        picked: list[int] = idx.tolist()
-        ext = {k: tuple(v[i] for i in picked) for k, v in self._extras.items()}
-        return TensorBatch._trusted(tensors, ext, self._meta, len(picked))
-
-    def split(self, sizes: Sequence[int]) -> list[TensorBatch]:
-        """Consecutive pieces of the given sizes (must sum to the batch size; zeros allowed)."""
-        if not _is_list(sizes):
-            raise BatchValidationError(f"split() takes a list of sizes, got {describe(sizes)}")
-        for s in sizes:
-            check_int(s, "split() sizes", low=0, error=BatchValidationError)
-        check_fits(len(sizes) * _PIECE_BYTES, "cpu", f"split() into {len(sizes)} pieces")
-        if sum(sizes) != self._size:
-            raise BatchValidationError(
-                f"split() sizes {list(sizes)} must be >= 0 and sum to the batch size {self._size}"
-            )
-        out: list[TensorBatch] = []
-        start = 0
-        for s in sizes:
-            out.append(self.index(slice(start, start + s)))
-            start += s
-        return out
-
-    def chunk(self, n: int) -> list[TensorBatch]:
-        """``n`` consecutive pieces whose sizes differ by at most one (the first ones larger)."""
-        check_int(n, "chunk() n", low=1, error=BatchValidationError)
-        check_fits(n * _PIECE_BYTES, "cpu", f"chunk({_short(n)})")
-        base, extra = divmod(self._size, n)
-        return self.split([base + (1 if i < extra else 0) for i in range(n)])
-
-    def repeat_interleave(self, n: int) -> TensorBatch:
-        """Each sample repeated ``n`` times in place (s0, s0, s1, s1, ...).
-
-        Repeats keep their ``group_ids`` and get ``sample_index`` 0..n-1 when the batch has
-        ``group_ids`` (the n samples of one prompt form one group).
-        """
-        check_int(n, "repeat_interleave() n", low=1, error=BatchValidationError)
-        self._check_rows_fit(self._size * n, f"repeat_interleave({_short(n)}) of {self._size} samples")
-        idx = torch.arange(self._size).repeat_interleave(n)
-        out = self.index(idx)
-        if "group_ids" in self._tensors:
-            sample_index = torch.arange(n, device=out.device).repeat(self._size)
-            out = out.update(sample_index=sample_index)
-        return out
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TensorBatch:
         """The batch with every tensor on ``device``."""
@@ -477,282 +294,23 @@ class TensorBatch(Mapping[str, Tensor]):
         tensors = {k: v.to(dev, non_blocking=non_blocking) for k, v in self._tensors.items()}
         return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
 
-    @staticmethod
-    def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
-        """Concatenate along the batch dim, re-padding prompts (left) and responses (right).
-
-        All batches must have the same fields and extras keys, and agree on temperature, top_p,
-        top_k and pad id; the result's step and weight version are the oldest of the inputs.
-        """
-        if not _is_list(batches):
-            raise BatchValidationError(f"concat() takes a list of TensorBatch, got {describe(batches)}")
-        for i, b in enumerate(batches):
-            if not isinstance(b, TensorBatch):
-                raise BatchValidationError(f"concat(): item {i} must be a TensorBatch, got {describe(b)}")
-        if not batches:
-            raise BatchValidationError("concat() needs at least one batch")
-        first = batches[0]
-        for i, b in enumerate(batches[1:], 1):
-            if set(b._tensors) != set(first._tensors):
-                raise BatchValidationError(
-                    f"concat(): batch {i} has fields {sorted(b._tensors)}, batch 0 has {sorted(first._tensors)}"
-                )
-            if set(b._extras) != set(first._extras):
-                raise BatchValidationError(
-                    f"concat(): batch {i} has extras {sorted(b._extras)}, batch 0 has {sorted(first._extras)}"
-                )
-            for key in _SAMPLING_KEYS:
-                if getattr(b.meta, key) != getattr(first.meta, key):
-                    raise BatchValidationError(
-                        f"concat(): batch {i} has meta.{key}={getattr(b.meta, key)!r}, "
-                        f"batch 0 has {getattr(first.meta, key)!r}; batches sampled differently "
-                        "cannot share one batch"
-                    )
-        meta = dataclasses.replace(
-            first.meta,
-            step=min(b.meta.step for b in batches),
-            weight_version=min(b.meta.weight_version for b in batches),
-        )
-        pad_id = meta.pad_token_id
-        tensors: dict[str, Tensor] = {}
-        for name in first._tensors:
-            spec = FIELDS[name]
-            parts = [b._tensors[name] for b in batches]
-            if len(spec.dims) == 2:
-                width = max(p.shape[1] for p in parts)
-                left = spec.dims[1] == "prompt"
-                fill = pad_id if spec.pad_value is None else spec.pad_value
-                parts = [_pad_cols(p, width, left=left, value=fill) for p in parts]
-            tensors[name] = torch.cat(parts, 0)
-        ext = {k: tuple(v for b in batches for v in b._extras[k]) for k in first._extras}
-        return TensorBatch._trusted(tensors, ext, meta, sum(b._size for b in batches))
-
-    def trim(self) -> TensorBatch:
-        """Drop padding columns: all-padding prompt columns on the left, response columns on the right."""
-        tensors = dict(self._tensors)
-        if "prompt_mask" in tensors and self._size:
-            used = tensors["prompt_mask"].any(0).nonzero()
-            start = int(used[0]) if used.numel() else tensors["prompt_mask"].shape[1]
-            for name, t in tensors.items():
-                if FIELDS[name].dims[1:] == ("prompt",):
-                    tensors[name] = t[:, start:]
-        if "response_mask" in tensors and self._size:
-            used = tensors["response_mask"].any(0).nonzero()
-            stop = int(used[-1]) + 1 if used.numel() else 0
-            for name, t in tensors.items():
-                if FIELDS[name].dims[1:] == ("response",):
-                    tensors[name] = t[:, :stop]
-        return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
-
-    def pad_prompts(self, width: int) -> TensorBatch:
-        """Left-pad every prompt field to ``width`` columns (the pad id, a False mask; the inverse of :meth:`trim`).
-
-        An engine that compiles or captures one program per prompt width pads to a few widths
-        instead of one per batch.
-        """
-        check_int(width, "pad_prompts() width", low=0, error=BatchValidationError)
-        prompt_fields = [t for n, t in self._tensors.items() if FIELDS[n].dims[1:] == ("prompt",)]
-        current = prompt_fields[0].shape[1] if prompt_fields else None
-        if current is None or width <= current:
-            if current is not None and width < current:
-                raise BatchValidationError(f"pad_prompts({width}): the prompts are already {current} wide")
-            return self
-        row_bytes = sum(t.element_size() for t in prompt_fields) * width
-        check_fits(self._size * row_bytes, self.device, f"pad_prompts({_short(width)}) of {self._size} samples")
-        tensors = dict(self._tensors)
-        for name, t in tensors.items():
-            spec = FIELDS[name]
-            if spec.dims[1:] == ("prompt",):
-                fill = self._meta.pad_token_id if spec.pad_value is None else spec.pad_value
-                tensors[name] = _pad_cols(t, width, left=True, value=fill)
-        return TensorBatch._trusted(tensors, dict(self._extras), self._meta, self._size)
-
-    def pad_to_multiple(self, divisor: int) -> tuple[TensorBatch, int]:
-        """Append padding samples so the batch size divides by ``divisor``.
-
-        Padding samples copy the last sample with ``response_mask`` all False, so every loss and
-        aggregation ignores them. Returns the padded batch and the number of samples added, which
-        :meth:`unpad` removes.
-        """
-        check_int(divisor, "pad_to_multiple() divisor", low=1, error=BatchValidationError)
-        n_pad = -self._size % divisor
-        if n_pad == 0:
-            return self, 0
-        if self._size == 0:
-            raise BatchValidationError("pad_to_multiple(): an empty batch has no sample to pad with")
-        self._check_rows_fit(n_pad + self._size, f"pad_to_multiple({_short(divisor)}) of {self._size} samples")
-        pad = self.index([self._size - 1] * n_pad)
-        if "response_mask" in pad._tensors:
-            pad = pad.update(response_mask=torch.zeros_like(pad._tensors["response_mask"]))
-            zeroed = {
-                k: torch.zeros_like(v)
-                for k, v in pad._tensors.items()
-                if FIELDS[k].kind == "float" and FIELDS[k].dims == ("batch", "response")
-            }
-            pad = pad.update(zeroed)
-        return TensorBatch.concat([self, pad]), n_pad
-
-    def unpad(self, n_pad: int) -> TensorBatch:
-        """Remove the last ``n_pad`` samples added by :meth:`pad_to_multiple`."""
-        check_int(n_pad, f"unpad() n_pad (on a batch of {self._size})", low=0, high=self._size,
-                  error=BatchValidationError)
-        return self.index(slice(0, self._size - n_pad))
-
-    def micro_batches(
-        self, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True
-    ) -> MicroBatches:
-        """Split into micro-batches by a token budget or a fixed size.
-
-        With ``max_tokens``, samples are partitioned so each micro-batch's padded cost (size x its
-        longest sequence, prompt plus response) stays within the budget, grouping similar lengths;
-        with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is trimmed
-        of all-padding columns unless ``trim`` is False. :meth:`MicroBatches.restore` undoes the
-        reordering.
-        """
-        if (max_tokens is None) == (size is None):
-            raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")
-        check_bool(trim, "micro_batches() trim", error=BatchValidationError)
-        lengths = self.seq_lengths()
-        if max_tokens is not None:
-            groups = partition_by_token_budget(lengths.tolist(), max_tokens)
-        else:
-            assert size is not None
-            check_int(size, "micro_batches() size", low=1, error=BatchValidationError)
-            groups = [list(range(i, min(i + size, self._size))) for i in range(0, self._size, size)]
-        order = torch.tensor([i for g in groups for i in g], dtype=torch.int64)
-        parts = []
-        for g in groups:
-            mb = self.index(g)
-            parts.append(mb.trim() if trim else mb)
-        return MicroBatches(tuple(parts), order, lengths)
-
-    # ----------------------------------------------------------------- value checks
-    def check(self, *, where: str = "input", vocab_size: int | None = None) -> TensorBatch:
-        """Check values (a pass over the data): run this at protocol boundaries.
-
-        Re-checks the structure (names, ranks, dtypes, devices, shared dims: a batch assembled
-        without validation is caught here too), then that float fields are finite, prompt masks are
-        left-padded and response masks right-padded, every prompt has at least one token, ids lie in
-        ``[0, vocab_size)`` when given, and ``group_ids`` are not negative. Returns the batch itself so calls chain.
-
-        Raises:
-            NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
-            BatchValidationError: any other violation, naming ``where``, the field and the sample.
-        """
-        if not isinstance(where, str):
-            raise BatchValidationError(f"check() where= must be a string, got {describe(where)}")
-        if vocab_size is not None:
-            check_int(vocab_size, f"{where}: check() vocab_size", low=1, error=BatchValidationError)
-        sizes: dict[Dim, tuple[int, str]] = {"batch": (self._size, "<batch size>")}
-        device: list[torch.device] = []
-        for name, t in self._tensors.items():
-            try:
-                _validate_field(name, t, sizes, device)
-            except BatchValidationError as e:
-                raise BatchValidationError(f"{where}: {e}") from None
-        for name, t in self._tensors.items():
-            spec = FIELDS[name]
-            if spec.kind == "float" and t.numel():
-                bad = ~torch.isfinite(t)
-                if bool(bad.any()):
-                    row = int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0])
-                    raise NonFiniteError(
-                        f"{where}: field {name!r} holds NaN/inf (first at sample {row}); "
-                        "only finite values are allowed"
-                    )
-            elif spec.kind == "ids" and t.numel():
-                lo = int(t.min())
-                if lo < 0 or (vocab_size is not None and int(t.max()) >= vocab_size):
-                    raise BatchValidationError(
-                        f"{where}: field {name!r} holds ids in [{lo}, {int(t.max())}], "
-                        f"expected ids in [0, {vocab_size if vocab_size is not None else 'vocab'})"
-                    )
-        _check_padding_side(self._tensors.get("prompt_mask"), "prompt_mask", left=True, where=where)
-        pm = self._tensors.get("prompt_mask")
-        if pm is not None and self._size and (pm.shape[1] == 0 or not bool(pm[:, -1].all())):
-            # the first response token is read from the logits of the last prompt token
-            row = 0 if pm.shape[1] == 0 else int((~pm[:, -1]).nonzero()[0])
-            raise BatchValidationError(
-                f"{where}: sample {row} has an empty prompt; every sample needs at least one real "
-                "prompt token (prompt_mask left-padded and ending in True)"
-            )
-        _check_padding_side(self._tensors.get("response_mask"), "response_mask", left=False, where=where)
-        if "group_ids" in self._tensors and self._size and int(self._tensors["group_ids"].min()) < 0:
-            raise BatchValidationError(f"{where}: group_ids must be >= 0")
-        return self
-
-
-def _validate_extras(extras: Mapping[str, Sequence[Any]], size: int | None) -> dict[str, tuple[Any, ...]]:
-    _check_mapping(extras, "extras", "keys to one value per sample")
-    out: dict[str, tuple[Any, ...]] = {}
-    for key, values in extras.items():
-        if not isinstance(key, str):
-            raise BatchValidationError(f"extras keys must be strings, got {describe(key)}")
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise BatchValidationError(
-                f"extra {key!r}: expected a sequence of one value per sample, got {type(values).__name__}"
-            )
-        if size is not None and len(values) != size:
-            raise BatchValidationError(
-                f"extra {key!r}: expected {size} values (one per sample), got {len(values)}"
-            )
-        size = len(values)
-        out[key] = tuple(values)
-    return out
-
-
-def _is_list(value: object) -> bool:
-    """A sequence of items, not a string (whose characters would pass for items)."""
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def _check_mapping(value: object, name: str, what: str) -> None:
-    if not isinstance(value, Mapping):
-        raise BatchValidationError(f"{name} must be a mapping from {what}, got {describe(value)}")
+    # ----------------------------------------------------------------- ops and value checks (in batch_ops)
+    index = _ops.index
+    split = _ops.split
+    chunk = _ops.chunk
+    repeat_interleave = _ops.repeat_interleave
+    concat = staticmethod(_ops.concat)
+    trim = _ops.trim
+    pad_prompts = _ops.pad_prompts
+    pad_to_multiple = _ops.pad_to_multiple
+    unpad = _ops.unpad
+    micro_batches = _ops.micro_batches
+    check = _ops.check
 
 
 def _check_meta(meta: object, name: str) -> None:
     if meta is not None and not isinstance(meta, BatchMeta):
         raise BatchValidationError(f"{name} must be a BatchMeta or None, got {describe(meta)}")
-
-
-def _check_names(names: Sequence[object], name: str) -> None:
-    for n in names:
-        if not isinstance(n, str):
-            raise BatchValidationError(f"{name} must be strings, got {describe(n)}")
-
-
-def _short(i: int) -> str:
-    return str(i) if i.bit_length() <= 64 else f"<an integer of {i.bit_length()} bits>"
-
-
-def _out_of_range(lo: int, hi: int, size: int) -> BatchValidationError:
-    return BatchValidationError(
-        f"index() got indices in [{_short(lo)}, {_short(hi)}] for a batch of {size}; "
-        f"expected indices in [-{size}, {size})"
-    )
-
-
-def _index_tensor(indices: object, size: int) -> Tensor:
-    """``indices`` as an int64 tensor; bools, floats and anything not a list of integers are refused."""
-    if isinstance(indices, (list, tuple)):
-        for i in indices:
-            check_int(i, "index() indices", error=BatchValidationError)
-        if indices and (min(indices) < -size or max(indices) >= size):  # before torch, which overflows past int64
-            raise _out_of_range(min(indices), max(indices), size)
-        return torch.tensor(list(indices), dtype=torch.int64)
-    if isinstance(indices, (str, bytes, Mapping)):
-        raise BatchValidationError(f"index() takes integer indices, got {describe(indices)}")
-    try:
-        t = indices if isinstance(indices, Tensor) else torch.as_tensor(indices)
-    except Exception:  # whatever torch cannot read as an array
-        raise BatchValidationError(f"index() takes integer indices, got {describe(indices)}") from None
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise BatchValidationError(
-            f"index() takes integer indices, got a tensor of dtype {t.dtype} (a bool mask or floats are not "
-            "indices; use mask.nonzero().squeeze(1) for a mask)"
-        )
-    return t.to(torch.int64)
 
 
 def _device(device: object, name: str) -> torch.device:
@@ -773,60 +331,6 @@ def _extras_size(extras: Mapping[str, tuple[Any, ...]]) -> int:
     for v in extras.values():
         return len(v)
     raise BatchValidationError("a TensorBatch without fields or extras needs batch_size=")
-
-
-def _pad_cols(t: Tensor, width: int, *, left: bool, value: float | bool) -> Tensor:
-    missing = width - t.shape[1]
-    if missing == 0:
-        return t
-    pad = torch.full((t.shape[0], missing), value, dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t] if left else [t, pad], 1)
-
-
-def _check_padding_side(mask: Tensor | None, name: str, *, left: bool, where: str) -> None:
-    if mask is None or mask.numel() == 0:
-        return
-    m = mask.to(torch.int8)
-    step = m[:, 1:] - m[:, :-1]
-    # left padding: False* True*  -> never 1 -> 0;  right padding: True* False* -> never 0 -> 1
-    bad = (step < 0) if left else (step > 0)
-    if bool(bad.any()):
-        row = int(bad.any(1).nonzero()[0])
-        side = "left" if left else "right"
-        raise BatchValidationError(
-            f"{where}: {name} of sample {row} is not {side}-padded (expected padding only on the "
-            f"{side} and real tokens contiguous)"
-        )
-
-
-def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Partition sample indices into groups whose size x longest length stays within ``max_tokens``.
-
-    Samples are sorted by length (longest first) and cut into consecutive runs, so each group holds
-    similar lengths and padding waste stays small. Every index appears exactly once.
-
-    Raises:
-        BatchValidationError: ``max_tokens`` is smaller than the longest sample.
-    """
-    check_int(max_tokens, "max_tokens", low=1, error=BatchValidationError)
-    if not _is_list(lengths):
-        raise BatchValidationError(f"lengths must be a list of token counts, got {describe(lengths)}")
-    for n in lengths:
-        check_int(n, "lengths", low=0, error=BatchValidationError)
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if order and lengths[order[0]] > max_tokens:
-        raise BatchValidationError(
-            f"sample {order[0]} has {lengths[order[0]]} tokens, more than the micro-batch budget "
-            f"max_tokens={max_tokens}; raise the budget to at least the longest sequence"
-        )
-    groups: list[list[int]] = []
-    i = 0
-    while i < len(order):
-        longest = max(lengths[order[i]], 1)
-        take = max(1, max_tokens // longest)
-        groups.append(order[i : i + take])
-        i += take
-    return groups
 
 
 @dataclass(frozen=True)
@@ -851,7 +355,7 @@ class MicroBatches:
 
     def restore(self, outputs: Sequence[TensorBatch]) -> TensorBatch:
         """Concatenate per-micro-batch outputs and put the samples back in the original order."""
-        if not _is_list(outputs) or not all(isinstance(o, TensorBatch) for o in outputs):
+        if not _ops._is_list(outputs) or not all(isinstance(o, TensorBatch) for o in outputs):
             raise BatchValidationError(f"restore() takes a list of TensorBatch, got {describe(outputs)}")
         if [o.batch_size for o in outputs] != [b.batch_size for b in self.batches]:
             raise BatchValidationError(
