@@ -86,14 +86,13 @@ class UpdateStage:
         metrics = state.metrics
         old, entropy = state.old_log_probs, state.entropy
         batch = state.batch
-        if self.on_policy:
-            self._compare_rollout = "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params)
-        elif old is None or entropy is None:
-            raise StepStateError(
-                f"step {state.step + 1}: the advantages need the actor's log-probs and entropy, but stage "
-                f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
-            )
-        else:
+        # on policy, the update's own forward gives the old log-probs, entropy and KL to the reference
+        if not self.on_policy:
+            if old is None or entropy is None:
+                raise StepStateError(
+                    f"step {state.step + 1}: the advantages need the actor's log-probs and entropy, but stage "
+                    f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
+                )
             batch = batch.update(old_log_probs=old)
             metrics["actor/entropy"] = masked_mean(entropy, batch["response_mask"])
         if state.ref_log_probs is not None:
@@ -109,9 +108,10 @@ class UpdateStage:
             batch = batch.update(baseline_scores=baseline)
         # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact); on
         # policy, the update's forward reports the mean only (a max does not sum over micro-batches)
+        exact = "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params)
         if self.on_policy:
-            pass  # reported by the update (see _update)
-        elif "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params):
+            self._compare_rollout = exact
+        elif exact:
             delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
             n = int(batch["response_mask"].sum())
             metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
