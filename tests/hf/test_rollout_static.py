@@ -22,7 +22,8 @@ from verl_core import (
     WeightSyncError,
 )
 from verl_core.enginekit.sampling import TokenSampler
-from verl_hf.rollout import HFRolloutEngine, _StaticDecoder, sample_seed
+from verl_hf.rollout import HFRolloutEngine, sample_seed
+from verl_hf.rollout_decode import HFStaticDecoder
 from verl_hf.training import HFTrainingEngine
 
 
@@ -79,7 +80,7 @@ def test_a_static_step_only_updates_tensors_in_place() -> None:
                        e._uniforms(seeds, params))
     with torch.no_grad():
         rows, width = chunk["prompt_ids"].shape
-        decoder = _StaticDecoder(e.model, rows, width, sampler, 6, eager_attention=False, device=e.model.device)
+        decoder = HFStaticDecoder(e.model, rows, width, sampler, 6, eager_attention=False, device=e.model.device)
         decoder.start(chunk, sampler.uniforms)
         before = {k: (v, v.data_ptr(), v.clone()) for k, v in vars(decoder).items() if isinstance(v, torch.Tensor)}
         decoder.step()
@@ -106,7 +107,7 @@ def test_checking_for_the_end_every_few_steps_gives_the_same_responses(check_eve
     sampler = TokenSampler(params, dynamic.tokenizer.pad_token_id, stop_ids, dynamic._uniforms(seeds, params))
     with torch.no_grad():
         rows, width = chunk["prompt_ids"].shape
-        decoder = _StaticDecoder(dynamic.model, rows, width, sampler, 13, eager_attention=False,
+        decoder = HFStaticDecoder(dynamic.model, rows, width, sampler, 13, eager_attention=False,
                                  device=dynamic.model.device)
         decoder.start(chunk, sampler.uniforms)
         decoder.run(check_every=check_every)

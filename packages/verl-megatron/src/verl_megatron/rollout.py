@@ -22,7 +22,7 @@ Semantics shared with the other backends:
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from verl_core.enginekit.sampling import (
 )
 from verl_core.kernel.registry import parse_options
 from verl_megatron.convert import StateDictAdapter
+from verl_megatron.eager_decode import cached_logits, eager_decode, recomputed_logits
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
@@ -119,7 +120,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self._compiled: StepLogits | None = None
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
-                module.explicit_mask = True  # decoding passes its own masks (see _cached_logits)
+                module.explicit_mask = True  # decoding passes its own masks (see eager_decode.cached_logits)
         self._tokenizer: Tokenizer = load_tokenizer(spec.model_path)
         self._version = 0
         self._stale = False
@@ -207,71 +208,6 @@ class MegatronRolloutEngine(RolloutEngine):
         return expanded.update(response_ids=ids.to(dev), response_mask=mask.to(dev),
                                rollout_log_probs=lps.to(dev), truncated=truncated.to(dev), meta=meta)
 
-    def _next_logits(self, tokens: Tensor, last: Tensor) -> Tensor:
-        """Full-vocabulary float32 logits at column ``last[b]`` of each row of ``tokens``."""
-        b, s = tokens.shape
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self._device), 1).view(1, 1, s, s)
-        positions = torch.arange(s, device=self._device).unsqueeze(0).expand(b, s)
-        out: Tensor = self.model(tokens, positions, mask)  # [b, s, vocab / tp]
-        local = out[torch.arange(b, device=out.device), last].float().contiguous()
-        if self.tp == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local, group=self._tp_group)
-        return torch.cat(parts, -1)
-
-    def _recomputed_logits(self, batch: TensorBatch, max_new: int) -> Generator[Tensor, Tensor, None]:
-        """Next-token logits, recomputing the whole left-shifted sequence at every step.
-
-        Yields the logits of the next token of every row and is sent the chosen tokens.
-        """
-        dev = self._device
-        pad = self._tokenizer.pad_token_id
-        prompt_mask = batch["prompt_mask"].to(dev)
-        rows, p = prompt_mask.shape
-        lengths = prompt_mask.sum(1)
-        cols = torch.arange(p, device=dev).unsqueeze(0)
-        src = (cols + (p - lengths).unsqueeze(1)).clamp(max=p - 1)
-        # Left-shift the prompts (real tokens at 0..L-1) and leave room for the response.
-        tokens = torch.full((rows, p + max_new), pad, dtype=torch.int64, device=dev)
-        tokens[:, :p] = batch["prompt_ids"].to(dev).gather(1, src).masked_fill(cols >= lengths.unsqueeze(1), pad)
-        for t in range(max_new):
-            tok = yield self._next_logits(tokens[:, : int(lengths.max()) + t], lengths + t - 1)
-            tokens[torch.arange(rows, device=dev), lengths + t] = tok
-
-    def _cached_logits(self, batch: TensorBatch, max_new: int) -> Generator[Tensor, Tensor, None]:
-        """Next-token logits with Megatron's static KV cache: one prefill, then one token per step.
-
-        Rows stay left-padded so every row's next token sits in one column (the cache appends at
-        one offset); RoPE scores depend only on the distance between positions, so each row's
-        real tokens attend as they would at positions ``0..L-1``. Pad keys are masked out (a pad
-        query sees only itself, so no row of the softmax is empty).
-        """
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        dev = self._device
-        prompt_mask = batch["prompt_mask"].to(dev)
-        rows, p = prompt_mask.shape
-        total = p + max_new
-        ctx = StaticInferenceContext(rows, total)
-        real = torch.zeros(rows, total, dtype=torch.bool, device=dev)
-        real[:, :p] = prompt_mask
-        pos = torch.arange(p, device=dev)
-        visible = (pos.view(1, p, 1) >= pos.view(1, 1, p)) & (real[:, :p].unsqueeze(1) | torch.eye(p, dtype=torch.bool, device=dev))
-        # Megatron's inference mode gathers the vocabulary slices itself (runtime_gather_output)
-        # and returns the last position's logits only.
-        out: Tensor = self.model(batch["prompt_ids"].to(dev), pos.unsqueeze(0).expand(rows, p),
-                                 (~visible).unsqueeze(1), inference_context=ctx, runtime_gather_output=True)
-        ctx.sequence_len_offset += p
-        for t in range(max_new):
-            tok = yield out[:, -1].float()
-            at = p + t
-            real[:, at] = True
-            position = torch.full((rows, 1), at, dtype=torch.int64, device=dev)
-            out = self.model(tok.view(rows, 1), position, (~real[:, : at + 1]).view(rows, 1, 1, at + 1),
-                             inference_context=ctx, runtime_gather_output=True)
-            ctx.sequence_len_offset += 1
-
     @torch.no_grad()
     def _decode(self, batch: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rows = batch.batch_size
@@ -293,26 +229,12 @@ class MegatronRolloutEngine(RolloutEngine):
                 decoder.run(check_every)
             return decoder.result()
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, torch.tensor(stop_ids, device=dev), uniforms)
-        finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        out_ids, out_mask, out_lp = [], [], []
-        steps = (self._cached_logits if self._kv_cache else self._recomputed_logits)(batch, max_new)
-        logits = next(steps)
-        for t in range(max_new):
-            alive = ~finished
-            tok, lp, stopped = sampler.step(logits, t, alive)
-            out_ids.append(tok)
-            out_mask.append(alive)
-            out_lp.append(lp)
-            finished = finished | stopped
-            if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
-                break
-            logits = steps.send(tok)
-        steps.close()
-        mask = torch.stack(out_mask, 1)
-        # Steps taken after the last row finished hold padding only: trim them.
-        width = max(1, int(mask.any(0).sum()))
-        return (torch.stack(out_ids, 1)[:, :width], mask[:, :width], torch.stack(out_lp, 1)[:, :width],
-                ~finished)
+        if self._kv_cache:
+            steps = cached_logits(self.model, batch, max_new, device=dev)
+        else:
+            steps = recomputed_logits(self.model, batch, max_new, pad=self._tokenizer.pad_token_id, device=dev,
+                                      tp=self.tp, tp_group=self._tp_group)
+        return eager_decode(steps, sampler, rows, max_new, dev, check_every)
 
     def _static_decoder(self, batch: TensorBatch, params: SamplingParams, stop_ids: list[int],
                         uniforms: Tensor | None) -> StaticDecoder:

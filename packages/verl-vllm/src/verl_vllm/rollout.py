@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
@@ -28,7 +26,6 @@ import torch
 from torch import Tensor
 
 from verl_core import (
-    BatchValidationError,
     ConfigError,
     EngineSpec,
     RolloutCapabilities,
@@ -44,7 +41,6 @@ from verl_core import (
 )
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.enginekit.memory import check_generate_memory
-from verl_core.enginekit.sampling import expand_prompts
 from verl_core.kernel.schema import check_temperature
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
@@ -53,19 +49,18 @@ from verl_vllm.plugin import ROLLOUT_CAPABILITIES
 
 _vllm = import_vllm()
 
-from vllm import LLM  # noqa: E402  (after the import check, which explains a missing vLLM)
-from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
+from verl_vllm.llm_process import (  # noqa: E402  (after the import check, which explains a missing vLLM)
+    check_platform,
+    refresh_tied_lm_head,
+    shutdown_llm,
+    start_llm,
+)
+from verl_vllm.requests import assemble, build_requests, prompt_token_lists, sample_seed  # noqa: E402
 
 __all__ = ["EngineAsleepError", "VllmRolloutEngine", "build_rollout_engine", "sample_seed"]
 
 # vLLM raises temperatures in (0, 0.01) to 0.01; sampling there would not follow the request.
 _MIN_TEMPERATURE: Final = 1e-2
-# What LLM() writes into os.environ; it only matters for child processes, which must not inherit it.
-_LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
-# vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes; the engine's
-# explicit kv_cache_bytes wins, so it is hidden while the engine starts.
-_KV_ENV: Final = "VLLM_CPU_KVCACHE_SPACE"
 _OPEN_ENGINES: set[int] = set()
 """Ids of this process's open engines: in-process vLLM engines share one process-wide distributed
 state, which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`)."""
@@ -75,41 +70,12 @@ class EngineAsleepError(VerlError, RuntimeError):
     """The rollout engine was asked to work while asleep."""
 
 
-def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
-    """The 63-bit seed of one sample's random stream, fixed by (seed, group id, sample index).
-
-    Each sample is its own vLLM request with this seed, so a sample does not depend on the other
-    samples of the batch or their order.
-    """
-    digest = hashlib.blake2b(f"{seed}:{group_id}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def _refresh_tied_lm_head(worker: Any) -> None:
-    """Rebuild the lm_head's kernel state from the (shared) embedding weight, inside a worker.
-
-    vLLM's CPU backend keeps a packed copy of every GEMM weight, the tied lm_head's included; an
-    in-place reload that updates the embedding re-packs only the embedding, so the head would keep
-    computing logits with the old weights. Elsewhere this processing is a no-op.
-    """
-    inner = getattr(worker, "worker", worker)
-    model = inner.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and method is not None:
-        method.process_weights_after_loading(head)
-
-
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
     """Factory of the ``vllm`` backend's rollout role (options validated by VllmRolloutConfig)."""
     from verl_core.kernel.registry import parse_options
 
     config = parse_options(VllmRolloutConfig, spec.options, where="backend 'vllm' options")
     return VllmRolloutEngine(spec, config)
-
-
-def _device_type(device: str) -> str:
-    return device.split(":", 1)[0]
 
 
 class VllmRolloutEngine(RolloutEngine):
@@ -143,17 +109,8 @@ class VllmRolloutEngine(RolloutEngine):
                 f"max_prompt_len + max_response_len = {max_model_len} exceeds the model's "
                 f"max_position_embeddings {self._files.max_positions}; lower them in the EngineSpec"
             )
-        from vllm.platforms import current_platform
-
-        platform = str(current_platform.device_type)
-        wanted = _device_type(spec.device)
-        if wanted != platform:
-            raise ConfigError(
-                f"EngineSpec.device is {spec.device!r}, but the installed vLLM runs on {platform!r}; "
-                f"set device={platform!r} or install the other build ({'verl-vllm[cuda]' if wanted == 'cuda' else 'verl-vllm[cpu]'})"
-            )
-        self._on_gpu = platform == "cuda"
-        self._llm = self._start_llm(max_model_len)
+        self._on_gpu = check_platform(spec.device)
+        self._llm = start_llm(spec, self._config, on_gpu=self._on_gpu, max_model_len=max_model_len)
         self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
         self._version = 0
         self._stale_reason: str | None = None
@@ -163,50 +120,6 @@ class VllmRolloutEngine(RolloutEngine):
         _OPEN_ENGINES.add(id(self))
         self.last_sync_seconds: Mapping[str, float] = {}
         """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
-
-    def _start_llm(self, max_model_len: int) -> Any:
-        cfg, spec = self._config, self._spec
-        # In-process engine: weight chunks reach the model by reference, no copies over IPC.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if not self._on_gpu:
-            # vLLM would otherwise pin the calling process's OpenMP threads to cores; this process
-            # also runs the trainer and other engines.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            # vllm-cpu 0.32 saves an AOT artifact of the compiled model that it then fails to load
-            # ("'function' object has no attribute 'finalize_loading'"), so every start would
-            # compile again (~10 s here); the plain torch.compile path reuses vLLM's and inductor's
-            # on-disk caches (~4 s warm). vLLM reads this at every compiled call: it stays set.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
-        os.environ.pop(_KV_ENV, None)
-        kwargs: dict[str, Any] = {
-            "model": str(spec.model_path),
-            "dtype": spec.dtype,
-            "seed": spec.seed,
-            "max_model_len": max_model_len,
-            "kv_cache_memory_bytes": cfg.kv_cache_bytes,
-            "logprobs_mode": cfg.logprobs_mode,
-            "max_num_seqs": cfg.max_num_seqs,
-            "enable_prefix_caching": cfg.enable_prefix_caching,
-            # On CPU vLLM compiles the model with inductor and captures no graphs: compiled decode
-            # steps are faster at the cost of a compile at start-up (cached on disk by vLLM).
-            "enforce_eager": self._on_gpu if cfg.enforce_eager is None else cfg.enforce_eager,
-            # Sampling follows the request exactly, never the folder's generation_config defaults.
-            "generation_config": "vllm",
-            "tensor_parallel_size": 1,
-        }
-        if cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        if self._on_gpu:
-            kwargs["enable_sleep_mode"] = True
-        try:
-            return LLM(**kwargs)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     # ------------------------------------------------------------------ properties
     @property
@@ -269,43 +182,6 @@ class VllmRolloutEngine(RolloutEngine):
         if self._asleep:
             raise EngineAsleepError(f"{what}: the vllm rollout engine is asleep; call wake() first")
 
-    def _to_vllm_params(self, params: SamplingParams, *, n: int, seed: int | None) -> Any:
-        common: dict[str, Any] = {
-            "n": n,
-            "max_tokens": params.max_new_tokens,
-            "stop_token_ids": list(params.stop_token_ids),
-            "logprobs": 0,  # the sampled token's log-prob only
-            "detokenize": False,
-            "seed": seed,
-        }
-        if params.greedy:
-            return VllmSamplingParams(temperature=0.0, **common)
-        return VllmSamplingParams(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, **common
-        )
-
-    def _prompt_token_lists(self, prompts: TensorBatch) -> list[list[int]]:
-        where = "VllmRolloutEngine.generate"
-        prompts.require("prompt_ids", "prompt_mask", "group_ids", where=where)
-        prompts.check(where=where, vocab_size=self._tokenizer.vocab_size)
-        lengths = prompts["prompt_mask"].sum(1)
-        if prompts.batch_size and int(lengths.min()) == 0:
-            row = int((lengths == 0).nonzero()[0])
-            raise BatchValidationError(
-                f"{where}: prompt of sample {row} is empty (prompt_mask all False); vLLM needs at "
-                "least one prompt token"
-            )
-        if prompts.batch_size and int(lengths.max()) > self._spec.max_prompt_len:
-            row = int(lengths.argmax())
-            raise BatchValidationError(
-                f"{where}: prompt of sample {row} has {int(lengths[row])} tokens, more than "
-                f"EngineSpec.max_prompt_len={self._spec.max_prompt_len}; shorten it or raise the limit"
-            )
-        ids = prompts["prompt_ids"].cpu()
-        width = ids.shape[1]
-        # Left padding: the real tokens are the last `length` columns (check() proved contiguity).
-        return [ids[i, width - int(lengths[i]) :].tolist() for i in range(prompts.batch_size)]
-
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`).
 
@@ -333,23 +209,10 @@ class VllmRolloutEngine(RolloutEngine):
             )
         if not params.greedy:
             check_temperature(params.temperature, floor=_MIN_TEMPERATURE, reason="vLLM silently raises lower ones to 0.01")
-        token_lists = self._prompt_token_lists(prompts)
+        token_lists = prompt_token_lists(prompts, self._spec, self._tokenizer.vocab_size)
         check_generate_memory(prompts, params, device="cpu", where="VllmRolloutEngine.generate")  # outputs land on the host
         n = params.n
-        group_ids = prompts["group_ids"].tolist()
-        requests: list[Any] = []
-        sampling: list[Any] = []
-        # vLLM refuses n > 1 for greedy requests, and a seeded sample needs its own request.
-        one_per_sample = params.seed is not None or params.greedy
-        for ids, gid in zip(token_lists, group_ids, strict=True):
-            if not one_per_sample:
-                requests.append(TokensPrompt(prompt_token_ids=ids))
-                sampling.append(self._to_vllm_params(params, n=n, seed=None))
-                continue
-            for j in range(n):
-                seed = None if params.seed is None else sample_seed(params.seed, group_id=gid, sample_index=j)
-                requests.append(TokensPrompt(prompt_token_ids=ids))
-                sampling.append(self._to_vllm_params(params, n=1, seed=seed))
+        requests, sampling = build_requests(token_lists, prompts["group_ids"].tolist(), params)
         outputs = self._llm.generate(requests, sampling, use_tqdm=False) if requests else []
         completions: list[Any] = []
         for out in outputs:
@@ -359,41 +222,8 @@ class VllmRolloutEngine(RolloutEngine):
                 f"vLLM returned {len(completions)} completions for {prompts.batch_size} prompts x "
                 f"n={n}; expected {prompts.batch_size * n}"
             )
-        return self._assemble(prompts, params, completions)
-
-    def _assemble(self, prompts: TensorBatch, params: SamplingParams, completions: list[Any]) -> TensorBatch:
-        pad = self._tokenizer.pad_token_id
-        rows = len(completions)
-        width = max((len(c.token_ids) for c in completions), default=0)
-        response_ids = torch.full((rows, width), pad, dtype=torch.int64)
-        response_mask = torch.zeros((rows, width), dtype=torch.bool)
-        log_probs = torch.zeros((rows, width), dtype=torch.float32)
-        truncated = torch.zeros(rows, dtype=torch.bool)
-        for r, c in enumerate(completions):
-            toks = [int(t) for t in c.token_ids]
-            if c.logprobs is None or len(c.logprobs) != len(toks):
-                raise VerlError(
-                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
-                    f"{len(toks)} tokens of sample {r}; expected one per token"
-                )
-            k = len(toks)
-            if k:
-                response_ids[r, :k] = torch.tensor(toks, dtype=torch.int64)
-                response_mask[r, :k] = True
-                log_probs[r, :k] = torch.tensor(
-                    [float(entry[tok].logprob) for entry, tok in zip(c.logprobs, toks, strict=True)],
-                    dtype=torch.float32,
-                )
-            truncated[r] = c.finish_reason == "length"
-        base, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
-        device = prompts.device
-        fields: dict[str, Tensor] = {
-            "response_ids": response_ids,
-            "response_mask": response_mask,
-            "rollout_log_probs": log_probs,
-            "truncated": truncated,
-        }
-        return base.update({k: v.to(device) for k, v in fields.items()}, meta=meta)
+        return assemble(prompts, params, completions, pad=self._tokenizer.pad_token_id,
+                        weight_version=self._version)
 
     # ------------------------------------------------------------------ weights
     def _check_manifest(self, stream: Iterable[WeightMessage]) -> Iterator[WeightMessage]:
@@ -443,7 +273,7 @@ class VllmRolloutEngine(RolloutEngine):
             raise
         if self._files.tied_embeddings:
             try:
-                self._llm.collective_rpc(_refresh_tied_lm_head)
+                self._llm.collective_rpc(refresh_tied_lm_head)
             except Exception as e:
                 self._fail(f"re-packing the tied lm_head failed: {type(e).__name__}: {e}")
                 raise WeightSyncError(
@@ -499,19 +329,6 @@ class VllmRolloutEngine(RolloutEngine):
             return
         self._closed = True
         _OPEN_ENGINES.discard(id(self))
-        client = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
-        core = getattr(client, "engine_core", None)
-        finalizer = getattr(client, "_finalizer", None)
-        if _OPEN_ENGINES and core is not None and finalizer is not None:
-            finalizer.detach()  # the client's finalizer would run the full shutdown when collected
-            for part in ("model_executor", "scheduler"):
-                stop = getattr(getattr(core, part, None), "shutdown", None)
-                if callable(stop):
-                    stop()
-            gc.unfreeze()  # what EngineCore.shutdown does besides destroying the shared state
-        else:
-            shutdown = getattr(client, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
+        shutdown_llm(self._llm, others_open=bool(_OPEN_ENGINES))
         del self._llm
         gc.collect()

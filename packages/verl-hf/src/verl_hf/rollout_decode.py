@@ -1,0 +1,164 @@
+"""The hf rollout engine's decode loops: a static KV cache (one shape, CUDA-graph ready) and
+transformers' DynamicCache, plus how the engine reports which one it runs.
+
+Both loops sample through :class:`~verl_core.enginekit.sampling.TokenSampler`, so a static and a
+dynamic decode of the same prompts and seeds draw the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError
+from verl_hf.config import HFOptions
+from verl_hf.modeling import cache_keyword, position_ids
+
+__all__ = ["HFStaticDecoder", "decode_dynamic", "decode_mode", "full_attention"]
+
+
+class HFStaticDecoder(StaticDecodeLoop):
+    """The decode loop over a preallocated StaticCache, every step at one shape.
+
+    Besides the loop's state (:class:`~verl_core.enginekit.sampling.StaticDecodeLoop`), the position to
+    feed and the cache slot are device tensors updated in place. The attention mask is built here
+    as a 4D mask over the whole cache (prompt padding and not-yet-written slots masked), which
+    keeps transformers' own mask code (with its host synchronisations) out of the step.
+    """
+
+    def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int, *,
+                 eager_attention: bool, device: torch.device, step_model: Any = None) -> None:
+        from transformers import StaticCache
+
+        super().__init__(rows, max_new, sampler, device, model, "hf rollout")
+        # What a decode step calls: the model, or a compiled version of it (one shape, so no
+        # recompilation while the decoder is reused; the prefill always runs the model itself).
+        self.step_model = model if step_model is None else step_model
+        self.width = width
+        length = width + max_new
+        self.cache_kw = cache_keyword(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        if any(bool(getattr(layer, "is_sliding", False)) for layer in self.cache.layers):
+            raise ConfigError(
+                "HFOptions.rollout_cache='static' supports full-attention models only; this model has "
+                "sliding-window layers: use rollout_cache='dynamic'"
+            )
+        self.eager_attention = eager_attention
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+        self.slots = torch.arange(length, device=device)
+        self.pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot = torch.full((1,), width, dtype=torch.int64, device=device)
+
+    def _prefill(self, chunk: TensorBatch) -> Tensor:
+        ids = chunk["prompt_ids"]
+        prompt_mask = chunk["prompt_mask"]
+        width = self.width
+        dev = ids.device
+        self.cache.reset()  # type: ignore[no-untyped-call]
+        self.valid[:, :width].copy_(prompt_mask)
+        pos = position_ids(prompt_mask)
+        # Prefill: causal over the prompt, padding masked; a padding query also sees itself so no
+        # row is fully masked (its output is never read).
+        causal = self.slots[None, :] <= torch.arange(width, device=dev)[:, None]
+        own = self.slots[None, :] == torch.arange(width, device=dev)[:, None]
+        mask = (self.valid[:, None, :] & causal[None]) | own[None]
+        out: Any = self.model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
+                              use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
+        self.pos.copy_(pos[:, -1] + 1)
+        self.slot.fill_(width)
+        logits: Tensor = out.logits[:, -1].float()
+        return logits
+
+    def _attention(self, mask: Tensor) -> Tensor:
+        """The 4D boolean mask (True = attend) in the form the attention kernel takes."""
+        if not self.eager_attention:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.dtype).min
+        )
+
+    def _advance(self) -> Tensor:
+        mask = self.valid & (self.slots <= self.slot)
+        out: Any = self.step_model(
+            input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
+            position_ids=self.pos.unsqueeze(-1), use_cache=True, **{self.cache_kw: self.cache},
+        )
+        self.pos.add_(1)
+        self.slot.add_(1)
+        logits: Tensor = out.logits[:, -1].float()
+        return logits
+
+
+def decode_dynamic(
+    model: Any, chunk: TensorBatch, sampler: TokenSampler, max_new: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decode loop over transformers' DynamicCache (grows one column per step).
+
+    Returns:
+        Response ids, mask, log-probs [rows, steps] and truncated [rows].
+    """
+    dev = device
+    rows = chunk.batch_size
+    ids = chunk["prompt_ids"]
+    attn = chunk["prompt_mask"].long()
+    pos = position_ids(attn)
+    out: Any = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache_kw = cache_keyword(model)
+    past = getattr(out, cache_kw)
+    logits = out.logits[:, -1].float()
+    cur = pos[:, -1]
+    finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+    toks: list[Tensor] = []
+    masks: list[Tensor] = []
+    lps: list[Tensor] = []
+    for t in range(max_new):
+        alive = ~finished
+        tok, lp, stopped = sampler.step(logits, t, alive)
+        toks.append(tok)
+        masks.append(alive)
+        lps.append(lp)
+        finished = finished | stopped
+        if bool(finished.all()) or t == max_new - 1:
+            break
+        attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=dev)], 1)
+        cur = cur + 1
+        out = model(
+            input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=cur.unsqueeze(-1),
+            use_cache=True, **{cache_kw: past},
+        )
+        past = getattr(out, cache_kw)
+        logits = out.logits[:, -1].float()
+    return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1), ~finished
+
+
+def decode_mode(options: HFOptions, graphs_error: str | None) -> str:
+    """How the engine decodes under ``options``: ``dynamic``, ``static``, ``static+cuda-graphs``,
+    ``static+compile`` or ``static+compile+cuda-graphs`` (and why graphs are not used when
+    capture failed with ``graphs_error``)."""
+    if options.rollout_cache == "dynamic":
+        return "dynamic"
+    if options.rollout_compile:
+        base = "static+compile"
+        if not options.rollout_cuda_graphs:
+            return base
+        if graphs_error is not None:
+            return f"{base} (CUDA graph capture failed: {graphs_error})"
+        return f"{base}+cuda-graphs"
+    if not options.rollout_cuda_graphs:
+        return "static"
+    if graphs_error is not None:
+        return f"static (CUDA graph capture failed: {graphs_error})"
+    return "static+cuda-graphs"
+
+
+def full_attention(config: Any) -> bool:
+    """Whether every layer of the model attends to the whole context (a static KV cache fits it)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    return not bool(getattr(config, "use_sliding_window", False))

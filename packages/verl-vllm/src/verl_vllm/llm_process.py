@@ -1,0 +1,125 @@
+"""The in-process ``vllm.LLM`` of the vLLM rollout engine: starting it with the process
+environment it needs (and without what it would leak), the tied lm_head's refresh after a reload,
+and shutting it down while other engines of the process keep the shared state."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any, Final
+
+from verl_core import ConfigError, EngineSpec
+from verl_vllm._import import import_vllm
+from verl_vllm.config import VllmRolloutConfig
+
+import_vllm()
+
+from vllm import LLM  # noqa: E402  (after the import check, which explains a missing vLLM)
+
+__all__ = ["check_platform", "refresh_tied_lm_head", "shutdown_llm", "start_llm"]
+
+# What LLM() writes into os.environ; it only matters for child processes, which must not inherit it.
+_LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
+# vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes; the engine's
+# explicit kv_cache_bytes wins, so it is hidden while the engine starts.
+_KV_ENV: Final = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def check_platform(device: str) -> bool:
+    """Whether the installed vLLM runs on CUDA, after checking it runs on ``device``'s type.
+
+    Raises:
+        ConfigError: the installed vLLM is built for another device type.
+    """
+    from vllm.platforms import current_platform
+
+    platform = str(current_platform.device_type)
+    wanted = device.split(":", 1)[0]
+    if wanted != platform:
+        raise ConfigError(
+            f"EngineSpec.device is {device!r}, but the installed vLLM runs on {platform!r}; "
+            f"set device={platform!r} or install the other build ({'verl-vllm[cuda]' if wanted == 'cuda' else 'verl-vllm[cpu]'})"
+        )
+    return platform == "cuda"
+
+
+def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_model_len: int) -> Any:
+    """Start the in-process ``vllm.LLM`` of ``spec`` with ``cfg``'s options."""
+    # In-process engine: weight chunks reach the model by reference, no copies over IPC.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        # vLLM would otherwise pin the calling process's OpenMP threads to cores; this process
+        # also runs the trainer and other engines.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vllm-cpu 0.32 saves an AOT artifact of the compiled model that it then fails to load
+        # ("'function' object has no attribute 'finalize_loading'"), so every start would
+        # compile again (~10 s here); the plain torch.compile path reuses vLLM's and inductor's
+        # on-disk caches (~4 s warm). vLLM reads this at every compiled call: it stays set.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
+    os.environ.pop(_KV_ENV, None)
+    kwargs: dict[str, Any] = {
+        "model": str(spec.model_path),
+        "dtype": spec.dtype,
+        "seed": spec.seed,
+        "max_model_len": max_model_len,
+        "kv_cache_memory_bytes": cfg.kv_cache_bytes,
+        "logprobs_mode": cfg.logprobs_mode,
+        "max_num_seqs": cfg.max_num_seqs,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        # On CPU vLLM compiles the model with inductor and captures no graphs: compiled decode
+        # steps are faster at the cost of a compile at start-up (cached on disk by vLLM).
+        "enforce_eager": on_gpu if cfg.enforce_eager is None else cfg.enforce_eager,
+        # Sampling follows the request exactly, never the folder's generation_config defaults.
+        "generation_config": "vllm",
+        "tensor_parallel_size": 1,
+    }
+    if cfg.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if on_gpu:
+        kwargs["enable_sleep_mode"] = True
+    try:
+        return LLM(**kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def refresh_tied_lm_head(worker: Any) -> None:
+    """Rebuild the lm_head's kernel state from the (shared) embedding weight, inside a worker.
+
+    vLLM's CPU backend keeps a packed copy of every GEMM weight, the tied lm_head's included; an
+    in-place reload that updates the embedding re-packs only the embedding, so the head would keep
+    computing logits with the old weights. Elsewhere this processing is a no-op.
+    """
+    inner = getattr(worker, "worker", worker)
+    model = inner.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None:
+        method.process_weights_after_loading(head)
+
+
+def shutdown_llm(llm: Any, *, others_open: bool) -> None:
+    """Shut ``llm`` down; while ``others_open``, only its own parts.
+
+    vLLM's engine shutdown also destroys the process-wide distributed state (model-parallel
+    groups) that every in-process engine uses, so the last engine to close does the rest.
+    """
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    if others_open and core is not None and finalizer is not None:
+        finalizer.detach()  # the client's finalizer would run the full shutdown when collected
+        for part in ("model_executor", "scheduler"):
+            stop = getattr(getattr(core, part, None), "shutdown", None)
+            if callable(stop):
+                stop()
+        gc.unfreeze()  # what EngineCore.shutdown does besides destroying the shared state
+    else:
+        shutdown = getattr(client, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
