@@ -175,8 +175,14 @@ class RolloutConfig:
         top_p: Nucleus threshold.
         top_k: Top-k (0 = off).
         max_new_tokens: Longest response.
+        sleep: When the rollout engine sleeps during the update (freeing its device memory):
+            ``always`` every step; ``never``; ``auto`` (default) every step unless the run is in
+            one process on a CUDA device with room for both: then the first step sleeps and
+            measures, and later steps keep the rollout awake while the update's measured peak
+            plus the rollout's memory stays within 85% of the device (see
+            :class:`~verl_core.trainer.weightsync.SleepPolicy`).
 
-    Each value is checked by :class:`~verl_core.kernel.rollout.SamplingParams` (bounds there).
+    The sampling values are checked by :class:`~verl_core.kernel.rollout.SamplingParams` (bounds there).
     """
 
     n: int = 8
@@ -184,6 +190,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 8
+    sleep: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from verl_core.trainer.step_metrics import (
 from verl_core.trainer.step_state import RunProgress, StepState
 from verl_core.trainer.tasks import get_task
 from verl_core.trainer.update import UpdateStage
-from verl_core.trainer.weightsync import WeightSyncStage
+from verl_core.trainer.weightsync import SleepPolicy, WeightSyncStage
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
 
@@ -210,7 +210,7 @@ class Trainer:
         self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
-        self.weights = WeightSyncStage(e, p)
+        self.weights = WeightSyncStage(e, p, SleepPolicy.for_run(cfg))
         self.evaluator = Evaluator(cfg, e, self.source, p)
         self._built = True
 
