@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,9 @@ def verl_has_datasets() -> bool:
 
 
 # ----------------------------------------------------------------------------- verl side
-def run_verl(args: argparse.Namespace, model: Path, data: Path, out: Path, use_data: bool) -> list[dict[str, Any]]:
-    run_dir = out / "verl-run"
+def run_verl(args: argparse.Namespace, model: Path, data: Path, out: Path, use_data: bool,
+             extra: Sequence[str] = (), tag: str = "default") -> list[dict[str, Any]]:
+    run_dir = out / f"verl-run-{tag}"
     overrides = [
         f"output_dir={json.dumps(str(run_dir))}", "overwrite=true", f"steps={args.steps}", f"seed={args.seed}",
         f"model.path={json.dumps(str(model))}", f"model.dtype={args.dtype}", f"model.device={args.device}",
@@ -98,12 +100,13 @@ def run_verl(args: argparse.Namespace, model: Path, data: Path, out: Path, use_d
     if use_data:
         overrides += [f"data.train={json.dumps(str(data))}", "data.prompt_key=prompt",
                       f"reward.functions={json.dumps([REWARD])}"]
+    overrides += list(extra)
     cmd = [args.verl_python or sys.executable, "-m", "verl_core.cli", "train", *overrides]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"verl train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    print(f"verl train: {time.perf_counter() - t:.1f} s in all (process start, model load, steps)", flush=True)
+    print(f"verl train ({tag}): {time.perf_counter() - t:.1f} s in all (process start, model load, steps)", flush=True)
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
@@ -192,6 +195,10 @@ def main() -> None:
     p.add_argument("--digits", type=int, default=3, help="digits of the copy task's prompts")
     p.add_argument("--verl-data", choices=["auto", "jsonl", "task"], default="auto",
                    help="verl reads the JSONL file (jsonl), the built-in task (task), or the file when it can")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="also run `verl train` with these config overrides (repeatable); each variant is "
+                        "reported against the same TRL run")
+    p.add_argument("--skip-trl", action="store_true", help="run only the verl side(s): no ratio is printed")
     p.add_argument("--trl-python", help="python that runs the TRL side (default: this one)")
     p.add_argument("--verl-python", help="python that runs `verl train` (default: this one)")
     p.add_argument("--out", help="folder for the model, prompts and runs (default: a temporary one)")
@@ -210,23 +217,25 @@ def main() -> None:
         use_data = {"jsonl": True, "task": False, "auto": verl_has_datasets()}[args.verl_data]
         if args.verl_data == "jsonl" and not verl_has_datasets():
             raise SystemExit("--verl-data jsonl: this checkout's trainer does not read data.train yet")
-        trl_steps = run_trl(args, model, data, out)
-        verl_hist = run_verl(args, model, data, out, use_data)
-    report(args, trl_steps, verl_hist, use_data)
+        trl_steps = [] if args.skip_trl else run_trl(args, model, data, out)
+        runs = {"default": run_verl(args, model, data, out, use_data)}
+        for variant in args.variant:
+            name, _, sets = variant.partition(":")
+            runs[name] = run_verl(args, model, data, out, use_data, [x for x in sets.split(",") if x], name)
+    labels = {"default": "the default config"} | {v.partition(":")[0]: v for v in args.variant}
+    for name, hist in runs.items():
+        report(args, trl_steps, hist, use_data, labels[name])
 
 
 def report(args: argparse.Namespace, trl_steps: list[dict[str, float]], verl_hist: list[dict[str, Any]],
-           use_data: bool) -> None:
+           use_data: bool, label: str = "verl train") -> None:
+    """Print one verl run against the TRL run (when there is one) and its per-phase breakdown."""
     import torch
 
     batch = args.prompts * args.n
-    timed_trl = trl_steps[1:] or trl_steps  # the first step warms up
-    timed_verl = verl_hist[1:] or verl_hist
-    trl_s = statistics.median(s["seconds"] for s in timed_trl)
+    timed_verl = verl_hist[1:] or verl_hist  # the first step warms up
     verl_s = statistics.median(float(m["time/step"]) for m in timed_verl)
-    trl_len = statistics.mean(s.get("mean_length", float("nan")) for s in timed_trl)
     verl_len = statistics.mean(float(m["response/length_mean"]) for m in timed_verl)
-    trl_tps = trl_len * batch / trl_s
     verl_tps = verl_len * batch / verl_s
     print(f"\nmodel {args.size}, {args.dtype} on {args.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads; {args.prompts} prompts x {args.n} completions, "
@@ -238,13 +247,19 @@ def report(args: argparse.Namespace, trl_steps: list[dict[str, float]], verl_his
     head = f"{'side':<18} {'s/step':>8} {'compl. tok/s':>13} {'mean compl. len':>16}"
     print(head)
     print("-" * len(head))
-    print(f"{'TRL GRPOTrainer':<18} {trl_s:>8.3f} {trl_tps:>13.1f} {trl_len:>16.2f}")
-    print(f"{'verl train':<18} {verl_s:>8.3f} {verl_tps:>13.1f} {verl_len:>16.2f}")
-    print(f"verl speed-up (TRL s/step / verl s/step): {trl_s / verl_s:.2f}x; "
-          f"in completion tokens/s: {verl_tps / trl_tps:.2f}x")
-    if abs(trl_len - verl_len) > 0.05 * max(trl_len, verl_len):
-        print(f"WARNING: mean completion lengths differ by more than 5% ({trl_len:.2f} vs {verl_len:.2f}): "
-              "the two sides did not do the same work; compare tokens/s, not s/step")
+    if trl_steps:
+        timed_trl = trl_steps[1:] or trl_steps
+        trl_s = statistics.median(s["seconds"] for s in timed_trl)
+        trl_len = statistics.mean(s.get("mean_length", float("nan")) for s in timed_trl)
+        trl_tps = trl_len * batch / trl_s
+        print(f"{'TRL GRPOTrainer':<18} {trl_s:>8.3f} {trl_tps:>13.1f} {trl_len:>16.2f}")
+    print(f"{'verl train':<18} {verl_s:>8.3f} {verl_tps:>13.1f} {verl_len:>16.2f}   <- {label}")
+    if trl_steps:
+        print(f"verl speed-up (TRL s/step / verl s/step): {trl_s / verl_s:.2f}x; "
+              f"in completion tokens/s: {verl_tps / trl_tps:.2f}x")
+        if abs(trl_len - verl_len) > 0.05 * max(trl_len, verl_len):
+            print(f"WARNING: mean completion lengths differ by more than 5% ({trl_len:.2f} vs {verl_len:.2f}): "
+                  "the two sides did not do the same work; compare tokens/s, not s/step")
     phases = sorted({k for m in timed_verl for k in m if k.startswith("time/") and k != "time/step"})
     print("\nverl step, per phase (median s over the same steps):")
     for k in phases:
@@ -252,6 +267,9 @@ def report(args: argparse.Namespace, trl_steps: list[dict[str, float]], verl_his
         if vals:
             print(f"  {k:<28} {statistics.median(vals):8.4f}")
     print(f"  {'time/step':<28} {verl_s:8.4f}")
+    slept = [m.get("rollout/slept") for m in verl_hist]
+    if any(x is not None for x in slept):
+        print(f"  rollout slept per step: {slept}")
 
 
 if __name__ == "__main__":
