@@ -114,3 +114,17 @@ def test_static_decoders_reuse_a_decoder_while_shape_sampling_and_parameters_rep
     assert decoders.current is built[-1]
     decoders.clear()
     assert _CountingLoop.closed == 4 and decoders.current is None
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 300, 4099])
+def test_inverse_cdf_in_blocks_picks_what_one_full_row_cdf_picks(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(3 * torch.randn(200, vocab, generator=g), -1)
+    probs[:, 1::3] = 0.0  # zero-probability tokens (top-k / nucleus cut) are never chosen
+    u = torch.rand(200, generator=g, dtype=torch.float64)
+    u[:3] = torch.tensor([0.0, 0.5, 1.0 - 2**-40], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, want)
+    assert (probs.gather(-1, got.unsqueeze(-1)) > 0).all()
