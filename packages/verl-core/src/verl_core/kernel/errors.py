@@ -14,6 +14,7 @@ __all__ = [
     "BatchValidationError",
     "CheckpointError",
     "ConfigError",
+    "EngineAsleepError",
     "MissingFieldError",
     "NonFiniteError",
     "PluginError",
@@ -56,6 +57,10 @@ class ConfigError(VerlError, ValueError):
 
 class RequestTooLargeError(ConfigError):
     """A request needs more memory than is available; it was refused before anything was allocated."""
+
+
+class EngineAsleepError(ConfigError, RuntimeError):
+    """An engine was asked to work while asleep (after ``sleep()``, before ``wake()``)."""
 
 
 class CheckpointError(VerlError, ValueError):
