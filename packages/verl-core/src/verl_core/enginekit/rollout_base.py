@@ -31,7 +31,6 @@ from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import (
     BatchValidationError,
     ConfigError,
-    EngineAsleepError,
     StaleWeightsError,
     VerlError,
     describe,
@@ -39,7 +38,12 @@ from verl_core.kernel.errors import (
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import check_temperature
 
-__all__ = ["GenerateLimits", "Responses", "RolloutEngineBase", "check_generate_request"]
+__all__ = ["EngineAsleepError", "GenerateLimits", "Responses", "RolloutEngineBase", "check_generate_request"]
+
+
+class EngineAsleepError(ConfigError, RuntimeError):
+    """An engine was asked to work while asleep (after ``sleep()``, before ``wake()``)."""
+
 
 Responses = tuple[Tensor, Tensor, Tensor, Tensor]
 """What :meth:`RolloutEngineBase._sample` returns: ``response_ids`` [rows, width] int64 (right-padded

@@ -14,7 +14,6 @@ __all__ = [
     "BatchValidationError",
     "CheckpointError",
     "ConfigError",
-    "EngineAsleepError",
     "MissingFieldError",
     "NonFiniteError",
     "PluginError",
@@ -57,10 +56,6 @@ class ConfigError(VerlError, ValueError):
 
 class RequestTooLargeError(ConfigError):
     """A request needs more memory than is available; it was refused before anything was allocated."""
-
-
-class EngineAsleepError(ConfigError, RuntimeError):
-    """An engine was asked to work while asleep (after ``sleep()``, before ``wake()``)."""
 
 
 class CheckpointError(VerlError, ValueError):
