@@ -265,3 +265,19 @@ def test_an_interrupted_write_is_stale_and_a_write_without_commit_stays_stale() 
     assert e.stale
     e._commit_weights(2)
     assert not e.stale and e.weight_version == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"vocab_size": 0}, r"GenerateLimits.vocab_size must be an integer >= 1, got 0"),
+        ({"device": "no-such-device"}, r"GenerateLimits.device must be a torch.device, got 'no-such-device'"),
+        ({"logits_vocab": -1}, r"GenerateLimits.logits_vocab must be an integer >= 0"),
+        ({"rows_at_once": 0}, r"GenerateLimits.rows_at_once must be an integer >= 1 or None"),
+        ({"min_temperature": float("nan")}, r"GenerateLimits.min_temperature must be a finite number"),
+    ],
+)
+def test_generate_limits_are_checked_when_built(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"vocab_size": VOCAB, "device": torch.device("cpu"), **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        GenerateLimits(**args)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ implements only :meth:`RolloutEngineBase._generate_limits` (its vocabulary, devi
 facts) and :meth:`RolloutEngineBase._sample` (the responses of the expanded rows). It also keeps
 the weight version and the stale flag of weight updates (:meth:`RolloutEngineBase._writing_weights`).
 
-Engines may still implement the kernel's :class:`~verl_core.kernel.rollout.RolloutEngine` protocol
+Engines may also implement the kernel's :class:`~verl_core.kernel.rollout.RolloutEngine` protocol
 directly; the trainer and the conformance suite only use the protocol.
 """
 
@@ -33,6 +33,7 @@ from verl_core.kernel.errors import (
     ConfigError,
     StaleWeightsError,
     VerlError,
+    check_int,
     describe,
 )
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
@@ -55,6 +56,8 @@ with the pad id), ``response_mask`` [rows, width] bool, ``rollout_log_probs`` [r
 class GenerateLimits:
     """What a generate request is checked against, and where it runs.
 
+    Every field is checked when the object is built (a ``ConfigError`` naming it).
+
     Attributes:
         vocab_size: Rows of the model's input embedding: prompt ids and stop ids must be below it.
         device: Where the expanded rows are moved before :meth:`RolloutEngineBase._sample`, and
@@ -75,6 +78,18 @@ class GenerateLimits:
     min_temperature: float | None = None
     temperature_reason: str = ""
     group: Any = None
+
+    def __post_init__(self) -> None:
+        check_int(self.vocab_size, "GenerateLimits.vocab_size", low=1)
+        try:
+            object.__setattr__(self, "device", torch.device(self.device))
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"GenerateLimits.device must be a torch.device, got {describe(self.device)}") from None
+        check_int(self.logits_vocab, "GenerateLimits.logits_vocab", low=0, hint=" (0 = logits kept elsewhere)")
+        if self.rows_at_once is not None:
+            check_int(self.rows_at_once, "GenerateLimits.rows_at_once", low=1, hint=" or None")
+        if self.min_temperature is not None:
+            check_temperature(self.min_temperature, "GenerateLimits.min_temperature")
 
 
 def check_generate_request(
