@@ -33,8 +33,9 @@ LAYERS: tuple[tuple[str, str, str], ...] = (
      "stream's messages, the plugin registry and the errors. Everything else builds on these."),
     ("Algorithms", "verl_core.algorithms", "Advantage estimators, policy and value losses, KL, aggregation "
      "and the Algorithm bundle."),
-    ("Engine kit", "verl_core.enginekit", "Helpers a backend may use: reproducible sampling, the weight "
-     "stream, precision, retokenization, checkpoints, bring-your-own-model adapters."),
+    ("Engine kit", "verl_core.enginekit", "Helpers a backend may use: the rollout engine facade, "
+     "reproducible sampling, the weight stream, precision, retokenization, checkpoints, "
+     "bring-your-own-model adapters."),
     ("Trainer", "verl_core.trainer", "The run configuration, the Trainer, executors, pipelines, replay "
      "buffers, data and rewards."),
     ("Facade and CLI", "verl_core", "The `verl_core` package (re-exports of the layers) and the `verl` "

@@ -19,6 +19,7 @@ from verl_core.algorithms import (
     TISConfig,
 )
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
+from verl_core.enginekit.rollout_base import EngineAsleepError
 from verl_core.enginekit.weight_stream import apply_weight_stream, stream_weights
 from verl_core.kernel.algorithm import (
     AdvantageEstimator,
@@ -115,6 +116,7 @@ __all__ = [
     "CriticLoss",
     "CriticLossConfig",
     "DType",
+    "EngineAsleepError",
     "EngineSpec",
     "FieldSpec",
     "FunctionReward",

@@ -79,9 +79,6 @@ class HFModelRollout(HFRolloutEngine):
         self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self._vocab_size = vocab
         self._tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, vocab)
-        self._version = 0
-        self._stale = False
-        self._asleep = False
         # the weight-update path's caches (filled on the first update_weights); the decoder's state
         self._weights = None
         self._graphs_error = None

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
-    expand_prompts,
     sample_seed,
     static_prompt_width,
     uniform_table,
@@ -33,10 +33,7 @@ from verl_core.enginekit.sampling import (
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RolloutCapabilities
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import (
-    ConfigError,
-    StaleWeightsError,
-)
+from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import TrainingEngine
@@ -51,7 +48,7 @@ from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
 from verl_hf.rollout_decode import HFStaticDecoder, decode_dynamic, decode_mode, full_attention
-from verl_hf.rollout_request import concat_responses, row_seeds, validate_request
+from verl_hf.rollout_request import concat_responses
 from verl_hf.rollout_weights import (
     apply_stream,
     copy_flat,
@@ -65,7 +62,7 @@ from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_seed"]
 
-class HFRolloutEngine(RolloutEngine):
+class HFRolloutEngine(RolloutEngineBase):
     """A transformers causal LM generating responses with exact log-probs.
 
     Args:
@@ -104,9 +101,6 @@ class HFRolloutEngine(RolloutEngine):
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
-        self._version = 0
-        self._stale = False
-        self._asleep = False
         self._weights: dict[str, Tensor] | None = None
         # Why CUDA-graph capture failed on this engine (it then decodes eagerly), None while it works.
         self._graphs_error: str | None = None
@@ -147,11 +141,6 @@ class HFRolloutEngine(RolloutEngine):
         return self._spec.torch_dtype  # type: ignore[no-any-return]
 
     @property
-    def weight_version(self) -> int:
-        """Version of the weights serving now."""
-        return self._version
-
-    @property
     def model(self) -> Any:
         """The underlying transformers model."""
         return self._model
@@ -167,39 +156,17 @@ class HFRolloutEngine(RolloutEngine):
         return True
 
     # ------------------------------------------------------------------ generation
-    def _validate(self, prompts: TensorBatch, params: SamplingParams) -> None:
-        validate_request(prompts, params, spec=self._spec, vocab_size=self._vocab_size, device=self._device,
-                         rows_at_once=self._options.rollout_batch_size, where="HFRolloutEngine.generate")
+    def _generate_limits(self) -> GenerateLimits:
+        return GenerateLimits(vocab_size=self._vocab_size, device=self._device, logits_vocab=self._vocab_size,
+                              rows_at_once=self._options.rollout_batch_size)
 
-    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
-        """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""
-        if self._stale:
-            raise StaleWeightsError(
-                "HFRolloutEngine.generate: the last weight sync failed part-way, so the weights are "
-                "inconsistent; run a complete update_weights before generating"
-            )
-        if self._asleep:
-            raise ConfigError("HFRolloutEngine.generate: the engine is asleep; call wake() first")
-        self._validate(prompts, params)
-        pad = self._tokenizer.pad_token_id
-        expanded, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
-        size = expanded.batch_size
-        if size == 0:
-            empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)
-            return expanded.update(
-                response_ids=empty, response_mask=empty.bool(), rollout_log_probs=empty.float(),
-                truncated=torch.zeros(0, dtype=torch.bool, device=prompts.device), meta=meta,
-            )
-        work = expanded.to(self._device)
-        seeds = row_seeds(work, params)
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        """Decode the rows ``rollout_batch_size`` at a time (all at once when unset)."""
+        size = rows.batch_size
         step = self._options.rollout_batch_size or size
-        parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-        for start in range(0, size, step):
-            chunk = work.index(slice(start, start + step)).trim()
-            parts.append(self._decode(chunk, seeds[start : start + step], params))
-        ids, mask, log_probs, truncated = concat_responses(parts, pad, prompts.device)
-        return expanded.update(response_ids=ids, response_mask=mask, rollout_log_probs=log_probs,
-                               truncated=truncated, meta=meta)
+        parts = [self._decode(rows.index(slice(start, start + step)).trim(), seeds[start : start + step], params)
+                 for start in range(0, size, step)]
+        return concat_responses(parts, self._tokenizer.pad_token_id, self._device)
 
     def _uniforms(self, seeds: list[int], params: SamplingParams) -> Tensor | None:
         """Every uniform a chunk can use, [rows, max_new_tokens] float64 on the device (None if greedy).
@@ -269,12 +236,10 @@ class HFRolloutEngine(RolloutEngine):
         every chunk is read once, at the commit. Any failure leaves the engine stale rather than
         serving half-applied or non-finite weights.
         """
-        self._stale = True
-        targets = self._targets()
-        flat = self._flat if self._flat is not None and self._flat.intact(targets) else None
-
-        self._version = apply_stream(stream, targets, self._expected, flat, tied=self._tied)
-        self._stale = False
+        with self._writing_weights():
+            targets = self._targets()
+            flat = self._flat if self._flat is not None and self._flat.intact(targets) else None
+            self._commit_weights(apply_stream(stream, targets, self._expected, flat, tied=self._tied))
 
     def _load_local(self, state: Mapping[str, Tensor], *, version: int) -> int:
         """Copy same-device, same-dtype tensors by name into the parameters (the direct path).
@@ -289,10 +254,9 @@ class HFRolloutEngine(RolloutEngine):
         Raises:
             WeightSyncError: a tensor is missing, mis-shaped, of another dtype or not finite.
         """
-        self._stale = True
-        moved = copy_state(state, self._targets(), self._expected, tied=self._tied)
-        self._version = version
-        self._stale = False
+        with self._writing_weights():
+            moved = copy_state(state, self._targets(), self._expected, tied=self._tied)
+            self._commit_weights(version)
         return moved
 
     def _load_flat(self, actor: Any, *, version: int) -> int | None:
@@ -312,11 +276,10 @@ class HFRolloutEngine(RolloutEngine):
         flat = self._flat
         if source is None or flat is None or not same_flat_layout(source, flat):
             return None
-        self._stale = True
-        moved = copy_flat(source, flat, actor._live_state(), self._targets())
-        if moved is not None:
-            self._version = version
-            self._stale = False
+        with self._writing_weights():
+            moved = copy_flat(source, flat, actor._live_state(), self._targets())
+            if moved is not None:
+                self._commit_weights(version)
         return moved
 
     # ------------------------------------------------------------------ memory
@@ -347,6 +310,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the model."""
+        self._closed = True
         self._compiled = None
         self._weights = None
         self._decoders.clear()

@@ -140,8 +140,6 @@ class MegatronModelRollout(MegatronRolloutEngine):
         self._decoders = StaticDecoders()
         self._graphs_error = None
         self._compiled = None
-        self._version = 0
-        self._stale = False
         self._user_generates = isinstance(built, GeneratesTokens)
 
     @staticmethod

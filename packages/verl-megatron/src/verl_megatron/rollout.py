@@ -29,11 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from verl_core import (
-    BatchValidationError,
     ConfigError,
     EngineSpec,
     RolloutCapabilities,
-    RolloutEngine,
     SamplingParams,
     StaleWeightsError,
     TensorBatch,
@@ -43,12 +41,10 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
-from verl_core.enginekit.memory import check_generate_memory
+from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
-    expand_prompts,
-    sample_seed,
     static_prompt_width,
     uniform_table,
 )
@@ -64,7 +60,7 @@ from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
 
 
-class MegatronRolloutEngine(RolloutEngine):
+class MegatronRolloutEngine(RolloutEngineBase):
     """Generates responses with a megatron-core GPTModel under tensor parallelism (pp must be 1).
 
     Every rank of the group builds the engine with the same spec and calls ``generate`` with the
@@ -122,8 +118,6 @@ class MegatronRolloutEngine(RolloutEngine):
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see eager_decode.cached_logits)
         self._tokenizer: Tokenizer = load_tokenizer(spec.model_path)
-        self._version = 0
-        self._stale = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -146,67 +140,23 @@ class MegatronRolloutEngine(RolloutEngine):
         """The model's parameter dtype (weight streams arrive in it)."""
         return self._dtype
 
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights serving now."""
-        return self._version
-
     def log_probs_exact(self, params: SamplingParams) -> bool:
         """Always True: log-probs are taken before truncation at the sampling temperature."""
         return True
 
     # ------------------------------------------------------------------ generation
-    def _validate(self, prompts: TensorBatch, params: SamplingParams) -> None:
-        where = "MegatronRolloutEngine.generate"
-        prompts.require("prompt_ids", "prompt_mask", "group_ids", where=where)
-        TensorBatch(dict(prompts.items()), prompts.extras, prompts.meta, batch_size=prompts.batch_size)
-        prompts.check(where=where, vocab_size=self.dims.vocab_size)
-        lengths = prompts["prompt_mask"].sum(1)
-        if prompts.batch_size and bool((lengths == 0).any()):
-            row = int((lengths == 0).nonzero()[0])
-            raise BatchValidationError(f"{where}: prompt {row} is empty; every prompt needs at least one token")
-        if prompts.batch_size and int(lengths.max()) > self._spec.max_prompt_len:
-            raise BatchValidationError(
-                f"{where}: longest prompt has {int(lengths.max())} tokens, more than max_prompt_len="
-                f"{self._spec.max_prompt_len}; raise it in the EngineSpec or shorten the prompts"
-            )
-        if params.max_new_tokens > self._spec.max_response_len:
-            raise ConfigError(
-                f"{where}: max_new_tokens={params.max_new_tokens} exceeds max_response_len="
-                f"{self._spec.max_response_len}; lower it or raise max_response_len"
-            )
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.dims.vocab_size]
-        if bad:
-            raise ConfigError(f"{where}: stop token ids {bad} are outside the vocabulary [0, {self.dims.vocab_size})")
-        check_generate_memory(prompts, params, device=self._device, vocab_size=self.dims.vocab_size, where=where,
-                              group=self._tp_group)
+    def _generate_limits(self) -> GenerateLimits:
+        return GenerateLimits(vocab_size=self.dims.vocab_size, device=self._device,
+                              logits_vocab=self.dims.vocab_size, group=self._tp_group)
 
-    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
-        """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`)."""
-        if self._stale:
-            raise StaleWeightsError(
-                "MegatronRolloutEngine.generate: the last weight sync failed part-way; run a complete "
-                "update_weights before generating"
-            )
-        self._validate(prompts, params)
-        pad = self._tokenizer.pad_token_id
-        expanded, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=self._version)
-        if expanded.batch_size == 0:
-            empty = torch.zeros(0, 0, dtype=torch.int64, device=prompts.device)
-            return expanded.update(response_ids=empty, response_mask=empty.bool(), rollout_log_probs=empty.float(),
-                                   truncated=torch.zeros(0, dtype=torch.bool, device=prompts.device), meta=meta)
-        seed = params.seed
-        if seed is None:
-            # One draw shared by all ranks, so TP ranks sample the same tokens.
-            s = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(self._device)  # NCCL needs a device tensor
-            dist.broadcast(s, src=0)
-            seed = int(s)
-        seeds = [sample_seed(seed, int(g), int(i))
-                 for g, i in zip(expanded["group_ids"].tolist(), expanded["sample_index"].tolist(), strict=True)]
-        ids, mask, lps, truncated = self._decode(expanded.trim(), seeds, params)
-        dev = prompts.device
-        return expanded.update(response_ids=ids.to(dev), response_mask=mask.to(dev),
-                               rollout_log_probs=lps.to(dev), truncated=truncated.to(dev), meta=meta)
+    def _call_seed(self) -> int:
+        """One draw shared by all ranks, so TP ranks sample the same tokens."""
+        s = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(self._device)  # NCCL needs a device tensor
+        dist.broadcast(s, src=0)
+        return int(s)
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        return self._decode(rows.trim(), seeds, params)
 
     @torch.no_grad()
     def _decode(self, batch: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -267,28 +217,27 @@ class MegatronRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
         """Apply a weight stream in transformers naming; on failure the engine stays stale."""
-        self._stale = True
-        params = dict(self.model.named_parameters())
-        pending = {name: set(self.adapter.to_hf_tensor(name, None)) for name in self.adapter.megatron_names()}
-        received: dict[str, Tensor] = {}
+        with self._writing_weights():
+            params = dict(self.model.named_parameters())
+            pending = {name: set(self.adapter.to_hf_tensor(name, None)) for name in self.adapter.megatron_names()}
+            received: dict[str, Tensor] = {}
 
-        def apply(chunk: list[tuple[str, Tensor]]) -> None:
-            received.update(chunk)
-            with torch.no_grad():
-                for name in [n for n, srcs in pending.items() if srcs <= received.keys()]:
-                    full = self.adapter.from_hf_tensor(name, received)
-                    shard = self.adapter.shard(name, full, self.tp_rank, self.tp)
-                    params[name].copy_(shard.to(device=params[name].device, dtype=params[name].dtype))
-                    for src in pending.pop(name):
-                        received.pop(src, None)
+            def apply(chunk: list[tuple[str, Tensor]]) -> None:
+                received.update(chunk)
+                with torch.no_grad():
+                    for name in [n for n, srcs in pending.items() if srcs <= received.keys()]:
+                        full = self.adapter.from_hf_tensor(name, received)
+                        shard = self.adapter.shard(name, full, self.tp_rank, self.tp)
+                        params[name].copy_(shard.to(device=params[name].device, dtype=params[name].dtype))
+                        for src in pending.pop(name):
+                            received.pop(src, None)
 
-        expected = {n: TensorInfo(s, self._dtype) for n, s in self.adapter.hf_shapes().items()}
-        optional = frozenset({"lm_head.weight"}) if self.dims.tied else frozenset()
-        manifest = apply_weight_stream(stream, expected, apply, optional=optional)
-        if pending:
-            raise StaleWeightsError(f"weight stream left Megatron tensors unset: {sorted(pending)[:3]}")
-        self._version = manifest.version
-        self._stale = False
+            expected = {n: TensorInfo(s, self._dtype) for n, s in self.adapter.hf_shapes().items()}
+            optional = frozenset({"lm_head.weight"}) if self.dims.tied else frozenset()
+            manifest = apply_weight_stream(stream, expected, apply, optional=optional)
+            if pending:
+                raise StaleWeightsError(f"weight stream left Megatron tensors unset: {sorted(pending)[:3]}")
+            self._commit_weights(manifest.version)
 
     def shard_parameters(self) -> dict[str, Tensor]:
         """This rank's parameters by Megatron global name (pp = 1: the model's own names)."""
@@ -296,15 +245,15 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def begin_weight_update(self) -> None:
         """Mark the engine stale before its parameters are written in place (direct weight sync)."""
-        self._stale = True
+        self._mark_stale("a weight sync is in progress")
 
     def commit_weight_update(self, version: int) -> None:
         """Serve the parameters written since :meth:`begin_weight_update` as ``version``."""
-        self._version = version
-        self._stale = False
+        self._commit_weights(version)
 
     def close(self) -> None:
         """Drop the model."""
+        self._closed = True
         self._decoders.clear()
         self._compiled = None
         self.model = None

@@ -1,16 +1,16 @@
-"""The vLLM rollout engine's requests: prompt checks, vLLM sampling parameters, one request per
-prompt or per seeded sample, and the response fields assembled from vLLM's completions."""
+"""The vLLM rollout engine's requests: vLLM sampling parameters, one request per prompt or per
+seeded sample, and the response fields of vLLM's completions."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from verl_core import BatchValidationError, EngineSpec, SamplingParams, TensorBatch, VerlError
-from verl_core.enginekit.sampling import expand_prompts
+from verl_core import SamplingParams, TensorBatch, VerlError
+from verl_core.enginekit.rollout_base import Responses
 from verl_vllm._import import import_vllm
 
 import_vllm()
@@ -18,9 +18,7 @@ import_vllm()
 from vllm import SamplingParams as VllmSamplingParams  # noqa: E402  (after the import check)
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-__all__ = ["assemble", "build_requests", "prompt_token_lists", "sample_seed", "vllm_params"]
-
-WHERE = "VllmRolloutEngine.generate"
+__all__ = ["build_requests", "prompt_token_lists", "responses", "sample_seed", "vllm_params"]
 
 
 def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
@@ -50,58 +48,34 @@ def vllm_params(params: SamplingParams, *, n: int, seed: int | None) -> Any:
     )
 
 
-def prompt_token_lists(prompts: TensorBatch, spec: EngineSpec, vocab_size: int) -> list[list[int]]:
-    """Each prompt's token ids without its left padding, after checking the batch.
-
-    Raises:
-        BatchValidationError: the batch is malformed, or a prompt is empty or longer than
-            ``spec.max_prompt_len``.
-    """
-    prompts.require("prompt_ids", "prompt_mask", "group_ids", where=WHERE)
-    prompts.check(where=WHERE, vocab_size=vocab_size)
-    lengths = prompts["prompt_mask"].sum(1)
-    if prompts.batch_size and int(lengths.min()) == 0:
-        row = int((lengths == 0).nonzero()[0])
-        raise BatchValidationError(
-            f"{WHERE}: prompt of sample {row} is empty (prompt_mask all False); vLLM needs at "
-            "least one prompt token"
-        )
-    if prompts.batch_size and int(lengths.max()) > spec.max_prompt_len:
-        row = int(lengths.argmax())
-        raise BatchValidationError(
-            f"{WHERE}: prompt of sample {row} has {int(lengths[row])} tokens, more than "
-            f"EngineSpec.max_prompt_len={spec.max_prompt_len}; shorten it or raise the limit"
-        )
-    ids = prompts["prompt_ids"].cpu()
+def prompt_token_lists(rows: TensorBatch) -> list[list[int]]:
+    """Each row's prompt token ids without its left padding (the rows were validated by ``generate``)."""
+    lengths = rows["prompt_mask"].sum(1).tolist()
+    ids = rows["prompt_ids"].cpu()
     width = ids.shape[1]
     # Left padding: the real tokens are the last `length` columns (check() proved contiguity).
-    return [ids[i, width - int(lengths[i]) :].tolist() for i in range(prompts.batch_size)]
+    return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
 
 
-def build_requests(token_lists: list[list[int]], group_ids: list[int],
-                   params: SamplingParams) -> tuple[list[Any], list[Any]]:
-    """The vLLM prompts and their sampling parameters: one request per prompt with ``n`` samples,
-    or one per sample when seeded (each seeded by :func:`sample_seed`) or greedy."""
-    n = params.n
-    requests: list[Any] = []
-    sampling: list[Any] = []
+def build_requests(rows: TensorBatch, params: SamplingParams, seeds: Sequence[int]) -> tuple[list[Any], list[Any]]:
+    """The vLLM prompts and their sampling parameters for the rows of a generate call.
+
+    One request per sample when seeded (seeded by ``seeds``, one per row) or greedy; otherwise one
+    request per prompt (the first of each run of ``n`` adjacent rows) with ``n`` samples.
+    """
     # vLLM refuses n > 1 for greedy requests, and a seeded sample needs its own request.
-    one_per_sample = params.seed is not None or params.greedy
-    for ids, gid in zip(token_lists, group_ids, strict=True):
-        if not one_per_sample:
-            requests.append(TokensPrompt(prompt_token_ids=ids))
-            sampling.append(vllm_params(params, n=n, seed=None))
-            continue
-        for j in range(n):
-            seed = None if params.seed is None else sample_seed(params.seed, group_id=gid, sample_index=j)
-            requests.append(TokensPrompt(prompt_token_ids=ids))
-            sampling.append(vllm_params(params, n=1, seed=seed))
-    return requests, sampling
+    if seeds or params.greedy:
+        row_seeds: Sequence[int | None] = seeds if seeds else [None] * rows.batch_size
+        lists = prompt_token_lists(rows)
+        return ([TokensPrompt(prompt_token_ids=ids) for ids in lists],
+                [vllm_params(params, n=1, seed=seed) for seed in row_seeds])
+    firsts = prompt_token_lists(rows.index(torch.arange(0, rows.batch_size, params.n)))
+    return ([TokensPrompt(prompt_token_ids=ids) for ids in firsts],
+            [vllm_params(params, n=params.n, seed=None) for _ in firsts])
 
 
-def assemble(prompts: TensorBatch, params: SamplingParams, completions: list[Any], *, pad: int,
-             weight_version: int) -> TensorBatch:
-    """The expanded prompts with the response fields of vLLM's completions (one per sample, in order).
+def responses(completions: list[Any], *, pad: int) -> Responses:
+    """The response fields of vLLM's completions (one per sample, in order), on the host.
 
     Raises:
         VerlError: a completion does not carry one log-prob per token.
@@ -128,12 +102,4 @@ def assemble(prompts: TensorBatch, params: SamplingParams, completions: list[Any
                 dtype=torch.float32,
             )
         truncated[r] = c.finish_reason == "length"
-    base, meta = expand_prompts(prompts, params, pad_token_id=pad, weight_version=weight_version)
-    device = prompts.device
-    fields: dict[str, Tensor] = {
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-        "rollout_log_probs": log_probs,
-        "truncated": truncated,
-    }
-    return base.update({k: v.to(device) for k, v in fields.items()}, meta=meta)
+    return response_ids, response_mask, log_probs, truncated

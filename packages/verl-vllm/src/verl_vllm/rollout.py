@@ -27,11 +27,10 @@ from torch import Tensor
 
 from verl_core import (
     ConfigError,
+    EngineAsleepError,
     EngineSpec,
     RolloutCapabilities,
-    RolloutEngine,
     SamplingParams,
-    StaleWeightsError,
     TensorBatch,
     VerlError,
     WeightManifest,
@@ -40,8 +39,7 @@ from verl_core import (
     apply_weight_stream,
 )
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
-from verl_core.enginekit.memory import check_generate_memory
-from verl_core.kernel.schema import check_temperature
+from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_vllm._import import import_vllm
 from verl_vllm.config import VllmRolloutConfig
 from verl_vllm.model_files import ModelFiles, read_model_files
@@ -55,7 +53,7 @@ from verl_vllm.llm_process import (  # noqa: E402  (after the import check, whic
     shutdown_llm,
     start_llm,
 )
-from verl_vllm.requests import assemble, build_requests, prompt_token_lists, sample_seed  # noqa: E402
+from verl_vllm.requests import build_requests, responses, sample_seed  # noqa: E402
 
 __all__ = ["EngineAsleepError", "VllmRolloutEngine", "build_rollout_engine", "sample_seed"]
 
@@ -66,10 +64,6 @@ _OPEN_ENGINES: set[int] = set()
 state, which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`)."""
 
 
-class EngineAsleepError(VerlError, RuntimeError):
-    """The rollout engine was asked to work while asleep."""
-
-
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
     """Factory of the ``vllm`` backend's rollout role (options validated by VllmRolloutConfig)."""
     from verl_core.kernel.registry import parse_options
@@ -78,7 +72,7 @@ def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
     return VllmRolloutEngine(spec, config)
 
 
-class VllmRolloutEngine(RolloutEngine):
+class VllmRolloutEngine(RolloutEngineBase):
     """A RolloutEngine over an in-process ``vllm.LLM``.
 
     Args:
@@ -112,10 +106,6 @@ class VllmRolloutEngine(RolloutEngine):
         self._on_gpu = check_platform(spec.device)
         self._llm = start_llm(spec, self._config, on_gpu=self._on_gpu, max_model_len=max_model_len)
         self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
-        self._version = 0
-        self._stale_reason: str | None = None
-        self._asleep = False
-        self._closed = False
         self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu)
         _OPEN_ENGINES.add(id(self))
         self.last_sync_seconds: Mapping[str, float] = {}
@@ -148,16 +138,6 @@ class VllmRolloutEngine(RolloutEngine):
         return self._spec.torch_dtype  # type: ignore[no-any-return]
 
     @property
-    def weight_version(self) -> int:
-        """Version of the weights serving now (0 = as loaded from the folder)."""
-        return self._version
-
-    @property
-    def stale(self) -> bool:
-        """True after a failed weight sync, until a complete one succeeds."""
-        return self._stale_reason is not None
-
-    @property
     def llm(self) -> Any:
         """The underlying ``vllm.LLM`` (for inspection; generation goes through :meth:`generate`)."""
         return self._llm
@@ -176,54 +156,37 @@ class VllmRolloutEngine(RolloutEngine):
             return False
         return self._config.logprobs_mode == "processed_logprobs" or params.temperature == 1.0
 
-    def _check_ready(self, what: str) -> None:
-        if self._closed:
-            raise VerlError(f"{what}: the vllm rollout engine was closed; build a new one")
-        if self._asleep:
-            raise EngineAsleepError(f"{what}: the vllm rollout engine is asleep; call wake() first")
+    def _generate_limits(self) -> GenerateLimits:
+        # Outputs land on the host, and vLLM keeps its logits to itself.
+        return GenerateLimits(vocab_size=self._tokenizer.vocab_size, device=torch.device("cpu"),
+                              min_temperature=_MIN_TEMPERATURE,
+                              temperature_reason="vLLM silently raises lower ones to 0.01")
 
-    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
-        """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`).
+    def _sample_seeds(self, rows: TensorBatch, params: SamplingParams) -> list[int]:
+        """Each row's request seed from :func:`sample_seed`; none when unseeded (vLLM's own state)."""
+        if params.seed is None:
+            return []
+        return [sample_seed(params.seed, group_id=g, sample_index=i)
+                for g, i in zip(rows["group_ids"].tolist(), rows["sample_index"].tolist(), strict=True)]
 
-        Prompts are sent as token ids (left padding stripped, never re-tokenised). With a seed,
-        every sample is its own request seeded by :func:`sample_seed`, so samples do not depend on
-        batch order; without one, vLLM samples the ``n`` responses of a prompt in one request
-        (greedy: one request per sample, as vLLM refuses n > 1 for greedy requests).
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        """Send the rows to vLLM as token ids (left padding stripped, never re-tokenised).
 
-        Raises:
-            StaleWeightsError: the last weight sync failed and no complete one followed.
-            EngineAsleepError: :meth:`sleep` was called without :meth:`wake`.
-            BatchValidationError: the prompts are malformed, empty or longer than max_prompt_len.
-            ConfigError: ``max_new_tokens`` exceeds ``max_response_len`` or T is below 0.01.
+        With a seed, every sample is its own request seeded by :func:`sample_seed`, so samples do
+        not depend on batch order; without one, vLLM samples the ``n`` responses of a prompt in one
+        request (greedy: one request per sample, as vLLM refuses n > 1 for greedy requests).
         """
-        self._check_ready("generate")
-        if self._stale_reason is not None:
-            raise StaleWeightsError(
-                f"the vllm rollout engine holds incomplete weights: the last weight sync failed "
-                f"({self._stale_reason}). Run a complete update_weights() before generating"
-            )
-        if params.max_new_tokens > self._spec.max_response_len:
-            raise ConfigError(
-                f"SamplingParams.max_new_tokens={params.max_new_tokens} exceeds "
-                f"EngineSpec.max_response_len={self._spec.max_response_len}"
-            )
-        if not params.greedy:
-            check_temperature(params.temperature, floor=_MIN_TEMPERATURE, reason="vLLM silently raises lower ones to 0.01")
-        token_lists = prompt_token_lists(prompts, self._spec, self._tokenizer.vocab_size)
-        check_generate_memory(prompts, params, device="cpu", where="VllmRolloutEngine.generate")  # outputs land on the host
-        n = params.n
-        requests, sampling = build_requests(token_lists, prompts["group_ids"].tolist(), params)
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        requests, sampling = build_requests(rows, params, seeds)
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         completions: list[Any] = []
         for out in outputs:
             completions.extend(sorted(out.outputs, key=lambda c: c.index))
-        if len(completions) != prompts.batch_size * n:
+        if len(completions) != rows.batch_size:
             raise VerlError(
-                f"vLLM returned {len(completions)} completions for {prompts.batch_size} prompts x "
-                f"n={n}; expected {prompts.batch_size * n}"
+                f"vLLM returned {len(completions)} completions for {rows.batch_size // params.n} prompts x "
+                f"n={params.n}; expected {rows.batch_size}"
             )
-        return assemble(prompts, params, completions, pad=self._tokenizer.pad_token_id,
-                        weight_version=self._version)
+        return responses(completions, pad=self._tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------ weights
     def _check_manifest(self, stream: Iterable[WeightMessage]) -> Iterator[WeightMessage]:
@@ -250,47 +213,37 @@ class VllmRolloutEngine(RolloutEngine):
             WeightSyncError: the stream is malformed or incomplete, or vLLM failed to load a chunk.
         """
         self._check_ready("update_weights")
-        self._stale_reason = "a weight sync is in progress"
         t0 = time.perf_counter()
         try:
-            manifest = apply_weight_stream(
-                self._check_manifest(stream),
-                self._files.tensors,
-                self._reload,
-                optional=self._files.optional,
-            )
-        except WeightSyncError as e:
-            self._fail(str(e))
-            raise
-        except Exception as e:
-            self._fail(f"{type(e).__name__}: {e}")
-            raise WeightSyncError(
-                f"weight sync failed part-way ({type(e).__name__}: {e}); the engine is stale until a "
-                "complete update_weights() succeeds"
-            ) from e
-        except BaseException:
-            self._fail("interrupted")
-            raise
-        if self._files.tied_embeddings:
-            try:
-                self._llm.collective_rpc(refresh_tied_lm_head)
-            except Exception as e:
-                self._fail(f"re-packing the tied lm_head failed: {type(e).__name__}: {e}")
+            with self._writing_weights():
+                manifest = apply_weight_stream(
+                    self._check_manifest(stream),
+                    self._files.tensors,
+                    self._reload,
+                    optional=self._files.optional,
+                )
+                if self._files.tied_embeddings:
+                    try:
+                        self._llm.collective_rpc(refresh_tied_lm_head)
+                    except Exception as e:
+                        raise WeightSyncError(
+                            f"weights loaded but re-packing the tied lm_head failed ({type(e).__name__}: {e}); "
+                            "the engine is stale until a complete update_weights() succeeds"
+                        ) from e
+                t1 = time.perf_counter()
+                self._llm.reset_prefix_cache()
+                self.last_sync_seconds = {"receive_apply": t1 - t0, "reset_cache": time.perf_counter() - t1}
+                self._commit_weights(manifest.version)
+        except BaseException as e:
+            # Already stale; a failure here changes nothing the next complete sync does not redo.
+            with contextlib.suppress(Exception):
+                self._llm.reset_prefix_cache()
+            if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
                 raise WeightSyncError(
-                    f"weights loaded but re-packing the tied lm_head failed ({type(e).__name__}: {e}); "
-                    "the engine is stale until a complete update_weights() succeeds"
+                    f"weight sync failed part-way ({type(e).__name__}: {e}); the engine is stale until a "
+                    "complete update_weights() succeeds"
                 ) from e
-        t1 = time.perf_counter()
-        self._llm.reset_prefix_cache()
-        self.last_sync_seconds = {"receive_apply": t1 - t0, "reset_cache": time.perf_counter() - t1}
-        self._version = manifest.version
-        self._stale_reason = None
-
-    def _fail(self, reason: str) -> None:
-        self._stale_reason = reason
-        # Already stale; a failure here changes nothing the next complete sync does not redo.
-        with contextlib.suppress(Exception):
-            self._llm.reset_prefix_cache()
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
@@ -303,7 +256,7 @@ class VllmRolloutEngine(RolloutEngine):
         if self._on_gpu:
             self._llm.sleep(level=self._config.sleep_level)
             if self._config.sleep_level == 2:
-                self._stale_reason = "sleep(level=2) discarded the weights"
+                self._mark_stale("sleep(level=2) discarded the weights")
         else:
             self._llm.sleep(level=0)
         self._asleep = True
