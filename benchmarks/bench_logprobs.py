@@ -16,7 +16,7 @@ same computation in float64.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before each measurement, after returning freed
-memory to the OS), since torch's CPU allocator keeps no statistics and ``tracemalloc`` does not see
+memory to the OS; the median of three), since torch's CPU allocator keeps no statistics and ``tracemalloc`` does not see
 tensor memory.
 
 Usage::
@@ -188,10 +188,13 @@ def main() -> None:
             del out
     mem = Memory(device)  # after the timings: on CPU it changes how memory is allocated
     for key, fn in runs.items():
-        base = mem.start()
-        out = fn()
-        peaks[key] = mem.peak(base)
-        del out
+        measured = []
+        for _ in range(3):  # the median: a page or an arena of the C allocator can shift one reading
+            base = mem.start()
+            out = fn()
+            measured.append(mem.peak(base))
+            del out
+        peaks[key] = statistics.median(measured)
 
     tokens = batch * seq
     gpu = f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({torch.get_num_threads()} threads)"

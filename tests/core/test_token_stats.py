@@ -61,6 +61,24 @@ def test_values_equal_the_reference_bit_for_bit_and_gradients_match(
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
 
 
+@pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+def test_gradients_stay_float32_accurate_for_peaked_distributions(scale: float) -> None:
+    """Logits in the thousands: the backward must not lose the log-sum-exp's low bits."""
+    logits, targets = inputs((8, 4), 200, torch.float64)
+    logits = logits * scale
+    w_lp, w_ent = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    x64 = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(x64 / 0.5, -1)
+    lp64, ent64 = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    ((lp64 * w_lp).sum() + (ent64 * w_ent).sum()).backward()
+    x = logits.float().requires_grad_(True)
+    lp, ent = token_log_probs(x, targets, temperature=0.5, entropy=True, chunk_tokens=5)
+    assert ent is not None
+    ((lp * w_lp.float()).sum() + (ent * w_ent.float()).sum()).backward()
+    assert x.grad is not None and x64.grad is not None
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("which", ["log_probs", "entropy"])
 def test_a_gradient_through_one_output_only_matches_the_reference(which: str) -> None:
     logits, targets = inputs((4, 3), 11, torch.float32)

@@ -5,9 +5,9 @@ It gives the numbers of the reference, ``tempered_log_probs(logits, T)`` gathere
 and ``-(exp(logp) * logp).sum(-1)``, bit for bit (the same float32 operations, row by row), but
 works through the tokens in chunks: no float32 ``[tokens, vocab]`` tensor larger than one chunk
 exists at any time, in the forward or the backward. The backward recomputes each chunk's
-log-softmax from the logits (which the model's graph holds anyway) and writes the gradient
-straight into a tensor of the logits' dtype; besides the logits it keeps the targets and the
-entropy.
+log-softmax from the logits (which the model's graph holds anyway) and two saved floats per
+token, and writes the gradient straight into a tensor of the logits' dtype; besides the logits it
+keeps the targets, those floats and the entropy.
 
 The reference keeps two float32 ``[tokens, vocab]`` tensors from the forward until the backward
 (the log-softmax and, for the entropy, its exponential) and makes more in both passes: at 8192
@@ -151,14 +151,22 @@ class _TokenLogProbs(torch.autograd.Function):
         lp = torch.empty(lead, dtype=dtype, device=logits.device)
         ent = torch.empty(lead if entropy else (0,), dtype=dtype, device=logits.device)
         flat_lp, flat_ent = lp.view(-1), ent.view(-1)
+        # per token: max z and log sum exp(z - max z), so the backward gets logp back as log_softmax
+        # computes it, (z - max) - log sum, in two subtractions instead of a log-softmax
+        z_max = torch.empty(flat_targets.shape, dtype=dtype, device=logits.device)
+        log_sum = torch.empty_like(z_max)
         for a, b, pieces in _chunks(_row_views(logits), chunk_tokens):
-            logp = torch.log_softmax(_scaled(pieces, temperature, dtype), -1)
+            z = _scaled(pieces, temperature, dtype)
+            torch.amax(z, -1, keepdim=True, out=z_max[a:b])
+            logp = torch.log_softmax(z, -1)
+            del z  # one chunk-sized temporary fewer below
+            torch.neg(logp.amax(-1, keepdim=True), out=log_sum[a:b])  # logp at the max is 0 - log sum
             flat_lp[a:b] = logp.gather(-1, flat_targets[a:b]).squeeze(-1)
             if entropy:
                 flat_ent[a:b] = -(logp.exp() * logp).sum(-1)
         ctx.set_materialize_grads(False)
         # the backward's own copy of the entropy, which an in-place edit of the output leaves intact
-        ctx.save_for_backward(logits, flat_targets, flat_ent.clone())
+        ctx.save_for_backward(logits, flat_targets, z_max, log_sum, flat_ent.clone())
         ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
         if entropy:
             return lp, ent
@@ -167,29 +175,28 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None, None, None]:
-        logits, flat_targets, ent = ctx.saved_tensors
+        logits, flat_targets, z_max, log_sum, ent = ctx.saved_tensors
         g_lp = grads[0]
         g_ent = grads[1] if ctx.entropy else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
         temperature: float = ctx.temperature
         dtype = _compute_dtype(logits.dtype)
-        # d logp_t / dz = onehot(t) - p;  d H / dz = -p * (logp + H);  z = logits / T
+        # z = logits / T;  d logp_t / dz = onehot(t) - p;  d H / dz = -p * (logp + H)
         lp_coef = None if g_lp is None else g_lp.reshape(-1, 1).to(dtype) / temperature
         ent_coef = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype) / temperature
+        # -p * (lp_coef + ent_coef * (logp + H)) = p * (logp * -ent_coef - shift)
+        shift = None if ent_coef is None else ent_coef * ent.unsqueeze(-1) + (0.0 if lp_coef is None else lp_coef)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(-1, logits.shape[-1])
         for a, b, pieces in _chunks(_row_views(logits), ctx.chunk_tokens):
-            logp = torch.log_softmax(_scaled(pieces, temperature, dtype), -1)
-            g = logp.exp()  # p, turned into the gradient in place
-            if ent_coef is None:
+            logp = (_scaled(pieces, temperature, dtype) - z_max[a:b]).sub_(log_sum[a:b])
+            p = logp.exp()
+            if ent_coef is None or shift is None:
                 assert lp_coef is not None
-                g.mul_(-lp_coef[a:b])
+                g = p.mul_(-lp_coef[a:b])
             else:
-                shift = ent_coef[a:b] * ent[a:b].unsqueeze(-1)
-                if lp_coef is not None:
-                    shift = shift + lp_coef[a:b]
-                g.mul_(torch.addcmul(shift, logp, ent_coef[a:b]).neg_())
+                g = logp.mul_(-ent_coef[a:b]).sub_(shift[a:b]).mul_(p)
             if lp_coef is not None:
                 g.scatter_add_(-1, flat_targets[a:b], lp_coef[a:b])
             flat_grad[a:b] = g
