@@ -137,8 +137,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--no-entropy", action="store_true", help="log-probs only")
-    ap.add_argument("--chunks", default="auto,64,512",
-                    help="chunk sizes in tokens to time, comma-separated; 'auto' is the default size")
+    ap.add_argument("--chunks", default=None,
+                    help="chunk sizes in tokens to time, comma-separated; 'auto' is the default size "
+                         "(default: auto,64,512 on cpu, auto,128,2048 on cuda)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
@@ -148,14 +149,14 @@ def main() -> None:
     seq = args.seq or (1024 if cuda else 256)
     dtype = getattr(torch, args.dtype)
     entropy = not args.no_entropy
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(batch, seq, args.vocab, generator=g) * 3).to(dtype).to(device)
-    targets = torch.randint(0, args.vocab, (batch, seq), generator=g).to(device)
-    w = torch.randn(batch, seq, generator=g).to(device)
+    g = torch.Generator(device).manual_seed(0)
+    logits = (torch.randn(batch, seq, args.vocab, generator=g, device=device) * 3).to(dtype)
+    targets = torch.randint(0, args.vocab, (batch, seq), generator=g, device=device)
+    w = torch.randn(batch, seq, generator=g, device=device)
     temperature = args.temperature
 
     impls: dict[str, Impl] = {"reference": reference}
-    for c in args.chunks.split(","):
+    for c in (args.chunks or ("auto,128,2048" if cuda else "auto,64,512")).split(","):
         size = None if c == "auto" else int(c)
         shown = default_chunk_tokens(args.vocab, device) if size is None else size
         impls[f"chunked {shown}" + (" (default)" if size is None else "")] = chunked(size)
