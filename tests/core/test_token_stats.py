@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from verl_core import BatchValidationError, ConfigError
 from verl_core.enginekit.sampling import tempered_log_probs
@@ -152,3 +155,35 @@ def test_bad_inputs_get_one_clear_error() -> None:
         token_log_probs(logits, targets, temperature=0.0)
     with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 1, got 0"):
         token_log_probs(logits, targets, chunk_tokens=0)
+
+
+class LargestFloat32(TorchDispatchMode):
+    """Records the largest float32 tensor any operation creates (the backward's operations too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_no_float32_tensor_is_larger_than_one_chunk(entropy: bool) -> None:
+    logits, targets = inputs((4, 10), 50, torch.bfloat16)
+    full = logits[:, :9]  # a strided slice, as the engines pass it
+    targets = targets[:, :9]
+
+    def run(fn: Any) -> int:
+        x = full.clone().requires_grad_(True)
+        with LargestFloat32() as mode:
+            lp, ent = fn(x)
+            (lp.sum() + (ent.sum() if ent is not None else 0)).backward()
+        return mode.largest
+
+    assert run(lambda x: reference(x, targets, 0.7)) == 36 * 50  # the check sees the reference's tensors
+    assert run(lambda x: token_log_probs(x, targets, temperature=0.7, entropy=entropy, chunk_tokens=5)) <= 5 * 50
