@@ -1,15 +1,15 @@
 """Per-token log-probs and entropy of ``softmax(logits / T)`` without a float32 copy of all the logits.
 
 :func:`token_log_probs` is what every training engine that produces full-vocabulary logits calls.
-It gives the numbers of the reference, ``tempered_log_probs(logits, T)`` gathered at the targets
-and ``-(exp(logp) * logp).sum(-1)``, bit for bit (the same float32 operations, row by row), but
-works through the tokens in chunks: no float32 ``[tokens, vocab]`` tensor larger than one chunk
+It gives the numbers of the whole-tensor computation, ``tempered_log_probs(logits, T)`` gathered
+at the targets and ``-(exp(logp) * logp).sum(-1)``, bit for bit (the same float32 operations, row
+by row), but works through the tokens in chunks: no float32 ``[tokens, vocab]`` tensor larger than one chunk
 exists at any time, in the forward or the backward. The backward recomputes each chunk's
 log-softmax from the logits (which the model's graph holds anyway) and two saved floats per
 token, and writes the gradient straight into a tensor of the logits' dtype; besides the logits it
 keeps the targets, those floats and the entropy.
 
-The reference keeps two float32 ``[tokens, vocab]`` tensors from the forward until the backward
+That computation keeps two float32 ``[tokens, vocab]`` tensors from the forward until the backward
 (the log-softmax and, for the entropy, its exponential) and makes more in both passes: at 8192
 tokens and a 150k vocabulary each is 5 GB.
 """
