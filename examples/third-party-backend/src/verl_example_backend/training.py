@@ -29,7 +29,7 @@ from verl_core import (
     parse_options,
     stream_weights,
 )
-from verl_core.enginekit.sampling import tempered_log_probs
+from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_example_backend.inputs import validate
 from verl_example_backend.model import DecoderLM, load_model
@@ -58,12 +58,13 @@ def token_outputs(
     if "values" in outputs:
         out["values"] = model.values(hidden).float().masked_fill(~rmask, 0.0)
     if "log_probs" in outputs or "entropy" in outputs:
-        logp = tempered_log_probs(model.logits(hidden), batch.meta.temperature)
+        lp, ent = token_log_probs(
+            model.logits(hidden), batch["response_ids"], temperature=batch.meta.temperature,
+            entropy="entropy" in outputs,
+        )
         if "log_probs" in outputs:
-            lp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
             out["log_probs"] = lp.masked_fill(~rmask, 0.0)
-        if "entropy" in outputs:
-            ent = -(logp.exp() * logp).sum(-1)
+        if ent is not None:
             out["entropy"] = ent.masked_fill(~rmask, 0.0)
     return out
 

@@ -31,6 +31,7 @@ from verl_core import (
     stream_weights,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
+from verl_core.enginekit.token_stats import token_log_probs
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ACTOR_CAPABILITIES, CRITIC_CAPABILITIES
 
@@ -101,12 +102,12 @@ class TinyTrainingEngine(TrainingEngine):
         rmask = b["response_mask"]
         out: dict[str, Tensor] = {}
         if "log_probs" in outputs or "entropy" in outputs:
-            logp = torch.log_softmax(self.model.logits(h) / b.meta.temperature, -1)
+            lp, ent = token_log_probs(self.model.logits(h), b["response_ids"], temperature=b.meta.temperature,
+                                      entropy="entropy" in outputs)
             if "log_probs" in outputs:
-                lp = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
                 out["log_probs"] = lp.masked_fill(~rmask, 0.0)
-            if "entropy" in outputs:
-                out["entropy"] = -(logp.exp() * logp).sum(-1).masked_fill(~rmask, 0.0)
+            if ent is not None:
+                out["entropy"] = ent.masked_fill(~rmask, 0.0)
         if "values" in outputs:
             if not self.model.cfg.value_head:
                 raise BatchValidationError("forward: values were asked of a model without a value head")

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from verl_core.enginekit.byo import GeneratesTokens, generate_with_model, in_memory_spec
-from verl_core.enginekit.sampling import StaticDecoders, tempered_log_probs
+from verl_core.enginekit.sampling import StaticDecoders
+from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
@@ -115,9 +116,7 @@ class HFModelRollout(HFRolloutEngine):
         attn = torch.cat([prompt_mask, response_mask], 1).long()
         out: Any = self._model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False)
         p = prompt_ids.shape[1]
-        logp = tempered_log_probs(out.logits[:, p - 1 : -1], temperature)
-        picked: Tensor = logp.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-        return picked
+        return token_log_probs(out.logits[:, p - 1 : -1], response_ids, temperature=temperature)[0]
 
 
 def rollout_from_model(

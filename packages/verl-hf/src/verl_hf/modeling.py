@@ -2,7 +2,8 @@
 
 Every forward passes explicit position ids ``cumsum(mask) - 1`` clipped at 0 (left padding would
 otherwise shift positions), and reads the logits of response token t at the position of the
-preceding token. Log-probs and entropy are computed in float32 from upcast logits.
+preceding token. Log-probs and entropy are computed in float32 from upcast logits, a chunk of
+tokens at a time (``verl_core.enginekit.token_stats``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from verl_core.enginekit.sampling import tempered_log_probs
+from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
@@ -375,12 +376,12 @@ def token_outputs(
         input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
         logits_to_keep=r + 1,
     )
-    logp = tempered_log_probs(out.logits[:, :r], temperature)
+    lp, ent = token_log_probs(
+        out.logits[:, :r], batch["response_ids"], temperature=temperature, entropy="entropy" in outputs
+    )
     if "log_probs" in outputs:
-        lp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
         result["log_probs"] = torch.where(rmask, lp, 0.0)
-    if "entropy" in outputs:
-        ent = -(logp.exp() * logp).sum(-1)
+    if ent is not None:
         result["entropy"] = torch.where(rmask, ent, 0.0)
     return result
 

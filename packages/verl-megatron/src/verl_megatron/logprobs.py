@@ -5,7 +5,8 @@ maximum (all-reduce MAX, treated as a constant: log-softmax does not depend on t
 sum of exponentials (all-reduce SUM); the target logit is taken on the rank that owns the target id
 and summed over the group. The sums go through Megatron's ``reduce_from_tensor_model_parallel_region``
 (forward all-reduce, backward identity), which is the right gradient because everything after
-the reduction is computed identically on every TP rank.
+the reduction is computed identically on every TP rank. On one rank the full vocabulary is local
+and the engine kit's chunked ``token_log_probs`` computes both.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from verl_core.enginekit.token_stats import token_log_probs
 
 __all__ = ["vocab_parallel_log_probs"]
 
@@ -41,18 +44,17 @@ def vocab_parallel_log_probs(
     Returns:
         Float32 log-probs ``[...]`` and entropy ``[...]`` (or None), differentiable w.r.t. ``logits``.
     """
+    if tp_size == 1:
+        return token_log_probs(logits, targets, temperature=temperature, entropy=entropy)
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     def reduce(x: Tensor) -> Tensor:
-        if tp_size == 1:
-            return x
         out: Tensor = reduce_from_tensor_model_parallel_region(x, group=tp_group)
         return out
 
     z = logits.float() / temperature
     shift = z.detach().amax(-1, keepdim=True)
-    if tp_size > 1:
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
+    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
     z = z - shift
     exp = z.exp()
     sum_exp = reduce(exp.sum(-1))

@@ -1,0 +1,203 @@
+"""Per-token log-probs and entropy of ``softmax(logits / T)`` without a float32 copy of all the logits.
+
+:func:`token_log_probs` is what every training engine that produces full-vocabulary logits calls.
+It gives the numbers of the whole-tensor computation, ``tempered_log_probs(logits, T)`` gathered
+at the targets and ``-(exp(logp) * logp).sum(-1)``, bit for bit (the same float32 operations, row
+by row), but works through the tokens in chunks: no float32 ``[tokens, vocab]`` tensor larger than one chunk
+exists at any time, in the forward or the backward. The backward recomputes each chunk's
+log-softmax from the logits (which the model's graph holds anyway) and two saved floats per
+token, and writes the gradient straight into a tensor of the logits' dtype; besides the logits it
+keeps the targets, those floats and the entropy.
+
+That computation keeps two float32 ``[tokens, vocab]`` tensors from the forward until the backward
+(the log-softmax and, for the entropy, its exponential) and makes more in both passes: at 8192
+tokens and a 150k vocabulary each is 5 GB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from verl_core.kernel.errors import BatchValidationError, ConfigError
+from verl_core.kernel.schema import check_temperature
+
+__all__ = ["CHUNK_ELEMENTS", "default_chunk_tokens", "token_log_probs"]
+
+CHUNK_ELEMENTS: Final = {"cpu": 1 << 19, "cuda": 1 << 24}
+"""Default chunk size in logits (tokens x vocab) by device type; other devices take the CUDA size.
+
+On CPU a chunk of 512K float32 values (2 MiB per temporary) stays in cache between the few passes
+over it; a GPU needs 16M values (64 MiB) per kernel to keep its memory bandwidth busy.
+"""
+
+
+def default_chunk_tokens(vocab: int, device: torch.device) -> int:
+    """Tokens per chunk when none are given: :data:`CHUNK_ELEMENTS` logits of ``device``, at least one token."""
+    return max(1, CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"]) // vocab)
+
+
+def token_log_probs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` and (optionally) the entropy under ``softmax(logits / T)``.
+
+    Differentiable with respect to ``logits`` (through either output or both); the gradient has
+    the logits' dtype. The values equal ``log_softmax(logits.float() / T)`` gathered at
+    ``targets`` and ``-(exp(logp) * logp).sum(-1)``, computed ``chunk_tokens`` tokens at a time.
+
+    Args:
+        logits: ``[..., vocab]`` in any float dtype and any layout (a strided slice of a model's
+            output is read in place, not copied).
+        targets: Integer token ids of shape ``logits.shape[:-1]``, each in ``[0, vocab)``.
+        temperature: The sampling temperature T (at least ``kernel.schema.MIN_TEMPERATURE``).
+        entropy: Also return the entropy of each token's distribution.
+        chunk_tokens: Tokens per chunk (default: :func:`default_chunk_tokens`).
+
+    Returns:
+        ``(log_probs, entropy)``, both of shape ``logits.shape[:-1]`` in float32 (float64 for
+        float64 logits); ``entropy`` is None unless asked for.
+
+    Raises:
+        BatchValidationError: ``logits`` is not a floating tensor with a non-empty last dimension,
+            or ``targets`` is not an integer tensor of its leading shape.
+        ConfigError: ``temperature`` or ``chunk_tokens`` is out of range.
+    """
+    if not logits.is_floating_point() or logits.ndim < 1 or logits.shape[-1] == 0:
+        raise BatchValidationError(
+            f"token_log_probs: logits must be a floating tensor [..., vocab] with vocab >= 1, "
+            f"got dtype {logits.dtype} and shape {tuple(logits.shape)}"
+        )
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool \
+            or targets.shape != logits.shape[:-1]:
+        raise BatchValidationError(
+            f"token_log_probs: targets must be integer token ids of shape {tuple(logits.shape[:-1])} "
+            f"(the logits' leading dimensions), got dtype {targets.dtype} and shape {tuple(targets.shape)}"
+        )
+    t = check_temperature(temperature, "token_log_probs temperature")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(logits.shape[-1], logits.device)
+    elif isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ConfigError(f"token_log_probs: chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    out = _TokenLogProbs.apply(logits, targets, t, entropy, chunk_tokens)  # type: ignore[no-untyped-call]
+    if entropy:
+        lp, ent = out
+        return lp, ent
+    return out, None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for every float dtype but float64 (kept, so gradcheck can run in double)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_views(x: Tensor) -> list[Tensor]:
+    """2-D ``[rows, vocab]`` views of ``x [..., vocab]`` that cover its rows in flattened order.
+
+    One view when the leading dimensions flatten without a copy, else one per leading index (a
+    ``[:, :r]`` slice of ``[batch, r + 1, vocab]`` logits gives ``batch`` views of ``[r, vocab]``).
+    """
+    if x.ndim == 1:
+        return [x.unsqueeze(0)]
+    try:
+        return [x.view(-1, x.shape[-1])]
+    except RuntimeError:  # the leading dimensions do not merge under these strides
+        return [v for i in range(x.shape[0]) for v in _row_views(x[i])]
+
+
+def _chunks(views: list[Tensor], chunk_tokens: int) -> Iterator[tuple[int, int, list[Tensor]]]:
+    """``(start, end, pieces)``: flat row ranges of at most ``chunk_tokens`` rows and the views covering them."""
+    start, pieces, size = 0, [], 0
+    for v in views:
+        at = 0
+        while at < v.shape[0]:
+            take = min(chunk_tokens - size, v.shape[0] - at)
+            pieces.append(v[at : at + take])
+            at += take
+            size += take
+            if size == chunk_tokens:
+                yield start, start + size, pieces
+                start, pieces, size = start + size, [], 0
+    if size:
+        yield start, start + size, pieces
+
+
+def _scaled(pieces: list[Tensor], temperature: float, dtype: torch.dtype) -> Tensor:
+    """``logits / T`` of one chunk in the compute dtype: the same operations as ``tempered_log_probs``."""
+    z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dtype)
+    return z / temperature if temperature != 1.0 else z
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """The chunked forward and backward of :func:`token_log_probs`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, temperature: float, entropy: bool, chunk_tokens: int
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        dtype = _compute_dtype(logits.dtype)
+        lead = logits.shape[:-1]
+        flat_targets = targets.reshape(-1, 1)
+        # the outputs are returned as allocated, not as views, so callers may edit them in place
+        lp = torch.empty(lead, dtype=dtype, device=logits.device)
+        ent = torch.empty(lead if entropy else (0,), dtype=dtype, device=logits.device)
+        flat_lp, flat_ent = lp.view(-1), ent.view(-1)
+        # per token: max z and log sum exp(z - max z), so the backward gets logp back as log_softmax
+        # computes it, (z - max) - log sum, in two subtractions instead of a log-softmax
+        z_max = torch.empty(flat_targets.shape, dtype=dtype, device=logits.device)
+        log_sum = torch.empty_like(z_max)
+        for a, b, pieces in _chunks(_row_views(logits), chunk_tokens):
+            z = _scaled(pieces, temperature, dtype)
+            torch.amax(z, -1, keepdim=True, out=z_max[a:b])
+            logp = torch.log_softmax(z, -1)
+            del z  # one chunk-sized temporary fewer below
+            torch.neg(logp.amax(-1, keepdim=True), out=log_sum[a:b])  # logp at the max is 0 - log sum
+            flat_lp[a:b] = logp.gather(-1, flat_targets[a:b]).squeeze(-1)
+            if entropy:
+                flat_ent[a:b] = -(logp.exp() * logp).sum(-1)
+        ctx.set_materialize_grads(False)
+        # the backward's own copy of the entropy, which an in-place edit of the output leaves intact
+        ctx.save_for_backward(logits, flat_targets, z_max, log_sum, flat_ent.clone())
+        ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
+        if entropy:
+            return lp, ent
+        return lp
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None, None, None]:
+        logits, flat_targets, z_max, log_sum, ent = ctx.saved_tensors
+        g_lp = grads[0]
+        g_ent = grads[1] if ctx.entropy else None
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
+        temperature: float = ctx.temperature
+        dtype = _compute_dtype(logits.dtype)
+        # z = logits / T;  d logp_t / dz = onehot(t) - p;  d H / dz = -p * (logp + H)
+        lp_coef = None if g_lp is None else g_lp.reshape(-1, 1).to(dtype) / temperature
+        ent_coef = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype) / temperature
+        # -p * (lp_coef + ent_coef * (logp + H)) = p * (logp * -ent_coef - shift)
+        shift = None if ent_coef is None else ent_coef * ent.unsqueeze(-1) + (0.0 if lp_coef is None else lp_coef)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, logits.shape[-1])
+        for a, b, pieces in _chunks(_row_views(logits), ctx.chunk_tokens):
+            logp = (_scaled(pieces, temperature, dtype) - z_max[a:b]).sub_(log_sum[a:b])
+            p = logp.exp()
+            if ent_coef is None or shift is None:
+                assert lp_coef is not None
+                g = p.mul_(-lp_coef[a:b])
+            else:
+                g = logp.mul_(-ent_coef[a:b]).sub_(shift[a:b]).mul_(p)
+            if lp_coef is not None:
+                g.scatter_add_(-1, flat_targets[a:b], lp_coef[a:b])
+            flat_grad[a:b] = g
+        return grad, None, None, None, None
