@@ -91,8 +91,9 @@ def sweep(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]]]:
                 for _ in range(args.steps):
                     m = trainer.train_step()
                     times[v].append({"update": m["time/update"], "step": m["time/step"],
-                                     "micro": m.get("actor/num_micro_batches", float("nan")), "ooms": m["scheduler/actor/ooms"],
-                                     "budget": m["scheduler/actor/budget"], "peak": _peak(args.device)})
+                                     "micro": m.get("actor/num_micro_batches", float("nan")),
+                                     "ooms": m["scheduler/actor/ooms"], "budget": m["scheduler/actor/budget"],
+                                     "peak": _peak(args.device)})
     rows = []
     for v in values:
         ms = times[v]

@@ -17,7 +17,7 @@ from verl_core.trainer.budget import (
     make_schedulers,
     pending_state_bytes,
 )
-from verl_core.trainer.config import load_config
+from verl_core.trainer.config import RunConfig, load_config
 from verl_core.trainer.scheduler import MemoryInfo, SchedulerConfig
 
 GiB = 1 << 30
@@ -115,7 +115,7 @@ def test_config_json_defaults_nesting_and_refusals(tmp_path: Path) -> None:
     assert ModelShape.from_model_folder(tmp_path) == ModelShape.from_config(plain)
 
 
-def _run_config(tmp_path: Path, *extra: str) -> object:
+def _run_config(tmp_path: Path, *extra: str) -> RunConfig:
     return load_config(None, [f"output_dir={json.dumps(str(tmp_path / 'out'))}", "model.dtype=float32", *extra])
 
 
@@ -128,7 +128,7 @@ def test_schedulers_take_the_estimate_reserve_the_state_and_log_it(
     cfg = _run_config(tmp_path, "model.dtype=bfloat16")
     free = 139 * GiB
     with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
-        scheds = make_schedulers(cfg, ("actor", "reference", "critic"), model_path=str(model),  # type: ignore[arg-type]
+        scheds = make_schedulers(cfg, ("actor", "reference", "critic"), model_path=str(model),
                                  training=("actor", "critic"), probe=lambda: MemoryInfo(free, free))
     shape = ModelShape.from_config(LLAMA_09B)
     assert shape is not None
@@ -149,8 +149,7 @@ def test_schedulers_take_the_estimate_reserve_the_state_and_log_it(
 def test_without_config_json_the_constant_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _run_config(tmp_path, "batch.min_tokens=8")
     with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
-        (s,) = make_schedulers(cfg, ("actor",), model_path=str(tmp_path),  # type: ignore[arg-type]
-                               probe=lambda: MemoryInfo(GiB, GiB)).values()
+        (s,) = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(GiB, GiB)).values()
     assert s.config.bytes_per_token == SchedulerConfig().bytes_per_token == 256 * 1024
     assert s.config.reserved_bytes == 0
     assert s.fixed_budget == GiB // 2 // (256 * 1024)
@@ -160,6 +159,6 @@ def test_without_config_json_the_constant_is_used(tmp_path: Path, caplog: pytest
 def test_a_hand_set_budget_is_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _run_config(tmp_path, "batch.micro_batch_tokens=4096")
     with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
-        scheds = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(0, 1))  # type: ignore[arg-type]
+        scheds = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(0, 1))
     assert scheds["actor"].fixed_budget == 4096 and not scheds["actor"].refinement_pending
     assert "micro-batch budget: 4096 tokens (batch.micro_batch_tokens)" in caplog.text

@@ -6,9 +6,10 @@ token budget they run under (padded tokens per micro-batch: size x longest seque
 response). The budget is ``(free memory - reserved_bytes) x memory_fraction / bytes_per_token``
 from the free memory a probe reports, clamped to ``[min_tokens, max_tokens]`` (no upper bound by
 default), to a ceiling learned from out-of-memory errors, from above to the call's whole batch (a
-larger budget would run it the same way) and from below to the call's longest sample. On ``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller
-budget (an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``),
-so no sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
+larger budget would run it the same way) and from below to the call's longest sample. On
+``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller budget
+(an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``), so no
+sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
 ceiling doubles again. Every call's final budget is recorded as a :class:`Decision`; a scheduler given those
 decisions (``replay=``) reuses the recorded budget for the same call keys instead of probing, so a
 resumed run executes the same micro-batches.
