@@ -7,7 +7,8 @@ number. A checkpoint whose manifest is empty or partial, or that holds a file th
 list, or whose ``trainer_state.json`` has a missing or ill-typed field, is refused with a
 ``CheckpointError`` naming the file and the field, before any state changes. Every RNG stream is
 restored, and a run of 4 steps equals 2 steps plus a resume for 2 bit for bit (metrics and
-weights) even when the resumed process sees different free memory.
+weights) even when the resumed process sees different free memory, and after the budget was
+refined from the allocator's peak of the first update.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from verl_core import CheckpointError, ConfigError
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
 from verl_core.trainer.config import RunConfig, config_to_dict, load_config
 from verl_core.trainer.reliability import MANIFEST_FILE, resume_config_changes, write_manifest
-from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryInfo
+from verl_core.trainer.scheduler import MemoryInfo, PeakReading
 
 STATE = "trainer_state.json"
 
@@ -126,7 +127,7 @@ def test_the_allow_list_names_what_may_change() -> None:
         "algorithm.options.clip_high: 0.3 -> 0.2": _dict("algorithm.options.clip_high=0.2"),
         "backends.options.rollout.rollout_cache: '(absent)' -> 'static'":
             _dict("algorithm.options.clip_high=0.3", "backends.options.rollout.rollout_cache=static"),
-        "batch.max_tokens: 16384 -> 4096": _dict("algorithm.options.clip_high=0.3", "batch.max_tokens=4096"),
+        "batch.max_tokens: 0 -> 4096": _dict("algorithm.options.clip_high=0.3", "batch.max_tokens=4096"),
         "executor: 'local' -> 'ray'": _dict("algorithm.options.clip_high=0.3", "executor=ray"),
         "ray.parallel.actor.dp: '(absent)' -> 2": _dict("algorithm.options.clip_high=0.3", "ray.parallel.actor.dp=2"),
         "model.path: '' -> 'm'": _dict("algorithm.options.clip_high=0.3", "model.path=m"),
@@ -275,12 +276,28 @@ def test_every_rng_stream_is_restored(run: Path, loader: Trainer) -> None:
 # ---------------------------------------------------------------------------------------- exact resume
 # the default micro-batch bounds; 4 prompts x 4 samples make a step larger than the smallest budget
 EXACT = ("batch.micro_batch_tokens=0", "batch.buffer_memory_bytes=0", "batch.prompts_per_step=4", "rollout.n=4")
-PLENTY = MemoryInfo(free_bytes=1 << 40, total_bytes=1 << 40)  # budget: max_tokens
-SCARCE = MemoryInfo(free_bytes=32 << 20, total_bytes=1 << 40)  # 32 MiB x 0.5 / 256 KiB: min_tokens
+PLENTY = MemoryInfo(free_bytes=1 << 40, total_bytes=1 << 40)  # budget: the whole batch
+SCARCE = MemoryInfo(free_bytes=0, total_bytes=1 << 40)  # budget: min_tokens
+MODERATE = MemoryInfo(free_bytes=64 << 20, total_bytes=1 << 40)  # the tiny model's estimate fits the batch
 
 
-def _train(cfg: RunConfig, free: MemoryInfo, *, resume: bool = False) -> list[dict[str, Any]]:
-    with Trainer(cfg, memory_probe=lambda: free) as trainer:
+class FixedPeak:
+    """A peak probe that reports ``transient`` bytes above the resident memory (the CPU has no
+    allocator peak to read, so the tests set the measurement)."""
+
+    def __init__(self, transient: int) -> None:
+        self.transient = transient
+        self.calls = 0
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, PeakReading]:
+        self.calls += 1
+        return fn(), PeakReading(before=0, peak=self.transient, after=0)
+
+
+def _train(
+    cfg: RunConfig, free: MemoryInfo, *, resume: bool = False, peak: FixedPeak | None = None
+) -> list[dict[str, Any]]:
+    with Trainer(cfg, memory_probe=lambda: free, peak_probe=peak) as trainer:
         return trainer.train(resume=resume)
 
 
@@ -303,11 +320,10 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_two_steps_plus_a_resume_equal_four_steps_whatever_memory_the_resume_finds(tmp_path: Path) -> None:
-    assert DynamicBatchScheduler(probe=lambda: PLENTY).probe_budget() == 16384
-    assert DynamicBatchScheduler(probe=lambda: SCARCE).probe_budget() == 64
     straight = _train(tiny_config(tmp_path / "straight", *EXACT, "steps=4"), PLENTY)
-    assert [m["scheduler/actor/budget"] for m in straight] == [16384] * 4
-    assert straight[0]["scheduler/actor/micro_batches"] == 1  # the update (its forward gives the old log-probs)
+    # the budget is bounded by each step's batch: its update (whose forward gives the old log-probs) runs whole
+    assert all(64 < m["scheduler/actor/budget"] < 1000 for m in straight)
+    assert [m["scheduler/actor/micro_batches"] for m in straight] == [1] * 4
 
     half = tmp_path / "half"
     _train(tiny_config(half, *EXACT, "steps=2"), PLENTY)
@@ -338,3 +354,48 @@ def test_two_steps_plus_a_resume_equal_four_steps_whatever_memory_the_resume_fin
     # ... and other float sums: the comparison above is sharp enough to see a different partition
     c = _tensors(control / "checkpoints" / "step-000004")
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def _tensors_equal(a: Path, b: Path) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    return all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_a_resume_after_the_refinement_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    # the estimate lets step 1 run whole; its update's measured peak (1 GiB for the batch) then cuts
+    # the budget to min_tokens, so steps 2.. run in several micro-batches
+    peak = FixedPeak(1 << 30)
+    straight = _train(tiny_config(tmp_path / "straight", *EXACT, "steps=4"), MODERATE, peak=peak)
+    assert peak.calls == 1  # once, and only once
+    micro = [m["scheduler/actor/micro_batches"] for m in straight]
+    assert micro[0] == 1 and all(n > 1 for n in micro[1:]), micro
+    assert [m["scheduler/actor/budget"] for m in straight[1:]] == [64] * 3
+
+    half = tmp_path / "half"
+    _train(tiny_config(half, *EXACT, "steps=2"), MODERATE, peak=FixedPeak(1 << 30))
+    control = tmp_path / "control"
+    shutil.copytree(half, control)
+    # the resumed process finds other memory and would measure another peak: neither is used
+    other = FixedPeak(1)
+    resumed = _train(tiny_config(half, *EXACT, "steps=4"), PLENTY, resume=True, peak=other)
+    assert other.calls == 0
+    assert comparable(resumed) == comparable(straight)
+    assert _tensors_equal(tmp_path / "straight" / "checkpoints" / "step-000004", half / "checkpoints" / "step-000004")
+
+    # The control: the checkpoint's schedulers put back to before the refinement (the estimate's
+    # budget, the refinement pending) refine again in the resumed process, from its own peak.
+    ckpt = latest_checkpoint(control)
+    assert ckpt is not None
+    state = json.loads((ckpt / STATE).read_text())
+    assert state["schedulers"]["actor"]["refine_from"] is None and state["schedulers"]["actor"]["budget"] == 64
+    assert state["schedulers"]["reference"]["refine_from"] is None  # never trains, never measures
+    state["schedulers"]["actor"].update(budget=1 << 20, refine_from=MODERATE.free_bytes)
+    (ckpt / STATE).write_text(json.dumps(state))
+    _rewrite_manifest(ckpt)
+    again = FixedPeak(1)
+    redone = _train(tiny_config(control, *EXACT, "steps=4"), PLENTY, resume=True, peak=again)
+    assert again.calls == 1
+    assert [m["scheduler/actor/micro_batches"] for m in redone[2:]] == [1, 1]  # the history holds all 4 steps
+    assert not _tensors_equal(tmp_path / "straight" / "checkpoints" / "step-000004",
+                              control / "checkpoints" / "step-000004")

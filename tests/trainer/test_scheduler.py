@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from verl_core.trainer.scheduler import (
     DynamicBatchScheduler,
     MemoryInfo,
     MicroBatchOOMError,
+    PeakReading,
     SchedulerConfig,
+    default_peak_probe,
     host_memory_probe,
 )
 
@@ -252,5 +255,116 @@ def test_budget_never_falls_below_the_longest_sample() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="min_tokens <= max_tokens"):
         SchedulerConfig(min_tokens=10, max_tokens=5)
+    with pytest.raises(ConfigError, match="min_tokens <= max_tokens"):
+        SchedulerConfig(min_tokens=0)
+    with pytest.raises(ConfigError, match="reserved_bytes must be >= 0, got -1"):
+        SchedulerConfig(reserved_bytes=-1)
     with pytest.raises(ConfigError, match="memory_fraction"):
         SchedulerConfig(memory_fraction=0)
+
+
+def test_the_budget_is_bounded_by_the_batch() -> None:
+    # no fixed cap: plenty of memory gives the whole batch (padded), never more
+    sched = DynamicBatchScheduler(SchedulerConfig(min_tokens=4, bytes_per_token=1), probe=lambda: probe_of(1 << 40))
+    assert sched.config.max_tokens is None and sched.probe_budget() == (1 << 40) // 2
+    batch = make_batch([5, 3, 8])  # 3 x (2 + 8) padded tokens
+    budgets: list[int] = []
+    sched.run(batch, lambda b: budgets.append(b) or DeviceWithLimit(1000).caller(batch)(b), key="k")
+    assert budgets == [30] and len(sched.plan[-1].groups) == 1
+    assert sched.fix_budget() == (1 << 40) // 2 and sched.ceiling == 1 << 40
+    # a halving after an OOM starts from the batch, not from the huge budget
+    sched.run(batch, DeviceWithLimit(20).caller(batch), key="oom")
+    assert sched.plan[-1].ooms == 1 and sched.plan[-1].budget == 15
+
+
+class FixedPeak:
+    """A peak probe reporting a set reading (the host has no allocator statistics)."""
+
+    def __init__(self, reading: PeakReading | None) -> None:
+        self.reading = reading
+        self.calls = 0
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, PeakReading | None]:
+        self.calls += 1
+        return fn(), self.reading
+
+
+def test_the_first_training_call_refines_the_budget_once() -> None:
+    cfg = SchedulerConfig(min_tokens=4, bytes_per_token=100, memory_fraction=0.5, reserved_bytes=1000)
+    peak = FixedPeak(PeakReading(before=500, peak=500 + 40 * 60 + 7, after=520))  # 40 B/token above the after
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(9000), peak_probe=peak)
+    assert sched.fix_budget() == (9000 - 1000) // 2 // 100 == 40
+    assert sched.available_bytes == 8000 and sched.refinement_pending
+    batch = make_batch([4] * 10)  # 10 x 6 tokens: micro-batches of 6 samples (36 tokens) at budget 40
+    sched.run_forward(batch, DeviceWithLimit(1000).forward, key="fwd")  # a forward does not refine
+    assert peak.calls == 0 and sched.refinement_pending and sched.plan[-1].refined == 0
+    sched.run(batch, DeviceWithLimit(1000).caller(batch), key="train0", training=True)
+    assert peak.calls == 1 and not sched.refinement_pending
+    # transient = peak - after = 40 x 60 + 7 -20 over the largest micro-batch, 6 x 6 = 36 tokens
+    measured = -(-(40 * 60 + 7 - 20) // 36)
+    assert sched.bytes_per_token == measured == 67
+    assert sched.fixed_budget == 4000 // 67 == sched.plan[-1].refined == 59
+    assert sched.plan[-1].budget == 40  # the measured call itself ran at the estimate's budget
+    for i in range(3):  # later training calls never measure again
+        sched.run(batch, DeviceWithLimit(1000).caller(batch), key=f"train{i + 1}", training=True)
+    assert peak.calls == 1 and sched.fixed_budget == 59 and sched.plan[-1].refined == 0
+    assert sched.metrics()["scheduler/bytes_per_token"] == 67
+    state = sched.state_dict()
+    assert state["budget"] == 59 and state["refine_from"] is None
+
+
+def test_no_reading_keeps_the_estimate_and_a_given_budget_is_never_refined() -> None:
+    cfg = SchedulerConfig(min_tokens=4, bytes_per_token=100, memory_fraction=1.0)
+    batch = make_batch([4] * 4)
+    blind = FixedPeak(None)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(5000), peak_probe=blind)
+    sched.fix_budget()
+    sched.run(batch, DeviceWithLimit(1000).caller(batch), key="t", training=True)
+    assert blind.calls == 1 and not sched.refinement_pending and sched.fixed_budget == 50
+    assert sched.plan[-1].refined == 50  # recorded: the refinement happened (and changed nothing)
+    peak = FixedPeak(PeakReading(0, 10**9, 0))
+    given = DynamicBatchScheduler(cfg, probe=lambda: probe_of(5000), peak_probe=peak)
+    given.fix_budget(48)
+    given.run(batch, DeviceWithLimit(1000).caller(batch), key="t", training=True)
+    assert peak.calls == 0 and given.fixed_budget == 48
+    assert default_peak_probe("cpu") is None  # the host has no allocator peak
+
+
+def test_a_resume_reuses_the_refined_budget_from_the_state_or_the_plan() -> None:
+    cfg = SchedulerConfig(min_tokens=4, bytes_per_token=10, memory_fraction=1.0)
+    batch = make_batch([4] * 10)
+
+    def fresh(peak: FixedPeak, free: int) -> DynamicBatchScheduler:
+        s = DynamicBatchScheduler(cfg, probe=lambda: probe_of(free), peak_probe=peak)
+        s.fix_budget()
+        return s
+
+    first = fresh(FixedPeak(PeakReading(0, 60 * 30, 0)), 600)  # estimate 60 tokens; measured 30 B/token
+    seen: list[int] = []
+    before = first.state_dict()
+    for step in range(3):
+        first.run(batch, lambda b: seen.append(b) or DeviceWithLimit(1000).caller(batch)(b), key=f"s{step}",
+                  training=True)
+    assert seen == [60, 20, 20]
+    plan = [Decision.from_json(d.to_json()) for d in first.plan]
+    assert plan[0].refined == 20
+    # from a state written after the refinement: another memory and another peak change nothing
+    other = FixedPeak(PeakReading(0, 1, 0))
+    after = fresh(other, 1 << 30)
+    after.load_state_dict(first.state_dict())
+    assert after.probe_budget() == 20 and not after.refinement_pending
+    after.run(batch, DeviceWithLimit(1000).caller(batch), key="s3", training=True)
+    assert other.calls == 0
+    # from a state written before it, with the interrupted run's plan: the replayed call restores it
+    replayed = fresh(other, 1 << 30)
+    replayed.load_state_dict(before)
+    assert replayed.refinement_pending and replayed.probe_budget() == 60
+    replayed.add_replay(plan)
+    for step in range(3):
+        replayed.run(batch, DeviceWithLimit(1000).caller(batch), key=f"s{step}", training=True)
+    assert other.calls == 0 and [d.groups for d in replayed.plan] == [d.groups for d in plan]
+    assert replayed.fixed_budget == 20 and not replayed.refinement_pending
+    # a state of an older version (no refine_from) refines nothing
+    old = fresh(other, 1 << 30)
+    old.load_state_dict({"ceiling": 1 << 40, "successes": 0, "budget": 60})
+    assert not old.refinement_pending and old.probe_budget() == 60

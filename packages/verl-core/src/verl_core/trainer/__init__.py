@@ -26,6 +26,8 @@ from verl_core.trainer.scheduler import (
     DynamicBatchScheduler,
     MemoryInfo,
     MicroBatchOOMError,
+    PeakProbe,
+    PeakReading,
     SchedulerConfig,
 )
 from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
@@ -42,6 +44,8 @@ __all__ = [
     "HybridReplayBuffer",
     "MemoryInfo",
     "MicroBatchOOMError",
+    "PeakProbe",
+    "PeakReading",
     "PipelineError",
     "PipelineResult",
     "RunConfig",

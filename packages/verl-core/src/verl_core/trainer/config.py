@@ -201,10 +201,13 @@ class BatchConfig:
         prompts_per_step: Prompts sampled per step (each gives ``rollout.n`` samples).
         mini_batch_size: Samples per optimizer step (0 = the whole step's batch, one update).
         epochs: Passes over the step's samples.
-        micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it from the free memory at
-            run start; checkpoints keep it, so a resume splits steps the same way).
+        micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it at run start from the
+            free memory and the model's bytes per token, estimated from its config.json and refined
+            once from the allocator's peak after the first update on CUDA; checkpoints keep it, so
+            a resume splits steps the same way). See :mod:`verl_core.trainer.budget`.
         min_tokens: Smallest dynamic budget.
-        max_tokens: Largest dynamic budget.
+        max_tokens: Largest dynamic budget (0 = no cap: a budget above a batch's padded tokens
+            runs that batch as one micro-batch).
         buffer_memory_bytes: Tensor bytes the replay buffer keeps in memory before it spills
             whole batches to ``<output_dir>/spill-<run id>`` (0 = no bound).
         old_log_probs: Where the PPO ratio's old log-probs come from. ``auto``: when each step's
@@ -219,7 +222,7 @@ class BatchConfig:
     epochs: int = 1
     micro_batch_tokens: int = 0
     min_tokens: int = 64
-    max_tokens: int = 16384
+    max_tokens: int = 0
     buffer_memory_bytes: int = 0
     old_log_probs: Literal["auto", "recompute"] = "auto"
 
@@ -412,7 +415,7 @@ _RULES: dict[str, _Rule] = {
     "batch.epochs": _at_least(1),
     "batch.micro_batch_tokens": _at_least(0, " (0 = dynamic)"),
     "batch.min_tokens": _at_least(1),
-    "batch.max_tokens": _at_least(1),
+    "batch.max_tokens": _at_least(0, " (0 = no cap)"),
     "batch.buffer_memory_bytes": _at_least(0, " (0 = no bound)"),
     **{f"{section}.{key}": rule for section in ("optim", "critic_optim") for key, rule in _OPTIM_RULES.items()},
     "checkpoint.every": _at_least(0, " (0 = final only)"),
@@ -431,7 +434,7 @@ def _check_rollout(cfg: RunConfig) -> None:
 
 
 def _check_tokens(cfg: RunConfig) -> None:
-    if cfg.batch.min_tokens > cfg.batch.max_tokens:
+    if 0 < cfg.batch.max_tokens < cfg.batch.min_tokens:
         raise ConfigError(
             f"config keys 'batch.min_tokens' ({cfg.batch.min_tokens}) must be <= 'batch.max_tokens' "
             f"({cfg.batch.max_tokens})"

@@ -317,8 +317,9 @@ def read_state(
             raise field(f"schedulers.{role}", "a table (ceiling, successes, budget)", s)
         count(s, "ceiling", f"schedulers.{role}.ceiling", low=1)
         count(s, "successes", f"schedulers.{role}.successes")
-        if s.get("budget") is not None:
-            count(s, "budget", f"schedulers.{role}.budget", low=1)
+        for key in ("budget", "refine_from"):  # null: not fixed / no refinement pending
+            if s.get(key) is not None:
+                count(s, key, f"schedulers.{role}.{key}", low=1 if key == "budget" else 0)
     algo = state.get("algorithm", ...)
     if not isinstance(algo, dict):
         raise field("algorithm", "a table of the algorithm's state", algo)

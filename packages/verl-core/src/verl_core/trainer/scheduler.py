@@ -3,11 +3,13 @@
 The scheduler does not cut batches itself: engines micro-batch internally with the kernel's one
 partitioner (:func:`~verl_core.kernel.batch.partition_by_token_budget`), and the scheduler picks the
 token budget they run under (padded tokens per micro-batch: size x longest sequence, prompt plus
-response). The budget comes from the free memory a probe reports, clamped to ``[min_tokens,
-max_tokens]``, to a ceiling learned from out-of-memory errors and from below to the call's longest
-sample. On ``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller
-budget (an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``),
-so no sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
+response). The budget is ``(free memory - reserved_bytes) x memory_fraction / bytes_per_token``
+from the free memory a probe reports, clamped to ``[min_tokens, max_tokens]`` (no upper bound by
+default), to a ceiling learned from out-of-memory errors, from above to the call's whole batch (a
+larger budget would run it the same way) and from below to the call's longest sample. On
+``torch.OutOfMemoryError`` the ceiling halves and the WHOLE call runs again on the smaller budget
+(an engine call that raises leaves nothing behind, see ``TrainingEngine.forward_backward``), so no
+sample is lost or counted twice; after ``grow_after`` micro-batches of successful calls the
 ceiling doubles again. Every call's final budget is recorded as a :class:`Decision`; a scheduler given those
 decisions (``replay=``) reuses the recorded budget for the same call keys instead of probing, so a
 resumed run executes the same micro-batches.
@@ -16,13 +18,22 @@ By default the probe is read at every call. :meth:`DynamicBatchScheduler.fix_bud
 and keeps that budget (the trainer does so at run start and stores it in its checkpoints): the
 partition of a step, and so the float sums of its gradients, then does not depend on the memory
 free when the step runs, and a resumed run splits its steps like an uninterrupted one.
+
+With a ``peak_probe``, a budget fixed from the probe is refined once: the first training call
+(``run(..., training=True)``) runs under the probe, and ``bytes_per_token`` becomes the measured
+peak per padded token of its largest micro-batch; the budget is recomputed from the memory read by
+``fix_budget``. The refined budget is recorded in that call's :class:`Decision` and in
+:meth:`~DynamicBatchScheduler.state_dict`, so a resumed run (from a checkpoint or a replayed plan)
+uses the same budget and never measures again.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 
@@ -31,8 +42,12 @@ from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.trainer.memory import (
     MemoryInfo,
     MemoryProbe,
+    PeakProbe,
+    PeakReading,
     cuda_memory_probe,
+    cuda_peak_probe,
     default_memory_probe,
+    default_peak_probe,
     host_memory_probe,
 )
 
@@ -42,13 +57,21 @@ __all__ = [
     "MemoryInfo",
     "MemoryProbe",
     "MicroBatchOOMError",
+    "PeakProbe",
+    "PeakReading",
     "SchedulerConfig",
     "cuda_memory_probe",
+    "cuda_peak_probe",
     "default_memory_probe",
+    "default_peak_probe",
     "host_memory_probe",
 ]
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+_UNCAPPED: Final = 1 << 40
+"""The ceiling of a scheduler without ``max_tokens`` (the batch bounds every call's budget anyway)."""
 
 
 class MicroBatchOOMError(VerlError, RuntimeError):
@@ -61,26 +84,35 @@ class SchedulerConfig:
 
     Attributes:
         min_tokens: Smallest budget (padded tokens per micro-batch).
-        max_tokens: Largest budget.
-        bytes_per_token: Estimated activation bytes one padded token costs (forward plus backward).
-        memory_fraction: Share of the free memory the budget may use.
+        max_tokens: Largest budget (None: no fixed cap; each call's budget is at most its whole
+            batch, which then runs as one micro-batch).
+        bytes_per_token: Estimated bytes one padded token costs a training call (forward plus
+            backward); the default is a model-agnostic constant, the trainer passes an estimate from
+            the model's shape (:mod:`verl_core.trainer.budget`).
+        memory_fraction: Share of the free memory (less ``reserved_bytes``) the budget may use.
+        reserved_bytes: Free memory set aside before the fraction is taken: state the engines
+            allocate only at their first update (gradients, optimizer moments).
         grow_after: Successful micro-batches after which an OOM-lowered ceiling doubles again (counted
             at the end of each successful call).
     """
 
     min_tokens: int = 64
-    max_tokens: int = 16384
+    max_tokens: int | None = None
     bytes_per_token: int = 256 * 1024
     memory_fraction: float = 0.5
+    reserved_bytes: int = 0
     grow_after: int = 8
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 1 or (self.max_tokens is not None and self.max_tokens < self.min_tokens):
             raise ConfigError(
-                f"SchedulerConfig needs 1 <= min_tokens <= max_tokens, got {self.min_tokens} and {self.max_tokens}"
+                f"SchedulerConfig needs 1 <= min_tokens <= max_tokens (or max_tokens None), got {self.min_tokens} "
+                f"and {self.max_tokens}"
             )
         if self.bytes_per_token < 1:
             raise ConfigError(f"SchedulerConfig.bytes_per_token must be >= 1, got {self.bytes_per_token}")
+        if self.reserved_bytes < 0:
+            raise ConfigError(f"SchedulerConfig.reserved_bytes must be >= 0, got {self.reserved_bytes}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"SchedulerConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.grow_after < 1:
@@ -99,6 +131,8 @@ class Decision:
         ooms: Out-of-memory errors handled during the call.
         ceiling: The scheduler's OOM ceiling after the call (restored when the call is replayed).
         successes: The scheduler's success counter after the call.
+        refined: The fixed budget after this call refined it from the allocator's peak (0: the call
+            did not refine; restored when the call is replayed).
     """
 
     key: str
@@ -107,18 +141,19 @@ class Decision:
     ooms: int = 0
     ceiling: int = 0
     successes: int = 0
+    refined: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable form."""
         return {"key": self.key, "groups": [list(g) for g in self.groups], "budget": self.budget,
-                "ooms": self.ooms, "ceiling": self.ceiling, "successes": self.successes}
+                "ooms": self.ooms, "ceiling": self.ceiling, "successes": self.successes, "refined": self.refined}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Decision:
         """Inverse of :meth:`to_json`."""
         return cls(str(data["key"]), tuple(tuple(int(i) for i in g) for g in data["groups"]),
                    int(data["budget"]), int(data.get("ooms", 0)), int(data.get("ceiling", 0)),
-                   int(data.get("successes", 0)))
+                   int(data.get("successes", 0)), int(data.get("refined", 0)))
 
 
 @dataclass
@@ -139,6 +174,9 @@ class DynamicBatchScheduler:
             simulate memory pressure.
         device: Device whose memory the default probe reads.
         replay: Decisions of an earlier run; calls with a recorded key run at the recorded budget.
+        peak_probe: Reads the allocator's peak around the first training call after
+            :meth:`fix_budget` read the memory probe, to refine ``bytes_per_token`` once (None:
+            the estimate stays).
     """
 
     def __init__(
@@ -148,12 +186,18 @@ class DynamicBatchScheduler:
         probe: MemoryProbe | None = None,
         device: str | torch.device = "cpu",
         replay: Iterable[Decision] = (),
+        peak_probe: PeakProbe | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         self._probe = probe or default_memory_probe(device)
-        self._ceiling = self.config.max_tokens
+        self._peak_probe = peak_probe
+        self._cap = self.config.max_tokens if self.config.max_tokens is not None else _UNCAPPED
+        self._ceiling = self._cap
         self._successes = 0
         self._fixed: int | None = None
+        self._bytes_per_token = self.config.bytes_per_token
+        self._available: int | None = None  # memory the fixed budget was computed from
+        self._refine_from: int | None = None  # that memory, while the one-time refinement is pending
         self._replay = {d.key: d for d in replay}
         self._plan: list[Decision] = []
         self._stats = _Stats()
@@ -164,19 +208,23 @@ class DynamicBatchScheduler:
 
         It is the fixed budget after :meth:`fix_budget`, else what the free memory allows now.
         """
-        allowed = self._fixed if self._fixed is not None else self._from_memory()
-        return max(self.config.min_tokens, min(allowed, self._ceiling, self.config.max_tokens))
+        allowed = self._fixed if self._fixed is not None else self._budget_for(self._read_available())
+        return max(self.config.min_tokens, min(allowed, self._ceiling, self._cap))
 
-    def _from_memory(self) -> int:
-        info = self._probe()
-        allowed = int(info.free_bytes * self.config.memory_fraction) // self.config.bytes_per_token
-        return max(self.config.min_tokens, min(allowed, self.config.max_tokens))
+    def _read_available(self) -> int:
+        return max(0, self._probe().free_bytes - self.config.reserved_bytes)
+
+    def _budget_for(self, available: int) -> int:
+        allowed = int(available * self.config.memory_fraction) // self._bytes_per_token
+        return max(self.config.min_tokens, min(allowed, self._cap))
 
     def fix_budget(self, budget: int | None = None) -> int:
         """Read the probe once (or take ``budget``) and use that budget for every later call.
 
         Out-of-memory errors still lower the budget through the ceiling. :meth:`state_dict`
         carries the fixed budget, so a resumed run reuses it instead of reading its own memory.
+        A budget read from the probe is refined once by the first training call when the
+        scheduler has a ``peak_probe``; a given ``budget`` is kept as it is.
 
         Returns:
             The budget fixed, within ``[min_tokens, max_tokens]``.
@@ -186,14 +234,34 @@ class DynamicBatchScheduler:
         """
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"fix_budget(budget={budget!r}) needs an integer >= 1 (or None to read the probe)")
-        raw = self._from_memory() if budget is None else budget
-        self._fixed = max(self.config.min_tokens, min(raw, self.config.max_tokens))
+        if budget is None:
+            self._available = self._read_available()
+            self._fixed = self._budget_for(self._available)
+            self._refine_from = self._available if self._peak_probe is not None else None
+        else:
+            self._available = self._refine_from = None
+            self._fixed = max(self.config.min_tokens, min(budget, self._cap))
         return self._fixed
 
     @property
     def fixed_budget(self) -> int | None:
         """The budget set by :meth:`fix_budget` (None: the probe is read at every call)."""
         return self._fixed
+
+    @property
+    def available_bytes(self) -> int | None:
+        """Free memory less ``reserved_bytes`` that :meth:`fix_budget` read (None: not read)."""
+        return self._available
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The bytes per token the budget is computed with (the config's, or the refined one)."""
+        return self._bytes_per_token
+
+    @property
+    def refinement_pending(self) -> bool:
+        """True until the first training call refines the fixed budget (see :meth:`run`)."""
+        return self._refine_from is not None
 
     @property
     def ceiling(self) -> int:
@@ -211,13 +279,18 @@ class DynamicBatchScheduler:
             self._replay[d.key] = d
 
     # ------------------------------------------------------------------ run
-    def run(self, batch: TensorBatch, fn: Callable[[int], T], *, key: str) -> T:
+    def run(self, batch: TensorBatch, fn: Callable[[int], T], *, key: str, training: bool = False) -> T:
         """Call ``fn(budget)`` for the whole ``batch``; on out-of-memory, call it again on a halved budget.
 
         ``fn`` runs the whole batch under the token budget it is given (e.g.
         ``lambda budget: engine.forward_backward(batch, loss, stats, max_tokens=budget)``) and must
         leave nothing behind when it raises, as engine calls do. The budget is never below the
-        batch's longest sample, which the partitioner needs to fit into one micro-batch.
+        batch's longest sample, which the partitioner needs to fit into one micro-batch, and never
+        above the whole batch's padded tokens.
+
+        ``training`` marks a forward-backward call: the first one after :meth:`fix_budget` read
+        the probe runs under the ``peak_probe``, and its measured peak per padded token replaces
+        ``bytes_per_token`` for the fixed budget of later calls (once; recorded in the decision).
 
         Returns:
             What the successful call of ``fn`` returned.
@@ -241,11 +314,17 @@ class DynamicBatchScheduler:
             self._stats.replayed += 1
         else:
             budget = max(self.probe_budget(), longest)
+        budget = min(budget, max(batch.batch_size, 1) * longest)  # more than the whole batch changes nothing
+        measure = self._peak_probe if training and recorded is None and self._refine_from is not None else None
+        reading: PeakReading | None = None
         ooms = 0
         while True:
             groups = partition_by_token_budget(lengths, budget)
             try:
-                result = fn(budget)
+                if measure is not None:
+                    result, reading = measure(functools.partial(fn, budget))
+                else:
+                    result = fn(budget)
                 break
             except torch.OutOfMemoryError as e:
                 ooms += 1
@@ -268,16 +347,40 @@ class DynamicBatchScheduler:
                 self._ceiling = new_budget
         self._stats.micro_batches += len(groups)
         self._successes += len(groups)
-        if self._successes >= self.config.grow_after and self._ceiling < self.config.max_tokens:
-            self._ceiling = min(self.config.max_tokens, self._ceiling * 2)
+        if self._successes >= self.config.grow_after and self._ceiling < self._cap:
+            self._ceiling = min(self._cap, self._ceiling * 2)
             self._successes = 0
         if recorded is not None and recorded.ceiling:
             self._ceiling, self._successes = recorded.ceiling, recorded.successes
+        refined = 0
+        if measure is not None:
+            refined = self._refine(reading, groups, lengths, key)
+        elif recorded is not None and recorded.refined:
+            self._fixed, self._refine_from, refined = recorded.refined, None, recorded.refined
         self._stats.last_budget = budget
         self._plan.append(
-            Decision(key, tuple(tuple(g) for g in groups), budget, ooms, self._ceiling, self._successes)
+            Decision(key, tuple(tuple(g) for g in groups), budget, ooms, self._ceiling, self._successes, refined)
         )
         return result
+
+    def _refine(self, reading: PeakReading | None, groups: list[list[int]], lengths: list[int], key: str) -> int:
+        """Correct ``bytes_per_token`` from the peak of the first training call; returns the fixed budget."""
+        available, self._refine_from = self._refine_from, None
+        assert available is not None and self._fixed is not None
+        tokens = max((len(g) * max(max(lengths[i] for i in g), 1) for g in groups if g), default=0)
+        if reading is None or reading.transient <= 0 or tokens <= 0:
+            _log.info("micro-batch budget: %s read no allocator peak; the budget stays %d tokens (%d bytes/token)",
+                      key, self._fixed, self._bytes_per_token)
+            return self._fixed
+        estimate, before = self._bytes_per_token, self._fixed
+        self._bytes_per_token = max(1, -(-reading.transient // tokens))
+        self._fixed = self._budget_for(available)
+        _log.info(
+            "micro-batch budget refined after %s: the allocator's peak was %d bytes above the call's resident "
+            "memory for a micro-batch of %d padded tokens, %d bytes/token (estimate %d); budget %d -> %d tokens",
+            key, reading.transient, tokens, self._bytes_per_token, estimate, before, self._fixed,
+        )
+        return self._fixed
 
     def run_forward(self, batch: TensorBatch, fn: Callable[[TensorBatch], TensorBatch], *, key: str) -> TensorBatch:
         """Run a batch-to-batch function (a forward pass) per micro-batch and reassemble the samples in input order.
@@ -302,15 +405,24 @@ class DynamicBatchScheduler:
             "scheduler/replayed_calls": float(self._stats.replayed),
             "scheduler/budget": float(self._stats.last_budget),
             "scheduler/ceiling": float(self._ceiling),
+            "scheduler/bytes_per_token": float(self._bytes_per_token),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The learned ceiling, success counter and fixed budget (what a resume needs besides the plan)."""
-        return {"ceiling": self._ceiling, "successes": self._successes, "budget": self._fixed}
+        """The learned ceiling, success counter, fixed budget and a pending refinement's memory
+        (``refine_from``; what a resume needs besides the plan)."""
+        return {"ceiling": self._ceiling, "successes": self._successes, "budget": self._fixed,
+                "refine_from": self._refine_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a state without ``budget`` keeps the current one)."""
+        """Restore :meth:`state_dict`.
+
+        A state without ``budget`` keeps the current one; a state without ``refine_from`` (written
+        before budgets were refined) refines nothing, so its budget stays as the run had it.
+        """
         self._ceiling = int(state["ceiling"])
         self._successes = int(state["successes"])
         if "budget" in state:
             self._fixed = None if state["budget"] is None else int(state["budget"])
+        refine_from = state.get("refine_from")
+        self._refine_from = None if refine_from is None or self._peak_probe is None else int(refine_from)

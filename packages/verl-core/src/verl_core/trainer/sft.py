@@ -44,13 +44,14 @@ from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import GlobalBatchStats, LossOutput, ModelOutput, TrainingEngine
+from verl_core.trainer.budget import make_schedulers
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
 from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
+from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -226,6 +227,8 @@ class SFTTrainer:
         config: The run; see the module docstring for the sections it reads.
         memory_probe: Memory probe of the micro-batch scheduler (default: the device's real memory).
         stream: Where the progress bar and messages go (default stderr).
+        peak_probe: Allocator peak probe whose reading of the first update refines the micro-batch
+            budget once (default: the CUDA allocator on a CUDA device, none on the CPU).
 
     Use :meth:`train` (with ``resume=True`` to continue from the newest checkpoint of the output
     folder); the actor engine is built on first use and released by :meth:`close` (or ``with``).
@@ -237,7 +240,8 @@ class SFTTrainer:
     """
 
     def __init__(
-        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None
+        self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
+        peak_probe: PeakProbe | None = None,
     ) -> None:
         data = config.data
         if not data.train_paths:
@@ -258,6 +262,7 @@ class SFTTrainer:
         self.step = 0
         self.model_dir: Path | None = None
         self._probe = memory_probe
+        self._peak_probe = peak_probe
         self._built = False
         self._consecutive_skips = 0
         self.actor: TrainingEngine
@@ -309,14 +314,13 @@ class SFTTrainer:
             self.executor.close()
             raise
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.seed, shuffle=cfg.data.shuffle)
-        bc = cfg.batch
-        low, high = (bc.micro_batch_tokens,) * 2 if bc.micro_batch_tokens else (bc.min_tokens, bc.max_tokens)
-        self.scheduler = DynamicBatchScheduler(
-            SchedulerConfig(min_tokens=low, max_tokens=high), probe=self._probe, device=cfg.model.device
-        )
-        # as in verl train: the budget is read once and checkpointed, so a resumed run splits its
-        # steps (and sums their gradients) exactly like an uninterrupted one
-        self.scheduler.fix_budget()
+        # as in verl train: the budget is read once (refined once by the first update) and
+        # checkpointed, so a resumed run splits its steps (and sums their gradients) exactly like
+        # an uninterrupted one
+        self.scheduler = make_schedulers(
+            cfg, ("actor",), model_path=path, gradient_checkpointing=spec.gradient_checkpointing, probe=self._probe,
+            peak_probe=self._peak_probe,
+        )["actor"]
         self._built = True
 
     # ------------------------------------------------------------------ steps
@@ -350,7 +354,7 @@ class SFTTrainer:
                 return self.actor.forward_backward(mb, self.loss_fn, stats, max_tokens=budget)
 
             key = f"step{self.step}/actor/update{i}"
-            nll += float(self.scheduler.run(mb, fn, key=key)["loss"]) * stats.num_tokens
+            nll += float(self.scheduler.run(mb, fn, key=key, training=True)["loss"]) * stats.num_tokens
             micro_batches += len(self.scheduler.plan[-1].groups)
             result = self.actor.optimizer_step()
             grad_norm += result.grad_norm

@@ -42,6 +42,7 @@ from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.algorithm_setup import AlgorithmSetup, build_algorithm
+from verl_core.trainer.budget import make_schedulers
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.engines import RLEngines, stage_backend
 from verl_core.trainer.evaluation import Evaluator
@@ -54,7 +55,7 @@ from verl_core.trainer.replay import HybridReplayBuffer
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
 from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, SchedulerConfig
+from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
 from verl_core.trainer.sinks import MetricSinks
 from verl_core.trainer.step_metrics import (
     SchedulerPlanLog,
@@ -88,6 +89,8 @@ class Trainer:
     Args:
         config: The run.
         memory_probe: Memory probe of the micro-batch scheduler (default: the device's real memory).
+        peak_probe: Allocator peak probe whose reading of the first update refines the micro-batch
+            budget once (default: the CUDA allocator on a CUDA device, none on the CPU).
         stream: Where the progress bar and its messages go (default stderr).
         base_dir: The config file's folder: relative paths of datasets, reward-function files and
             callback files are looked up there first, then in the working directory (default:
@@ -117,11 +120,12 @@ class Trainer:
 
     def __init__(
         self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
-        base_dir: str | os.PathLike[str] | None = None,
+        base_dir: str | os.PathLike[str] | None = None, peak_probe: PeakProbe | None = None,
     ) -> None:
         self.config = config
         self.out = Path(config.output_dir)
         self._probe = memory_probe
+        self._peak_probe = peak_probe
         self.base_dir = Path(base_dir) if base_dir is not None else None
         self.task = get_task(config.task.name, config.task.digits)
         setup = AlgorithmSetup.from_config(config)
@@ -191,15 +195,14 @@ class Trainer:
         e.build_reward(cfg, self._spec("reward", path), self.task, columns=self.source.columns, base_dir=self.base_dir)
         e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
-        if bc.micro_batch_tokens:
-            sched_cfg = SchedulerConfig(min_tokens=bc.micro_batch_tokens, max_tokens=bc.micro_batch_tokens)
-        else:
-            sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens)
-        for role in ("actor", "reference", "critic"):
-            self.schedulers[role] = DynamicBatchScheduler(sched_cfg, probe=self._probe, device=cfg.model.device)
-            # free memory is read once per run and checkpoints carry the budget, so a resumed run
-            # splits its steps (and sums their gradients) exactly like an uninterrupted one
-            self.schedulers[role].fix_budget()
+        # free memory is read once per run (the budget refined once by the first update) and
+        # checkpoints carry the budget, so a resumed run splits its steps (and sums their
+        # gradients) exactly like an uninterrupted one
+        self.schedulers.update(make_schedulers(
+            cfg, ("actor", "reference", "critic"), model_path=path,
+            training=("actor", "critic") if self.use_critic else ("actor",),
+            gradient_checkpointing=e.actor.spec.gradient_checkpointing, probe=self._probe, peak_probe=self._peak_probe,
+        ))
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         p = self.progress
         self.generation = GenerationStage(

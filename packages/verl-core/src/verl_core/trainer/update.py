@@ -188,7 +188,7 @@ class UpdateStage:
             return engine.forward_backward(mb, loss, stats, max_tokens=budget)
 
         self._stage = f"{role}_update"
-        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}")
+        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}", training=True)
         total = {k: float(v) for k, v in metrics.items()}
         step = engine.optimizer_step()
         total["grad_norm"] = step.grad_norm
