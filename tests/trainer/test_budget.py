@@ -37,9 +37,9 @@ def test_the_terms_of_a_known_model() -> None:
     assert est.term("layers") == 16 * layer
     assert est.term("backward") == layer
     assert est.term("head") == (4 + 2) * 2048
-    assert LOGITS_FLOAT32_COPIES == 4
-    assert est.term("logits") == 32000 * (4 * 4 + 2) == 576000
-    assert est.bytes_per_token == 17 * 90184 + 12288 + 576000 == 2121416
+    assert LOGITS_FLOAT32_COPIES == 0  # log-probs are chunked: no float32 copy per token
+    assert est.term("logits") == 32000 * (2 + 2) == 128000
+    assert est.bytes_per_token == 17 * 90184 + 12288 + 128000 == 1673416
     # checkpointing keeps each layer's input only, and recomputes one layer in backward
     ckpt = estimate_token_bytes(shape, "bfloat16", gradient_checkpointing=True)
     assert ckpt.term("layers") == 16 * 2048 * 2 and ckpt.term("backward") == 2 * layer
@@ -47,9 +47,9 @@ def test_the_terms_of_a_known_model() -> None:
     # float32: every model-dtype element costs 4 B
     f32 = estimate_token_bytes(shape, "float32")
     assert f32.term("layers") == 16 * (4 * (4 * 2048 + 2 * 2048 + 2 * 1024 + 4 * 5632) + 4 * (2 * 2048 + 18))
-    assert f32.term("logits") == 32000 * (4 * 4 + 4)
+    assert f32.term("logits") == 32000 * (4 + 4)
     line = est.describe()
-    assert line.startswith("2,121,416 bytes/token = layers 1,442,944 (16 layers x 90,184)") and "bfloat16" in line
+    assert line.startswith("1,673,416 bytes/token = layers 1,442,944 (16 layers x 90,184)") and "bfloat16" in line
 
 
 def test_pending_state_of_a_known_model() -> None:

@@ -16,11 +16,11 @@ gradient checkpointing, as named terms:
 * ``backward``: the working set of the layer being differentiated (one more layer's activations;
   two with gradient checkpointing, which recomputes that layer first).
 * ``head``: the final norm's float32 input and the LM head's input (model dtype), per token.
-* ``logits``: ``vocab x (4 x LOGITS_FLOAT32_COPIES + dtype bytes)``: the model-dtype logits and the
-  float32 tensors of the loss (``verl_hf.modeling.token_outputs``: the log-softmax kept for
-  backward, its exp for the entropy, and two float32 gradients in backward). At small models this
-  term dominates; it is counted for every padded token although only response positions get
-  logits, so it errs on the safe side.
+* ``logits``: ``vocab x (4 x LOGITS_FLOAT32_COPIES + 2 x dtype bytes)``: the model-dtype logits and
+  their gradient; the loss's float32 log-softmax is computed a chunk of tokens at a time
+  (:mod:`verl_core.enginekit.token_stats`), so no float32 copy per token is counted. At small
+  models this term dominates; it is counted for every padded token although only response
+  positions get logits, so it errs on the safe side.
 
 :func:`pending_state_bytes` is the memory a trainable engine allocates only at its first update
 (gradients, AdamW's two moments, float32 master gradients), which the free memory read at set-up
@@ -62,10 +62,9 @@ _log = logging.getLogger(__name__)
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each training dtype."""
 
-LOGITS_FLOAT32_COPIES: Final = 4
-"""float32 ``[tokens, vocab]`` tensors a training call holds at its peak (the ``logits`` term).
-
-Lower it when the log-probs are computed in vocabulary chunks."""
+LOGITS_FLOAT32_COPIES: Final = 0
+"""float32 ``[tokens, vocab]`` tensors a training call holds at its peak (the ``logits`` term): none
+since :func:`verl_core.enginekit.token_stats.token_log_probs` works a chunk at a time."""
 
 _FLOAT32: Final = 4
 
@@ -197,9 +196,9 @@ def estimate_token_bytes(
         layers = (n * layer, f"{n} layers x {layer:,}")
         backward = (layer, "one layer's working set")
     head = ((_FLOAT32 + d) * shape.hidden_size, f"final norm and LM head input {shape.hidden_size} x {_FLOAT32 + d} B")
-    per_vocab = _FLOAT32 * LOGITS_FLOAT32_COPIES + d
+    per_vocab = _FLOAT32 * LOGITS_FLOAT32_COPIES + 2 * d
     logits = (shape.vocab_size * per_vocab,
-              f"vocab {shape.vocab_size} x ({LOGITS_FLOAT32_COPIES} float32 copies + the {dtype} logits)")
+              f"vocab {shape.vocab_size} x ({LOGITS_FLOAT32_COPIES} float32 copies + the {dtype} logits and their gradient)")
     return TokenMemoryEstimate(
         (("layers", *layers), ("backward", *backward), ("head", *head), ("logits", *logits)),
         f"{source}, {dtype}{', gradient checkpointing' if gradient_checkpointing else ''}",
