@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,14 @@ def explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Ten
     return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
 
 
+def sdpa(backend: SDPBackend | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """torch's sdpa with the kernel it picks (None) or the one named."""
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, nargs="*", default=[128])
@@ -64,17 +73,15 @@ def main() -> None:
             pad = torch.arange(rows, device="cuda") % 8
             mask = ((slots[None] >= pad[:, None]) & (slots[None] < 2 * length // 3))[:, None, None, :]
             ref = explicit(q.double(), k.double(), v.double(), mask, scale)
+            args = (q, k, v, mask, scale)
             impls: dict[str, Callable[[], Tensor]] = {
-                "sdpa (default choice)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
-                "explicit matmuls, eager": lambda: explicit(q, k, v, mask, scale),
-                "explicit matmuls, compiled": lambda: compiled(q, k, v, mask, scale),
+                "sdpa (default choice)": partial(sdpa, None, *args),
+                "explicit matmuls, eager": partial(explicit, *args),
+                "explicit matmuls, compiled": partial(compiled, *args),
+                "sdpa efficient": partial(sdpa, SDPBackend.EFFICIENT_ATTENTION, *args),
+                "sdpa math": partial(sdpa, SDPBackend.MATH, *args),
+                "sdpa cudnn": partial(sdpa, SDPBackend.CUDNN_ATTENTION, *args),
             }
-            for name, backend in (("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa math", SDPBackend.MATH),
-                                  ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
-                def run(backend: SDPBackend = backend) -> Tensor:
-                    with sdpa_kernel([backend]):
-                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-                impls[name] = run
             nbytes = 2 * k.numel() * k.element_size()
             for name, fn in impls.items():
                 try:
