@@ -247,6 +247,14 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_samples() -> None:
             assert torch.equal(a[field], b[field]), f"{field} differs with a compiled decode step"
         assert_close(b["rollout_log_probs"], a["rollout_log_probs"], dtype="float32", quantity="log_probs")
     assert compiled._compiled is not None
+    # The first decode of each shape compiled the step: timed once per shape, reported and logged.
+    seconds = compiled.compile_seconds
+    assert len(seconds) == 1 and all(t > 0 for t in seconds.values())
+    (rows, width), = seconds
+    assert rows == 3 * PARAMS[0].n and width % 32 == 0
+    compiled.generate(p, PARAMS[0])
+    assert compiled.compile_seconds == seconds  # the same shape again: nothing compiles
+    assert eager.compile_seconds == {}
     with pytest.raises(ConfigError, match="rollout_compile"):
         engine("llama", rollout_cache="dynamic", rollout_compile=True)
 

@@ -47,7 +47,13 @@ from verl_core.kernel.weights import (
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
-from verl_hf.rollout_decode import HFStaticDecoder, decode_dynamic, decode_mode, full_attention
+from verl_hf.rollout_decode import (
+    HFStaticDecoder,
+    decode_dynamic,
+    decode_mode,
+    full_attention,
+    log_compile,
+)
 from verl_hf.rollout_request import concat_responses
 from verl_hf.rollout_weights import (
     apply_stream,
@@ -112,6 +118,8 @@ class HFRolloutEngine(RolloutEngineBase):
         self._expected: dict[str, TensorInfo] = {}
         # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use.
         self._compiled: Any = None
+        # Seconds of the first decode of each (rows, prompt width) with a compiled step (it compiles).
+        self._first_compiled: dict[tuple[int, int], float] = {}
         # The static decoder of the last shape and sampling configuration, kept for reuse.
         self._decoders: StaticDecoders[HFStaticDecoder] = StaticDecoders()
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
@@ -151,6 +159,12 @@ class HFRolloutEngine(RolloutEngineBase):
         or ``static+compile+cuda-graphs`` (and why graphs are not used when capture failed)."""
         return decode_mode(self._options, self._graphs_error)
 
+    @property
+    def compile_seconds(self) -> Mapping[tuple[int, int], float]:
+        """Wall seconds of the first decode of each (rows, prompt width) under ``rollout_compile``:
+        compiling the decode step for that shape, then decoding (later calls of the shape reuse it)."""
+        return dict(self._first_compiled)
+
     def log_probs_exact(self, params: SamplingParams) -> bool:
         """Always True: log-probs are taken before truncation at the sampling temperature."""
         return True
@@ -189,13 +203,20 @@ class HFRolloutEngine(RolloutEngineBase):
             # step serve batches whose prompts differ in length.
             chunk = chunk.pad_prompts(static_prompt_width(chunk["prompt_ids"].shape[1]))
             decoder = self._static_decoder(chunk, params, stop_ids, uniforms)
+            shape = tuple(chunk["prompt_ids"].shape)
+            compiling = self._options.rollout_compile and shape not in self._first_compiled
+            started = time.perf_counter()
             decoder.start(chunk, uniforms)
             if self._options.rollout_cuda_graphs and self._graphs_error is None:
                 self._graphs_error = decoder.run_with_graph()
             else:
                 # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
                 decoder.run(check_every=8 if self._device.type == "cuda" else 1)
-            return decoder.result()
+            result = decoder.result()
+            if compiling:
+                self._first_compiled[(shape[0], shape[1])] = seconds = time.perf_counter() - started
+                log_compile(shape[0], shape[1], seconds)
+            return result
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, uniforms)
         return decode_dynamic(self._model, chunk, sampler, params.max_new_tokens, self._device)
 

@@ -7,6 +7,7 @@ dynamic decode of the same prompts and seeds draw the same tokens.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ from verl_core.kernel.errors import ConfigError
 from verl_hf.config import HFOptions
 from verl_hf.modeling import cache_keyword, position_ids
 
-__all__ = ["HFStaticDecoder", "decode_dynamic", "decode_mode", "full_attention"]
+__all__ = ["HFStaticDecoder", "decode_dynamic", "decode_mode", "full_attention", "log_compile"]
+
+log = logging.getLogger("verl_hf.rollout")
 
 
 class HFStaticDecoder(StaticDecodeLoop):
@@ -154,6 +157,19 @@ def decode_mode(options: HFOptions, graphs_error: str | None) -> str:
     if graphs_error is not None:
         return f"static (CUDA graph capture failed: {graphs_error})"
     return "static+cuda-graphs"
+
+
+def log_compile(rows: int, width: int, seconds: float) -> None:
+    """Log the first decode of a shape under ``rollout_compile`` (it compiled the decode step) and
+    where inductor caches what it compiled, which shortens the next run's compile of that shape."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        where = f"inductor's cache: {cache_dir()}"
+    except (ImportError, AttributeError):  # another torch layout: the message names no folder
+        where = "inductor's on-disk cache"
+    log.info("hf rollout: first decode of %d rows x %d prompt tokens took %.1f s, compiling the decode step "
+             "(later calls of this shape reuse it; %s)", rows, width, seconds, where)
 
 
 def full_attention(config: Any) -> bool:
