@@ -84,6 +84,7 @@ class HFModelRollout(HFRolloutEngine):
         self._weights = None
         self._graphs_error = None
         self._compiled = None
+        self._first_compiled: dict[tuple[int, int], float] = {}
         self._decoders = StaticDecoders()
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
         self._host = None
