@@ -86,7 +86,11 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
         ``(inverse, counts)``: ``inverse[b]`` in ``[0, G)`` numbers the group of sample ``b``;
         ``counts[g]`` is the size of group ``g`` (int64).
     """
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if group_ids.numel() > 1 and bool((group_ids[1:] >= group_ids[:-1]).all()):
+        # sorted ids (a trainer numbers groups in order): runs are groups, and no sort is needed
+        _, inverse, counts = torch.unique_consecutive(group_ids, return_inverse=True, return_counts=True)
+    else:
+        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     return inverse, counts
 
 
@@ -94,34 +98,20 @@ def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
 
 
-# a bool mask viewed as int64 holds 8 mask bytes per word; a word of 8 True bytes is _ONES
-_ONES = 0x0101010101010101
-# at most this many words are summed together: 127 * _ONES < 2**63
-_MAX_WORDS = 127
-
-
-@functools.lru_cache(maxsize=32)
-def _word_sums(words: int, device: torch.device) -> Tensor:
-    """Every sum of ``words`` mask words of a right-padded row, in order (read-only, shared).
-
-    A right-padded run of ``n`` True bytes is ``n // 8`` words of ``_ONES`` and one word holding
-    ``n % 8`` low bytes of 1, so its sum is ``(n // 8) * _ONES + (256**(n % 8) - 1) // 255``:
-    increasing in ``n``, so ``n`` is the position of a sum among these.
-    """
-    n = torch.arange(8 * words + 1, dtype=torch.int64)
-    part = torch.tensor([(256**k - 1) // 255 for k in range(8)], dtype=torch.int64)
-    return (torch.div(n, 8, rounding_mode="floor") * _ONES + part[n % 8]).to(device)
+# at most this many int64 mask words are summed together: each byte of their sum counts the words
+# whose byte at that place is True, at most 255, so no byte carries into the next
+_MAX_WORDS = 255
 
 
 def _lengths(mask: Tensor) -> Tensor:
     """Response lengths (int64 ``[batch]``) of a right-padded bool mask.
 
     The mask's bytes are read 8 at a time as int64 words and summed per row (a vectorised
-    integer reduction, where a sum over a bool mask is a slow non-vectorised one); the sum of a
-    right-padded row's words names its length (:func:`_word_sums`), found by a binary search.
-    Masks whose rows are not a whole number of words (or that are not contiguous) are searched
-    per row instead: the negation of a right-padded row is sorted, so its length is where the
-    first 1 stands.
+    integer reduction, where a sum over a bool mask is a slow non-vectorised one); each byte of
+    that sum counts the True bytes at one place of the words, so the sum of its 8 bytes is the
+    row's count of True. Masks whose rows are not a whole number of words (or that are not
+    contiguous) are searched per row instead: the negation of a right-padded row is sorted, so
+    its length is where the first 1 stands.
     """
     B, T = mask.shape
     dev = mask.device
@@ -132,11 +122,9 @@ def _lengths(mask: Tensor) -> Tensor:
         one = torch.ones(B, 1, dtype=torch.uint8, device=dev)
         return torch.searchsorted(pad, one).squeeze(1)
     W = T // 8
-    chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # sums that fit int64
+    chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # no byte carries
     sums = mask.view(torch.int64).view(B, chunks, W // chunks).sum(-1)
-    # a chunk's length is the count of possible sums below its own
-    lengths = torch.searchsorted(_word_sums(W // chunks, dev), sums)
-    return lengths.squeeze(1) if chunks == 1 else lengths.sum(-1)
+    return sums.view(torch.uint8).view(B, chunks * 8).sum(-1)
 
 
 def _mask_from_lengths(lengths: Tensor, width: int, out: Tensor | None = None) -> Tensor:
@@ -195,6 +183,8 @@ def _prefix_sums(x: Tensor, lengths: Tensor) -> Tensor:
     block_sums = x[:, :whole].reshape(B, nb, K).sum(-1)
     # the block each row ends in: the last one for a row that reaches the last whole block's end
     end = torch.div(lengths, K, rounding_mode="floor").clamp_(max=nb - 1)
+    # the blocks before it, read from a running sum that never includes a later block (whose sum
+    # may overflow to inf, which a 0/1 product would turn into NaN)
     before = torch.nn.functional.pad(block_sums, (1, 0)).cumsum_(-1).gather(1, end.unsqueeze(-1)).squeeze(1)
     rest = (lengths.clamp(max=whole) if whole < T else lengths) - end * K  # values of the end block, 0..K
     if whole == T:  # the end blocks are rows of the [batch * blocks, K] view
