@@ -600,3 +600,22 @@ def test_outcome_sums_ignore_junk_whose_block_sums_overflow() -> None:
     for est in (grpo, rloo):
         a, j = est(clean)["advantages"], est(clean.update(token_rewards=junk))["advantages"]
         assert torch.isfinite(j).all() and torch.equal(a, j)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_groups_of_consecutive_samples_match_reference_and_shuffled_ids(size: int) -> None:
+    """Runs of equal size are reduced along rows; the result is the reference's and the shuffled batch's."""
+    B = 4 * size
+    lengths = [(3 * i) % 7 for i in range(B)]
+    runs = random_batch(size, lengths, 6, [i // size for i in range(B)])
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(size))
+    shuffled = TensorBatch({k: v[perm] for k, v in runs.items()})
+    assert not bool((shuffled["group_ids"][1:] >= shuffled["group_ids"][:-1]).all())  # takes the general path
+    for norm in (True, False):
+        out = grpo(runs, GRPOConfig(norm_by_std=norm))["advantages"]
+        close(out, ref_grpo(runs, norm), 1e-4)
+        close(grpo(shuffled, GRPOConfig(norm_by_std=norm))["advantages"], out[perm], 1e-6)
+    close(rloo(runs)["advantages"], ref_rloo(runs))
+    close(rloo(shuffled)["advantages"], rloo(runs)["advantages"][perm], 1e-6)
+    base = reinforce_pp_baseline(runs)["advantages"]
+    close(reinforce_pp_baseline(shuffled)["advantages"], base[perm], 1e-6)

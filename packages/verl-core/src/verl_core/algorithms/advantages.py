@@ -3,8 +3,9 @@
 Each estimator is a function ``(batch, config) -> batch`` of the *global* batch (the whitening
 estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[batch, response]``,
 0 where ``response_mask`` is False). Everything is vectorised: groups (from ``group_ids``) are
-reduced with ``torch.unique`` + ``index_add``; discounted sums over time use blocked matrix
-products, with no Python loop over samples, groups or tokens.
+found with ``torch.unique`` (no sort when the ids are sorted) and reduced with ``index_add``, or
+along rows when they are runs of equal size (``_groups``); discounted sums over time use blocked
+matrix products, with no Python loop over samples, groups or tokens.
 
 Speed (these functions are memory-bound on CPU): the response lengths come from summing the
 right-padded mask as int64 words (``_lengths``), float masks are written from the lengths
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,16 +88,39 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
         ``(inverse, counts)``: ``inverse[b]`` in ``[0, G)`` numbers the group of sample ``b``;
         ``counts[g]`` is the size of group ``g`` (int64).
     """
+    groups = _groups(group_ids)
+    return groups.inverse, groups.counts
+
+
+class _Groups(NamedTuple):
+    """The groups of a batch's samples (:func:`_groups`)."""
+
+    inverse: Tensor  # dense group index of each sample
+    counts: Tensor  # size of each group
+    run: int  # n when the groups are runs of n consecutive samples, else 0
+
+    def size(self) -> Tensor:
+        """The size of each sample's group (float64 ``[batch]``)."""
+        if self.run:
+            return torch.full(self.inverse.shape, float(self.run), dtype=torch.float64, device=self.inverse.device)
+        return self.counts.to(torch.float64)[self.inverse]
+
+    def sum(self, values: Tensor) -> Tensor:
+        """The sum of ``values`` (``[batch]``) over each sample's group, per sample."""
+        if self.run:  # one row per group: a reduction along rows instead of an index_add
+            return values.view(-1, self.run).sum(-1, keepdim=True).expand(-1, self.run).reshape(-1)
+        total = torch.zeros(len(self.counts), dtype=values.dtype, device=values.device)
+        return total.index_add_(0, self.inverse, values)[self.inverse]
+
+
+def _groups(group_ids: Tensor) -> _Groups:
+    """The groups of ``group_ids``; sorted ids (a trainer numbers groups in order) need no sort."""
     if group_ids.numel() > 1 and bool((group_ids[1:] >= group_ids[:-1]).all()):
-        # sorted ids (a trainer numbers groups in order): runs are groups, and no sort is needed
         _, inverse, counts = torch.unique_consecutive(group_ids, return_inverse=True, return_counts=True)
-    else:
-        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    return inverse, counts
-
-
-def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
-    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+        run = int(counts[0]) if bool((counts == counts[0]).all()) else 0
+        return _Groups(inverse, counts, run)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return _Groups(inverse, counts, 0)
 
 
 # at most this many int64 mask words are summed together: each byte of their sum counts the words
@@ -392,15 +417,13 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     config = config or GRPOConfig()
     batch.require("response_mask", "group_ids", where="GRPO")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    n = counts.to(torch.float64)
-    single = counts == 1
-    mean = torch.where(single, 0.0, _group_sum(scores, inv, len(counts)) / n)
-    centered = scores - mean[inv]
+    groups = _groups(batch["group_ids"])
+    n = groups.size()
+    single = n == 1
+    centered = scores - torch.where(single, 0.0, groups.sum(scores) / n)
     if config.norm_by_std:
-        var = _group_sum(centered.square(), inv, len(counts)) / (n - 1).clamp_min(1)
-        std = torch.where(single, 1.0, var.sqrt())
-        centered = centered / (std[inv] + config.epsilon)
+        var = groups.sum(centered.square()) / (n - 1).clamp_min(1)
+        centered = centered / (torch.where(single, 1.0, var.sqrt()) + config.epsilon)
     adv = _broadcast(centered, lengths, batch["response_mask"].shape[-1])
     return _finish(batch, adv, adv)
 
@@ -414,10 +437,9 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     """
     batch.require("response_mask", "group_ids", where="RLOO")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    n = counts.to(torch.float64)[inv]
-    total = _group_sum(scores, inv, len(counts))[inv]
-    adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp_min(1), scores)
+    groups = _groups(batch["group_ids"])
+    n = groups.size()
+    adv = torch.where(n > 1, (n * scores - groups.sum(scores)) / (n - 1).clamp_min(1), scores)
     out = _broadcast(adv, lengths, batch["response_mask"].shape[-1])
     return _finish(batch, out, out)
 
@@ -449,9 +471,9 @@ def reinforce_pp_baseline(
     config = config or ReinforcePPBaselineConfig()
     batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    mean = torch.where(counts == 1, 0.0, _group_sum(scores, inv, len(counts)) / counts.to(torch.float64))
-    per_seq = (scores - mean[inv]).to(torch.float32)
+    groups = _groups(batch["group_ids"])
+    n = groups.size()
+    per_seq = (scores - torch.where(n == 1, 0.0, groups.sum(scores) / n)).to(torch.float32)
     if config.whiten:
         per_seq = _whiten_per_sequence(per_seq, lengths)
     adv = _broadcast(per_seq, lengths, batch["response_mask"].shape[-1])
