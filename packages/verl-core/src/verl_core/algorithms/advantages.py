@@ -93,22 +93,31 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _Groups(NamedTuple):
-    """The groups of a batch's samples (:func:`_groups`)."""
+    """The groups of a batch's samples (:func:`_groups`).
+
+    Per-sample values are laid out by :meth:`rows` (``[groups, n]`` when the groups are runs of
+    ``n`` consecutive samples, else ``[batch]``); :meth:`size` and :meth:`sum` broadcast against
+    that layout, so one formula serves both.
+    """
 
     inverse: Tensor  # dense group index of each sample
     counts: Tensor  # size of each group
     run: int  # n when the groups are runs of n consecutive samples, else 0
 
+    def rows(self, values: Tensor) -> Tensor:
+        """``values`` (``[batch]``) as ``[groups, n]`` for runs (a view), else as they are."""
+        return values.view(-1, self.run) if self.run else values
+
     def size(self) -> Tensor:
-        """The size of each sample's group (float64 ``[batch]``)."""
+        """The group size of each sample (float64; one 0-dim value for runs)."""
         if self.run:
-            return torch.full(self.inverse.shape, float(self.run), dtype=torch.float64, device=self.inverse.device)
+            return torch.tensor(float(self.run), dtype=torch.float64, device=self.inverse.device)
         return self.counts.to(torch.float64)[self.inverse]
 
     def sum(self, values: Tensor) -> Tensor:
-        """The sum of ``values`` (``[batch]``) over each sample's group, per sample."""
+        """The sum over each sample's group of ``values`` laid out by :meth:`rows`."""
         if self.run:  # one row per group: a reduction along rows instead of an index_add
-            return values.view(-1, self.run).sum(-1, keepdim=True).expand(-1, self.run).reshape(-1)
+            return values.sum(-1, keepdim=True)
         total = torch.zeros(len(self.counts), dtype=values.dtype, device=values.device)
         return total.index_add_(0, self.inverse, values)[self.inverse]
 
@@ -418,13 +427,13 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     batch.require("response_mask", "group_ids", where="GRPO")
     scores, lengths = _outcome(batch)
     groups = _groups(batch["group_ids"])
-    n = groups.size()
+    x, n = groups.rows(scores), groups.size()
     single = n == 1
-    centered = scores - torch.where(single, 0.0, groups.sum(scores) / n)
+    centered = x - torch.where(single, 0.0, groups.sum(x) / n)
     if config.norm_by_std:
         var = groups.sum(centered.square()) / (n - 1).clamp_min(1)
         centered = centered / (torch.where(single, 1.0, var.sqrt()) + config.epsilon)
-    adv = _broadcast(centered, lengths, batch["response_mask"].shape[-1])
+    adv = _broadcast(centered.reshape(-1), lengths, batch["response_mask"].shape[-1])
     return _finish(batch, adv, adv)
 
 
@@ -438,9 +447,9 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     batch.require("response_mask", "group_ids", where="RLOO")
     scores, lengths = _outcome(batch)
     groups = _groups(batch["group_ids"])
-    n = groups.size()
-    adv = torch.where(n > 1, (n * scores - groups.sum(scores)) / (n - 1).clamp_min(1), scores)
-    out = _broadcast(adv, lengths, batch["response_mask"].shape[-1])
+    x, n = groups.rows(scores), groups.size()
+    adv = torch.where(n > 1, (n * x - groups.sum(x)) / (n - 1).clamp_min(1), x)
+    out = _broadcast(adv.reshape(-1), lengths, batch["response_mask"].shape[-1])
     return _finish(batch, out, out)
 
 
@@ -472,8 +481,8 @@ def reinforce_pp_baseline(
     batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
     scores, lengths = _outcome(batch)
     groups = _groups(batch["group_ids"])
-    n = groups.size()
-    per_seq = (scores - torch.where(n == 1, 0.0, groups.sum(scores) / n)).to(torch.float32)
+    x, n = groups.rows(scores), groups.size()
+    per_seq = (x - torch.where(n == 1, 0.0, groups.sum(x) / n)).reshape(-1).to(torch.float32)
     if config.whiten:
         per_seq = _whiten_per_sequence(per_seq, lengths)
     adv = _broadcast(per_seq, lengths, batch["response_mask"].shape[-1])
