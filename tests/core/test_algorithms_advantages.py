@@ -29,6 +29,7 @@ from verl_core.algorithms import (
     remax,
     rloo,
 )
+from verl_core.algorithms.advantages import _lengths, group_index
 from verl_core.algorithms.kl import AdaptiveKLController, FixedKLController
 from verl_core.kernel.errors import BatchValidationError
 
@@ -566,3 +567,55 @@ def test_wide_rows_match_reference(width: int) -> None:
     # a mask that is a view into a wider one is not read as whole words
     wide = torch.cat([torch.zeros(B, 8, dtype=torch.bool), mask], 1)[:, 8:]
     assert torch.equal(grpo(b.update(response_mask=wide))["advantages"], grpo(b)["advantages"])
+
+
+@pytest.mark.parametrize("width", [8, 1024, 1032, 2040, 2048, 8 * 257])
+def test_lengths_from_mask_words_count_every_true(width: int) -> None:
+    """The word sums count the True bytes of a row (sums of up to 255 words never carry)."""
+    g = torch.Generator().manual_seed(width)
+    lengths = torch.randint(0, width + 1, (9,), generator=g)
+    lengths[:2] = torch.tensor([0, width])
+    assert torch.equal(_lengths(make_mask(lengths.tolist(), width)), lengths)
+    scattered = torch.rand(9, width, generator=g) < 0.5  # not right-padded: still the count of True
+    assert torch.equal(_lengths(scattered), scattered.sum(-1))
+
+
+@pytest.mark.parametrize("ids", [[3, 3, 5, 5, 5, 9], [5, 3, 5, 9, 3, 5], [4], [2, 2], []])
+def test_group_index_matches_unique_for_sorted_and_unsorted_ids(ids: list[int]) -> None:
+    gid = torch.tensor(ids, dtype=torch.int64)
+    _, inverse, counts = torch.unique(gid, return_inverse=True, return_counts=True)
+    got_inverse, got_counts = group_index(gid)
+    assert torch.equal(got_inverse, inverse) and torch.equal(got_counts, counts)
+
+
+def test_outcome_sums_ignore_junk_whose_block_sums_overflow() -> None:
+    """Finite junk past the length whose block sums overflow to inf leaves the totals finite and exact."""
+    width = 256
+    lengths = [0, 5, 64, 100, 255, 256]
+    mask = make_mask(lengths, width)
+    r = torch.randn(len(lengths), width, generator=torch.Generator().manual_seed(0)).where(mask, 0.0)
+    junk = torch.where(mask, r, 3e38)
+    assert torch.isinf(junk.view(len(lengths), -1, 64).sum(-1)).any()  # the junk blocks do overflow
+    clean = TensorBatch({"response_mask": mask, "token_rewards": r, "group_ids": torch.arange(len(lengths))})
+    for est in (grpo, rloo):
+        a, j = est(clean)["advantages"], est(clean.update(token_rewards=junk))["advantages"]
+        assert torch.isfinite(j).all() and torch.equal(a, j)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_groups_of_consecutive_samples_match_reference_and_shuffled_ids(size: int) -> None:
+    """Runs of equal size are reduced along rows; the result is the reference's and the shuffled batch's."""
+    B = 4 * size
+    lengths = [(3 * i) % 7 for i in range(B)]
+    runs = random_batch(size, lengths, 6, [i // size for i in range(B)])
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(size))
+    shuffled = TensorBatch({k: v[perm] for k, v in runs.items()})
+    assert not bool((shuffled["group_ids"][1:] >= shuffled["group_ids"][:-1]).all())  # takes the general path
+    for norm in (True, False):
+        out = grpo(runs, GRPOConfig(norm_by_std=norm))["advantages"]
+        close(out, ref_grpo(runs, norm), 1e-4)
+        close(grpo(shuffled, GRPOConfig(norm_by_std=norm))["advantages"], out[perm], 1e-6)
+    close(rloo(runs)["advantages"], ref_rloo(runs))
+    close(rloo(shuffled)["advantages"], rloo(runs)["advantages"][perm], 1e-6)
+    base = reinforce_pp_baseline(runs)["advantages"]
+    close(reinforce_pp_baseline(shuffled)["advantages"], base[perm], 1e-6)

@@ -3,8 +3,9 @@
 Each estimator is a function ``(batch, config) -> batch`` of the *global* batch (the whitening
 estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[batch, response]``,
 0 where ``response_mask`` is False). Everything is vectorised: groups (from ``group_ids``) are
-reduced with ``torch.unique`` + ``index_add``; discounted sums over time use blocked matrix
-products, with no Python loop over samples, groups or tokens.
+found with ``torch.unique`` (no sort when the ids are sorted) and reduced with ``index_add``, or
+along rows when they are runs of equal size (``_groups``); discounted sums over time use blocked
+matrix products, with no Python loop over samples, groups or tokens.
 
 Speed (these functions are memory-bound on CPU): the response lengths come from summing the
 right-padded mask as int64 words (``_lengths``), float masks are written from the lengths
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,42 +88,64 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
         ``(inverse, counts)``: ``inverse[b]`` in ``[0, G)`` numbers the group of sample ``b``;
         ``counts[g]`` is the size of group ``g`` (int64).
     """
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    return inverse, counts
+    groups = _groups(group_ids)
+    return groups.inverse, groups.counts
 
 
-def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
-    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+class _Groups(NamedTuple):
+    """The groups of a batch's samples (:func:`_groups`).
 
-
-# a bool mask viewed as int64 holds 8 mask bytes per word; a word of 8 True bytes is _ONES
-_ONES = 0x0101010101010101
-# at most this many words are summed together: 127 * _ONES < 2**63
-_MAX_WORDS = 127
-
-
-@functools.lru_cache(maxsize=32)
-def _word_sums(words: int, device: torch.device) -> Tensor:
-    """Every sum of ``words`` mask words of a right-padded row, in order (read-only, shared).
-
-    A right-padded run of ``n`` True bytes is ``n // 8`` words of ``_ONES`` and one word holding
-    ``n % 8`` low bytes of 1, so its sum is ``(n // 8) * _ONES + (256**(n % 8) - 1) // 255``:
-    increasing in ``n``, so ``n`` is the position of a sum among these.
+    Per-sample values are laid out by :meth:`rows` (``[groups, n]`` when the groups are runs of
+    ``n`` consecutive samples, else ``[batch]``); :meth:`size` and :meth:`sum` broadcast against
+    that layout, so one formula serves both.
     """
-    n = torch.arange(8 * words + 1, dtype=torch.int64)
-    part = torch.tensor([(256**k - 1) // 255 for k in range(8)], dtype=torch.int64)
-    return (torch.div(n, 8, rounding_mode="floor") * _ONES + part[n % 8]).to(device)
+
+    inverse: Tensor  # dense group index of each sample
+    counts: Tensor  # size of each group
+    run: int  # n when the groups are runs of n consecutive samples, else 0
+
+    def rows(self, values: Tensor) -> Tensor:
+        """``values`` (``[batch]``) as ``[groups, n]`` for runs (a view), else as they are."""
+        return values.view(-1, self.run) if self.run else values
+
+    def size(self) -> Tensor:
+        """The group size of each sample (float64; one 0-dim value for runs)."""
+        if self.run:
+            return torch.tensor(float(self.run), dtype=torch.float64, device=self.inverse.device)
+        return self.counts.to(torch.float64)[self.inverse]
+
+    def sum(self, values: Tensor) -> Tensor:
+        """The sum over each sample's group of ``values`` laid out by :meth:`rows`."""
+        if self.run:  # one row per group: a reduction along rows instead of an index_add
+            return values.sum(-1, keepdim=True)
+        total = torch.zeros(len(self.counts), dtype=values.dtype, device=values.device)
+        return total.index_add_(0, self.inverse, values)[self.inverse]
+
+
+def _groups(group_ids: Tensor) -> _Groups:
+    """The groups of ``group_ids``; sorted ids (a trainer numbers groups in order) need no sort."""
+    if group_ids.numel() > 1 and bool((group_ids[1:] >= group_ids[:-1]).all()):
+        _, inverse, counts = torch.unique_consecutive(group_ids, return_inverse=True, return_counts=True)
+        run = int(counts[0]) if bool((counts == counts[0]).all()) else 0
+        return _Groups(inverse, counts, run)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return _Groups(inverse, counts, 0)
+
+
+# at most this many int64 mask words are summed together: each byte of their sum counts the words
+# whose byte at that place is True, at most 255, so no byte carries into the next
+_MAX_WORDS = 255
 
 
 def _lengths(mask: Tensor) -> Tensor:
     """Response lengths (int64 ``[batch]``) of a right-padded bool mask.
 
     The mask's bytes are read 8 at a time as int64 words and summed per row (a vectorised
-    integer reduction, where a sum over a bool mask is a slow non-vectorised one); the sum of a
-    right-padded row's words names its length (:func:`_word_sums`), found by a binary search.
-    Masks whose rows are not a whole number of words (or that are not contiguous) are searched
-    per row instead: the negation of a right-padded row is sorted, so its length is where the
-    first 1 stands.
+    integer reduction, where a sum over a bool mask is a slow non-vectorised one); each byte of
+    that sum counts the True bytes at one place of the words, so the sum of its 8 bytes is the
+    row's count of True. Masks whose rows are not a whole number of words (or that are not
+    contiguous) are searched per row instead: the negation of a right-padded row is sorted, so
+    its length is where the first 1 stands.
     """
     B, T = mask.shape
     dev = mask.device
@@ -132,11 +156,9 @@ def _lengths(mask: Tensor) -> Tensor:
         one = torch.ones(B, 1, dtype=torch.uint8, device=dev)
         return torch.searchsorted(pad, one).squeeze(1)
     W = T // 8
-    chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # sums that fit int64
+    chunks = next(n for n in range(-(-W // _MAX_WORDS), W + 1) if W % n == 0)  # no byte carries
     sums = mask.view(torch.int64).view(B, chunks, W // chunks).sum(-1)
-    # a chunk's length is the count of possible sums below its own
-    lengths = torch.searchsorted(_word_sums(W // chunks, dev), sums)
-    return lengths.squeeze(1) if chunks == 1 else lengths.sum(-1)
+    return sums.view(torch.uint8).view(B, chunks * 8).sum(-1)
 
 
 def _mask_from_lengths(lengths: Tensor, width: int, out: Tensor | None = None) -> Tensor:
@@ -195,6 +217,8 @@ def _prefix_sums(x: Tensor, lengths: Tensor) -> Tensor:
     block_sums = x[:, :whole].reshape(B, nb, K).sum(-1)
     # the block each row ends in: the last one for a row that reaches the last whole block's end
     end = torch.div(lengths, K, rounding_mode="floor").clamp_(max=nb - 1)
+    # the blocks before it, read from a running sum that never includes a later block (whose sum
+    # may overflow to inf, which a 0/1 product would turn into NaN)
     before = torch.nn.functional.pad(block_sums, (1, 0)).cumsum_(-1).gather(1, end.unsqueeze(-1)).squeeze(1)
     rest = (lengths.clamp(max=whole) if whole < T else lengths) - end * K  # values of the end block, 0..K
     if whole == T:  # the end blocks are rows of the [batch * blocks, K] view
@@ -402,16 +426,14 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     config = config or GRPOConfig()
     batch.require("response_mask", "group_ids", where="GRPO")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    n = counts.to(torch.float64)
-    single = counts == 1
-    mean = torch.where(single, 0.0, _group_sum(scores, inv, len(counts)) / n)
-    centered = scores - mean[inv]
+    groups = _groups(batch["group_ids"])
+    x, n = groups.rows(scores), groups.size()
+    single = n == 1
+    centered = x - torch.where(single, 0.0, groups.sum(x) / n)
     if config.norm_by_std:
-        var = _group_sum(centered.square(), inv, len(counts)) / (n - 1).clamp_min(1)
-        std = torch.where(single, 1.0, var.sqrt())
-        centered = centered / (std[inv] + config.epsilon)
-    adv = _broadcast(centered, lengths, batch["response_mask"].shape[-1])
+        var = groups.sum(centered.square()) / (n - 1).clamp_min(1)
+        centered = centered / (torch.where(single, 1.0, var.sqrt()) + config.epsilon)
+    adv = _broadcast(centered.reshape(-1), lengths, batch["response_mask"].shape[-1])
     return _finish(batch, adv, adv)
 
 
@@ -424,11 +446,10 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     """
     batch.require("response_mask", "group_ids", where="RLOO")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    n = counts.to(torch.float64)[inv]
-    total = _group_sum(scores, inv, len(counts))[inv]
-    adv = torch.where(n > 1, (n * scores - total) / (n - 1).clamp_min(1), scores)
-    out = _broadcast(adv, lengths, batch["response_mask"].shape[-1])
+    groups = _groups(batch["group_ids"])
+    x, n = groups.rows(scores), groups.size()
+    adv = torch.where(n > 1, (n * x - groups.sum(x)) / (n - 1).clamp_min(1), x)
+    out = _broadcast(adv.reshape(-1), lengths, batch["response_mask"].shape[-1])
     return _finish(batch, out, out)
 
 
@@ -459,9 +480,9 @@ def reinforce_pp_baseline(
     config = config or ReinforcePPBaselineConfig()
     batch.require("response_mask", "group_ids", where="REINFORCE++ with baseline")
     scores, lengths = _outcome(batch)
-    inv, counts = group_index(batch["group_ids"])
-    mean = torch.where(counts == 1, 0.0, _group_sum(scores, inv, len(counts)) / counts.to(torch.float64))
-    per_seq = (scores - mean[inv]).to(torch.float32)
+    groups = _groups(batch["group_ids"])
+    x, n = groups.rows(scores), groups.size()
+    per_seq = (x - torch.where(n == 1, 0.0, groups.sum(x) / n)).reshape(-1).to(torch.float32)
     if config.whiten:
         per_seq = _whiten_per_sequence(per_seq, lengths)
     adv = _broadcast(per_seq, lengths, batch["response_mask"].shape[-1])
