@@ -2,58 +2,14 @@
 
 from __future__ import annotations
 
-from verl_core import (
-    PROTOCOL_VERSION,
-    BackendSpec,
-    RolloutCapabilities,
-    TrainingCapabilities,
-    hookimpl,
-)
+from verl_core import PROTOCOL_VERSION, BackendSpec, hookimpl
 from verl_core.kernel.capabilities import Capabilities
 from verl_core.kernel.engine import Role
 from verl_core.kernel.weights import WeightSync
+from verl_megatron.capabilities import rollout_capabilities, training_capabilities
 
 _TRAINING = "verl_megatron.training:build_training_engine"
 _ROLLOUT = "verl_megatron.rollout:build_rollout_engine"
-
-
-def rollout_capabilities() -> RolloutCapabilities:
-    """Capabilities of the Megatron rollout engine."""
-    return RolloutCapabilities(
-        temperature=True,
-        top_p=True,
-        top_k=True,
-        stop_token_ids=True,
-        seeding="per_sample",
-        exact_log_probs=True,
-        exact_log_probs_truncated=True,
-        weight_update=True,
-        sleep_frees_memory=False,
-        tensor_parallel=True,
-        pipeline_parallel=False,
-        dtypes=frozenset({"float32", "bfloat16"}),
-        devices=frozenset({"cpu", "cuda"}),
-    )
-
-
-def training_capabilities(role: str) -> TrainingCapabilities:
-    """Capabilities of the Megatron training engine for ``role`` (actor, reference or critic)."""
-    critic = role == "critic"
-    return TrainingCapabilities(
-        log_probs=not critic,
-        entropy=not critic,
-        values=critic,
-        tensor_parallel=True,
-        pipeline_parallel=True,
-        data_parallel=True,
-        micro_batch_tokens=True,
-        packed_sequences=False,
-        gradient_checkpointing=False,
-        offload=False,
-        checkpoint=True,
-        dtypes=frozenset({"float32", "bfloat16"}),
-        devices=frozenset({"cpu", "cuda"}),
-    )
 
 
 @hookimpl

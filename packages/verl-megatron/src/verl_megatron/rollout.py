@@ -49,12 +49,12 @@ from verl_core.enginekit.sampling import (
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
+from verl_megatron.capabilities import rollout_capabilities
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.eager_decode import cached_logits, eager_decode, recomputed_logits
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
-from verl_megatron.plugin import rollout_capabilities
 from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last_logits
 
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]

@@ -47,6 +47,7 @@ from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
+from verl_megatron.capabilities import training_capabilities
 from verl_megatron.convert import StateDictAdapter
 from verl_megatron.core_optimizer import CoreOptimizer
 from verl_megatron.engine_checkpoint import StageCheckpoint
@@ -54,7 +55,6 @@ from verl_megatron.micro_batches import MicroBatchLoop
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import ParallelConfig, init_distributed
-from verl_megatron.plugin import training_capabilities
 from verl_megatron.stage import Stage
 from verl_megatron.stage_optimizer import StageOptimizer
 from verl_megatron.state_switch import TrainingStateSwitch
