@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core import BatchMeta, EngineSpec, GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
+from verl_core.trainer.tiny_model import TinyModelSpec, tiny_model
 from verl_hf.modeling import packed_attention_counts, varlen_attn_available
 from verl_hf.training import HFTrainingEngine
 
