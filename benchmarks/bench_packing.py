@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args()
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype: Literal["float32", "bfloat16"] = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     device = torch.device(args.device)
 
     import transformers
