@@ -1,8 +1,8 @@
 """GPU validation of the hf backend (run on a CUDA machine; not collected by pytest).
 
 Usage: ``python tests/hf/gpu_smoke.py OUT_DIR``. Checks on ``cuda``: log-probs against the float64
-reference, a float32 and a bfloat16 training step, offload/onload round trip, rollout log-probs
-against the actor after a weight sync, the rollout's sleep/wake round trip, and, with two or more GPUs, two-rank FSDP2 over NCCL
+reference, a float32 and a bfloat16 training step, packed against padded bfloat16 micro-batches
+(``varlen_attn``), offload/onload round trip, rollout log-probs against the actor after a weight sync, the rollout's sleep/wake round trip, and, with two or more GPUs, two-rank FSDP2 over NCCL
 against one process. Prints one line per check and writes the lines to ``OUT_DIR/gpu_smoke.txt``.
 """
 
@@ -18,7 +18,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from hf_helpers import unpadded_reference  # noqa: E402
+from hf_helpers import flat_grads, unpadded_reference  # noqa: E402
 
 from verl_conformance.testkit import (  # noqa: E402
     TinyModelSpec,
@@ -35,6 +35,7 @@ from verl_core import (  # noqa: E402
     StreamWeightSync,
 )
 from verl_core.algorithms import Algorithm  # noqa: E402
+from verl_hf.modeling import packed_attention_counts  # noqa: E402
 from verl_hf.rollout import HFRolloutEngine  # noqa: E402
 from verl_hf.training import HFTrainingEngine  # noqa: E402
 
@@ -113,6 +114,22 @@ def main() -> None:
         step = bf.optimizer_step()
         after = bf.forward_backward(bb, loss, stats)["loss"]
         report("cuda bfloat16 step lowers loss", after < before and not step.skipped, f"{before:.4f} -> {after:.4f}")
+        # packed micro-batches (on by default here: bfloat16 on CUDA) against padded ones
+        runs = {}
+        for pack in (False, True):
+            e = HFTrainingEngine(EngineSpec(model_path=path, role="actor", device="cuda", dtype="bfloat16",
+                                            micro_batch_size=3, options={"pack_sequences": pack}))
+            out = e.forward(bb, ["log_probs", "entropy"])
+            e.forward_backward(bb, loss, stats)
+            runs[pack] = (e.packs_sequences, out, flat_grads(e.model))
+        counts = packed_attention_counts()
+        for name in ("log_probs", "entropy"):
+            assert_close(runs[True][1][name], runs[False][1][name], dtype="bfloat16", quantity=name)
+        assert_close(runs[True][2], runs[False][2], dtype="bfloat16", quantity="grad")
+        report("cuda bfloat16 packed == padded (log-probs, entropy, grads)",
+               bf.packs_sequences and runs[True][0] and not runs[False][0] and counts["varlen_attn"] > 0,
+               f"packed attention calls {counts}; log-prob max diff "
+               f"{float((runs[True][1]['log_probs'] - runs[False][1]['log_probs']).abs().max()):.2e}")
     except Exception as e:  # report and continue to the multi-GPU part
         report("single-GPU checks", False, f"{type(e).__name__}: {e}")
     if torch.cuda.device_count() >= 2:

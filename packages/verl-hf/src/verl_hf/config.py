@@ -49,6 +49,19 @@ class HFOptions:
             (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
             spacing accumulate instead of being rounded away. False trains in pure bfloat16.
             Not applied under ``fsdp2`` data parallelism (pure bfloat16 there).
+        pack_sequences: Run training micro-batches (``forward`` and ``forward_backward``)
+            without padding: the real tokens of a micro-batch are laid end to end in one row,
+            positions restart at 0 for each sequence, and attention never crosses sequences
+            (``torch.nn.attention.varlen.varlen_attn``, a CUDA flash kernel; on CPU or in float32
+            an exact per-sequence SDPA loop). Only the tokens before response tokens go through
+            the LM head. The outputs equal the padded path's (up to float rounding). Needs a
+            llama, mistral, qwen2 or qwen3 model with sdpa and full attention in every layer.
+            None (default): on for CUDA engines in bfloat16 where ``varlen_attn`` exists and the
+            model qualifies; True forces it (a ConfigError where the model does not qualify);
+            False keeps padded micro-batches. The micro-batch token budget still counts padded
+            tokens, so packed micro-batches never need more memory than padded ones. An hf
+            backend option: the megatron backend's packed sequences (``PackedSeqParams``) are
+            out of scope and it keeps padded micro-batches.
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -60,6 +73,7 @@ class HFOptions:
     rollout_cuda_graphs: bool | None = None
     rollout_compile: bool | None = None
     master_weights: bool = True
+    pack_sequences: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -93,7 +107,15 @@ class HFOptions:
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
                 "set rollout_cache='static' as well"
             )
-
+        if self.pack_sequences is not None and not isinstance(self.pack_sequences, bool):
+            raise ConfigError(
+                f"HFOptions.pack_sequences must be true, false or null (auto), got {self.pack_sequences!r}"
+            )
+        if self.pack_sequences and self.attn_implementation != "sdpa":
+            raise ConfigError(
+                f"HFOptions.pack_sequences=True runs sdpa-based packed attention, but attn_implementation is "
+                f"{self.attn_implementation!r}; set attn_implementation='sdpa' or pack_sequences=False"
+            )
 
     def resolve_rollout(self, device: torch.device, *, static_ok: bool = True) -> HFOptions:
         """These options with the rollout's ``auto`` choices made for ``device``.

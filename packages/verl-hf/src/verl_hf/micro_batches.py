@@ -34,11 +34,13 @@ class MicroBatchLoop:
         dp: The data-parallel group.
         fsdp: The model is sharded with FSDP2 (it averages gradients over ranks).
         allreduce_bucket_bytes: Bucket size of the gradient all-reduce without FSDP.
+        packed: Run each micro-batch without padding (``token_outputs(packed=True)``; the model
+            is set to the packed attention).
     """
 
     def __init__(
         self, model: Any, kind: ModelKind, device: torch.device, dp: DataParallel, *, fsdp: bool,
-        allreduce_bucket_bytes: int,
+        allreduce_bucket_bytes: int, packed: bool = False,
     ) -> None:
         self._model = model
         self._kind: ModelKind = kind
@@ -46,6 +48,7 @@ class MicroBatchLoop:
         self._dp = dp
         self._fsdp = fsdp
         self._bucket_bytes = allreduce_bucket_bytes
+        self._packed = packed
         # Factor that turns the gradients a backward leaves into the SUM over ranks: FSDP averages
         # over ranks, and scaling by the world size gives the sum (exact for power-of-two worlds).
         # A divide factor of 1 would need PREMUL_SUM, which gloo lacks.
@@ -98,7 +101,7 @@ class MicroBatchLoop:
                     idx, mb = plan[i]
                     out = token_outputs(
                         self._model, mb, wanted, kind=self._kind, temperature=temperature,
-                        always_run=self._fsdp,
+                        always_run=self._fsdp, packed=self._packed,
                     )
                     width = mb.response_len
                     for name, value in out.items():
@@ -131,7 +134,7 @@ class MicroBatchLoop:
                     mb = plan[i][1]
                     out = token_outputs(
                         self._model, mb, needs, kind=self._kind, temperature=temperature,
-                        always_run=self._fsdp,
+                        always_run=self._fsdp, packed=self._packed,
                     )
                     result = loss_fn(mb.update(out), stats)
                     loss = result.loss

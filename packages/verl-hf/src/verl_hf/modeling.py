@@ -9,6 +9,7 @@ tokens at a time (``verl_core.enginekit.token_stats``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import math
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
@@ -28,6 +30,7 @@ from verl_core.kernel.errors import BatchValidationError, ConfigError
 
 __all__ = [
     "GROUPED_SDPA",
+    "PACKED_SDPA",
     "FlatParameters",
     "ModelKind",
     "cache_keyword",
@@ -35,12 +38,17 @@ __all__ = [
     "export_order",
     "grouped_decode_sdpa",
     "load_model",
+    "packed_attention_counts",
+    "packed_sdpa",
+    "packing_unsupported",
     "position_ids",
     "quiet_transformers",
     "register_grouped_sdpa",
+    "register_packed_sdpa",
     "sequence_inputs",
     "token_outputs",
     "validate_inputs",
+    "varlen_attn_available",
 ]
 
 ModelKind = Literal["causal_lm", "value", "reward"]
@@ -250,6 +258,159 @@ def register_grouped_sdpa() -> str:
     return GROUPED_SDPA
 
 
+PACKED_SDPA = "verl_packed_sdpa"
+"""Name of :func:`packed_sdpa` in transformers' attention registry."""
+
+# Decoder families whose attention reads ``config._attn_implementation`` and forwards the model's
+# extra keyword arguments to it (checked against each family's transformers modeling code).
+_PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# How many packed attention calls ran on each kernel (what benchmarks report as the path taken).
+_PACKED_COUNTS = {"varlen_attn": 0, "sdpa_loop": 0}
+
+
+def packed_attention_counts() -> dict[str, int]:
+    """How many packed attention calls ran the flash ``varlen_attn`` kernel or the per-sequence
+    SDPA loop since the process started (per layer and micro-batch)."""
+    return dict(_PACKED_COUNTS)
+
+
+def _varlen_fn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_varlen_fn()).parameters)
+
+
+def varlen_attn_available(device: torch.device) -> bool:
+    """Whether ``torch.nn.attention.varlen.varlen_attn`` (a CUDA flash kernel, torch >= 2.9) can run on ``device``."""
+    return device.type == "cuda" and _varlen_fn() is not None and torch.cuda.is_available()
+
+
+def _varlen_causal(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int,
+                   scale: float) -> Tensor | None:
+    """Causal flash attention over packed ``[tokens, heads, dim]`` tensors, or None where the
+    installed ``varlen_attn`` cannot run this call (CPU, float32, an older signature)."""
+    fn = _varlen_fn()
+    if fn is None or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    params = _varlen_params()
+    kw: dict[str, Any] = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal: every key up to the query, none after
+    elif "is_causal" in params:  # torch 2.9
+        kw["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale != query.shape[-1] ** -0.5:
+        return None
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # query head h reads key/value head h // groups, as transformers' repeat_kv lays them out
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out: Tensor = fn(query, key, value, cu, cu, max_len, max_len, **kw)
+    return out
+
+
+def packed_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' ``sdpa`` attention that also runs packed rows: sequences laid end to end in
+    one row, each attending causally to itself only.
+
+    A call whose keyword arguments carry ``cu_seq_lens_q`` (int32 cumulative sequence lengths,
+    ``[sequences + 1]``) and ``max_length_q`` is packed: it runs
+    ``torch.nn.attention.varlen.varlen_attn`` (a CUDA flash kernel for float16/bfloat16, reading
+    grouped key/value heads in place), elsewhere one ``scaled_dot_product_attention(...,
+    is_causal=True)`` per sequence (exact, slower). Every other call is transformers' own sdpa
+    function, so a model set to this implementation runs padded batches as before.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if query.shape[0] != 1 or dropout != 0.0 or kwargs.get("sliding_window") is not None:
+        raise ValueError("packed attention takes one packed row, no dropout and no sliding window; got "
+                         f"{query.shape[0]} rows, dropout {dropout}, sliding_window {kwargs.get('sliding_window')}")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    max_len = int(kwargs.get("max_length_q") or 0)
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]: the projections' own layout (no copy)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = _varlen_causal(q, k, v, cu, max_len, scale) if max_len > 0 else None
+    if out is not None:
+        _PACKED_COUNTS["varlen_attn"] += 1
+        return out.unsqueeze(0), None
+    _PACKED_COUNTS["sdpa_loop"] += 1
+    gqa = key.shape[1] != query.shape[1]
+    bounds = [int(b) for b in cu.tolist()]
+    parts = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                       scale=scale, enable_gqa=gqa)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]
+    return torch.cat(parts, 2).transpose(1, 2), None
+
+
+def _packed_mask(*args: Any, **kwargs: Any) -> Any:
+    """sdpa's mask, and none for a call without a padding mask: a packed call's attention reads
+    the sequence boundaries instead, so the [tokens, tokens] block mask is never built."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_packed_sdpa() -> str:
+    """Register :func:`packed_sdpa` (and its mask format) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, _packed_mask)
+    return PACKED_SDPA
+
+
+def packing_unsupported(model: Any) -> str | None:
+    """Why ``model`` cannot run packed sequences (None: it can).
+
+    Packing needs a decoder family known to pass extra keyword arguments to its attention
+    function (llama, mistral, qwen2, qwen3), sdpa attention and full attention in every layer.
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _PACKABLE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(_PACKABLE_MODEL_TYPES)}"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", PACKED_SDPA):
+        return f"attention implementation {impl!r} is not 'sdpa'"
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [t for t in layer_types if t != "full_attention"]
+    if sliding or (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        return "the model has sliding-window attention layers"
+    return None
+
+
 def _architectures(path: str) -> list[str]:
     from transformers import AutoConfig
 
@@ -346,13 +507,19 @@ def token_outputs(
     kind: ModelKind,
     temperature: float,
     always_run: bool = False,
+    packed: bool = False,
 ) -> dict[str, Tensor]:
     """Per-response-token ``log_probs``/``entropy`` (causal LM) or ``values`` (value model).
 
     Runs one forward (with autograd when enabled by the caller) and returns float32 tensors
     [batch, response] that hold 0 where ``response_mask`` is False. A batch without response
     columns skips the model unless ``always_run`` (sharded models need every rank's forward).
+    With ``packed`` (a model set to :data:`PACKED_SDPA`) the padding is dropped and the sequences
+    run as one packed row (:func:`_packed_outputs`); the outputs are the same.
     """
+    if (packed and batch.response_len > 0 and batch.prompt_len > 0
+            and bool(batch["response_mask"].any())):
+        return _packed_outputs(model, batch, outputs, kind=kind, temperature=temperature)
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
     rmask = batch["response_mask"]
@@ -384,6 +551,50 @@ def token_outputs(
     if ent is not None:
         result["entropy"] = torch.where(rmask, ent, 0.0)
     return result
+
+
+def _packed_outputs(
+    model: Any, batch: TensorBatch, outputs: Collection[str], *, kind: ModelKind, temperature: float
+) -> dict[str, Tensor]:
+    """:func:`token_outputs` without padding: every real token of the micro-batch in one row.
+
+    Each sequence (its prompt, then its response) keeps its own positions ``0 .. len - 1``; the
+    cumulative sequence lengths reach :func:`packed_sdpa` through the model's keyword arguments
+    (transformers passes them down to every attention call, also when a checkpointed layer is
+    recomputed), so no sequence attends to another. Only the hidden states of the tokens that
+    precede a response token go through the LM head (``logits_to_keep`` as indices); the
+    per-token results are scattered back to ``[batch, response]`` with zeros elsewhere.
+    """
+    ids, mask, pos = sequence_inputs(batch)
+    p, r = batch.prompt_len, batch.response_len
+    rmask = batch["response_mask"]
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    max_len = int(lengths.max())
+    # index in the packed row of every real token; response token t reads the token before it
+    where = (mask.flatten().long().cumsum(0) - 1).view_as(mask)
+    keep = where[:, p - 1 : p + r - 1][rmask]
+    inputs: dict[str, Any] = {
+        "input_ids": ids[mask].unsqueeze(0), "position_ids": pos[mask].unsqueeze(0), "use_cache": False,
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len,
+    }
+    if kind == "value":
+        values = model(**inputs).logits[0, keep, 0].float()
+        return {"values": _unpack(values, rmask)}
+    logits = model(**inputs, logits_to_keep=keep).logits
+    lp, ent = token_log_probs(logits, batch["response_ids"][rmask].unsqueeze(0), temperature=temperature,
+                              entropy="entropy" in outputs)
+    result: dict[str, Tensor] = {}
+    if "log_probs" in outputs:
+        result["log_probs"] = _unpack(lp[0], rmask)
+    if ent is not None:
+        result["entropy"] = _unpack(ent[0], rmask)
+    return result
+
+
+def _unpack(values: Tensor, mask: Tensor) -> Tensor:
+    """``values`` (one per True of ``mask``, in row-major order) at their places in ``mask``'s shape, 0 elsewhere."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def cache_keyword(model: nn.Module) -> str:

@@ -44,7 +44,15 @@ from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
 from verl_hf.engine_checkpoint import EngineCheckpoint
 from verl_hf.micro_batches import MicroBatchLoop
-from verl_hf.modeling import FlatParameters, ModelKind, load_model, validate_inputs
+from verl_hf.modeling import (
+    FlatParameters,
+    ModelKind,
+    load_model,
+    packing_unsupported,
+    register_packed_sdpa,
+    validate_inputs,
+    varlen_attn_available,
+)
 from verl_hf.offload import Offloader
 from verl_hf.optim import HFOptimizer
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
@@ -109,6 +117,9 @@ class HFTrainingEngine(TrainingEngine):
             spec.model_path, self._kind, dtype=spec.torch_dtype, device=self._device,
             attn_implementation=self._options.attn_implementation, seed=spec.seed,
         )
+        self._packed = _resolve_packing(self._options.pack_sequences, model, self._device, spec.torch_dtype)
+        if self._packed:
+            model.set_attn_implementation(register_packed_sdpa())
         tied = bool(getattr(model.config, "tie_word_embeddings", False)) and self._kind == "causal_lm"
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         if spec.gradient_checkpointing:
@@ -129,7 +140,8 @@ class HFTrainingEngine(TrainingEngine):
             self._optim = HFOptimizer(model, spec.optim, self._device, self._dp, fsdp=fsdp,
                                       master_weights=self._options.master_weights)
         self._loop = MicroBatchLoop(model, self._kind, self._device, self._dp, fsdp=fsdp,
-                                    allreduce_bucket_bytes=self._options.allreduce_bucket_bytes)
+                                    allreduce_bucket_bytes=self._options.allreduce_bucket_bytes,
+                                    packed=self._packed)
         self._checkpoint = EngineCheckpoint(model, self._weights, self._optim, self._dp, fsdp=fsdp, role=spec.role)
         self._offloader = Offloader(model, self._device, self._weights, self._optim)
 
@@ -160,6 +172,11 @@ class HFTrainingEngine(TrainingEngine):
     def step(self) -> int:
         """Optimizer steps taken (skipped steps do not count)."""
         return self._step
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether micro-batches run packed, without padding (``HFOptions.pack_sequences`` resolved)."""
+        return self._packed
 
     @property
     def data_parallel_mode(self) -> str:
@@ -316,6 +333,19 @@ class HFTrainingEngine(TrainingEngine):
         self._model = None
         for part in ("_loop", "_checkpoint", "_offloader"):  # idempotent: close() may come twice
             self.__dict__.pop(part, None)
+
+
+def _resolve_packing(option: bool | None, model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """``HFOptions.pack_sequences`` decided for this model, device and dtype (see the option)."""
+    if option is False:
+        return False
+    reason = packing_unsupported(model)
+    if option:
+        if reason is not None:
+            raise ConfigError(f"HFOptions.pack_sequences=True cannot run this model: {reason}; "
+                              "set pack_sequences to false or null (auto)")
+        return True
+    return reason is None and dtype == torch.bfloat16 and varlen_attn_available(device)
 
 
 def _apply_fsdp2(model: Any) -> None:
