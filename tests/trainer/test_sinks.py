@@ -200,6 +200,9 @@ def test_wandb_offline_run_logs_history_and_resume_continues_the_run(
     assert "logprob_mismatch/mean" not in history[1]
     assert history[3] == {"step": 3, "eval/exact_match": 0.5}
 
+    # W&B names an offline run's folder by the second it starts: a resume within the same second
+    # would write into the first run's folder, so the resumed run starts in the next second.
+    time.sleep(1.05 - time.time() % 1)
     with MetricSinks.open(out, cfg, "my-run", resume_step=2) as sinks:
         sinks.log_step(3, step_metrics(3, scale=10.0))
     assert (out / "wandb_run_id").read_text().strip() == run_id  # the same W&B run continues
