@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -39,6 +39,7 @@ import torch
 
 from verl_core.kernel.batch import TensorBatch, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.trainer.memory import (
     MemoryInfo,
     MemoryProbe,
@@ -64,6 +65,7 @@ __all__ = [
     "cuda_peak_probe",
     "default_memory_probe",
     "default_peak_probe",
+    "train_mini_batch",
     "host_memory_probe",
 ]
 
@@ -426,3 +428,26 @@ class DynamicBatchScheduler:
             self._fixed = None if state["budget"] is None else int(state["budget"])
         refine_from = state.get("refine_from")
         self._refine_from = None if refine_from is None or self._peak_probe is None else int(refine_from)
+
+
+def train_mini_batch(engine: TrainingEngine, scheduler: DynamicBatchScheduler, mini_batch: TensorBatch,
+                     loss: LossFn, *, key: str) -> dict[str, float]:
+    """One optimizer step of ``engine`` on ``mini_batch``, the training call the RL update and SFT share.
+
+    ``forward_backward`` takes the whole mini-batch under the scheduler's budget (the engine cuts
+    it into micro-batches; on out-of-memory the scheduler halves the budget and calls again), then
+    ``optimizer_step``.
+
+    Returns:
+        The loss's metrics for the mini-batch, plus ``grad_norm``, ``lr`` and ``skipped`` (1.0 when
+        the engine skipped a non-finite update, on every rank).
+    """
+    stats = GlobalBatchStats.of(mini_batch)
+
+    def call(budget: int) -> Mapping[str, float]:
+        return engine.forward_backward(mini_batch, loss, stats, max_tokens=budget)
+
+    metrics = {k: float(v) for k, v in scheduler.run(mini_batch, call, key=key, training=True).items()}
+    step = engine.optimizer_step()
+    metrics.update(grad_norm=step.grad_norm, lr=step.lr, skipped=float(step.skipped))
+    return metrics

@@ -51,7 +51,12 @@ from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.runcontext import RunContext
 from verl_core.trainer.rundir import RunDir
 from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
+from verl_core.trainer.scheduler import (
+    DynamicBatchScheduler,
+    MemoryProbe,
+    PeakProbe,
+    train_mini_batch,
+)
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -348,21 +353,15 @@ class SFTTrainer:
         updates = skipped = micro_batches = 0
         for i, start in enumerate(range(0, batch.batch_size, size)):
             mb = batch.index(slice(start, start + size))
-            stats = GlobalBatchStats.of(mb)
-
-            def fn(budget: int, mb: TensorBatch = mb, stats: GlobalBatchStats = stats) -> Mapping[str, float]:
-                return self.actor.forward_backward(mb, self.loss_fn, stats, max_tokens=budget)
-
-            key = f"step{self.step}/actor/update{i}"
-            nll += float(self.scheduler.run(mb, fn, key=key, training=True)["loss"]) * stats.num_tokens
+            m = train_mini_batch(self.actor, self.scheduler, mb, self.loss_fn, key=f"step{self.step}/actor/update{i}")
+            nll += m["loss"] * GlobalBatchStats.of(mb).num_tokens
             micro_batches += len(self.scheduler.plan[-1].groups)
-            result = self.actor.optimizer_step()
-            grad_norm += result.grad_norm
-            lr = result.lr
+            grad_norm += m["grad_norm"]
+            lr = m["lr"]
             updates += 1
-            skipped += result.skipped
+            skipped += int(m["skipped"])
             # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
-            self._consecutive_skips = self._consecutive_skips + 1 if result.skipped else 0
+            self._consecutive_skips = self._consecutive_skips + 1 if m["skipped"] else 0
         self.step += 1
         tokens = int(batch["response_mask"].sum())
         all_tokens = tokens + int(batch["prompt_mask"].sum())

@@ -16,12 +16,12 @@ import torch
 
 from verl_core.algorithms.onpolicy import OnPolicyActorLoss
 from verl_core.kernel.batch import TensorBatch
-from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
+from verl_core.kernel.training import LossFn, TrainingEngine
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.engines import RLEngines
 from verl_core.trainer.generation import groups_with_signal
 from verl_core.trainer.replay import HybridReplayBuffer
-from verl_core.trainer.scheduler import DynamicBatchScheduler
+from verl_core.trainer.scheduler import DynamicBatchScheduler, train_mini_batch
 from verl_core.trainer.step_state import RunProgress, StepState, StepStateError
 
 __all__ = ["UpdateStage", "masked_mean"]
@@ -156,12 +156,11 @@ class UpdateStage:
             seed = self.config.seed * 1_000_003 + self.step
             actor, critic, critic_loss = self.engines.actor, self.engines.critic, self.algorithm.critic_loss
             for i, mb in enumerate(self.buffer.mini_batches(size, epochs=cfg.epochs, seed=seed)):
-                stats = GlobalBatchStats.of(mb)
-                actor_m = self._train_engine("actor", actor, mb, self._actor_loss(), stats, i)
+                actor_m = self._train_engine("actor", actor, mb, self._actor_loss(), i)
                 add("actor", actor_m)
                 skipped = actor_m["skipped"] > 0
                 if critic is not None and critic_loss is not None:
-                    critic_m = self._train_engine("critic", critic, mb, critic_loss, stats, i)
+                    critic_m = self._train_engine("critic", critic, mb, critic_loss, i)
                     add("critic", critic_m)
                     skipped = skipped or critic_m["skipped"] > 0
                 updates += 1
@@ -181,17 +180,7 @@ class UpdateStage:
         return out
 
     def _train_engine(
-        self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, stats: GlobalBatchStats, index: int
+        self, role: str, engine: TrainingEngine, mb: TensorBatch, loss: LossFn, index: int
     ) -> dict[str, float]:
-        def fn(budget: int) -> Mapping[str, float]:
-            # the engine micro-batches the whole mini-batch under the scheduler's budget
-            return engine.forward_backward(mb, loss, stats, max_tokens=budget)
-
         self._stage = f"{role}_update"
-        metrics = self.schedulers[role].run(mb, fn, key=f"step{self.step}/{role}/update{index}", training=True)
-        total = {k: float(v) for k, v in metrics.items()}
-        step = engine.optimizer_step()
-        total["grad_norm"] = step.grad_norm
-        total["lr"] = step.lr
-        total["skipped"] = float(step.skipped)
-        return total
+        return train_mini_batch(engine, self.schedulers[role], mb, loss, key=f"step{self.step}/{role}/update{index}")
