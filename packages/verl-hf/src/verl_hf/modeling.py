@@ -295,11 +295,14 @@ def varlen_attn_available(device: torch.device) -> bool:
 
 def _varlen_causal(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int,
                    scale: float) -> Tensor | None:
-    """Causal flash attention over packed ``[tokens, heads, dim]`` tensors, or None where the
-    installed ``varlen_attn`` cannot run this call (CPU, float32, an older signature)."""
+    """Causal flash attention over one packed row (``[1, heads, tokens, dim]`` in, ``[tokens, heads,
+    dim]`` out), or None where the installed ``varlen_attn`` cannot run this call (CPU, float32, an
+    older signature)."""
     fn = _varlen_fn()
     if fn is None or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return None
+    # [1, heads, tokens, dim] -> [tokens, heads, dim], the kernel's layout (the projections' own)
+    query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     params = _varlen_params()
     kw: dict[str, Any] = {}
     if "window_size" in params:
@@ -354,9 +357,7 @@ def packed_sdpa(
                          f"{query.shape[0]} rows, dropout {dropout}, sliding_window {kwargs.get('sliding_window')}")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     max_len = int(kwargs.get("max_length_q") or 0)
-    # [1, heads, tokens, dim] -> [tokens, heads, dim]: the projections' own layout (no copy)
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    out = _varlen_causal(q, k, v, cu, max_len, scale) if max_len > 0 else None
+    out = _varlen_causal(query, key, value, cu, max_len, scale) if max_len > 0 else None
     if out is not None:
         _PACKED_COUNTS["varlen_attn"] += 1
         return out.unsqueeze(0), None

@@ -203,8 +203,8 @@ class HFRolloutEngine(RolloutEngineBase):
             # step serve batches whose prompts differ in length.
             chunk = chunk.pad_prompts(static_prompt_width(chunk["prompt_ids"].shape[1]))
             decoder = self._static_decoder(chunk, params, stop_ids, uniforms)
-            shape = tuple(chunk["prompt_ids"].shape)
-            compiling = self._options.rollout_compile and shape not in self._first_compiled
+            rows, width = chunk["prompt_ids"].shape
+            compiling = self._options.rollout_compile and (rows, width) not in self._first_compiled
             started = time.perf_counter()
             decoder.start(chunk, uniforms)
             if self._options.rollout_cuda_graphs and self._graphs_error is None:
@@ -214,8 +214,8 @@ class HFRolloutEngine(RolloutEngineBase):
                 decoder.run(check_every=8 if self._device.type == "cuda" else 1)
             result = decoder.result()
             if compiling:
-                self._first_compiled[(shape[0], shape[1])] = seconds = time.perf_counter() - started
-                log_compile(shape[0], shape[1], seconds)
+                self._first_compiled[(rows, width)] = seconds = time.perf_counter() - started
+                log_compile(rows, width, seconds)
             return result
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, uniforms)
         return decode_dynamic(self._model, chunk, sampler, params.max_new_tokens, self._device)

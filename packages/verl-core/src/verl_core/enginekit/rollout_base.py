@@ -151,7 +151,7 @@ class RolloutEngineBase(RolloutEngine):
     * :meth:`_sample`: the responses of the rows ``generate`` prepared.
 
     ``generate`` then refuses a closed engine (``VerlError``), a sleeping one
-    (:class:`~verl_core.kernel.errors.EngineAsleepError`) and one whose last weight sync failed
+    (:class:`EngineAsleepError`) and one whose last weight sync failed
     (:class:`~verl_core.kernel.errors.StaleWeightsError`), validates the request
     (:func:`check_generate_request`), and fills the output's response fields and meta. Every
     message names the engine class.

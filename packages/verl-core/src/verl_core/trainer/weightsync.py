@@ -48,21 +48,22 @@ class SleepPolicy:
     Args:
         mode: ``rollout.sleep``.
         measurable: Whether the readings describe the engines' memory (one process, CUDA).
+        device: The CUDA device the default readings are of (None: the current one).
         used: Device bytes in use and the device's total (default: ``torch.cuda.mem_get_info``).
         peak: The allocator's reserved and peak reserved bytes since the last ``reset`` (default:
             ``torch.cuda.memory_reserved``/``max_memory_reserved``).
         reset: Starts a new peak reading (default: ``torch.cuda.reset_peak_memory_stats``).
     """
 
-    def __init__(self, mode: SleepMode, *, measurable: bool,
+    def __init__(self, mode: SleepMode, *, measurable: bool, device: torch.device | None = None,
                  used: Callable[[], tuple[int, int]] | None = None,
                  peak: Callable[[], tuple[int, int]] | None = None,
                  reset: Callable[[], None] | None = None) -> None:
         self.mode = mode
         self.measurable = measurable
-        self._used = used or (lambda: _cuda_used(None))
-        self._peak = peak or (lambda: _cuda_peak(None))
-        self._reset = reset or torch.cuda.reset_peak_memory_stats
+        self._used = used or (lambda: _cuda_used(device))
+        self._peak = peak or (lambda: _cuda_peak(device))
+        self._reset = reset or (lambda: torch.cuda.reset_peak_memory_stats(device))
         self.rollout_bytes: int | None = None  # what the first sleep freed
         self._fits = False  # the last update's reading says an awake rollout fits
         self._slept = False
@@ -73,10 +74,7 @@ class SleepPolicy:
         """The policy of ``config.rollout.sleep``, measuring the run's CUDA device when it runs in this process."""
         device = torch.device(config.model.device)
         measurable = config.executor == "local" and device.type == "cuda" and torch.cuda.is_available()
-        if not measurable:
-            return cls(config.rollout.sleep, measurable=False)
-        return cls(config.rollout.sleep, measurable=True, used=lambda: _cuda_used(device),
-                   peak=lambda: _cuda_peak(device), reset=lambda: torch.cuda.reset_peak_memory_stats(device))
+        return cls(config.rollout.sleep, measurable=measurable, device=device)
 
     def sleeps(self) -> bool:
         """Whether this step's rollout sleeps (call once per step, before the update)."""
