@@ -324,6 +324,7 @@ def agreement(a: TensorBatch, b: TensorBatch) -> str:
 
 def sync(model_dir: Path) -> None:
     from verl_core import WeightChunk
+    from verl_core.enginekit.weight_stream import copy_checked
 
     actor = get_training_engine("hf", EngineSpec(model_path=str(model_dir), role="actor", dtype=dtype_name(),
                                                  device=DEVICE))
@@ -340,7 +341,21 @@ def sync(model_dir: Path) -> None:
     t_copy = cuda_time(copy, 5)
     version = [0]
     rows: list[tuple[str, float, int]] = []
-    for bucket_mb in (256, 512, 1024):
+    # What one buffer-to-buffer move costs: a plain copy (the floor), the fused copy-and-check the
+    # receivers use on CUDA, and the unfused reduction-then-copy it replaces.
+    flat_src = actor._flat.buffer  # type: ignore[attr-defined]
+    flat_dst = torch.empty_like(flat_src)
+    flat_bytes = flat_src.numel() * flat_src.element_size()
+    rows.append(("one buffer copy (whole flat buffer)", cuda_time(lambda: flat_dst.copy_(flat_src), 5), flat_bytes))
+    rows.append(("copy_checked (fused copy + NaN/inf check)", cuda_time(lambda: copy_checked(flat_dst, flat_src), 5),
+                 flat_bytes))
+
+    def norm_then_copy() -> None:
+        torch.linalg.vector_norm(flat_src).isfinite()
+        flat_dst.copy_(flat_src)
+
+    rows.append(("2-norm reduction, then buffer copy (unfused)", cuda_time(norm_then_copy, 5), flat_bytes))
+    for bucket_mb in (64, 256, 512, 1024):
         reports: list[SyncReport] = []
 
         def stream(bucket: int = bucket_mb << 20, reports: list[SyncReport] = reports) -> None:

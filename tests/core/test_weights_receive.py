@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -167,3 +169,76 @@ def test_a_non_finite_chunk_sent_back_to_back_is_refused_naming_its_tensors() ->
         apply_weight_stream(stream_weights(sd.items(), manifest(sd), bucket_bytes=1 << 20), expected(sd),
                             lambda items: applied.extend(n for n, _ in items), defer_checks=True)
     assert sorted(applied) == sorted(sd)
+
+
+def test_a_receivers_own_check_is_the_chunks_check() -> None:
+    """A receiver that checks while it copies returns a flag; a False flag refuses the update at
+    the commit, naming the chunk, after every chunk was applied."""
+    sd = tensors()
+    stream = stream_weights(sd.items(), manifest(sd), bucket_bytes=64)
+    calls: list[list[str]] = []
+
+    def apply(items: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        calls.append([n for n, _ in items])
+        return torch.tensor(len(calls) != 2)  # the second chunk "saw" a NaN
+
+    with pytest.raises(WeightSyncError, match="NaN/inf"):
+        apply_weight_stream(stream, expected(sd), apply, defer_checks=True)
+    assert len(calls) >= 3 and sorted(n for c in calls for n in c) == sorted(sd)
+    named = calls[1]
+    calls.clear()
+    with pytest.raises(WeightSyncError, match=re.escape(repr(named[0]))):
+        apply_weight_stream(stream_weights(sd.items(), manifest(sd), bucket_bytes=64), expected(sd), apply,
+                            defer_checks=True)
+    calls.clear()
+    apply_weight_stream(stream_weights(sd.items(), manifest(sd), bucket_bytes=64), expected(sd),
+                        lambda items: torch.tensor(True), defer_checks=True)
+
+
+def test_copy_checked_copies_and_leaves_the_check_to_the_caller_on_cpu() -> None:
+    from verl_core.enginekit.weight_stream import copy_checked
+
+    src = torch.randn(37).bfloat16()
+    src[3] = float("nan")
+    dst = torch.zeros_like(src)
+    assert copy_checked(dst, src) is None  # no fused kernel on the CPU: the caller checks
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    with pytest.raises(ValueError, match="contiguous 1-D tensors of one size and dtype"):
+        copy_checked(torch.zeros(36, dtype=torch.bfloat16), src)
+    with pytest.raises(ValueError, match="one size and dtype"):
+        copy_checked(torch.zeros(37), src)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _triton_available(), reason="the fused copy-and-check kernel needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_copy_is_bit_exact_and_finds_every_non_finite_value(dtype: torch.dtype) -> None:
+    from verl_core.enginekit.weight_stream import copy_checked
+
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    info = torch.finfo(dtype)
+    for n in (1, 8191, 8192, 8193, 3 * 8192 + 5):
+        src = torch.randn(n, device="cuda").to(dtype)
+        src[0] = info.max
+        src[-1] = -info.max
+        if n > 3:
+            src[1], src[2] = -0.0, info.tiny / 4  # signed zero and a subnormal are finite
+        dst = torch.full_like(src, 7.0)
+        flag = copy_checked(dst, src)
+        assert flag is not None and flag.dim() == 0 and bool(flag), (dtype, n)
+        assert torch.equal(dst.view(ints), src.view(ints))
+        for at in sorted({0, n // 2, n - 1}):
+            for value in (float("nan"), float("inf"), float("-inf")):
+                bad = src.clone()
+                bad[at] = value
+                out = torch.zeros_like(bad)
+                flag = copy_checked(out, bad)
+                assert flag is not None and not bool(flag), (dtype, n, at, value)
+                assert torch.equal(out.view(ints), bad.view(ints))

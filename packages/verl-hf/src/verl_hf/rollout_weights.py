@@ -18,6 +18,7 @@ from verl_core.enginekit.weight_stream import (
     all_finite_flag,
     apply_weight_stream,
     contiguous_span,
+    copy_checked,
     first_non_finite,
 )
 from verl_core.kernel.errors import WeightSyncError
@@ -58,17 +59,18 @@ def apply_stream(stream: Iterable[WeightMessage], targets: dict[str, Tensor], ex
         WeightSyncError: see :func:`~verl_core.enginekit.weight_stream.apply_weight_stream`.
     """
 
-    def apply(chunk: list[tuple[str, Tensor]]) -> None:
+    def apply(chunk: list[tuple[str, Tensor]]) -> Tensor | None:
         tensors = [t for _, t in chunk]
         with torch.no_grad():
             # A chunk sent back to back (a sender's flat buffer) into a part of this engine's
-            # buffer laid out alike: one copy. Otherwise one multi-tensor copy.
+            # buffer laid out alike: one copy, checked on the way where the device can.
+            # Otherwise one multi-tensor copy, checked by the stream.
             src = contiguous_span(tensors) if flat is not None else None
             dst = flat.span([name for name, _ in chunk]) if flat is not None and src is not None else None
             if src is not None and dst is not None and dst.numel() == src.numel():
-                dst.copy_(src)
-            else:
-                torch._foreach_copy_([targets[name] for name, _ in chunk], tensors)
+                return copy_checked(dst, src)
+            torch._foreach_copy_([targets[name] for name, _ in chunk], tensors)
+            return None
 
     optional = frozenset({"lm_head.weight"}) if tied else frozenset()
     # The engine is stale until this returns, so the finiteness checks may wait for the commit:
@@ -129,8 +131,9 @@ def copy_flat(source: FlatParameters, flat: FlatParameters, source_state: Mappin
               targets: Mapping[str, Tensor]) -> int | None:
     """Copy ``source``'s buffer into ``flat`` with one device copy (see :func:`same_flat_layout`).
 
-    The copy and one reduction over the source buffer are queued first; the host then checks that
-    every tensor of both sides is still the view its layout placed, while the device copies.
+    The copy and its finiteness check (one fused pass on CUDA, else a reduction over the source
+    buffer) are queued first; the host then checks that every tensor of both sides is still the
+    view its layout placed, while the device copies.
 
     Returns:
         Bytes copied, or None when a tensor left its buffer (the caller then rewrites every weight).
@@ -139,11 +142,12 @@ def copy_flat(source: FlatParameters, flat: FlatParameters, source_state: Mappin
         WeightSyncError: a tensor holds NaN/inf.
     """
     with torch.no_grad():
-        norm = torch.linalg.vector_norm(source.buffer)
-        flat.buffer.copy_(source.buffer)
+        finite = copy_checked(flat.buffer, source.buffer)
+        if finite is None:
+            finite = torch.linalg.vector_norm(source.buffer).isfinite()
     if not (source.intact(source_state) and flat.intact(targets)):
         return None
-    if not bool(norm.isfinite()):
+    if not bool(finite):
         bad = first_non_finite([(name, source_state[name]) for name in source.names])
         if bad is not None:
             raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to serve it")

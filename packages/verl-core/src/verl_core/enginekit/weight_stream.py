@@ -27,6 +27,7 @@ __all__ = [
     "all_finite_flag",
     "apply_weight_stream",
     "contiguous_span",
+    "copy_checked",
     "first_non_finite",
     "fusion_group",
     "stream_weights",
@@ -160,6 +161,37 @@ def contiguous_span(tensors: list[Tensor]) -> Tensor | None:
     return first.detach().as_strided((total,), (1,))
 
 
+@functools.cache
+def _fused_copy() -> Callable[[Tensor, Tensor], Tensor] | None:
+    """The Triton copy-and-check kernel's entry point, or None where Triton is not installed."""
+    try:
+        from verl_core.enginekit import _triton_copy
+    except ImportError:
+        return None
+    return _triton_copy.copy_count_non_finite
+
+
+def copy_checked(dst: Tensor, src: Tensor) -> Tensor | None:
+    """Copy ``src`` into ``dst`` (1-D, contiguous, same size and dtype); on CUDA, check it in the same pass.
+
+    Where a fused kernel applies (a CUDA tensor of float32, float16 or bfloat16, Triton
+    installed) the values are read once, copied bit for bit and tested for NaN/inf on the way:
+    the result is a 0-dim bool device tensor, True when every value is finite, with no host
+    synchronisation. Elsewhere this is a plain copy and the result is None: the caller checks
+    the values itself (:func:`tensor_norms`, :func:`all_finite_flag`).
+    """
+    if dst.dim() != 1 or src.shape != dst.shape or src.dtype != dst.dtype or not (
+            src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"copy_checked needs two contiguous 1-D tensors of one size and dtype, got "
+                         f"{tuple(dst.shape)} {dst.dtype} and {tuple(src.shape)} {src.dtype}")
+    fused = _fused_copy() if src.is_cuda and dst.device == src.device else None
+    if fused is not None and src.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return fused(dst, src)[0] == 0
+    with torch.no_grad():
+        dst.copy_(src)
+    return None
+
+
 def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
     """Every tensor's 2-norm in order, accumulated in float64, on the first floating tensor's device.
 
@@ -211,7 +243,7 @@ def first_non_finite(named: list[tuple[str, Tensor]]) -> str | None:
 def apply_weight_stream(
     stream: Iterable[WeightMessage],
     expected: Mapping[str, TensorInfo],
-    apply_chunk: Callable[[list[tuple[str, Tensor]]], None],
+    apply_chunk: Callable[[list[tuple[str, Tensor]]], Tensor | None],
     *,
     optional: frozenset[str] = frozenset(),
     copy: bool = True,
@@ -230,7 +262,9 @@ def apply_weight_stream(
     Args:
         stream: The messages: a manifest, chunks, a commit.
         expected: Name -> shape and dtype of every tensor of the receiving model.
-        apply_chunk: Called once per chunk with its (name, tensor) pairs.
+        apply_chunk: Called once per chunk with its (name, tensor) pairs. It may return a 0-dim
+            bool tensor, True when every value it copied is finite (a receiver that checks while
+            it copies, :func:`copy_checked`): with ``defer_checks`` that flag is the chunk's check.
         optional: Names the stream may leave out (a tied lm_head).
         copy: With True (the default) ``apply_chunk`` gets copies it may keep. With False it gets
             the chunk's own tensors, valid only during the call (the sender may reuse their
@@ -273,7 +307,7 @@ def apply_weight_stream(
                 f"the receiving model has {tuple(want.shape)} {want.dtype}"
             )
     seen: set[str] = set()
-    # (norms, names per norm) of the chunks applied unchecked
+    # (finite flags, names per flag) of the chunks applied unchecked
     deferred: list[tuple[Tensor, list[list[str]]]] = []
     for msg in it:
         if isinstance(msg, WeightCommit):
@@ -307,32 +341,36 @@ def apply_weight_stream(
                 )
             in_chunk.add(name)
             batch.append((name, t.detach() if t.requires_grad else t))
-        if defer_checks:
-            tensors = [t for _, t in batch]
-            span = contiguous_span(tensors)
-            # A chunk lying back to back in memory is checked with one reduction (a failure then
-            # names the chunk), any other tensor by tensor.
-            norms = tensor_norms(tensors if span is None else [span])
-            if norms is not None:
-                groups = [[name for name, _ in batch]] if span is not None else [[name] for name, _ in batch]
-                deferred.append((norms, groups))
-        else:
+        if not defer_checks:
             bad = first_non_finite(batch)
             if bad is not None:
                 raise WeightSyncError(f"weight {bad!r} holds NaN/inf; refusing to load it")
         seen |= in_chunk
-        if copy:
-            batch = [(name, t.clone()) for name, t in batch]
-        apply_chunk(batch)
+        chunk_names = [name for name, _ in batch]
+        tensors = [t for _, t in batch]
+        flag = apply_chunk([(name, t.clone()) for name, t in batch] if copy else batch)
+        if defer_checks:
+            # Queued after the chunk is applied (the chunk's tensors stay valid until the next
+            # message is asked for). A receiver's own check covers the chunk; otherwise a chunk
+            # lying back to back in memory is checked with one reduction (a failure then names
+            # the chunk), any other tensor by tensor.
+            if isinstance(flag, Tensor):
+                deferred.append((flag.reshape(1), [chunk_names]))
+                continue
+            span = contiguous_span(tensors)
+            norms = tensor_norms(tensors if span is None else [span])
+            if norms is not None:
+                groups = [chunk_names] if span is not None else [[n] for n in chunk_names]
+                deferred.append((norms.isfinite(), groups))
     raise WeightSyncError("weight stream ended without a WeightCommit (incomplete sync)")
 
 
 def _raise_non_finite(deferred: list[tuple[Tensor, list[list[str]]]]) -> None:
-    """Read the queued norms of :func:`apply_weight_stream` (one synchronisation); raise on NaN/inf."""
+    """Read the queued flags of :func:`apply_weight_stream` (one synchronisation); raise on NaN/inf."""
     if not deferred:
         return
     device = deferred[0][0].device
-    finite = torch.cat([norms.to(device) for norms, _ in deferred]).isfinite()
+    finite = torch.cat([flags.to(device) for flags, _ in deferred])
     if bool(finite.all()):
         return
     groups = [group for _, chunk in deferred for group in chunk]
