@@ -36,7 +36,7 @@ from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.training import TrainingEngine
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES, TrainingEngine
 from verl_core.kernel.weights import (
     StreamWeightSync,
     SyncReport,
@@ -354,7 +354,7 @@ class HFDirectSync(WeightSync):
         bucket_bytes: Bytes per chunk when falling back to the canonical stream.
     """
 
-    def __init__(self, bucket_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self._stream = StreamWeightSync(bucket_bytes)
 
     def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:

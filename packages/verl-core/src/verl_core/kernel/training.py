@@ -53,8 +53,8 @@ ModelOutput = Literal["log_probs", "entropy", "values"]
 
 _LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
-"""Default size of one weight-stream bucket (bytes)."""
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+"""Bytes per weight-stream chunk by default (export and StreamWeightSync): a chunk costs host work."""
 
 
 @dataclass(frozen=True)

@@ -22,20 +22,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
+
 if TYPE_CHECKING:
     from verl_core.kernel.rollout import RolloutEngine
     from verl_core.kernel.training import TrainingEngine
 
-__all__ = [
-    "StreamWeightSync",
-    "SyncReport",
-    "TensorInfo",
-    "WeightChunk",
-    "WeightCommit",
-    "WeightManifest",
-    "WeightMessage",
-    "WeightSync",
-]
+__all__ = ["StreamWeightSync", "SyncReport", "TensorInfo", "WeightChunk", "WeightCommit", "WeightManifest",
+           "WeightMessage", "WeightSync"]
 
 
 @dataclass(frozen=True)
@@ -129,10 +123,10 @@ class StreamWeightSync(WeightSync):
     """The canonical path: ``target.update_weights(source.export_weights(...))``.
 
     Args:
-        bucket_bytes: Bytes per chunk of the stream.
+        bucket_bytes: Bytes per chunk of the stream (chunks of the sender's own memory cost none).
     """
 
-    def __init__(self, bucket_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
 
     def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
