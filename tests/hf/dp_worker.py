@@ -31,12 +31,15 @@ def global_batch() -> TensorBatch:
 
 
 def run(mode: str, path: str, budget: int) -> dict[str, object]:
-    """Train one step in ``mode`` and return what the test compares."""
+    """Train one step in ``mode`` (a data-parallel mode, ``+packed`` for packed sequences) and
+    return what the test compares."""
     from verl_hf.training import HFTrainingEngine
 
+    data_parallel, _, extra = mode.partition("+")
     spec = EngineSpec(
         model_path=path, role="actor", parallel=ParallelSizes(dp=2), micro_batch_tokens=budget,
-        optim=OptimConfig(lr=1e-3, grad_clip=1.0), options={"data_parallel": mode},
+        optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+        options={"data_parallel": data_parallel, **({"pack_sequences": True} if extra == "packed" else {})},
         device=os.environ.get("VERL_HF_TEST_DEVICE", "cpu"),
     )
     engine = HFTrainingEngine(spec)
@@ -71,7 +74,8 @@ def run(mode: str, path: str, budget: int) -> dict[str, object]:
     ckpt_equal = all(torch.equal(exported[0][n], exported[1][n]) for n in exported[0])
     return {
         "grads": grads, "metrics": metrics, "grad_norm": step.grad_norm, "log_probs": lp,
-        "weights": weights, "mode": engine.data_parallel_mode, "ckpt_equal": ckpt_equal,
+        "weights": weights, "mode": engine.data_parallel_mode + ("+packed" if engine.packs_sequences else ""),
+        "ckpt_equal": ckpt_equal,
         "step_after_load": restored.step,
     }
 

@@ -1,4 +1,5 @@
-"""Two-rank data parallel (torchrun, gloo) gives the single-process full-batch gradients and step."""
+"""Two-rank data parallel (torchrun, gloo) gives the single-process full-batch gradients and step,
+also with FSDP2 over packed sequences (against the padded single process)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from verl_core.kernel.weights import WeightChunk
 from verl_hf.training import HFTrainingEngine
 
 BUDGET = 30
-MODES = ("allreduce", "fsdp2")
+MODES = ("allreduce", "fsdp2", "fsdp2+packed")
 LR = 1e-3
 
 
