@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     spec = TinyModelSpec(arch="llama", hidden_size=768, num_layers=args.layers, num_heads=12, num_kv_heads=4,

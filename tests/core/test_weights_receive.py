@@ -195,14 +195,20 @@ def test_a_receivers_own_check_is_the_chunks_check() -> None:
                         lambda items: torch.tensor(True), defer_checks=True)
 
 
-def test_copy_checked_copies_and_leaves_the_check_to_the_caller_on_cpu() -> None:
+def test_copy_checked_copies_and_checks_exactly_on_cpu() -> None:
     from verl_core.enginekit.weight_stream import copy_checked
 
     src = torch.randn(37).bfloat16()
-    src[3] = float("nan")
     dst = torch.zeros_like(src)
-    assert copy_checked(dst, src) is None  # no fused kernel on the CPU: the caller checks
-    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    assert bool(copy_checked(dst, src))  # type: ignore[arg-type]
+    for value in (float("nan"), float("inf"), float("-inf")):
+        src[3] = value
+        flag = copy_checked(dst, src)
+        assert flag is not None and not bool(flag)
+        assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    big = torch.full((64,), 3e38)  # finite, though its float32 2-norm overflows
+    assert bool(copy_checked(torch.empty_like(big), big))  # type: ignore[arg-type]
+    assert bool(copy_checked(torch.empty(3, dtype=torch.int64), torch.arange(3)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="contiguous 1-D tensors of one size and dtype"):
         copy_checked(torch.zeros(36, dtype=torch.bfloat16), src)
     with pytest.raises(ValueError, match="one size and dtype"):

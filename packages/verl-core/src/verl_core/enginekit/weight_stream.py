@@ -174,11 +174,12 @@ def _fused_copy() -> Callable[[Tensor, Tensor], Tensor] | None:
 def copy_checked(dst: Tensor, src: Tensor) -> Tensor | None:
     """Copy ``src`` into ``dst`` (1-D, contiguous, same size and dtype); on CUDA, check it in the same pass.
 
-    Where a fused kernel applies (a CUDA tensor of float32, float16 or bfloat16, Triton
-    installed) the values are read once, copied bit for bit and tested for NaN/inf on the way:
-    the result is a 0-dim bool device tensor, True when every value is finite, with no host
-    synchronisation. Elsewhere this is a plain copy and the result is None: the caller checks
-    the values itself (:func:`tensor_norms`, :func:`all_finite_flag`).
+    The result is a 0-dim bool tensor, True when every value is finite, wherever that costs no
+    host synchronisation: on CUDA where a fused kernel applies (float32, float16 or bfloat16,
+    Triton installed) the values are read once, copied bit for bit and tested for NaN/inf on the
+    way; on the CPU (where reading a value waits for nothing) one reduction follows the copy,
+    resolved exactly when it is not finite. Elsewhere this is a plain copy and the result is
+    None: the caller checks the values itself (:func:`tensor_norms`, :func:`all_finite_flag`).
     """
     if dst.dim() != 1 or src.shape != dst.shape or src.dtype != dst.dtype or not (
             src.is_contiguous() and dst.is_contiguous()):
@@ -189,7 +190,13 @@ def copy_checked(dst: Tensor, src: Tensor) -> Tensor | None:
         return fused(dst, src)[0] == 0
     with torch.no_grad():
         dst.copy_(src)
-    return None
+        if src.device.type != "cpu":
+            return None
+        flag = all_finite_flag([src])
+        if flag is None:
+            return torch.tensor(True)  # integers
+        # a norm can overflow with finite values: then look at the values themselves
+        return flag if bool(flag) else torch.isfinite(src).all()
 
 
 def tensor_norms(tensors: list[Tensor]) -> Tensor | None:
