@@ -200,15 +200,15 @@ def test_copy_checked_copies_and_checks_exactly_on_cpu() -> None:
 
     src = torch.randn(37).bfloat16()
     dst = torch.zeros_like(src)
-    assert bool(copy_checked(dst, src))  # type: ignore[arg-type]
+    assert bool(copy_checked(dst, src))
     for value in (float("nan"), float("inf"), float("-inf")):
         src[3] = value
         flag = copy_checked(dst, src)
         assert flag is not None and not bool(flag)
         assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
     big = torch.full((64,), 3e38)  # finite, though its float32 2-norm overflows
-    assert bool(copy_checked(torch.empty_like(big), big))  # type: ignore[arg-type]
-    assert bool(copy_checked(torch.empty(3, dtype=torch.int64), torch.arange(3)))  # type: ignore[arg-type]
+    assert bool(copy_checked(torch.empty_like(big), big))
+    assert bool(copy_checked(torch.empty(3, dtype=torch.int64), torch.arange(3)))
     with pytest.raises(ValueError, match="contiguous 1-D tensors of one size and dtype"):
         copy_checked(torch.zeros(36, dtype=torch.bfloat16), src)
     with pytest.raises(ValueError, match="one size and dtype"):
