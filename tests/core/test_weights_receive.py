@@ -215,6 +215,27 @@ def test_copy_checked_copies_and_checks_exactly_on_cpu() -> None:
         copy_checked(torch.zeros(37), src)
 
 
+def test_a_failing_fused_kernel_falls_back_to_two_passes_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_core.enginekit import weight_stream
+
+    def broken(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(weight_stream, "_fusable", lambda dst, src: True)
+    monkeypatch.setattr(weight_stream, "_fused_copy", lambda: broken)
+    monkeypatch.setattr(weight_stream, "_FUSED_OFF", [])
+    src = torch.randn(20)
+    src[4] = float("inf")
+    dst = torch.zeros_like(src)
+    with pytest.warns(RuntimeWarning, match="no kernel for this device.*two passes"):
+        flag = weight_stream.copy_checked(dst, src)
+    assert flag is not None and not bool(flag) and torch.equal(dst, src)
+    assert weight_stream._FUSED_OFF == ["RuntimeError: no kernel for this device"]
+    src[4] = 1.0
+    assert bool(weight_stream.copy_checked(dst, src))  # no second warning: the kernel stays off
+    assert torch.equal(dst, src)
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

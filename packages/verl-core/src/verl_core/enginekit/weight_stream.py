@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -171,6 +172,13 @@ def _fused_copy() -> Callable[[Tensor, Tensor], Tensor] | None:
     return _triton_copy.copy_count_non_finite
 
 
+_FUSED_OFF: list[str] = []  # why the fused kernel was turned off in this process (empty: it is on)
+
+
+def _fusable(dst: Tensor, src: Tensor) -> bool:
+    return src.is_cuda and dst.device == src.device and src.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
 def copy_checked(dst: Tensor, src: Tensor) -> Tensor | None:
     """Copy ``src`` into ``dst`` (1-D, contiguous, same size and dtype); on CUDA, check it in the same pass.
 
@@ -185,9 +193,14 @@ def copy_checked(dst: Tensor, src: Tensor) -> Tensor | None:
             src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"copy_checked needs two contiguous 1-D tensors of one size and dtype, got "
                          f"{tuple(dst.shape)} {dst.dtype} and {tuple(src.shape)} {src.dtype}")
-    fused = _fused_copy() if src.is_cuda and dst.device == src.device else None
-    if fused is not None and src.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return fused(dst, src)[0] == 0
+    fused = _fused_copy() if _fusable(dst, src) and not _FUSED_OFF else None
+    if fused is not None:
+        try:
+            return fused(dst, src)[0] == 0
+        except Exception as e:  # e.g. a Triton that cannot compile for this GPU: two passes instead
+            _FUSED_OFF.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"copy_checked: the fused copy-and-check kernel failed ({_FUSED_OFF[-1]}); weights are "
+                          "copied and checked in two passes from now on", RuntimeWarning, stacklevel=2)
     with torch.no_grad():
         dst.copy_(src)
         if src.device.type != "cpu":
