@@ -48,6 +48,7 @@ def make_inputs(batch: int, width: int, seed: int = 0) -> dict[str, torch.Tensor
     old = -(tok().abs()) - 0.05
     return {
         "mask": mask,
+        "scores": scores,
         "group_ids": torch.arange(batch) // GROUP,
         "token_rewards": rewards.where(mask, 0.0),
         "values": tok(),

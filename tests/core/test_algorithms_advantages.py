@@ -32,6 +32,7 @@ from verl_core.algorithms import (
 from verl_core.algorithms.advantages import _lengths, group_index
 from verl_core.algorithms.kl import AdaptiveKLController, FixedKLController
 from verl_core.kernel.errors import BatchValidationError
+from verl_core.kernel.registry import get_registry
 
 F64 = torch.float64
 PROPS = settings(max_examples=30, deadline=None)
@@ -434,6 +435,95 @@ def test_algorithm_updates_adaptive_coefficient_per_call() -> None:
     fresh = Algorithm.ppo(kl_coef=0.1, kl_controller="adaptive", target_kl=0.01, horizon=10)
     fresh.load_state_dict(state)
     assert fresh.kl_controller.value == algo.kl_controller.value
+
+
+# ----------------------------------------------------------------------------- outcome estimators from scores
+OUTCOME_ALGORITHMS: dict[str, Callable[[], Algorithm]] = {
+    "grpo": Algorithm.grpo,
+    "dr_grpo": Algorithm.dr_grpo,
+    "rloo": Algorithm.rloo,
+    "reinforce_pp_baseline": lambda: Algorithm.reinforce_pp_baseline(kl_coef=0.0),
+    "gspo": Algorithm.gspo,
+    "cispo": Algorithm.cispo,
+}
+
+
+def through_token_rewards(algo: Algorithm, batch: TensorBatch) -> tuple[TensorBatch, dict[str, float]]:
+    """The advantage step that builds ``token_rewards`` from the scores, then sums them back per row."""
+    shaped, metrics = compute_token_rewards(batch, algo.reward, algo.kl_controller)
+    impl = get_registry().component("advantage", algo.estimator).impl
+    return impl(shaped, algo.estimator_config), metrics
+
+
+def assert_same_bits(a: TensorBatch, b: TensorBatch) -> None:
+    """Equal advantages and returns, bit for bit (the sign of zero included)."""
+    for k in ("advantages", "returns"):
+        assert a[k].dtype == b[k].dtype == torch.float32
+        assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+
+
+@PROPS
+@given(shapes(max_t=140), st.sampled_from(sorted(OUTCOME_ALGORITHMS)), st.booleans(), st.booleans())
+def test_outcome_estimators_from_scores_equal_summed_token_rewards(
+    shape: tuple[int, list[int], int, list[int]], name: str, junk: bool, zeros: bool
+) -> None:
+    """Without KL in the reward the step takes ``scores`` directly: same bits, no ``token_rewards``."""
+    b = random_batch(*shape, masked_junk=junk).drop("token_scores")
+    if zeros:  # signed zeros, whose sign the row sum of the built rewards drops (0 + -0 = +0)
+        s = b["scores"]
+        b = b.update(scores=torch.where(s < 0, -0.0, torch.where(s < 0.5, 0.0, s)))
+    algo = OUTCOME_ALGORITHMS[name]()
+    out, metrics = algo.compute_advantages_with_metrics(b)
+    ref, ref_metrics = through_token_rewards(algo, b)
+    assert "token_rewards" not in out and set(out) == set(ref) - {"token_rewards"}
+    assert_same_bits(out, ref)
+    assert metrics == ref_metrics == {"reward_kl_coef": 0.0}
+
+
+def test_outcome_step_from_scores_on_empty_responses_groups_of_one_and_block_edges() -> None:
+    lengths = [0, 5, 64, 0, 130, 1, 128, 127, 0]
+    groups = [0, 0, 0, 1, 2, 2, 3, 3, 4]  # groups 1 and 4 hold one (empty) response
+    b = random_batch(3, lengths, 130, groups, masked_junk=True).drop("token_scores")
+    b = b.update(scores=torch.tensor([-0.0, 1.0, 0.0, -0.0, 3e38, -2.5, 0.0, -0.0, 7.0]))
+    for name, make in OUTCOME_ALGORITHMS.items():
+        algo = make()
+        out = algo.compute_advantages(b)
+        assert "token_rewards" not in out, name
+        assert_same_bits(out, through_token_rewards(algo, b)[0])
+    # an empty group of one keeps its raw score under GRPO (verl's mean 0, std 1): nothing in the row
+    assert not Algorithm.grpo().compute_advantages(b)["advantages"][[0, 3, 8]].any()
+
+
+@pytest.mark.parametrize(
+    ("make", "fields"),
+    [
+        (lambda: Algorithm.rloo(kl_coef=0.1), ("scores",)),  # KL in the reward
+        (Algorithm.reinforce_pp_baseline, ("scores",)),  # its default KL coefficient, 0.001
+        (Algorithm.grpo, ("scores", "token_scores")),  # dense scores
+        (lambda: Algorithm.reinforce_pp(kl_coef=0.0), ("scores",)),  # a per-token estimator
+        (lambda: Algorithm.remax(kl_coef=0.0), ("scores",)),
+    ],
+)
+def test_token_rewards_are_still_built_when_the_outcome_is_not_the_score(
+    make: Callable[[], Algorithm], fields: tuple[str, ...]
+) -> None:
+    b = random_batch(4, [0, 3, 7, 2, 7, 1], 7, [0, 0, 1, 1, 2, 3], masked_junk=True)
+    b = b.drop(*({"scores", "token_scores"} - set(fields)))
+    algo, ref_algo = make(), make()
+    out, metrics = algo.compute_advantages_with_metrics(b)
+    ref, ref_metrics = through_token_rewards(ref_algo, b)
+    assert "token_rewards" in out and torch.equal(out["token_rewards"], ref["token_rewards"])
+    assert_same_bits(out, ref)
+    assert metrics == ref_metrics
+
+
+def test_scores_replace_given_token_rewards_as_before() -> None:
+    """A batch with both ``scores`` and ``token_rewards`` still takes the rewards built from the scores."""
+    b = random_batch(6, [2, 3, 0, 1], 3, [0, 0, 1, 1], extra=False)
+    given_rewards = b.update(token_rewards=torch.ones(4, 3))
+    out = Algorithm.grpo().compute_advantages(given_rewards)
+    assert_same_bits(out, through_token_rewards(Algorithm.grpo(), b)[0])
+    assert torch.equal(out["token_rewards"], compute_token_rewards(b)[0]["token_rewards"])
 
 
 def _python_calls(fn: Callable[[], object]) -> int:

@@ -248,11 +248,15 @@ def _outcome(batch: TensorBatch) -> tuple[Tensor, Tensor]:
             "an outcome advantage estimator needs 'token_rewards', 'scores' or 'token_scores'; "
             f"the batch has only: {', '.join(batch) or 'none'}"
         )
+    if "token_scores" not in batch:
+        # what summing the row of token rewards holding only the score gives: 0 + s (+0 for -0)
+        # for a response, the score as it is for an empty one (see the branch above)
+        scores = batch["scores"].double()
+        return torch.where(lengths > 0, scores + 0.0, scores), lengths
     total = torch.zeros(batch.batch_size, dtype=torch.float64, device=mask.device)
     if "scores" in batch:
         total = total + batch["scores"].double()
-    if "token_scores" in batch:
-        total = total + _prefix_sums(batch["token_scores"], lengths).double()
+    total = total + _prefix_sums(batch["token_scores"], lengths).double()
     return total, lengths
 
 

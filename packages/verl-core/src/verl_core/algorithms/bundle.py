@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from verl_core.algorithms import advantages as _adv
 from verl_core.algorithms import constructors as _ctors
 from verl_core.algorithms.config import ActorLossConfig, CriticLossConfig, RewardConfig
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
@@ -15,6 +16,11 @@ from verl_core.kernel.errors import ConfigError, UnknownNameError
 from verl_core.kernel.training import Metrics
 
 __all__ = ["PRESETS", "Algorithm"]
+
+# the built-in estimators that read only each sample's total reward (``advantages.outcome_rewards``)
+_OUTCOME_ESTIMATORS: frozenset[Callable[..., TensorBatch]] = frozenset(
+    (_adv.grpo, _adv.rloo, _adv.reinforce_pp_baseline)
+)
 
 
 class Algorithm:
@@ -124,8 +130,24 @@ class Algorithm:
         The rewards come from ``scores`` / ``token_scores``; a batch that holds only
         ``token_rewards`` is used as is when the algorithm has no KL penalty in the reward. Updates
         the adaptive KL controller once per call.
+
+        An outcome estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++ with baseline) reads only each
+        sample's total reward. When that total is the sequence's score (``scores`` and no
+        ``token_scores``, ``token_rewards`` or KL penalty in the reward), it takes ``scores``
+        directly and ``token_rewards`` is not built: the result is bit for bit what summing the
+        built rows gives, without writing and reading a ``[batch, response]`` tensor.
+        :func:`~verl_core.algorithms.kl.compute_token_rewards` builds them when they are wanted.
         """
-        if "scores" in batch or "token_scores" in batch or self.kl_controller.value > 0:
+        beta = self.kl_controller.value
+        if (
+            self._estimate in _OUTCOME_ESTIMATORS
+            and not beta > 0
+            and "scores" in batch
+            and "token_scores" not in batch
+            and "token_rewards" not in batch
+        ):
+            return self._estimate(batch, self.estimator_config), {"reward_kl_coef": float(beta)}
+        if "scores" in batch or "token_scores" in batch or beta > 0:
             batch, metrics = compute_token_rewards(batch, self.reward, self.kl_controller)
         else:  # rewards already shaped by the caller (``token_rewards``), no KL penalty to add
             batch.require("token_rewards", where=f"{self.name} advantages")
@@ -134,7 +156,10 @@ class Algorithm:
         return out, metrics
 
     def compute_advantages(self, batch: TensorBatch) -> TensorBatch:
-        """The global batch with ``token_rewards``, ``advantages`` and ``returns`` added."""
+        """The global batch with ``advantages`` and ``returns`` added (and ``token_rewards`` when built).
+
+        See :meth:`compute_advantages_with_metrics` for when ``token_rewards`` is built.
+        """
         return self.compute_advantages_with_metrics(batch)[0]
 
     def state_dict(self) -> dict[str, float]:
