@@ -158,16 +158,34 @@ def _check_padding_side(mask: Tensor | None, name: str, *, left: bool, where: st
         )
 
 
-def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Partition sample indices into groups whose size x longest length stays within ``max_tokens``.
+def micro_batch_cost(lengths: Sequence[int], *, packed: bool = False) -> int:
+    """Tokens a micro-batch of samples with these ``lengths`` costs against a token budget.
 
-    Samples are sorted by length (longest first) and cut into consecutive runs, so each group holds
-    similar lengths and padding waste stays small. Every index appears exactly once.
+    Padded (the default): size x longest, every sample padded to the longest. ``packed`` (an engine
+    that lays the real tokens end to end, ``TrainingCapabilities.packed_sequences``): the sum of the
+    lengths. An empty sample counts as one token either way, so a budget bounds how many samples
+    share a micro-batch.
+    """
+    if packed:
+        return sum(max(n, 1) for n in lengths)
+    return len(lengths) * max(max(lengths, default=0), 1)
+
+
+def partition_by_token_budget(lengths: Sequence[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
+    """Partition sample indices into groups whose cost (:func:`micro_batch_cost`) stays within ``max_tokens``.
+
+    Samples are sorted by length (longest first, ties in index order). Padded (the default), the
+    sorted samples are cut into consecutive runs of size x longest <= ``max_tokens``, so each group
+    holds similar lengths and padding waste stays small. ``packed`` (the engine drops the padding):
+    first-fit decreasing on the sum of lengths, each sample going to the first group it fits
+    beside, which fills groups with short samples next to long ones. Both are deterministic and
+    every index appears exactly once.
 
     Raises:
         BatchValidationError: ``max_tokens`` is smaller than the longest sample.
     """
     check_int(max_tokens, "max_tokens", low=1, error=BatchValidationError)
+    check_bool(packed, "partition_by_token_budget() packed", error=BatchValidationError)
     if not _is_list(lengths):
         raise BatchValidationError(f"lengths must be a list of token counts, got {describe(lengths)}")
     for n in lengths:
@@ -179,6 +197,17 @@ def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[l
             f"max_tokens={max_tokens}; raise the budget to at least the longest sequence"
         )
     groups: list[list[int]] = []
+    if packed:
+        room: list[int] = []  # budget left in each group
+        for i in order:
+            cost = max(lengths[i], 1)
+            g = next((j for j, left in enumerate(room) if left >= cost), len(groups))
+            if g == len(groups):
+                groups.append([])
+                room.append(max_tokens)
+            groups[g].append(i)
+            room[g] -= cost
+        return groups
     i = 0
     while i < len(order):
         take = max(1, max_tokens // max(lengths[order[i]], 1))  # as many as fit beside the longest
@@ -365,23 +394,26 @@ def unpad(batch: TensorBatch, n_pad: int) -> TensorBatch:
 
 
 def micro_batches(
-    batch: TensorBatch, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True
+    batch: TensorBatch, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True,
+    packed: bool = False,
 ) -> MicroBatches:
     """Split into micro-batches by a token budget or a fixed size.
 
-    With ``max_tokens``, samples are partitioned so each micro-batch's padded cost (size x its
-    longest sequence, prompt plus response) stays within the budget, grouping similar lengths;
-    with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is trimmed
-    of all-padding columns unless ``trim`` is False. :meth:`MicroBatches.restore` undoes the
-    reordering.
+    With ``max_tokens``, samples are partitioned (:func:`partition_by_token_budget`) so each
+    micro-batch's cost stays within the budget: its padded tokens (size x its longest sequence,
+    prompt plus response), grouping similar lengths, or with ``packed`` (an engine that drops the
+    padding) the sum of its sequences' lengths. With ``size``, consecutive samples are taken
+    ``size`` at a time (``packed`` changes nothing). Each micro-batch is trimmed of all-padding
+    columns unless ``trim`` is False. :meth:`MicroBatches.restore` undoes the reordering.
     """
     from verl_core.kernel.batch import MicroBatches
     if (max_tokens is None) == (size is None):
         raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")
     check_bool(trim, "micro_batches() trim", error=BatchValidationError)
+    check_bool(packed, "micro_batches() packed", error=BatchValidationError)
     lengths = batch.seq_lengths()
     if max_tokens is not None:
-        groups = partition_by_token_budget(lengths.tolist(), max_tokens)
+        groups = partition_by_token_budget(lengths.tolist(), max_tokens, packed=packed)
     else:
         assert size is not None
         check_int(size, "micro_batches() size", low=1, error=BatchValidationError)
