@@ -248,8 +248,9 @@ class HFTrainingEngine(TrainingEngine):
 
         Micro-batches hold at most ``max_tokens`` tokens (else ``spec.micro_batch_tokens``, else
         ``spec.micro_batch_size`` samples): padded tokens, or the real tokens when the engine packs
-        (:attr:`packs_sequences`, declared as ``capabilities.packed_sequences``); see :meth:`TrainingEngine.forward_backward` for
-        the contract, including what a call that raises leaves (no gradients).
+        (:attr:`packs_sequences`, declared as ``capabilities.packed_sequences``); see
+        :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
+        raises leaves (no gradients).
         """
         where = f"HFTrainingEngine.forward_backward ({self._spec.role})"
         if not self._trainable:

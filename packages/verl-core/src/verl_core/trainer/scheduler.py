@@ -92,8 +92,9 @@ class SchedulerConfig:
         max_tokens: Largest budget (None: no fixed cap; each call's budget is at most its whole
             batch, which then runs as one micro-batch).
         bytes_per_token: Estimated bytes one budget token costs a training call (forward plus
-            backward; a padded token, or a real one when the engine packs); the default is a model-agnostic constant, the trainer passes an estimate from
-            the model's shape (:mod:`verl_core.trainer.budget`).
+            backward; a padded token, or a real one when the engine packs); the default is a
+            model-agnostic constant, the trainer passes an estimate from the model's shape
+            (:mod:`verl_core.trainer.budget`).
         memory_fraction: Share of the free memory (less ``reserved_bytes``) the budget may use.
         reserved_bytes: Free memory set aside before the fraction is taken: state the engines
             allocate only at their first update (gradients, optimizer moments).
@@ -327,7 +328,8 @@ class DynamicBatchScheduler:
             self._stats.replayed += 1
         else:
             budget = max(self.probe_budget(), longest)
-        budget = min(budget, max(micro_batch_cost(lengths, packed=packed), longest))  # more than the whole batch changes nothing
+        whole = max(micro_batch_cost(lengths, packed=packed), longest)
+        budget = min(budget, whole)  # more than the whole batch changes nothing
         measure = self._peak_probe if training and recorded is None and self._refine_from is not None else None
         reading: PeakReading | None = None
         ooms = 0
@@ -352,8 +354,8 @@ class DynamicBatchScheduler:
                 new_budget = max(self.config.min_tokens, longest, min(budget, worst) // 2)
                 if new_budget >= worst:
                     raise MicroBatchOOMError(
-                        f"{key}: micro-batches of {worst} {'packed' if packed else 'padded'} tokens ran out of memory and the budget "
-                        f"cannot go below {new_budget} (batch.min_tokens={self.config.min_tokens}, longest "
+                        f"{key}: micro-batches of {worst} {'packed' if packed else 'padded'} tokens ran out "
+                        f"of memory and the budget cannot go below {new_budget} (batch.min_tokens={self.config.min_tokens}, longest "
                         f"sample {longest} tokens); lower batch.min_tokens or the sequence lengths, or free memory"
                     ) from e
                 budget = new_budget
@@ -393,7 +395,8 @@ class DynamicBatchScheduler:
         _log.info(
             "micro-batch budget refined after %s: the allocator's peak was %d bytes above the call's resident "
             "memory for a micro-batch of %d %s tokens, %d bytes/token (estimate %d); budget %d -> %d tokens",
-            key, reading.transient, tokens, "packed" if packed else "padded", self._bytes_per_token, estimate, before, self._fixed,
+            key, reading.transient, tokens, "packed" if packed else "padded", self._bytes_per_token, estimate,
+            before, self._fixed,
         )
         return self._fixed
 
@@ -466,7 +469,8 @@ def train_mini_batch(engine: TrainingEngine, scheduler: DynamicBatchScheduler, m
         return engine.forward_backward(mini_batch, loss, stats, max_tokens=budget)
 
     packed = engine.capabilities.packed_sequences
-    metrics = {k: float(v) for k, v in scheduler.run(mini_batch, call, key=key, training=True, packed=packed).items()}
+    result = scheduler.run(mini_batch, call, key=key, training=True, packed=packed)
+    metrics = {k: float(v) for k, v in result.items()}
     step = engine.optimizer_step()
     metrics.update(grad_norm=step.grad_norm, lr=step.lr, skipped=float(step.skipped))
     return metrics
