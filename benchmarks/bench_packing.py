@@ -11,8 +11,10 @@ speed-up of the same work. The optimizer step between repetitions is not timed.
 Two micro-batch layouts, each its own table row:
 
 * ``size:N``: ``N`` consecutive sequences per micro-batch (``EngineSpec.micro_batch_size``);
-* ``tokens:N``: the kernel partitioner's padded-token budget (``forward_backward(max_tokens=N)``),
-  which groups similar lengths and so pads less.
+* ``tokens:N``: a token budget (``forward_backward(max_tokens=N)``), cut by the kernel partitioner
+  as the trainer's scheduler cuts it: padded tokens (size x longest, similar lengths grouped) for
+  the padded engine, real tokens (the sum of the lengths) for the packing engine, which so holds
+  more sequences per micro-batch. The micro-batch column gives both counts.
 
 Before timing, the log-probs of both engines are compared (largest difference printed). The
 header says which torch and transformers run, whether ``torch.nn.attention.varlen.varlen_attn``
@@ -91,7 +93,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--layouts", default="size:8,tokens:16384",
-                    help="comma-separated micro-batch layouts: size:N (sequences) or tokens:N (padded-token budget)")
+                    help="comma-separated micro-batch layouts: size:N (sequences) or tokens:N (token budget)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gradient-checkpointing", action="store_true")
@@ -146,11 +148,12 @@ def main() -> None:
     loss_fn = Algorithm.grpo(kl_loss_coef=0.0).actor_loss
     stats = GlobalBatchStats.of(batch)
     before = packed_attention_counts()
-    print("\n| layout | micro-batches | padded tok/s | packed tok/s | packed / padded |\n|---|---|---|---|---|")
+    print("\n| layout | micro-batches padded / packed | padded tok/s | packed tok/s | packed / padded |\n"
+          "|---|---|---|---|---|")
     for kind, n in layouts:
         max_tokens = n if kind == "tokens" else None
         times: dict[str, list[float]] = {name: [] for name in engines}
-        micro = 0.0
+        micro: dict[str, float] = {}
 
         def step(e: HFTrainingEngine, max_tokens: int | None = max_tokens) -> tuple[float, float]:
             synchronize(args.device)
@@ -164,11 +167,11 @@ def main() -> None:
         names = list(engines)
         for rep in range(args.warmup + args.reps):
             for name in names if rep % 2 == 0 else names[::-1]:
-                dt, micro = step(engines[name])
+                dt, micro[name] = step(engines[name])
                 if rep >= args.warmup:
                     times[name].append(dt)
         tps = {name: real / statistics.median(ts) for name, ts in times.items()}
-        print(f"| {kind}:{n} | {micro:.0f} | {tps['padded']:,.0f} | {tps['packed']:,.0f} | "
+        print(f"| {kind}:{n} | {micro['padded']:.0f} / {micro['packed']:.0f} | {tps['padded']:,.0f} | {tps['packed']:,.0f} | "
               f"{tps['packed'] / tps['padded']:.2f}x |")
     after = packed_attention_counts()
     ran = {k: after[k] - before[k] for k in after}

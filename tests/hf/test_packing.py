@@ -13,6 +13,8 @@ from hf_helpers import actor_spec, flat_grads, model_path
 from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, tiny_model
 from verl_core import ConfigError, GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
+from verl_core.kernel.batch import partition_by_token_budget
+from verl_core.trainer.scheduler import DynamicBatchScheduler, SchedulerConfig, train_mini_batch
 from verl_hf.config import HFOptions
 from verl_hf.modeling import packed_attention_counts
 from verl_hf.training import HFTrainingEngine
@@ -104,3 +106,40 @@ def test_invalid_packing_options_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pack_sequences=True.*sliding-window"):
         HFTrainingEngine(actor_spec(str(folder), options={"pack_sequences": True}))
     assert not HFTrainingEngine(actor_spec(str(folder))).packs_sequences
+
+
+def test_packed_budget_runs_fewer_micro_batches_with_the_padded_results() -> None:
+    # one fixed budget, the smallest one (the longest sequence): the scheduler counts a packing
+    # engine's micro-batches by their real tokens, the engine cuts them alike, and the results match
+    batch = _ragged_batch(seed=3, with_rl_fields=True)
+    budget = int(batch.seq_lengths().max())
+    lengths = batch.seq_lengths().tolist()
+    expected = {pack: partition_by_token_budget(lengths, budget, packed=pack) for pack in (False, True)}
+    assert len(expected[True]) < len(expected[False])
+    padded, packed = _pair(model_path("llama"))
+    assert not padded.capabilities.packed_sequences and packed.capabilities.packed_sequences
+    old = padded.forward(batch, ["log_probs"])["log_probs"]
+    batch = batch.update(old_log_probs=old + 0.05, ref_log_probs=old)
+    stats = GlobalBatchStats.of(batch)
+    metrics, grads = {}, {}
+    for engine in (padded, packed):
+        pack = engine.packs_sequences
+        scheduler = DynamicBatchScheduler(SchedulerConfig(min_tokens=1))
+        scheduler.fix_budget(budget)
+        metrics[pack] = scheduler.run(
+            batch, lambda b, e=engine: e.forward_backward(batch, PPO.actor_loss, stats, max_tokens=b),
+            key="step0/actor/update0", training=True, packed=engine.capabilities.packed_sequences,
+        )
+        assert [list(g) for g in scheduler.plan[0].groups] == expected[pack]
+        assert metrics[pack]["num_micro_batches"] == len(expected[pack])  # the engine ran the recorded plan
+        grads[pack] = flat_grads(engine.model)
+        engine.optimizer_step()
+    assert metrics[True]["loss"] == pytest.approx(metrics[False]["loss"], abs=1e-5)
+    assert float(grads[False].norm()) > 0
+    assert_close(grads[True], grads[False], dtype="float32", quantity="grad")
+    # the trainer's training call threads the engine's packing through to the recorded plan
+    scheduler = DynamicBatchScheduler(SchedulerConfig(min_tokens=1))
+    scheduler.fix_budget(budget)
+    step = train_mini_batch(packed, scheduler, batch, PPO.actor_loss, key="step1/actor/update0")
+    assert [list(g) for g in scheduler.plan[0].groups] == expected[True]
+    assert step["num_micro_batches"] == len(expected[True])

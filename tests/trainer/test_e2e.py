@@ -168,3 +168,26 @@ def test_backend_options_reach_each_role_s_engine(tmp_path: Path) -> None:
         trainer.setup()
     with pytest.raises(ConfigError, match="choices: actor, rollout"):
         config(tmp_path / "role", "backends.options.policy.lr=1")
+
+
+def test_a_packing_actor_cuts_rl_steps_by_real_tokens(tmp_path: Path) -> None:
+    # the same step with the actor packing or padding under one budget: the actor forward and the
+    # update are planned by the engine's packed_sequences, so packing runs fewer micro-batches (sums
+    # of 12 and 13 tokens fit a 25-token budget in pairs, padded ones mostly alone), same results
+    extra = ("steps=1", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0", "task.name=add", "task.digits=3",
+             "rollout.max_new_tokens=5", "batch.micro_batch_tokens=25", 'batch.old_log_probs="recompute"')
+    runs = {}
+    for pack in (False, True):
+        cfg = config(tmp_path / str(pack), *extra, f"backends.options.actor.pack_sequences={str(pack).lower()}")
+        with Trainer(cfg) as trainer:
+            history = trainer.train()
+            assert trainer.actor.capabilities.packed_sequences is pack
+            plan = {d.key: len(d.groups) for d in trainer.schedulers["actor"].plan}
+        runs[pack] = (history[-1], plan)
+    (padded, plan_padded), (packed, plan_packed) = runs[False], runs[True]
+    assert sorted(plan_packed) == sorted(plan_padded) == ["step0/actor/forward", "step0/actor/update0"]
+    assert all(plan_packed[k] < plan_padded[k] for k in plan_packed), (plan_packed, plan_padded)
+    assert packed["actor/num_micro_batches"] == plan_packed["step0/actor/update0"]  # the engine ran the plan
+    assert packed["reward/mean"] == padded["reward/mean"]
+    assert packed["actor/loss"] == pytest.approx(padded["actor/loss"], abs=1e-5)
+    assert packed["actor/grad_norm"] == pytest.approx(padded["actor/grad_norm"], rel=1e-4)

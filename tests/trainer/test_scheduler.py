@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.kernel.batch import TensorBatch, partition_by_token_budget
+from verl_core.kernel.batch import TensorBatch, micro_batch_cost, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.scheduler import (
     Decision,
@@ -46,17 +46,19 @@ class DeviceWithLimit:
 
     :meth:`call` behaves like ``forward_backward``: it cuts the whole batch with the kernel
     partitioner under the budget it is given, and a call that runs out of memory keeps nothing.
+    ``packed``: a micro-batch costs its real tokens, as on an engine that packs sequences.
     """
 
-    def __init__(self, limit_tokens: int) -> None:
+    def __init__(self, limit_tokens: int, *, packed: bool = False) -> None:
         self.limit = limit_tokens
+        self.packed = packed
         self.seen: list[int] = []
         self.calls = 0
         self.ooms = 0
 
     def forward(self, mb: TensorBatch) -> TensorBatch:
         self.calls += 1
-        cost = mb.batch_size * int(mb.seq_lengths().max())
+        cost = micro_batch_cost(mb.seq_lengths().tolist(), packed=self.packed)
         if cost > self.limit:
             self.ooms += 1
             raise torch.OutOfMemoryError(f"tried to allocate for {cost} tokens")
@@ -65,7 +67,8 @@ class DeviceWithLimit:
 
     def caller(self, batch: TensorBatch) -> Callable[[int], list[list[int]]]:
         def call(budget: int) -> list[list[int]]:
-            ran = [self.forward(mb)["group_ids"].tolist() for mb in batch.micro_batches(max_tokens=budget)]
+            mbs = batch.micro_batches(max_tokens=budget, packed=self.packed)
+            ran = [self.forward(mb)["group_ids"].tolist() for mb in mbs]
             return ran  # only a call that finished counts (an engine call that raises leaves nothing)
 
         return call
@@ -368,3 +371,71 @@ def test_a_resume_reuses_the_refined_budget_from_the_state_or_the_plan() -> None
     old = fresh(other, 1 << 30)
     old.load_state_dict({"ceiling": 1 << 40, "successes": 0, "budget": 60})
     assert not old.refinement_pending and old.probe_budget() == 60
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    limit=st.integers(14, 200),
+)
+def test_packed_calls_back_off_and_record_the_engines_partition(lengths: list[int], limit: int) -> None:
+    batch = make_batch(lengths)
+    device = DeviceWithLimit(limit, packed=True)
+    cfg = SchedulerConfig(min_tokens=1, max_tokens=1024, bytes_per_token=1, memory_fraction=1.0, grow_after=1000)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    ran = sched.run(batch, device.caller(batch), key="k", packed=True)
+    assert sorted(i for g in ran for i in g) == list(range(len(lengths)))
+    (decision,) = sched.plan
+    assert decision.ooms == device.ooms
+    assert decision.budget <= sum(n + 2 for n in lengths)  # bounded by the whole batch's real tokens
+    lens = batch.seq_lengths().tolist()
+    assert [list(g) for g in decision.groups] == partition_by_token_budget(lens, decision.budget, packed=True)
+    assert ran == [list(g) for g in decision.groups]
+    assert all(micro_batch_cost([lens[i] for i in g], packed=True) <= min(limit, decision.budget)
+               for g in decision.groups)
+    # a forward through the scheduler packs alike and restores the input order
+    fwd = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    out = fwd.run_forward(batch, DeviceWithLimit(limit, packed=True).forward, key="f", packed=True)
+    assert torch.equal(out["scores"], torch.arange(len(lengths)).float() * 2)
+    assert [list(g) for g in fwd.plan[0].groups] == partition_by_token_budget(lens, fwd.plan[0].budget, packed=True)
+
+
+def test_packed_budget_holds_more_samples_per_micro_batch() -> None:
+    batch = make_batch([10, 1, 1, 1, 1, 1, 1])  # 12 and six times 3 tokens with the prompts
+    cfg = SchedulerConfig(min_tokens=4, max_tokens=15, bytes_per_token=1, memory_fraction=1.0)
+    padded, packed = (DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40)) for _ in range(2))
+    padded.run(batch, DeviceWithLimit(1000).caller(batch), key="k")
+    packed.run(batch, DeviceWithLimit(1000, packed=True).caller(batch), key="k", packed=True)
+    assert padded.plan[0].budget == packed.plan[0].budget == 15
+    assert padded.plan[0].groups == ((0,), (1, 2, 3, 4, 5), (6,))  # size x longest <= 15
+    assert packed.plan[0].groups == ((0, 1), (2, 3, 4, 5, 6))  # 12 + 3 | 5 x 3
+    # the whole batch's budget bound counts real tokens too: 30 of them, not 7 x 12 padded
+    whole = DynamicBatchScheduler(SchedulerConfig(min_tokens=4, bytes_per_token=1), probe=lambda: probe_of(1 << 40))
+    budgets: list[int] = []
+    whole.run(batch, lambda b: budgets.append(b) or DeviceWithLimit(1000, packed=True).caller(batch)(b), key="w",
+              packed=True)
+    assert budgets == [30] and len(whole.plan[0].groups) == 1
+
+
+def test_packed_refinement_measures_per_real_token_and_a_resume_replays_it() -> None:
+    cfg = SchedulerConfig(min_tokens=4, bytes_per_token=10, memory_fraction=1.0)
+    batch = make_batch([4, 4, 1, 1, 1, 1])  # 6, 6, 3, 3, 3, 3 tokens
+    peak = FixedPeak(PeakReading(0, 21 * 20, 0))  # 20 bytes per token over the largest packed micro-batch
+    first = DynamicBatchScheduler(cfg, probe=lambda: probe_of(210), peak_probe=peak)
+    assert first.fix_budget() == 21
+    seen: list[int] = []
+    for step in range(2):
+        first.run(batch, lambda b: seen.append(b) or DeviceWithLimit(1000, packed=True).caller(batch)(b),
+                  key=f"s{step}", training=True, packed=True)
+    # at 21 tokens: 6+6+3+3+3 | 3 packed; the largest micro-batch holds 21 real tokens (padded: 5 x 6 = 30)
+    assert [len(g) for g in first.plan[0].groups] == [5, 1]
+    assert first.bytes_per_token == 20 and first.fixed_budget == 210 // 20 == 10 == first.plan[0].refined
+    assert seen == [21, 10]
+    plan = [Decision.from_json(d.to_json()) for d in first.plan]
+    resumed = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 30), peak_probe=FixedPeak(None), replay=plan)
+    resumed.fix_budget()
+    for step in range(2):
+        resumed.run(batch, DeviceWithLimit(1000, packed=True).caller(batch), key=f"s{step}", training=True,
+                    packed=True)
+    assert [d.groups for d in resumed.plan] == [d.groups for d in plan]
+    assert resumed.fixed_budget == 10

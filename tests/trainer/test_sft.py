@@ -249,3 +249,30 @@ def test_the_docs_page_config_is_an_sft_config() -> None:
     for text in blocks:
         config = config_from_dict(tomllib.loads(text))
         assert SFTTrainer(config).config.data.train_paths  # its data section is accepted
+
+
+def test_a_packing_actor_runs_fewer_micro_batches_with_the_same_losses(tmp_path: Path) -> None:
+    # prompts of 1 to 25 characters: under one budget, a packing actor's micro-batches count real
+    # tokens (the scheduler's plan follows the engine's capability), padded ones size x longest
+    rng = random.Random(0)
+    rows = [{"prompt": "c" + "x" * rng.randrange(25) + "=", "response": str(rng.randrange(100))} for _ in range(48)]
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:32]))
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows[32:]))
+    runs = {}
+    for pack in (False, True):
+        cfg = sft_config(tmp_path / str(pack), train, "steps=2", "batch.micro_batch_tokens=40",
+                         f"backends.options.actor.pack_sequences={str(pack).lower()}",
+                         f"data.eval={json.dumps(str(held_out))}")
+        with SFTTrainer(cfg) as t:
+            history = t.train()
+            evaluation = t.evaluate()
+            assert t.actor.capabilities.packed_sequences is pack
+            runs[pack] = (history, evaluation, [len(d.groups) for d in t.scheduler.plan])
+    (padded, ev_padded, plan_padded), (packed, ev_packed, plan_packed) = runs[False], runs[True]
+    assert all(a < b for a, b in zip(plan_packed, plan_padded, strict=True)), (plan_packed, plan_padded)
+    for a, b in zip(padded, packed, strict=True):
+        assert b["scheduler/actor/micro_batches"] < a["scheduler/actor/micro_batches"]
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+    assert ev_packed["eval/loss"] == pytest.approx(ev_padded["eval/loss"], rel=1e-5)

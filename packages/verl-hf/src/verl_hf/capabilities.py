@@ -22,7 +22,7 @@ def training_capabilities(role: str) -> TrainingCapabilities:
         pipeline_parallel=False,
         data_parallel=True,
         micro_batch_tokens=True,
-        packed_sequences=False,
+        packed_sequences=False,  # an engine that packs (HFOptions.pack_sequences resolved) declares True
         gradient_checkpointing=True,
         offload=True,
         checkpoint=True,

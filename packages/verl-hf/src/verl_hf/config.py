@@ -58,8 +58,10 @@ class HFOptions:
             llama, mistral, qwen2 or qwen3 model with sdpa and full attention in every layer.
             None (default): on for CUDA engines in bfloat16 where ``varlen_attn`` exists and the
             model qualifies; True forces it (a ConfigError where the model does not qualify);
-            False keeps padded micro-batches. The micro-batch token budget still counts padded
-            tokens, so packed micro-batches never need more memory than padded ones. An hf
+            False keeps padded micro-batches. A packing engine declares
+            ``capabilities.packed_sequences`` and its micro-batch token budget counts real tokens
+            (the sum of the sequences' lengths, not size x longest), so a packed micro-batch holds
+            more sequences of a ragged batch under the same budget. An hf
             backend option: the megatron backend's packed sequences (``PackedSeqParams``) are
             out of scope and it keeps padded micro-batches.
     """

@@ -1,7 +1,8 @@
 """The training engine's micro-batch loop: forward without gradients, forward and backward with them.
 
 A call's batch is cut by the kernel partitioner (``TensorBatch.micro_batches``) under a token
-budget, or into fixed-size pieces. Every data-parallel rank runs the same number of micro-batches
+budget (counting real tokens when the loop packs, padded tokens otherwise), or into fixed-size
+pieces. Every data-parallel rank runs the same number of micro-batches
 (padding with one-sample micro-batches whose empty response contributes exactly zero), so FSDP's
 collectives match across ranks. Gradients are summed over micro-batches and, once at the end of
 a training call, over ranks; a call that raises clears the gradients it left.
@@ -35,7 +36,7 @@ class MicroBatchLoop:
         fsdp: The model is sharded with FSDP2 (it averages gradients over ranks).
         allreduce_bucket_bytes: Bucket size of the gradient all-reduce without FSDP.
         packed: Run each micro-batch without padding (``token_outputs(packed=True)``; the model
-            is set to the packed attention).
+            is set to the packed attention); a token budget then counts the real tokens.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class MicroBatchLoop:
         if batch.batch_size == 0:
             return []
         if max_tokens is not None:
-            mbs = batch.micro_batches(max_tokens=max_tokens)
+            mbs = batch.micro_batches(max_tokens=max_tokens, packed=self._packed)
         else:
             mbs = batch.micro_batches(size=size or batch.batch_size)
         out: list[tuple[Tensor, TensorBatch]] = []

@@ -16,6 +16,7 @@ A call that raises clears the gradients it left.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Collection, Iterator
 from typing import Any, Final
@@ -120,6 +121,8 @@ class HFTrainingEngine(TrainingEngine):
         self._packed = _resolve_packing(self._options.pack_sequences, model, self._device, spec.torch_dtype)
         if self._packed:
             model.set_attn_implementation(register_packed_sdpa())
+            # the trainer's scheduler reads it to count a micro-batch's real tokens, as the loop cuts them
+            self._caps = dataclasses.replace(self._caps, packed_sequences=True)
         tied = bool(getattr(model.config, "tie_word_embeddings", False)) and self._kind == "causal_lm"
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         if spec.gradient_checkpointing:
@@ -243,9 +246,11 @@ class HFTrainingEngine(TrainingEngine):
     ) -> Metrics:
         """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
 
-        Micro-batches hold at most ``max_tokens`` padded tokens (else ``spec.micro_batch_tokens``,
-        else ``spec.micro_batch_size`` samples); see :meth:`TrainingEngine.forward_backward` for
-        the contract, including what a call that raises leaves (no gradients).
+        Micro-batches hold at most ``max_tokens`` tokens (else ``spec.micro_batch_tokens``, else
+        ``spec.micro_batch_size`` samples): padded tokens, or the real tokens when the engine packs
+        (:attr:`packs_sequences`, declared as ``capabilities.packed_sequences``); see
+        :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
+        raises leaves (no gradients).
         """
         where = f"HFTrainingEngine.forward_backward ({self._spec.role})"
         if not self._trainable:

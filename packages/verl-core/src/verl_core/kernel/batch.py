@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from verl_core.kernel import batch_ops as _ops
-from verl_core.kernel.batch_ops import partition_by_token_budget
+from verl_core.kernel.batch_ops import micro_batch_cost, partition_by_token_budget
 from verl_core.kernel.errors import (
     BatchValidationError,
     MissingFieldError,
@@ -31,7 +31,8 @@ from verl_core.kernel.errors import (
 from verl_core.kernel.memory import _short, available_memory, check_fits
 from verl_core.kernel.schema import FIELDS, Dim, check_temperature
 
-__all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "available_memory", "check_fits", "partition_by_token_budget"]
+__all__ = ["BatchMeta", "MicroBatches", "TensorBatch", "available_memory", "check_fits", "micro_batch_cost",
+           "partition_by_token_budget"]
 
 
 @dataclass(frozen=True)

@@ -158,16 +158,24 @@ def _check_padding_side(mask: Tensor | None, name: str, *, left: bool, where: st
         )
 
 
-def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Partition sample indices into groups whose size x longest length stays within ``max_tokens``.
+def micro_batch_cost(lengths: Sequence[int], *, packed: bool = False) -> int:
+    """Tokens a micro-batch of these sample ``lengths`` costs: size x longest, or with ``packed`` (an
+    engine without padding, ``TrainingCapabilities.packed_sequences``) the sum; an empty sample counts 1."""
+    return sum(max(n, 1) for n in lengths) if packed else len(lengths) * max(max(lengths, default=0), 1)
 
-    Samples are sorted by length (longest first) and cut into consecutive runs, so each group holds
-    similar lengths and padding waste stays small. Every index appears exactly once.
+
+def partition_by_token_budget(lengths: Sequence[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
+    """Partition sample indices into groups whose cost (:func:`micro_batch_cost`) stays within ``max_tokens``.
+
+    Samples are sorted by length (longest first, ties in index order), then cut into consecutive
+    runs (similar lengths, little padding) or, ``packed``, each put in the first group it fits
+    (short samples fill the room beside long ones). Deterministic; every index appears once.
 
     Raises:
         BatchValidationError: ``max_tokens`` is smaller than the longest sample.
     """
     check_int(max_tokens, "max_tokens", low=1, error=BatchValidationError)
+    check_bool(packed, "partition_by_token_budget() packed", error=BatchValidationError)
     if not _is_list(lengths):
         raise BatchValidationError(f"lengths must be a list of token counts, got {describe(lengths)}")
     for n in lengths:
@@ -179,6 +187,16 @@ def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[l
             f"max_tokens={max_tokens}; raise the budget to at least the longest sequence"
         )
     groups: list[list[int]] = []
+    if packed:
+        room: list[int] = []  # budget left in each group
+        for i in order:
+            g = next((j for j, left in enumerate(room) if left >= max(lengths[i], 1)), len(groups))
+            if g == len(groups):
+                groups.append([])
+                room.append(max_tokens)
+            groups[g].append(i)
+            room[g] -= max(lengths[i], 1)
+        return groups
     i = 0
     while i < len(order):
         take = max(1, max_tokens // max(lengths[order[i]], 1))  # as many as fit beside the longest
@@ -365,23 +383,25 @@ def unpad(batch: TensorBatch, n_pad: int) -> TensorBatch:
 
 
 def micro_batches(
-    batch: TensorBatch, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True
+    batch: TensorBatch, *, max_tokens: int | None = None, size: int | None = None, trim: bool = True,
+    packed: bool = False,
 ) -> MicroBatches:
     """Split into micro-batches by a token budget or a fixed size.
 
-    With ``max_tokens``, samples are partitioned so each micro-batch's padded cost (size x its
-    longest sequence, prompt plus response) stays within the budget, grouping similar lengths;
-    with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is trimmed
-    of all-padding columns unless ``trim`` is False. :meth:`MicroBatches.restore` undoes the
+    With ``max_tokens``, samples are partitioned (:func:`partition_by_token_budget`, ``packed`` for
+    an engine without padding) so each micro-batch's cost (prompt plus response tokens) stays within
+    the budget; with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is
+    trimmed of all-padding columns unless ``trim`` is False; :meth:`MicroBatches.restore` undoes the
     reordering.
     """
     from verl_core.kernel.batch import MicroBatches
     if (max_tokens is None) == (size is None):
         raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")
     check_bool(trim, "micro_batches() trim", error=BatchValidationError)
+    check_bool(packed, "micro_batches() packed", error=BatchValidationError)
     lengths = batch.seq_lengths()
     if max_tokens is not None:
-        groups = partition_by_token_budget(lengths.tolist(), max_tokens)
+        groups = partition_by_token_budget(lengths.tolist(), max_tokens, packed=packed)
     else:
         assert size is not None
         check_int(size, "micro_batches() size", low=1, error=BatchValidationError)

@@ -10,25 +10,10 @@ from __future__ import annotations
 import math
 from typing import Final
 
-__all__ = [
-    "BatchValidationError",
-    "CheckpointError",
-    "ConfigError",
-    "MissingFieldError",
-    "NonFiniteError",
-    "PluginError",
-    "RewardError",
-    "RequestTooLargeError",
-    "StaleWeightsError",
-    "UnknownNameError",
-    "VerlError",
-    "WeightSyncError",
-    "check_bool",
-    "check_int",
-    "check_number",
-    "check_str",
-    "describe",
-]
+__all__ = ["BatchValidationError", "CheckpointError", "ConfigError", "MissingFieldError",
+           "NonFiniteError", "PluginError", "RewardError", "RequestTooLargeError",
+           "StaleWeightsError", "UnknownNameError", "VerlError", "WeightSyncError", "check_bool",
+           "check_int", "check_number", "check_str", "describe"]
 
 
 class VerlError(Exception):

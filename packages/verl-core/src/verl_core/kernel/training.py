@@ -185,7 +185,7 @@ class TrainingEngine(Protocol):
 
         The engine owns the micro-batch loop: it partitions ``mini_batch`` with
         ``mini_batch.micro_batches(max_tokens=...)`` (the kernel's one partitioner) under the budget
-        ``max_tokens`` (padded tokens per micro-batch), else ``spec.micro_batch_tokens``, else into
+        ``max_tokens`` (tokens per micro-batch; ``micro_batch_cost``), else ``spec.micro_batch_tokens``, else into
         ``spec.micro_batch_size`` samples (the whole share when neither is set). It fills the outputs
         ``loss_fn.needs`` with autograd, calls ``loss_fn`` with the global ``stats`` and
         backpropagates each micro-batch. Every data-parallel rank runs the same number of

@@ -1,4 +1,4 @@
-"""The model-aware micro-batch budget: what one padded token costs a training call, from the model's shape.
+"""The model-aware micro-batch budget: what one token costs a training call, from the model's shape.
 
 The trainer picks its micro-batch token budget as ``(free memory - state not yet allocated) x
 memory_fraction / bytes_per_token`` (:class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`).
@@ -19,8 +19,15 @@ gradient checkpointing, as named terms:
 * ``logits``: ``vocab x (4 x LOGITS_FLOAT32_COPIES + 2 x dtype bytes)``: the model-dtype logits and
   their gradient; the loss's float32 log-softmax is computed a chunk of tokens at a time
   (:mod:`verl_core.enginekit.token_stats`), so no float32 copy per token is counted. At small
-  models this term dominates; it is counted for every padded token although only response
-  positions get logits, so it errs on the safe side.
+  models this term dominates; it is counted for every token although only response positions get
+  logits, so it errs on the safe side.
+
+The terms are per token of the budget, and the budget counts what the engine runs
+(:func:`~verl_core.kernel.batch.micro_batch_cost`): padded tokens, or real tokens for an engine
+that packs sequences (``TrainingCapabilities.packed_sequences``). The model holds for both: a
+packed row keeps the same tensors per token as a padded one, and only the positions before
+response tokens go through the LM head in both layouts, so ``logits`` is an upper bound for
+packed tokens too.
 
 :func:`pending_state_bytes` is the memory a trainable engine allocates only at its first update
 (gradients, AdamW's two moments, float32 master gradients), which the free memory read at set-up
@@ -143,7 +150,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class TokenMemoryEstimate:
-    """Bytes one padded token costs a training call, as named terms.
+    """Bytes one token of the budget costs a training call, as named terms.
 
     Attributes:
         terms: ``(name, bytes per token, how it was counted)`` of each term.
@@ -178,7 +185,7 @@ def layer_bytes(shape: ModelShape, dtype: str) -> int:
 def estimate_token_bytes(
     shape: ModelShape, dtype: str, *, gradient_checkpointing: bool = False, source: str = "the model's shape"
 ) -> TokenMemoryEstimate:
-    """The terms of a training call's memory per padded token (see the module docstring).
+    """The terms of a training call's memory per token (see the module docstring).
 
     Args:
         shape: The model's sizes.

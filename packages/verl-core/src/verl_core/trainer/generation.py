@@ -77,7 +77,8 @@ class GenerationStage:
         def fn(mb: TensorBatch) -> TensorBatch:
             return engine.forward(mb, outputs)  # type: ignore[arg-type]
 
-        return self.schedulers[role].run_forward(batch, fn, key=f"step{self.progress.step}/{role}/forward")
+        return self.schedulers[role].run_forward(batch, fn, key=f"step{self.progress.step}/{role}/forward",
+                                                 packed=engine.capabilities.packed_sequences)
 
     def pipeline(self, state: StepState) -> HybridPipeline:
         """The step's stage graph (prompts -> samples -> scores -> batch -> forwards)."""

@@ -2,8 +2,11 @@
 
 The scheduler does not cut batches itself: engines micro-batch internally with the kernel's one
 partitioner (:func:`~verl_core.kernel.batch.partition_by_token_budget`), and the scheduler picks the
-token budget they run under (padded tokens per micro-batch: size x longest sequence, prompt plus
-response). The budget is ``(free memory - reserved_bytes) x memory_fraction / bytes_per_token``
+token budget they run under: tokens per micro-batch as the engine counts them
+(:func:`~verl_core.kernel.batch.micro_batch_cost`), padded (size x longest sequence, prompt plus
+response), or the sum of the sequences' lengths for an engine that packs them
+(``TrainingCapabilities.packed_sequences``; callers pass ``packed=`` so the recorded plan is the
+engine's). The budget is ``(free memory - reserved_bytes) x memory_fraction / bytes_per_token``
 from the free memory a probe reports, clamped to ``[min_tokens, max_tokens]`` (no upper bound by
 default), to a ceiling learned from out-of-memory errors, from above to the call's whole batch (a
 larger budget would run it the same way) and from below to the call's longest sample. On
@@ -21,7 +24,7 @@ free when the step runs, and a resumed run splits its steps like an uninterrupte
 
 With a ``peak_probe``, a budget fixed from the probe is refined once: the first training call
 (``run(..., training=True)``) runs under the probe, and ``bytes_per_token`` becomes the measured
-peak per padded token of its largest micro-batch; the budget is recomputed from the memory read by
+peak per budget token of its largest micro-batch; the budget is recomputed from the memory read by
 ``fix_budget``. The refined budget is recorded in that call's :class:`Decision` and in
 :meth:`~DynamicBatchScheduler.state_dict`, so a resumed run (from a checkpoint or a replayed plan)
 uses the same budget and never measures again.
@@ -37,7 +40,7 @@ from typing import Any, Final, TypeVar
 
 import torch
 
-from verl_core.kernel.batch import TensorBatch, partition_by_token_budget
+from verl_core.kernel.batch import TensorBatch, micro_batch_cost, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
 from verl_core.trainer.memory import (
@@ -85,12 +88,13 @@ class SchedulerConfig:
     """Bounds and policy of the dynamic micro-batch scheduler.
 
     Attributes:
-        min_tokens: Smallest budget (padded tokens per micro-batch).
+        min_tokens: Smallest budget (tokens per micro-batch, see :func:`micro_batch_cost`).
         max_tokens: Largest budget (None: no fixed cap; each call's budget is at most its whole
             batch, which then runs as one micro-batch).
-        bytes_per_token: Estimated bytes one padded token costs a training call (forward plus
-            backward); the default is a model-agnostic constant, the trainer passes an estimate from
-            the model's shape (:mod:`verl_core.trainer.budget`).
+        bytes_per_token: Estimated bytes one budget token costs a training call (forward plus
+            backward; a padded token, or a real one when the engine packs); the default is a
+            model-agnostic constant, the trainer passes an estimate from the model's shape
+            (:mod:`verl_core.trainer.budget`).
         memory_fraction: Share of the free memory (less ``reserved_bytes``) the budget may use.
         reserved_bytes: Free memory set aside before the fraction is taken: state the engines
             allocate only at their first update (gradients, optimizer moments).
@@ -128,7 +132,8 @@ class Decision:
     Attributes:
         key: Caller-chosen identifier of the call (e.g. ``"step3/actor_update/0"``).
         groups: The micro-batches of the call at its final budget, as sample indices of the call's
-            batch (``partition_by_token_budget`` of its sample lengths).
+            batch (``partition_by_token_budget`` of its sample lengths, packed or padded as the
+            engine ran the call).
         budget: Budget of the call's successful run (what a replay passes again).
         ooms: Out-of-memory errors handled during the call.
         ceiling: The scheduler's OOM ceiling after the call (restored when the call is replayed).
@@ -281,18 +286,25 @@ class DynamicBatchScheduler:
             self._replay[d.key] = d
 
     # ------------------------------------------------------------------ run
-    def run(self, batch: TensorBatch, fn: Callable[[int], T], *, key: str, training: bool = False) -> T:
+    def run(
+        self, batch: TensorBatch, fn: Callable[[int], T], *, key: str, training: bool = False, packed: bool = False
+    ) -> T:
         """Call ``fn(budget)`` for the whole ``batch``; on out-of-memory, call it again on a halved budget.
 
         ``fn`` runs the whole batch under the token budget it is given (e.g.
         ``lambda budget: engine.forward_backward(batch, loss, stats, max_tokens=budget)``) and must
         leave nothing behind when it raises, as engine calls do. The budget is never below the
         batch's longest sample, which the partitioner needs to fit into one micro-batch, and never
-        above the whole batch's padded tokens.
+        above the whole batch's cost.
 
         ``training`` marks a forward-backward call: the first one after :meth:`fix_budget` read
-        the probe runs under the ``peak_probe``, and its measured peak per padded token replaces
+        the probe runs under the ``peak_probe``, and its measured peak per budget token replaces
         ``bytes_per_token`` for the fixed budget of later calls (once; recorded in the decision).
+
+        ``packed`` says the engine packs this call's micro-batches (its
+        ``capabilities.packed_sequences``): a micro-batch then costs the sum of its lengths
+        instead of size x longest, so the recorded groups, the out-of-memory back-off and the
+        refinement count what the engine runs.
 
         Returns:
             What the successful call of ``fn`` returned.
@@ -316,12 +328,13 @@ class DynamicBatchScheduler:
             self._stats.replayed += 1
         else:
             budget = max(self.probe_budget(), longest)
-        budget = min(budget, max(batch.batch_size, 1) * longest)  # more than the whole batch changes nothing
+        whole = max(micro_batch_cost(lengths, packed=packed), longest)
+        budget = min(budget, whole)  # more than the whole batch changes nothing
         measure = self._peak_probe if training and recorded is None and self._refine_from is not None else None
         reading: PeakReading | None = None
         ooms = 0
         while True:
-            groups = partition_by_token_budget(lengths, budget)
+            groups = partition_by_token_budget(lengths, budget, packed=packed)
             try:
                 if measure is not None:
                     result, reading = measure(functools.partial(fn, budget))
@@ -332,7 +345,7 @@ class DynamicBatchScheduler:
                 ooms += 1
                 self._stats.ooms += 1
                 self._successes = 0
-                worst = max((len(g) * max(max(lengths[i] for i in g), 1) for g in groups), default=1)
+                worst = max((micro_batch_cost([lengths[i] for i in g], packed=packed) for g in groups), default=1)
                 if all(len(g) == 1 for g in groups):
                     raise MicroBatchOOMError(
                         f"{key}: one sample of {longest} tokens ran out of memory on its own; "
@@ -341,8 +354,8 @@ class DynamicBatchScheduler:
                 new_budget = max(self.config.min_tokens, longest, min(budget, worst) // 2)
                 if new_budget >= worst:
                     raise MicroBatchOOMError(
-                        f"{key}: micro-batches of {worst} padded tokens ran out of memory and the budget "
-                        f"cannot go below {new_budget} (batch.min_tokens={self.config.min_tokens}, longest "
+                        f"{key}: micro-batches of {worst} {'packed' if packed else 'padded'} tokens ran out "
+                        f"of memory and the budget cannot go below {new_budget} (batch.min_tokens={self.config.min_tokens}, longest "
                         f"sample {longest} tokens); lower batch.min_tokens or the sequence lengths, or free memory"
                     ) from e
                 budget = new_budget
@@ -356,7 +369,7 @@ class DynamicBatchScheduler:
             self._ceiling, self._successes = recorded.ceiling, recorded.successes
         refined = 0
         if measure is not None:
-            refined = self._refine(reading, groups, lengths, key)
+            refined = self._refine(reading, groups, lengths, key, packed)
         elif recorded is not None and recorded.refined:
             self._fixed, self._refine_from, refined = recorded.refined, None, recorded.refined
         self._stats.last_budget = budget
@@ -365,11 +378,13 @@ class DynamicBatchScheduler:
         )
         return result
 
-    def _refine(self, reading: PeakReading | None, groups: list[list[int]], lengths: list[int], key: str) -> int:
+    def _refine(
+        self, reading: PeakReading | None, groups: list[list[int]], lengths: list[int], key: str, packed: bool
+    ) -> int:
         """Correct ``bytes_per_token`` from the peak of the first training call; returns the fixed budget."""
         available, self._refine_from = self._refine_from, None
         assert available is not None and self._fixed is not None
-        tokens = max((len(g) * max(max(lengths[i] for i in g), 1) for g in groups if g), default=0)
+        tokens = max((micro_batch_cost([lengths[i] for i in g], packed=packed) for g in groups if g), default=0)
         if reading is None or reading.transient <= 0 or tokens <= 0:
             _log.info("micro-batch budget: %s read no allocator peak; the budget stays %d tokens (%d bytes/token)",
                       key, self._fixed, self._bytes_per_token)
@@ -379,24 +394,29 @@ class DynamicBatchScheduler:
         self._fixed = self._budget_for(available)
         _log.info(
             "micro-batch budget refined after %s: the allocator's peak was %d bytes above the call's resident "
-            "memory for a micro-batch of %d padded tokens, %d bytes/token (estimate %d); budget %d -> %d tokens",
-            key, reading.transient, tokens, self._bytes_per_token, estimate, before, self._fixed,
+            "memory for a micro-batch of %d %s tokens, %d bytes/token (estimate %d); budget %d -> %d tokens",
+            key, reading.transient, tokens, "packed" if packed else "padded", self._bytes_per_token, estimate,
+            before, self._fixed,
         )
         return self._fixed
 
-    def run_forward(self, batch: TensorBatch, fn: Callable[[TensorBatch], TensorBatch], *, key: str) -> TensorBatch:
+    def run_forward(
+        self, batch: TensorBatch, fn: Callable[[TensorBatch], TensorBatch], *, key: str, packed: bool = False
+    ) -> TensorBatch:
         """Run a batch-to-batch function (a forward pass) per micro-batch and reassemble the samples in input order.
 
-        The micro-batches are ``batch.micro_batches(max_tokens=budget)`` (the kernel partitioner)
-        at the budget :meth:`run` picks; a forward computes no gradients, so its pieces are
-        independent calls and an out-of-memory error runs the whole batch again on a smaller budget.
+        The micro-batches are ``batch.micro_batches(max_tokens=budget, packed=packed)`` (the kernel
+        partitioner) at the budget :meth:`run` picks; pass ``packed`` when ``fn`` runs an engine
+        that packs (its ``capabilities.packed_sequences``). A forward computes no gradients, so its
+        pieces are independent calls and an out-of-memory error runs the whole batch again on a
+        smaller budget.
         """
 
         def whole(budget: int) -> TensorBatch:
-            mbs = batch.micro_batches(max_tokens=budget, trim=False)
+            mbs = batch.micro_batches(max_tokens=budget, trim=False, packed=packed)
             return mbs.restore([fn(mb) for mb in mbs])
 
-        return self.run(batch, whole, key=key)
+        return self.run(batch, whole, key=key, packed=packed)
 
     # ------------------------------------------------------------------ state
     def metrics(self) -> dict[str, float]:
@@ -435,8 +455,9 @@ def train_mini_batch(engine: TrainingEngine, scheduler: DynamicBatchScheduler, m
     """One optimizer step of ``engine`` on ``mini_batch``, the training call the RL update and SFT share.
 
     ``forward_backward`` takes the whole mini-batch under the scheduler's budget (the engine cuts
-    it into micro-batches; on out-of-memory the scheduler halves the budget and calls again), then
-    ``optimizer_step``.
+    it into micro-batches, packed when its ``capabilities.packed_sequences`` says so, which the
+    scheduler's plan follows; on out-of-memory the scheduler halves the budget and calls again),
+    then ``optimizer_step``.
 
     Returns:
         The loss's metrics for the mini-batch, plus ``grad_norm``, ``lr`` and ``skipped`` (1.0 when
@@ -447,7 +468,9 @@ def train_mini_batch(engine: TrainingEngine, scheduler: DynamicBatchScheduler, m
     def call(budget: int) -> Mapping[str, float]:
         return engine.forward_backward(mini_batch, loss, stats, max_tokens=budget)
 
-    metrics = {k: float(v) for k, v in scheduler.run(mini_batch, call, key=key, training=True).items()}
+    packed = engine.capabilities.packed_sequences
+    result = scheduler.run(mini_batch, call, key=key, training=True, packed=packed)
+    metrics = {k: float(v) for k, v in result.items()}
     step = engine.optimizer_step()
     metrics.update(grad_norm=step.grad_norm, lr=step.lr, skipped=float(step.skipped))
     return metrics

@@ -410,7 +410,8 @@ class SFTTrainer:
             def fn(micro: TensorBatch) -> TensorBatch:
                 return self.actor.forward(micro, self.loss_fn.needs)
 
-            out = self.scheduler.run_forward(batch, fn, key=f"step{self.step}/actor/eval{i}")
+            out = self.scheduler.run_forward(batch, fn, key=f"step{self.step}/actor/eval{i}",
+                                             packed=self.actor.capabilities.packed_sequences)
             total += masked_total(out["log_probs"].double(), out["response_mask"])
             tokens += int(out["response_mask"].sum())
         return {"eval/loss": float(-total / max(tokens, 1)), "eval/response_tokens": float(tokens)}
