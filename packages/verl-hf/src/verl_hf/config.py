@@ -44,6 +44,13 @@ class HFOptions:
             ``generate`` of that shape (inductor's on-disk cache makes later runs' compiles
             shorter); combines with ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.
+        rollout_fused_projections: Run each layer's q/k/v projections as one matmul and its
+            gate/up projections as another in the rollout, where their weights lie back to back
+            in the engine's weight buffer and carry no bias (llama-style layers); the fused
+            weight is a view of the three (or two), so weight syncs need nothing more. The same
+            outputs up to float rounding (one matrix product instead of several). None (default):
+            on for CUDA rollouts, where a decode step's small matmuls are bound by launches and
+            reading the input; True also elsewhere; False keeps one matmul per projection.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -74,6 +81,7 @@ class HFOptions:
     rollout_cache: Literal["auto", "dynamic", "static"] = "auto"
     rollout_cuda_graphs: bool | None = None
     rollout_compile: bool | None = None
+    rollout_fused_projections: bool | None = None
     master_weights: bool = True
     pack_sequences: bool | None = None
 
@@ -109,6 +117,9 @@ class HFOptions:
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
                 "set rollout_cache='static' as well"
             )
+        if self.rollout_fused_projections is not None and not isinstance(self.rollout_fused_projections, bool):
+            raise ConfigError("HFOptions.rollout_fused_projections must be true, false or null (auto), got "
+                              f"{self.rollout_fused_projections!r}")
         if self.pack_sequences is not None and not isinstance(self.pack_sequences, bool):
             raise ConfigError(
                 f"HFOptions.pack_sequences must be true, false or null (auto), got {self.pack_sequences!r}"
@@ -135,4 +146,6 @@ class HFOptions:
         fast = cuda and cache == "static"
         graphs = self.rollout_cuda_graphs if self.rollout_cuda_graphs is not None else fast
         compiled = self.rollout_compile if self.rollout_compile is not None else fast
-        return dataclasses.replace(self, rollout_cache=cache, rollout_cuda_graphs=graphs, rollout_compile=compiled)
+        fused = self.rollout_fused_projections if self.rollout_fused_projections is not None else cuda
+        return dataclasses.replace(self, rollout_cache=cache, rollout_cuda_graphs=graphs, rollout_compile=compiled,
+                                   rollout_fused_projections=fused)

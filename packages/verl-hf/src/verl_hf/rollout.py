@@ -46,6 +46,7 @@ from verl_core.kernel.weights import (
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
+from verl_hf.fused_projections import FusedProjections
 from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
@@ -124,6 +125,9 @@ class HFRolloutEngine(RolloutEngineBase):
         self._decoders: StaticDecoders[HFStaticDecoder] = StaticDecoders()
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
         self._flat: FlatParameters | None = FlatParameters.build(self._targets())
+        # Each layer's q/k/v and gate/up as one matmul over weights lying back to back in that buffer.
+        self._fused: FusedProjections | None = (
+            FusedProjections.install(self._model, self._targets()) if self._options.rollout_fused_projections else None)
         # Pinned host memory the weight buffer sleeps in (allocated on the first sleep, then reused).
         self._host: Tensor | None = None
 
@@ -158,6 +162,11 @@ class HFRolloutEngine(RolloutEngineBase):
         """How ``generate`` decodes: ``dynamic``, ``static``, ``static+cuda-graphs``, ``static+compile``
         or ``static+compile+cuda-graphs`` (and why graphs are not used when capture failed)."""
         return decode_mode(self._options, self._graphs_error)
+
+    @property
+    def fused_projection_groups(self) -> int:
+        """How many q/k/v and gate/up groups run as one matmul (``HFOptions.rollout_fused_projections``)."""
+        return 0 if self._fused is None else self._fused.groups
 
     @property
     def compile_seconds(self) -> Mapping[tuple[int, int], float]:
@@ -195,6 +204,11 @@ class HFRolloutEngine(RolloutEngineBase):
         self, chunk: TensorBatch, seeds: list[int], params: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Decode one chunk: response ids, mask, log-probs [rows, steps] and truncated [rows]."""
+        if self._fused is not None and not self._fused.intact():
+            # a rebuilt weight buffer no longer holds a group back to back: one matmul per projection
+            self._fused.remove()
+            self._fused = None
+            self._decoders.clear()
         uniforms = self._uniforms(seeds, params)
         stop_ids = sorted({self._tokenizer.eos_token_id, *params.stop_token_ids})
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)
