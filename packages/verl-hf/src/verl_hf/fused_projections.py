@@ -105,11 +105,6 @@ class FusedProjections:
         """How many groups are fused."""
         return len(self._groups)
 
-    @property
-    def projections(self) -> int:
-        """How many projection modules run fused (lead and followers)."""
-        return sum(len(g.modules) for g in self._groups)
-
     def intact(self) -> bool:
         """Whether every fused group's weights still lie back to back (a moved buffer keeps them so;
         a rebuilt model may not)."""
