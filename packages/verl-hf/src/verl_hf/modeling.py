@@ -518,9 +518,10 @@ def token_outputs(
     With ``packed`` (a model set to :data:`PACKED_SDPA`) the padding is dropped and the sequences
     run as one packed row (:func:`_packed_outputs`); the outputs are the same.
     """
-    if (packed and batch.response_len > 0 and batch.prompt_len > 0
-            and bool(batch["response_mask"].any())):
-        return _packed_outputs(model, batch, outputs, kind=kind, temperature=temperature)
+    if packed and batch.response_len > 0 and batch.prompt_len > 0:
+        got = _packed_outputs(model, batch, outputs, kind=kind, temperature=temperature)
+        if got is not None:
+            return got
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
     rmask = batch["response_mask"]
@@ -556,46 +557,55 @@ def token_outputs(
 
 def _packed_outputs(
     model: Any, batch: TensorBatch, outputs: Collection[str], *, kind: ModelKind, temperature: float
-) -> dict[str, Tensor]:
-    """:func:`token_outputs` without padding: every real token of the micro-batch in one row.
+) -> dict[str, Tensor] | None:
+    """:func:`token_outputs` without padding: every real token of the micro-batch in one row
+    (None for a micro-batch without response tokens, which the padded path runs).
 
     Each sequence (its prompt, then its response) keeps its own positions ``0 .. len - 1``; the
     cumulative sequence lengths reach :func:`packed_sdpa` through the model's keyword arguments
     (transformers passes them down to every attention call, also when a checkpointed layer is
     recomputed), so no sequence attends to another. Only the hidden states of the tokens that
     precede a response token go through the LM head (``logits_to_keep`` as indices); the
-    per-token results are scattered back to ``[batch, response]`` with zeros elsewhere.
+    per-token results are scattered back to ``[batch, response]`` with zeros elsewhere. The
+    sizes are read with one host synchronisation; every gather after it has a known size.
     """
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
     rmask = batch["response_mask"]
     lengths = mask.sum(1, dtype=torch.int32)
+    tokens, responses, max_len = (int(v) for v in torch.stack(
+        [lengths.sum(), rmask.sum(), lengths.max()]).tolist())
+    if responses == 0:
+        return None
     cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    max_len = int(lengths.max())
+    real = mask.flatten().nonzero_static(size=tokens).squeeze(1)  # row-major, as mask indexing
+    at = rmask.flatten().nonzero_static(size=responses).squeeze(1)
     # index in the packed row of every real token; response token t reads the token before it
     where = (mask.flatten().long().cumsum(0) - 1).view_as(mask)
-    keep = where[:, p - 1 : p + r - 1][rmask]
+    keep = where[:, p - 1 : p + r - 1].reshape(-1).index_select(0, at)
     inputs: dict[str, Any] = {
-        "input_ids": ids[mask].unsqueeze(0), "position_ids": pos[mask].unsqueeze(0), "use_cache": False,
+        "input_ids": ids.flatten().index_select(0, real).unsqueeze(0),
+        "position_ids": pos.flatten().index_select(0, real).unsqueeze(0), "use_cache": False,
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len,
     }
     if kind == "value":
         values = model(**inputs).logits[0, keep, 0].float()
-        return {"values": _unpack(values, rmask)}
+        return {"values": _unpack(values, at, rmask.shape)}
     logits = model(**inputs, logits_to_keep=keep).logits
-    lp, ent = token_log_probs(logits, batch["response_ids"][rmask].unsqueeze(0), temperature=temperature,
-                              entropy="entropy" in outputs)
+    targets = batch["response_ids"].flatten().index_select(0, at).unsqueeze(0)
+    lp, ent = token_log_probs(logits, targets, temperature=temperature, entropy="entropy" in outputs)
     result: dict[str, Tensor] = {}
     if "log_probs" in outputs:
-        result["log_probs"] = _unpack(lp[0], rmask)
+        result["log_probs"] = _unpack(lp[0], at, rmask.shape)
     if ent is not None:
-        result["entropy"] = _unpack(ent[0], rmask)
+        result["entropy"] = _unpack(ent[0], at, rmask.shape)
     return result
 
 
-def _unpack(values: Tensor, mask: Tensor) -> Tensor:
-    """``values`` (one per True of ``mask``, in row-major order) at their places in ``mask``'s shape, 0 elsewhere."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+def _unpack(values: Tensor, at: Tensor, shape: torch.Size) -> Tensor:
+    """``values`` at the flat positions ``at`` of a ``shape`` tensor, 0 elsewhere."""
+    flat = torch.zeros(math.prod(shape), dtype=values.dtype, device=values.device)
+    return flat.index_copy(0, at, values).view(shape)
 
 
 def cache_keyword(model: nn.Module) -> str:
