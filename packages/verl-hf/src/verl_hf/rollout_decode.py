@@ -8,12 +8,13 @@ dynamic decode of the same prompts and seeds draw the same tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler
+from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler, eager_decode
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_hf.config import HFOptions
@@ -100,43 +101,30 @@ class HFStaticDecoder(StaticDecodeLoop):
 def decode_dynamic(
     model: Any, chunk: TensorBatch, sampler: TokenSampler, max_new: int, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The decode loop over transformers' DynamicCache (grows one column per step).
+    """The decode loop over transformers' DynamicCache (grows one column per step), asking after
+    every step whether all rows finished.
 
     Returns:
         Response ids, mask, log-probs [rows, steps] and truncated [rows].
     """
-    dev = device
+    return eager_decode(_dynamic_logits(model, chunk), sampler, chunk.batch_size, max_new, device)
+
+
+def _dynamic_logits(model: Any, chunk: TensorBatch) -> Generator[Tensor, Tensor, None]:
+    """Next-token float32 logits of every row: the prompt's, then one per token sent."""
     rows = chunk.batch_size
-    ids = chunk["prompt_ids"]
     attn = chunk["prompt_mask"].long()
     pos = position_ids(attn)
-    out: Any = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+    out: Any = model(input_ids=chunk["prompt_ids"], attention_mask=attn, position_ids=pos, use_cache=True,
+                     logits_to_keep=1)
     cache_kw = cache_keyword(model)
-    past = getattr(out, cache_kw)
-    logits = out.logits[:, -1].float()
     cur = pos[:, -1]
-    finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-    toks: list[Tensor] = []
-    masks: list[Tensor] = []
-    lps: list[Tensor] = []
-    for t in range(max_new):
-        alive = ~finished
-        tok, lp, stopped = sampler.step(logits, t, alive)
-        toks.append(tok)
-        masks.append(alive)
-        lps.append(lp)
-        finished = finished | stopped
-        if bool(finished.all()) or t == max_new - 1:
-            break
-        attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=dev)], 1)
+    while True:
+        tok = yield out.logits[:, -1].float()
+        attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=attn.device)], 1)
         cur = cur + 1
-        out = model(
-            input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=cur.unsqueeze(-1),
-            use_cache=True, **{cache_kw: past},
-        )
-        past = getattr(out, cache_kw)
-        logits = out.logits[:, -1].float()
-    return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1), ~finished
+        out = model(input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=cur.unsqueeze(-1),
+                    use_cache=True, **{cache_kw: getattr(out, cache_kw)})
 
 
 def decode_mode(options: HFOptions, graphs_error: str | None) -> str:

@@ -2,7 +2,7 @@
 step, or Megatron's static KV cache (one prefill, then one token per step).
 
 Each source of logits is a generator that yields the next-token logits of every row and is sent
-the chosen tokens; :func:`eager_decode` drives one with a
+the chosen tokens; :func:`verl_core.enginekit.sampling.eager_decode` drives one with a
 :class:`~verl_core.enginekit.sampling.TokenSampler`.
 """
 
@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from verl_core import TensorBatch
-from verl_core.enginekit.sampling import TokenSampler
 
-__all__ = ["cached_logits", "eager_decode", "next_logits", "recomputed_logits"]
+__all__ = ["cached_logits", "next_logits", "recomputed_logits"]
 
 
 def next_logits(model: Any, tokens: Tensor, last: Tensor, *, tp: int, tp_group: Any) -> Tensor:
@@ -90,32 +89,3 @@ def cached_logits(model: Any, batch: TensorBatch, max_new: int, *,
         out = model(tok.view(rows, 1), position, (~real[:, : at + 1]).view(rows, 1, 1, at + 1),
                     inference_context=ctx, runtime_gather_output=True)
         ctx.sequence_len_offset += 1
-
-
-def eager_decode(steps: Generator[Tensor, Tensor, None], sampler: TokenSampler, rows: int, max_new: int,
-                 device: torch.device, check_every: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Sample from ``steps`` until every row finished (asked every ``check_every`` steps, each ask a
-    host synchronisation) or ``max_new`` tokens were drawn.
-
-    Returns:
-        Response ids, mask, log-probs [rows, steps] and truncated [rows].
-    """
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    out_ids, out_mask, out_lp = [], [], []
-    logits = next(steps)
-    for t in range(max_new):
-        alive = ~finished
-        tok, lp, stopped = sampler.step(logits, t, alive)
-        out_ids.append(tok)
-        out_mask.append(alive)
-        out_lp.append(lp)
-        finished = finished | stopped
-        if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
-            break
-        logits = steps.send(tok)
-    steps.close()
-    mask = torch.stack(out_mask, 1)
-    # Steps taken after the last row finished hold padding only: trim them.
-    width = max(1, int(mask.any(0).sum()))
-    return (torch.stack(out_ids, 1)[:, :width], mask[:, :width], torch.stack(out_lp, 1)[:, :width],
-            ~finished)

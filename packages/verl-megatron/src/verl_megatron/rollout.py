@@ -45,13 +45,14 @@ from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutE
 from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
+    eager_decode,
     static_prompt_width,
     uniform_table,
 )
 from verl_core.kernel.registry import parse_options
 from verl_megatron.capabilities import rollout_capabilities
 from verl_megatron.convert import StateDictAdapter
-from verl_megatron.eager_decode import cached_logits, eager_decode, recomputed_logits
+from verl_megatron.eager_decode import cached_logits, recomputed_logits
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups

@@ -8,6 +8,8 @@ nucleus-restricted distribution at that uniform (:func:`kept_probs`, :func:`inve
 :class:`TokenSampler` runs one decode step without any host synchronisation, so a whole decode
 step can be captured in a CUDA graph; :class:`StaticDecodeLoop` is that loop, with an engine's
 model calls left to a subclass, and :class:`StaticDecoders` keeps an engine's decoder for reuse.
+:func:`eager_decode` is the loop of engines that decode step by step on the host, over a
+generator of the engine's logits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import torch
@@ -30,6 +32,7 @@ __all__ = [
     "StaticDecodeLoop",
     "StaticDecoders",
     "TokenSampler",
+    "eager_decode",
     "expand_prompts",
     "inverse_cdf",
     "kept_probs",
@@ -379,3 +382,33 @@ class StaticDecoders(Generic[DecoderT]):
         if self._decoder is not None:
             self._decoder.close()
         self._key, self._decoder = None, None
+
+
+def eager_decode(steps: Generator[Tensor, Tensor, None], sampler: TokenSampler, rows: int, max_new: int,
+                 device: torch.device, check_every: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sample from ``steps`` (a generator that yields each step's float32 logits ``[rows, vocab]``
+    and is sent the sampled tokens) until every row finished (asked every ``check_every`` steps,
+    each ask a host synchronisation) or ``max_new`` tokens were drawn.
+
+    Returns:
+        Response ids, mask, log-probs [rows, steps] and truncated [rows].
+    """
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    out_ids, out_mask, out_lp = [], [], []
+    logits = next(steps)
+    for t in range(max_new):
+        alive = ~finished
+        tok, lp, stopped = sampler.step(logits, t, alive)
+        out_ids.append(tok)
+        out_mask.append(alive)
+        out_lp.append(lp)
+        finished = finished | stopped
+        if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
+            break
+        logits = steps.send(tok)
+    steps.close()
+    mask = torch.stack(out_mask, 1)
+    # Steps taken after the last row finished hold padding only: trim them.
+    width = max(1, int(mask.any(0).sum()))
+    return (torch.stack(out_ids, 1)[:, :width], mask[:, :width], torch.stack(out_lp, 1)[:, :width],
+            ~finished)
