@@ -15,28 +15,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from bench_gpu import graph_time
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-def graph_us(fn: Callable[[], Tensor], reps: int = 100) -> tuple[float, Tensor]:
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps, out
 
 
 def explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -85,7 +66,8 @@ def main() -> None:
             nbytes = 2 * k.numel() * k.element_size()
             for name, fn in impls.items():
                 try:
-                    us, out = graph_us(fn)
+                    us = graph_time(fn, 100) * 1e6
+                    out = fn()
                 except Exception as e:  # a backend refusing these shapes
                     print(f"| {rows} | {length} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
                     continue

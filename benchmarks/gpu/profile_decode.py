@@ -14,36 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_gpu import SPEC
+from bench_gpu import SPEC, graph_time
 
 from verl_conformance.testkit import build_tiny_model
 from verl_core import BatchMeta, EngineSpec, SamplingParams, TensorBatch, get_rollout_engine
-
-
-def graph_time(fn: Callable[[], object], reps: int = 50) -> float:
-    """Seconds per replay of ``fn`` captured in a CUDA graph (device time between events)."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def main() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from vllm_testing import KV_CACHE_BYTES
 from verl_core import SamplingParams
 from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
 from verl_core.trainer.export import export_checkpoint
+from verl_vllm.llm_process import LEAKED_ENV, restored_environ
 
 pytestmark = [pytest.mark.slow]
 
@@ -38,16 +38,9 @@ def test_vllm_serves_the_export_like_the_rollout(tmp_path: Path) -> None:
         samples = trainer.rollout.generate(prompts, SamplingParams(greedy=True, max_new_tokens=4, n=1))
 
     # LLM() writes these into os.environ for worker processes; later tests must not inherit them
-    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")}
-    try:
+    with restored_environ(LEAKED_ENV):
         llm = vllm.LLM(model=str(out), dtype="float32", max_model_len=64, kv_cache_memory_bytes=KV_CACHE_BYTES,
                        enforce_eager=True, seed=0)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         # text prompts: vLLM tokenizes with the exported tokenizer and stops at its generation config's EOS
         results = llm.generate(TEXTS, vllm.SamplingParams(temperature=0.0, max_tokens=4))

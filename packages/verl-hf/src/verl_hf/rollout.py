@@ -185,6 +185,11 @@ class HFRolloutEngine(RolloutEngineBase):
 
     def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
         """Decode the rows ``rollout_batch_size`` at a time (all at once when unset)."""
+        if self._fused is not None and not self._fused.intact():
+            # a rebuilt weight buffer no longer holds a group back to back: one matmul per projection
+            self._fused.remove()
+            self._fused = None
+            self._decoders.clear()
         size = rows.batch_size
         step = self._options.rollout_batch_size or size
         parts = [self._decode(rows.index(slice(start, start + step)).trim(), seeds[start : start + step], params)
@@ -204,11 +209,6 @@ class HFRolloutEngine(RolloutEngineBase):
         self, chunk: TensorBatch, seeds: list[int], params: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Decode one chunk: response ids, mask, log-probs [rows, steps] and truncated [rows]."""
-        if self._fused is not None and not self._fused.intact():
-            # a rebuilt weight buffer no longer holds a group back to back: one matmul per projection
-            self._fused.remove()
-            self._fused = None
-            self._decoders.clear()
         uniforms = self._uniforms(seeds, params)
         stop_ids = sorted({self._tokenizer.eos_token_id, *params.stop_token_ids})
         stops = torch.tensor(stop_ids, dtype=torch.int64, device=self._device)

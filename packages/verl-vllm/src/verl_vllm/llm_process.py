@@ -4,8 +4,10 @@ and shutting it down while other engines of the process keep the shared state.""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 from verl_core import ConfigError, EngineSpec
@@ -16,13 +18,27 @@ import_vllm()
 
 from vllm import LLM  # noqa: E402  (after the import check, which explains a missing vLLM)
 
-__all__ = ["check_platform", "refresh_tied_lm_head", "shutdown_llm", "start_llm"]
+__all__ = ["LEAKED_ENV", "check_platform", "refresh_tied_lm_head", "restored_environ", "shutdown_llm", "start_llm"]
 
 # What LLM() writes into os.environ; it only matters for child processes, which must not inherit it.
-_LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
+LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
 # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes; the engine's
 # explicit kv_cache_bytes wins, so it is hidden while the engine starts.
 _KV_ENV: Final = "VLLM_CPU_KVCACHE_SPACE"
+
+
+@contextlib.contextmanager
+def restored_environ(keys: Iterable[str]) -> Iterator[None]:
+    """Put ``keys`` of ``os.environ`` back as they were (set, or absent) when the block ends."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def check_platform(device: str) -> bool:
@@ -56,8 +72,6 @@ def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_mod
         # compile again (~10 s here); the plain torch.compile path reuses vLLM's and inductor's
         # on-disk caches (~4 s warm). vLLM reads this at every compiled call: it stays set.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    saved = {k: os.environ.get(k) for k in (*_LEAKED_ENV, _KV_ENV)}
-    os.environ.pop(_KV_ENV, None)
     kwargs: dict[str, Any] = {
         "model": str(spec.model_path),
         "dtype": spec.dtype,
@@ -78,14 +92,9 @@ def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_mod
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if on_gpu:
         kwargs["enable_sleep_mode"] = True
-    try:
+    with restored_environ((*LEAKED_ENV, _KV_ENV)):
+        os.environ.pop(_KV_ENV, None)
         return LLM(**kwargs)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def refresh_tied_lm_head(worker: Any) -> None:

@@ -29,11 +29,6 @@ def _copy_count_non_finite(src, dst, bad, n, exponent: tl.constexpr, block: tl.c
         tl.atomic_add(bad, 1)
 
 
-def supports(t: Tensor) -> bool:
-    """Whether the kernel takes ``t``: a CUDA tensor of float32, float16 or bfloat16."""
-    return t.is_cuda and t.dtype in _EXPONENT
-
-
 def copy_count_non_finite(dst: Tensor, src: Tensor) -> Tensor:
     """Copy the contiguous 1-D ``src`` into ``dst``; an int32 ``[1]`` count of blocks holding NaN/inf."""
     int_dtype, exponent = _EXPONENT[src.dtype]

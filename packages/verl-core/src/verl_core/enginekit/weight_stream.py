@@ -176,6 +176,7 @@ _FUSED_OFF: list[str] = []  # why the fused kernel was turned off in this proces
 
 
 def _fusable(dst: Tensor, src: Tensor) -> bool:
+    """Whether the fused kernel takes the pair: one CUDA device, float32, float16 or bfloat16."""
     return src.is_cuda and dst.device == src.device and src.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
