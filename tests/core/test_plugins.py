@@ -198,3 +198,54 @@ class _Toy2:
 
 
 _TOY2 = _Toy2()
+
+
+def test_importing_core_loads_no_trainer_or_algorithm_module_until_used() -> None:
+    """A backend process imports ``verl_core`` and builds engines: the trainer and algorithms stay out."""
+    code = (
+        "import sys, verl_core\n"
+        "verl_core.available_backends()\n"
+        "upper = sorted(m for m in sys.modules if m.startswith(('verl_core.trainer', 'verl_core.algorithms')))\n"
+        "print(upper)\n"
+        "assert verl_core.GRPOConfig().epsilon > 0\n"
+        "print(verl_core.get_registry().component('advantage', 'grpo').name)\n"
+        "print(verl_core.get_registry().component('advantage', 'grpo_token').name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "grpo", "grpo_token"], out.stdout + out.stderr
+
+
+def test_kernel_names_no_upper_layer_module_by_string() -> None:
+    """The registry's built-ins are handed in from the package facade, not imported by name."""
+    import verl_core.kernel as kernel
+
+    for path in Path(kernel.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        for upper in ("verl_core.algorithms", "verl_core.trainer", "verl_conformance"):
+            assert f'"{upper}' not in text, f"{path.name} names {upper} in a string"
+
+
+def test_conformance_command_is_found_through_its_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    from verl_core import cli
+
+    commands = {ep.name: ep.value for ep in entry_points(group=cli.COMMANDS_GROUP)}
+    assert commands.get("conformance") == "verl_conformance.cli:register"
+    assert "verl_conformance" not in Path(cli.__file__).read_text()
+
+
+def test_a_broken_command_plugin_is_listed_and_fails_only_when_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from verl_core import cli
+
+    monkeypatch.setattr(cli, "_plugin_commands", lambda: {"broken": "no_such_module_xyz:register"})
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    listed = capsys.readouterr().out
+    assert "broken" in listed and "unavailable" in listed and "no_such_module_xyz" in listed
+    assert cli.main(["broken", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "verl broken: error:" in err and "no_such_module_xyz" in err
+    assert cli.main(["backends"]) == 0

@@ -1,4 +1,4 @@
-"""grpo_token: per-position group normalisation of dense token scores, registered through the hook."""
+"""grpo_token: per-position group normalisation of dense token scores, a built-in registered through the hook."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core.algorithms.config import GRPOConfig
-from verl_core.algorithms.token_estimators import grpo_token, register
+from verl_core.algorithms.token_estimators import grpo_token
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.registry import get_registry
 from verl_core.trainer.rl.trainer import build_algorithm
@@ -49,8 +49,6 @@ def test_masked_positions_are_zero_and_values_finite(lengths: list[int], group_s
 
 
 def test_registered_through_the_hook_and_built_by_name() -> None:
-    register()
-    register()  # idempotent
     comp = get_registry().component("advantage", "grpo_token")
     assert comp.impl is grpo_token
     algo = build_algorithm("grpo_token", {"kl_loss_coef": 0.0})

@@ -2,22 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
-from verl_core.algorithms import (
-    ActorLoss,
-    ActorLossConfig,
-    AggMode,
-    Algorithm,
-    CriticLoss,
-    CriticLossConfig,
-    GAEConfig,
-    GRPOConfig,
-    KLName,
-    PolicyLossConfig,
-    RewardConfig,
-    TISConfig,
-)
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.enginekit.rollout_base import EngineAsleepError
 from verl_core.enginekit.weight_stream import apply_weight_stream, stream_weights
@@ -60,6 +46,7 @@ from verl_core.kernel.hookspecs import hookimpl
 from verl_core.kernel.registry import (
     BackendSpec,
     InstalledBackend,
+    add_builtin_plugin,
     available_backends,
     get_backend,
     get_registry,
@@ -190,12 +177,46 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from verl_core.algorithms import (
+        ActorLoss,
+        ActorLossConfig,
+        AggMode,
+        Algorithm,
+        CriticLoss,
+        CriticLossConfig,
+        GAEConfig,
+        GRPOConfig,
+        KLName,
+        PolicyLossConfig,
+        RewardConfig,
+        TISConfig,
+    )
     from verl_core.trainer.inputs.rewards import FunctionReward, ScoreFn
+
+_ALGORITHM_NAMES: Final = frozenset({
+    "ActorLoss", "ActorLossConfig", "AggMode", "Algorithm", "CriticLoss", "CriticLossConfig",
+    "GAEConfig", "GRPOConfig", "KLName", "PolicyLossConfig", "RewardConfig", "TISConfig",
+})
+
+
+def _builtin_algorithms() -> object:
+    from verl_core.algorithms import builtin
+
+    return builtin
+
+
+# verl-core's own algorithms register through the plugin hook like a third party's, imported when
+# algorithm components are first looked up (a backend process that only builds engines never loads them)
+add_builtin_plugin("verl-core.algorithms", _builtin_algorithms)
 
 
 def __getattr__(name: str) -> Any:
-    # Reward functions belong to the trainer layer; importing it here eagerly would load the whole
-    # trainer into every backend process that imports this package.
+    # The algorithms and the reward functions (trainer layer) are imported on first use: importing
+    # them here would load them into every backend process that imports this package.
+    if name in _ALGORITHM_NAMES:
+        import verl_core.algorithms as algorithms
+
+        return getattr(algorithms, name)
     if name in ("FunctionReward", "ScoreFn"):
         from verl_core.trainer.inputs import rewards
 

@@ -1,5 +1,7 @@
-"""The ``verl`` command: ``verl --version``, ``verl backends``, and the subcommands that backends
-and the trainer add (``train``, ``conformance``).
+"""The ``verl`` command: ``verl --version``, ``verl backends``, the trainer's subcommands (``train``,
+``sft``, ``export``) and those other distributions add through the ``verl.commands`` entry-point
+group (``conformance``, from verl-conformance). A command whose distribution is broken (its entry
+point cannot be imported) is listed with the error and fails only when it is run.
 
 Errors are one line on stderr: a usage error or a :class:`~verl_core.kernel.errors.VerlError` (a bad
 config, a missing checkpoint, ...) prints ``verl <command>: error: ...`` and exits 2; any other
@@ -16,18 +18,26 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Final, NoReturn
 
-from verl_core.kernel.errors import VerlError
+from verl_core.kernel.errors import PluginError, VerlError
 from verl_core.kernel.version import PROTOCOL_VERSION, __version__
 
 __all__ = ["main"]
 
 _SUBCOMMANDS: Final[dict[str, str]] = {
-    # name -> "module:register" of a function(subparsers) -> handler; imported only when used
+    # name -> "module:register" of a function(subparsers) -> handler (the trainer, one layer down)
     "train": "verl_core.trainer.cli.train:register",
     "sft": "verl_core.trainer.cli.sft:register",
     "export": "verl_core.trainer.cli.export:register",
-    "conformance": "verl_conformance.cli:register",
 }
+COMMANDS_GROUP: Final = "verl.commands"
+"""Entry-point group of the subcommands other distributions add: ``name = "module:register"``."""
+
+
+def _plugin_commands() -> dict[str, str]:
+    """``verl.commands`` entry points by name (the trainer's own names win)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP) if ep.name not in _SUBCOMMANDS}
 
 
 def _capability_summary(caps: object) -> str:
@@ -105,13 +115,30 @@ def _build_parser() -> tuple[_Parser, argparse._SubParsersAction[_Parser], dict[
     handlers["backends"] = _cmd_backends
     from verl_core.kernel.registry import import_string
 
-    for name, target in _SUBCOMMANDS.items():
+    for name, target in {**_SUBCOMMANDS, **_plugin_commands()}.items():
         try:
             register = import_string(target)
-        except VerlError:
-            continue  # the package providing this subcommand is not installed
+        except Exception as e:  # one broken distribution must not take the other commands down
+            error = e if isinstance(e, VerlError) else PluginError(
+                f"cannot load the 'verl {name}' command ({target}): {type(e).__name__}: {e}"
+            )
+            handlers[name] = _broken_command(sub, name, error)
+            continue
         handlers[name] = register(sub)
     return parser, sub, handlers
+
+
+def _broken_command(
+    sub: argparse._SubParsersAction[_Parser], name: str, error: VerlError
+) -> Callable[[argparse.Namespace], int]:
+    """A subcommand whose module cannot be imported: listed with the error, which it raises when run."""
+    p = sub.add_parser(name, help=f"(unavailable: {_one_line(str(error))})")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+    def run(args: argparse.Namespace) -> int:
+        raise error
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

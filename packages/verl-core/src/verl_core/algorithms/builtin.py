@@ -1,4 +1,9 @@
-"""Registers the built-in algorithm components with the plugin manager (not via an entry point)."""
+"""The built-in algorithm components, registered through the same hook as a plugin's.
+
+The package facade (``verl_core/__init__``) hands this module to the registry as a built-in plugin,
+loaded when algorithm components are first looked up and whatever the plugin autoload setting: the
+kernel never imports the algorithms layer.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from verl_core.algorithms.config import (
     ReMaxConfig,
     RLOOConfig,
 )
+from verl_core.algorithms.token_estimators import grpo_token
 from verl_core.kernel.algorithm import AlgorithmComponent
 from verl_core.kernel.hookspecs import hookimpl
 
@@ -31,6 +37,8 @@ def _components() -> list[AlgorithmComponent]:
         c("advantage", "reinforce_pp_baseline", adv.reinforce_pp_baseline, ReinforcePPBaselineConfig,
           "REINFORCE++ with a group-mean baseline, whitened over the batch."),
         c("advantage", "remax", adv.remax, ReMaxConfig, "Reward-to-go minus the greedy baseline score."),
+        c("advantage", "grpo_token", grpo_token, GRPOConfig,
+          "GRPO with per-position group normalisation of dense token_scores."),
         c("policy_loss", "ppo", losses.ppo_loss, PolicyLossConfig,
           "PPO clip with clip-low/clip-high and dual clip."),
         c("policy_loss", "gspo", losses.gspo_loss, PolicyLossConfig, "Sequence-level ratio clip (GSPO)."),

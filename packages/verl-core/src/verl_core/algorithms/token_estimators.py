@@ -1,4 +1,4 @@
-"""Advantage estimators the trainer adds through the plugin hook, as any third party would.
+"""Advantage estimators over dense per-token rewards (built in: listed by :mod:`verl_core.algorithms.builtin`).
 
 ``grpo_token``: GRPO over dense per-token rewards. For each group and each response position t,
 the ``token_scores`` of the group's samples at t are normalised by the group's mean and std at t,
@@ -12,13 +12,9 @@ from __future__ import annotations
 import torch
 
 from verl_core.algorithms.config import GRPOConfig
-from verl_core.kernel.algorithm import AlgorithmComponent
 from verl_core.kernel.batch import TensorBatch
-from verl_core.kernel.hookspecs import hookimpl
 
-__all__ = ["PLUGIN_NAME", "grpo_token", "register"]
-
-PLUGIN_NAME = "verl-core.trainer"
+__all__ = ["grpo_token"]
 
 
 @torch.no_grad()
@@ -48,25 +44,3 @@ def grpo_token(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBa
         centered = centered / (std[inv] + config.epsilon)
     adv = (centered * mask).float()
     return batch.update(advantages=adv, returns=adv.clone())
-
-
-@hookimpl
-def verl_algorithm_components() -> list[AlgorithmComponent]:
-    """The trainer's extra advantage estimators."""
-    return [
-        AlgorithmComponent(
-            kind="advantage", name="grpo_token", impl=grpo_token, config_class=GRPOConfig,
-            doc="GRPO with per-position group normalisation of dense token_scores",
-        )
-    ]
-
-
-def register() -> None:
-    """Register this module's components with the process-wide registry (idempotent)."""
-    import sys
-
-    from verl_core.kernel.registry import get_registry
-
-    registry = get_registry()
-    if not registry.pm.has_plugin(PLUGIN_NAME):
-        registry.register(sys.modules[__name__], PLUGIN_NAME, distribution="verl-core")

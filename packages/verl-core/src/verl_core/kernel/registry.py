@@ -2,6 +2,9 @@
 
 Plugins are discovered through the ``verl.plugins`` entry-point group on first use (set
 ``VERL_DISABLE_PLUGIN_AUTOLOAD=1`` to skip discovery; built-in algorithms stay registered).
+Built-in plugins (verl-core's own algorithms) are handed to the registry from above with
+:func:`add_builtin_plugin` and imported when algorithm components are first looked up, so the kernel
+never imports the algorithms layer and a process that only builds engines never loads it.
 Plugins that are not installed are named in ``VERL_PLUGINS`` (``name=module:attr`` entries,
 comma-separated); child processes inherit the variable, so torchrun ranks see them too.
 Listing backends reads only their BackendSpecs and imports no engine library.
@@ -14,7 +17,7 @@ import importlib
 import importlib.metadata as md
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final, TypeVar, cast, get_args
@@ -44,6 +47,7 @@ __all__ = [
     "Registry",
     "available_backends",
     "get_backend",
+    "add_builtin_plugin",
     "get_registry",
     "get_reward_engine",
     "get_rollout_engine",
@@ -122,7 +126,18 @@ class InstalledBackend:
         return caps if caps is not None else cast(Capabilities, _ROLE_CAPS[role]())
 
 
-_BUILTIN_ALGORITHMS: Final = "verl_core.algorithms.builtin"
+_BUILTINS: list[tuple[str, Callable[[], object]]] = []
+
+
+def add_builtin_plugin(name: str, load: Callable[[], object]) -> None:
+    """Register a built-in plugin of verl-core: ``load()`` returns its hook module when first needed.
+
+    Built-ins are loaded whatever ``VERL_DISABLE_PLUGIN_AUTOLOAD`` says (turning discovery off never
+    removes GRPO). Called by the package facade for verl-core's own algorithms; adding a name twice
+    keeps the first.
+    """
+    if all(n != name for n, _ in _BUILTINS):
+        _BUILTINS.append((name, load))
 
 _T = TypeVar("_T")
 
@@ -184,10 +199,17 @@ class Registry:
         self._lock = threading.RLock()
         self._backends: dict[str, InstalledBackend] = {}
         self._components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
-        # the built-in algorithms register like any plugin, by module name (the kernel never
-        # imports the algorithms layer; docs/architecture.md)
-        builtin = importlib.import_module(_BUILTIN_ALGORITHMS)
-        self._register_module(builtin, "verl-core.algorithms", "verl-core", _core_version())
+        self._builtins_loaded = False
+
+    def _ensure_builtins(self) -> None:
+        """Register the built-in plugins (before any plugin's components are looked up)."""
+        with self._lock:
+            if self._builtins_loaded:
+                return
+            self._builtins_loaded = True
+            for name, load in _BUILTINS:
+                if not self.pm.has_plugin(name):
+                    self._register_module(load(), name, "verl-core", _core_version())
 
     # ------------------------------------------------------------- loading
     def _ensure_loaded(self) -> None:
@@ -347,6 +369,7 @@ class Registry:
         kinds = get_args(ComponentKind)
         if not isinstance(kind, str) or kind not in kinds:
             raise UnknownNameError(f"unknown algorithm component kind {describe(kind)}; kinds: {', '.join(kinds)}")
+        self._ensure_builtins()
         self._ensure_loaded()
         return {n: c for (k, n), (c, _) in sorted(self._components.items()) if k == kind}
 

@@ -1,7 +1,7 @@
 """The algorithm of an RL run from its config: the preset, and which engines and stages it needs.
 
 The presets are :data:`verl_core.algorithms.presets.PRESET_TABLE`'s; :func:`build_algorithm`
-builds one (registering the trainer's own estimators first) and :class:`AlgorithmSetup` checks the
+builds one and :class:`AlgorithmSetup` checks the
 ``algorithm`` section against the rest of the config before anything is built.
 """
 
@@ -35,10 +35,6 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
     preset = PRESET_TABLE.get(name)
     if preset is None:
         raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(PRESET_TABLE)}")
-    if preset.estimator is not None:
-        from verl_core.algorithms import token_estimators as estimators
-
-        estimators.register()  # the trainer's estimators (grpo_token) are a plugin of this package
     return preset.build(options)
 
 
