@@ -14,7 +14,7 @@ from ray_helpers import RAY_SPLIT, STEPS, assert_same_metrics, demo_config, trai
 
 from verl_core.trainer.executor import WorkerFailedError
 from verl_core.trainer.rl.trainer import Trainer, latest_checkpoint
-from verl_core.trainer.run.integrity import StepFailedError
+from verl_core.trainer.run.context import StepFailedError
 
 pytestmark = [
     pytest.mark.slow,

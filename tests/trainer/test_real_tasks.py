@@ -19,7 +19,8 @@ from verl_core.cli import main
 from verl_core.kernel.errors import CheckpointError, ConfigError, RewardError
 from verl_core.trainer.config import RunConfig, load_config
 from verl_core.trainer.rl.trainer import Trainer, latest_checkpoint
-from verl_core.trainer.run.integrity import MANIFEST_FILE, StepFailedError, write_manifest
+from verl_core.trainer.run.checkpoints import MANIFEST_FILE, write_manifest
+from verl_core.trainer.run.context import StepFailedError
 
 datasets.disable_progress_bars()
 

@@ -29,13 +29,10 @@ from verl_core.trainer.pipeline import (
     StageError,
 )
 from verl_core.trainer.rl.trainer import Trainer, build_algorithm, latest_checkpoint
+from verl_core.trainer.run.checkpoints import verify_checkpoint
+from verl_core.trainer.run.context import StepFailedError, TrainingDivergedError
 from verl_core.trainer.run.export import export_checkpoint
 from verl_core.trainer.run.folder import RunDir, RunMarker
-from verl_core.trainer.run.integrity import (
-    StepFailedError,
-    TrainingDivergedError,
-    verify_checkpoint,
-)
 
 __all__ = [
     "BufferClosedError",

@@ -62,10 +62,10 @@ from verl_core.trainer.rl.step_metrics import (
 from verl_core.trainer.rl.step_state import RunProgress, StepState
 from verl_core.trainer.rl.update import UpdateStage
 from verl_core.trainer.rl.weight_sync import SleepPolicy, WeightSyncStage
-from verl_core.trainer.run.context import RunContext
+from verl_core.trainer.run.checkpoints import latest_checkpoint
+from verl_core.trainer.run.context import RunContext, StepFailedError
 from verl_core.trainer.run.folder import RunDir
-from verl_core.trainer.run.integrity import StepFailedError
-from verl_core.trainer.run.state import engine_spec, latest_checkpoint
+from verl_core.trainer.run.model import engine_spec
 from verl_core.trainer.sinks import MetricSinks
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
@@ -315,7 +315,7 @@ class Trainer:
 
         Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
         its field checks and the saved config differs from the current one only in keys of
-        :data:`~verl_core.trainer.run.integrity.RESUME_SAFE_KEYS` (those changes are logged). A run
+        :data:`~verl_core.trainer.run.checkpoints.RESUME_SAFE_KEYS` (those changes are logged). A run
         on ``data.train`` continues the data order from the saved position. The metric logs are
         cut back to the checkpoint's step when the sinks open (:class:`MetricSinks`).
 

@@ -20,15 +20,48 @@ from typing import IO, Any
 
 import torch
 
+from verl_core.kernel.errors import VerlError
 from verl_core.trainer.batching.replay import remove_stale_spill
 from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
+from verl_core.trainer.pipeline import StageError
 from verl_core.trainer.run.checkpoints import Checkpointer
 from verl_core.trainer.run.folder import Mode, RunDir
-from verl_core.trainer.run.integrity import TrainingDivergedError
-from verl_core.trainer.run.state import build_run_model
+from verl_core.trainer.run.model import build_run_model
 from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
 
-__all__ = ["RunContext"]
+__all__ = ["RunContext", "StepFailedError", "TrainingDivergedError"]
+
+
+class StepFailedError(StageError):
+    """A stage of a training step raised; the step was abandoned and the last good state is on disk.
+
+    Attributes:
+        stage: The stage that failed (rollout, reward, reference, actor_forward, critic_forward,
+            advantages, update, weight_sync, ...).
+        backend: The backend that ran the stage (``rule`` for the built-in reward).
+        step: The 1-based step that failed.
+        checkpoint: The newest complete checkpoint (None when none was written yet).
+    """
+
+    def __init__(
+        self, stage: str, backend: str, step: int, error: BaseException, checkpoint: Path | None
+    ) -> None:
+        where = f"resume from {str(checkpoint)!r} with `verl train CONFIG --resume`" if checkpoint else (
+            "no checkpoint was written yet: restart the run"
+        )
+        VerlError.__init__(
+            self,
+            f"step {step}: stage {stage!r} (backend {backend!r}) failed: {type(error).__name__}: {error}. "
+            f"The step was abandoned and nothing of it was saved; the last good state is on disk: {where}",
+        )
+        self.stage = stage
+        self.backend = backend
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class TrainingDivergedError(VerlError, RuntimeError):
+    """Too many optimizer steps in a row were skipped for a non-finite loss or gradient."""
 
 _log = logging.getLogger("verl_core.trainer.rl.trainer")
 _COMMANDS = {"rl": "verl train", "sft": "verl sft"}

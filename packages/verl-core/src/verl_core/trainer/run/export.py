@@ -19,6 +19,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.checkpoint import fsync_dir
 from verl_core.enginekit.weight_stream import apply_weight_stream
 from verl_core.kernel.errors import (
     CheckpointError,
@@ -33,8 +34,8 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.inputs.tasks import get_task
-from verl_core.trainer.run.integrity import fsync_dir, verify_checkpoint
-from verl_core.trainer.run.state import engine_spec, latest_checkpoint
+from verl_core.trainer.run.checkpoints import latest_checkpoint, verify_checkpoint
+from verl_core.trainer.run.model import engine_spec
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_checkpoint", "resolve_checkpoint"]
 

@@ -2,9 +2,9 @@
 
 :class:`SFTTrainer` runs on the same training engines as ``verl train`` (any backend with an actor
 engine, built by the executor of ``executor``), with the same run folder rules
-(:class:`~verl_core.trainer.run.folder.RunDir`), checkpoints (:mod:`verl_core.trainer.run.state`: atomic
+(:class:`~verl_core.trainer.run.folder.RunDir`), checkpoints (:mod:`verl_core.trainer.run.checkpoints`: atomic
 ``checkpoints/step-N`` folders with a manifest and ``trainer_state.json``), ``--resume`` rules
-(:func:`~verl_core.trainer.run.integrity.resume_config_changes`) and metric sinks. At the end it
+(:func:`~verl_core.trainer.run.checkpoints.resume_config_changes`) and metric sinks. At the end it
 exports the final weights as a transformers folder, ``<output_dir>/model-sft``
 (:data:`SFT_MODEL_DIR`), which ``verl train`` takes as ``model.path``.
 
@@ -54,9 +54,10 @@ from verl_core.trainer.batching.scheduler import (
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.inputs.data import DataConfig, PromptDataset, PromptSampler
+from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext
 from verl_core.trainer.run.folder import RunDir
-from verl_core.trainer.run.state import engine_spec, latest_checkpoint
+from verl_core.trainer.run.model import engine_spec
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -436,7 +437,7 @@ class SFTTrainer:
         Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
         its field checks, the data order continues (same rows, seed and shuffle) and the saved
         config differs from the current one only in keys of
-        :data:`~verl_core.trainer.run.integrity.RESUME_SAFE_KEYS`.
+        :data:`~verl_core.trainer.run.checkpoints.RESUME_SAFE_KEYS`.
 
         Raises:
             CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named), or

@@ -1,0 +1,69 @@
+"""The run's model and engine specs: the tiny random model a run builds when ``model.path`` is empty,
+and the :class:`~verl_core.kernel.engine.EngineSpec` of each role from the run config."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from typing import Any
+
+from verl_core.kernel.engine import EngineSpec, OptimConfig, Role
+from verl_core.kernel.errors import ConfigError
+from verl_core.trainer.config import RunConfig
+from verl_core.trainer.run.folder import RunDir
+
+__all__ = ["build_run_model", "engine_spec"]
+
+
+def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:
+    """The run's model folder: ``model.path``, or a tiny random model built in ``<output_dir>/model``.
+
+    The tiny model (shape from the ``model`` section, init seeded by ``seed``) is built once, in a
+    temporary folder named by the run id that is renamed into place, so a killed build never
+    leaves a partial model and never touches another run's files.
+
+    Raises:
+        ConfigError: ``model.path`` is empty and transformers is not installed.
+    """
+    m = config.model
+    if m.path:
+        return m.path
+    dest = run.path / "model"
+    if (dest / "config.json").is_file():
+        return str(dest)
+    from verl_core.trainer.inputs.tiny_model import TinyModelSpec, build_tiny_model
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            "config key 'model.path' is empty, which builds a tiny random model with transformers; "
+            "install it (pip install verl-hf) or set model.path to a transformers folder"
+        )
+    spec = TinyModelSpec(
+        arch=m.arch, tied=m.tied, hidden_size=m.hidden_size, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        intermediate_size=m.intermediate_size, vocab_size=m.vocab_size, max_position=max_position,
+        init_std=m.init_std, seed=config.seed,
+    )
+    tmp = run.model_tmp  # named by the run id: a leftover of this run's killed build, never another's
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, spec)
+    os.replace(tmp, dest)
+    return str(dest)
+
+
+def engine_spec(
+    config: RunConfig, role: Role, path: str, *, max_prompt_len: int, max_response_len: int,
+    optim: OptimConfig | None = None,
+) -> EngineSpec:
+    """The spec a run builds ``role``'s engine from: the ``model`` section, the seed and the role's options."""
+    m = config.model
+    kwargs: dict[str, Any] = {}
+    if optim is not None:
+        kwargs["optim"] = optim
+    return EngineSpec(
+        model_path=path, role=role, dtype=m.dtype, device=m.device, seed=config.seed,
+        options=dict(config.backends.options.get(role, {})),
+        max_prompt_len=max_prompt_len, max_response_len=max_response_len, **kwargs,
+    )
+
