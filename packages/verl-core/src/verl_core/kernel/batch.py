@@ -194,6 +194,16 @@ class TensorBatch(Mapping[str, Tensor]):
                 return int(t.shape[1])
         return 0
 
+    @property
+    def loss_mask(self) -> Tensor:
+        """The tokens that get a loss: field ``loss_mask`` when present, else ``response_mask``.
+
+        The one accessor of every loss, KL term, entropy bonus, aggregation and token count
+        (docs/architecture.md, "Batch layout"); attention and positions read ``response_mask``.
+        """
+        mask = self._tensors.get("loss_mask")
+        return self["response_mask"] if mask is None else mask
+
     def require(self, *names: str, where: str = "this operation") -> None:
         """Raise BatchValidationError naming every missing field that ``where`` needs."""
         _ops._check_names(names, f"{where}: field names")
