@@ -1,6 +1,7 @@
 """Multi-turn episodes: environments, tools, a code sandbox and the token-in, token-out episode loop.
 
-Imports only the kernel and the engine kit; see docs/architecture.md.
+Imports only the kernel and the engine kit; see docs/architecture.md. The kernel's environment
+protocol (:mod:`verl_core.kernel.environment`) is re-exported here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from verl_core.agent.loop import (
     EpisodeInfo,
     EpisodeLimits,
     Termination,
+    TurnInfo,
     episode_metrics,
 )
 from verl_core.agent.render import (
@@ -33,18 +35,30 @@ from verl_core.agent.tools import (
     ToolTimeoutError,
     as_tools,
 )
+from verl_core.kernel.environment import (
+    Environment,
+    EnvironmentFactory,
+    Observation,
+    StepResult,
+    StepResultError,
+)
 
 __all__ = [
     "DUMMY_PREFIX",
     "EPISODE_KEY",
     "AgentLoop",
+    "Environment",
+    "EnvironmentFactory",
     "EpisodeInfo",
     "EpisodeLimits",
     "HermesToolParser",
+    "Observation",
     "ObservationRenderer",
     "ParsedTurn",
     "SandboxLimits",
     "SandboxResult",
+    "StepResult",
+    "StepResultError",
     "Termination",
     "Tool",
     "ToolCall",
@@ -53,6 +67,7 @@ __all__ = [
     "ToolError",
     "ToolSchemaError",
     "ToolTimeoutError",
+    "TurnInfo",
     "as_tools",
     "chat_tokenizer",
     "episode_metrics",

@@ -35,8 +35,9 @@ The output is one :class:`~verl_core.kernel.batch.TensorBatch` in the canonical 
 every token after it (model turns and observations, right-padded), ``loss_mask`` True exactly on
 the tokens the model sampled, ``turn_ids`` the turn of each token (an observation belongs to the
 turn it answers), ``rollout_log_probs`` on the model's tokens (0 elsewhere), ``truncated``, the
-prompt's ``group_ids``, ``sample_index`` and extras, plus :data:`EPISODE_KEY` with an
-:class:`EpisodeInfo` per episode.
+prompt's ``group_ids``, ``sample_index`` and extras, plus two extras: :data:`EPISODE_KEY`, an
+:class:`EpisodeInfo` per episode, and :data:`~verl_core.kernel.schema.TURNS_EXTRA`, per episode a
+list whose item k is the :class:`TurnInfo` of turn k (the ``turn_ids`` value k).
 """
 
 from __future__ import annotations
@@ -56,16 +57,34 @@ from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.environment import Environment, EnvironmentFactory, StepResult, check_messages
 from verl_core.kernel.errors import ConfigError, check_int, check_number, describe
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
-from verl_core.kernel.schema import FIELDS
+from verl_core.kernel.schema import FIELDS, TURNS_EXTRA
 from verl_core.kernel.tokenizer import ChatMessage, Tokenizer
 
-__all__ = ["EPISODE_KEY", "AgentLoop", "EpisodeInfo", "EpisodeLimits", "Termination", "episode_metrics"]
+__all__ = ["EPISODE_KEY", "AgentLoop", "EpisodeInfo", "EpisodeLimits", "Termination", "TurnInfo", "episode_metrics"]
 
 EPISODE_KEY: Final = "episode"
 """The extras key of the per-episode :class:`EpisodeInfo`."""
 
 Termination = Literal["done", "max_turns", "max_total_tokens", "context_limit", "error"]
 """Why an episode ended: the environment said done, a limit (``truncated`` True), or a failure."""
+
+
+class TurnInfo(TypedDict):
+    """One model turn and the environment's answer (JSON values).
+
+    Attributes:
+        model_tokens: Tokens the model sampled in the turn.
+        observation_tokens: Tokens of the observation appended after it (0 when none was).
+        reward: The environment step's reward (None: none given, or the step did not run).
+        done: The environment ended the episode at this turn.
+        metrics: The step's metrics (e.g. ``tool_calls``).
+    """
+
+    model_tokens: int
+    observation_tokens: int
+    reward: float | None
+    done: bool
+    metrics: dict[str, float]
 
 
 class EpisodeInfo(TypedDict):
@@ -75,7 +94,8 @@ class EpisodeInfo(TypedDict):
         turns: Model turns sampled (a turn cut by the budget included).
         termination: Why the episode ended (:data:`Termination`).
         message: What ended it, in words, for every termination but ``done`` (else None).
-        rewards: The reward of each environment step, in order (None where it gave none).
+        rewards: The reward of each model turn (None where the environment gave none or was not
+            stepped), as in :class:`TurnInfo`.
         model_tokens: Tokens the model sampled (``loss_mask`` True).
         observation_tokens: Tokens appended from observations.
         tool_calls: Sum of the steps' ``tool_calls`` metric.
@@ -147,7 +167,7 @@ class _Episode:
     turns: int = 0
     calls: int = 0  # generate calls that sampled for this episode
     steps: int = 0
-    rewards: list[float | None] = field(default_factory=list)
+    turn_infos: list[TurnInfo] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     termination: Termination | None = None
     message: str | None = None
@@ -173,7 +193,8 @@ class _Episode:
         assert self.termination is not None
         model = sum(self.sampled)
         return EpisodeInfo(
-            turns=self.turns, termination=self.termination, message=self.message, rewards=list(self.rewards),
+            turns=self.turns, termination=self.termination, message=self.message,
+            rewards=[t["reward"] for t in self.turn_infos],
             model_tokens=model, observation_tokens=len(self.tokens) - model,
             tool_calls=self.metrics.get("tool_calls", 0.0), tool_errors=self.metrics.get("tool_errors", 0.0),
             tool_timeouts=self.metrics.get("tool_timeouts", 0.0), env_errors=self.env_errors,
@@ -265,7 +286,7 @@ class AgentLoop:
         ]
         self._make_environments(episodes, rows, environments)
         stops = tuple(dict.fromkeys((*params.stop_token_ids, self._tok.eos_token_id)))
-        renderer = ObservationRenderer(self._tok, stops) if episodes else None
+        renderer = ObservationRenderer(self._tok) if episodes else None
         meta = None
         while active := self._within_context(episodes):
             assert renderer is not None
@@ -311,6 +332,8 @@ class AgentLoop:
         start = e.turn_start or 0
         text = self._tok.decode(e.tokens[start:], skip_special_tokens=True)
         e.messages.append({"role": "assistant", "content": text})
+        e.turn_infos.append(TurnInfo(model_tokens=len(e.tokens) - start, observation_tokens=0, reward=None,
+                                     done=False, metrics={}))
         e.turn_start = None
         e.turns += 1
         return text, e.tokens[start:]
@@ -389,9 +412,12 @@ class AgentLoop:
                 e.fail(f"{where} returned {describe(result)}; expected a StepResult(observation=..., reward=..., "
                        "done=...)")
                 continue
-            e.rewards.append(result.reward)
-            for k, v in result.metrics.items():
-                e.metrics[k] = e.metrics.get(k, 0.0) + float(v)
+            info = e.turn_infos[-1]
+            info["reward"] = None if result.reward is None else float(result.reward)
+            info["done"] = result.done
+            info["metrics"] = {k: float(v) for k, v in result.metrics.items()}
+            for k, v in info["metrics"].items():
+                e.metrics[k] = e.metrics.get(k, 0.0) + v
             if result.done:
                 e.end("done")
                 continue
@@ -400,7 +426,7 @@ class AgentLoop:
                       f"max_turns={limits.max_turns} turns", truncated=True)
                 continue
             try:
-                obs = renderer.tokens(result.observation)
+                obs = renderer.tokens(result.observation, after=e.tokens[-1])
             except Exception as err:  # a user's chat template may raise anything
                 e.fail(f"{where}: its observation cannot be rendered: {type(err).__name__}: {err}")
                 continue
@@ -411,6 +437,7 @@ class AgentLoop:
                       truncated=True)
                 continue
             e.append(obs, sampled=False, turn=e.turns - 1)
+            info["observation_tokens"] = len(obs)
             if isinstance(result.observation, str):
                 if result.observation:
                     e.messages.append({"role": "observation", "content": result.observation})
@@ -442,7 +469,8 @@ class AgentLoop:
         base = rows.drop(*[name for name, f in FIELDS.items() if "response" in f.dims or name == "truncated"])
         return base.update(
             response_ids=ids, response_mask=mask, loss_mask=loss, turn_ids=turn_ids, rollout_log_probs=log_probs,
-            truncated=truncated, extras={EPISODE_KEY: [e.info() for e in episodes]}, meta=meta,
+            truncated=truncated, meta=meta,
+            extras={EPISODE_KEY: [e.info() for e in episodes], TURNS_EXTRA: [list(e.turn_infos) for e in episodes]},
         )
 
 

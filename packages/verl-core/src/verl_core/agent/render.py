@@ -2,22 +2,24 @@
 
 An episode is token in, token out: earlier turns are never re-tokenized. An observation is
 appended as the tokens of the new message(s) alone, the *delta* :class:`ObservationRenderer`
-computes:
+computes with the chat template:
 
-1. ``base`` = the template's rendering of a fixed dummy prefix, ``[user "x", assistant "y"]``,
-   without a generation prompt;
-2. ``full`` = the rendering of the same prefix followed by the new messages, with the generation
+1. ``base`` = the rendering of a fixed dummy prefix, :data:`DUMMY_PREFIX` (a user message and an
+   assistant reply ``"y"``), without a generation prompt; rendering it once more with the reply
+   ``"z"`` locates the reply, and the *tail* is what the template puts after it (in ChatML
+   ``<|im_end|>`` and a newline);
+2. ``full`` = the rendering of the dummy prefix followed by the new messages, with the generation
    prompt (the header of the model's next turn);
-3. ``full`` must start with ``base`` exactly, token for token (a template whose rendering of
-   earlier messages changes when messages follow, or whose tokens merge across the boundary, is
-   refused with a :class:`~verl_core.kernel.errors.ConfigError` naming what differs);
-4. the delta is ``full`` from just after the last end-of-turn token of ``base`` (an EOS or stop id:
-   the one that ended the dummy assistant turn). Whatever the template puts after that token (a
-   newline in ChatML) is template glue the model never sampled, so it opens the delta; without
-   an end-of-turn token in ``base`` the delta is ``full[len(base):]``.
+3. ``full`` must start with ``base`` exactly, token for token; a template whose rendering of the
+   earlier messages changes when messages follow (or whose tokens merge across the boundary) is
+   refused with a :class:`~verl_core.kernel.errors.ConfigError` naming the position;
+4. the delta is the tail, then ``full[len(base):]``; when the model's turn ended with the tail's
+   first token (it sampled the template's end-of-turn token itself) that token is left out.
 
-The model's turn itself ended at its end-of-turn token, so ``turn + delta`` is what the template
-would render for the whole conversation, built without touching the turn's tokens.
+So ``turn + delta`` is what the template renders for the whole conversation when the model ended
+its turn with the template's end-of-turn token; when it ended at another stop id (or EOS), the
+template's end-of-turn token follows it as an observation token. The turn's tokens are never
+touched.
 
 Text observations are encoded as they are (the environment owns their formatting), and so are
 messages when the tokenizer has no chat template: their contents joined by newlines.
@@ -25,7 +27,7 @@ messages when the tokenizer has no chat template: their contents joined by newli
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -42,6 +44,7 @@ DUMMY_PREFIX: Final[tuple[Mapping[str, str], ...]] = (
     {"role": "assistant", "content": "y"},
 )
 """The conversation an observation's delta is rendered after (see the module docstring)."""
+_OTHER_REPLY: Final = ({"role": "assistant", "content": "z"},)
 
 
 def chat_tokenizer(tokenizer: Tokenizer) -> ChatTokenizer | None:
@@ -56,29 +59,41 @@ class ObservationRenderer:
 
     Args:
         tokenizer: The model's tokenizer; with a chat template messages are rendered through it.
-        end_of_turn_ids: Ids that end a model turn (EOS and the stop ids).
 
     Raises:
         ConfigError: the chat template fails on the dummy prefix.
     """
 
-    def __init__(self, tokenizer: Tokenizer, end_of_turn_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._chat = chat_tokenizer(tokenizer)
         self._base: list[int] = []
-        self._cut = 0
+        self._tail: list[int] = []
         if self._chat is not None:
             self._base = self._chat.render(DUMMY_PREFIX, add_generation_prompt=False)
-            ends = [i for i, t in enumerate(self._base) if t in set(end_of_turn_ids)]
-            self._cut = ends[-1] + 1 if ends else len(self._base)
+            other = self._chat.render([DUMMY_PREFIX[0], *_OTHER_REPLY], add_generation_prompt=False)
+            same_end = 0
+            while same_end < min(len(self._base), len(other)) and self._base[-1 - same_end] == other[-1 - same_end]:
+                same_end += 1
+            self._tail = self._base[len(self._base) - same_end :]
 
     @property
     def uses_chat_template(self) -> bool:
         """Whether messages are rendered through the chat template."""
         return self._chat is not None
 
-    def tokens(self, observation: Observation) -> list[int]:
+    @property
+    def tail(self) -> list[int]:
+        """What the chat template puts after an assistant reply (empty without a template)."""
+        return list(self._tail)
+
+    def tokens(self, observation: Observation, *, after: int | None = None) -> list[int]:
         """The ids ``observation`` appends (empty for ``""`` or no messages).
+
+        Args:
+            observation: Text, or chat messages.
+            after: The last token of the model's turn: when it is the template's end-of-turn
+                token, the delta does not repeat it.
 
         Raises:
             ConfigError: the template fails on the messages, or does not render the dummy prefix
@@ -102,7 +117,8 @@ class ObservationRenderer:
                 f"follow (alone: {self._base[at:at + 8]}..., followed: {full[at:at + 8]}...); the episode "
                 "loop cannot append this observation without re-tokenizing earlier turns; give it as text"
             )
-        return full[self._cut :]
+        tail = self._tail[1:] if self._tail and after == self._tail[0] else self._tail
+        return [*tail, *full[len(self._base):]]
 
 
 def prompts_from_ids(

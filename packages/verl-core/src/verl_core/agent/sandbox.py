@@ -6,8 +6,9 @@ in a fresh empty temporary directory, with a minimal environment and these limit
 
 * CPU time (``RLIMIT_CPU``): the kernel kills the process (SIGXCPU) when it is used up;
 * address space (``RLIMIT_AS``): an allocation beyond it fails (``MemoryError``);
-* file size (``RLIMIT_FSIZE``): bounds what the program prints and writes (stdout and stderr go
-  to files outside the sandbox directory, of which the first ``max_output_chars`` are read back);
+* file size (``RLIMIT_FSIZE``): bounds what the program prints and writes (a write past it fails
+  with ``OSError: File too large``; stdout and stderr go to files outside the sandbox directory,
+  of which the first ``max_output_chars`` are read back);
 * wall clock: the whole process group is killed (SIGKILL) when the time is up.
 
 An audit hook (:pep:`578`), installed in the child before the program runs, refuses opening files
@@ -120,7 +121,7 @@ class SandboxLimits:
             pools) may need more than they use.
         max_output_chars: Characters of stdout and of stderr returned (each; the rest is cut).
         max_file_bytes: Largest file the program may write, stdout and stderr included
-            (``RLIMIT_FSIZE``, >= 4096); past it the process is killed.
+            (``RLIMIT_FSIZE``, >= 4096); a write past it fails (``OSError: File too large``).
         site_packages: Let the program import installed packages (drops ``-S``; they are then
             readable too, and so are the folders their ``.pth`` files add to ``sys.path``).
     """
@@ -247,10 +248,12 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, python: str | 
         error = f"the program wrote more than the file size limit of {limits.max_file_bytes} bytes and was killed"
     elif code_ < 0:
         error = f"the program was killed by signal {signal.Signals(-code_).name}"
+    elif code_ != 0 and "MemoryError" in stderr and limits.memory_bytes:
+        error = f"the program exceeded its memory limit of {limits.memory_bytes // _MIB} MiB (MemoryError)"
+    elif code_ != 0 and "File too large" in stderr:  # Python ignores SIGXFSZ: the write fails with EFBIG
+        error = f"the program wrote more than the file size limit of {limits.max_file_bytes} bytes"
     elif code_ != 0:
-        memory = "MemoryError" in stderr and limits.memory_bytes
-        error = (f"the program exceeded its memory limit of {limits.memory_bytes // _MIB} MiB (MemoryError)"
-                 if memory else f"the program exited with code {code_}")
+        error = f"the program exited with code {code_}"
     return SandboxResult(stdout, stderr, code_, error, timed_out)
 
 
