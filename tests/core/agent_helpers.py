@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -14,7 +15,14 @@ from typing import Any, Final
 import torch
 
 from verl_conformance.testkit import TinyModelSpec, tiny_model
-from verl_core import EngineSpec, RolloutCapabilities, RolloutEngine, SamplingParams, TensorBatch, Tokenizer
+from verl_core import (
+    EngineSpec,
+    RolloutCapabilities,
+    RolloutEngine,
+    SamplingParams,
+    TensorBatch,
+    Tokenizer,
+)
 from verl_core.kernel.weights import WeightMessage
 
 SPECIALS: Final = ("<pad>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
@@ -52,13 +60,12 @@ def chat_tokenizer_object(vocab_size: int = 128, template: str = CHAT_TEMPLATE) 
     return tok
 
 
-def chat_model_path(spec: TinyModelSpec = TinyModelSpec()) -> str:
+def chat_model_path(spec: TinyModelSpec | None = None) -> str:
     """A cached tiny model folder (the test kit's random weights) with :func:`chat_tokenizer_object`."""
+    spec = spec if spec is not None else TinyModelSpec()
     base = tiny_model(spec)
     root = Path(os.environ.get("VERL_TESTKIT_CACHE") or Path(tempfile.gettempdir()) / "verl-testkit")
     key = json.dumps([CHARS, CHAT_TEMPLATE, SPECIALS])
-    import hashlib
-
     dest = root / f"{base.name}-chat-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (dest / "verl_chat.json").exists():
         return str(dest)

@@ -10,7 +10,13 @@ from agent_helpers import chat_tokenizer_object
 
 from verl_conformance.testkit import TinyModelSpec, load_tokenizer, tiny_model
 from verl_core import ConfigError, HFTokenizer
-from verl_core.agent import ObservationRenderer, StepResultError, Tool, prompts_from_ids, render_prompts
+from verl_core.agent import (
+    ObservationRenderer,
+    StepResultError,
+    Tool,
+    prompts_from_ids,
+    render_prompts,
+)
 from verl_core.kernel.tokenizer import ChatTokenizer
 
 

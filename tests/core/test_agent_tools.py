@@ -192,7 +192,7 @@ def test_tool_environment_runs_calls_and_reports_errors() -> None:
     result = env.step(text, [])
     assert isinstance(result, StepResult) and not result.done
     contents = [m["content"] for m in result.observation]  # type: ignore[index]
-    assert all(m["role"] == "tool" for m in result.observation)  # type: ignore[index, union-attr]
+    assert all(m["role"] == "tool" for m in result.observation)  # type: ignore[index]
     assert contents[0].startswith("Error: the tool call is not valid JSON")
     assert contents[1] == "3"
     assert contents[2] == "Error: refused: tool"
