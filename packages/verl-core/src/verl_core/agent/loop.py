@@ -270,17 +270,16 @@ class AgentLoop:
             raise ConfigError(f"AgentLoop.run() params must be a SamplingParams, got {describe(params)}")
         prompts.require("prompt_ids", "prompt_mask", "group_ids", where="AgentLoop.run()")
         repeat = 1 if params.n == 1 and "sample_index" in prompts else params.n
-        if prompt_messages is not None:
-            if len(prompt_messages) != prompts.batch_size:
-                raise ConfigError(f"AgentLoop.run(): {len(prompt_messages)} prompt message lists for "
-                                  f"{prompts.batch_size} prompts; give one list per prompt")
-            checked = [check_messages(m, f"prompt_messages[{i}]") for i, m in enumerate(prompt_messages)]
+        if prompt_messages is not None and len(prompt_messages) != prompts.batch_size:
+            raise ConfigError(f"AgentLoop.run(): {len(prompt_messages)} prompt message lists for "
+                              f"{prompts.batch_size} prompts; give one list per prompt")
+        checked = [check_messages(m, f"prompt_messages[{i}]") for i, m in enumerate(prompt_messages or ())]
         rows = prompts.repeat_interleave(repeat) if repeat > 1 or "sample_index" not in prompts else prompts
         episodes = [
             _Episode(
                 index=i, prompt=rows["prompt_ids"][i][rows["prompt_mask"][i]].tolist(),
                 group_id=int(rows["group_ids"][i]), sample_index=int(rows["sample_index"][i]),
-                messages=[dict(m) for m in checked[i // repeat]] if prompt_messages is not None else [],
+                messages=[dict(m) for m in checked[i // repeat]] if checked else [],
             )
             for i in range(rows.batch_size)
         ]
