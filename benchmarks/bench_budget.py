@@ -67,8 +67,8 @@ def _peak(device: str) -> float:
 
 def sweep(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]]]:
     """Run the sweep; returns the default budget and one row per value (0 = the default)."""
-    from verl_core.trainer.scheduler import DynamicBatchScheduler, SchedulerConfig
-    from verl_core.trainer.trainer import Trainer
+    from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, SchedulerConfig
+    from verl_core.trainer.rl.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="verl-bench-budget-"))
     values = [0, *args.tokens]

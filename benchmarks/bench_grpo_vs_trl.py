@@ -1,7 +1,7 @@
 """GRPO steps of TRL's ``GRPOTrainer`` and of ``verl train``, side by side, on the same work.
 
 Both sides train the same model folder (a random model built with
-``verl_core.trainer.tiny_model``: ``--size tiny`` for CPU, ``--size 0.9b`` for a GPU: the
+``verl_core.trainer.inputs.tiny_model``: ``--size tiny`` for CPU, ``--size 0.9b`` for a GPU: the
 Llama shape of 0.89B parameters of ``benchmarks/results/gpu-h200-*.md``) on the same prompts, with
 the same batch (prompts x completions), max new tokens, temperature, learning rate, dtype and
 AdamW settings, no gradient checkpointing, no KL term (beta = 0) and one optimizer step per batch.
@@ -9,7 +9,7 @@ Each side runs in its own process, one after the other.
 
 Prompts and reward: the prompts of the built-in ``copy`` task are written to a JSONL file
 (``prompt``, ``answer``), which TRL reads as its dataset with
-``verl_core.trainer.reward_functions:exact_match`` as its reward function. ``verl train`` reads the
+``verl_core.trainer.inputs.reward_functions:exact_match`` as its reward function. ``verl train`` reads the
 same file through ``data.train`` / ``data.prompt_key`` and the same function through
 ``reward.functions`` when its trainer supports datasets; otherwise (``--verl-data task``, or
 ``auto`` on a trainer without them) it draws the same prompts from the built-in task with its
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REWARD = "verl_core.trainer.reward_functions:exact_match"
+REWARD = "verl_core.trainer.inputs.reward_functions:exact_match"
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
              "intermediate_size": 128, "vocab_size": 96},
@@ -58,8 +58,8 @@ SIZES: dict[str, dict[str, int]] = {
 
 def build_inputs(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     """The model folder and the JSONL prompts (the copy task's prompts of every step)."""
-    from verl_core.trainer.tasks import get_task
-    from verl_core.trainer.tiny_model import TinyModelSpec, build_tiny_model
+    from verl_core.trainer.inputs.tasks import get_task
+    from verl_core.trainer.inputs.tiny_model import TinyModelSpec, build_tiny_model
 
     task = get_task("copy", args.digits)
     model = out / f"model-{args.size}"
@@ -76,7 +76,7 @@ def build_inputs(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
 def verl_has_datasets() -> bool:
     """Whether this checkout's trainer reads ``data.train`` (the prompt loader is wired in)."""
     try:
-        from verl_core.trainer.data import PromptLoader  # noqa: F401
+        from verl_core.trainer.inputs.data import PromptLoader  # noqa: F401
     except ImportError:
         return False
     return True
@@ -118,7 +118,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from verl_core.trainer.reward_functions import exact_match
+    from verl_core.trainer.inputs.reward_functions import exact_match
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)

@@ -88,7 +88,7 @@ def _role_options(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def bench_sdk(args: argparse.Namespace) -> dict[str, Any]:
-    from verl_core.trainer.trainer import Trainer
+    from verl_core.trainer.rl.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="verl-bench-step-"))
     cfg = _config(args, out)
@@ -135,7 +135,7 @@ def bench_trl(args: argparse.Namespace, model_path: str) -> dict[str, Any] | Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from verl_core.trainer.tasks import get_task
+    from verl_core.trainer.inputs.tasks import get_task
 
     task = get_task("copy", 3)
     examples = task.examples(8 * (args.steps + 1), seed=0, step=0)

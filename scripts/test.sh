@@ -50,7 +50,7 @@ lint() {
   for d in packages/*/src conformance/src examples/*/src; do [ -d "$d" ] && srcs+=("$d"); done
   mypy "${srcs[@]}" || rc=1
   lint-imports --no-cache || rc=1  # the layer contracts of pyproject.toml (docs/architecture.md)
-  python scripts/arch_stats.py --max-kernel-lines 3000 || rc=1
+  python scripts/arch_stats.py >/dev/null || rc=1  # sizes for docs/architecture.md (a report, no limits)
   return $rc
 }
 

@@ -1,7 +1,7 @@
 """The demo's reward: 1.0 for exactly the answer followed by EOS, else 0.0.
 
 Used as ``reward.functions = ["examples/demo/reward.py:exact_answer_then_eos"]``. A reward function
-is called once per batch with keywords (see :mod:`verl_core.trainer.rewards`): ``completions`` are
+is called once per batch with keywords (see :mod:`verl_core.trainer.inputs.rewards`): ``completions`` are
 the decoded responses with EOS dropped, so ``"123"`` alone cannot tell a finished response from one
 cut at ``rollout.max_new_tokens``; ``truncated`` says which were cut, and ``completion_ids`` holds
 the response tokens (EOS included), which rules out special tokens hidden by decoding

@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Final
 
-from verl_core.trainer.tiny_model import (
+from verl_core.trainer.inputs.tiny_model import (
     ARCHS,
     Arch,
     TinyModelSpec,

@@ -7,7 +7,7 @@ an optional ``-``, digits with optional thousands commas (``1,200``), an optiona
 
 The ``answer`` column holds the expected number as text (``"12"``), or text whose last number is
 the answer (GSM8K's ``"... #### 12"``). For answers written as ``\\boxed{12}``, list the built-in
-``verl_core.trainer.reward_functions:numeric_match`` instead, which reads the last box first.
+``verl_core.trainer.inputs.reward_functions:numeric_match`` instead, which reads the last box first.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from verl_core.trainer.reward_functions import parse_number
+from verl_core.trainer.inputs.reward_functions import parse_number
 
 
 def numeric_answer(completions: Sequence[str], answer: Sequence[Any], **columns: Any) -> list[float]:

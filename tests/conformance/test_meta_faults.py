@@ -153,8 +153,8 @@ def test_reward_checks_pass_on_reward_functions() -> None:
     """Reward functions (FunctionReward, RewardFunctions) are checked through a reward-engine factory."""
     from verl_conformance.testkit import load_tokenizer
     from verl_core import EngineSpec, FunctionReward
-    from verl_core.trainer.reward_functions import regex_reward
-    from verl_core.trainer.rewards import RewardFunctions
+    from verl_core.trainer.inputs.reward_functions import regex_reward
+    from verl_core.trainer.inputs.rewards import RewardFunctions
 
     def text_score(completions: list[str], prompts: list[str]) -> list[float]:
         return [len(c) / 4 + sum(map(ord, c + p)) % 7 for c, p in zip(completions, prompts, strict=True)]

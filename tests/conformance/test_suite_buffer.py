@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from verl_conformance import check_buffer
-from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.batching.replay import HybridReplayBuffer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_verl_buffer_option_without_a_backend() -> None:
     """--verl-buffer alone runs the buffer area and skips the engine checks, saying why."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--pyargs",
-                        "verl_conformance", "--verl-buffer", "verl_core.trainer.replay:HybridReplayBuffer",
+                        "verl_conformance", "--verl-buffer", "verl_core.trainer.batching.replay:HybridReplayBuffer",
                         "-k", "TestBuffer or test_forward_layout"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]

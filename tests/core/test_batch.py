@@ -19,7 +19,7 @@ from verl_core import (
     partition_by_token_budget,
     register_field,
 )
-from verl_core.trainer.batch_io import load_batch, save_batch
+from verl_core.trainer.batching.batch_io import load_batch, save_batch
 
 
 def make_batch(

@@ -54,7 +54,7 @@ def test_data_files_are_what_make_data_writes_and_do_not_overlap(tmp_path: Path)
 
 
 def test_reward_needs_the_answer_then_eos_and_nothing_hidden() -> None:
-    from verl_core.trainer.rewards import load_function
+    from verl_core.trainer.inputs.rewards import load_function
 
     reward = load_function("examples/demo/reward.py:exact_answer_then_eos", base_dir=ROOT)
     eos, pad = 1, 0

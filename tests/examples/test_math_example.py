@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from verl_core.trainer.config import load_config
-from verl_core.trainer.rewards import load_function
+from verl_core.trainer.inputs.rewards import load_function
 
 ROOT = Path(__file__).resolve().parents[2]
 MATH = ROOT / "examples" / "math"

@@ -14,7 +14,11 @@ from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, 
 from verl_core import ConfigError, GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
 from verl_core.kernel.batch import partition_by_token_budget
-from verl_core.trainer.scheduler import DynamicBatchScheduler, SchedulerConfig, train_mini_batch
+from verl_core.trainer.batching.scheduler import (
+    DynamicBatchScheduler,
+    SchedulerConfig,
+    train_mini_batch,
+)
 from verl_hf.config import HFOptions
 from verl_hf.modeling import packed_attention_counts
 from verl_hf.training import HFTrainingEngine

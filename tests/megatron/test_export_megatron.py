@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from verl_conformance.testkit import assert_close
 from verl_core import SamplingParams, WeightChunk
 from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
-from verl_core.trainer.export import export_checkpoint
+from verl_core.trainer.run.export import export_checkpoint
 
 pytestmark = [pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from verl_core.trainer import load_config
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.sft import SFT_MODEL_DIR, SFTLoss, SFTTrainer
+from verl_core.trainer.sft.trainer import SFT_MODEL_DIR, SFTLoss, SFTTrainer
 
 pytestmark = [pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.trainer import Trainer
+from verl_core.trainer.rl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "configs" / "grpo_token_demo.toml"

@@ -51,6 +51,6 @@ def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_importing_the_executor_package_leaves_ray_out() -> None:
     import subprocess
 
-    code = "import verl_core.trainer.executor, verl_core.trainer.trainer, sys; print('ray' in sys.modules)"
+    code = "import verl_core.trainer.executor, verl_core.trainer.rl.trainer, sys; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -13,8 +13,8 @@ from conftest import start_cluster
 from ray_helpers import RAY_SPLIT, STEPS, assert_same_metrics, demo_config, train
 
 from verl_core.trainer.executor import WorkerFailedError
-from verl_core.trainer.reliability import StepFailedError
-from verl_core.trainer.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.rl.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.run.integrity import StepFailedError
 
 pytestmark = [
     pytest.mark.slow,

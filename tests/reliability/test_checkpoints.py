@@ -24,7 +24,7 @@ from reliability_helpers import TINY, tiny_config
 from verl_core import CheckpointError
 from verl_core.cli import main
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
-from verl_core.trainer.reliability import MANIFEST_FILE, write_manifest
+from verl_core.trainer.run.integrity import MANIFEST_FILE, write_manifest
 
 PWNED = Path("/tmp/verl-reliability-checkpoint-pwned")
 

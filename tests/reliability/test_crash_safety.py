@@ -42,7 +42,7 @@ from reliability_helpers import comparable, tiny_config
 
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
-from verl_core.trainer.rundir import MARKER_FILE, read_marker
+from verl_core.trainer.run.folder import MARKER_FILE, read_marker
 
 KILLS = int(os.environ.get("VERL_RELIABILITY_KILLS", "200"))
 SEED = 20261202

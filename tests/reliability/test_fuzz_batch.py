@@ -29,7 +29,7 @@ from verl_core import (
     VerlError,
 )
 from verl_core.kernel.schema import FIELDS
-from verl_core.trainer.batch_io import load_batch, save_batch
+from verl_core.trainer.batching.batch_io import load_batch, save_batch
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.float16, torch.bfloat16,

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from verl_core.cli import main
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer import trainer as trainer_module
 from verl_core.trainer.config import config_to_dict, load_config, parse_override, read_config_file
+from verl_core.trainer.rl import trainer as trainer_module
 
 CLI = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FLAGS = ["--resume", "--print-config", "--check"]

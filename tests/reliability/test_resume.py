@@ -31,9 +31,9 @@ from safetensors.torch import load_file
 
 from verl_core import CheckpointError, ConfigError
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
+from verl_core.trainer.batching.scheduler import MemoryInfo, PeakReading
 from verl_core.trainer.config import RunConfig, config_to_dict, load_config
-from verl_core.trainer.reliability import MANIFEST_FILE, resume_config_changes, write_manifest
-from verl_core.trainer.scheduler import MemoryInfo, PeakReading
+from verl_core.trainer.run.integrity import MANIFEST_FILE, resume_config_changes, write_manifest
 
 STATE = "trainer_state.json"
 

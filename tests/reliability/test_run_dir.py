@@ -25,7 +25,7 @@ from verl_core.cli import main
 from verl_core.kernel.version import __version__
 from verl_core.trainer import Trainer, latest_checkpoint, verify_checkpoint
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.rundir import MARKER_FILE, RunDir, config_hash, read_marker
+from verl_core.trainer.run.folder import MARKER_FILE, RunDir, config_hash, read_marker
 
 # A folder of the user's: files, a nested folder, and a spill/ folder (the name the trainer once
 # cleared), with a file named like a spill segment in it.

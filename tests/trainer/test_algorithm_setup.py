@@ -6,8 +6,8 @@ import pytest
 
 from verl_core.algorithms import PRESET_TABLE, PRESETS, Algorithm
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer.algorithm_setup import AlgorithmSetup, build_algorithm
 from verl_core.trainer.config import load_config
+from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, build_algorithm
 
 
 def test_presets_are_the_rows_that_are_a_constructor_as_it_is() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_core.trainer.budget import (
+from verl_core.trainer.batching.budget import (
     LOGITS_FLOAT32_COPIES,
     ModelShape,
     estimate_token_bytes,
@@ -17,8 +17,8 @@ from verl_core.trainer.budget import (
     make_schedulers,
     pending_state_bytes,
 )
+from verl_core.trainer.batching.scheduler import MemoryInfo, SchedulerConfig
 from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.scheduler import MemoryInfo, SchedulerConfig
 
 GiB = 1 << 30
 # the 0.89B Llama of the GPU benchmarks
@@ -127,7 +127,7 @@ def test_schedulers_take_the_estimate_reserve_the_state_and_log_it(
     (model / "config.json").write_text(json.dumps(LLAMA_09B))
     cfg = _run_config(tmp_path, "model.dtype=bfloat16")
     free = 139 * GiB
-    with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
+    with caplog.at_level(logging.INFO, logger="verl_core.trainer.batching.budget"):
         scheds = make_schedulers(cfg, ("actor", "reference", "critic"), model_path=str(model),
                                  training=("actor", "critic"), probe=lambda: MemoryInfo(free, free))
     shape = ModelShape.from_config(LLAMA_09B)
@@ -141,14 +141,14 @@ def test_schedulers_take_the_estimate_reserve_the_state_and_log_it(
         assert s.config.max_tokens is None  # no fixed cap by default
         assert s.fixed_budget == expected
         assert s.refinement_pending is False  # CPU run: no allocator peak to read
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "verl_core.trainer.budget"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "verl_core.trainer.batching.budget"]
     assert line.startswith(f"micro-batch budget: {expected} tokens") and "layers" in line and "logits" in line
     assert str(model / "config.json") in line and f"{reserved:,}" in line
 
 
 def test_without_config_json_the_constant_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _run_config(tmp_path, "batch.min_tokens=8")
-    with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
+    with caplog.at_level(logging.INFO, logger="verl_core.trainer.batching.budget"):
         (s,) = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(GiB, GiB)).values()
     assert s.config.bytes_per_token == SchedulerConfig().bytes_per_token == 256 * 1024
     assert s.config.reserved_bytes == 0
@@ -158,7 +158,7 @@ def test_without_config_json_the_constant_is_used(tmp_path: Path, caplog: pytest
 
 def test_a_hand_set_budget_is_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _run_config(tmp_path, "batch.micro_batch_tokens=4096")
-    with caplog.at_level(logging.INFO, logger="verl_core.trainer.budget"):
+    with caplog.at_level(logging.INFO, logger="verl_core.trainer.batching.budget"):
         scheds = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(0, 1))
     assert scheds["actor"].fixed_budget == 4096 and not scheds["actor"].refinement_pending
     assert "micro-batch budget: 4096 tokens (batch.micro_batch_tokens)" in caplog.text

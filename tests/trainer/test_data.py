@@ -15,7 +15,7 @@ import pytest
 from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.kernel.batch import BatchMeta
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer.data import (
+from verl_core.trainer.inputs.data import (
     DataConfig,
     PromptDataset,
     PromptLoader,
@@ -263,7 +263,7 @@ def test_missing_datasets_library_names_the_extra(monkeypatch: pytest.MonkeyPatc
 def test_importing_the_modules_does_not_import_datasets() -> None:
     code = (
         "import sys\n"
-        "import verl_core.trainer.data, verl_core.trainer.rewards, verl_core.trainer.reward_functions\n"
+        "import verl_core.trainer.inputs.data, verl_core.trainer.inputs.rewards, verl_core.trainer.inputs.reward_functions\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'datasets', 'pyarrow', 'pandas', 'transformers'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.rl.trainer import Trainer, latest_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -114,7 +114,7 @@ def test_dynamic_sampling_drops_all_equal_groups(tmp_path: Path) -> None:
 
 
 def test_micro_batching_under_memory_pressure_gives_the_same_update(tmp_path: Path) -> None:
-    from verl_core.trainer.scheduler import MemoryInfo
+    from verl_core.trainer.batching.scheduler import MemoryInfo
 
     extra = ("steps=2", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0", "batch.min_tokens=16")
     base = run(config(tmp_path / "a", *extra))

@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core.algorithms.config import GRPOConfig
+from verl_core.algorithms.token_estimators import grpo_token, register
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.registry import get_registry
-from verl_core.trainer.estimators import grpo_token, register
-from verl_core.trainer.trainer import build_algorithm
+from verl_core.trainer.rl.trainer import build_algorithm
 
 
 def make(scores: torch.Tensor, lengths: list[int], groups: list[int]) -> TensorBatch:

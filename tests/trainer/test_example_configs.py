@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from verl_core.trainer.config import load_config
-from verl_core.trainer.trainer import Trainer, build_algorithm
+from verl_core.trainer.rl.trainer import Trainer, build_algorithm
 
 CONFIGS = sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.toml"))
 # the two stages of `make demo` (the second starts from the first's model) run in

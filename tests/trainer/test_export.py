@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl_core import CheckpointError, ConfigError, SamplingParams, TensorBatch, WeightChunk
 from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
 from verl_core.trainer.config import config_from_dict
-from verl_core.trainer.export import export_checkpoint
-from verl_core.trainer.reliability import write_manifest
+from verl_core.trainer.run.export import export_checkpoint
+from verl_core.trainer.run.integrity import write_manifest
 
 pytestmark = [pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_core.trainer.config import load_config
-from verl_core.trainer.trainer import Trainer
+from verl_core.trainer.rl.trainer import Trainer
 
 BASE = [
     "task.name=copy", "task.digits=2", "task.reward=partial", "seed=3",

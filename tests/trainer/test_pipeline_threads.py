@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from verl_core.trainer.config import load_config
-from verl_core.trainer.trainer import Trainer
+from verl_core.trainer.rl.trainer import Trainer
 
 TINY = [
     "task.name=copy", "task.digits=1", "task.reward=partial",

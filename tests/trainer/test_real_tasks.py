@@ -18,8 +18,8 @@ from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.cli import main
 from verl_core.kernel.errors import CheckpointError, ConfigError, RewardError
 from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.reliability import MANIFEST_FILE, StepFailedError, write_manifest
-from verl_core.trainer.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.rl.trainer import Trainer, latest_checkpoint
+from verl_core.trainer.run.integrity import MANIFEST_FILE, StepFailedError, write_manifest
 
 datasets.disable_progress_bars()
 
@@ -157,7 +157,7 @@ def test_verl_train_on_a_dataset_with_reward_functions_eval_and_every_sink(
     config = write_config(folder / "run.toml", run_config(
         folder, model, out, steps=3,
         data={"eval": "eval.jsonl", "eval_every": 2, "eval_n": 2},
-        reward={"functions": ["verl_core.trainer.reward_functions:exact_match", "rewards.py:aligned"],
+        reward={"functions": ["verl_core.trainer.inputs.reward_functions:exact_match", "rewards.py:aligned"],
                 "weights": [2.0, 0.5]},
         logging={"sinks": ["jsonl", "tensorboard", "callbacks.py:Record"]},
         checkpoint={"every": 2},
@@ -308,7 +308,7 @@ def test_reward_functions_score_the_built_in_task_s_prompts(model: Path, tmp_pat
     config = load_config(None, [
         f"output_dir={json.dumps(str(tmp_path / 'out'))}", f"model.path={json.dumps(str(model))}", "steps=1",
         "task.digits=1", "rollout.n=2", "rollout.max_new_tokens=2", "batch.prompts_per_step=2",
-        'reward.functions=["verl_core.trainer.reward_functions:exact_match"]', "logging.progress=false",
+        'reward.functions=["verl_core.trainer.inputs.reward_functions:exact_match"]', "logging.progress=false",
         "logging.plot=false",
     ])
     with Trainer(config) as trainer:

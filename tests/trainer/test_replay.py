@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
-from verl_core.trainer.batch_io import save_batch
-from verl_core.trainer.replay import (
+from verl_core.trainer.batching.batch_io import save_batch
+from verl_core.trainer.batching.replay import (
     BufferClosedError,
     BufferEmptyError,
     BufferFullError,

@@ -14,15 +14,15 @@ import torch
 from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError, RewardError
-from verl_core.trainer.data import PromptDataset, PromptLoader
-from verl_core.trainer.reward_functions import (
+from verl_core.trainer.inputs.data import PromptDataset, PromptLoader
+from verl_core.trainer.inputs.reward_functions import (
     exact_match,
     extract_answer,
     format_match,
     numeric_match,
     regex_reward,
 )
-from verl_core.trainer.rewards import (
+from verl_core.trainer.inputs.rewards import (
     FunctionReward,
     RewardFunctions,
     RewardFunctionsConfig,
@@ -30,7 +30,7 @@ from verl_core.trainer.rewards import (
 )
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
-BUILTINS = "verl_core.trainer.reward_functions"
+BUILTINS = "verl_core.trainer.inputs.reward_functions"
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_functions_see_response_ids_and_truncation(tok: HFTokenizer) -> None:
 
 def test_by_module_path_and_by_file_path(tok: HFTokenizer, tmp_path: Path) -> None:
     (tmp_path / "my_rewards.py").write_text(
-        "from verl_core.trainer.reward_functions import regex_reward\n"
+        "from verl_core.trainer.inputs.reward_functions import regex_reward\n"
         "def length(prompts, completions, **kwargs):\n"
         "    return [len(c) for c in completions]\n"
         "x_number = regex_reward(r'x \\d+', name='x_number')\n"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from verl_core.kernel.batch import TensorBatch, micro_batch_cost, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer.scheduler import (
+from verl_core.trainer.batching.scheduler import (
     Decision,
     DynamicBatchScheduler,
     MemoryInfo,

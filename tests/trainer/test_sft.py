@@ -25,7 +25,7 @@ from verl_core.cli import main
 from verl_core.kernel.training import GlobalBatchStats
 from verl_core.trainer import Trainer, latest_checkpoint, load_config
 from verl_core.trainer.config import RunConfig, config_from_dict
-from verl_core.trainer.sft import SFT_MODEL_DIR, SFTLoss, SFTTrainer
+from verl_core.trainer.sft.trainer import SFT_MODEL_DIR, SFTLoss, SFTTrainer
 
 
 def write_data(path: Path, rows: int, *, seed: int = 0) -> Path:

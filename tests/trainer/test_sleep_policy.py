@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer.weightsync import FILL_LIMIT, SleepPolicy
+from verl_core.trainer.rl.weight_sync import FILL_LIMIT, SleepPolicy
 
 GB = 10**9
 
@@ -123,7 +123,7 @@ def test_a_run_that_never_sleeps_trains_exactly_like_one_that_always_does(tmp_pa
     import torch
 
     from verl_core.trainer.config import load_config
-    from verl_core.trainer.trainer import Trainer
+    from verl_core.trainer.rl.trainer import Trainer
 
     base = ["task.name=copy", "task.digits=2", "seed=3", "model.hidden_size=32", "model.intermediate_size=64",
             "model.num_heads=2", "model.num_kv_heads=1", "rollout.n=4", "rollout.max_new_tokens=4",

@@ -7,12 +7,12 @@ import torch
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.rollout import SamplingParams
-from verl_core.trainer.algorithm_setup import build_algorithm
+from verl_core.trainer.batching.replay import HybridReplayBuffer
 from verl_core.trainer.config import load_config
-from verl_core.trainer.engines import RLEngines
-from verl_core.trainer.replay import HybridReplayBuffer
-from verl_core.trainer.step_state import RunProgress, StepState, StepStateError
-from verl_core.trainer.update import UpdateStage
+from verl_core.trainer.rl.algorithm_setup import build_algorithm
+from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.step_state import RunProgress, StepState, StepStateError
+from verl_core.trainer.rl.update import UpdateStage
 
 
 def _state(step: int = 4) -> StepState:

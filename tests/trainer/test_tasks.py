@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from verl_conformance.testkit import CharTokenizer, TinyModelSpec, tiny_model
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
-from verl_core.trainer.rewards import FunctionReward
-from verl_core.trainer.tasks import TASKS, DigitTask, TaskReward, get_task, prompt_batch
+from verl_core.trainer.inputs.rewards import FunctionReward
+from verl_core.trainer.inputs.tasks import TASKS, DigitTask, TaskReward, get_task, prompt_batch
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from vllm_testing import KV_CACHE_BYTES
 
 from verl_core import SamplingParams
 from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
-from verl_core.trainer.export import export_checkpoint
+from verl_core.trainer.run.export import export_checkpoint
 from verl_vllm.llm_process import LEAKED_ENV, restored_environ
 
 pytestmark = [pytest.mark.slow]

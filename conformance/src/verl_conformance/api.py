@@ -79,7 +79,7 @@ def check_backend(
         make_training_engine: Build training engines with this instead of the registry.
         make_rollout_engine: Build rollout engines with this instead of the registry.
         make_reward_engine: Build reward engines (a reward model, or reward functions wrapped in
-            ``verl_core.FunctionReward`` or ``verl_core.trainer.rewards.RewardFunctions``) with this
+            ``verl_core.FunctionReward`` or ``verl_core.trainer.inputs.rewards.RewardFunctions``) with this
             instead of the registry.
 
     Returns:
@@ -118,7 +118,7 @@ def check_buffer(
     Args:
         make_buffer: Builds a buffer from the keyword arguments ``capacity``, ``memory_samples``
             and ``spill_dir`` (see :data:`~verl_conformance.harness.BufferFactory`);
-            :class:`verl_core.trainer.replay.HybridReplayBuffer` is one as it is.
+            :class:`verl_core.trainer.batching.replay.HybridReplayBuffer` is one as it is.
         disk_tier: Whether the buffer spills past ``memory_samples`` (False skips the spill check).
         checks: Buffer check ids to run (``buffer::*`` by default; wildcards allowed).
         name: Label in reports (default: ``module:qualname`` of ``make_buffer``, which the

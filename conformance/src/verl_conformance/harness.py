@@ -72,7 +72,7 @@ BufferFactory = Callable[..., ReplayBuffer]
 """Builds a replay buffer from the keyword arguments ``capacity`` (most samples held, or None),
 ``memory_samples`` (most samples kept in memory before older ones spill to disk, or None) and
 ``spill_dir`` (the folder of the disk tier, or None): the signature of
-:class:`verl_core.trainer.replay.HybridReplayBuffer`, which is a factory as it is."""
+:class:`verl_core.trainer.batching.replay.HybridReplayBuffer`, which is a factory as it is."""
 
 
 @dataclass(frozen=True)

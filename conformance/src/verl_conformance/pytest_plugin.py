@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="second installed backend for the differential checks")
     group.addoption("--verl-buffer", default=None, metavar="MODULE:FACTORY",
                     help="replay buffer for the buffer area: a callable taking capacity=, memory_samples=, "
-                         "spill_dir= (e.g. verl_core.trainer.replay:HybridReplayBuffer)")
+                         "spill_dir= (e.g. verl_core.trainer.batching.replay:HybridReplayBuffer)")
     group.addoption("--verl-options", default=None, metavar="JSON",
                     help="backend options (a JSON object) for every engine of the backend under test, "
                          'e.g. \'{"optimizer": "megatron"}\'')

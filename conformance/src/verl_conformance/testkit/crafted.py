@@ -33,7 +33,12 @@ from typing import Final
 
 import torch
 
-from verl_core.trainer.tiny_model import CharTokenizer, TinyModelSpec, load_tokenizer, tiny_model
+from verl_core.trainer.inputs.tiny_model import (
+    CharTokenizer,
+    TinyModelSpec,
+    load_tokenizer,
+    tiny_model,
+)
 
 __all__ = [
     "EOS_AFTER_3",

@@ -1,12 +1,12 @@
 """Tiny random transformers models with an offline character-level tokenizer.
 
-The builder lives in :mod:`verl_core.trainer.tiny_model` (the trainer builds its default model
+The builder lives in :mod:`verl_core.trainer.inputs.tiny_model` (the trainer builds its default model
 with it); the test kit re-exports it so every package's tests build the same folders.
 """
 
 from __future__ import annotations
 
-from verl_core.trainer.tiny_model import (
+from verl_core.trainer.inputs.tiny_model import (
     ARCHS,
     SPECIAL_TOKENS,
     Arch,

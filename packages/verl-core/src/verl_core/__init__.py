@@ -190,14 +190,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from verl_core.trainer.rewards import FunctionReward, ScoreFn
+    from verl_core.trainer.inputs.rewards import FunctionReward, ScoreFn
 
 
 def __getattr__(name: str) -> Any:
     # Reward functions belong to the trainer layer; importing it here eagerly would load the whole
     # trainer into every backend process that imports this package.
     if name in ("FunctionReward", "ScoreFn"):
-        from verl_core.trainer import rewards
+        from verl_core.trainer.inputs import rewards
 
         return getattr(rewards, name)
     raise AttributeError(f"module 'verl_core' has no attribute {name!r}")

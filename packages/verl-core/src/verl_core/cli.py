@@ -23,9 +23,9 @@ __all__ = ["main"]
 
 _SUBCOMMANDS: Final[dict[str, str]] = {
     # name -> "module:register" of a function(subparsers) -> handler; imported only when used
-    "train": "verl_core.trainer.cli:register",
-    "sft": "verl_core.trainer.sft_cli:register",
-    "export": "verl_core.trainer.export_cli:register",
+    "train": "verl_core.trainer.cli.train:register",
+    "sft": "verl_core.trainer.cli.sft:register",
+    "export": "verl_core.trainer.cli.export:register",
     "conformance": "verl_conformance.cli:register",
 }
 

@@ -1,7 +1,7 @@
 """How many bytes a device has available: CUDA's free memory, or the host's ``MemAvailable``.
 
 :func:`check_fits` refuses requests that cannot fit (TensorBatch ops call it before allocating);
-the probes of the micro-batch scheduler build on it (:mod:`verl_core.trainer.memory`).
+the probes of the micro-batch scheduler build on it (:mod:`verl_core.trainer.batching.probes`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The RewardEngine protocol (reward functions over decoded text: :mod:`verl_core.trainer.rewards`)."""
+"""The RewardEngine protocol (reward functions over decoded text: :mod:`verl_core.trainer.inputs.rewards`)."""
 
 from __future__ import annotations
 

@@ -4,24 +4,13 @@ the built-in tasks. Importing this package loads no engine library."""
 
 from __future__ import annotations
 
-from verl_core.trainer.config import RunConfig, load_config
-from verl_core.trainer.export import export_checkpoint
-from verl_core.trainer.pipeline import (
-    HybridPipeline,
-    PipelineError,
-    PipelineResult,
-    Stage,
-    StageError,
-)
-from verl_core.trainer.reliability import StepFailedError, TrainingDivergedError, verify_checkpoint
-from verl_core.trainer.replay import (
+from verl_core.trainer.batching.replay import (
     BufferClosedError,
     BufferEmptyError,
     BufferFullError,
     HybridReplayBuffer,
 )
-from verl_core.trainer.rundir import RunDir, RunMarker
-from verl_core.trainer.scheduler import (
+from verl_core.trainer.batching.scheduler import (
     Decision,
     DynamicBatchScheduler,
     MemoryInfo,
@@ -30,8 +19,23 @@ from verl_core.trainer.scheduler import (
     PeakReading,
     SchedulerConfig,
 )
-from verl_core.trainer.tasks import DigitTask, TaskReward, get_task, prompt_batch
-from verl_core.trainer.trainer import Trainer, build_algorithm, latest_checkpoint
+from verl_core.trainer.config import RunConfig, load_config
+from verl_core.trainer.inputs.tasks import DigitTask, TaskReward, get_task, prompt_batch
+from verl_core.trainer.pipeline import (
+    HybridPipeline,
+    PipelineError,
+    PipelineResult,
+    Stage,
+    StageError,
+)
+from verl_core.trainer.rl.trainer import Trainer, build_algorithm, latest_checkpoint
+from verl_core.trainer.run.export import export_checkpoint
+from verl_core.trainer.run.folder import RunDir, RunMarker
+from verl_core.trainer.run.integrity import (
+    StepFailedError,
+    TrainingDivergedError,
+    verify_checkpoint,
+)
 
 __all__ = [
     "BufferClosedError",

@@ -24,9 +24,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 from verl_core.kernel.engine import OptimConfig
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
-from verl_core.trainer.data import DataConfig
 from verl_core.trainer.executor.config import ExecutorName, RayConfig
-from verl_core.trainer.rewards import RewardFunctionsConfig
+from verl_core.trainer.inputs.data import DataConfig
+from verl_core.trainer.inputs.rewards import RewardFunctionsConfig
 from verl_core.trainer.sinks import SinkConfig, WandbMode
 
 __all__ = [
@@ -180,7 +180,7 @@ class RolloutConfig:
             one process on a CUDA device with room for both: then the first step sleeps and
             measures, and later steps keep the rollout awake while the update's measured peak
             plus the rollout's memory stays within 85% of the device (see
-            :class:`~verl_core.trainer.weightsync.SleepPolicy`).
+            :class:`~verl_core.trainer.rl.weight_sync.SleepPolicy`).
 
     The sampling values are checked by :class:`~verl_core.kernel.rollout.SamplingParams` (bounds there).
     """
@@ -204,7 +204,7 @@ class BatchConfig:
         micro_batch_tokens: Fixed token budget per micro-batch (0 = pick it at run start from the
             free memory and the model's bytes per token, estimated from its config.json and refined
             once from the allocator's peak after the first update on CUDA; checkpoints keep it, so
-            a resume splits steps the same way). See :mod:`verl_core.trainer.budget`.
+            a resume splits steps the same way). See :mod:`verl_core.trainer.batching.budget`.
         min_tokens: Smallest dynamic budget.
         max_tokens: Largest dynamic budget (0 = no cap: a budget above a batch's padded tokens
             runs that batch as one micro-batch).
@@ -304,7 +304,7 @@ class RunConfig:
         seed: Seed of prompts, sampling and initialisation (0 to 2**24 - 1).
         output_dir: Folder of the run: metrics, checkpoints, the plot and the built model. A fresh
             run needs a new or empty folder and marks it with ``verl_run.json``; ``--resume``
-            needs that marker (see :mod:`verl_core.trainer.rundir`).
+            needs that marker (see :mod:`verl_core.trainer.run.folder`).
         overwrite: Let a fresh run start in an ``output_dir`` that holds something (another run,
             or other files): the folder is renamed to ``<output_dir>.old-<time>`` first, so
             nothing is deleted. Not allowed with ``--resume``.

@@ -35,7 +35,7 @@ from typing import IO, Any, Final, Literal, Protocol, get_args
 
 from verl_core.enginekit.checkpoint import write_atomic
 from verl_core.kernel.errors import ConfigError, VerlError
-from verl_core.trainer.usercode import import_object, split_spec
+from verl_core.trainer.inputs.usercode import import_object, split_spec
 
 __all__ = [
     "BUILTIN_SINKS",
@@ -363,7 +363,7 @@ def load_callback(spec: str, *, base_dir: str | os.PathLike[str] | None = None) 
     ``attr`` (dotted for nested attributes) may be an object with at least one hook of
     :class:`RunCallback`, a class (instantiated with no arguments) or a factory function taking no
     arguments that returns such an object. The spec is resolved by
-    :func:`verl_core.trainer.usercode.import_object` (a target ending in ``.py`` or containing a
+    :func:`verl_core.trainer.inputs.usercode.import_object` (a target ending in ``.py`` or containing a
     path separator is a file, looked up in ``base_dir`` first, then the working directory).
 
     Raises:

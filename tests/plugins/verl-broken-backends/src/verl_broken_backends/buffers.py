@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from verl_core import TensorBatch
-from verl_core.trainer.replay import HybridReplayBuffer
+from verl_core.trainer.batching.replay import HybridReplayBuffer
 
 __all__ = ["DropOldestBuffer", "LossySpillBuffer", "ReorderingBuffer", "SeedIgnoredBuffer"]
 

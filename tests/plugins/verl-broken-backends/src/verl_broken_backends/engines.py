@@ -37,7 +37,7 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
-from verl_core.trainer.tiny_model import load_tokenizer
+from verl_core.trainer.inputs.tiny_model import load_tokenizer
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
 from verl_hf.training import HFTrainingEngine

@@ -1,6 +1,6 @@
-"""Built-in reward functions for ``reward.functions``, e.g. ``"verl_core.trainer.reward_functions:exact_match"``.
+"""Built-in reward functions for ``reward.functions``, e.g. ``"verl_core.trainer.inputs.reward_functions:exact_match"``.
 
-Each takes ``completions`` and dataset columns as keywords (see :mod:`verl_core.trainer.rewards`)
+Each takes ``completions`` and dataset columns as keywords (see :mod:`verl_core.trainer.inputs.rewards`)
 and returns 1.0 or 0.0 per completion:
 
 * :func:`exact_match`: the stripped completion equals the stripped ``answer`` column.

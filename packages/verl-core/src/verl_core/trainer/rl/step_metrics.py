@@ -2,7 +2,7 @@
 
 :func:`rollout_metrics` (rewards and response lengths of the samples) and :func:`finish_metrics`
 (timings, throughput, the scheduler's micro-batches of the step) fill the step's
-:class:`~verl_core.trainer.step_state.StepState`; the stages add their own.
+:class:`~verl_core.trainer.rl.step_state.StepState`; the stages add their own.
 :class:`SchedulerPlanLog` keeps ``scheduler_plan.jsonl``, every decision of the micro-batch
 schedulers, so a resumed run replays the decisions after its checkpoint exactly;
 :func:`plot_metrics` draws ``curves.png``.
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from verl_core.kernel.reward import RewardEngine
-from verl_core.trainer.data import PromptLoader
-from verl_core.trainer.scheduler import Decision, DynamicBatchScheduler
+from verl_core.trainer.batching.scheduler import Decision, DynamicBatchScheduler
+from verl_core.trainer.inputs.data import PromptLoader
+from verl_core.trainer.inputs.tasks import TaskReward
+from verl_core.trainer.rl.step_state import StepState
 from verl_core.trainer.sinks import read_json_lines, write_text_atomic
-from verl_core.trainer.step_state import StepState
-from verl_core.trainer.tasks import TaskReward
 
 __all__ = ["SchedulerPlanLog", "finish_metrics", "plot_metrics", "rollout_metrics"]
 

@@ -32,9 +32,9 @@ from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
-from verl_core.trainer.reliability import fsync_dir, verify_checkpoint
-from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.tasks import get_task
+from verl_core.trainer.inputs.tasks import get_task
+from verl_core.trainer.run.integrity import fsync_dir, verify_checkpoint
+from verl_core.trainer.run.state import engine_spec, latest_checkpoint
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_checkpoint", "resolve_checkpoint"]
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from verl_core.trainer.cli import add_run_arguments, check_backends, load_run_config
+from verl_core.trainer.cli.train import add_run_arguments, check_backends, load_run_config
 
 __all__ = ["register"]
 
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 
 def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.config import check_device_here, config_to_dict
-    from verl_core.trainer.sft import SFTTrainer
+    from verl_core.trainer.sft.trainer import SFTTrainer
 
     config = load_run_config(args)
     if args.print_config and not args.check:

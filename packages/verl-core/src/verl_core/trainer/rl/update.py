@@ -3,7 +3,7 @@
 :class:`UpdateStage` gathers the forwards' outputs into the training batch and computes the
 advantages (:class:`~verl_core.algorithms.Algorithm`), then takes the step's mini-batches from the
 replay buffer and trains each engine on them: per mini-batch, ``forward_backward`` over the
-micro-batches the :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler` picks, then
+micro-batches the :class:`~verl_core.trainer.batching.scheduler.DynamicBatchScheduler` picks, then
 ``optimizer_step`` (actor, and critic when the algorithm has one).
 """
 
@@ -17,12 +17,12 @@ import torch
 from verl_core.algorithms.onpolicy import OnPolicyActorLoss
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.training import LossFn, TrainingEngine
+from verl_core.trainer.batching.replay import HybridReplayBuffer
+from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, train_mini_batch
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.engines import RLEngines
-from verl_core.trainer.generation import groups_with_signal
-from verl_core.trainer.replay import HybridReplayBuffer
-from verl_core.trainer.scheduler import DynamicBatchScheduler, train_mini_batch
-from verl_core.trainer.step_state import RunProgress, StepState, StepStateError
+from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.generation import groups_with_signal
+from verl_core.trainer.rl.step_state import RunProgress, StepState, StepStateError
 
 __all__ = ["UpdateStage", "masked_mean"]
 

@@ -4,8 +4,8 @@
 runner saves (step, RNG streams, config, non-finite skips in a row) plus the runner's own, prunes
 to ``checkpoint.keep``, finds the checkpoint a ``--resume`` continues from, and loads one only
 after every check passed: the manifest, each field of ``trainer_state.json``, the config changes
-(:func:`~verl_core.trainer.reliability.resume_config_changes`) and the data order's position. The
-file layout and the field checks are :mod:`verl_core.trainer.runstate`'s.
+(:func:`~verl_core.trainer.run.integrity.resume_config_changes`) and the data order's position. The
+file layout and the field checks are :mod:`verl_core.trainer.run.state`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any
 
 from verl_core.kernel.errors import CheckpointError, ConfigError, describe
 from verl_core.kernel.training import TrainingEngine
+from verl_core.trainer.batching.scheduler import DynamicBatchScheduler
 from verl_core.trainer.config import RunConfig, config_to_dict
-from verl_core.trainer.data import PromptSampler
-from verl_core.trainer.reliability import resume_config_changes, verify_checkpoint
-from verl_core.trainer.runstate import (
+from verl_core.trainer.inputs.data import PromptSampler
+from verl_core.trainer.run.integrity import resume_config_changes, verify_checkpoint
+from verl_core.trainer.run.state import (
     STATE_FILE,
     latest_checkpoint,
     load_engine_checkpoint,
@@ -29,7 +30,6 @@ from verl_core.trainer.runstate import (
     set_rng_state,
     write_checkpoint,
 )
-from verl_core.trainer.scheduler import DynamicBatchScheduler
 
 __all__ = ["Checkpointer", "Restored", "read_data_state"]
 

@@ -31,7 +31,7 @@ from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
-from verl_core.trainer.tasks import prompt_batch
+from verl_core.trainer.inputs.tasks import prompt_batch
 
 __all__ = [
     "FORMATS",
@@ -53,7 +53,7 @@ FORMATS: Final = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 
 RESERVED_COLUMNS: Final = ("prompts", "completions", "completion_ids", "truncated")
 """Column names a dataset may not use: reward functions get these keywords for each sample's texts,
-response ids and truncation (:data:`verl_core.trainer.rewards.SAMPLE_KEYWORDS`)."""
+response ids and truncation (:data:`verl_core.trainer.inputs.rewards.SAMPLE_KEYWORDS`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
     :data:`~verl_core.algorithms.presets.PRESET_TABLE`: e.g. ``dapo`` is GRPO with clip-higher
     (``clip_high=0.28``) and no KL loss, for which the trainer turns on dynamic sampling;
     ``grpo_token`` is GRPO's loss with the per-position estimator of
-    :mod:`verl_core.trainer.estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
+    :mod:`verl_core.algorithms.token_estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
 
     Raises:
         ConfigError: an unknown name (listing the presets), or an option the preset does not take
@@ -36,7 +36,7 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
     if preset is None:
         raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(PRESET_TABLE)}")
     if preset.estimator is not None:
-        from verl_core.trainer import estimators
+        from verl_core.algorithms import token_estimators as estimators
 
         estimators.register()  # the trainer's estimators (grpo_token) are a plugin of this package
     return preset.build(options)
@@ -97,7 +97,7 @@ class AlgorithmSetup:
             raise ConfigError(
                 f"config key 'data.{'train' if data.train_paths else 'eval'}' is set but the run has no reward "
                 "for its prompts: list functions in 'reward.functions' (e.g. "
-                "['verl_core.trainer.reward_functions:exact_match']) or name a reward-model backend in "
+                "['verl_core.trainer.inputs.reward_functions:exact_match']) or name a reward-model backend in "
                 "'backends.reward'"
             )
         b = config.batch

@@ -1,30 +1,30 @@
 """The single-controller RL trainer: rollout -> reward/reference/critic -> advantages -> updates -> sync.
 
 One step, each a component of its own that reads and fills the step's typed
-:class:`~verl_core.trainer.step_state.StepState`:
+:class:`~verl_core.trainer.rl.step_state.StepState`:
 
 1. take ``prompts_per_step`` prompts: the next rows of the user's dataset (``data.train``, in a
    seeded order that checkpoints keep), or the built-in task's (a deterministic function of seed
-   and step) (:class:`~verl_core.trainer.prompt_source.PromptSource`);
+   and step) (:class:`~verl_core.trainer.rl.prompt_source.PromptSource`);
 2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline), then
    concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
    reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values; DAPO's
    dynamic sampling drops groups whose scores are all equal
-   (:class:`~verl_core.trainer.generation.GenerationStage`);
+   (:class:`~verl_core.trainer.rl.generation.GenerationStage`);
 3. advantages on the global batch (:class:`verl_core.algorithms.Algorithm`), then mini-batches from
    the replay buffer; per mini-batch ``forward_backward`` over micro-batches picked by the
-   :class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`, then ``optimizer_step`` (actor,
-   and critic when the algorithm has one) (:class:`~verl_core.trainer.update.UpdateStage`);
-4. weight sync actor -> rollout (:class:`~verl_core.trainer.weightsync.WeightSyncStage`);
-5. evaluation when due (:class:`~verl_core.trainer.evaluation.Evaluator`) and the step's metrics
-   (:mod:`verl_core.trainer.step_metrics`).
+   :class:`~verl_core.trainer.batching.scheduler.DynamicBatchScheduler`, then ``optimizer_step`` (actor,
+   and critic when the algorithm has one) (:class:`~verl_core.trainer.rl.update.UpdateStage`);
+4. weight sync actor -> rollout (:class:`~verl_core.trainer.rl.weight_sync.WeightSyncStage`);
+5. evaluation when due (:class:`~verl_core.trainer.rl.evaluation.Evaluator`) and the step's metrics
+   (:mod:`verl_core.trainer.rl.step_metrics`).
 
 Engines are built by backend name through :mod:`verl_core.kernel.registry`, placed by the executor of the
 config key ``executor`` (:mod:`verl_core.trainer.executor`: this process, or Ray worker groups); nothing
 here knows which backend it talks to or where it runs. The reward is the user's reward functions
-(``reward.functions``, :mod:`verl_core.trainer.rewards`), a reward-model backend, or the task's rule.
+(``reward.functions``, :mod:`verl_core.trainer.inputs.rewards`), a reward-model backend, or the task's rule.
 The run folder, metric sinks (``logging.sinks``), checkpoints and the loop are the
-:class:`~verl_core.trainer.runcontext.RunContext`'s, shared with ``verl sft``.
+:class:`~verl_core.trainer.run.context.RunContext`'s, shared with ``verl sft``.
 """
 
 from __future__ import annotations
@@ -41,32 +41,32 @@ from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
-from verl_core.trainer.algorithm_setup import AlgorithmSetup, build_algorithm
-from verl_core.trainer.budget import make_schedulers
+from verl_core.trainer.batching.budget import make_schedulers
+from verl_core.trainer.batching.replay import HybridReplayBuffer
+from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.engines import RLEngines, stage_backend
-from verl_core.trainer.evaluation import Evaluator
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.generation import GenerationStage
+from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.pipeline import StageError, StageThreads
-from verl_core.trainer.prompt_source import PromptSource
-from verl_core.trainer.reliability import StepFailedError
-from verl_core.trainer.replay import HybridReplayBuffer
-from verl_core.trainer.runcontext import RunContext
-from verl_core.trainer.rundir import RunDir
-from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
-from verl_core.trainer.sinks import MetricSinks
-from verl_core.trainer.step_metrics import (
+from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, build_algorithm
+from verl_core.trainer.rl.engines import RLEngines, stage_backend
+from verl_core.trainer.rl.evaluation import Evaluator
+from verl_core.trainer.rl.generation import GenerationStage
+from verl_core.trainer.rl.prompt_source import PromptSource
+from verl_core.trainer.rl.step_metrics import (
     SchedulerPlanLog,
     finish_metrics,
     plot_metrics,
     rollout_metrics,
 )
-from verl_core.trainer.step_state import RunProgress, StepState
-from verl_core.trainer.tasks import get_task
-from verl_core.trainer.update import UpdateStage
-from verl_core.trainer.weightsync import SleepPolicy, WeightSyncStage
+from verl_core.trainer.rl.step_state import RunProgress, StepState
+from verl_core.trainer.rl.update import UpdateStage
+from verl_core.trainer.rl.weight_sync import SleepPolicy, WeightSyncStage
+from verl_core.trainer.run.context import RunContext
+from verl_core.trainer.run.folder import RunDir
+from verl_core.trainer.run.integrity import StepFailedError
+from verl_core.trainer.run.state import engine_spec, latest_checkpoint
+from verl_core.trainer.sinks import MetricSinks
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
 
@@ -98,7 +98,7 @@ class Trainer:
 
     Use :meth:`train` (optionally resuming from the newest checkpoint of the output dir); engines
     are built on first use and released by :meth:`close`. The output dir is claimed for one run
-    before anything is written there (:class:`~verl_core.trainer.rundir.RunDir`): a fresh run
+    before anything is written there (:class:`~verl_core.trainer.run.folder.RunDir`): a fresh run
     needs a new or empty folder, a resumed one the run's marker, and the trainer deletes only
     files of its own run.
     """
@@ -173,9 +173,9 @@ class Trainer:
 
         Raises:
             ConfigError: a dataset, column, reward function or callback is refused (see
-                :mod:`verl_core.trainer.data`, :mod:`verl_core.trainer.rewards`), before anything
+                :mod:`verl_core.trainer.inputs.data`, :mod:`verl_core.trainer.inputs.rewards`), before anything
                 is written; the output folder may not be used so (see
-                :mod:`verl_core.trainer.rundir`), before any engine is built.
+                :mod:`verl_core.trainer.run.folder`), before any engine is built.
         """
         if self._built:
             return
@@ -315,7 +315,7 @@ class Trainer:
 
         Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
         its field checks and the saved config differs from the current one only in keys of
-        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS` (those changes are logged). A run
+        :data:`~verl_core.trainer.run.integrity.RESUME_SAFE_KEYS` (those changes are logged). A run
         on ``data.train`` continues the data order from the saved position. The metric logs are
         cut back to the checkpoint's step when the sinks open (:class:`MetricSinks`).
 
@@ -348,7 +348,7 @@ class Trainer:
         Raises:
             ConfigError: a fresh run in a folder holding a run or other files (without
                 ``overwrite``), ``resume`` without the run's marker, or an output folder another
-                process is running in; see :mod:`verl_core.trainer.rundir`.
+                process is running in; see :mod:`verl_core.trainer.run.folder`.
         """
         self.setup(resume=resume)
         ckpt = self.ctx.begin(resume)

@@ -14,7 +14,7 @@ from verl_core.kernel.errors import ConfigError, UnknownNameError
 
 if TYPE_CHECKING:
     from verl_core.trainer.config import RunConfig
-    from verl_core.trainer.trainer import Trainer
+    from verl_core.trainer.rl.trainer import Trainer
 
 __all__ = ["add_run_arguments", "check_backends", "load_run_config", "register"]
 
@@ -83,7 +83,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.print_config and not args.check:
         print(json.dumps(config_to_dict(config), indent=1))
         return 0
-    from verl_core.trainer.trainer import Trainer
+    from verl_core.trainer.rl.trainer import Trainer
 
     # checks the algorithm and its options against the rest of the config; relative paths in the
     # config (datasets, reward functions, callbacks) are looked up next to the config file first

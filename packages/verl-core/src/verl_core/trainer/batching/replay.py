@@ -2,7 +2,7 @@
 
 Batches are stored whole (one segment per :meth:`~HybridReplayBuffer.add`). When the memory tier
 holds more samples or bytes than its bounds, the oldest in-memory segments are written to the spill
-directory with :func:`~verl_core.trainer.batch_io.save_batch` and read back with :func:`~verl_core.trainer.batch_io.load_batch` when needed, so
+directory with :func:`~verl_core.trainer.batching.batch_io.save_batch` and read back with :func:`~verl_core.trainer.batching.batch_io.load_batch` when needed, so
 nothing is lost and every value comes back bit for bit.
 
 The buffer deletes only what it wrote: its spill files, the private folder it created for them
@@ -33,7 +33,7 @@ import torch
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.buffer import ReplayBuffer
 from verl_core.kernel.errors import BatchValidationError, CheckpointError, ConfigError, VerlError
-from verl_core.trainer.batch_io import load_batch, save_batch
+from verl_core.trainer.batching.batch_io import load_batch, save_batch
 
 __all__ = [
     "BufferClosedError",

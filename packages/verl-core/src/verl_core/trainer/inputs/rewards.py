@@ -12,7 +12,7 @@ only some keywords (``def f(completions, answer)``) gets just those; one with ``
 
 :class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
 a reward-model engine's scores); functions are named ``"module:function"`` or
-``"path/to/file.py:function"``. Built-in functions live in :mod:`verl_core.trainer.reward_functions`.
+``"path/to/file.py:function"``. Built-in functions live in :mod:`verl_core.trainer.inputs.reward_functions`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import ConfigError, RewardError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
-from verl_core.trainer.usercode import import_object, split_spec
+from verl_core.trainer.inputs.usercode import import_object, split_spec
 
 __all__ = [
     "MODEL_NAME",
@@ -62,7 +62,7 @@ class RewardFunctionsConfig:
     Attributes:
         functions: Each ``"module:function"`` (an importable module) or
             ``"path/to/file.py:function"`` (a Python file; a relative path is looked up in the
-            config file's folder, then in the working directory), e.g. ``"verl_core.trainer.reward_functions:exact_match"``.
+            config file's folder, then in the working directory), e.g. ``"verl_core.trainer.inputs.reward_functions:exact_match"``.
         weights: One weight per function (empty = 1.0 each); the score is the weighted sum.
         model_weight: Weight of a reward-model engine's scores when the run also has one.
     """
@@ -91,7 +91,7 @@ class RewardFunctionsConfig:
 def load_function(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
     """The callable that ``"module:function"`` or ``"path/to/file.py:function"`` names.
 
-    Resolved by :func:`verl_core.trainer.usercode.import_object`: a file is run once as a module
+    Resolved by :func:`verl_core.trainer.inputs.usercode.import_object`: a file is run once as a module
     and reused for every function taken from it.
 
     Args:

@@ -37,8 +37,8 @@ from verl_core.kernel.engine import EngineSpec, OptimConfig, Role
 from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError
 from verl_core.kernel.training import TrainingEngine
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.reliability import fsync_dir, write_manifest
-from verl_core.trainer.rundir import RunDir
+from verl_core.trainer.run.folder import RunDir
+from verl_core.trainer.run.integrity import fsync_dir, write_manifest
 
 __all__ = [
     "STATE_FILE",
@@ -75,7 +75,7 @@ def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str
     dest = run.path / "model"
     if (dest / "config.json").is_file():
         return str(dest)
-    from verl_core.trainer.tiny_model import TinyModelSpec, build_tiny_model
+    from verl_core.trainer.inputs.tiny_model import TinyModelSpec, build_tiny_model
 
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(

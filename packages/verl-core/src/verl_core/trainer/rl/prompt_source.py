@@ -19,10 +19,10 @@ from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.data import PromptDataset, PromptLoader
-from verl_core.trainer.rewards import RewardFunctions
-from verl_core.trainer.tasks import DigitTask, prompt_batch
-from verl_core.trainer.usercode import import_object, resolve_path
+from verl_core.trainer.inputs.data import PromptDataset, PromptLoader
+from verl_core.trainer.inputs.rewards import RewardFunctions
+from verl_core.trainer.inputs.tasks import DigitTask, prompt_batch
+from verl_core.trainer.inputs.usercode import import_object, resolve_path
 
 __all__ = ["PromptSource"]
 
@@ -78,7 +78,7 @@ class PromptSource:
                 "which needs transformers: pip install verl-hf (or transformers)"
             )
         if not m.path:
-            from verl_core.trainer.tiny_model import char_tokenizer
+            from verl_core.trainer.inputs.tiny_model import char_tokenizer
 
             return HFTokenizer(char_tokenizer(m.vocab_size), m.vocab_size)
         from transformers import AutoTokenizer

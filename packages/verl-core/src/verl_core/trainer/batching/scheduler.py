@@ -43,7 +43,7 @@ import torch
 from verl_core.kernel.batch import TensorBatch, micro_batch_cost, partition_by_token_budget
 from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.kernel.training import GlobalBatchStats, LossFn, TrainingEngine
-from verl_core.trainer.memory import (
+from verl_core.trainer.batching.probes import (
     MemoryInfo,
     MemoryProbe,
     PeakProbe,
@@ -94,7 +94,7 @@ class SchedulerConfig:
         bytes_per_token: Estimated bytes one budget token costs a training call (forward plus
             backward; a padded token, or a real one when the engine packs); the default is a
             model-agnostic constant, the trainer passes an estimate from the model's shape
-            (:mod:`verl_core.trainer.budget`).
+            (:mod:`verl_core.trainer.batching.budget`).
         memory_fraction: Share of the free memory (less ``reserved_bytes``) the budget may use.
         reserved_bytes: Free memory set aside before the fraction is taken: state the engines
             allocate only at their first update (gradients, optimizer moments).

@@ -5,7 +5,7 @@ from a declared graph of inputs and outputs, so the stages whose inputs are read
 (the reference, actor and critic forwards; ReMax's greedy baseline beside the reward), each on its
 long-lived thread; the rollout starts the step alone on the trainer's thread. DAPO's dynamic sampling
 (``select``) drops groups whose scores are all equal before the forwards. The outputs land in the
-step's :class:`~verl_core.trainer.step_state.StepState`.
+step's :class:`~verl_core.trainer.rl.step_state.StepState`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.training import TrainingEngine
-from verl_core.trainer.engines import RLEngines
+from verl_core.trainer.batching.scheduler import DynamicBatchScheduler
+from verl_core.trainer.inputs.rewards import RewardFunctions
+from verl_core.trainer.inputs.tasks import TaskReward
 from verl_core.trainer.pipeline import HybridPipeline, Stage, StageThreads
-from verl_core.trainer.rewards import RewardFunctions
-from verl_core.trainer.scheduler import DynamicBatchScheduler
-from verl_core.trainer.step_state import RunProgress, StepState
-from verl_core.trainer.tasks import TaskReward
+from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.step_state import RunProgress, StepState
 
 __all__ = ["GenerationStage", "groups_with_signal"]
 

@@ -38,7 +38,7 @@ from typing import IO, Final, Literal
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.version import __version__
 from verl_core.trainer.config import RunConfig, config_to_dict
-from verl_core.trainer.reliability import fsync_dir
+from verl_core.trainer.run.integrity import fsync_dir
 
 try:
     import fcntl

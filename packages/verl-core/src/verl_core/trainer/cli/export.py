@@ -28,7 +28,7 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from verl_core.trainer.export import export_checkpoint, resolve_checkpoint
+    from verl_core.trainer.run.export import export_checkpoint, resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)
     out = export_checkpoint(ckpt, args.out, device=args.device)

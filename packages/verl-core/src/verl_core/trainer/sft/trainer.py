@@ -2,14 +2,14 @@
 
 :class:`SFTTrainer` runs on the same training engines as ``verl train`` (any backend with an actor
 engine, built by the executor of ``executor``), with the same run folder rules
-(:class:`~verl_core.trainer.rundir.RunDir`), checkpoints (:mod:`verl_core.trainer.runstate`: atomic
+(:class:`~verl_core.trainer.run.folder.RunDir`), checkpoints (:mod:`verl_core.trainer.run.state`: atomic
 ``checkpoints/step-N`` folders with a manifest and ``trainer_state.json``), ``--resume`` rules
-(:func:`~verl_core.trainer.reliability.resume_config_changes`) and metric sinks. At the end it
+(:func:`~verl_core.trainer.run.integrity.resume_config_changes`) and metric sinks. At the end it
 exports the final weights as a transformers folder, ``<output_dir>/model-sft``
 (:data:`SFT_MODEL_DIR`), which ``verl train`` takes as ``model.path``.
 
 One step takes the next ``batch.prompts_per_step`` rows of ``data.train`` in the seeded, resumable
-data order (:class:`~verl_core.trainer.data.PromptSampler`, saved in every checkpoint). Each row is
+data order (:class:`~verl_core.trainer.inputs.data.PromptSampler`, saved in every checkpoint). Each row is
 its prompt (text, or chat messages rendered with the chat template and the generation prompt),
 then its ``data.response_key`` text followed by EOS, tokenized with the actor's tokenizer into the
 batch layout of a rollout: ``prompt_ids``/``prompt_mask`` left-padded, ``response_ids``/
@@ -44,19 +44,19 @@ from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.kernel.training import GlobalBatchStats, LossOutput, ModelOutput, TrainingEngine
-from verl_core.trainer.budget import make_schedulers
-from verl_core.trainer.config import RunConfig
-from verl_core.trainer.data import DataConfig, PromptDataset, PromptSampler
-from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.runcontext import RunContext
-from verl_core.trainer.rundir import RunDir
-from verl_core.trainer.runstate import engine_spec, latest_checkpoint
-from verl_core.trainer.scheduler import (
+from verl_core.trainer.batching.budget import make_schedulers
+from verl_core.trainer.batching.scheduler import (
     DynamicBatchScheduler,
     MemoryProbe,
     PeakProbe,
     train_mini_batch,
 )
+from verl_core.trainer.config import RunConfig
+from verl_core.trainer.executor import Executor, make_executor
+from verl_core.trainer.inputs.data import DataConfig, PromptDataset, PromptSampler
+from verl_core.trainer.run.context import RunContext
+from verl_core.trainer.run.folder import RunDir
+from verl_core.trainer.run.state import engine_spec, latest_checkpoint
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -123,7 +123,7 @@ class SFTDataset:
         """Load ``data.<split>`` with the config's prompt and response columns.
 
         Prompts are read, rendered and length-checked by
-        :meth:`~verl_core.trainer.data.PromptDataset.from_config`; each response is its text
+        :meth:`~verl_core.trainer.inputs.data.PromptDataset.from_config`; each response is its text
         followed by the tokenizer's EOS.
 
         Args:
@@ -196,7 +196,7 @@ def _short(value: Any) -> str:
 
 def _export_latest(out: Path, run_id: str) -> Path:
     """Export the newest checkpoint under ``out`` to ``out/model-sft`` through a temporary folder of the run."""
-    from verl_core.trainer.export import export_checkpoint
+    from verl_core.trainer.run.export import export_checkpoint
 
     ckpt = latest_checkpoint(out)
     if ckpt is None:
@@ -238,7 +238,7 @@ class SFTTrainer:
     Use :meth:`train` (with ``resume=True`` to continue from the newest checkpoint of the output
     folder); the actor engine is built on first use and released by :meth:`close` (or ``with``).
     The run folder, messages, metric sinks, checkpoints and the loop are the
-    :class:`~verl_core.trainer.runcontext.RunContext`'s, as in ``verl train``.
+    :class:`~verl_core.trainer.run.context.RunContext`'s, as in ``verl train``.
 
     Raises:
         ConfigError: ``data.train`` is not set, or ``data.prompt_key`` equals ``data.response_key``.
@@ -436,7 +436,7 @@ class SFTTrainer:
         Nothing is restored unless the folder matches its manifest, ``trainer_state.json`` passes
         its field checks, the data order continues (same rows, seed and shuffle) and the saved
         config differs from the current one only in keys of
-        :data:`~verl_core.trainer.reliability.RESUME_SAFE_KEYS`.
+        :data:`~verl_core.trainer.run.integrity.RESUME_SAFE_KEYS`.
 
         Raises:
             CheckpointError: the manifest, a file, or a field of ``trainer_state.json`` (named), or
@@ -473,7 +473,7 @@ class SFTTrainer:
         ``metrics.jsonl`` when the ``jsonl`` sink is on).
 
         Raises:
-            ConfigError: the output folder may not be used so (see :mod:`verl_core.trainer.rundir`),
+            ConfigError: the output folder may not be used so (see :mod:`verl_core.trainer.run.folder`),
                 ``resume`` without a checkpoint, or a resume that changes the math.
         """
         self.setup(resume=resume)

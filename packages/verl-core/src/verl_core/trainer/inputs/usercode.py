@@ -42,7 +42,7 @@ def split_spec(spec: object, what: str) -> tuple[str, str]:
         raise ConfigError(f"a {what} is named by a string {_FORMS}, got {spec!r}")
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not all(part.isidentifier() for part in attr.split(".")):
-        raise ConfigError(f"{what} {spec!r} is not {_FORMS} (e.g. 'verl_core.trainer.reward_functions:exact_match')")
+        raise ConfigError(f"{what} {spec!r} is not {_FORMS} (e.g. 'verl_core.trainer.inputs.reward_functions:exact_match')")
     return target, attr
 
 

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.engines import RLEngines
-from verl_core.trainer.step_state import RunProgress, StepState
+from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.step_state import RunProgress, StepState
 
 __all__ = ["SleepMode", "SleepPolicy", "WeightSyncStage"]
 

@@ -17,8 +17,8 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor
-from verl_core.trainer.rewards import RewardFunctions
-from verl_core.trainer.tasks import DigitTask, TaskReward
+from verl_core.trainer.inputs.rewards import RewardFunctions
+from verl_core.trainer.inputs.tasks import DigitTask, TaskReward
 
 __all__ = ["RLEngines", "stage_backend"]
 

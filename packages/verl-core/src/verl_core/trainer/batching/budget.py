@@ -1,7 +1,7 @@
 """The model-aware micro-batch budget: what one token costs a training call, from the model's shape.
 
 The trainer picks its micro-batch token budget as ``(free memory - state not yet allocated) x
-memory_fraction / bytes_per_token`` (:class:`~verl_core.trainer.scheduler.DynamicBatchScheduler`).
+memory_fraction / bytes_per_token`` (:class:`~verl_core.trainer.batching.scheduler.DynamicBatchScheduler`).
 :func:`estimate_token_bytes` gives ``bytes_per_token`` from the model folder's ``config.json``
 (every backend of this project loads transformers-format folders), the training dtype and
 gradient checkpointing, as named terms:
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from verl_core.trainer.batching.probes import MemoryProbe, PeakProbe, default_peak_probe
+from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, SchedulerConfig
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.memory import MemoryProbe, PeakProbe, default_peak_probe
-from verl_core.trainer.scheduler import DynamicBatchScheduler, SchedulerConfig
 
 __all__ = [
     "DTYPE_BYTES",
@@ -259,7 +259,7 @@ def make_schedulers(
             update refines the budget).
         gradient_checkpointing: The training engines recompute activations in backward.
         probe: Free-memory probe (default: the device's real memory).
-        peak_probe: Allocator peak probe (default: :func:`~verl_core.trainer.memory.default_peak_probe`).
+        peak_probe: Allocator peak probe (default: :func:`~verl_core.trainer.batching.probes.default_peak_probe`).
     """
     bc, device = config.batch, config.model.device
     if bc.micro_batch_tokens:

@@ -1,7 +1,7 @@
 """What ``verl train`` and ``verl sft`` share around their steps: the run folder, messages, metric
 logs, checkpoints and the loop.
 
-:class:`RunContext` claims the output folder (:class:`~verl_core.trainer.rundir.RunDir`), prints
+:class:`RunContext` claims the output folder (:class:`~verl_core.trainer.run.folder.RunDir`), prints
 the run's messages above the progress bar, opens the metric sinks (afresh, or continuing the logs
 of a loaded checkpoint), keeps the metrics of every step, owns the run's :class:`Checkpointer`, runs
 the loop (a step, a periodic checkpoint, the final one) and stops a run whose optimizer steps were
@@ -20,17 +20,17 @@ from typing import IO, Any
 
 import torch
 
-from verl_core.trainer.checkpointing import Checkpointer
+from verl_core.trainer.batching.replay import remove_stale_spill
 from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
-from verl_core.trainer.reliability import TrainingDivergedError
-from verl_core.trainer.replay import remove_stale_spill
-from verl_core.trainer.rundir import Mode, RunDir
-from verl_core.trainer.runstate import build_run_model
+from verl_core.trainer.run.checkpoints import Checkpointer
+from verl_core.trainer.run.folder import Mode, RunDir
+from verl_core.trainer.run.integrity import TrainingDivergedError
+from verl_core.trainer.run.state import build_run_model
 from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
 
 __all__ = ["RunContext"]
 
-_log = logging.getLogger("verl_core.trainer.trainer")
+_log = logging.getLogger("verl_core.trainer.rl.trainer")
 _COMMANDS = {"rl": "verl train", "sft": "verl sft"}
 
 
@@ -67,7 +67,7 @@ class RunContext:
 
     # ------------------------------------------------------------------ the run folder
     def say(self, text: str) -> None:
-        """A message of the run: to the ``verl_core.trainer.trainer`` logger, and above the progress bar."""
+        """A message of the run: to the ``verl_core.trainer.rl.trainer`` logger, and above the progress bar."""
         _log.info(text)
         if not self.config.logging.progress:
             return

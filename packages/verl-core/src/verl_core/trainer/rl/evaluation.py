@@ -12,12 +12,12 @@ import time
 from verl_core.kernel.batch import BatchMeta
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.config import RunConfig
-from verl_core.trainer.data import PromptDataset
-from verl_core.trainer.engines import RLEngines
-from verl_core.trainer.prompt_source import PromptSource
-from verl_core.trainer.rewards import RewardFunctions
-from verl_core.trainer.step_state import RunProgress, StepState
-from verl_core.trainer.tasks import TaskReward, prompt_batch
+from verl_core.trainer.inputs.data import PromptDataset
+from verl_core.trainer.inputs.rewards import RewardFunctions
+from verl_core.trainer.inputs.tasks import TaskReward, prompt_batch
+from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.prompt_source import PromptSource
+from verl_core.trainer.rl.step_state import RunProgress, StepState
 
 __all__ = ["EVAL_GROUP_BASE", "Evaluator"]
 

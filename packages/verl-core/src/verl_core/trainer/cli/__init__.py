@@ -1,0 +1,1 @@
+"""The `verl train`, `verl sft` and `verl export` subcommands."""
