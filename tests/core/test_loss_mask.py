@@ -173,14 +173,12 @@ def test_loss_mask_outside_the_response_is_refused() -> None:
     with pytest.raises(BatchValidationError, match=r"here: field 'loss_mask' of sample 1 .* position 3.*subset of "
                                                    r"response_mask"):
         batch.update(loss_mask=bad).check(where="here")
-    with pytest.raises(BatchValidationError, match="'loss_mask'.*no response_mask"):
-        TensorBatch({"loss_mask": torch.ones(1, 2, dtype=torch.bool)}).check()
 
 
 @pytest.mark.parametrize("row", [[0, -1, 0, 0], [1, 1, 0, 0], [0, 2, 1, 0]])
 def test_bad_turn_ids_are_refused(row: list[int]) -> None:
     batch = make_batch(3, [3, 3], 4, observations=0.3).update(turn_ids=torch.tensor([[0, 0, 0, 0], row]))
-    with pytest.raises(BatchValidationError, match="field 'turn_ids' of sample 1.*never decrease"):
+    with pytest.raises(BatchValidationError, match="field 'turn_ids' of sample 1.*>= 0 and never decreasing"):
         batch.check()
     # padding positions are not read
     batch.update(turn_ids=torch.tensor([[0, 0, 1, 0], [0, 1, 1, -5]])).check()

@@ -79,9 +79,9 @@ class LossTokenLayout:
         return batch.drop("loss_mask").update(out, response_mask=self.mask)
 
     def expand(self, compacted: Tensor) -> Tensor:
-        """A per-token tensor of the compacted layout moved back to the original positions (it must
-        be 0, or False, after each row's loss tokens, which then land on the observation tokens)."""
-        return torch.zeros_like(compacted).scatter_(-1, self.order, compacted)
+        """A per-token tensor of the compacted layout moved back to the original positions; every
+        other position (observation tokens, padding) holds 0 (False for a mask)."""
+        return torch.zeros_like(compacted).scatter_(-1, self.order, compacted.masked_fill(~self.mask, 0))
 
     def restore(self, batch: TensorBatch, compacted: TensorBatch, result: TensorBatch) -> TensorBatch:
         """``batch`` with what the estimator added to ``compacted`` (its new or replaced fields and

@@ -196,11 +196,7 @@ class TensorBatch(Mapping[str, Tensor]):
 
     @property
     def loss_mask(self) -> Tensor:
-        """The tokens that get a loss: field ``loss_mask`` when present, else ``response_mask``.
-
-        The one accessor of every loss, KL term, entropy bonus, aggregation and token count
-        (docs/architecture.md, "Batch layout"); attention and positions read ``response_mask``.
-        """
+        """Field ``loss_mask``, else ``response_mask``: what every loss, KL, aggregation and count reads."""
         mask = self._tensors.get("loss_mask")
         return self["response_mask"] if mask is None else mask
 

@@ -466,25 +466,13 @@ def check(batch: TensorBatch, *, where: str = "input", vocab_size: int | None = 
 
 
 def _check_turns(batch: TensorBatch, where: str) -> None:
-    """``loss_mask`` within ``response_mask``; ``turn_ids`` >= 0 and non-decreasing over the response."""
     rm, lm, turns = (batch._tensors.get(k) for k in ("response_mask", "loss_mask", "turn_ids"))
-    if lm is not None:
-        outside = lm if rm is None else lm & ~rm
-        if bool(outside.any()):
-            row, col = (int(i) for i in outside.nonzero()[0])
-            raise BatchValidationError(
-                f"{where}: field 'loss_mask' of sample {row} is True at response position {col}, where "
-                f"{'the batch has no response_mask' if rm is None else 'response_mask is False'}; loss_mask "
-                "must be a subset of response_mask (True only at tokens the policy sampled)"
-            )
-    if turns is not None and turns.numel():
-        real = torch.ones_like(turns, dtype=torch.bool) if rm is None else rm
-        bad = (turns < 0) & real
-        bad[:, 1:] |= (turns[:, 1:] < turns[:, :-1]) & real[:, 1:]
-        if bool(bad.any()):
+    for name, bad, rule in (
+        ("loss_mask", None if lm is None or rm is None else lm & ~rm, "a subset of response_mask (sampled tokens)"),
+        ("turn_ids", None if turns is None or rm is None else rm & ((turns < 0) | (turns < turns.cummax(-1).values)),
+         ">= 0 and never decreasing along the response (k on model turn k and the observations after it)"),
+    ):
+        if bad is not None and bool(bad.any()):
             row, col = (int(i) for i in bad.nonzero()[0])
-            raise BatchValidationError(
-                f"{where}: field 'turn_ids' of sample {row} holds {int(turns[row, col])} at response position "
-                f"{col}; expected turn ids >= 0 that never decrease along the response (k on the tokens of "
-                "model turn k and on the observation tokens after it)"
-            )
+            raise BatchValidationError(f"{where}: field {name!r} of sample {row} is wrong at response position "
+                                       f"{col}; expected {rule}")

@@ -5,11 +5,8 @@ Layout rules (docs/architecture.md, "Batch layout"):
 * prompts are LEFT-padded (``prompt_ids``, ``prompt_mask``), responses RIGHT-padded
   (``response_ids``, ``response_mask``); masks are ``bool``, ids ``int64``;
 * per-token float fields are ``float32`` of shape ``[batch, response]`` and hold 0 at masked positions;
-* ``response_mask`` marks every token after the prompt; the optional ``loss_mask`` marks those the
-  policy sampled (in a multi-turn episode, observation and tool tokens sit in the response with
-  ``loss_mask`` False). Losses, KL, entropy, aggregations and token counts read
-  :attr:`TensorBatch.loss_mask <verl_core.kernel.batch.TensorBatch.loss_mask>`, which is
-  ``response_mask`` for a batch without ``loss_mask``;
+* the optional ``loss_mask`` marks the response tokens the policy sampled (a multi-turn response also
+  holds observation tokens); losses and counts read ``TensorBatch.loss_mask`` (else ``response_mask``);
 * pad positions of id fields hold the tokenizer's pad id (``BatchMeta.pad_token_id``);
 * ``log_probs[b, t] = log softmax(logits / T)[response_ids[b, t]]`` where the logits are those at the
   position of the preceding token and ``T`` is ``BatchMeta.temperature``, before any top-k/top-p/min-p
@@ -76,8 +73,7 @@ def check_temperature(
                         hint=f" ({why}; for argmax decoding use greedy=True)")
 
 TURNS_EXTRA: Final = "turns"
-"""The extras key of per-turn metadata of a multi-turn batch: per sample, a sequence whose item k
-describes turn k (the ``turn_ids`` value k), e.g. a mapping with the tool called and its status."""
+"""Extras key of per-turn metadata: per sample, a sequence whose item k describes turn k (``turn_ids``)."""
 
 Dim = Literal["batch", "prompt", "response"]
 """A named dimension. All fields share ``batch``; prompt fields share ``prompt``; per-token fields
@@ -194,15 +190,12 @@ for _spec in (
               "response is legal). Attention and position ids come from it."),
     FieldSpec("loss_mask", _TOKEN, torch.bool, "mask",
               "Optional: True at the response tokens the policy sampled, False at observation and tool "
-              "tokens inside the response and at padding; a subset of response_mask (TensorBatch.check). "
-              "Log-probs and entropy are defined only where it is True (0 elsewhere); every loss, KL "
-              "term, entropy bonus, aggregation and token count is over it. Without it a batch behaves "
-              "as loss_mask == response_mask (single turn); read it through TensorBatch.loss_mask."),
+              "tokens and padding; a subset of response_mask. Log-probs and entropy are defined only where "
+              "it is True (0 elsewhere); every loss, KL, entropy bonus, aggregation and token count is over "
+              "it. Absent, a batch behaves as loss_mask == response_mask; read it as TensorBatch.loss_mask."),
     FieldSpec("turn_ids", _TOKEN, torch.int64, "index",
-              "Optional: turn index of each response token: k for the tokens of the k-th model turn "
-              "(0 for the first) and for the observation and tool tokens that follow that turn, so ids "
-              "are >= 0 and non-decreasing along the response; 0 at padding. Per-turn metadata travels "
-              "in extras['turns'] (TURNS_EXTRA), item k describing turn k."),
+              "Optional: k on the tokens of model turn k (0 first) and on the observation tokens after it, "
+              "0 at padding: >= 0, non-decreasing along the response. Per-turn metadata: extras['turns']."),
     FieldSpec("rollout_log_probs", _TOKEN, _F32, "float",
               "Log-probs reported by the rollout engine for response_ids, with the semantics of "
               "log_probs; exact only where the engine declares it (RolloutEngine.log_probs_exact)."),

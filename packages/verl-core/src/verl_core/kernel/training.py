@@ -63,12 +63,9 @@ class GlobalBatchStats:
 
     Attributes:
         num_samples: Samples in the mini-batch, including empty responses and padding samples.
-        num_sequences: Samples with at least one loss token.
+        num_sequences: Samples with at least one loss token (``TensorBatch.loss_mask``).
         num_tokens: Loss tokens in the mini-batch.
         max_response_len: Padded response width of the mini-batch (for length-normalised modes).
-
-    Loss tokens are those of :attr:`TensorBatch.loss_mask <verl_core.kernel.batch.TensorBatch.loss_mask>`:
-    the sampled tokens of a multi-turn batch, every response token of a single-turn one.
     """
 
     num_samples: int
@@ -177,8 +174,7 @@ class TrainingEngine(Protocol):
         semantics of the schema's ``log_probs`` field; values are read at the same positions.
 
         Returns:
-            The input batch updated with the requested fields (float32, 0 where ``batch.loss_mask``
-            is False: observation tokens of a multi-turn response are attended to but get no outputs).
+            The input batch updated with the requested fields (float32, 0 where ``batch.loss_mask`` is False).
         """
 
     @abstractmethod
