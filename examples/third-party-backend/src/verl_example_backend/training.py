@@ -44,7 +44,8 @@ _NEEDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 def token_outputs(
     model: DecoderLM, batch: TensorBatch, outputs: Collection[ModelOutput]
 ) -> dict[str, Tensor]:
-    """Log-probs, entropy and/or values of the response tokens of ``batch`` (float32, 0 where masked).
+    """Log-probs, entropy and/or values of the response tokens of ``batch`` (float32, 0 where
+    ``batch.loss_mask`` is False).
 
     Token t of the response is predicted by the logits at the position before it, so the slice
     starts at the last prompt column.
@@ -52,7 +53,7 @@ def token_outputs(
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
     p, r = batch.prompt_len, batch.response_len
-    rmask = batch["response_mask"]
+    rmask = batch.loss_mask  # outputs only at sampled tokens; attention over response_mask
     hidden = model.hidden(ids, mask)[:, p - 1 : p + r - 1]
     out: dict[str, Tensor] = {}
     if "values" in outputs:

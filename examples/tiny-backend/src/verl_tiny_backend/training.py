@@ -99,7 +99,7 @@ class TinyTrainingEngine(TrainingEngine):
         mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1)
         p, r = b["prompt_ids"].shape[1], b["response_ids"].shape[1]
         h = self.model.hidden(ids, mask)[:, p - 1: p + r - 1]  # the position before each response token
-        rmask = b["response_mask"]
+        rmask = b.loss_mask  # outputs only at sampled tokens; attention over response_mask
         out: dict[str, Tensor] = {}
         if "log_probs" in outputs or "entropy" in outputs:
             lp, ent = token_log_probs(self.model.logits(h), b["response_ids"], temperature=b.meta.temperature,

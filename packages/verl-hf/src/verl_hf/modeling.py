@@ -513,7 +513,8 @@ def token_outputs(
     """Per-response-token ``log_probs``/``entropy`` (causal LM) or ``values`` (value model).
 
     Runs one forward (with autograd when enabled by the caller) and returns float32 tensors
-    [batch, response] that hold 0 where ``response_mask`` is False. A batch without response
+    [batch, response] that hold 0 where ``batch.loss_mask`` is False (observation tokens of a
+    multi-turn response are attended to, through ``response_mask``, but get no output). A batch without response
     columns skips the model unless ``always_run`` (sharded models need every rank's forward).
     With ``packed`` (a model set to :data:`PACKED_SDPA`) the padding is dropped and the sequences
     run as one packed row (:func:`_packed_outputs`); the outputs are the same.
@@ -524,7 +525,7 @@ def token_outputs(
             return got
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
-    rmask = batch["response_mask"]
+    lmask = batch.loss_mask
     result: dict[str, Tensor] = {}
     if r == 0:
         if not always_run:
@@ -538,7 +539,7 @@ def token_outputs(
     if kind == "value":
         out = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
         values = out.logits[:, p - 1 : p + r - 1, 0].float()
-        result["values"] = torch.where(rmask, values, 0.0)
+        result["values"] = torch.where(lmask, values, 0.0)
         return result
     # Only the r + 1 last positions need the LM head: p - 1 .. p + r - 1, of which the last is unused.
     out = model(
@@ -549,9 +550,9 @@ def token_outputs(
         out.logits[:, :r], batch["response_ids"], temperature=temperature, entropy="entropy" in outputs
     )
     if "log_probs" in outputs:
-        result["log_probs"] = torch.where(rmask, lp, 0.0)
+        result["log_probs"] = torch.where(lmask, lp, 0.0)
     if ent is not None:
-        result["entropy"] = torch.where(rmask, ent, 0.0)
+        result["entropy"] = torch.where(lmask, ent, 0.0)
     return result
 
 
@@ -559,27 +560,27 @@ def _packed_outputs(
     model: Any, batch: TensorBatch, outputs: Collection[str], *, kind: ModelKind, temperature: float
 ) -> dict[str, Tensor] | None:
     """:func:`token_outputs` without padding: every real token of the micro-batch in one row
-    (None for a micro-batch without response tokens, which the padded path runs).
+    (None for a micro-batch without loss tokens, which the padded path runs).
 
     Each sequence (its prompt, then its response) keeps its own positions ``0 .. len - 1``; the
     cumulative sequence lengths reach :func:`packed_sdpa` through the model's keyword arguments
     (transformers passes them down to every attention call, also when a checkpointed layer is
     recomputed), so no sequence attends to another. Only the hidden states of the tokens that
-    precede a response token go through the LM head (``logits_to_keep`` as indices); the
-    per-token results are scattered back to ``[batch, response]`` with zeros elsewhere. The
-    sizes are read with one host synchronisation; every gather after it has a known size.
+    precede a loss token (``batch.loss_mask``) go through the LM head (``logits_to_keep`` as
+    indices); the per-token results are scattered back to ``[batch, response]`` with zeros
+    elsewhere. The sizes are read with one host synchronisation; every gather after it has a known size.
     """
     ids, mask, pos = sequence_inputs(batch)
     p, r = batch.prompt_len, batch.response_len
-    rmask = batch["response_mask"]
+    lmask = batch.loss_mask
     lengths = mask.sum(1, dtype=torch.int32)
-    tokens, responses, max_len = (int(v) for v in torch.stack(
-        [lengths.sum(), rmask.sum(), lengths.max()]).tolist())
-    if responses == 0:
+    tokens, scored, max_len = (int(v) for v in torch.stack(
+        [lengths.sum(), lmask.sum(), lengths.max()]).tolist())
+    if scored == 0:
         return None
     cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     real = mask.flatten().nonzero_static(size=tokens).squeeze(1)  # row-major, as mask indexing
-    at = rmask.flatten().nonzero_static(size=responses).squeeze(1)
+    at = lmask.flatten().nonzero_static(size=scored).squeeze(1)
     # index in the packed row of every real token; response token t reads the token before it
     where = (mask.flatten().long().cumsum(0) - 1).view_as(mask)
     keep = where[:, p - 1 : p + r - 1].reshape(-1).index_select(0, at)
@@ -590,15 +591,15 @@ def _packed_outputs(
     }
     if kind == "value":
         values = model(**inputs).logits[0, keep, 0].float()
-        return {"values": _unpack(values, at, rmask.shape)}
+        return {"values": _unpack(values, at, lmask.shape)}
     logits = model(**inputs, logits_to_keep=keep).logits
     targets = batch["response_ids"].flatten().index_select(0, at).unsqueeze(0)
     lp, ent = token_log_probs(logits, targets, temperature=temperature, entropy="entropy" in outputs)
     result: dict[str, Tensor] = {}
     if "log_probs" in outputs:
-        result["log_probs"] = _unpack(lp[0], at, rmask.shape)
+        result["log_probs"] = _unpack(lp[0], at, lmask.shape)
     if ent is not None:
-        result["entropy"] = _unpack(ent[0], at, rmask.shape)
+        result["entropy"] = _unpack(ent[0], at, lmask.shape)
     return result
 
 

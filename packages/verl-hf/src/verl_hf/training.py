@@ -230,7 +230,7 @@ class HFTrainingEngine(TrainingEngine):
     def forward(
         self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
     ) -> TensorBatch:
-        """Compute ``outputs`` (float32, 0 where the response mask is False) without gradients."""
+        """Compute ``outputs`` (float32, 0 where ``batch.loss_mask`` is False) without gradients."""
         where = f"HFTrainingEngine.forward ({self._spec.role})"
         wanted = set(outputs)
         self._check_outputs(wanted, where)

@@ -41,7 +41,7 @@ class _Prepared:
     batch: TensorBatch
     tokens: Tensor  # [b, s] shifted left, padding trailing
     gather_idx: Tensor  # [b, R] column of the logits that predicts response token t
-    response_mask: Tensor  # [b, R]
+    loss_mask: Tensor  # [b, R] where outputs are kept (TensorBatch.loss_mask: no observation tokens)
     real: int  # samples that are not padding added for uniform pipeline shapes
 
 
@@ -78,7 +78,7 @@ class MicroBatchLoop:
             tokens = tokens[:, :width]
             gather_idx = gather_idx.clamp(max=width - 1)
         dev = self._s.device
-        return _Prepared(mb, tokens.to(dev), gather_idx.to(dev), response_mask.to(dev), real)
+        return _Prepared(mb, tokens.to(dev), gather_idx.to(dev), mb.loss_mask.to(dev), real)
 
     def _micro_batches(self, batch: TensorBatch, max_tokens: int | None = None) -> tuple[list[_Prepared], Any]:
         """Micro-batches by the kernel partitioner: the call's budget, else the spec's budget or size."""
@@ -102,11 +102,11 @@ class MicroBatchLoop:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self._s.device), 1).view(1, 1, s, s)
 
     def _outputs(self, out: Tensor, prep: _Prepared, needed: Collection[str], temperature: float) -> dict[str, Tensor]:
-        """Model outputs at the response positions ([b, R] float32, 0 where masked)."""
+        """Model outputs at the response positions ([b, R] float32, 0 where the loss mask is False)."""
         s = self._s
         result: dict[str, Tensor] = {}
         idx = prep.gather_idx
-        rmask = prep.response_mask
+        rmask = prep.loss_mask
         zero = torch.zeros((), dtype=torch.float32, device=out.device)
         if "values" in needed:
             vals = out[..., 0].float().gather(1, idx)

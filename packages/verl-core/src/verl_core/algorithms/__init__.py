@@ -15,6 +15,9 @@ lives:
 * an empty response keeps its score in its group's statistics (verl would place it on the last
   padding token); the reward-KL metric averages over non-empty responses
   (:mod:`~verl_core.algorithms.kl`);
+* a multi-turn batch (``loss_mask``) is estimated over its sampled tokens, observation tokens
+  skipped, and every loss, KL and aggregation reads ``TensorBatch.loss_mask``
+  (:mod:`~verl_core.algorithms.loss_tokens`);
 * losses attach their analytic gradient (identical to autograd of verl's formulas except at
   measure-zero ties between clip branches); gradients flow through the model outputs only
   (:mod:`~verl_core.algorithms.losses`).
@@ -68,6 +71,7 @@ from verl_core.algorithms.kl import (
     kl_estimate,
     make_kl_controller,
 )
+from verl_core.algorithms.loss_tokens import LossTokenLayout, over_loss_tokens
 from verl_core.algorithms.losses import (
     POLICY_LOSSES,
     ActorLoss,
@@ -104,6 +108,7 @@ __all__ = [
     "GRPOConfig",
     "KLController",
     "KLName",
+    "LossTokenLayout",
     "PolicyLossConfig",
     "Preset",
     "RLOOConfig",
@@ -131,6 +136,7 @@ __all__ = [
     "masked_total",
     "masked_whiten",
     "outcome_rewards",
+    "over_loss_tokens",
     "ppo_loss",
     "reinforce_loss",
     "reinforce_pp",

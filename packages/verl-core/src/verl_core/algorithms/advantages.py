@@ -2,7 +2,8 @@
 
 Each estimator is a function ``(batch, config) -> batch`` of the *global* batch (the whitening
 estimators need all of it) that adds ``advantages`` and ``returns`` (float32 ``[batch, response]``,
-0 where ``response_mask`` is False). Everything is vectorised: groups (from ``group_ids``) are
+0 where ``batch.loss_mask`` is False; a multi-turn batch is estimated over its loss tokens, see
+:mod:`verl_core.algorithms.loss_tokens`). Everything is vectorised: groups (from ``group_ids``) are
 found with ``torch.unique`` (no sort when the ids are sorted) and reduced with ``index_add``, or
 along rows when they are runs of equal size (``_groups``); discounted sums over time use blocked
 matrix products, with no Python loop over samples, groups or tokens.
@@ -29,7 +30,8 @@ REINFORCE++ (both kinds) whiten over the batch's response tokens with the unbias
 * masked positions of ``advantages`` and ``returns`` are 0 (verl's GAE leaves whitened non-zero
   values at padding, and ``values`` at padding in its returns);
 * the response mask must be right-padded (the canonical layout, checked by ``TensorBatch.check``);
-  verl's loops also skip masked "observation" tokens inside a response, which this layout excludes;
+  a multi-turn batch (observation tokens inside the response, ``loss_mask`` False) runs on its
+  loss tokens, observation tokens skipped as verl's loops skip them (:mod:`verl_core.algorithms.loss_tokens`);
 * whitening a batch with a single response token gives 0 and with none gives all zeros (verl raises);
   masked means divide by the exact count (verl adds 1e-8);
 * group statistics, and the mean and variance of whitening, are accumulated in float64 (verl:
@@ -57,6 +59,7 @@ from verl_core.algorithms.config import (
     RLOOConfig,
 )
 from verl_core.algorithms.kl import compute_token_rewards
+from verl_core.algorithms.loss_tokens import LossTokenLayout, over_loss_tokens
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import BatchValidationError
 
@@ -265,13 +268,21 @@ def outcome_rewards(batch: TensorBatch) -> Tensor:
 
     ``sum_t token_rewards`` when the batch has ``token_rewards`` (an empty response, which has no
     token to hold a reward, gets its ``scores`` when present); otherwise ``scores`` plus the sum of
-    ``token_scores`` (either may be absent, not both).
+    ``token_scores`` (either may be absent, not both). The sums run over the loss tokens.
     """
-    return _outcome(batch)[0]
+    layout = LossTokenLayout.of(batch)
+    return _outcome(batch if layout is None else layout.compact(batch))[0]
 
 
 def token_rewards(batch: TensorBatch, weights: Tensor | None = None) -> Tensor:
-    """``token_rewards`` of the batch, 0 where masked (derived from scores when absent); a new tensor."""
+    """``token_rewards`` of the batch, 0 where masked (derived from scores when absent); a new tensor.
+
+    ``weights`` (the 0/1 float mask of a single-turn batch) saves converting the mask; a
+    multi-turn batch takes none and gets 0 at its observation tokens.
+    """
+    layout = LossTokenLayout.of(batch) if weights is None else None
+    if layout is not None:
+        return layout.expand(token_rewards(layout.compact(batch)))
     if "token_rewards" not in batch:
         batch, _ = compute_token_rewards(batch)
     return batch["token_rewards"] * (_weights(batch) if weights is None else weights)
@@ -392,6 +403,7 @@ def _finish(batch: TensorBatch, advantages: Tensor, returns: Tensor) -> TensorBa
 
 
 # ----------------------------------------------------------------------------- estimators
+@over_loss_tokens
 @torch.no_grad()
 def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
     """Generalised advantage estimation (Schulman et al. 2016) with a critic's ``values``.
@@ -418,6 +430,7 @@ def gae(batch: TensorBatch, config: GAEConfig | None = None) -> TensorBatch:
     return _finish(batch, adv, returns)
 
 
+@over_loss_tokens
 @torch.no_grad()
 def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     """GRPO: ``(R - mean_group) / (std_group + eps)`` (or ``R - mean_group`` for Dr. GRPO).
@@ -441,6 +454,7 @@ def grpo(batch: TensorBatch, config: GRPOConfig | None = None) -> TensorBatch:
     return _finish(batch, adv, adv)
 
 
+@over_loss_tokens
 @torch.no_grad()
 def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     """RLOO: ``R_i - mean_{j != i} R_j`` over the other samples of the group.
@@ -457,6 +471,7 @@ def rloo(batch: TensorBatch, config: RLOOConfig | None = None) -> TensorBatch:
     return _finish(batch, out, out)
 
 
+@over_loss_tokens
 @torch.no_grad()
 def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) -> TensorBatch:
     """REINFORCE++: discounted returns ``G_t = sum_k gamma**k r_{t+k}``, whitened over the batch.
@@ -472,6 +487,7 @@ def reinforce_pp(batch: TensorBatch, config: ReinforcePPConfig | None = None) ->
     return _finish(batch, adv, returns)
 
 
+@over_loss_tokens
 @torch.no_grad()
 def reinforce_pp_baseline(
     batch: TensorBatch, config: ReinforcePPBaselineConfig | None = None
@@ -493,6 +509,7 @@ def reinforce_pp_baseline(
     return _finish(batch, adv, adv)
 
 
+@over_loss_tokens
 @torch.no_grad()
 def remax(batch: TensorBatch, config: ReMaxConfig | None = None) -> TensorBatch:
     """ReMax: reward-to-go ``G_t = sum_{k >= t} r_k`` minus the greedy response's score.

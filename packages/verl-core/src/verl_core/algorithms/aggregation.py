@@ -1,11 +1,12 @@
 """Loss aggregation over the global mini-batch.
 
-Each mode reduces a per-token loss ``l[b, t]`` (mask ``m[b, t]``) of one micro-batch to that
+Each mode reduces a per-token loss ``l[b, t]`` (mask ``m[b, t]``: ``TensorBatch.loss_mask``, which
+leaves out the observation tokens of a multi-turn response) of one micro-batch to that
 micro-batch's share of the global loss, normalised by the counts of the whole mini-batch across
 data-parallel ranks (:class:`~verl_core.kernel.training.GlobalBatchStats`). Every normaliser is a global
 constant, so the sum over micro-batches and ranks of the shares (and of their gradients) is the
 global loss (and its gradient) whatever the split. With ``N`` = ``stats.num_tokens``,
-``S`` = ``stats.num_sequences`` (samples with >= 1 response token) and ``n_b = sum_t m[b, t]``:
+``S`` = ``stats.num_sequences`` (samples with >= 1 loss token) and ``n_b = sum_t m[b, t]``:
 
 * ``token-mean``: ``sum_{b,t} m l / N``.
 * ``seq-mean-token-sum``: ``sum_b (sum_t m l) / S``.

@@ -9,6 +9,7 @@ from verl_core.algorithms import advantages as _adv
 from verl_core.algorithms import constructors as _ctors
 from verl_core.algorithms.config import ActorLossConfig, CriticLossConfig, RewardConfig
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
+from verl_core.algorithms.loss_tokens import over_loss_tokens
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
 from verl_core.algorithms.presets import PRESET_TABLE, PRESETS
 from verl_core.kernel.batch import TensorBatch
@@ -137,7 +138,15 @@ class Algorithm:
         directly and ``token_rewards`` is not built: the result is bit for bit what summing the
         built rows gives, without writing and reading a ``[batch, response]`` tensor.
         :func:`~verl_core.algorithms.kl.compute_token_rewards` builds them when they are wanted.
+
+        A multi-turn batch (``loss_mask`` differing from ``response_mask``) runs all of this, a
+        registered estimator too, on its loss tokens (:mod:`verl_core.algorithms.loss_tokens`):
+        observation tokens are skipped and get 0.
         """
+        return over_loss_tokens(self._advantages)(batch)
+
+    def _advantages(self, batch: TensorBatch) -> tuple[TensorBatch, Metrics]:
+        """:meth:`compute_advantages_with_metrics` of a single-turn batch."""
         beta = self.kl_controller.value
         if (
             self._estimate in _OUTCOME_ESTIMATORS

@@ -25,6 +25,7 @@ from torch import Tensor
 from verl_core.algorithms._autograd import all_within, with_gradient
 from verl_core.algorithms.aggregation import mask_weights
 from verl_core.algorithms.config import RewardConfig
+from verl_core.algorithms.loss_tokens import over_loss_tokens
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import BatchValidationError
 from verl_core.kernel.training import Metrics
@@ -190,6 +191,7 @@ def make_kl_controller(config: RewardConfig) -> KLController:
 
 
 # ----------------------------------------------------------------------------- rewards
+@over_loss_tokens
 def compute_token_rewards(
     batch: TensorBatch, config: RewardConfig | None = None, controller: KLController | None = None
 ) -> tuple[TensorBatch, Metrics]:
@@ -198,7 +200,10 @@ def compute_token_rewards(
     ``token_rewards[b, t] = token_scores[b, t] + scores[b] * [t is the last real token of b]
     - beta * kl(old_log_probs, ref_log_probs)[b, t]``, 0 at masked positions. An empty response has
     no token to hold its score, so its ``token_rewards`` row is 0; the outcome estimators read its
-    ``scores`` directly (see :func:`verl_core.algorithms.advantages.outcome_rewards`).
+    ``scores`` directly (see :func:`verl_core.algorithms.advantages.outcome_rewards`). In a
+    multi-turn batch the tokens are the loss tokens: the score goes on the last sampled token,
+    and observation tokens get 0 (their ``token_scores`` are not read; see
+    :mod:`verl_core.algorithms.loss_tokens`).
 
     The penalty needs ``old_log_probs`` and ``ref_log_probs`` and is applied when beta > 0 (beta is
     ``controller.value``, else ``config.kl_coef``). The controller is updated with the batch's KL:

@@ -288,7 +288,9 @@ class ActorLoss:
 
     Reads from the micro-batch ``response_mask``, ``old_log_probs``, ``advantages``, the model's
     ``log_probs`` (and ``entropy`` when declared in :attr:`needs`), ``ref_log_probs`` when
-    ``kl_loss_coef`` > 0 and ``rollout_log_probs`` when ``tis`` is set.
+    ``kl_loss_coef`` > 0 and ``rollout_log_probs`` when ``tis`` is set. Every term, aggregation
+    and metric is over ``batch.loss_mask`` (``loss_mask``, else ``response_mask``): observation
+    tokens of a multi-turn response add nothing and get no gradient.
 
     Metrics (each a contribution; summed over micro-batches and ranks it is the global value):
     ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (token mean of
@@ -324,7 +326,7 @@ class ActorLoss:
             log_probs=batch["log_probs"],
             old_log_probs=batch["old_log_probs"],
             advantages=batch["advantages"],
-            mask=batch["response_mask"],
+            mask=batch.loss_mask,
             entropy=batch["entropy"] if "entropy" in self.needs else None,
             ref_log_probs=batch["ref_log_probs"] if self.config.kl_loss_coef else None,
             rollout_log_probs=batch["rollout_log_probs"] if self.config.tis is not None else None,
@@ -397,8 +399,9 @@ def critic_loss(
 class CriticLoss:
     """The critic's :class:`~verl_core.kernel.training.LossFn`: clipped value loss.
 
-    Reads ``response_mask``, ``old_values``, ``returns`` and the model's ``values``. Metrics:
-    ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (contributions, as for :class:`ActorLoss`).
+    Reads ``response_mask``, ``old_values``, ``returns`` and the model's ``values``; the loss and
+    metrics are over ``batch.loss_mask``. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``
+    (contributions, as for :class:`ActorLoss`).
     """
 
     config: CriticLossConfig = field(default_factory=CriticLossConfig)
@@ -422,7 +425,7 @@ class CriticLoss:
             values=batch["values"],
             old_values=batch["old_values"],
             returns=batch["returns"],
-            mask=batch["response_mask"],
+            mask=batch.loss_mask,
         )
 
 

@@ -66,7 +66,7 @@ class OnPolicyActorLoss:
         log_probs = batch["log_probs"].detach()
         out = self.loss(batch.update(old_log_probs=log_probs), stats)
         metrics = dict(out.metrics)
-        w = mask_weights(batch["response_mask"], log_probs.dtype)
+        w = mask_weights(batch.loss_mask, log_probs.dtype)
         n = max(stats.num_tokens, 1)
         if "ref_log_probs" in batch:
             metrics["kl_ref"] = masked_total(log_probs - batch["ref_log_probs"], w) / n

@@ -8,19 +8,20 @@ transformers is imported only when a tokenizer is loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_core.kernel.errors import ConfigError
-from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.kernel.tokenizer import ChatMessage, ChatTokenizer
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
 
-class HFTokenizer(Tokenizer):
-    """The :class:`~verl_core.kernel.tokenizer.Tokenizer` protocol over a transformers-style tokenizer.
+class HFTokenizer(ChatTokenizer):
+    """The :class:`~verl_core.kernel.tokenizer.ChatTokenizer` protocol over a transformers-style tokenizer.
 
-    Without a pad token, padding positions hold EOS: a valid id, and masked out anyway.
+    Without a pad token, padding positions hold EOS: a valid id, and masked out anyway. Chat
+    rendering uses the wrapped tokenizer's ``chat_template`` (``apply_chat_template``).
 
     Args:
         tokenizer: An object with ``encode(text, add_special_tokens=...)``, ``decode(ids,
@@ -69,6 +70,40 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the wrapped tokenizer has a chat template."""
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """Ids of ``messages`` rendered by the chat template (special tokens included).
+
+        The template's text is encoded without adding special tokens, as ``apply_chat_template``
+        does when it tokenizes.
+
+        Raises:
+            ConfigError: the tokenizer has no chat template, or the template fails on the messages.
+        """
+        if not self.has_chat_template:
+            raise ConfigError(
+                f"tokenizer {type(self._tok).__name__} has no chat template; set its chat_template, or "
+                "give the episode loop prompts and observations as text"
+            )
+        try:
+            text = self._tok.apply_chat_template(
+                [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=False,
+            )
+        except Exception as e:  # jinja2 raises its own exception types (TemplateError, UndefinedError)
+            raise ConfigError(
+                f"the chat template of tokenizer {type(self._tok).__name__} failed on {len(messages)} "
+                f"message(s) (roles {[m.get('role') for m in messages]}): {type(e).__name__}: {e}"
+            ) from e
+        return self.encode(str(text))
 
 
 def load_tokenizer(path: str | os.PathLike[str], vocab_size: int | None = None) -> HFTokenizer:

@@ -194,6 +194,12 @@ class TensorBatch(Mapping[str, Tensor]):
                 return int(t.shape[1])
         return 0
 
+    @property
+    def loss_mask(self) -> Tensor:
+        """Field ``loss_mask``, else ``response_mask``: what every loss, KL, aggregation and count reads."""
+        mask = self._tensors.get("loss_mask")
+        return self["response_mask"] if mask is None else mask
+
     def require(self, *names: str, where: str = "this operation") -> None:
         """Raise BatchValidationError naming every missing field that ``where`` needs."""
         _ops._check_names(names, f"{where}: field names")

@@ -357,9 +357,9 @@ def pad_prompts(batch: TensorBatch, width: int) -> TensorBatch:
 def pad_to_multiple(batch: TensorBatch, divisor: int) -> tuple[TensorBatch, int]:
     """Append padding samples so the batch size divides by ``divisor``.
 
-    Padding samples copy the last sample with ``response_mask`` all False, so every loss and
-    aggregation ignores them. Returns the padded batch and the number of samples added, which
-    :meth:`unpad` removes.
+    Padding samples copy the last sample with ``response_mask`` (and ``loss_mask``) all False and
+    per-token values 0, so every loss and aggregation ignores them. Returns the padded batch and
+    the number of samples added, which :meth:`unpad` removes.
     """
     check_int(divisor, "pad_to_multiple() divisor", low=1, error=BatchValidationError)
     n_pad = -batch._size % divisor
@@ -369,9 +369,8 @@ def pad_to_multiple(batch: TensorBatch, divisor: int) -> tuple[TensorBatch, int]
         raise BatchValidationError("pad_to_multiple(): an empty batch has no sample to pad with")
     batch._check_rows_fit(n_pad + batch._size, f"pad_to_multiple({_short(divisor)}) of {batch._size} samples")
     pad = batch.index([batch._size - 1] * n_pad)
-    if "response_mask" in pad._tensors:
-        pad = pad.update(response_mask=torch.zeros_like(pad._tensors["response_mask"]))
-        per_token = [k for k in pad._tensors if FIELDS[k].kind == "float" and FIELDS[k].dims == ("batch", "response")]
+    if "response_mask" in pad._tensors:  # masks False, floats and turn ids 0 (ids keep the copy)
+        per_token = [k for k in pad._tensors if FIELDS[k].kind != "ids" and FIELDS[k].dims == ("batch", "response")]
         pad = pad.update({k: torch.zeros_like(pad._tensors[k]) for k in per_token})
     return concat([batch, pad]), n_pad
 
@@ -417,7 +416,9 @@ def check(batch: TensorBatch, *, where: str = "input", vocab_size: int | None = 
     Re-checks the structure (names, ranks, dtypes, devices, shared dims: a batch assembled
     without validation is caught here too), then that float fields are finite, prompt masks are
     left-padded and response masks right-padded, every prompt has at least one token, ids lie in
-    ``[0, vocab_size)`` when given, and ``group_ids`` are not negative. Returns the batch itself so calls chain.
+    ``[0, vocab_size)`` when given, ``group_ids`` are not negative, ``loss_mask`` is a subset of
+    ``response_mask`` and ``turn_ids`` are >= 0 and non-decreasing along each response. Returns the
+    batch itself so calls chain.
 
     Raises:
         NonFiniteError: a float field holds NaN or inf (the message names the field and sample).
@@ -460,4 +461,18 @@ def check(batch: TensorBatch, *, where: str = "input", vocab_size: int | None = 
     _check_padding_side(batch._tensors.get("response_mask"), "response_mask", left=False, where=where)
     if "group_ids" in batch._tensors and batch._size and int(batch._tensors["group_ids"].min()) < 0:
         raise BatchValidationError(f"{where}: group_ids must be >= 0")
+    _check_turns(batch, where)
     return batch
+
+
+def _check_turns(batch: TensorBatch, where: str) -> None:
+    rm, lm, turns = (batch._tensors.get(k) for k in ("response_mask", "loss_mask", "turn_ids"))
+    for name, bad, rule in (
+        ("loss_mask", None if lm is None or rm is None else lm & ~rm, "a subset of response_mask (sampled tokens)"),
+        ("turn_ids", None if turns is None or rm is None else rm & ((turns < 0) | (turns < turns.cummax(-1).values)),
+         ">= 0 and never decreasing along the response (k on model turn k and the observations after it)"),
+    ):
+        if bad is not None and bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise BatchValidationError(f"{where}: field {name!r} of sample {row} is wrong at response position "
+                                       f"{col}; expected {rule}")

@@ -75,6 +75,8 @@ class RolloutCapabilities:
     """update_weights applies a WeightChunk stream."""
     sleep_frees_memory: bool = False
     """sleep() releases device memory (otherwise it only pauses)."""
+    prefix_continuation: bool = False
+    """generate reuses its cache of a prompt that extends an earlier call's prompt and response (multi-turn)."""
     tensor_parallel: bool = False
     """Runs with parallel.tp > 1."""
     pipeline_parallel: bool = False

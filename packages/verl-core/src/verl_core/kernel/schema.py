@@ -5,6 +5,8 @@ Layout rules (docs/architecture.md, "Batch layout"):
 * prompts are LEFT-padded (``prompt_ids``, ``prompt_mask``), responses RIGHT-padded
   (``response_ids``, ``response_mask``); masks are ``bool``, ids ``int64``;
 * per-token float fields are ``float32`` of shape ``[batch, response]`` and hold 0 at masked positions;
+* the optional ``loss_mask`` marks the response tokens the policy sampled (a multi-turn response also
+  holds observation tokens); losses and counts read ``TensorBatch.loss_mask`` (else ``response_mask``);
 * pad positions of id fields hold the tokenizer's pad id (``BatchMeta.pad_token_id``);
 * ``log_probs[b, t] = log softmax(logits / T)[response_ids[b, t]]`` where the logits are those at the
   position of the preceding token and ``T`` is ``BatchMeta.temperature``, before any top-k/top-p/min-p
@@ -26,6 +28,7 @@ from verl_core.kernel.errors import ConfigError, VerlError, check_number, check_
 __all__ = [
     "FIELDS",
     "MIN_TEMPERATURE",
+    "TURNS_EXTRA",
     "Dim",
     "FieldKind",
     "FieldSpec",
@@ -68,6 +71,9 @@ def check_temperature(
     why = reason or "lower ones overflow logits / T in float32 and give NaN log-probs"
     return check_number(value, name, low=max(floor, MIN_TEMPERATURE), error=error,
                         hint=f" ({why}; for argmax decoding use greedy=True)")
+
+TURNS_EXTRA: Final = "turns"
+"""Extras key of per-turn metadata: per sample, a sequence whose item k describes turn k (``turn_ids``)."""
 
 Dim = Literal["batch", "prompt", "response"]
 """A named dimension. All fields share ``batch``; prompt fields share ``prompt``; per-token fields
@@ -179,34 +185,45 @@ for _spec in (
               "Generated token ids, RIGHT-padded with the pad id. A generated EOS/stop token is part of "
               "the response (mask True); a response cut at the length limit has no EOS."),
     FieldSpec("response_mask", _TOKEN, torch.bool, "mask",
-              "True at real response tokens (actions), including a terminating EOS; may be all False "
-              "(an empty response is legal)."),
+              "True at every real response token, including a terminating EOS and, in a multi-turn "
+              "episode, the observation and tool tokens after a model turn; may be all False (an empty "
+              "response is legal). Attention and position ids come from it."),
+    FieldSpec("loss_mask", _TOKEN, torch.bool, "mask",
+              "Optional: True at the response tokens the policy sampled, False at observation and tool "
+              "tokens and padding; a subset of response_mask. Log-probs and entropy are defined only where "
+              "it is True (0 elsewhere); every loss, KL, entropy bonus, aggregation and token count is over "
+              "it. Absent, a batch behaves as loss_mask == response_mask; read it as TensorBatch.loss_mask."),
+    FieldSpec("turn_ids", _TOKEN, torch.int64, "index",
+              "Optional: k on the tokens of model turn k (0 first) and on the observation tokens after it, "
+              "0 at padding: >= 0, non-decreasing along the response. Per-turn metadata: extras['turns']."),
     FieldSpec("rollout_log_probs", _TOKEN, _F32, "float",
               "Log-probs reported by the rollout engine for response_ids, with the semantics of "
               "log_probs; exact only where the engine declares it (RolloutEngine.log_probs_exact)."),
     FieldSpec("log_probs", _TOKEN, _F32, "float",
               "log softmax(logits / T)[response_ids] of the current model at the batch temperature T, "
-              "before top-k/top-p truncation and penalties, in float32; 0 where the mask is False."),
+              "before top-k/top-p truncation and penalties, in float32; 0 where loss_mask is False."),
     FieldSpec("old_log_probs", _TOKEN, _F32, "float",
               "log_probs of the policy that generated the batch (the behaviour policy), as recomputed "
               "by the training engine before the update."),
     FieldSpec("ref_log_probs", _TOKEN, _F32, "float",
               "log_probs of the frozen reference policy, used by KL penalties and losses."),
     FieldSpec("entropy", _TOKEN, _F32, "float",
-              "Entropy of the same distribution as log_probs (softmax(logits / T)), in float32."),
+              "Entropy of the same distribution as log_probs (softmax(logits / T)), in float32; 0 where "
+              "loss_mask is False."),
     FieldSpec("values", _TOKEN, _F32, "float",
               "Critic value of the state before response token t (read at the same position as the "
-              "log-prob of token t)."),
+              "log-prob of token t); 0 where loss_mask is False."),
     FieldSpec("old_values", _TOKEN, _F32, "float",
               "Critic values computed before the update, used by value clipping."),
     FieldSpec("token_scores", _TOKEN, _F32, "float",
               "Per-token scores from a reward engine (dense rewards)."),
     FieldSpec("token_rewards", _TOKEN, _F32, "float",
-              "Per-token rewards after shaping (scores placed on the last token, minus any KL penalty)."),
+              "Per-token rewards after shaping (scores placed on the last loss token, minus any KL "
+              "penalty); 0 where loss_mask is False."),
     FieldSpec("advantages", _TOKEN, _F32, "float",
-              "Advantage of response token t, 0 where the mask is False."),
+              "Advantage of response token t, 0 where loss_mask is False."),
     FieldSpec("returns", _TOKEN, _F32, "float",
-              "Return (value target) of response token t, 0 where the mask is False."),
+              "Return (value target) of response token t, 0 where loss_mask is False."),
     FieldSpec("scores", _SEQ, _F32, "float",
               "Sequence-level score of each response from the reward engine."),
     FieldSpec("baseline_scores", _SEQ, _F32, "float",

@@ -63,8 +63,8 @@ class GlobalBatchStats:
 
     Attributes:
         num_samples: Samples in the mini-batch, including empty responses and padding samples.
-        num_sequences: Samples with at least one response token (mask True).
-        num_tokens: Response tokens (mask True) in the mini-batch.
+        num_sequences: Samples with at least one loss token (``TensorBatch.loss_mask``).
+        num_tokens: Loss tokens in the mini-batch.
         max_response_len: Padded response width of the mini-batch (for length-normalised modes).
     """
 
@@ -75,9 +75,9 @@ class GlobalBatchStats:
 
     @classmethod
     def of(cls, batch: TensorBatch) -> GlobalBatchStats:
-        """Counts of a global mini-batch (needs ``response_mask``)."""
+        """Counts of a global mini-batch (needs ``response_mask``; counts over ``batch.loss_mask``)."""
         batch.require("response_mask", where="GlobalBatchStats.of")
-        mask = batch["response_mask"]
+        mask = batch.loss_mask
         per_seq = mask.sum(1)
         return cls(
             num_samples=batch.batch_size,
@@ -174,7 +174,7 @@ class TrainingEngine(Protocol):
         semantics of the schema's ``log_probs`` field; values are read at the same positions.
 
         Returns:
-            The input batch updated with the requested fields (float32, 0 where the mask is False).
+            The input batch updated with the requested fields (float32, 0 where ``batch.loss_mask`` is False).
         """
 
     @abstractmethod

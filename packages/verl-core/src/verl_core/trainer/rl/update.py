@@ -94,11 +94,11 @@ class UpdateStage:
                     f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
                 )
             batch = batch.update(old_log_probs=old)
-            metrics["actor/entropy"] = masked_mean(entropy, batch["response_mask"])
+            metrics["actor/entropy"] = masked_mean(entropy, batch.loss_mask)
         if state.ref_log_probs is not None:
             batch = batch.update(ref_log_probs=state.ref_log_probs)
             if not self.on_policy:
-                metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch["response_mask"])
+                metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch.loss_mask)
         if state.values is not None:
             batch = batch.update(values=state.values, old_values=state.values)
         if state.has("baseline"):
@@ -112,8 +112,8 @@ class UpdateStage:
         if self.on_policy:
             self._compare_rollout = exact
         elif exact:
-            delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]
-            n = int(batch["response_mask"].sum())
+            delta = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch.loss_mask
+            n = int(batch.loss_mask.sum())
             metrics["logprob_mismatch/mean"] = float(delta.sum() / n) if n else 0.0
             metrics["logprob_mismatch/max"] = float(delta.max()) if n else 0.0
         else:
@@ -122,7 +122,7 @@ class UpdateStage:
         self._stage = "advantages"
         batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
         metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
-        metrics["algorithm/advantage_abs_mean"] = masked_mean(batch["advantages"].abs(), batch["response_mask"])
+        metrics["algorithm/advantage_abs_mean"] = masked_mean(batch["advantages"].abs(), batch.loss_mask)
         state.train_batch = batch
 
     # ------------------------------------------------------------------ optimizer steps
