@@ -192,6 +192,47 @@ def test_third_party_components_plug_into_the_bundle() -> None:
     torch.testing.assert_close(lp.grad, -batch["response_mask"].float() / int(batch["response_mask"].sum()))
 
 
+class _DeclaringPlugin:
+    """A third-party outcome estimator that declares a critic and a greedy baseline."""
+
+    @staticmethod
+    def estimate(batch: TensorBatch, config: Any) -> TensorBatch:
+        adv = batch["response_mask"].float() * (batch["scores"] - batch["baseline_scores"])[:, None]
+        return batch.update(advantages=adv, returns=adv)
+
+    @hookimpl
+    def verl_algorithm_components(self) -> list[AlgorithmComponent]:
+        return [AlgorithmComponent.advantage(
+            "declared", self.estimate, None, "Score minus a greedy baseline, with a critic.",
+            reads=("baseline_scores", "values"), needs=("critic", "greedy_baseline"),
+        )]
+
+
+def test_what_an_algorithm_needs_comes_from_its_components_declarations() -> None:
+    get_registry().register(_DeclaringPlugin(), "declaring-algos")
+    with pytest.raises(ConfigError, match="'declared' estimator needs a critic"):
+        Algorithm("custom", "declared")
+    algo = Algorithm("custom", "declared", critic=CriticLossConfig())
+    assert algo.needs == {"critic", "greedy_baseline"}
+    assert algo.advantage_fields == {"response_mask", "baseline_scores", "values"}
+    grpo = Algorithm.grpo()
+    assert grpo.needs == {"groups", "reference"}  # GRPO's default KL loss reads the reference
+    assert "group_ids" in grpo.advantage_fields
+    assert Algorithm.remax().needs >= {"greedy_baseline"}
+    assert Algorithm.ppo().needs >= {"critic"}
+
+
+def test_builtin_components_are_built_with_the_typed_constructors() -> None:
+    """Each kind's constructor fixes what the kind needs (mypy checks ``impl``'s signature)."""
+    reg = get_registry()
+    assert all(c.needs == {"reference"} for c in reg.components("kl").values())
+    assert all("critic" in c.needs for c in reg.components("value_loss").values())
+    outcome = sorted(n for n, c in reg.components("advantage").items() if c.outcome)
+    assert outcome == ["grpo", "reinforce_pp_baseline", "rloo"]
+    builtin = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "grpo_token")
+    assert all("response_mask" in reg.component("advantage", n).reads for n in builtin)
+
+
 @pytest.mark.parametrize(("make", "match"), [
     (lambda: GAEConfig(gamma=1.5), r"GAEConfig.gamma = 1.5 is out of range; allowed: \[0.0, 1.0\]"),
     (lambda: GAEConfig(lam=-0.1), r"GAEConfig.lam"),

@@ -5,24 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from verl_core.algorithms import advantages as _adv
 from verl_core.algorithms import constructors as _ctors
 from verl_core.algorithms.config import ActorLossConfig, CriticLossConfig, RewardConfig
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
 from verl_core.algorithms.loss_tokens import over_loss_tokens
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
 from verl_core.algorithms.presets import PRESET_TABLE, PRESETS
+from verl_core.kernel.algorithm import Need
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError, UnknownNameError
 from verl_core.kernel.training import Metrics
 
 __all__ = ["PRESETS", "Algorithm"]
-
-# the built-in estimators that read only each sample's total reward (``advantages.outcome_rewards``)
-_OUTCOME_ESTIMATORS: frozenset[Callable[..., TensorBatch]] = frozenset(
-    (_adv.grpo, _adv.rloo, _adv.reinforce_pp_baseline)
-)
-
 
 class Algorithm:
     """An RL algorithm: an advantage estimator, a reward step, the actor loss and the critic loss.
@@ -82,6 +76,7 @@ class Algorithm:
         self.estimator = estimator
         self.estimator_config = estimator_config
         self._estimate: Callable[[TensorBatch, Any], TensorBatch] = comp.impl
+        self._estimator_component = comp
         self.reward = reward or RewardConfig()
         self.kl_controller: KLController = make_kl_controller(self.reward)
         self.actor_loss = ActorLoss(actor or ActorLossConfig())
@@ -89,8 +84,8 @@ class Algorithm:
         self.critic_loss: CriticLoss | None = CriticLoss(critic) if critic is not None else None
         if self.critic_loss is not None:
             registry.component("value_loss", self.critic_loss.config.value_loss)
-        if estimator == "gae" and self.critic_loss is None:
-            raise ConfigError("the 'gae' estimator needs a critic: pass critic=CriticLossConfig()")
+        if "critic" in comp.needs and self.critic_loss is None:
+            raise ConfigError(f"the {estimator!r} estimator needs a critic: pass critic=CriticLossConfig()")
 
     def __repr__(self) -> str:
         return (
@@ -111,15 +106,22 @@ class Algorithm:
         return self.reward.kl_coef > 0 or self.actor_loss.config.kl_loss_coef > 0
 
     @property
+    def needs(self) -> frozenset[Need]:
+        """What the algorithm needs from the run: its components' declared needs, plus ``critic``
+        when it trains one and ``reference`` when it uses ``ref_log_probs`` (the trainer builds
+        engines and stages from this, never from component names)."""
+        out: set[Need] = set(self._estimator_component.needs)
+        if self.uses_critic:
+            out.add("critic")
+        if self.uses_reference:
+            out.add("reference")
+        return frozenset(out)
+
+    @property
     def advantage_fields(self) -> frozenset[str]:
-        """Fields :meth:`compute_advantages` reads (besides ``scores`` / ``token_scores``)."""
-        out = {"response_mask"}
-        if self.estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
-            out.add("group_ids")
-        if self.estimator == "gae":
-            out.add("values")
-        if self.estimator == "remax":
-            out.add("baseline_scores")
+        """Fields :meth:`compute_advantages` reads (besides ``scores`` / ``token_scores``): the
+        estimator's declared ``reads``, plus the log-probs a KL penalty in the reward needs."""
+        out = {"response_mask", *self._estimator_component.reads} - {"token_rewards", "token_scores"}
         if self.reward.kl_coef > 0:
             out |= {"old_log_probs", "ref_log_probs"}
         return frozenset(out)
@@ -149,7 +151,7 @@ class Algorithm:
         """:meth:`compute_advantages_with_metrics` of a single-turn batch."""
         beta = self.kl_controller.value
         if (
-            self._estimate in _OUTCOME_ESTIMATORS
+            self._estimator_component.outcome
             and not beta > 0
             and "scores" in batch
             and "token_scores" not in batch

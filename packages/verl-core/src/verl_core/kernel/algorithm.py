@@ -21,7 +21,7 @@ kind                      signature of ``AlgorithmComponent.impl``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -37,6 +37,7 @@ __all__ = [
     "AlgorithmComponent",
     "ComponentKind",
     "KLEstimator",
+    "Need",
     "PolicyLoss",
     "PolicyLossTerms",
     "ValueLoss",
@@ -47,9 +48,21 @@ ComponentKind = Literal["advantage", "policy_loss", "kl", "aggregation", "value_
 """The kinds of algorithm components that are registered by name."""
 
 
+Need = Literal["critic", "reference", "groups", "greedy_baseline", "token_scores"]
+"""What a component needs from the run besides the batch fields it reads: a trained ``critic``
+(values), a ``reference`` policy (ref_log_probs), ``groups`` (several samples per prompt), a
+``greedy_baseline`` (one greedy response per prompt, scored: ``baseline_scores``) or dense
+per-token ``token_scores`` from the reward."""
+
+
 @dataclass(frozen=True)
 class AlgorithmComponent:
     """A named algorithm part, registered through the ``verl_algorithm_components`` hook.
+
+    The trainer and the :class:`~verl_core.algorithms.Algorithm` bundle ask these declarations what a
+    component reads and needs; nothing branches on a component's name. Build one with the typed
+    constructor of its kind (:meth:`advantage`, :meth:`policy_loss`, :meth:`kl`,
+    :meth:`aggregation`, :meth:`value_loss`), so the type checker checks ``impl``'s signature.
 
     Attributes:
         kind: What the component is.
@@ -57,6 +70,12 @@ class AlgorithmComponent:
         impl: The function (its signature is fixed per kind; see the table in this module).
         config_class: Dataclass of its options, or None.
         doc: One line describing it.
+        reads: Batch fields an advantage estimator reads (besides the rewards it is given).
+        needs: What it needs from the run (:data:`Need`): the trainer builds and runs those
+            engines and stages.
+        outcome: An advantage estimator that reads only each sample's total reward: given
+            sequence ``scores`` and no KL in the reward, it is handed ``scores`` directly and no
+            ``[batch, response]`` token rewards are built.
     """
 
     kind: ComponentKind
@@ -64,6 +83,40 @@ class AlgorithmComponent:
     impl: Callable[..., Any]
     config_class: type | None = None
     doc: str = ""
+    reads: frozenset[str] = frozenset()
+    needs: frozenset[Need] = frozenset()
+    outcome: bool = False
+
+    @classmethod
+    def advantage(
+        cls, name: str, impl: AdvantageEstimator, config_class: type | None, doc: str, *,
+        reads: Iterable[str] = (), needs: Iterable[Need] = (), outcome: bool = False,
+    ) -> AlgorithmComponent:
+        """An advantage estimator and what it reads (``response_mask`` is always read)."""
+        return cls("advantage", name, impl, config_class, doc,
+                   frozenset({"response_mask", *reads}), frozenset(needs), outcome)
+
+    @classmethod
+    def policy_loss(
+        cls, name: str, impl: PolicyLoss, config_class: type | None, doc: str, *, needs: Iterable[Need] = ()
+    ) -> AlgorithmComponent:
+        """A per-token policy loss."""
+        return cls("policy_loss", name, impl, config_class, doc, needs=frozenset(needs))
+
+    @classmethod
+    def value_loss(cls, name: str, impl: ValueLoss, config_class: type | None, doc: str) -> AlgorithmComponent:
+        """A per-token value loss (it needs a critic)."""
+        return cls("value_loss", name, impl, config_class, doc, needs=frozenset({"critic"}))
+
+    @classmethod
+    def kl(cls, name: str, impl: KLEstimator, doc: str) -> AlgorithmComponent:
+        """A per-token KL estimator (it needs the reference policy's log-probs)."""
+        return cls("kl", name, impl, None, doc, needs=frozenset({"reference"}))
+
+    @classmethod
+    def aggregation(cls, name: str, impl: Aggregation, doc: str) -> AlgorithmComponent:
+        """A loss aggregation mode."""
+        return cls("aggregation", name, impl, None, doc)
 
 
 @dataclass(frozen=True)
@@ -102,7 +155,7 @@ class ValueLossTerms:
 class AdvantageEstimator(Protocol):
     """Turns a global batch with rewards into one with ``advantages`` and ``returns``."""
 
-    def __call__(self, batch: TensorBatch, config: Any) -> TensorBatch:
+    def __call__(self, batch: TensorBatch, config: Any, /) -> TensorBatch:
         """Return ``batch`` updated with ``advantages`` and ``returns`` (float32, 0 where masked)."""
         ...
 
@@ -111,7 +164,7 @@ class PolicyLoss(Protocol):
     """A per-token policy objective (to minimise) of the current and the behaviour log-probs."""
 
     def __call__(
-        self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: Any
+        self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: Any, /
     ) -> PolicyLossTerms:
         """Per-token loss and clip indicators; gradients flow through ``log_probs`` only."""
         ...
@@ -120,7 +173,7 @@ class PolicyLoss(Protocol):
 class KLEstimator(Protocol):
     """An elementwise estimator of KL(pi || pi_ref) from sampled-token log-probs."""
 
-    def __call__(self, log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    def __call__(self, log_probs: Tensor, ref_log_probs: Tensor, /) -> Tensor:
         """The per-token estimate (same shape as the inputs)."""
         ...
 
@@ -129,7 +182,7 @@ class Aggregation(Protocol):
     """Reduces a per-token loss to this micro-batch's share of the global loss."""
 
     def __call__(
-        self, loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None
+        self, loss_mat: Tensor, mask: Tensor, stats: GlobalBatchStats, norm_length: int | None, /
     ) -> Tensor:
         """Scalar contribution, normalised by the global counts in ``stats``."""
         ...
@@ -139,7 +192,7 @@ class ValueLoss(Protocol):
     """A per-token critic objective."""
 
     def __call__(
-        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, config: Any
+        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, config: Any, /
     ) -> ValueLossTerms:
         """Per-token loss and clip indicator; gradients flow through ``values`` only."""
         ...

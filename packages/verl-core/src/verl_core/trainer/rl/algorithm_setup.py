@@ -76,16 +76,19 @@ class AlgorithmSetup:
                 f"config key 'algorithm.use_critic' is true but algorithm {a.name!r} has no "
                 "critic loss; use algorithm.name='ppo' or set use_critic=false"
             )
-        if not use_critic and algorithm.estimator == "gae":
-            raise ConfigError("config key 'algorithm.use_critic' is false, but the gae estimator needs a critic")
-        if algorithm.estimator == "grpo_token" and config.reward.functions:
+        needs = algorithm.needs
+        if not use_critic and "critic" in needs:
             raise ConfigError(
-                "algorithm 'grpo_token' needs dense token scores, but the reward functions of 'reward.functions' "
+                f"config key 'algorithm.use_critic' is false, but the {algorithm.estimator} estimator needs a critic"
+            )
+        if "token_scores" in needs and config.reward.functions:
+            raise ConfigError(
+                f"algorithm {a.name!r} needs dense token scores, but the reward functions of 'reward.functions' "
                 "give one score per response; use algorithm 'grpo'"
             )
-        if algorithm.estimator == "grpo_token" and config.task.reward != "token" and config.backends.reward == "rule":
+        if "token_scores" in needs and config.task.reward != "token" and config.backends.reward == "rule":
             raise ConfigError(
-                "algorithm 'grpo_token' needs dense token scores: set config key 'task.reward' to 'token' "
+                f"algorithm {a.name!r} needs dense token scores: set config key 'task.reward' to 'token' "
                 f"(it is {config.task.reward!r})"
             )
         data = config.data

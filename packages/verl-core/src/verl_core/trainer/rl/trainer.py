@@ -206,7 +206,7 @@ class Trainer:
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         p = self.progress
         self.generation = GenerationStage(
-            e, self.schedulers, p, self._stage_threads, baseline=self.algorithm.estimator == "remax",
+            e, self.schedulers, p, self._stage_threads, baseline="greedy_baseline" in self.algorithm.needs,
             dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
             actor_forward=not self.on_policy_old_log_probs,
         )
