@@ -39,9 +39,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_core import ConfigError
+from verl_core.kernel.convert import constraints, satisfies
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.config import (
-    _RULES,
     RunConfig,
     config_from_dict,
     config_to_dict,
@@ -76,14 +76,15 @@ def _error(fn: Any, *args: Any) -> ConfigError | None:
     return error
 
 
+RULES = constraints(RunConfig)  # every bound, written once on its field
+
+
 def _assert_valid(cfg: RunConfig) -> None:
-    flat = {}
-    for key in _RULES:
+    for key, rules in RULES.items():
         node: Any = cfg
         for part in key.split("."):
             node = getattr(node, part)
-        flat[key] = node
-    assert all(rule.ok(flat[key]) for key, rule in _RULES.items())
+        assert all(satisfies(node, rule) for rule in rules), (key, node)
     assert config_from_dict(config_to_dict(cfg)) == cfg
 
 
@@ -242,13 +243,13 @@ def test_any_overrides_give_a_config_or_a_config_error(texts: list[str], tally: 
 
 def test_every_field_is_fuzzed_and_every_rule_names_a_field() -> None:
     assert set(SECTIONS) == {f.name for f in dataclasses.fields(RunConfig)} - set(SCALAR_KEYS)
-    assert set(_RULES) <= set(LEAVES), set(_RULES) - set(LEAVES)
+    assert set(RULES) <= set(LEAVES), set(RULES) - set(LEAVES)
     numeric = {k for k, tp in LEAVES.items() if tp in (int, float) and not k.startswith("ray.")}
     # the rollout section is bounded by SamplingParams itself (one rule for sampling parameters)
     sampling = {k for k in numeric if k.startswith("rollout.")}
     assert {k.removeprefix("rollout.") for k in sampling} <= {f.name for f in dataclasses.fields(SamplingParams)}
-    assert not sampling & set(_RULES), "a rollout value with a second rule besides SamplingParams'"
-    assert numeric - sampling - set(_RULES) == set(), "a number without a bound (add a rule to _RULES)"
+    assert not sampling & set(RULES), "a rollout value with a second rule besides SamplingParams'"
+    assert numeric - sampling - set(RULES) == set(), "a number without a bound (annotate its field with a bound)"
 
 
 @pytest.mark.parametrize(("text", "match"), [

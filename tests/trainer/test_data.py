@@ -141,7 +141,7 @@ def test_chat_template_option_needs_a_chat_template(tmp_path: Path, cache: str) 
     path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "hi"}])
     with pytest.raises(ConfigError, match=r"data.train: data.chat_template is true, but the tokenizer has no chat_template"):
         PromptDataset.from_config(DataConfig(train=path, chat_template=True), plain, cache_dir=cache)
-    with pytest.raises(ConfigError, match=r"data.chat_template must be true or false, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"config key 'data.chat_template': expected true or false, got 'yes'"):
         DataConfig(train=path, chat_template="yes")  # type: ignore[arg-type]
 
 
@@ -240,15 +240,15 @@ def test_long_prompt_error_names_the_file_and_row(tok: HFTokenizer, tmp_path: Pa
 
 def test_data_config_checks_its_values() -> None:
     assert DataConfig().train_paths == [] and DataConfig(train="a.jsonl", eval=["b", "c"]).eval_paths == ["b", "c"]
-    with pytest.raises(ConfigError, match="data.max_prompt_len must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"config key 'data.max_prompt_len' = 0 is out of range; allowed: >= 1"):
         DataConfig(train="a.jsonl", max_prompt_len=0)
-    with pytest.raises(ConfigError, match="data.long_prompts must be 'drop' or 'error', got 'cut'"):
+    with pytest.raises(ConfigError, match=r"config key 'data.long_prompts': 'cut' is not valid; choices: 'drop', 'error'"):
         DataConfig(train="a.jsonl", long_prompts="cut")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="data.train is an empty list"):
+    with pytest.raises(ConfigError, match="config key 'data.train' is an empty list"):
         DataConfig(train=[])
-    with pytest.raises(ConfigError, match="data.eval must be a path or a list of non-empty paths"):
+    with pytest.raises(ConfigError, match=r"config key 'data.eval\[1\]' = '' is not valid; allowed: a non-empty path"):
         DataConfig(train="a.jsonl", eval=["a", ""])
-    with pytest.raises(ConfigError, match="data.prompt_key must be a non-empty column name"):
+    with pytest.raises(ConfigError, match="config key 'data.prompt_key' = '' is not valid; allowed: a non-empty column name"):
         DataConfig(train="a.jsonl", prompt_key="")
     with pytest.raises(ConfigError, match="data.eval is not set"):
         PromptDataset.from_config(DataConfig(train="a.jsonl"), load_tokenizer(tiny_model(TinyModelSpec(vocab_size=96, tied=True))), split="eval")

@@ -239,7 +239,7 @@ def test_config_checks_weights_and_specs() -> None:
     assert RewardFunctionsConfig(functions=["a:b", "c.py:d"]).resolved_weights() == [1.0, 1.0]
     with pytest.raises(ConfigError, match="reward.weights has 1 values for 2 reward.functions"):
         RewardFunctionsConfig(functions=["a:b", "c:d"], weights=[1.0])
-    with pytest.raises(ConfigError, match="reward weights must be finite numbers, got nan"):
+    with pytest.raises(ConfigError, match=r"config key 'reward.weights\[0\]': expected a finite number, got nan"):
         RewardFunctionsConfig(functions=["a:b"], weights=[math.nan])
     with pytest.raises(ConfigError, match="is not 'package.module:attr'"):
         RewardFunctionsConfig(functions=["ab"])

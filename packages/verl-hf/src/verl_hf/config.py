@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
+from verl_core.kernel.convert import Ge, check_fields
 from verl_core.kernel.errors import ConfigError
 
 __all__ = ["HFOptions"]
@@ -75,9 +76,9 @@ class HFOptions:
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     data_parallel: DataParallelMode = "auto"
-    allreduce_bucket_bytes: int = 64 * 1024 * 1024
-    forward_micro_batch_tokens: int | None = None
-    rollout_batch_size: int | None = None
+    allreduce_bucket_bytes: Annotated[int, Ge(1)] = 64 * 1024 * 1024
+    forward_micro_batch_tokens: Annotated[int, Ge(1)] | None = None
+    rollout_batch_size: Annotated[int, Ge(1)] | None = None
     rollout_cache: Literal["auto", "dynamic", "static"] = "auto"
     rollout_cuda_graphs: bool | None = None
     rollout_compile: bool | None = None
@@ -86,28 +87,7 @@ class HFOptions:
     pack_sequences: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise ConfigError(
-                f"HFOptions.attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}"
-            )
-        if self.data_parallel not in ("auto", "fsdp2", "allreduce"):
-            raise ConfigError(
-                f"HFOptions.data_parallel must be 'auto', 'fsdp2' or 'allreduce', got {self.data_parallel!r}"
-            )
-        if self.allreduce_bucket_bytes < 1:
-            raise ConfigError(
-                f"HFOptions.allreduce_bucket_bytes must be >= 1, got {self.allreduce_bucket_bytes}"
-            )
-        if self.forward_micro_batch_tokens is not None and self.forward_micro_batch_tokens < 1:
-            raise ConfigError(
-                f"HFOptions.forward_micro_batch_tokens must be >= 1, got {self.forward_micro_batch_tokens}"
-            )
-        if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
-            raise ConfigError(f"HFOptions.rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
-        if self.rollout_cache not in ("auto", "dynamic", "static"):
-            raise ConfigError(
-                f"HFOptions.rollout_cache must be 'auto', 'dynamic' or 'static', got {self.rollout_cache!r}"
-            )
+        check_fields(self, prefix="HFOptions.", label="option")  # types, choices and bounds, from the fields
         if self.rollout_compile and self.rollout_cache == "dynamic":
             raise ConfigError(
                 "HFOptions.rollout_compile compiles the static decode step; set rollout_cache='static' as well"
@@ -116,13 +96,6 @@ class HFOptions:
             raise ConfigError(
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
                 "set rollout_cache='static' as well"
-            )
-        if self.rollout_fused_projections is not None and not isinstance(self.rollout_fused_projections, bool):
-            raise ConfigError("HFOptions.rollout_fused_projections must be true, false or null (auto), got "
-                              f"{self.rollout_fused_projections!r}")
-        if self.pack_sequences is not None and not isinstance(self.pack_sequences, bool):
-            raise ConfigError(
-                f"HFOptions.pack_sequences must be true, false or null (auto), got {self.pack_sequences!r}"
             )
         if self.pack_sequences and self.attn_implementation != "sdpa":
             raise ConfigError(

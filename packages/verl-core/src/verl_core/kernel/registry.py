@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata as md
 import os
 import threading
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -32,6 +33,7 @@ from verl_core.kernel.capabilities import (
     RolloutCapabilities,
     TrainingCapabilities,
 )
+from verl_core.kernel.convert import convert
 from verl_core.kernel.engine import ROLES, EngineSpec, Role
 from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError, check_str, describe
 from verl_core.kernel.reward import RewardEngine
@@ -161,6 +163,10 @@ def import_string(path: str) -> Any:
 def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: str = "options") -> _T:
     """Build a dataclass config from a mapping; unknown keys are an error listing the valid ones.
 
+    Each value is checked against its field's annotation by the one typed converter
+    (:func:`verl_core.kernel.convert.convert`: types, ``Literal`` choices, ``Annotated`` bounds), so
+    a backend's options class declares its rules on its fields instead of re-checking by hand.
+
     Raises:
         ConfigError: ``options`` is not a mapping with string keys, has unknown keys, or holds a
             value the config class refuses.
@@ -176,8 +182,10 @@ def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: 
         raise ConfigError(
             f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names)) or 'none'}"
         )
+    hints = typing.get_type_hints(config_class, include_extras=True)
+    values = {k: convert(v, hints[k], k, label=f"{where} key") for k, v in options.items()}
     try:
-        return config_class(**options)
+        return config_class(**values)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:  # a config class that checks with plain Python errors

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import difflib
-import math
 import re
 import tomllib
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
+from verl_core.kernel.convert import Check, Ge, Gt, build
 from verl_core.kernel.engine import OptimConfig
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
@@ -49,6 +46,26 @@ __all__ = [
 ]
 
 TaskName = Literal["copy", "reverse", "add"]
+
+# The trainer mixes seed and step into 64-bit generator seeds (about seed * 1e12): larger seeds overflow.
+_SEEDS = 2**24
+# Special tokens plus the printable ASCII characters of the char tokenizer every built-in task uses.
+_TOKENIZER_SYMBOLS = 95
+
+
+# Predicates of annotations are module-level functions: a lambda evaluated in an annotation does not
+# see this module's globals (typing.get_type_hints evaluates class annotations in the class namespace).
+def _is_device(value: str) -> bool:
+    return re.fullmatch(r"cpu|cuda(:[0-9]+)?", value) is not None
+
+
+def _is_seed(value: int) -> bool:
+    return 0 <= value < _SEEDS
+
+
+def _min(n: int, note: str) -> Check:
+    """``>= n`` with a note on what the bound value means (``>= 0 (0 = no cap)``)."""
+    return Check(lambda v: v >= n, f">= {n}{note}")
 
 
 @dataclass(frozen=True)
@@ -79,17 +96,17 @@ class ModelConfig:
 
     path: str = ""
     arch: Literal["llama", "qwen2", "qwen3"] = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 128
-    vocab_size: int = 96
+    hidden_size: Annotated[int, Ge(1)] = 64
+    num_layers: Annotated[int, Ge(1)] = 2
+    num_heads: Annotated[int, Ge(1)] = 2
+    num_kv_heads: Annotated[int, Ge(1)] = 2
+    head_dim: Annotated[int, Ge(1)] = 32
+    intermediate_size: Annotated[int, Ge(1)] = 128
+    vocab_size: Annotated[int, _min(_TOKENIZER_SYMBOLS, " (the char tokenizer's symbols)")] = 96
     tied: bool = True
-    init_std: float = 0.02
+    init_std: Annotated[float, Gt(0)] = 0.02
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    device: Annotated[str, Check(_is_device, "cpu, cuda or cuda:N")] = "cpu"
 
 
 @dataclass(frozen=True)
@@ -108,10 +125,10 @@ class TaskConfig:
     """
 
     name: TaskName = "copy"
-    digits: int = 3
+    digits: Annotated[int, Check(lambda v: 1 <= v <= 9, "1 to 9")] = 3
     reward: Literal["exact", "partial", "token"] = "partial"
-    eval_prompts: int = 0
-    eval_every: int = 0
+    eval_prompts: Annotated[int, _min(0, " (0 = no evaluation)")] = 0
+    eval_every: Annotated[int, _min(0, " (0 = only at the end)")] = 0
 
 
 @dataclass(frozen=True)
@@ -217,13 +234,13 @@ class BatchConfig:
             actor forward. ``recompute``: always the separate forward.
     """
 
-    prompts_per_step: int = 16
-    mini_batch_size: int = 0
-    epochs: int = 1
-    micro_batch_tokens: int = 0
-    min_tokens: int = 64
-    max_tokens: int = 0
-    buffer_memory_bytes: int = 0
+    prompts_per_step: Annotated[int, Ge(1)] = 16
+    mini_batch_size: Annotated[int, _min(0, " (0 = whole batch)")] = 0
+    epochs: Annotated[int, Ge(1)] = 1
+    micro_batch_tokens: Annotated[int, _min(0, " (0 = dynamic)")] = 0
+    min_tokens: Annotated[int, Ge(1)] = 64
+    max_tokens: Annotated[int, _min(0, " (0 = no cap)")] = 0
+    buffer_memory_bytes: Annotated[int, _min(0, " (0 = no bound)")] = 0
     old_log_probs: Literal["auto", "recompute"] = "auto"
 
 
@@ -231,14 +248,14 @@ class BatchConfig:
 class OptimSection:
     """Optimizer settings of a trainable engine (see :class:`verl_core.OptimConfig`)."""
 
-    lr: float = 2e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: Annotated[float, Gt(0)] = 2e-3
+    weight_decay: Annotated[float, Ge(0)] = 0.0
+    betas: Annotated[tuple[float, float], Check(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)")] = (0.9, 0.99)
+    eps: Annotated[float, Gt(0)] = 1e-8
+    warmup_steps: Annotated[int, Ge(0)] = 0
     schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
+    min_lr_ratio: Annotated[float, Check(lambda v: 0 <= v <= 1, "in [0, 1]")] = 0.0
+    grad_clip: Annotated[float, _min(0, " (0 = no clipping)")] = 1.0
 
     def to_optim(self, total_steps: int) -> OptimConfig:
         """The engine-level OptimConfig."""
@@ -259,8 +276,8 @@ class CheckpointConfig:
         final: Write a checkpoint at the end of the run.
     """
 
-    every: int = 0
-    keep: int = 2
+    every: Annotated[int, _min(0, " (0 = final only)")] = 0
+    keep: Annotated[int, Ge(1)] = 2
     final: bool = True
 
 
@@ -329,9 +346,9 @@ class RunConfig:
         ray: Placement and resources of the ``ray`` executor.
     """
 
-    steps: int = 100
-    seed: int = 0
-    output_dir: str = "runs/verl"
+    steps: Annotated[int, Ge(1)] = 100
+    seed: Annotated[int, Check(_is_seed, f"0 to {_SEEDS - 1}")] = 0
+    output_dir: Annotated[str, Check(bool, "a non-empty path")] = "runs/verl"
     overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     critic_model: str = ""
@@ -346,82 +363,12 @@ class RunConfig:
     critic_optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-3))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    max_consecutive_skips: int = 5
+    max_consecutive_skips: Annotated[int, _min(0, " (0 = never stop)")] = 5
     executor: ExecutorName = "local"
     ray: RayConfig = field(default_factory=RayConfig)
 
 
 # ---------------------------------------------------------------------------- rules
-_D = TypeVar("_D")
-
-_INT64 = 2**63
-# The trainer mixes seed and step into 64-bit generator seeds (about seed * 1e12): larger seeds overflow.
-_SEEDS = 2**24
-# Special tokens plus the printable ASCII characters of the char tokenizer every built-in task uses.
-_TOKENIZER_SYMBOLS = 95
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """What one config value must satisfy (``ok(value)``) and the text saying so."""
-
-    ok: Callable[[Any], bool]
-    allowed: str
-
-
-def _at_least(n: int, note: str = "") -> _Rule:
-    return _Rule(lambda v: v >= n, f">= {n}{note}")
-
-
-def _above(x: int) -> _Rule:
-    return _Rule(lambda v: v > x, f"> {x}")
-
-
-_OPTIM_RULES: dict[str, _Rule] = {
-    "lr": _above(0),
-    "weight_decay": _at_least(0),
-    "betas": _Rule(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    "eps": _above(0),
-    "warmup_steps": _at_least(0),
-    "min_lr_ratio": _Rule(lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "grad_clip": _at_least(0, " (0 = no clipping)"),
-}
-
-# Dotted key -> rule, checked after every value has its declared type (which _convert enforces from
-# the dataclass annotations, so a field without a rule here still gets its type checked). The
-# ``ray`` section checks its own values (RayConfig.__post_init__); options tables are validated
-# by the algorithm and the backends that read them.
-_RULES: dict[str, _Rule] = {
-    "steps": _at_least(1),
-    "seed": _Rule(lambda v: 0 <= v < _SEEDS, f"0 to {_SEEDS - 1}"),
-    "data.eval_every": _at_least(0, " (0 = only after the last step)"),
-    "data.eval_n": _at_least(1),
-    "reward.model_weight": _Rule(math.isfinite, "any finite number (the reward model's weight; negative flips it)"),
-    "output_dir": _Rule(bool, "a non-empty path"),
-    "model.hidden_size": _at_least(1),
-    "model.num_layers": _at_least(1),
-    "model.num_heads": _at_least(1),
-    "model.num_kv_heads": _at_least(1),
-    "model.head_dim": _at_least(1),
-    "model.intermediate_size": _at_least(1),
-    "model.vocab_size": _at_least(_TOKENIZER_SYMBOLS, " (the char tokenizer's symbols)"),
-    "model.init_std": _above(0),
-    "model.device": _Rule(lambda v: re.fullmatch(r"cpu|cuda(:[0-9]+)?", v) is not None, "cpu, cuda or cuda:N"),
-    "task.digits": _Rule(lambda v: 1 <= v <= 9, "1 to 9"),
-    "task.eval_prompts": _at_least(0, " (0 = no evaluation)"),
-    "task.eval_every": _at_least(0, " (0 = only at the end)"),
-    "batch.prompts_per_step": _at_least(1),
-    "batch.mini_batch_size": _at_least(0, " (0 = whole batch)"),
-    "batch.epochs": _at_least(1),
-    "batch.micro_batch_tokens": _at_least(0, " (0 = dynamic)"),
-    "batch.min_tokens": _at_least(1),
-    "batch.max_tokens": _at_least(0, " (0 = no cap)"),
-    "batch.buffer_memory_bytes": _at_least(0, " (0 = no bound)"),
-    **{f"{section}.{key}": rule for section in ("optim", "critic_optim") for key, rule in _OPTIM_RULES.items()},
-    "checkpoint.every": _at_least(0, " (0 = final only)"),
-    "checkpoint.keep": _at_least(1),
-    "max_consecutive_skips": _at_least(0, " (0 = never stop)"),
-}
 
 
 def _check_rollout(cfg: RunConfig) -> None:
@@ -507,117 +454,6 @@ _CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_token
 
 
 # ---------------------------------------------------------------------------- building
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
-    if origin is tuple:
-        return "a list of " + ", ".join(_type_name(a) for a in get_args(tp))
-    if origin is dict:
-        return "a table"
-    if tp is type(None):
-        return "none"
-    if dataclasses.is_dataclass(tp):
-        return "a table"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    origin = get_origin(tp)
-    if origin is Literal:
-        choices = get_args(tp)
-        if not any(type(value) is type(c) and value == c for c in choices):
-            raise ConfigError(
-                f"config key {key!r}: {value!r} is not valid; choices: {', '.join(repr(c) for c in choices)}"
-            )
-        return value
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"config key {key!r}: expected a table of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
-        return _build(typing.cast(type, tp), value, key + ".")
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"config key {key!r}: expected a table, got {value!r}")
-        value_type = get_args(tp)[1]
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str) or not k:
-                raise ConfigError(f"config key {key!r}: keys must be non-empty strings, got {k!r}")
-            out[k] = _convert(v, value_type, f"{key}.{k}")
-        return out
-    if origin is list or (origin is tuple and len(get_args(tp)) == 2 and get_args(tp)[1] is Ellipsis):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
-        items = [_convert(v, get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if origin is tuple:
-        args = get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r}")
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key {key!r}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
-        if not -_INT64 <= value < _INT64:
-            raise ConfigError(f"config key {key!r} = {value!r} is out of range; allowed: a 64-bit integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(_as_float(value)):
-            raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str) or "\0" in value:
-            raise ConfigError(f"config key {key!r}: expected a string (without NUL characters), got {value!r}")
-        return value
-    if tp is Any:
-        return value
-    raise ConfigError(f"config key {key!r}: unsupported type {tp!r}")  # pragma: no cover
-
-
-def _as_float(value: int | float) -> float:
-    try:
-        return float(value)
-    except OverflowError:  # an integer beyond the float range
-        return math.inf
-
-
-def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        full = prefix + str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            raise ConfigError(
-                f"unknown config key {full!r}; valid keys{' in ' + repr(prefix[:-1]) if prefix else ''}: "
-                f"{', '.join(names)}" + (f"; did you mean {prefix + close[0]!r}?" if close else "")
-            )
-        kwargs[key] = _convert(value, hints[key], full)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"config section {prefix[:-1] or 'top level'!r}: {e}") from e
-
-
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested mappings (as read from TOML/YAML).
 
@@ -631,13 +467,7 @@ def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a table of keys at the top level, got {data!r}")
-    cfg = _build(RunConfig, data, "")
-    flat = _flatten(config_to_dict(cfg))
-    for key, rule in _RULES.items():
-        value = flat[key]
-        if not rule.ok(value):
-            problem = "is not valid" if isinstance(value, str) else "is out of range"
-            raise ConfigError(f"config key {key!r} = {value!r} {problem}; allowed: {rule.allowed}")
+    cfg = build(RunConfig, data)
     for check in _CHECKS:
         check(cfg)
     return cfg

@@ -25,10 +25,11 @@ import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
+from verl_core.kernel.convert import Check, Ge, check_fields
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.inputs.tasks import prompt_batch
@@ -84,44 +85,22 @@ class DataConfig:
             that many sampled with the rollout's temperature, top-p and top-k.
     """
 
-    train: str | list[str] = ""
-    eval: str | list[str] | None = None
-    prompt_key: str = "prompt"
+    train: str | list[Annotated[str, Check(bool, "a non-empty path")]] = ""
+    eval: str | list[Annotated[str, Check(bool, "a non-empty path")]] | None = None
+    prompt_key: Annotated[str, Check(bool, "a non-empty column name")] = "prompt"
     chat_template: bool = False
-    response_key: str = "response"
-    max_prompt_len: int | None = None
+    response_key: Annotated[str, Check(bool, "a non-empty column name")] = "response"
+    max_prompt_len: Annotated[int, Ge(1)] | None = None
     long_prompts: LongPromptPolicy = "drop"
     shuffle: bool = True
-    eval_every: int = 0
-    eval_n: int = 1
+    eval_every: Annotated[int, Check(lambda v: v >= 0, ">= 0 (0 = only after the last step)")] = 0
+    eval_n: Annotated[int, Ge(1)] = 1
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="data.")
         for name in ("train", "eval"):
-            value = getattr(self, name)
-            if value is None and name == "eval":
-                continue
-            paths = value if isinstance(value, list) else [value]
-            if not all(isinstance(p, str) for p in paths) or (isinstance(value, list) and not all(paths)):
-                raise ConfigError(
-                    f"data.{name} must be a path or a list of non-empty paths, got {value!r}"
-                )
-            if isinstance(value, list) and not value:
-                raise ConfigError(f"data.{name} is an empty list; give at least one path")
-        for name in ("prompt_key", "response_key"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"data.{name} must be a non-empty column name, got {getattr(self, name)!r}")
-        if not isinstance(self.chat_template, bool):
-            raise ConfigError(f"data.chat_template must be true or false, got {self.chat_template!r}")
-        if self.max_prompt_len is not None and (
-            isinstance(self.max_prompt_len, bool) or not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 1
-        ):
-            raise ConfigError(f"data.max_prompt_len must be an integer >= 1 or none, got {self.max_prompt_len!r}")
-        if self.long_prompts not in ("drop", "error"):
-            raise ConfigError(f"data.long_prompts must be 'drop' or 'error', got {self.long_prompts!r}")
-        for name, low in (("eval_every", 0), ("eval_n", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"data.{name} must be an integer >= {low}, got {value!r}")
+            if getattr(self, name) == []:
+                raise ConfigError(f"config key 'data.{name}' is an empty list; give at least one path")
 
     @property
     def train_paths(self) -> list[str]:

@@ -23,12 +23,13 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import torch
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
+from verl_core.kernel.convert import Check, check_fields
 from verl_core.kernel.errors import ConfigError, RewardError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
@@ -69,9 +70,10 @@ class RewardFunctionsConfig:
 
     functions: list[str] = dataclasses.field(default_factory=list)
     weights: list[float] = dataclasses.field(default_factory=list)
-    model_weight: float = 1.0
+    model_weight: Annotated[float, Check(math.isfinite, "any finite number (negative flips the scores)")] = 1.0
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="reward.")
         for spec in self.functions:
             split_spec(spec, "reward function")
         if self.weights and len(self.weights) != len(self.functions):
@@ -79,9 +81,6 @@ class RewardFunctionsConfig:
                 f"reward.weights has {len(self.weights)} values for {len(self.functions)} reward.functions; "
                 "give one weight per function, or none (1.0 each)"
             )
-        for w in [*self.weights, self.model_weight]:
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ConfigError(f"reward weights must be finite numbers, got {w!r}")
 
     def resolved_weights(self) -> list[float]:
         """One weight per function (1.0 each when ``weights`` is empty)."""
