@@ -244,7 +244,7 @@ def _episode_prefixes(engine: RolloutEngine, seed: int, prompt_lengths: Sequence
     observation tokens that open with EOS and BOS (the previous message's end, a new message's start)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [_random_ids(g, n) for n in prompt_lengths]
-    first = engine.generate(prompts_from_ids(prompts, _PAD, group_ids=list(range(len(prompts)))),
+    first = engine.generate(prompts_from_ids(prompts, engine.tokenizer.pad_token_id, group_ids=list(range(len(prompts)))),
                             SamplingParams(temperature=1.0, max_new_tokens=4, seed=seed))
     return [p + _real(first, "response_ids", "response_mask", b) + [_EOS, _BOS] + _random_ids(g, n - 2)
             for b, (p, n) in enumerate(zip(prompts, observation_lengths, strict=True))]
@@ -255,7 +255,7 @@ def check_rollout_continues_multi_turn_prefix(h: Harness) -> None:
     """A prompt holding an earlier turn and observation tokens (EOS and BOS among them, up to 40 ids) is continued as the float64 reference continues that exact id sequence (greedy tokens, sampled log-probs), and a seeded sample of it in an episode's batch equals the same prompt sampled alone."""
     engine = h.rollout(max_prompt_len=_CONTEXT)
     prefixes = _episode_prefixes(engine, 130, (5, 24, 2), (9, 12, 4))
-    batch = prompts_from_ids(prefixes, _PAD, group_ids=[5, 6, 7])
+    batch = prompts_from_ids(prefixes, engine.tokenizer.pad_token_id, group_ids=[5, 6, 7])
     lengths = [len(p) for p in prefixes]
     what = (f"continuing multi-turn prompts ({lengths} ids: a prompt, a sampled turn, then observation tokens "
             "opening with EOS and BOS)")
@@ -428,7 +428,7 @@ def check_prefix_continuation_matches_rerun(h: Harness) -> None:
     groups = [3, 4]
 
     def call(engine: RolloutEngine, rows: list[list[int]], group_ids: list[int]) -> TensorBatch:
-        return engine.generate(prompts_from_ids(rows, _PAD, group_ids=group_ids), params)
+        return engine.generate(prompts_from_ids(rows, engine.tokenizer.pad_token_id, group_ids=group_ids), params)
 
     first = call(warm, prompts, groups)
     turn = [p + _real(first, "response_ids", "response_mask", b) for b, p in enumerate(prompts)]
