@@ -30,6 +30,7 @@ def test_backend_spec_declares_rollout_role() -> None:
     assert caps.seeding == "per_sample"
     assert caps.exact_log_probs and not caps.exact_log_probs_truncated
     assert not caps.sleep_frees_memory and not caps.tensor_parallel
+    assert caps.prefix_continuation  # vLLM's prefix caching is on by default
     assert spec.config_class is not None
     assert import_string(spec.config_class) is VllmRolloutConfig
 

@@ -261,6 +261,7 @@ def test_bad_requests_are_rejected_before_generation(
 
 def test_sleep_pauses_and_wake_resumes(engine: VllmRolloutEngine, prompts: TensorBatch) -> None:
     assert not engine.capabilities.sleep_frees_memory
+    assert engine.capabilities.prefix_continuation == engine.config.enable_prefix_caching
     params = SamplingParams(greedy=True, max_new_tokens=4)
     before = engine.generate(prompts, params)
     engine.sleep()

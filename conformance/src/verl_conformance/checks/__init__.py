@@ -27,6 +27,10 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
     stateful,
     trajectory,
 )
+
+# isort: split
+# multi-turn episodes, in the areas above: listed last in each
+from verl_conformance.checks import multiturn  # noqa: F401  (registration by import)
 from verl_conformance.checks._registry import AREAS, CHECKS, Area, Check, check
 
 __all__ = ["AREAS", "CHECKS", "Area", "Check", "check"]

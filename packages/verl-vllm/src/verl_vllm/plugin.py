@@ -18,12 +18,14 @@ ROLLOUT_CAPABILITIES: Final = RolloutCapabilities(
     exact_log_probs_truncated=False,
     weight_update=True,
     sleep_frees_memory=False,
+    prefix_continuation=True,
     tensor_parallel=False,
     pipeline_parallel=False,
     dtypes=frozenset({"float32", "bfloat16"}),
     devices=frozenset({"cpu", "cuda"}),
 )
-"""Static capabilities of the rollout role; an engine on GPU may report sleep_frees_memory=True."""
+"""Static capabilities of the rollout role; an engine on GPU may report sleep_frees_memory=True, and
+one built with ``enable_prefix_caching=False`` reports prefix_continuation=False."""
 
 
 @hookimpl

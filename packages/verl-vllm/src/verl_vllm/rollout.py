@@ -106,7 +106,8 @@ class VllmRolloutEngine(RolloutEngineBase):
         self._on_gpu = check_platform(spec.device)
         self._llm = start_llm(spec, self._config, on_gpu=self._on_gpu, max_model_len=max_model_len)
         self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
-        self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu)
+        self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu,
+                                         prefix_continuation=self._config.enable_prefix_caching)
         _OPEN_ENGINES.add(id(self))
         self.last_sync_seconds: Mapping[str, float] = {}
         """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
@@ -124,7 +125,7 @@ class VllmRolloutEngine(RolloutEngineBase):
 
     @property
     def capabilities(self) -> RolloutCapabilities:
-        """Declared capabilities (sleep frees memory on GPU only)."""
+        """Declared capabilities (sleep frees memory on GPU only; prefix continuation with prefix caching)."""
         return self._caps
 
     @property

@@ -1,0 +1,46 @@
+"""Meta-tests of the multi-turn checks: broken backends (tests/plugins/verl-broken-backends,
+``verl_broken_backends.multiturn``) that get observation tokens, long prompts, stop ids or a prefix
+cache wrong fail the check aimed at their fault, and pass the single-turn checks listed beside it
+(the gap the multi-turn check closes). The unbroken backends passing them is proven by the
+test_suite_<backend>.py runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_meta_faults import test_broken_backend_fails_targeted_checks as fails_targeted_checks
+
+pytestmark = pytest.mark.usefixtures("broken_backends")
+
+FAULTS = [
+    # (backend, checks to run, checks that must fail, fragments the message must contain)
+    ("broken-loss-mask", ["numerics::loss_and_grads_match_reference", "numerics::multi_turn_loss_ignores_observations"],
+     ["numerics::multi_turn_loss_ignores_observations"],
+     ["whose observation tokens hold other advantages", "hand the loss function each micro-batch with its loss_mask"]),
+    ("broken-observation-outputs", ["schema::forward_layout", "numerics::multi_turn_outputs_match_reference"],
+     ["numerics::multi_turn_outputs_match_reference"],
+     ["log_probs is not 0 at 13 of 13 observation tokens", "mask them with TensorBatch.loss_mask"]),
+    ("broken-turn-positions", ["numerics::log_probs_match_reference", "numerics::multi_turn_outputs_match_reference"],
+     ["numerics::multi_turn_outputs_match_reference"],
+     ["float64 reference of the exact id sequence", "they continue across turns"]),
+    ("broken-prompt-special-tokens", ["numerics::rollout_log_probs_match_reference",
+                                      "invariance::rollout_continues_multi_turn_prefix"],
+     ["invariance::rollout_continues_multi_turn_prefix"],
+     ["observation tokens opening with EOS and BOS", "no re-tokenizing"]),
+    ("broken-prompt-window", ["numerics::rollout_log_probs_match_reference",
+                              "invariance::rollout_continues_multi_turn_prefix"],
+     ["invariance::rollout_continues_multi_turn_prefix"], ["[18, 40, 10] ids", "no dropped or truncated tokens"]),
+    ("broken-stop-ids", ["schema::multi_turn_stop_and_truncation"], ["schema::multi_turn_stop_and_truncation"],
+     ["episode 0 (prompt 'xA'", "the first turn should end at stop id 44 (SamplingParams.stop_token_ids)"]),
+    ("broken-stale-prefix-cache", ["invariance::rollout_continues_multi_turn_prefix",
+                                   "invariance::prefix_continuation_matches_rerun"],
+     ["invariance::prefix_continuation_matches_rerun"],
+     ["then observation B (as long as A)", "a stale entry serves another prompt's samples"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "checks", "must_fail", "fragments"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_multi_turn_fault_fails_its_check(backend: str, checks: list[str], must_fail: list[str],
+                                          fragments: list[str]) -> None:
+    fails_targeted_checks(backend, checks, must_fail, fragments)
