@@ -234,21 +234,21 @@ def test_builtin_components_are_built_with_the_typed_constructors() -> None:
 
 
 @pytest.mark.parametrize(("make", "match"), [
-    (lambda: GAEConfig(gamma=1.5), r"GAEConfig.gamma = 1.5 is out of range; allowed: \[0.0, 1.0\]"),
+    (lambda: GAEConfig(gamma=1.5), r"option 'GAEConfig.gamma' = 1.5 is out of range; allowed: \[0.0, 1.0\]"),
     (lambda: GAEConfig(lam=-0.1), r"GAEConfig.lam"),
-    (lambda: GRPOConfig(epsilon=0.0), r"GRPOConfig.epsilon = 0.0 .*\(0.0, inf\]"),
+    (lambda: GRPOConfig(epsilon=0.0), r"'GRPOConfig.epsilon' = 0.0 .*\(0.0, inf\]"),
     (lambda: PolicyLossConfig(clip_low=-0.1), r"PolicyLossConfig.clip_low"),
-    (lambda: PolicyLossConfig(clip_high=float("nan")), r"clip_high = nan .*finite"),
-    (lambda: PolicyLossConfig(clip_ratio_c=1.0), r"clip_ratio_c = 1.0 .*\(1.0, inf\]"),
+    (lambda: PolicyLossConfig(clip_high=float("nan")), r"'PolicyLossConfig.clip_high': expected a finite number, got nan"),
+    (lambda: PolicyLossConfig(clip_ratio_c=1.0), r"clip_ratio_c' = 1.0 .*\(1.0, inf\]"),
     (lambda: TISConfig(cap=0), r"TISConfig.cap"),
-    (lambda: TISConfig(level="batch"), r"TISConfig.level = 'batch'.*'token', 'sequence'"),  # type: ignore[arg-type]
-    (lambda: ActorLossConfig(loss_agg_mode="mean"), r"loss_agg_mode = 'mean'.*token-mean"),  # type: ignore[arg-type]
+    (lambda: TISConfig(level="batch"), r"TISConfig.level': 'batch'.*'token', 'sequence'"),  # type: ignore[arg-type]
+    (lambda: ActorLossConfig(loss_agg_mode="mean"), r"loss_agg_mode': 'mean'.*token-mean"),  # type: ignore[arg-type]
     (lambda: ActorLossConfig(entropy_coef=-1), r"entropy_coef"),
-    (lambda: ActorLossConfig(norm_length=0), r"norm_length = 0 .*>= 1"),
+    (lambda: ActorLossConfig(norm_length=0), r"norm_length' = 0 .*>= 1"),
     (lambda: ActorLossConfig(kl_loss_estimator="k5"), r"kl_loss_estimator"),  # type: ignore[arg-type]
     (lambda: CriticLossConfig(clip_range_value=0.0), r"clip_range_value"),
     (lambda: RewardConfig(kl_coef=-0.1), r"RewardConfig.kl_coef"),
-    (lambda: RewardConfig(controller="pid"), r"controller = 'pid'"),  # type: ignore[arg-type]
+    (lambda: RewardConfig(controller="pid"), r"controller': 'pid'"),  # type: ignore[arg-type]
     (lambda: Algorithm("gae without critic", "gae"), r"needs a critic"),
     (lambda: Algorithm("x", "grpo", GAEConfig()), r"takes a GRPOConfig, got GAEConfig"),
     (lambda: Algorithm.grpo().replace(bogus=1), r"unknown argument"),

@@ -1,16 +1,18 @@
 """Typed, frozen configs of the built-in algorithms, validated on construction.
 
-Every out-of-range value raises :class:`~verl_core.kernel.errors.ConfigError` naming the config class, the
-field, the value and the allowed range.
+Bounds and choices are written once on the fields (``Annotated``, ``Literal``) and checked when a
+config is built by the one typed converter (:mod:`verl_core.kernel.convert`): a value of the wrong
+type or out of range raises :class:`~verl_core.kernel.errors.ConfigError` naming the config class, the
+field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Final, Literal, get_args
+from typing import Annotated, Final, Literal, get_args
 
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.convert import Check, Ge, check_fields
 
 __all__ = [
     "AGG_MODES",
@@ -42,45 +44,31 @@ of k2). ``kl``, ``mse`` and ``low_var_kl`` are verl's names for k1, k2 and k3.""
 KL_ESTIMATORS: Final[tuple[str, ...]] = get_args(KLName)
 
 
-def _fail(owner: object, name: str, value: object, allowed: str) -> ConfigError:
-    return ConfigError(f"{type(owner).__name__}.{name} = {value!r} is out of range; allowed: {allowed}")
+def _range(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    """A bound written as an interval (``[0.0, 1.0]``, ``(0.0, inf]``), the form the configs' docs use."""
+
+    def ok(v: float) -> bool:
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    return Check(ok, f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
 
 
-def _finite(owner: object, name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise _fail(owner, name, value, "a finite number")
+_UNIT = _range(0.0, 1.0)
+_POSITIVE = _range(0.0, lo_open=True)
+_NON_NEGATIVE = _range(0.0)
 
 
-def _in_range(owner: object, name: str, value: float, lo: float, hi: float, *,
-              lo_open: bool = False, hi_open: bool = False) -> None:
-    _finite(owner, name, value)
-    if (value < lo or (lo_open and value == lo)) or (value > hi or (hi_open and value == hi)):
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise _fail(owner, name, value, f"{lb}{lo}, {hi}{rb}")
+class _Checked:
+    """Configs that check their fields against their annotations when built (the one converter)."""
 
+    def __post_init__(self) -> None:
+        check_fields(self, prefix=f"{type(self).__name__}.", label="option")
 
-def _positive(owner: object, name: str, value: float) -> None:
-    _in_range(owner, name, value, 0.0, math.inf, lo_open=True)
-
-
-def _non_negative(owner: object, name: str, value: float) -> None:
-    _in_range(owner, name, value, 0.0, math.inf)
-
-
-def _choice(owner: object, name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise _fail(owner, name, value, "one of " + ", ".join(repr(a) for a in allowed))
-
-
-def _opt_length(owner: object, name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise _fail(owner, name, value, "None or an integer >= 1")
 
 
 # ----------------------------------------------------------------------------- advantages
 @dataclass(frozen=True)
-class GAEConfig:
+class GAEConfig(_Checked):
     """Options of generalised advantage estimation.
 
     Attributes:
@@ -89,17 +77,14 @@ class GAEConfig:
         whiten: Whiten the advantages over the batch's response tokens (verl does, always).
     """
 
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: Annotated[float, _UNIT] = 1.0
+    lam: Annotated[float, _UNIT] = 1.0
     whiten: bool = True
 
-    def __post_init__(self) -> None:
-        _in_range(self, "gamma", self.gamma, 0.0, 1.0)
-        _in_range(self, "lam", self.lam, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(_Checked):
     """Options of GRPO's group-normalised outcome advantage.
 
     Attributes:
@@ -108,10 +93,8 @@ class GRPOConfig:
     """
 
     norm_by_std: bool = True
-    epsilon: float = 1e-6
+    epsilon: Annotated[float, _POSITIVE] = 1e-6
 
-    def __post_init__(self) -> None:
-        _positive(self, "epsilon", self.epsilon)
 
 
 @dataclass(frozen=True)
@@ -125,7 +108,7 @@ class ReMaxConfig:
 
 
 @dataclass(frozen=True)
-class ReinforcePPConfig:
+class ReinforcePPConfig(_Checked):
     """Options of REINFORCE++ (discounted returns, whitened over the batch).
 
     Attributes:
@@ -133,11 +116,9 @@ class ReinforcePPConfig:
         whiten: Whiten the returns over the batch's response tokens (verl does, always).
     """
 
-    gamma: float = 1.0
+    gamma: Annotated[float, _UNIT] = 1.0
     whiten: bool = True
 
-    def __post_init__(self) -> None:
-        _in_range(self, "gamma", self.gamma, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -153,7 +134,7 @@ class ReinforcePPBaselineConfig:
 
 # ----------------------------------------------------------------------------- rewards and KL
 @dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(_Checked):
     """How scores become ``token_rewards``, with an optional KL penalty against the reference.
 
     Attributes:
@@ -166,23 +147,17 @@ class RewardConfig:
         horizon: Horizon of the adaptive controller (samples), > 0.
     """
 
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, _NON_NEGATIVE] = 0.0
     kl_estimator: KLName = "k1"
     controller: Literal["fixed", "adaptive"] = "fixed"
-    target_kl: float = 0.1
-    horizon: float = 10000.0
+    target_kl: Annotated[float, _POSITIVE] = 0.1
+    horizon: Annotated[float, _POSITIVE] = 10000.0
 
-    def __post_init__(self) -> None:
-        _non_negative(self, "kl_coef", self.kl_coef)
-        _choice(self, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice(self, "controller", self.controller, ("fixed", "adaptive"))
-        _positive(self, "target_kl", self.target_kl)
-        _positive(self, "horizon", self.horizon)
 
 
 # ----------------------------------------------------------------------------- losses
 @dataclass(frozen=True)
-class PolicyLossConfig:
+class PolicyLossConfig(_Checked):
     """Options shared by the built-in policy losses.
 
     Attributes:
@@ -193,21 +168,15 @@ class PolicyLossConfig:
         log_ratio_clamp: |log ratio| is clamped to this before exp (verl: 20), > 0.
     """
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    log_ratio_clamp: float = 20.0
+    clip_low: Annotated[float, _UNIT] = 0.2
+    clip_high: Annotated[float, _NON_NEGATIVE] = 0.2
+    clip_ratio_c: Annotated[float, _range(1.0, lo_open=True)] | None = 3.0
+    log_ratio_clamp: Annotated[float, _POSITIVE] = 20.0
 
-    def __post_init__(self) -> None:
-        _in_range(self, "clip_low", self.clip_low, 0.0, 1.0)
-        _non_negative(self, "clip_high", self.clip_high)
-        if self.clip_ratio_c is not None:
-            _in_range(self, "clip_ratio_c", self.clip_ratio_c, 1.0, math.inf, lo_open=True)
-        _positive(self, "log_ratio_clamp", self.log_ratio_clamp)
 
 
 @dataclass(frozen=True)
-class TISConfig:
+class TISConfig(_Checked):
     """Truncated importance sampling against the rollout engine's log-probs.
 
     The weight ``min(pi_old / pi_rollout, cap)`` (token level) or
@@ -221,15 +190,12 @@ class TISConfig:
     """
 
     level: Literal["token", "sequence"] = "token"
-    cap: float = 2.0
+    cap: Annotated[float, _POSITIVE] = 2.0
 
-    def __post_init__(self) -> None:
-        _choice(self, "level", self.level, ("token", "sequence"))
-        _positive(self, "cap", self.cap)
 
 
 @dataclass(frozen=True)
-class ActorLossConfig:
+class ActorLossConfig(_Checked):
     """Everything the actor's loss needs besides the batch.
 
     Attributes:
@@ -250,27 +216,17 @@ class ActorLossConfig:
     policy_loss: str = "ppo"
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: AggMode = "token-mean"
-    norm_length: int | None = None
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0
+    norm_length: Annotated[int, Ge(1)] | None = None
+    entropy_coef: Annotated[float, _NON_NEGATIVE] = 0.0
+    kl_loss_coef: Annotated[float, _NON_NEGATIVE] = 0.0
     kl_loss_estimator: KLName = "k3"
     tis: TISConfig | None = None
     entropy_metric: bool = False
 
-    def __post_init__(self) -> None:
-        _choice(self, "loss_agg_mode", self.loss_agg_mode, AGG_MODES)
-        _opt_length(self, "norm_length", self.norm_length)
-        _non_negative(self, "entropy_coef", self.entropy_coef)
-        _non_negative(self, "kl_loss_coef", self.kl_loss_coef)
-        _choice(self, "kl_loss_estimator", self.kl_loss_estimator, KL_ESTIMATORS)
-        if not isinstance(self.policy, PolicyLossConfig):
-            raise _fail(self, "policy", self.policy, "a PolicyLossConfig")
-        if self.tis is not None and not isinstance(self.tis, TISConfig):
-            raise _fail(self, "tis", self.tis, "None or a TISConfig")
 
 
 @dataclass(frozen=True)
-class CriticLossConfig:
+class CriticLossConfig(_Checked):
     """Options of the critic's clipped value loss.
 
     Attributes:
@@ -282,12 +238,7 @@ class CriticLossConfig:
     """
 
     value_loss: str = "clipped_mse"
-    clip_range_value: float | None = 0.5
+    clip_range_value: Annotated[float, _POSITIVE] | None = 0.5
     loss_agg_mode: AggMode = "token-mean"
-    norm_length: int | None = None
+    norm_length: Annotated[int, Ge(1)] | None = None
 
-    def __post_init__(self) -> None:
-        if self.clip_range_value is not None:
-            _positive(self, "clip_range_value", self.clip_range_value)
-        _choice(self, "loss_agg_mode", self.loss_agg_mode, AGG_MODES)
-        _opt_length(self, "norm_length", self.norm_length)

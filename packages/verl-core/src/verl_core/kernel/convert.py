@@ -184,6 +184,17 @@ def convert(value: Any, tp: Any, key: str, *, label: str = "config key") -> Any:
     return _scalar(value, tp, key, label)
 
 
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """A dataclass's field annotations, evaluated once per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
+    return hints
+
+
 def _same_shape(value: Any, tp: Any) -> bool:
     """``value`` is a container of the kind ``tp`` describes (a list for a list, a table for a table)."""
     origin = get_origin(tp)
@@ -241,7 +252,7 @@ def build(cls: type[_D], data: Mapping[str, Any], *, prefix: str = "", label: st
             wrong type or out of bounds (naming the dotted key, the value and what is allowed), or
             what the class's own cross-field checks refuse (prefixed with the section).
     """
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -270,8 +281,7 @@ def check_fields(obj: object, *, prefix: str = "", label: str = "config key") ->
     Raises:
         ConfigError: naming the dotted key, the value and what is allowed.
     """
-    cls = type(obj)
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
         tp = hints[f.name]
