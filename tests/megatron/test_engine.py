@@ -333,7 +333,7 @@ def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
     ({"rollout_cuda_graphs": True}, "rollout_cuda_graphs needs rollout_static_cache=True"),
     ({"rollout_compile": True}, "rollout_compile compiles the static decode step"),
     ({"rollout_static_cache": True, "attention": "local"}, "needs attention='sdpa'"),
-    ({"rollout_static_cache": True, "rollout_compile": "yes"}, "rollout_compile must be True or False"),
+    ({"rollout_static_cache": True, "rollout_compile": "yes"}, "'megatron.rollout_compile': expected true or false, got 'yes'"),
 ])
 def test_unsupported_rollout_options_are_rejected(options: dict[str, Any], message: str) -> None:
     from verl_core import ConfigError

@@ -139,8 +139,8 @@ def test_tp2_checkpoint_loads_into_the_distributed_optimizer_at_dp2(megatron_lau
     ({"distributed_optimizer": True}, "needs optimizer='megatron'"),
     ({"optimizer": "megatron", "during_rollout": "offload"}, "during_rollout='offload' is not supported"),
     ({"optimizer": "megatron", "master_weights": False}, "master_weights=False is not supported"),
-    ({"optimizer": "adamw"}, "must be 'torch' or 'megatron'"),
-    ({"optimizer": "megatron", "distributed_optimizer": 1}, "must be True or False"),
+    ({"optimizer": "adamw"}, r"'megatron.optimizer': 'adamw' is not valid; choices: 'torch', 'megatron'"),
+    ({"optimizer": "megatron", "distributed_optimizer": 1}, "'megatron.distributed_optimizer': expected true or false, got 1"),
 ])
 def test_unsupported_optimizer_options_are_rejected(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

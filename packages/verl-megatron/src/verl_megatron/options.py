@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from verl_core import ConfigError
+from verl_core.kernel.convert import check_fields
+from verl_core.kernel.errors import ConfigError
 
 __all__ = ["MegatronOptions"]
 
@@ -66,19 +67,7 @@ class MegatronOptions:
     distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        if self.attention not in ("sdpa", "local"):
-            raise ConfigError(f"megatron option attention must be 'sdpa' or 'local', got {self.attention!r}")
-        if self.export_ranks not in ("all", "first"):
-            raise ConfigError(f"megatron option export_ranks must be 'all' or 'first', got {self.export_ranks!r}")
-        if self.during_rollout not in ("keep", "offload"):
-            raise ConfigError(
-                f"megatron option during_rollout must be 'keep' or 'offload', got {self.during_rollout!r}"
-            )
-        if not isinstance(self.rollout_kv_cache, bool):
-            raise ConfigError(f"megatron option rollout_kv_cache must be True or False, got {self.rollout_kv_cache!r}")
-        for name in ("rollout_static_cache", "rollout_cuda_graphs", "rollout_compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"megatron option {name} must be True or False, got {getattr(self, name)!r}")
+        check_fields(self, prefix="megatron.", label="option")  # types and choices, from the fields
         if self.rollout_cuda_graphs and not self.rollout_static_cache:
             raise ConfigError(
                 "megatron option rollout_cuda_graphs needs rollout_static_cache=True (a graph replays one shape)"
@@ -89,14 +78,6 @@ class MegatronOptions:
             )
         if self.rollout_static_cache and self.attention != "sdpa":
             raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")
-        if not isinstance(self.master_weights, bool):
-            raise ConfigError(f"megatron option master_weights must be True or False, got {self.master_weights!r}")
-        if self.optimizer not in ("torch", "megatron"):
-            raise ConfigError(f"megatron option optimizer must be 'torch' or 'megatron', got {self.optimizer!r}")
-        if not isinstance(self.distributed_optimizer, bool):
-            raise ConfigError(
-                f"megatron option distributed_optimizer must be True or False, got {self.distributed_optimizer!r}"
-            )
         if self.distributed_optimizer and self.optimizer != "megatron":
             raise ConfigError("megatron option distributed_optimizer=True needs optimizer='megatron'")
         if self.optimizer == "megatron" and self.during_rollout == "offload":

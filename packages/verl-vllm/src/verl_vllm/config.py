@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
-from verl_core import ConfigError
+from verl_core.kernel.convert import Check, Ge, check_fields
 
 __all__ = ["LogprobsMode", "VllmRolloutConfig"]
 
@@ -18,6 +18,10 @@ temperature. ``raw_logprobs``: log softmax(logits), exact only at T = 1 without 
 
 _MODES: Final = ("processed_logprobs", "raw_logprobs")
 _MIB: Final = 1024 * 1024
+
+
+def _at_least_a_mib(n: int) -> bool:
+    return n >= _MIB
 
 
 @dataclass(frozen=True)
@@ -40,36 +44,15 @@ class VllmRolloutConfig:
         sleep_level: vLLM sleep level used on GPU (1: offload weights, drop KV; 2: drop both).
     """
 
-    kv_cache_bytes: int = 256 * _MIB
+    kv_cache_bytes: Annotated[int, Check(
+        _at_least_a_mib, f">= 1 MiB ({_MIB}); size it for max_num_seqs x (prompt + response) tokens"
+    )] = 256 * _MIB
     logprobs_mode: LogprobsMode = "processed_logprobs"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: Annotated[int, Ge(1)] = 256
+    max_num_batched_tokens: Annotated[int, Ge(1)] | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = None
-    sleep_level: int = 1
+    sleep_level: Literal[1, 2] = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < _MIB:
-            raise ConfigError(
-                f"vllm option kv_cache_bytes must be an int >= 1 MiB ({_MIB}), got "
-                f"{self.kv_cache_bytes!r}; size it for max_num_seqs x (prompt + response) tokens"
-            )
-        if self.logprobs_mode not in _MODES:
-            raise ConfigError(
-                f"vllm option logprobs_mode must be one of {', '.join(_MODES)}, got "
-                f"{self.logprobs_mode!r}"
-            )
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"vllm option max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"vllm option max_num_batched_tokens must be >= 1 or None, got "
-                f"{self.max_num_batched_tokens}"
-            )
-        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
-            raise ConfigError(
-                f"vllm option enforce_eager must be True, False or None (per platform), got "
-                f"{self.enforce_eager!r}"
-            )
-        if self.sleep_level not in (1, 2):
-            raise ConfigError(f"vllm option sleep_level must be 1 or 2, got {self.sleep_level}")
+        check_fields(self, prefix="vllm.", label="option")  # types, choices and bounds, from the fields
