@@ -227,7 +227,7 @@ def test_long_prompts_are_dropped_and_counted(tok: HFTokenizer, tmp_path: Path, 
     ds = PromptDataset.from_config(DataConfig(train=path, max_prompt_len=4), tok, cache_dir=cache)
     assert ds.columns["idx"] == (2, 3, 4) and ds.dropped == 2
     assert ds.stats() == {"data/rows": 3.0, "data/dropped_long_prompts": 2.0}
-    with pytest.raises(ConfigError, match=r"all 5 prompts are longer than max_prompt_len = 1"):
+    with pytest.raises(ConfigError, match=r"all 5 prompts of '.*d.jsonl' are longer than max_prompt_len = 1"):
         PromptDataset.load(path, tok, max_prompt_len=1, cache_dir=cache)
 
 

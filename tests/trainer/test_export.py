@@ -14,7 +14,13 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl_core import CheckpointError, ConfigError, SamplingParams, TensorBatch, WeightChunk
-from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch, verify_checkpoint
+from verl_core.trainer import (
+    Trainer,
+    latest_checkpoint,
+    load_config,
+    prompt_batch,
+    verify_checkpoint,
+)
 from verl_core.trainer.config import config_from_dict
 from verl_core.trainer.run.export import export_checkpoint
 from verl_core.trainer.run.integrity import write_manifest

@@ -285,6 +285,8 @@ def _read(path: str, cache_dir: str | None, where: str) -> dict[str, list[Any]]:
         except Exception as e:  # datasets wraps parser errors in its own exception types
             if suffix == ".csv" and sum(1 for line in p.open(errors="replace") if line.strip()) <= 1:
                 raise ConfigError(f"{where}: dataset {path!r} has no rows (only a header)") from e
+            if suffix == ".json" and _empty_json(p):
+                raise ConfigError(f"{where}: dataset {path!r} has no rows (an empty JSON list or object)") from e
             raise ConfigError(f"{where}: dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
         return _columns(ds, path, where)
     finally:
@@ -310,10 +312,19 @@ def _read_folder(datasets: Any, path: str, where: str) -> dict[str, list[Any]]:
     return _columns(ds, path, where)
 
 
+def _empty_json(path: Path) -> bool:
+    """Whether a JSON file holds an empty list or object (no rows)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8-sig")) in ([], {})
+    except ValueError:
+        return False
+
+
 def _why(path: Path, error: BaseException) -> str:
     """The reason a file did not parse: for JSONL the first malformed line, else the parser's words."""
     if path.suffix.lower() == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as fh:
+        columns = False
+        with path.open(encoding="utf-8-sig", errors="replace") as fh:
             for number, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue
@@ -323,6 +334,9 @@ def _why(path: Path, error: BaseException) -> str:
                     return f"line {number} is not valid JSON ({e})"
                 if not isinstance(row, dict):
                     return f"line {number} is not a JSON object (got {type(row).__name__})"
+                columns = columns or bool(row)
+        if not columns:
+            return "every line is an empty JSON object {}: there are no columns"
     cause = error.__cause__ or error.__context__ or error
     return f"{type(cause).__name__}: {cause}"
 
@@ -554,8 +568,8 @@ class PromptDataset:
             longest = max(longest, length)
         if not keep:
             raise ConfigError(
-                f"{where}: all {dropped} prompts are longer than max_prompt_len = {max_prompt_len} tokens; "
-                "raise data.max_prompt_len"
+                f"{where}: all {dropped} prompts of {', '.join(map(repr, path_list))} are longer than max_prompt_len "
+                f"= {max_prompt_len} tokens; raise data.max_prompt_len"
             )
         columns = {k: [v[i] for i in keep] for k, v in merged.items() if k != prompt_key}
         return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list, longest=longest)

@@ -281,8 +281,12 @@ class RewardFunctions(RewardEngine):
             extras[f"reward/{MODEL_NAME}"] = values
             total = [t + self._model_weight * v for t, v in zip(total, values)]
         for i, v in enumerate(total):
-            if not math.isfinite(v):  # finite terms can still overflow when weighted and summed
-                raise RewardError(f"the weighted reward of sample {i} is {v}; lower the reward weights")
+            # finite terms can still overflow when weighted and summed, or beyond float32, the scores' dtype
+            if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+                raise RewardError(
+                    f"the weighted reward of sample {i} is {v}, beyond the float32 range of the scores "
+                    f"(|x| <= {_FLOAT32_MAX:.4g}); lower the reward weights or the values of {', '.join(self.names)}"
+                )
         scores = torch.tensor(total, dtype=torch.float32, device=batch.device)
         return batch.update(scores=scores, extras=extras)
 
@@ -392,6 +396,7 @@ class FunctionReward(RewardFunctions):
 
 
 _ATOMIC: Final = (str, bytes, int, float, bool, type(None))
+_FLOAT32_MAX: Final = float(torch.finfo(torch.float32).max)
 
 
 def _own_copy(values: Sequence[Any]) -> list[Any]:

@@ -89,7 +89,8 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     run: RunDir | None = None,
 ) -> Path:
-    """Write the actor of a ``verl train`` checkpoint as a transformers folder; returns the folder.
+    """Write the actor of a ``verl train`` checkpoint as a transformers folder; returns the folder
+    (as an absolute path, symbolic links and ``..`` resolved).
 
     The folder holds the weights as safetensors (``model.safetensors``, or numbered shards and
     their index), the model folder's ``config.json`` (``tie_word_embeddings`` and ``dtype`` set to
@@ -127,15 +128,15 @@ def export_checkpoint(
             f"export folder {str(out)!r} already exists and is not an empty folder; "
             "pass a new folder, or move that one away first"
         )
-    check_export_target(out, run=run)
+    dest = check_export_target(out, run=run)  # where the files land: links and '..' resolved
     ckpt = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(ckpt)
     config = _saved_config(ckpt, device)
     model_dir = _model_folder(ckpt, config)
     engine = _build_actor(ckpt, config, model_dir)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    tmp = dest.parent / f".{dest.name}.export-{os.getpid()}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         manifest = _write_weights(ckpt, engine, tmp, max_shard_bytes)
@@ -144,8 +145,8 @@ def export_checkpoint(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.replace(tmp, out)  # replaces an empty folder too
-        fsync_dir(out.parent)
+        os.replace(tmp, dest)  # replaces an empty folder too
+        fsync_dir(dest.parent)
     except OSError as e:  # a full disk, no permission, a folder that appeared meanwhile
         raise ConfigError(
             f"export folder {str(out)!r} cannot be written ({type(e).__name__}: {e}); nothing was left "
@@ -154,12 +155,13 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         engine.close()
-    return out
+    return dest
 
 
-def check_export_target(out_dir: str | os.PathLike[str], *, run: RunDir | None = None) -> None:
+def check_export_target(out_dir: str | os.PathLike[str], *, run: RunDir | None = None) -> Path:
     """Refuse an export folder that lies inside a checkpoint, inside a run folder other than
-    ``run``'s, or under a file; writes nothing.
+    ``run``'s, or under a file; writes nothing. Returns where the folder really is (symbolic links
+    and ``..`` resolved), which is where the export writes.
 
     Raises:
         ConfigError: naming ``out_dir``, the folder it lies in and what to do.
@@ -195,6 +197,9 @@ def check_export_target(out_dir: str | os.PathLike[str], *, run: RunDir | None =
                 f"export folder {str(out)!r} lies inside the checkpoints of the run in {str(own)!r}; "
                 "export next to them, not among them"
             )
+    if target == Path(target.anchor):
+        raise ConfigError(f"export folder {str(out)!r} is the filesystem root; name a folder to create")
+    return target
 
 
 def _is_checkpoint(folder: Path) -> bool:
