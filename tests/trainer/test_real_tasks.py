@@ -325,6 +325,31 @@ def test_reward_functions_score_the_built_in_task_s_prompts(model: Path, tmp_pat
     assert "data/epoch" not in step
 
 
+def test_a_latin1_dataset_and_an_impossible_tensorboard_folder_are_one_typed_line_before_the_model(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These used to end as "unexpected UnicodeDecodeError ... position 4" and "unexpected NotADirectoryError"
+    after the model was built."""
+    folder = project(tmp_path / "p")
+    (folder / "latin1.jsonl").write_bytes(b'{"prompt": "q1=", "answer": "1", "id": 1}\n{"prompt": "\xe9", "id": 2}\n')
+    (folder / "afile").write_text("a file")
+    out = tmp_path / "out"
+    base = ["steps=1", f"output_dir={out}", f"model.path={model}", 'reward.functions=["rewards.py:aligned"]',
+            "logging.progress=false"]
+    cases = {
+        f"data.train={folder / 'latin1.jsonl'}": f"verl train: error: data.train: dataset {str(folder / 'latin1.jsonl')!r} "
+        "is not UTF-8 text: line 2, byte 13 is 0xe9 (invalid continuation byte); save the file as UTF-8",
+        f"logging.tensorboard_dir={folder / 'afile' / 'tb'}": "verl train: error: config key 'logging.tensorboard_dir': "
+        f"the folder {str(folder / 'afile' / 'tb')!r} lies under {str(folder / 'afile')!r}, which is a file; "
+        "name a folder that can be created",
+    }
+    for override, line in cases.items():
+        args = [*base, f"data.train={folder / 'train.jsonl'}", 'logging.sinks=["jsonl", "tensorboard"]', override]
+        assert main(["train", *args]) == 2
+        assert capsys.readouterr().err == line + "\n"
+        assert not out.exists(), "the run folder was claimed (and the model built) before the check"
+
+
 def test_rows_left_out_for_long_prompts_are_reported_with_the_progress_bar_off(
     model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
