@@ -27,7 +27,7 @@ from reliability_helpers import TINY, tiny_config
 from verl_core.cli import main
 from verl_core.trainer import Trainer, latest_checkpoint
 from verl_core.trainer.run.folder import MARKER_FILE
-from verl_core.trainer.run.interrupt import RunInterrupted
+from verl_core.trainer.run.interrupt import RunInterrupted, StopSignals
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")]
 
@@ -169,3 +169,25 @@ def test_a_second_signal_abandons_the_step_at_once(tmp_path: Path, capsys: pytes
     ), err
     assert latest_checkpoint(out) is None
     assert all(isinstance(r, dict) for r in _metrics(out))  # whole lines only
+
+
+def test_an_ignored_signal_stays_ignored_and_handlers_are_put_back() -> None:
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with StopSignals(defer=False):
+            os.kill(os.getpid(), signal.SIGTERM)  # ignored, as the process was told before
+            time.sleep(0.05)
+            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # ours, while active
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+        def send_sigint() -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler raises before this ends
+
+        with StopSignals(defer=False), pytest.raises(RunInterrupted) as info:
+            send_sigint()
+        assert (info.value.signal_name, info.value.exit_code, info.value.step) == ("SIGINT", 130, None)
+        assert str(info.value) == "interrupted by SIGINT while the run was being set up; no checkpoint was written"
+    finally:
+        signal.signal(signal.SIGTERM, previous)

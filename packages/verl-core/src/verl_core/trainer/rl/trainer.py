@@ -371,11 +371,11 @@ class Trainer:
         try:
             self.ctx.close_sinks(failed=self._failed is not None, step=self.step)
         finally:
+            self._stage_threads.close()  # a stage still running (a step abandoned by a signal) ends first
             if self._built:
                 self.engines.close()
                 self.buffer.close()
                 self._built = False
-            self._stage_threads.close()
             self.ctx.release()
 
     def __enter__(self) -> Trainer:

@@ -34,7 +34,8 @@ class RunInterrupted(KeyboardInterrupt):
     Attributes:
         signum: The signal.
         exit_code: The exit status a command reports: ``128 + signum`` (130 for SIGINT, 143 for SIGTERM).
-        step: Steps completed when the run stopped (None: it stopped before its step loop began).
+        step: Steps completed when the run stopped (None: it stopped while being set up, before
+            its step loop began).
         steps: The steps the run was configured for (None when unknown).
         abandoned: A step was under way and was abandoned (a second signal); nothing of it is saved.
         checkpoint: The newest complete checkpoint of the run (None when none was written).
@@ -63,7 +64,7 @@ class RunInterrupted(KeyboardInterrupt):
     def __str__(self) -> str:
         of = f" of {self.steps}" if self.steps is not None else ""
         if self.step is None:
-            what = f"interrupted by {self.signal_name} before the first step"
+            what = f"interrupted by {self.signal_name} while the run was being set up"
         elif self.abandoned:
             what = (
                 f"interrupted by {self.signal_name} during a step (steps completed: {self.step}{of}), "
@@ -82,8 +83,9 @@ class StopSignals:
     """While active, SIGINT and SIGTERM raise :class:`RunInterrupted`, or (deferring) ask for a stop.
 
     Handlers are installed only in the main thread (Python runs signal handlers there); elsewhere
-    the context does nothing. The handlers that were there before are put back on exit, so
-    contexts nest: the innermost one handles the signal.
+    the context does nothing. A signal the process ignores (``SIG_IGN``, e.g. SIGINT of a job
+    started in the background by a script) stays ignored. The handlers that were there before are
+    put back on exit, so contexts nest: the innermost one handles the signal.
 
     Args:
         defer: The first signal only sets :attr:`requested` (the caller stops at its next safe
@@ -103,7 +105,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
