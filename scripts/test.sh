@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run every check: ruff, mypy --strict, then the test phases, timing each.
 # Usage: scripts/test.sh [phase ...]   phases: setup lint core hf megatron vllm conformance trainer reliability ray docs packaging
-#   reliability: fuzzing, faults, 200 SIGKILL points, security (~4 min on 2 cores)
+#   reliability: fuzzing, faults, 200 SIGKILL points, signals, security (~5 min on 2 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -226,7 +227,7 @@ def test_long_prompts_are_dropped_and_counted(tok: HFTokenizer, tmp_path: Path, 
     ds = PromptDataset.from_config(DataConfig(train=path, max_prompt_len=4), tok, cache_dir=cache)
     assert ds.columns["idx"] == (2, 3, 4) and ds.dropped == 2
     assert ds.stats() == {"data/rows": 3.0, "data/dropped_long_prompts": 2.0}
-    with pytest.raises(ConfigError, match=r"all 5 prompts are longer than max_prompt_len = 1"):
+    with pytest.raises(ConfigError, match=r"all 5 prompts of '.*d.jsonl' are longer than max_prompt_len = 1"):
         PromptDataset.load(path, tok, max_prompt_len=1, cache_dir=cache)
 
 
@@ -329,3 +330,34 @@ def test_eval_batches_cover_every_row_in_order(tok: HFTokenizer, tmp_path: Path,
     batches = list(ds.batches(2, group_id_base=1000))
     assert [b.extras["idx"] for b in batches] == [(0, 1), (2, 3), (4,)]
     assert batches[2]["group_ids"].tolist() == [1004]
+
+
+@pytest.mark.parametrize("header", ["prompt,answer,answer", "answer,prompt,idx,answer", "\ufeffprompt,x,x,y,y"])
+def test_a_csv_naming_a_column_twice_is_refused(header: str, tok: HFTokenizer, tmp_path: Path, cache: str) -> None:
+    """The CSV parser would rename the second column ``answer.1`` silently; the file is refused instead."""
+    path = tmp_path / "d.csv"
+    cells = len(header.split(","))
+    path.write_text(f"\n{header}\n" + ",".join(["q1"] * cells) + "\n", encoding="utf-8")
+    repeated = sorted({n for n in header.lstrip("\ufeff").split(",") if header.count(n) > 1})
+    with pytest.raises(ConfigError, match=rf"data.train: dataset '.*d.csv' names the column\(s\) {re.escape(str(repeated))} "
+                                          r"more than once in its header \(line 2\)"):
+        PromptDataset.load(str(path), tok, cache_dir=cache, where="data.train")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_a_file_that_is_not_utf8_names_its_line_and_byte(suffix: str, tok: HFTokenizer, tmp_path: Path, cache: str) -> None:
+    rows = {".jsonl": b'{"prompt": "q1"}\n{"prompt": "q2"}\n{"prompt": "caf\xe9"}\n',
+            ".json": b'[{"prompt": "q1"},\n{"prompt": "q2"},\n{"prompt": "caf\xe9"}]\n',
+            ".csv": b"prompt\nq1\ncaf\xe9\n"}[suffix]
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(rows)
+    byte = rows.splitlines()[2].index(b"\xe9") + 1
+    with pytest.raises(ConfigError, match=rf"data.eval: dataset '.*d{suffix}' is not UTF-8 text: line 3, byte {byte} is "
+                                          r"0xe9 \(invalid continuation byte\); save the file as UTF-8"):
+        PromptDataset.load(str(path), tok, cache_dir=cache, where="data.eval")
+    path.write_bytes(rows.replace(b"\xe9", b"e").decode().encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(it starts with a UTF-16 byte-order mark\): line 1, byte 1"):
+        PromptDataset.load(str(path), tok, cache_dir=cache)
+    path.write_bytes(b"\xef\xbb\xbf" + rows.replace(b"\xe9", b"e"))  # UTF-8 with a byte-order mark loads
+    expected = ("q1", "cafe") if suffix == ".csv" else ("q1", "q2", "cafe")
+    assert PromptDataset.load(str(path), tok, cache_dir=cache).prompts == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,13 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl_core import CheckpointError, ConfigError, SamplingParams, TensorBatch, WeightChunk
-from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
+from verl_core.trainer import (
+    Trainer,
+    latest_checkpoint,
+    load_config,
+    prompt_batch,
+    verify_checkpoint,
+)
 from verl_core.trainer.config import config_from_dict
 from verl_core.trainer.run.checkpoints import write_manifest
 from verl_core.trainer.run.export import export_checkpoint
@@ -203,3 +210,47 @@ def test_bfloat16_untied_run(tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_export_into_a_checkpoint_or_a_run_folder_is_refused_before_writing(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Writing into a checkpoint would leave files its manifest does not list, and --resume would then
+    refuse the run's only checkpoint: such targets are refused, naming the folder and what to do."""
+    from verl_core.cli import main
+
+    ckpt = _copy_run(run, tmp_path / "run")
+    own = tmp_path / "run"
+    before = _tree(own)
+    (tmp_path / "link").symlink_to(ckpt, target_is_directory=True)
+    refused = {
+        ckpt / "hf": f"lies inside the checkpoint {str(ckpt.resolve())!r}",
+        ckpt / "actor" / "hf": f"lies inside the checkpoint {str(ckpt.resolve())!r}",
+        tmp_path / "link" / "hf": f"lies inside the checkpoint {str(ckpt.resolve())!r}",
+        own / "hf": f"lies inside the run folder {str(own.resolve())!r}",
+        own / "checkpoints" / "hf": f"lies inside the run folder {str(own.resolve())!r}",
+    }
+    for out, where in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(where) + r".*Export to a folder outside the run, e\.g\. '.*run-hf'"):
+            export_checkpoint(own, out)
+        assert main(["export", str(own), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"export folder {str(out)!r}" in err and where in err, err
+    assert _tree(own) == before, "a refused export wrote into the run folder"
+    verify_checkpoint(ckpt)
+
+    (tmp_path / "afile").write_text("not a folder")
+    for out in (tmp_path / "afile" / "hf", tmp_path / "afile" / "sub" / "hf"):
+        with pytest.raises(ConfigError, match=re.escape(f"{str(tmp_path / 'afile')!r} is a file, so no folder")):
+            export_checkpoint(own, out)
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+    # the run's only checkpoint still resumes, and an export beside the run works
+    cfg = config_from_dict({**json.loads((own / "config.json").read_text()), "output_dir": str(own), "steps": 3})
+    with Trainer(cfg) as trainer:
+        assert [m["step"] for m in trainer.train(resume=True)][-1] == 3
+    assert (export_checkpoint(own, tmp_path / "run-hf") / "model.safetensors").is_file()

@@ -8,6 +8,7 @@ which prompts reached them.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +281,14 @@ def test_bad_datasets_and_reward_functions_are_refused_before_anything_is_writte
         ({"reward": {"functions": ["rewards.py:two_args"]}}, "cannot take the keyword 'completions'"),
         ({"logging": {"sinks": ["jsonl", "callbacks.py:Missing"]}},
          "callback 'callbacks.py:Missing': 'callbacks.py' has no attribute 'Missing'"),
+        ({"data": {"train": "latin1.jsonl"}}, "latin1.jsonl' is not UTF-8 text: line 2, byte 16 is 0xe9"),
+        ({"data": {"train": "twice.csv"}}, "twice.csv' names the column(s) ['answer'] more than once"),
+        ({"logging": {"sinks": ["jsonl", "tensorboard"], "tensorboard_dir": str(folder / "rewards.py" / "tb")}},
+         f"config key 'logging.tensorboard_dir': the folder {str(folder / 'rewards.py' / 'tb')!r} lies under "
+         f"{str(folder / 'rewards.py')!r}, which is a file"),
     ]
+    (folder / "latin1.jsonl").write_bytes(b'{"prompt": "q1=", "answer": "1", "id": 1}\n{"prompt": "caf\xe9", "answer": "1", "id": 2}\n')
+    (folder / "twice.csv").write_text("prompt,answer,id,answer\nq1=,1,1,2\n")
     for tables, message in cases:
         assert message in _refused(folder, model, **tables)
     # a dataset without a reward for it is refused when the trainer is made
@@ -316,6 +324,54 @@ def test_reward_functions_score_the_built_in_task_s_prompts(model: Path, tmp_pat
         (step,) = trainer.train()
     assert "reward/exact_match/mean" in step and "reward/exact_match" not in step  # not the task's rule
     assert "data/epoch" not in step
+
+
+def test_a_latin1_dataset_and_an_impossible_tensorboard_folder_are_one_typed_line_before_the_model(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These used to end as "unexpected UnicodeDecodeError ... position 4" and "unexpected NotADirectoryError"
+    after the model was built."""
+    folder = project(tmp_path / "p")
+    (folder / "latin1.jsonl").write_bytes(b'{"prompt": "q1=", "answer": "1", "id": 1}\n{"prompt": "\xe9", "id": 2}\n')
+    (folder / "afile").write_text("a file")
+    out = tmp_path / "out"
+    base = ["steps=1", f"output_dir={out}", f"model.path={model}", 'reward.functions=["rewards.py:aligned"]',
+            "logging.progress=false"]
+    cases = {
+        f"data.train={folder / 'latin1.jsonl'}": f"verl train: error: data.train: dataset {str(folder / 'latin1.jsonl')!r} "
+        "is not UTF-8 text: line 2, byte 13 is 0xe9 (invalid continuation byte); save the file as UTF-8",
+        f"logging.tensorboard_dir={folder / 'afile' / 'tb'}": "verl train: error: config key 'logging.tensorboard_dir': "
+        f"the folder {str(folder / 'afile' / 'tb')!r} lies under {str(folder / 'afile')!r}, which is a file; "
+        "name a folder that can be created",
+    }
+    for override, line in cases.items():
+        args = [*base, f"data.train={folder / 'train.jsonl'}", 'logging.sinks=["jsonl", "tensorboard"]', override]
+        assert main(["train", *args]) == 2
+        assert capsys.readouterr().err == line + "\n"
+        assert not out.exists(), "the run folder was claimed (and the model built) before the check"
+
+
+def test_rows_left_out_for_long_prompts_are_reported_with_the_progress_bar_off(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = project(tmp_path / "p")
+    long_rows = [{"prompt": f"q{i}=" + "x" * 8, "answer": str(i), "id": i} for i in (100, 101)]
+    write_jsonl(folder / "train.jsonl", [*ROWS, *long_rows])
+    write_jsonl(folder / "eval.jsonl", [*EVAL_ROWS, long_rows[0]])
+    config = load_config(write_config(folder / "run.toml", run_config(
+        folder, model, folder / "out", steps=2, data={"max_prompt_len": 4, "eval": "eval.jsonl"})))
+    assert config.logging.progress is False
+    with caplog.at_level(logging.WARNING, logger="verl_core.trainer.rl.trainer"), \
+            Trainer(config, base_dir=folder) as trainer:
+        history = trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("data.train: 7 prompts from") and "2 rows left out: their prompts are longer than "
+               "data.max_prompt_len = 4 tokens (data.long_prompts = 'drop')" in w for w in warnings), warnings
+    assert any(w.startswith("data.eval: 3 prompts from") and "1 rows left out" in w for w in warnings), warnings
+    logged = [json.loads(ln) for ln in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    for m in (*history, *logged):
+        assert (m["data/rows"], m["data/dropped_long_prompts"]) == (7, 2)
+        assert (m["data/eval_rows"], m["data/eval_dropped_long_prompts"]) == (3, 1)
 
 
 # ---------------------------------------------------------------------------------------- the example

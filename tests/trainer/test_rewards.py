@@ -270,3 +270,36 @@ def test_numeric_match_without_a_number_in_the_answer(tok: HFTokenizer) -> None:
     batch = scored_batch(tok, ["1", "2"], answer=["1", "n/a"])
     with pytest.raises(RewardError, match=r"'numeric_match' raised ValueError: the answer 'n/a' of sample 1 holds no number"):
         RewardFunctions([f"{BUILTINS}:numeric_match"], tok).score(batch)
+
+
+def test_a_function_that_edits_its_inputs_changes_nothing_the_next_one_gets(tok: HFTokenizer) -> None:
+    """Each function gets lists of its own: in-place edits of completions, ids or columns stay with it."""
+    batch = scored_batch(tok, ["ab", "cd", "ab"], answer=["ab", "x", "y"], meta=[{"k": [1]}, {"k": [2]}, {"k": [3]}])
+    seen: list[dict[str, Any]] = []
+
+    def vandal(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+               answer: list[str], meta: list[dict[str, Any]], **kwargs: Any) -> list[float]:
+        score = [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+        completions[0] = "vandalised"
+        completions.append("extra")
+        prompts.clear()
+        completion_ids[0].append(999)
+        answer[:] = ["cd"] * len(answer)
+        meta[1]["k"].append("x")
+        return score
+
+    def witness(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                answer: list[str], meta: list[dict[str, Any]], **kwargs: Any) -> list[float]:
+        seen.append({"prompts": list(prompts), "completions": list(completions), "ids": [list(i) for i in completion_ids],
+                     "answer": list(answer), "meta": [dict(m) for m in meta]})
+        return exact_match(completions, answer)
+
+    out = RewardFunctions([vandal, witness], tok).score(batch)
+    assert seen == [{
+        "prompts": ["p0", "p1", "p2"], "completions": ["ab", "cd", "ab"],
+        "ids": [[*tok.encode(t), tok.eos_token_id] for t in ("ab", "cd", "ab")],
+        "answer": ["ab", "x", "y"], "meta": [{"k": [1]}, {"k": [2]}, {"k": [3]}],
+    }]
+    assert list(out.extras["reward/vandal"]) == list(out.extras["reward/witness"]) == [1.0, 0.0, 0.0]
+    assert out["scores"].tolist() == [2.0, 0.0, 0.0]
+    assert list(batch.extras["answer"]) == ["ab", "x", "y"] and batch.extras["meta"][1] == {"k": [2]}  # the batch too

@@ -242,6 +242,26 @@ def _bad_rows(tmp: Path) -> Path:
     return path
 
 
+def test_bad_files_and_sink_folders_are_refused_before_the_model_is_built(tmp_path: Path, data: Path) -> None:
+    """What needs no tokenizer (the data files' encoding and CSV header, the sink folders) is checked
+    before the run folder is claimed and the model built."""
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "c1=", "response": "1"}\n{"prompt": "c\xe9=", "response": "2"}\n')
+    (tmp_path / "twice.csv").write_text("prompt,response,response\nc1=,1,1\n")
+    (tmp_path / "afile").write_text("a file")
+    cases = {
+        f"data.train={tmp_path / 'latin1.jsonl'}": "latin1.jsonl' is not UTF-8 text: line 2, byte 14 is 0xe9",
+        f"data.eval={tmp_path / 'twice.csv'}": "data.eval: dataset '" + str(tmp_path / "twice.csv")
+        + "' names the column(s) ['response'] more than once",
+        f"logging.tensorboard_dir={tmp_path / 'afile' / 'tb'}": "config key 'logging.tensorboard_dir': the folder",
+    }
+    for override, message in cases.items():
+        cfg = sft_config(tmp_path / "run", data, override, 'logging.sinks=["jsonl", "tensorboard"]')
+        with pytest.raises(ConfigError) as info, SFTTrainer(cfg) as t:
+            t.train()
+        assert message in str(info.value)
+        assert not (tmp_path / "run").exists(), "the run folder was claimed before the check"
+
+
 def test_the_docs_page_config_is_an_sft_config() -> None:
     page = Path(__file__).resolve().parents[2] / "docs" / "sft-then-rl.md"
     blocks = re.findall(r"```toml\n(.*?)```", page.read_text(), re.S)

@@ -6,6 +6,8 @@ point cannot be imported) is listed with the error and fails only when it is run
 Errors are one line on stderr: a usage error or a :class:`~verl_core.kernel.errors.VerlError` (a bad
 config, a missing checkpoint, ...) prints ``verl <command>: error: ...`` and exits 2; any other
 exception prints its type and message and exits 1. ``--debug`` prints the full traceback instead.
+A Ctrl-C that a command does not handle itself prints ``verl <command>: interrupted`` and exits 130
+(``verl train`` and ``verl sft`` stop at a step boundary and name the step and the resume command).
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def _capability_summary(caps: object) -> str:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from verl_core.kernel.registry import available_backends
+    from verl_core.kernel.registry import available_backends, broken_plugins
 
     backends = available_backends()
+    broken = broken_plugins()
     if args.json:
         out = {
             name: {
@@ -71,9 +74,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             }
             for name, b in backends.items()
         }
-        print(json.dumps(out, indent=2))
+        for name, p in broken.items():  # installed but cannot be loaded: no roles, and why
+            out[name] = {"distribution": p.distribution, "version": p.version, "roles": {}, "broken": p.error}
+        print(json.dumps(dict(sorted(out.items())), indent=2))
         return 0
-    if not backends:
+    if not backends and not broken:
         print("no verl backends installed (try: pip install verl-hf)")
         return 0
     header = f"{'backend':<10} {'distribution':<18} {'version':<9} {'protocol':<8} role: capabilities"
@@ -86,6 +91,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
                     if first else " " * 48)
             print(f"{lead} {role}: {_capability_summary(b.capabilities(role))}")
             first = False
+    for name, p in broken.items():
+        print(f"{name:<10} {p.distribution:<18} {p.version:<9} {'-':<8} broken: {_one_line(p.error)}")
     return 0
 
 
@@ -162,6 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides.extend(extras)
     try:
         return handlers[args.command](args)
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM turned into one) outside a run's own handling
+        if args.debug:
+            traceback.print_exc()
+        detail = str(e)
+        print(f"verl {args.command}: interrupted{': ' + _one_line(detail) if detail else ''}", file=sys.stderr)
+        code = getattr(e, "exit_code", 130)
+        return code if isinstance(code, int) else 130
     except Exception as e:
         code = 2 if isinstance(e, VerlError) else 1
         if args.debug:

@@ -8,6 +8,11 @@ never imports the algorithms layer and a process that only builds engines never 
 Plugins that are not installed are named in ``VERL_PLUGINS`` (``name=module:attr`` entries,
 comma-separated); child processes inherit the variable, so torchrun ranks see them too.
 Listing backends reads only their BackendSpecs and imports no engine library.
+
+An installed plugin that cannot be loaded (its module does not import, its hooks or spec are
+refused) does not stop the others: it is listed as broken (:meth:`Registry.broken`, ``verl
+backends``) with its error, and only a lookup of its name (a run that selects it) fails, with
+that error.
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ from verl_core.kernel.weights import StreamWeightSync, WeightSync
 __all__ = [
     "ENTRY_POINT_GROUP",
     "BackendSpec",
+    "BrokenPlugin",
     "InstalledBackend",
     "Registry",
     "available_backends",
+    "broken_plugins",
     "get_backend",
     "add_builtin_plugin",
     "get_registry",
@@ -128,6 +135,34 @@ class InstalledBackend:
         return caps if caps is not None else cast(Capabilities, _ROLE_CAPS[role]())
 
 
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An installed plugin that could not be loaded.
+
+    Attributes:
+        name: Its entry-point name (the backend name a run would select).
+        target: What the entry point names (``module`` or ``module:attr``).
+        distribution: The distribution that installed it.
+        version: That distribution's version.
+        error: Why it could not be loaded (the import error, or why its hooks were refused).
+    """
+
+    name: str
+    target: str
+    distribution: str
+    version: str
+    error: str
+
+    def describe(self) -> str:
+        """One line: the plugin, where it comes from, and its error."""
+        return (
+            f"verl plugin {self.name!r} ({self.target}) from {self.distribution} {self.version} is installed but "
+            f"cannot be loaded: {self.error}; reinstall or fix {self.distribution}, or uninstall it"
+        )
+
+
+
+
 _BUILTINS: list[tuple[str, Callable[[], object]]] = []
 
 
@@ -206,6 +241,7 @@ class Registry:
         self._loaded = False
         self._lock = threading.RLock()
         self._backends: dict[str, InstalledBackend] = {}
+        self._broken: dict[str, BrokenPlugin] = {}
         self._components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
         self._builtins_loaded = False
 
@@ -242,12 +278,13 @@ class Registry:
                     f"two distributions claim the verl backend name {name!r}: {owners}; uninstall one"
                 )
             ep = eps[0]
+            version = ep.dist.version if ep.dist is not None else "unknown"
             try:
                 module = ep.load()
-            except Exception as e:
-                raise PluginError(f"cannot load verl plugin {name!r} ({ep.value}) from {_dist_name(ep)}: {e}") from e
-            dist = ep.dist
-            self._register_module(module, name, _dist_name(ep), dist.version if dist else "unknown")
+                self._register_module(module, name, _dist_name(ep), version)
+            except Exception as e:  # one broken plugin must not stop every command: only runs that select it
+                error = str(e) if isinstance(e, PluginError) else f"{type(e).__name__}: {e}"
+                self._broken[name] = BrokenPlugin(name, ep.value, _dist_name(ep), version, error)
 
     def _load_env_plugins(self) -> None:
         """Register the plugins named in ``VERL_PLUGINS`` (``name=module:attr``, comma-separated)."""
@@ -326,14 +363,26 @@ class Registry:
 
     # ------------------------------------------------------------- backends
     def backends(self) -> dict[str, InstalledBackend]:
-        """Installed backends by name (imports no engine library)."""
+        """Installed backends by name (imports no engine library); broken plugins are not among them."""
         self._ensure_loaded()
         return dict(sorted(self._backends.items()))
 
+    def broken(self) -> dict[str, BrokenPlugin]:
+        """Installed plugins that could not be loaded, by entry-point name."""
+        self._ensure_loaded()
+        return dict(sorted(self._broken.items()))
+
     def backend(self, name: str) -> InstalledBackend:
-        """The backend ``name``; an unknown name lists the installed ones and how to add it."""
+        """The backend ``name``; an unknown name lists the installed ones and how to add it.
+
+        Raises:
+            PluginError: ``name`` is an installed plugin that could not be loaded (with its error).
+            UnknownNameError: no backend of that name is installed.
+        """
         check_str(name, "backend name")
         backends = self.backends()
+        if name not in backends and name in self._broken:
+            raise PluginError(f"backend {name!r}: {self._broken[name].describe()}")
         if name not in backends:
             hint = _INSTALL_HINTS.get(name, f"pip install verl-{name}")
             raise UnknownNameError(
@@ -386,8 +435,9 @@ class Registry:
         comps = self.components(kind)
         check_str(name, f"{kind} name")
         if name not in comps:
+            broken = "".join(f"; {b.describe()} (it may provide it)" for b in self._broken.values())
             raise UnknownNameError(
-                f"unknown {kind} {name!r}; registered: {', '.join(comps) or 'none'}"
+                f"unknown {kind} {name!r}; registered: {', '.join(comps) or 'none'}{broken}"
             )
         return comps[name]
 
@@ -425,6 +475,11 @@ def reset_registry() -> None:
 def available_backends() -> dict[str, InstalledBackend]:
     """Installed backends by name."""
     return get_registry().backends()
+
+
+def broken_plugins() -> dict[str, BrokenPlugin]:
+    """Installed plugins that could not be loaded, by name (``verl backends`` lists them as broken)."""
+    return get_registry().broken()
 
 
 def get_backend(name: str) -> InstalledBackend:

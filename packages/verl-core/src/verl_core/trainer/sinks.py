@@ -45,6 +45,7 @@ __all__ = [
     "ProgressBar",
     "RunCallback",
     "SinkConfig",
+    "check_sinks",
     "load_callback",
     "read_json_lines",
     "truncate_metrics",
@@ -229,6 +230,48 @@ def _require(module: str, package: str, extra: str) -> Any:
             f"config key 'logging.sinks' lists {extra!r}, which needs {package}: "
             f"pip install 'verl-core[{extra}]' (import failed: {e})"
         ) from e
+
+
+def _tensorboard_dir(output_dir: Path, config: SinkConfig) -> tuple[Path, str]:
+    """The TensorBoard folder and the config key that sets it."""
+    if config.tensorboard_dir:
+        return Path(config.tensorboard_dir), "logging.tensorboard_dir"
+    return output_dir / "tensorboard", "output_dir"
+
+
+def _check_folder(path: Path, key: str) -> None:
+    """Refuse a folder that cannot be created or written (a file in its place or above it, no permission)."""
+    for folder in (path, *path.parents):
+        if not folder.exists():
+            continue
+        if not folder.is_dir():
+            where = "is a file, not a folder" if folder == path else f"lies under {str(folder)!r}, which is a file"
+            raise ConfigError(
+                f"config key {key!r}: the folder {str(path)!r} {where}; name a folder that can be created"
+            )
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"config key {key!r}: the folder {str(path)!r} cannot be created or written: {str(folder)!r} is not "
+                "writable by this user; name a folder you can write"
+            )
+        return
+
+
+def check_sinks(output_dir: str | os.PathLike[str], config: SinkConfig) -> None:
+    """Check what the sinks of ``config`` need before a run writes anything or builds a model.
+
+    The packages of ``tensorboard`` and ``wandb``, and that the TensorBoard folder can be created.
+    (:meth:`MetricSinks.open` checks the same when it opens them; callbacks are imported by the
+    runners.)
+
+    Raises:
+        ConfigError: naming the config key, the package or the folder.
+    """
+    if "tensorboard" in config.sinks:
+        _require("torch.utils.tensorboard", "TensorBoard", "tensorboard")
+        _check_folder(*_tensorboard_dir(Path(output_dir), config))
+    if "wandb" in config.sinks:
+        _require("wandb", "Weights & Biases", "wandb")
 
 
 class _JsonlSink:
@@ -443,27 +486,35 @@ class MetricSinks:
         # everything that can fail on a missing package or bad spec is checked before any file is
         # written, so a bad config leaves the output folder as it was
         loaded = [(spec, load_callback(spec, base_dir=base_dir)) for spec in config.callbacks]
-        if "tensorboard" in config.sinks:
-            _require("torch.utils.tensorboard", "TensorBoard", "tensorboard")
-        if "wandb" in config.sinks:
-            _require("wandb", "Weights & Biases", "wandb")
         out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        check_sinks(out, config)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"config key 'output_dir': {str(out)!r} cannot be created ({type(e).__name__}: {e})") from e
         sinks: list[_Sink] = []
         history: list[dict[str, Any]] = []
+        where = "output_dir"
         try:
             if "jsonl" in config.sinks:
+                where = f"output_dir (its {METRICS_FILE})"
                 jsonl = _JsonlSink(out / METRICS_FILE, resume_step)
                 history = jsonl.history
                 sinks.append(jsonl)
             if "tensorboard" in config.sinks:
-                tb_dir = Path(config.tensorboard_dir) if config.tensorboard_dir else out / "tensorboard"
+                tb_dir, where = _tensorboard_dir(out, config)
                 sinks.append(_TensorBoardSink(tb_dir, resume_step))
             if "wandb" in config.sinks:
+                where = "output_dir (its wandb folder)"
                 sinks.append(_WandbSink(out, config, run_name, resume_step, hparams))
-        except BaseException:
+        except BaseException as e:
             for s in sinks:
                 s.close(failed=True)
+            if isinstance(e, OSError):
+                raise ConfigError(
+                    f"config key {where!r}: the metric sinks cannot write there ({type(e).__name__}: {e}); "
+                    "name a folder you can write"
+                ) from e
             raise
         sinks += [_CallbackSink(obj, spec) for spec, obj in loaded]
         sinks += [_CallbackSink(obj, type(obj).__name__) for obj in callbacks]

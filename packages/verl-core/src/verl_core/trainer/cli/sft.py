@@ -8,7 +8,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from verl_core.trainer.cli.train import add_run_arguments, check_backends, load_run_config
+from verl_core.trainer.cli.train import (
+    add_run_arguments,
+    check_backends,
+    load_run_config,
+    stop_on_signals,
+)
 
 __all__ = ["register"]
 
@@ -34,6 +39,7 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.config import check_device_here, config_to_dict
     from verl_core.trainer.sft.trainer import SFTTrainer
+    from verl_core.trainer.sinks import check_sinks
 
     config = load_run_config(args)
     if args.print_config and not args.check:
@@ -42,14 +48,18 @@ def _handle(args: argparse.Namespace) -> int:
     trainer = SFTTrainer(config)  # checks the data section
     check_device_here(config)
     check_backends(config, {"actor": config.backends.actor})
+    check_sinks(config.output_dir, config.logging.sink_config())
     if args.check:
         print(f"verl sft: config is valid ({config.steps} steps on {', '.join(config.data.train_paths)}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)
         if args.print_config:
             print(json.dumps(config_to_dict(config), indent=1))
         return 0
-    with trainer:
+    history: list[dict[str, Any]] = []
+    with stop_on_signals(args, "sft", lambda: trainer.run_dir) as interrupted, trainer:
         history = trainer.train(resume=args.resume)
+    if interrupted:
+        return interrupted[0]
     if history:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} steps, loss {first['train/loss']:.4f} (step {first['step']}) -> "

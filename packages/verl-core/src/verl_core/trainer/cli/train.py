@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_core.kernel.errors import ConfigError, UnknownNameError
+from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError
 
 if TYPE_CHECKING:
     from verl_core.trainer.config import RunConfig
     from verl_core.trainer.rl.trainer import Trainer
+    from verl_core.trainer.run.folder import RunDir
 
-__all__ = ["add_run_arguments", "check_backends", "load_run_config", "register"]
+__all__ = ["add_run_arguments", "check_backends", "load_run_config", "register", "resume_command", "stop_on_signals"]
 
 
 def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
@@ -76,8 +79,56 @@ def config_folder(args: argparse.Namespace) -> Path | None:
     return Path(path).parent if path is not None and Path(path).is_file() else None
 
 
+def resume_command(args: argparse.Namespace, command: str, *, flag: str = "--resume") -> str:
+    """The command line that continues the run of ``args``: the same config and overrides, then ``flag``.
+
+    ``overwrite`` overrides are left out (``--resume`` refuses them).
+    """
+    tokens = [*([args.config] if args.config is not None else []), *args.overrides]
+    tokens = [t for t in tokens if t.partition("=")[0].strip() != "overwrite"]
+    if args.output_dir:
+        tokens += ["--output-dir", args.output_dir]
+    return shlex.join(["verl", command, *tokens, flag])
+
+
+@contextmanager
+def stop_on_signals(args: argparse.Namespace, command: str, run_dir: Callable[[], RunDir | None]) -> Iterator[list[int]]:
+    """Run the body with SIGINT and SIGTERM stopping the run; an interrupted run prints one line.
+
+    The step loop stops at a step boundary and saves a checkpoint
+    (:mod:`verl_core.trainer.run.interrupt`); elsewhere a signal stops at once. The line names the
+    step, the newest checkpoint and the command that continues the run; the exit status
+    (``128 + signal``) is put into the yielded list (empty when the run was not interrupted).
+
+    Args:
+        args: The command's arguments (for the resume command).
+        command: ``train`` or ``sft``.
+        run_dir: The run's claim on its output folder (None before it is claimed).
+    """
+    from verl_core.trainer import latest_checkpoint
+    from verl_core.trainer.run.interrupt import RunInterrupted, StopSignals
+
+    status: list[int] = []
+    try:
+        with StopSignals(defer=False):  # the step loop defers the stop to a step boundary itself
+            yield status
+    except RunInterrupted as e:
+        run = run_dir()
+        if e.checkpoint is None and run is not None:
+            e.checkpoint = latest_checkpoint(run.path)
+        if e.checkpoint is not None:
+            then = f"continue with `{resume_command(args, command)}`"
+        elif run is not None and run.created:  # a fresh run claimed its folder: a fresh start there needs overwrite
+            then = f"nothing to resume: start again with `{resume_command(args, command, flag='overwrite=true')}`"
+        else:
+            then = "nothing to resume: start the run again"
+        print(f"verl {command}: {e}; {then}", file=sys.stderr)
+        status.append(e.exit_code)
+
+
 def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.config import check_device_here, config_to_dict
+    from verl_core.trainer.sinks import check_sinks
 
     config = load_run_config(args)
     if args.print_config and not args.check:
@@ -90,6 +141,7 @@ def _handle(args: argparse.Namespace) -> int:
     trainer = Trainer(config, base_dir=config_folder(args))
     check_device_here(config)
     check_backends(config, _roles(trainer))
+    check_sinks(config.output_dir, config.logging.sink_config())
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)
@@ -98,12 +150,15 @@ def _handle(args: argparse.Namespace) -> int:
         return 0
 
     t0 = time.perf_counter()
-    with trainer:
+    history: list[dict[str, Any]] = []
+    with stop_on_signals(args, "train", lambda: trainer.run_dir) as interrupted, trainer:
         trainer.setup(resume=args.resume)  # the output folder is checked before any engine is built
         setup_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         history = trainer.train(resume=args.resume)
         train_s = time.perf_counter() - t1
+    if interrupted:
+        return interrupted[0]
     if history:
         last = history[-1]
         first = history[0]
@@ -148,7 +203,7 @@ def check_backends(config: RunConfig, roles: Mapping[str, str]) -> None:
         key = f"backends.{role}"
         try:
             backend = get_backend(name)
-        except UnknownNameError as e:
+        except (UnknownNameError, PluginError) as e:  # not installed, or installed but broken
             raise ConfigError(f"config key {key!r}: {e}") from e
         if role not in backend.spec.roles:
             raise ConfigError(

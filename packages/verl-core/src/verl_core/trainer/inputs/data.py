@@ -19,6 +19,7 @@ import it.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -42,6 +43,7 @@ __all__ = [
     "PromptDataset",
     "PromptLoader",
     "PromptSampler",
+    "check_dataset_files",
     "require_datasets",
 ]
 
@@ -51,6 +53,9 @@ counts it (:attr:`PromptDataset.dropped`); ``error`` refuses the dataset, naming
 
 FORMATS: Final = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> ``datasets`` builder; a folder is read with ``datasets.load_from_disk``."""
+
+_TEXT_FORMATS: Final = (".jsonl", ".json", ".csv")  # read as UTF-8 text
+_UTF8_BLOCK: Final = 1 << 24
 
 RESERVED_COLUMNS: Final = ("prompts", "completions", "completion_ids", "truncated")
 """Column names a dataset may not use: reward functions get these keywords for each sample's texts,
@@ -136,11 +141,113 @@ def require_datasets() -> Any:
 
 
 # ----------------------------------------------------------------------------- reading files
+def check_dataset_files(paths: Sequence[str], where: str) -> None:
+    """What can be checked of dataset files without parsing them, before any model is built.
+
+    Each path exists; a file has a supported extension, is not empty, is UTF-8 (``.jsonl``,
+    ``.json``, ``.csv``; the first bad byte is named with its line) and, for CSV, has no column
+    name twice in its header. :meth:`PromptDataset.load` checks the same (and everything else).
+
+    Args:
+        paths: The files or ``save_to_disk`` folders.
+        where: How messages name the dataset (e.g. ``data.train``).
+
+    Raises:
+        ConfigError: naming ``where``, the file and, where it applies, the line.
+    """
+    for path in paths:
+        _check_file(Path(path), path, where)
+
+
+def _check_file(p: Path, path: str, where: str) -> None:
+    try:
+        if not p.exists():
+            raise ConfigError(
+                f"{where}: dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder"
+            )
+        if p.is_dir():
+            return
+        suffix = p.suffix.lower()
+        if suffix not in FORMATS:
+            raise ConfigError(
+                f"{where}: dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
+                f"{', '.join(FORMATS)} files, or a folder written by datasets' save_to_disk"
+            )
+        size = p.stat().st_size
+        if size == 0 or (suffix != ".parquet" and size < 1 << 16 and not p.read_bytes().strip()):
+            raise ConfigError(f"{where}: dataset {path!r} is empty; expected rows with at least a prompt column")
+        if suffix in _TEXT_FORMATS:
+            _check_utf8(p, path, where)
+        if suffix == ".csv":
+            _check_csv_header(p, path, where)
+    except OSError as e:
+        raise ConfigError(f"{where}: dataset {path!r} cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _check_utf8(p: Path, path: str, where: str) -> None:
+    """Refuse a text file that is not UTF-8, naming the line and byte of the first bad byte."""
+    line = 1
+    rest = b""
+    with p.open("rb") as fh:
+        while True:
+            block = fh.read(_UTF8_BLOCK)
+            data = rest + block
+            if block:  # decode whole lines only (a UTF-8 sequence never holds a newline byte)
+                cut = data.rfind(b"\n") + 1
+                data, rest = data[:cut], data[cut:]
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line += data.count(b"\n", 0, e.start)
+                column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+                bom = " (it starts with a UTF-16 byte-order mark)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+                raise ConfigError(
+                    f"{where}: dataset {path!r} is not UTF-8 text{bom}: line {line}, byte {column} is "
+                    f"0x{data[e.start]:02x} ({e.reason}); save the file as UTF-8"
+                ) from None
+            line += data.count(b"\n")
+            if not block:
+                return
+
+
+def _check_csv_header(p: Path, path: str, where: str) -> None:
+    """Refuse a CSV whose header names a column twice (the parser would rename the second ``name.1``)."""
+    with p.open(encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next((row for row in reader if any(cell.strip() for cell in row)), [])
+        except csv.Error as e:
+            raise ConfigError(f"{where}: dataset {path!r} cannot be read as CSV: line {reader.line_num}: {e}") from e
+        line = reader.line_num
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where}: dataset {path!r} names the column(s) {repeated} more than once in its header (line {line}); "
+            "give every column a name of its own"
+        )
+
+
+def _columns(ds: Any, path: str, where: str) -> dict[str, list[Any]]:
+    """The columns of a loaded ``datasets.Dataset`` as Python lists."""
+    names = list(ds.column_names)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where}: dataset {path!r} has the column(s) {repeated} more than once; give every column a name of its own"
+        )
+    try:
+        return dict(ds.to_dict())
+    except Exception as e:  # e.g. bytes that are not UTF-8 in a string column
+        raise ConfigError(
+            f"{where}: dataset {path!r} was parsed but its values cannot be read ({type(e).__name__}: {e}); "
+            "check the file's encoding (UTF-8) and column types"
+        ) from e
+
+
 def _read(path: str, cache_dir: str | None, where: str) -> dict[str, list[Any]]:
     """The columns of one file or ``save_to_disk`` folder, as Python lists (``where`` starts every message)."""
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{where}: dataset {path!r} does not exist; expected a file ({', '.join(FORMATS)}) or a save_to_disk folder")
+    _check_file(p, path, where)
     datasets = require_datasets()
     progress = datasets.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # the trainer's own progress line owns stderr
@@ -152,21 +259,15 @@ def _read(path: str, cache_dir: str | None, where: str) -> dict[str, list[Any]]:
         if p.is_dir():
             return _read_folder(datasets, path, where)
         suffix = p.suffix.lower()
-        if suffix not in FORMATS:
-            raise ConfigError(
-                f"{where}: dataset {path!r} has the unsupported extension {p.suffix or '(none)'!r}; supported: "
-                f"{', '.join(FORMATS)} files, or a folder written by datasets' save_to_disk"
-            )
-        size = p.stat().st_size
-        if size == 0 or (suffix != ".parquet" and size < 1 << 16 and not p.read_bytes().strip()):
-            raise ConfigError(f"{where}: dataset {path!r} is empty; expected rows with at least a prompt column")
         try:
             ds = datasets.load_dataset(FORMATS[suffix], data_files=[str(p)], split="train", cache_dir=cache_dir)
         except Exception as e:  # datasets wraps parser errors in its own exception types
             if suffix == ".csv" and sum(1 for line in p.open(errors="replace") if line.strip()) <= 1:
                 raise ConfigError(f"{where}: dataset {path!r} has no rows (only a header)") from e
+            if suffix == ".json" and _empty_json(p):
+                raise ConfigError(f"{where}: dataset {path!r} has no rows (an empty JSON list or object)") from e
             raise ConfigError(f"{where}: dataset {path!r} cannot be read as {suffix[1:].upper()}: {_why(p, e)}") from e
-        return dict(ds.to_dict())
+        return _columns(ds, path, where)
     finally:
         log.setLevel(level)
         if progress:
@@ -187,13 +288,22 @@ def _read_folder(datasets: Any, path: str, where: str) -> dict[str, list[Any]]:
             f"{where}: dataset folder {path!r} holds the splits {sorted(ds)} (a DatasetDict); point at one split's "
             f"folder, e.g. {str(Path(path) / example)!r}"
         )
-    return dict(ds.to_dict())
+    return _columns(ds, path, where)
+
+
+def _empty_json(path: Path) -> bool:
+    """Whether a JSON file holds an empty list or object (no rows)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8-sig")) in ([], {})
+    except ValueError:
+        return False
 
 
 def _why(path: Path, error: BaseException) -> str:
     """The reason a file did not parse: for JSONL the first malformed line, else the parser's words."""
     if path.suffix.lower() == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as fh:
+        columns = False
+        with path.open(encoding="utf-8-sig", errors="replace") as fh:
             for number, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue
@@ -203,6 +313,9 @@ def _why(path: Path, error: BaseException) -> str:
                     return f"line {number} is not valid JSON ({e})"
                 if not isinstance(row, dict):
                     return f"line {number} is not a JSON object (got {type(row).__name__})"
+                columns = columns or bool(row)
+        if not columns:
+            return "every line is an empty JSON object {}: there are no columns"
     cause = error.__cause__ or error.__context__ or error
     return f"{type(cause).__name__}: {cause}"
 
@@ -434,8 +547,8 @@ class PromptDataset:
             longest = max(longest, length)
         if not keep:
             raise ConfigError(
-                f"{where}: all {dropped} prompts are longer than max_prompt_len = {max_prompt_len} tokens; "
-                "raise data.max_prompt_len"
+                f"{where}: all {dropped} prompts of {', '.join(map(repr, path_list))} are longer than max_prompt_len "
+                f"= {max_prompt_len} tokens; raise data.max_prompt_len"
             )
         columns = {k: [v[i] for i in keep] for k, v in merged.items() if k != prompt_key}
         return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list, longest=longest)

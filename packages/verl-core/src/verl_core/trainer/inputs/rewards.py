@@ -9,6 +9,8 @@ EOS, so a function can tell ``"123"`` followed by EOS from a ``"123"`` that was 
 keyword is a dataset column (a per-sample extra of the batch), holding that column's value for the
 same samples in the same order (a prompt's ``n`` samples repeat its values). A function that names
 only some keywords (``def f(completions, answer)``) gets just those; one with ``**kwargs`` gets all.
+Each function gets lists of its own: one that edits ``completions`` or a column in place changes
+nothing that the next function, the batch or the metrics see.
 
 :class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
 a reward-model engine's scores); functions are named ``"module:function"`` or
@@ -17,6 +19,7 @@ a reward-model engine's scores); functions are named ``"module:function"`` or
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -30,7 +33,7 @@ import torch
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.convert import Check, check_fields
-from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.errors import ConfigError, RewardError, describe
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.inputs.usercode import import_object, split_spec
@@ -258,7 +261,7 @@ class RewardFunctions(RewardEngine):
         else:  # a batch scored outside a rollout: a response is complete when it ends with EOS
             eos = self._tokenizer.eos_token_id
             truncated = [not ids or ids[-1] != eos for ids in completion_ids]
-        columns = {k: list(v) for k, v in batch.extras.items() if not k.startswith("reward/")}
+        columns = {k: v for k, v in batch.extras.items() if not k.startswith("reward/")}
         sample: dict[str, list[Any]] = {
             "prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated,
         }
@@ -277,8 +280,12 @@ class RewardFunctions(RewardEngine):
             extras[f"reward/{MODEL_NAME}"] = values
             total = [t + self._model_weight * v for t, v in zip(total, values)]
         for i, v in enumerate(total):
-            if not math.isfinite(v):  # finite terms can still overflow when weighted and summed
-                raise RewardError(f"the weighted reward of sample {i} is {v}; lower the reward weights")
+            # finite terms can still overflow when weighted and summed, or beyond float32, the scores' dtype
+            if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+                raise RewardError(
+                    f"the weighted reward of sample {i} is {v}, beyond the float32 range of the scores "
+                    f"(|x| <= {_FLOAT32_MAX:.4g}); lower the reward weights or the values of {', '.join(self.names)}"
+                )
         scores = torch.tensor(total, dtype=torch.float32, device=batch.device)
         return batch.update(scores=scores, extras=extras)
 
@@ -308,10 +315,12 @@ class RewardFunctions(RewardEngine):
         return texts
 
     @staticmethod
-    def _call(term: _Term, sample: Mapping[str, list[Any]], columns: Mapping[str, list[Any]], size: int) -> list[float]:
-        kwargs = {**sample, **columns}
-        if term.accepts is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in term.accepts}
+    def _call(
+        term: _Term, sample: Mapping[str, Sequence[Any]], columns: Mapping[str, Sequence[Any]], size: int
+    ) -> list[float]:
+        # copies of its own: a function that edits its inputs in place changes nothing the next one gets
+        kwargs = {k: _own_copy(v) for k, v in {**sample, **columns}.items()
+                  if term.accepts is None or k in term.accepts}
         try:
             out = term.fn(**kwargs)
         except Exception as e:
@@ -320,7 +329,13 @@ class RewardFunctions(RewardEngine):
                 f"keywords {sorted(kwargs)})"
             ) from e
         if hasattr(out, "tolist"):  # a tensor or NumPy array
-            out = out.tolist()
+            try:
+                out = out.tolist()
+            except Exception as e:
+                raise RewardError(
+                    f"reward function {term.name!r} returned {describe(out)}, whose tolist() raised "
+                    f"{type(e).__name__}: {e}; expected a list of {size} numbers (one per completion)"
+                ) from e
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
             raise RewardError(
                 f"reward function {term.name!r} returned {type(out).__name__}; expected a list of {size} numbers "
@@ -334,9 +349,15 @@ class RewardFunctions(RewardEngine):
         for i, v in enumerate(out):
             if not isinstance(v, numbers.Real):
                 raise RewardError(
-                    f"reward function {term.name!r} returned {v!r} ({type(v).__name__}) for sample {i}; expected a number"
+                    f"reward function {term.name!r} returned {describe(v)} for sample {i}; expected a number"
                 )
-            f = float(v)
+            try:
+                f = float(v)
+            except (OverflowError, ValueError, TypeError) as e:  # an int beyond the float range, a broken __float__
+                raise RewardError(
+                    f"reward function {term.name!r} returned {describe(v)} for sample {i}, which is not a float "
+                    f"({type(e).__name__}: {e}); rewards must be finite numbers"
+                ) from e
             if not math.isfinite(f):
                 raise RewardError(f"reward function {term.name!r} returned {f} for sample {i}; rewards must be finite")
             values.append(f)
@@ -371,6 +392,29 @@ class FunctionReward(RewardFunctions):
 
         per_sample.__name__ = str(getattr(fn, "__name__", "fn"))
         super().__init__([per_sample], tokenizer)
+
+
+_ATOMIC: Final = (str, bytes, int, float, bool, type(None))
+_FLOAT32_MAX: Final = float(torch.finfo(torch.float32).max)
+
+
+def _own_copy(values: Sequence[Any]) -> list[Any]:
+    """A copy of ``values`` that shares no mutable object with it (lists of numbers and strings cheaply).
+
+    An element that cannot be deep-copied is passed on as it is.
+    """
+    out: list[Any] = []
+    for v in values:
+        if type(v) in _ATOMIC:
+            out.append(v)
+        elif type(v) is list and all(type(x) in _ATOMIC for x in v):
+            out.append(list(v))  # token ids
+        else:
+            try:
+                out.append(copy.deepcopy(v))
+            except Exception:  # e.g. an object holding a lock
+                out.append(v)
+    return out
 
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

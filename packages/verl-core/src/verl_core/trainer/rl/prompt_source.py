@@ -35,6 +35,8 @@ class PromptSource:
         task: The built-in task (its prompts when ``data.train`` is not set, and its eval prompts).
         base_dir: The config file's folder, where relative paths are looked up first.
         say: Where the datasets' sizes are reported.
+        warn: Where rows left out for a long prompt are reported (default: ``say``); shown whatever
+            ``logging.progress`` says.
 
     Attributes:
         train: ``data.train`` (None: the task's prompts).
@@ -44,12 +46,14 @@ class PromptSource:
     """
 
     def __init__(
-        self, config: RunConfig, task: DigitTask, *, base_dir: Path | None, say: Callable[[str], None]
+        self, config: RunConfig, task: DigitTask, *, base_dir: Path | None, say: Callable[[str], None],
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.task = task
         self.base_dir = base_dir
         self._say = say
+        self._warn = warn if warn is not None else say
         self.train: PromptDataset | None = None
         self.evals: PromptDataset | None = None
         self.loader: PromptLoader | None = None
@@ -129,11 +133,24 @@ class PromptSource:
         self._longest = max(lengths)
         for split, ds in (("train", train), ("eval", evals)):
             if ds is not None:
-                left_out = f"; {ds.dropped} longer than data.max_prompt_len left out" if ds.dropped else ""
-                self._say(
+                left_out = (
+                    f"; {ds.dropped} rows left out: their prompts are longer than data.max_prompt_len = "
+                    f"{d.max_prompt_len} tokens (data.long_prompts = 'drop')" if ds.dropped else ""
+                )
+                (self._warn if ds.dropped else self._say)(
                     f"data.{split}: {len(ds)} prompts from {', '.join(ds.sources)} (longest {ds.longest_prompt} "
                     f"tokens{left_out})"
                 )
+
+    def stats(self) -> dict[str, float]:
+        """The datasets' sizes for every step's metrics: ``data/rows`` and ``data/dropped_long_prompts``
+        of ``data.train``, ``data/eval_rows`` and ``data/eval_dropped_long_prompts`` of ``data.eval``
+        (only the datasets the run has)."""
+        out: dict[str, float] = {}
+        for prefix, ds in (("data/", self.train), ("data/eval_", self.evals)):
+            if ds is not None:
+                out.update({prefix + k.removeprefix("data/"): v for k, v in ds.stats().items()})
+        return out
 
     def bind(self, tokenizer: Tokenizer) -> None:
         """Give the datasets the rollout engine's tokenizer, checking that every prompt still fits the engines."""

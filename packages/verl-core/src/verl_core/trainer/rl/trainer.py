@@ -136,7 +136,7 @@ class Trainer:
         self.on_policy_old_log_probs = setup.on_policy_old_log_probs
         self.progress = RunProgress()
         self.ctx = RunContext(config, runner="rl", stream=stream, base_dir=self.base_dir)
-        self.source = PromptSource(config, self.task, base_dir=self.base_dir, say=self.ctx.say)
+        self.source = PromptSource(config, self.task, base_dir=self.base_dir, say=self.ctx.say, warn=self.ctx.warn)
         self.engines = RLEngines()
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self.plan = SchedulerPlanLog(self.out, self.schedulers)
@@ -267,6 +267,7 @@ class Trainer:
         self.weights.sleep(state)  # the update needs the rollout's device memory
         rollout_metrics(state, eos_token_id=self.rollout.tokenizer.eos_token_id, reward=self.reward,
                         loader=self.source.loader, dynamic_sampling=self.dynamic_sampling)
+        state.metrics.update(self.source.stats())  # data/rows, data/dropped_long_prompts, ...
         if state.batch.batch_size == 0:  # dynamic sampling kept no group: nothing to learn from
             state.metrics["update/skipped"] = 1
         else:
@@ -370,11 +371,11 @@ class Trainer:
         try:
             self.ctx.close_sinks(failed=self._failed is not None, step=self.step)
         finally:
+            self._stage_threads.close()  # a stage still running (a step abandoned by a signal) ends first
             if self._built:
                 self.engines.close()
                 self.buffer.close()
                 self._built = False
-            self._stage_threads.close()
             self.ctx.release()
 
     def __enter__(self) -> Trainer:

@@ -4,8 +4,10 @@ logs, checkpoints and the loop.
 :class:`RunContext` claims the output folder (:class:`~verl_core.trainer.run.folder.RunDir`), prints
 the run's messages above the progress bar, opens the metric sinks (afresh, or continuing the logs
 of a loaded checkpoint), keeps the metrics of every step, owns the run's :class:`Checkpointer`, runs
-the loop (a step, a periodic checkpoint, the final one) and stops a run whose optimizer steps were
-skipped too often in a row. A runner adds only its step, its engines and its checkpoint fields.
+the loop (a step, a periodic checkpoint, the final one), stops a run whose optimizer steps were
+skipped too often in a row, and stops at a step boundary on SIGINT or SIGTERM
+(:mod:`verl_core.trainer.run.interrupt`). A runner adds only its step, its engines and its
+checkpoint fields.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from typing import IO, Any
 
 import torch
 
-from verl_core.kernel.errors import VerlError
+from verl_core.kernel.errors import ConfigError, VerlError
 from verl_core.trainer.batching.replay import remove_stale_spill
 from verl_core.trainer.config import RunConfig, check_device_here, config_to_dict
 from verl_core.trainer.pipeline import StageError
 from verl_core.trainer.run.checkpoints import Checkpointer
 from verl_core.trainer.run.folder import Mode, RunDir
+from verl_core.trainer.run.interrupt import RunInterrupted, StopSignals
 from verl_core.trainer.run.model import build_run_model
-from verl_core.trainer.sinks import MetricSinks, ProgressBar, write_text_atomic
+from verl_core.trainer.sinks import MetricSinks, ProgressBar, check_sinks, write_text_atomic
 
 __all__ = ["RunContext", "StepFailedError", "TrainingDivergedError"]
 
@@ -110,6 +113,18 @@ class RunContext:
             self.stream.write(text + "\n")
             self.stream.flush()
 
+    def warn(self, text: str) -> None:
+        """A message the user must see whatever ``logging.progress`` says (e.g. rows left out).
+
+        With the progress bar on it is printed above the bar like :meth:`say`; with it off it goes to
+        the ``verl_core.trainer.rl.trainer`` logger at WARNING level, which Python prints on stderr
+        when logging is not configured.
+        """
+        if self.config.logging.progress:
+            self.say(text)
+        else:
+            _log.warning(text)
+
     def claim(self, resume: bool | None) -> RunDir:
         """The run's claim on the output folder (made on first use; see :class:`RunDir`)."""
         run = self.run_dir
@@ -133,6 +148,7 @@ class RunContext:
     def prepare(self, resume: bool | None) -> RunDir:
         """Before any engine is built: check the device, claim the folder, seed the process RNGs."""
         check_device_here(self.config)  # before the run folder is claimed or any engine is built
+        check_sinks(self.out, self.config.logging.sink_config())  # packages and folders of logging.sinks
         run = self.claim(resume)
         torch.manual_seed(self.config.seed)
         random.seed(self.config.seed)
@@ -224,31 +240,59 @@ class RunContext:
             after_step: Called with each step's metrics (e.g. to print a line).
             intro: A line printed above the progress bar first.
 
-        The sinks are closed at the end, marked failed when a step raised.
+        The sinks are closed at the end, marked failed when a step raised. A SIGINT or SIGTERM lets
+        the step under way finish, writes its checkpoint (whatever ``final`` says: it is what
+        ``--resume`` continues from), closes the sinks and raises :class:`RunInterrupted`; a second
+        signal abandons the step under way at once (see :mod:`verl_core.trainer.run.interrupt`).
+
+        Raises:
+            RunInterrupted: a SIGINT or SIGTERM stopped the run.
         """
         cfg = self.config
         self.open_sinks()
         self.bar = ProgressBar(cfg.steps, initial=current(), enabled=cfg.logging.progress, stream=self.stream)
+        stop = StopSignals(defer=True, notify=self.warn)
+        in_step = False
         try:
-            if intro:
-                self.bar.write(intro)
-            while current() < cfg.steps:
-                metrics = step()
-                self.bar.update(metrics)
-                if after_step is not None:
-                    after_step(metrics)
-                every = cfg.checkpoint.every
-                if every and current() % every == 0 and current() < cfg.steps:
+            with stop:
+                if intro:
+                    self.bar.write(intro)
+                while current() < cfg.steps and stop.requested is None:
+                    in_step = True
+                    metrics = step()
+                    in_step = False
+                    self.bar.update(metrics)
+                    if after_step is not None:
+                        after_step(metrics)
+                    every = cfg.checkpoint.every
+                    if every and current() % every == 0 and current() < cfg.steps:
+                        save()
+                if stop.requested is not None:  # a step boundary: save what --resume continues from
+                    if current() > 0 and self.checkpoints.on_disk_step != current():
+                        save()
+                    raise RunInterrupted(stop.requested)
+                if final and self.checkpoints.on_disk_step != current():
                     save()
-            if final and self.checkpoints.on_disk_step != current():
-                save()
+        except RunInterrupted as e:
+            e.step, e.steps, e.abandoned, e.checkpoint = current(), cfg.steps, in_step, self._newest_checkpoint()
+            self._close_after_error(failed=in_step, step=current())
+            raise
         except BaseException:
-            try:
-                self.close_sinks(failed=True, step=current())
-            except Exception as e:  # the error that stopped the run is the one to report
-                _log.warning("closing the metric sinks after a failed run: %s", e)
+            self._close_after_error(failed=True, step=current())
             raise
         finally:
             self.bar.close()
             self.bar = None
         self.close_sinks(failed=False, step=current())
+
+    def _close_after_error(self, *, failed: bool, step: int) -> None:
+        try:
+            self.close_sinks(failed=failed, step=step)
+        except Exception as e:  # the error that stopped the run is the one to report
+            _log.warning("closing the metric sinks after a failed run: %s", e)
+
+    def _newest_checkpoint(self) -> Path | None:
+        try:
+            return self.checkpoints.to_resume()
+        except ConfigError:  # none written yet
+            return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Final
@@ -35,9 +36,10 @@ from verl_core.kernel.weights import WeightManifest
 from verl_core.trainer.config import RunConfig, config_from_dict
 from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.run.checkpoints import latest_checkpoint, verify_checkpoint
+from verl_core.trainer.run.folder import MARKER_FILE, RunDir
 from verl_core.trainer.run.model import engine_spec
 
-__all__ = ["DEFAULT_SHARD_BYTES", "export_checkpoint", "resolve_checkpoint"]
+__all__ = ["DEFAULT_SHARD_BYTES", "check_export_target", "export_checkpoint", "resolve_checkpoint"]
 
 DEFAULT_SHARD_BYTES: Final = 5 * 1024**3
 """Largest safetensors shard :func:`export_checkpoint` writes (the size transformers shards at)."""
@@ -47,6 +49,9 @@ _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5"
 # The test kit marks a folder holding its own random init with this file; exported weights are not that.
 _NOT_COPIED: Final = frozenset({"verl_tiny_model.json"})
 _DTYPE_NAMES: Final = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MANIFEST_FILE: Final = "manifest.json"
+_MANIFEST_FORMAT: Final = "verl.checkpoint-manifest/"
+_STEP_NAME: Final = re.compile(r"\.?step-\d+.*")  # a checkpoint, or one being written, replaced or pruned
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -63,9 +68,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     if (p / _STATE_FILE).is_file():
         return p
     if not p.is_dir():
+        what = "is a file, not a folder" if p.exists() else "does not exist"
         raise CheckpointError(
-            f"checkpoint {str(p)!r} does not exist; pass a run output folder or one of its "
-            "checkpoints/step-N folders"
+            f"checkpoint {str(p)!r} {what}; pass a run output folder or one of its checkpoints/step-N folders"
         )
     latest = latest_checkpoint(p)
     if latest is None:
@@ -83,8 +88,10 @@ def export_checkpoint(
     *,
     device: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    run: RunDir | None = None,
 ) -> Path:
-    """Write the actor of a ``verl train`` checkpoint as a transformers folder; returns the folder.
+    """Write the actor of a ``verl train`` checkpoint as a transformers folder; returns the folder
+    (as an absolute path, symbolic links and ``..`` resolved).
 
     The folder holds the weights as safetensors (``model.safetensors``, or numbered shards and
     their index), the model folder's ``config.json`` (``tie_word_embeddings`` and ``dtype`` set to
@@ -94,16 +101,24 @@ def export_checkpoint(
     Everything is written into a temporary folder next to ``out_dir`` that is renamed into place
     at the end, so ``out_dir`` never holds a partial export.
 
+    ``out_dir`` must lie outside every checkpoint folder and outside every run folder (a folder
+    holding ``verl_run.json``) but ``run``'s: files added there would not be listed in a
+    checkpoint's manifest (``--resume`` would then refuse the checkpoint), and a run's folder holds
+    only what its run writes. This is checked before anything is written.
+
     Args:
         checkpoint_dir: A checkpoint folder (``<output_dir>/checkpoints/step-N``) or a run output
             folder (its newest complete checkpoint is exported).
         out_dir: The folder to create; it must not exist or be empty.
         device: Device to load the actor on (default: the run's ``model.device``).
         max_shard_bytes: Largest safetensors file; bigger models are split into shards.
+        run: The claim of the run folder that may hold ``out_dir`` (``verl sft`` exports into
+            its own folder); never inside that run's ``checkpoints``.
 
     Raises:
-        ConfigError: ``out_dir`` is not empty, the saved config does not load, the run's model
-            folder is missing, or the actor's backend is not installed.
+        ConfigError: ``out_dir`` is not empty, lies inside a checkpoint or another run's folder,
+            lies under a file, or cannot be written; the saved config does not load, the run's
+            model folder is missing, or the actor's backend is not installed.
         CheckpointError: not a checkpoint, or a file of it is missing, corrupted or unreadable.
     """
     if max_shard_bytes < 1:
@@ -114,14 +129,15 @@ def export_checkpoint(
             f"export folder {str(out)!r} already exists and is not an empty folder; "
             "pass a new folder, or move that one away first"
         )
+    dest = check_export_target(out, run=run)  # where the files land: links and '..' resolved
     ckpt = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(ckpt)
     config = _saved_config(ckpt, device)
     model_dir = _model_folder(ckpt, config)
     engine = _build_actor(ckpt, config, model_dir)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    tmp = dest.parent / f".{dest.name}.export-{os.getpid()}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         manifest = _write_weights(ckpt, engine, tmp, max_shard_bytes)
@@ -130,12 +146,84 @@ def export_checkpoint(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.replace(tmp, out)  # replaces an empty folder too
+        os.replace(tmp, dest)  # replaces an empty folder too
+        fsync_dir(dest.parent)
+    except OSError as e:  # a full disk, no permission, a folder that appeared meanwhile
+        raise ConfigError(
+            f"export folder {str(out)!r} cannot be written ({type(e).__name__}: {e}); nothing was left "
+            "there: free some space or choose a folder you can write"
+        ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         engine.close()
-    fsync_dir(out.parent)
-    return out
+    return dest
+
+
+def check_export_target(out_dir: str | os.PathLike[str], *, run: RunDir | None = None) -> Path:
+    """Refuse an export folder that lies inside a checkpoint, inside a run folder other than
+    ``run``'s, or under a file; writes nothing. Returns where the folder really is (symbolic links
+    and ``..`` resolved), which is where the export writes.
+
+    Raises:
+        ConfigError: naming ``out_dir``, the folder it lies in and what to do.
+    """
+    out = Path(out_dir)
+    try:
+        target = out.resolve()  # through symbolic links: where the files would really land
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"export folder {str(out)!r} cannot be resolved ({e}); choose another folder") from e
+    own = run.path.resolve() if run is not None and run.held else None
+    for folder in (target, *target.parents):
+        if not folder.exists():
+            continue
+        if not folder.is_dir():
+            raise ConfigError(
+                f"export folder {str(out)!r}: {str(folder)!r} is a file, so no folder can be created under it; "
+                "choose a path whose parent folders are folders"
+            )
+        if _is_checkpoint(folder):
+            raise ConfigError(
+                f"export folder {str(out)!r} lies inside the checkpoint {str(folder)!r}; files added there are "
+                "not in its manifest, and --resume would refuse the checkpoint. Export to a folder outside the "
+                f"run, e.g. {str(_beside(folder))!r}"
+            )
+        if (folder / MARKER_FILE).is_file() and folder != own:
+            raise ConfigError(
+                f"export folder {str(out)!r} lies inside the run folder {str(folder)!r} (it holds {MARKER_FILE}); "
+                "a run's folder holds only what its run writes (overwrite=true moves it aside as a whole). "
+                f"Export to a folder outside the run, e.g. {str(_beside(folder))!r}"
+            )
+        if folder.name == "checkpoints" and folder.parent == own:
+            raise ConfigError(
+                f"export folder {str(out)!r} lies inside the checkpoints of the run in {str(own)!r}; "
+                "export next to them, not among them"
+            )
+    if target == Path(target.anchor):
+        raise ConfigError(f"export folder {str(out)!r} is the filesystem root; name a folder to create")
+    return target
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint (its trainer state or a verl manifest), or named like one in a
+    ``checkpoints`` folder."""
+    if (folder / _STATE_FILE).is_file():
+        return True
+    if _STEP_NAME.fullmatch(folder.name) and folder.parent.name == "checkpoints":
+        return True
+    manifest = folder / _MANIFEST_FILE
+    if not manifest.is_file():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("format", "")).startswith(_MANIFEST_FORMAT)
+
+
+def _beside(folder: Path) -> Path:
+    """A suggested export folder next to the run that holds ``folder``."""
+    run = next((p for p in (folder, *folder.parents) if (p / MARKER_FILE).is_file()), folder)
+    return run.with_name(f"{run.name}-hf")
 
 
 def _saved_config(ckpt: Path, device: str | None) -> RunConfig:

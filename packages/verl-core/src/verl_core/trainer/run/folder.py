@@ -416,7 +416,12 @@ def _write_marker(path: Path, marker: RunMarker) -> IO[bytes]:
     data = json.dumps({"format": _FORMAT, **dataclasses.asdict(marker)}, indent=1).encode()
     dest = path / MARKER_FILE
     tmp = path / f"{_TMP_PREFIX}{uuid.uuid4().hex}.tmp"
-    fh: IO[bytes] = open(tmp, "x+b")  # noqa: SIM115 - its lock is the claim
+    try:
+        fh: IO[bytes] = open(tmp, "x+b")  # noqa: SIM115 - its lock is the claim
+    except OSError as e:  # a folder this user cannot write, a read-only or full filesystem
+        raise ConfigError(
+            f"output_dir {str(path)!r} cannot be written ({type(e).__name__}: {e}); choose a folder you can write"
+        ) from e
     try:
         fh.write(data)
         fh.flush()

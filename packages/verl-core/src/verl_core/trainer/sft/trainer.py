@@ -53,7 +53,12 @@ from verl_core.trainer.batching.scheduler import (
 )
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor, make_executor
-from verl_core.trainer.inputs.data import DataConfig, PromptDataset, PromptSampler
+from verl_core.trainer.inputs.data import (
+    DataConfig,
+    PromptDataset,
+    PromptSampler,
+    check_dataset_files,
+)
 from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext
 from verl_core.trainer.run.folder import RunDir
@@ -195,7 +200,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _export_latest(out: Path, run_id: str) -> Path:
+def _export_latest(out: Path, run: RunDir) -> Path:
     """Export the newest checkpoint under ``out`` to ``out/model-sft`` through a temporary folder of the run."""
     from verl_core.trainer.run.export import export_checkpoint
 
@@ -203,11 +208,11 @@ def _export_latest(out: Path, run_id: str) -> Path:
     if ckpt is None:
         raise CheckpointError(f"{str(out)!r} holds no checkpoint to export; train first")
     dest = out / SFT_MODEL_DIR
-    tmp = out / f".{SFT_MODEL_DIR}-{run_id}"  # named by the run: only this run's leftovers
+    tmp = out / f".{SFT_MODEL_DIR}-{run.run_id}"  # named by the run: only this run's leftovers
     shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(ckpt, tmp)
+    export_checkpoint(ckpt, tmp, run=run)  # the run exports into its own folder
     if dest.exists():  # an export of an earlier end of this run (resumed with more steps)
-        old = out / f".{SFT_MODEL_DIR}-old-{run_id}"
+        old = out / f".{SFT_MODEL_DIR}-old-{run.run_id}"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
         os.replace(tmp, dest)
@@ -302,6 +307,8 @@ class SFTTrainer:
         if self._built:
             return
         cfg = self.config
+        for split, paths in (("train", cfg.data.train_paths), ("eval", cfg.data.eval_paths)):
+            check_dataset_files(paths, f"data.{split}")  # what needs no tokenizer, before any model is built
         self.ctx.prepare(resume)
         path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
@@ -335,7 +342,8 @@ class SFTTrainer:
 
         Metrics: ``train/loss`` (mean NLL per response token over the step), ``train/grad_norm``
         (mean over the step's optimizer steps), ``train/lr``, ``train/response_tokens``,
-        ``train/tokens`` (prompt and response), ``data/epoch``, ``update/optimizer_steps``,
+        ``train/tokens`` (prompt and response), ``data/epoch``, ``data/rows`` and
+        ``data/dropped_long_prompts`` (of ``data.train``), ``update/optimizer_steps``,
         ``update/nonfinite_skips``, ``scheduler/actor/micro_batches``, ``time/step`` and
         ``throughput/tokens_per_s`` (prompt and response tokens per second). They are appended
         to :attr:`history` and sent to the metric sinks.
@@ -374,6 +382,8 @@ class SFTTrainer:
             "train/response_tokens": tokens,
             "train/tokens": all_tokens,
             "data/epoch": self.sampler.epoch,
+            "data/rows": len(self.train_data),
+            "data/dropped_long_prompts": self.train_data.dropped,
             "update/optimizer_steps": updates,
             "update/nonfinite_skips": skipped,
             "scheduler/actor/micro_batches": micro_batches,
@@ -462,7 +472,7 @@ class SFTTrainer:
         Raises:
             CheckpointError: the run has no checkpoint.
         """
-        self.model_dir = _export_latest(self.out, self.ctx.claim(None).run_id)
+        self.model_dir = _export_latest(self.out, self.ctx.claim(None))
         return self.model_dir
 
     # ------------------------------------------------------------------ the loop
@@ -483,7 +493,12 @@ class SFTTrainer:
             self.load_checkpoint(ckpt)
         self.ctx.write_config()
         cfg = self.config
-        dropped = f", {self.train_data.dropped} dropped for long prompts" if self.train_data.dropped else ""
+        for split, data in (("train", self.train_data), ("eval", self.eval_data)):
+            if data is not None and data.dropped:
+                self.ctx.warn(
+                    f"data.{split}: {data.dropped} rows left out: their prompts are longer than data.max_prompt_len "
+                    f"= {cfg.data.max_prompt_len} tokens (data.long_prompts = 'drop'); {len(data)} rows kept"
+                )
         report = max(1, cfg.steps // 10)
 
         def print_loss(m: Mapping[str, Any]) -> None:
@@ -493,7 +508,7 @@ class SFTTrainer:
 
         self.ctx.run_steps(
             self.train_step, self.save_checkpoint, current=lambda: self.step, final=True,  # the export reads it
-            after_step=print_loss, intro=f"sft: {len(self.train_data)} training rows{dropped}; {cfg.steps} steps of "
+            after_step=print_loss, intro=f"sft: {len(self.train_data)} training rows; {cfg.steps} steps of "
             f"{cfg.batch.prompts_per_step} rows, starting at step {self.step}",
         )
         self.actor.offload()  # the export builds its own engine from the checkpoint
