@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from verl_core.kernel.engine import OptimConfig
+from verl_core.kernel.engine import DEFAULT_LORA_TARGETS, LoraSpec, OptimConfig
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.executor.config import ExecutorName, RayConfig
@@ -35,6 +35,7 @@ __all__ = [
     "BatchConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "LoraSection",
     "ModelConfig",
     "OptimSection",
     "RolloutConfig",
@@ -49,6 +50,50 @@ __all__ = [
 ]
 
 TaskName = Literal["copy", "reverse", "add"]
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """Train a LoRA adapter instead of the whole policy (``model.lora``; see docs/lora.md).
+
+    Attributes:
+        enabled: Train the actor's LoRA adapter (the base frozen). The reference policy, when the
+            algorithm needs one, is then the actor with its adapter disabled: no reference engine
+            is built. Checkpoints hold the adapter and the base's identity.
+        rank: Inner width of each adapter (>= 1).
+        alpha: The update is ``alpha / rank * B A`` (> 0).
+        dropout: Dropout on each adapter's input during updates, in [0, 1) (0 keeps PPO's ratio exact).
+        targets: Linear modules that get an adapter, by name pattern: a module's last name part
+            (``q_proj``), a dotted suffix, or a regular expression over the whole name; each must
+            match a linear module. Default: the attention and MLP projections.
+        full: Modules trained fully beside the adapters (e.g. ``embed_tokens``), by the same
+            patterns; empty = none.
+        init_path: A PEFT adapter folder the adapter starts from (empty = ``B = 0``: the base model).
+        sync: What the weight sync sends the rollout: ``merged`` weights (``W + alpha / rank * B A``,
+            merged tensor by tensor), the ``adapter`` (a rollout backend declaring
+            ``RolloutCapabilities.lora_adapters``, local executor), or ``auto``: the adapter where
+            the rollout backend declares it and the executor is local, else merged weights.
+    """
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    full: tuple[str, ...] = ()
+    init_path: str = ""
+    sync: Literal["auto", "merged", "adapter"] = "auto"
+
+    def __post_init__(self) -> None:
+        try:
+            self.spec()
+        except ConfigError as e:
+            raise ConfigError(re.sub(r"LoraSpec\.(\w+)", r"config key 'model.lora.\1'", str(e))) from None
+
+    def spec(self) -> LoraSpec:
+        """The engines' :class:`~verl_core.kernel.engine.LoraSpec` of this section."""
+        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
+                        full=self.full, init_path=self.init_path)
 
 
 @dataclass(frozen=True)
@@ -71,6 +116,7 @@ class ModelConfig:
         dtype: Parameter dtype of every engine.
         device: Device of every engine (cpu, cuda, cuda:N); with the local executor a CUDA device
             must be visible to this process.
+        lora: Train a LoRA adapter of the policy instead of all its weights (see :class:`LoraSection`).
 
     With ``path`` empty the tiny-model keys must describe a valid model: ``num_heads`` divides
     ``hidden_size``, ``num_kv_heads`` divides ``num_heads``, ``head_dim`` is even (and equals
@@ -90,6 +136,7 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass(frozen=True)
@@ -502,8 +549,16 @@ def check_device_here(cfg: RunConfig) -> None:
         )
 
 
+def _check_lora(cfg: RunConfig) -> None:
+    if cfg.model.lora.enabled and cfg.model.lora.sync == "adapter" and cfg.executor != "local":
+        raise ConfigError(
+            f"config key 'model.lora.sync' = 'adapter' needs 'executor' = 'local' (it is {cfg.executor!r}): adapter "
+            "streams are not carried between Ray worker groups; use 'merged' or 'auto'"
+        )
+
+
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape, _check_lora)
 
 
 # ---------------------------------------------------------------------------- building

@@ -8,12 +8,14 @@ import os
 import shutil
 from typing import Any
 
-from verl_core.kernel.engine import EngineSpec, OptimConfig, Role
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.capabilities import RolloutCapabilities
+from verl_core.kernel.engine import EngineSpec, LoraSpec, OptimConfig, Role
+from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.kernel.registry import get_backend
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.run.folder import RunDir
 
-__all__ = ["build_run_model", "engine_spec"]
+__all__ = ["build_run_model", "engine_spec", "lora_sync"]
 
 
 def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:
@@ -52,15 +54,46 @@ def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str
     return str(dest)
 
 
+def lora_sync(config: RunConfig) -> str | None:
+    """What the weight sync of a LoRA run sends: ``adapter`` or ``merged`` (None: the run trains full weights).
+
+    ``model.lora.sync = "auto"`` picks the adapter when the rollout backend declares
+    ``RolloutCapabilities.lora_adapters`` and the engines run in this process (local executor).
+    """
+    lora = config.model.lora
+    if not lora.enabled:
+        return None
+    if lora.sync != "auto":
+        return lora.sync
+    if config.executor != "local":
+        return "merged"
+    try:
+        caps = get_backend(config.backends.rollout).capabilities("rollout")
+    except VerlError:  # an unknown backend: building its engine names the problem
+        return "merged"
+    return "adapter" if isinstance(caps, RolloutCapabilities) and caps.lora_adapters else "merged"
+
+
+def _lora_of(config: RunConfig, role: Role) -> LoraSpec | None:
+    """The LoRA spec of ``role``: the actor trains it; the rollout applies its stream under adapter sync."""
+    if role == "actor" or (role == "rollout" and lora_sync(config) == "adapter"):
+        return config.model.lora.spec() if config.model.lora.enabled else None
+    return None
+
+
 def engine_spec(
     config: RunConfig, role: Role, path: str, *, max_prompt_len: int, max_response_len: int,
     optim: OptimConfig | None = None,
 ) -> EngineSpec:
-    """The spec a run builds ``role``'s engine from: the ``model`` section, the seed and the role's options."""
+    """The spec a run builds ``role``'s engine from: the ``model`` section (with ``model.lora`` for the
+    actor, and for the rollout under adapter sync), the seed and the role's options."""
     m = config.model
     kwargs: dict[str, Any] = {}
     if optim is not None:
         kwargs["optim"] = optim
+    lora = _lora_of(config, role)
+    if lora is not None:
+        kwargs["lora"] = lora
     return EngineSpec(
         model_path=path, role=role, dtype=m.dtype, device=m.device, seed=config.seed,
         options=dict(config.backends.options.get(role, {})),
