@@ -26,6 +26,7 @@ __all__ = ["LORA_ALPHA", "LORA_RANK", "lora_adapter", "lora_spec", "merged_model
 
 LORA_RANK: Final = 4
 LORA_ALPHA: Final = 8.0  # scale 2: a factor applied as alpha (or as 1) shows in every output
+_LLAMA: Final = TinyModelSpec()
 
 
 def target_weights(base: Path, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> dict[str, tuple[int, int]]:
@@ -38,7 +39,7 @@ def target_weights(base: Path, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) 
     return out
 
 
-def lora_adapter(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0, *, spread: float = 0.05) -> Path:
+def lora_adapter(spec: TinyModelSpec = _LLAMA, seed: int = 0, *, spread: float = 0.05) -> Path:
     """A PEFT adapter folder for ``tiny_model(spec)`` on every attention and MLP projection, with
     rank :data:`LORA_RANK`, alpha :data:`LORA_ALPHA` and seeded nonzero ``A`` and ``B`` of ``spread``."""
 
@@ -56,12 +57,12 @@ def lora_adapter(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0, *, spread
                                      "rank": LORA_RANK, "alpha": LORA_ALPHA}, build)
 
 
-def lora_spec(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> LoraSpec:
+def lora_spec(spec: TinyModelSpec = _LLAMA, seed: int = 0) -> LoraSpec:
     """The LoraSpec of :func:`lora_adapter`, starting from it (``init_path``)."""
     return LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, init_path=str(lora_adapter(spec, seed)))
 
 
-def merged_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
+def merged_model(spec: TinyModelSpec = _LLAMA, seed: int = 0) -> Path:
     """``tiny_model(spec)`` with each target weight ``W + alpha / rank * B A`` of :func:`lora_adapter`,
     computed and saved in float64 (other tensors as they are)."""
 
