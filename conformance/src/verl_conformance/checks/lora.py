@@ -96,7 +96,8 @@ class _LoraLinear(nn.Module):
             self.lora_B.weight.copy_(b)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.base_layer(x) + _SCALE * self.lora_B(self.lora_A(x))
+        out: Tensor = self.base_layer(x) + _SCALE * self.lora_B(self.lora_A(x))
+        return out
 
 
 def _lora_reference(base: str, adapter: dict[str, Tensor]) -> ReferenceModel:
@@ -216,7 +217,8 @@ def check_lora_sync_serves_merged_weights(h: Harness) -> None:
         h.close_to(want["rollout_log_probs"], ref, "log_probs",
                    "a rollout loaded with the merged folder vs its float64 reference", mask=want["response_mask"])
         for mode in modes:
-            rollout: RolloutEngine = h.rollout(fresh=True, **({"lora": spec} if mode == "the adapter" else {}))
+            rollout: RolloutEngine = (h.rollout(fresh=True, lora=spec) if mode == "the adapter"
+                                      else h.rollout(fresh=True))
             _sync(h).sync(engine, rollout, version=1)
             got = rollout.generate(prompts, params)
             what = f"after a LoRA sync of {mode}"

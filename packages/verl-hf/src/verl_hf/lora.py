@@ -124,7 +124,9 @@ class HFLora:
         # a fully trained embedding of a tied model stays tied to lm_head (one trained copy)
         tying: dict[str, Any] = {"ensure_weight_tying": True} if tied and self.full else {}
         config = LoraConfig(
-            r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=list(self.targets),
+            # peft annotates lora_alpha as int; it only divides it by r, so a float alpha is exact
+            r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,  # type: ignore[arg-type]
+            target_modules=list(self.targets),
             modules_to_save=list(self.full) or None, bias="none", init_lora_weights=True, **tying,
         )
         with torch.random.fork_rng(devices=[]):  # A's random init must not move the caller's generator

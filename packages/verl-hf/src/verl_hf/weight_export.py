@@ -108,7 +108,7 @@ class LoraWeightExport(WeightExport):
         lora: The adapted model.
     """
 
-    def __init__(self, lora: HFLora) -> None:  # noqa: D107  (the base's attributes are set here)
+    def __init__(self, lora: HFLora) -> None:
         self._lora = lora
         self._model = lora.model
         self.tied = lora.tied

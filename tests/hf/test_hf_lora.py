@@ -11,8 +11,20 @@ from hf_helpers import actor_spec, model_path
 from safetensors.torch import load_file
 
 from verl_conformance.harness import collect_stream
-from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, reference_forward, tiny_model
-from verl_conformance.testkit.lora import LORA_ALPHA, LORA_RANK, lora_adapter, lora_spec, merged_model
+from verl_conformance.testkit import (
+    TinyModelSpec,
+    assert_close,
+    random_batch,
+    reference_forward,
+    tiny_model,
+)
+from verl_conformance.testkit.lora import (
+    LORA_ALPHA,
+    LORA_RANK,
+    lora_adapter,
+    lora_spec,
+    merged_model,
+)
 from verl_core import (
     CheckpointError,
     ConfigError,
