@@ -1,7 +1,7 @@
 """GRPO steps with a LoRA adapter vs full fine-tuning: step time, memory, parameter and optimizer bytes.
 
     python benchmarks/bench_lora.py [--size tiny|small|1b|7b] [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--steps 2] [--rank 16] [--modes full,lora] [--kl] [--max-new-tokens N] [--prompts N]
+        [--steps 2] [--rank 16] [--modes full,lora,lora-merged] [--kl] [--max-new-tokens N] [--prompts N]
         [--gradient-checkpointing] [--keep DIR]
 
 Builds a random Llama of the chosen shape locally (``7b``: Llama-2-7B's 4096 x 32 layers, 32
@@ -9,7 +9,8 @@ heads, FFN 11008, vocabulary 32000; initialised on the device, saved in ``--dtyp
 mode in its own process (so peak memory is that mode's): a warm-up GRPO step and ``--steps``
 measured ones of the trainer (hf actor and rollout, the built-in copy task, 8 samples per prompt).
 ``lora`` trains a rank ``--rank`` adapter (alpha = 2 x rank) on every attention and MLP projection
-and syncs it to the rollout as an adapter; ``full`` trains every weight. With ``--kl`` the loss has
+and syncs it to the rollout as an adapter (the rollout decodes base + adapter); ``lora-merged``
+syncs merged weights instead (the rollout decodes plain weights); ``full`` trains every weight. With ``--kl`` the loss has
 a KL term: ``full`` then builds a reference engine (a second copy of the weights), ``lora`` uses
 the actor's base with the adapter disabled. Prints one table: trainable parameters, parameter
 bytes of the actor (and reference), optimizer bytes (Adam moments and float32 masters), median
@@ -112,9 +113,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         f"batch.prompts_per_step={args.prompts or prompts}", "optim.lr=1e-4",
         "logging.progress=false", "logging.plot=false", "logging.sinks=[]", "checkpoint.final=false",
     ]
-    if args.worker == "lora":
+    if args.worker in ("lora", "lora-merged"):
         overrides += ["model.lora.enabled=true", f"model.lora.rank={args.rank}", f"model.lora.alpha={2.0 * args.rank}",
-                      f"model.lora.targets={json.dumps(TARGETS)}"]
+                      f"model.lora.targets={json.dumps(TARGETS)}",
+                      f"model.lora.sync={'merged' if args.worker == 'lora-merged' else 'adapter'}"]
     cfg = load_config(None, overrides)
     cuda = args.device.startswith("cuda")
     t0 = time.perf_counter()
@@ -176,7 +178,7 @@ def main() -> None:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--modes", default="full,lora")
+    p.add_argument("--modes", default="full,lora,lora-merged", help="comma-separated: full, lora, lora-merged")
     p.add_argument("--kl", action="store_true", help="a KL loss: full builds a reference engine, LoRA uses its base")
     p.add_argument("--max-new-tokens", type=int, default=0)
     p.add_argument("--prompts", type=int, default=0)

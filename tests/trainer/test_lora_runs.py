@@ -40,11 +40,12 @@ def _train(out: Path, *extra: str) -> list[dict[str, object]]:
 
 
 def test_the_reference_is_the_actors_base_and_no_reference_engine_is_built(tmp_path: Path) -> None:
-    cfg = _config(tmp_path / "run", "steps=4", "algorithm.options.kl_loss_coef=0.1", "algorithm.use_reference=true")
+    cfg = _config(tmp_path / "run", "steps=4", "algorithm.options.kl_loss_coef=0.1", "algorithm.use_reference=true",
+                  "model.lora.sync=adapter")
     with Trainer(cfg) as trainer:  # type: ignore[arg-type]
         history = trainer.train()
         assert isinstance(trainer.reference, BaseModelReference)
-        assert trainer.rollout.spec.lora is not None  # the hf rollout takes adapter streams ("auto")
+        assert trainer.rollout.spec.lora is not None  # the hf rollout takes adapter streams
         batch = prompt_batch(TEXTS, trainer.rollout.tokenizer, group_ids=list(range(len(TEXTS))))
         samples = trainer.rollout.generate(batch, SamplingParams(max_new_tokens=3, seed=1))
         ref = trainer.reference.forward(samples)["log_probs"]
@@ -57,6 +58,7 @@ def test_the_reference_is_the_actors_base_and_no_reference_engine_is_built(tmp_p
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """Merged-weight sync (the default): the rollout decodes plain weights, the actor trains the adapter."""
     straight = tmp_path / "straight"
     _train(straight, "steps=3", "checkpoint.every=1")
     resumed = tmp_path / "resumed"
@@ -127,10 +129,11 @@ def test_lora_config_keys_are_checked_when_the_config_loads() -> None:
         load_config(None, ["model.lora.dropout=1.0"])
     with pytest.raises(ConfigError, match="'model.lora.sync' = 'adapter' needs 'executor' = 'local'"):
         load_config(None, ["model.lora.enabled=true", "model.lora.sync=adapter", "executor=ray"])
-    assert lora_sync(load_config(None, ["model.lora.enabled=true"])) == "adapter"  # hf declares lora_adapters
-    assert lora_sync(load_config(None, ["model.lora.enabled=true", "model.lora.sync=merged"])) == "merged"
-    assert lora_sync(load_config(None, ["model.lora.enabled=true", "backends.rollout=megatron"])) == "merged"
+    assert lora_sync(load_config(None, ["model.lora.enabled=true"])) == "merged"
+    assert lora_sync(load_config(None, ["model.lora.enabled=true", "model.lora.sync=adapter"])) == "adapter"
     assert lora_sync(load_config(None)) is None
+    with pytest.raises(ConfigError, match=r"config key 'model.lora.sync': 'auto' is not valid; choices: 'merged', 'adapter'"):
+        load_config(None, ["model.lora.sync=auto"])
 
 
 def test_a_target_pattern_matching_nothing_fails_before_any_step(tmp_path: Path) -> None:

@@ -69,10 +69,11 @@ class LoraSection:
         full: Modules trained fully beside the adapters (e.g. ``embed_tokens``), by the same
             patterns; empty = none.
         init_path: A PEFT adapter folder the adapter starts from (empty = ``B = 0``: the base model).
-        sync: What the weight sync sends the rollout: ``merged`` weights (``W + alpha / rank * B A``,
-            merged tensor by tensor), the ``adapter`` (a rollout backend declaring
-            ``RolloutCapabilities.lora_adapters``, local executor), or ``auto``: the adapter where
-            the rollout backend declares it and the executor is local, else merged weights.
+        sync: What the weight sync sends the rollout: ``merged`` weights (default: ``W + alpha /
+            rank * B A``, merged tensor by tensor; any rollout backend, which then decodes plain
+            weights at full speed), or the ``adapter`` (a few MB; a rollout backend declaring
+            ``RolloutCapabilities.lora_adapters`` and the local executor; the rollout decodes base +
+            adapter, slower per token, with no rounding of merged weights in bfloat16).
     """
 
     enabled: bool = False
@@ -82,7 +83,7 @@ class LoraSection:
     targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     full: tuple[str, ...] = ()
     init_path: str = ""
-    sync: Literal["auto", "merged", "adapter"] = "auto"
+    sync: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self) -> None:
         try:
@@ -553,7 +554,7 @@ def _check_lora(cfg: RunConfig) -> None:
     if cfg.model.lora.enabled and cfg.model.lora.sync == "adapter" and cfg.executor != "local":
         raise ConfigError(
             f"config key 'model.lora.sync' = 'adapter' needs 'executor' = 'local' (it is {cfg.executor!r}): adapter "
-            "streams are not carried between Ray worker groups; use 'merged' or 'auto'"
+            "streams are not carried between Ray worker groups; use 'merged'"
         )
 
 

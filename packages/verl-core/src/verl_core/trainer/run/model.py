@@ -8,10 +8,8 @@ import os
 import shutil
 from typing import Any
 
-from verl_core.kernel.capabilities import RolloutCapabilities
 from verl_core.kernel.engine import EngineSpec, LoraSpec, OptimConfig, Role
-from verl_core.kernel.errors import ConfigError, VerlError
-from verl_core.kernel.registry import get_backend
+from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.run.folder import RunDir
 
@@ -55,23 +53,9 @@ def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str
 
 
 def lora_sync(config: RunConfig) -> str | None:
-    """What the weight sync of a LoRA run sends: ``adapter`` or ``merged`` (None: the run trains full weights).
-
-    ``model.lora.sync = "auto"`` picks the adapter when the rollout backend declares
-    ``RolloutCapabilities.lora_adapters`` and the engines run in this process (local executor).
-    """
-    lora = config.model.lora
-    if not lora.enabled:
-        return None
-    if lora.sync != "auto":
-        return lora.sync
-    if config.executor != "local":
-        return "merged"
-    try:
-        caps = get_backend(config.backends.rollout).capabilities("rollout")
-    except VerlError:  # an unknown backend: building its engine names the problem
-        return "merged"
-    return "adapter" if isinstance(caps, RolloutCapabilities) and caps.lora_adapters else "merged"
+    """What the weight sync of a LoRA run sends (``model.lora.sync``: ``merged`` or ``adapter``);
+    None when the run trains full weights."""
+    return config.model.lora.sync if config.model.lora.enabled else None
 
 
 def _lora_of(config: RunConfig, role: Role) -> LoraSpec | None:
