@@ -35,6 +35,7 @@ from verl_core import (
     SamplingParams,
     StreamWeightSync,
     TensorBatch,
+    WeightChunk,
     get_backend,
     get_training_engine,
 )
@@ -299,3 +300,30 @@ def test_init_path_starts_from_a_peft_folder_and_refuses_another_rank() -> None:
     assert all(torch.equal(got[n.removeprefix("base_model.model.")], t) for n, t in folder.items())
     with pytest.raises(ConfigError, match=r"has rank 4 and alpha 8.0; the spec asks for rank 8"):
         HFTrainingEngine(actor_spec(model_path(), lora=LoraSpec(rank=8, alpha=8.0, init_path=str(lora_adapter()))))
+
+
+def test_the_merged_stream_keeps_no_second_copy_of_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each target is merged when the stream reaches it and freed once its chunk has been consumed:
+    at most one fusion group (q/k/v: three tensors) of merged weights is alive at a time."""
+    import weakref
+
+    import verl_hf.lora
+
+    merged: list[weakref.ref[torch.Tensor]] = []
+    merge = verl_hf.lora.merge_lora
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        out = merge(*args, **kwargs)  # type: ignore[arg-type]
+        merged.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(verl_hf.lora, "merge_lora", recording)
+    engine = HFTrainingEngine(actor_spec(model_path(), lora=lora_spec()))
+    most = 0
+    for msg in engine.export_weights(bucket_bytes=1):  # one fusion group per chunk
+        if isinstance(msg, WeightChunk):
+            most = max(most, sum(r() is not None for r in merged))
+        del msg
+    assert len(merged) == 2 * 7  # every target of the 2 layers was merged
+    assert most <= 3, f"{most} merged tensors alive at once"
+    assert all(r() is None for r in merged)
