@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import actor_spec, model_path
+from hf_helpers import actor_spec, flat_grads, model_path
 from safetensors.torch import load_file
 
 from verl_conformance.harness import collect_stream
@@ -327,3 +327,23 @@ def test_the_merged_stream_keeps_no_second_copy_of_the_model(monkeypatch: pytest
     assert len(merged) == 2 * 7  # every target of the 2 layers was merged
     assert most <= 3, f"{most} merged tensors alive at once"
     assert all(r() is None for r in merged)
+
+
+@pytest.mark.parametrize("option", ["gradient_checkpointing", "pack_sequences"])
+def test_gradient_checkpointing_and_packing_change_no_lora_update(option: str) -> None:
+    """The adapter's update is the same with activations recomputed, or with packed micro-batches."""
+    kw: dict[str, object] = ({"gradient_checkpointing": True} if option == "gradient_checkpointing"
+                             else {"options": {"pack_sequences": True}})
+    plain = HFTrainingEngine(actor_spec(model_path(), lora=lora_spec()))
+    other = HFTrainingEngine(actor_spec(model_path(), lora=lora_spec(), **kw))
+    assert other.packs_sequences == (option == "pack_sequences")
+    batch = _batch(8, size=5)
+    assert_close(other.forward(batch)["log_probs"], plain.forward(batch)["log_probs"], dtype="float32",
+                 quantity="log_probs")
+    b = _batch(9, size=5)
+    b = b.update(old_log_probs=plain.forward(b)["log_probs"])
+    for engine in (plain, other):
+        engine.forward_backward(b, LOSS, GlobalBatchStats.of(b))
+    want = flat_grads(plain.model)
+    assert float(want.abs().max()) > 0
+    assert_close(flat_grads(other.model), want, dtype="float32", quantity="grad")
