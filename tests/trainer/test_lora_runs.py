@@ -78,9 +78,9 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     a, b = adapter(straight), adapter(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert any(float(t.abs().max()) > 0 for n, t in a.items() if n.endswith("lora_B.weight"))
-    with Trainer(_config(resumed, "steps=4", "model.lora.rank=8")) as trainer:  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="model.lora.rank"):
-            trainer.train(resume=True)
+    changed = _config(resumed, "steps=4", "model.lora.rank=8")
+    with Trainer(changed) as trainer, pytest.raises(ConfigError, match="model.lora.rank"):  # type: ignore[arg-type]
+        trainer.train(resume=True)
 
 
 def test_export_merged_and_adapter_only_generate_like_the_rollout(tmp_path: Path) -> None:
