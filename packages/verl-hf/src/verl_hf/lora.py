@@ -104,13 +104,14 @@ class HFLora:
             LoRA layers, its ``full`` modules peft's trainable copies).
         spec: The adapter.
         tied: The model ties lm_head to the input embedding (it is not exported).
+        seed: Seed of ``A``'s random initialisation (``B`` starts at zero).
 
     Raises:
         ConfigError: a pattern matches nothing (see :func:`resolve_lora_modules`), or
             ``spec.init_path`` does not fit the adapter.
     """
 
-    def __init__(self, model: Any, spec: LoraSpec, *, tied: bool) -> None:
+    def __init__(self, model: Any, spec: LoraSpec, *, tied: bool, seed: int = 0) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.spec = spec
@@ -130,7 +131,7 @@ class HFLora:
             modules_to_save=list(self.full) or None, bias="none", init_lora_weights=True, **tying,
         )
         with torch.random.fork_rng(devices=[]):  # A's random init must not move the caller's generator
-            torch.manual_seed(0)
+            torch.manual_seed(seed)
             self.peft: Any = get_peft_model(model, config, autocast_adapter_dtype=True)
         self.model = model
         self._adapter = self._adapter_tensors()

@@ -111,7 +111,7 @@ class HFRolloutEngine(RolloutEngineBase):
             attn_implementation=attn, seed=spec.seed,
         )
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
-        self._lora = HFLora(self._model, spec.lora, tied=self._tied) if spec.lora is not None else None
+        self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None
         self._model.requires_grad_(False)
         # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
         self._options = self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config))

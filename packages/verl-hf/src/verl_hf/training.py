@@ -145,7 +145,7 @@ class HFTrainingEngine(TrainingEngine):
             if fsdp:
                 raise ConfigError("EngineSpec.lora with FSDP2 data parallelism is not supported by the hf backend; "
                                   "set options={'data_parallel': 'allreduce'} (the trained adapter is small)")
-            self._lora = HFLora(model, spec.lora, tied=tied)
+            self._lora = HFLora(model, spec.lora, tied=tied, seed=spec.seed)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self._trainable:
