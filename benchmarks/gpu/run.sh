@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
-# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo [args]   (writes under $OUT)
+# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names)
 set -uo pipefail
@@ -26,4 +26,6 @@ case $step in
   bench) python3 benchmarks/gpu/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   #   grpo ARGS: one GRPO step per stage (benchmarks/bench_step.py ARGS on CUDA), appended to grpo.log
   grpo) python3 benchmarks/bench_step.py --device cuda --no-trl "$@" 2>&1 | tee -a "$OUT/grpo.log" ;;
+  #   lora ARGS: LoRA vs full fine-tuning GRPO steps (benchmarks/bench_lora.py ARGS on CUDA), appended to lora.log
+  lora) python3 benchmarks/bench_lora.py --device cuda "$@" 2>&1 | tee -a "$OUT/lora.log" ;;
 esac

@@ -24,6 +24,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
     buffer,
     declared,
+    lora,
     stateful,
     trajectory,
 )

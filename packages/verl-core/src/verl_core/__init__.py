@@ -27,7 +27,7 @@ from verl_core.kernel.capabilities import (
     SeedingMode,
     TrainingCapabilities,
 )
-from verl_core.kernel.engine import DType, EngineSpec, OptimConfig, ParallelSizes, Role
+from verl_core.kernel.engine import DType, EngineSpec, LoraSpec, OptimConfig, ParallelSizes, Role
 from verl_core.kernel.errors import (
     BatchValidationError,
     CheckpointError,
@@ -114,6 +114,7 @@ __all__ = [
     "InstalledBackend",
     "KLEstimator",
     "KLName",
+    "LoraSpec",
     "LossFn",
     "LossOutput",
     "Metrics",

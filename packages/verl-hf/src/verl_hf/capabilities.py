@@ -26,6 +26,7 @@ def training_capabilities(role: str) -> TrainingCapabilities:
         gradient_checkpointing=True,
         offload=True,
         checkpoint=True,
+        lora=role == "actor",
         dtypes=frozenset({"float32", "bfloat16"}),
         devices=frozenset({"cpu", "cuda"}),
     )
@@ -40,6 +41,7 @@ ROLLOUT_CAPABILITIES = RolloutCapabilities(
     exact_log_probs=True,
     exact_log_probs_truncated=True,
     weight_update=True,
+    lora_adapters=True,
     sleep_frees_memory=False,
     tensor_parallel=False,
     pipeline_parallel=False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +22,9 @@ from verl_hf import checkpoint as ckpt
 from verl_hf.distributed import DataParallel
 from verl_hf.optim import HFOptimizer, verify_masters
 from verl_hf.weight_export import WeightExport
+
+if TYPE_CHECKING:
+    from verl_hf.lora import HFLora
 
 __all__ = ["EngineCheckpoint"]
 
@@ -36,11 +39,14 @@ class EngineCheckpoint:
         dp: The data-parallel group (every rank takes part in a save).
         fsdp: The model is sharded with FSDP2.
         role: The engine's role (stored for information).
+        lora: The LoRA adapter the engine trains, or None. Its checkpoint holds the adapter (as
+            ``model.safetensors``), its optimizer state and the base's identity; loading it onto
+            another base model is refused.
     """
 
     def __init__(
         self, model: Any, weights: WeightExport, optimizer: HFOptimizer | None, dp: DataParallel, *,
-        fsdp: bool, role: str,
+        fsdp: bool, role: str, lora: HFLora | None = None,
     ) -> None:
         self._model = model
         self._weights = weights
@@ -48,6 +54,15 @@ class EngineCheckpoint:
         self._dp = dp
         self._fsdp = fsdp
         self._role = role
+        self._lora = lora
+
+    def _lora_record(self) -> dict[str, Any] | None:
+        """What a checkpoint says about the adapter: its shape and the base it was trained on."""
+        if self._lora is None:
+            return None
+        spec = self._lora.spec
+        return {"rank": spec.rank, "alpha": float(spec.alpha), "targets": list(self._lora.targets),
+                "full": list(self._lora.full), "base_identity": self._lora.identity}
 
     def save(self, path: str | os.PathLike[str], step: int) -> None:
         """Save the state of optimizer step ``step`` atomically under ``path`` (every rank calls this)."""
@@ -69,6 +84,7 @@ class EngineCheckpoint:
                     "optimizer": optim["optimizer"] if optim is not None else None,
                     "master_weights": optim["master_weights"] if optim is not None else None,
                     "scheduler": optim["scheduler"] if optim is not None else None,
+                    "lora": self._lora_record(),
                 },
                 part / "trainer_state.pt",
             )
@@ -104,7 +120,7 @@ class EngineCheckpoint:
             set_model_state_dict(self._model, dict[str, Any](weights), options=opts)
         else:
             with torch.no_grad():
-                params = dict(self._model.state_dict())
+                params = self._weights.live_state()  # the exported names (under LoRA: the adapter's)
                 for name, value in weights.items():
                     params[name].copy_(value.to(params[name].device))
         if self._optimizer is not None:
@@ -119,6 +135,7 @@ class EngineCheckpoint:
                 f"checkpoint {str(folder)!r}: trainer_state.pt is not a {ckpt.CHECKPOINT_FORMAT} state; "
                 "load a checkpoint written by HFTrainingEngine.save_checkpoint"
             )
+        self._verify_lora(folder, trainer.get("lora"))
         live = self._weights.live_state()
         verify_tensors(weights, {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in live.items()}, checkpoint=folder)
         verify_step_count(trainer.get("step"), name="step", checkpoint=folder)
@@ -127,3 +144,34 @@ class EngineCheckpoint:
         if self._optimizer is not None:
             self._optimizer.verify(folder, trainer, [n for n, _ in trainable])
         ckpt.verify_rng_state(rng, folder)
+
+    def _verify_lora(self, folder: Path, saved: Any) -> None:
+        """Refuse an adapter checkpoint for a full-weight engine (and the reverse), another adapter
+        shape, or an adapter trained on another base model."""
+        live = self._lora_record()
+        if saved is None and live is None:
+            return
+        if live is None:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r} holds a LoRA adapter (rank {saved.get('rank') if isinstance(saved, dict) else '?'}), "
+                "but this engine trains full weights; build it with the run's EngineSpec.lora (model.lora)"
+            )
+        if saved is None:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r} holds full weights, but this engine trains a LoRA adapter; build it "
+                "without EngineSpec.lora (model.lora.enabled=false) to load it"
+            )
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"checkpoint {str(folder)!r}: its LoRA record is not a table; the file is corrupted")
+        if saved.get("base_identity") != live["base_identity"]:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: its adapter was trained on another base model (identity "
+                f"{saved.get('base_identity')!r}; this engine's base is {live['base_identity']!r}: other weights, "
+                "names or shapes); resume with the model folder the run trained from"
+            )
+        for key in ("rank", "alpha", "targets", "full"):
+            if saved.get(key) != live[key]:
+                raise CheckpointError(
+                    f"checkpoint {str(folder)!r}: its adapter has {key} {saved.get(key)!r}, this engine's "
+                    f"{live[key]!r}; build the engine with the run's EngineSpec.lora (model.lora)"
+                )

@@ -47,6 +47,7 @@ from verl_core.kernel.weights import (
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.fused_projections import FusedProjections
+from verl_hf.lora import HFLora
 from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
@@ -72,12 +73,19 @@ __all__ = ["HFDirectSync", "HFRolloutEngine", "build_rollout_engine", "sample_se
 class HFRolloutEngine(RolloutEngineBase):
     """A transformers causal LM generating responses with exact log-probs.
 
+    With ``spec.lora`` the model carries the same LoRA adapter as a trainer built with that spec
+    (peft, injected in place; ``B = 0`` or ``spec.lora.init_path`` until the first sync), and
+    ``update_weights`` takes that trainer's adapter stream (``export_adapter``): the base is never
+    sent again, and the samples are those of base + adapter without merging. Each layer's
+    projections then run one matmul each (no fused projections).
+
     Args:
         spec: The engine spec (role rollout; ``parallel`` must be all 1).
         options: Backend options (default: parsed from ``spec.options``).
 
     Raises:
-        ConfigError: wrong role, parallel sizes other than 1, or a folder that is not a causal LM.
+        ConfigError: wrong role, parallel sizes other than 1, a folder that is not a causal LM,
+            or a ``spec.lora`` that does not fit the model.
     """
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
@@ -102,10 +110,11 @@ class HFRolloutEngine(RolloutEngineBase):
             spec.model_path, "causal_lm", dtype=spec.torch_dtype, device=self._device,
             attn_implementation=attn, seed=spec.seed,
         )
+        self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
+        self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None
         self._model.requires_grad_(False)
         # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
         self._options = self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config))
-        self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
         self._weights: dict[str, Tensor] | None = None
@@ -127,7 +136,8 @@ class HFRolloutEngine(RolloutEngineBase):
         self._flat: FlatParameters | None = FlatParameters.build(self._targets())
         # Each layer's q/k/v and gate/up as one matmul over weights lying back to back in that buffer.
         self._fused: FusedProjections | None = (
-            FusedProjections.install(self._model, self._targets()) if self._options.rollout_fused_projections else None)
+            FusedProjections.install(self._model, self._targets())
+            if self._options.rollout_fused_projections and self._lora is None else None)
         # Pinned host memory the weight buffer sleeps in (allocated on the first sleep, then reused).
         self._host: Tensor | None = None
 
@@ -253,13 +263,14 @@ class HFRolloutEngine(RolloutEngineBase):
 
     # ------------------------------------------------------------------ weights
     def _targets(self) -> dict[str, Tensor]:
-        """Name -> the live tensor a sync writes (parameters and persistent buffers), cached.
+        """Name -> the live tensor a sync writes (parameters and persistent buffers; under LoRA the
+        adapter's tensors by adapter stream name), cached.
 
         Parameters keep their identity when the model moves between devices, buffers do not, so
         the cache is dropped on sleep and wake.
         """
         if self._weights is None:
-            self._weights = live_targets(self._model, self._tied)
+            self._weights = self._lora.adapter() if self._lora is not None else live_targets(self._model, self._tied)
             self._expected = {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self._weights.items()}
         return self._weights
 
@@ -375,7 +386,9 @@ class HFDirectSync(WeightSync):
         """Copy ``source``'s weights into ``target`` as ``version``."""
         from verl_hf.training import HFTrainingEngine
 
-        if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)):
+        if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)) or (
+                source.lora is not None or target.spec.lora is not None):
+            # LoRA: the stream merges tensor by tensor (or carries the adapter) with no second copy
             return self._stream.sync(source, target, version=version)
         t0 = time.perf_counter()
         moved = target._load_flat(source, version=version)

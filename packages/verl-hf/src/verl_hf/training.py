@@ -16,6 +16,7 @@ A call that raises clears the gradients it left.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Collection, Iterator
@@ -44,6 +45,7 @@ from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
 from verl_hf.engine_checkpoint import EngineCheckpoint
+from verl_hf.lora import HFLora
 from verl_hf.micro_batches import MicroBatchLoop
 from verl_hf.modeling import (
     FlatParameters,
@@ -57,7 +59,7 @@ from verl_hf.modeling import (
 from verl_hf.offload import Offloader
 from verl_hf.optim import HFOptimizer
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
-from verl_hf.weight_export import WeightExport
+from verl_hf.weight_export import LoraWeightExport, WeightExport
 
 __all__ = ["HFTrainingEngine", "build_training_engine"]
 
@@ -74,15 +76,24 @@ class HFTrainingEngine(TrainingEngine):
     copies and rounds them into the model after each step (``HFOptions.master_weights``), and
     log-probs, entropy and values are always computed in float32 from upcast logits. The optimizer is AdamW with
     linear warmup and constant or cosine decay (``spec.optim``), applying weight decay to every
-    parameter.
+    trained parameter.
+
+    With ``spec.lora`` (actor only) the engine trains a LoRA adapter injected by peft
+    (:class:`~verl_hf.lora.HFLora`): only the adapter and the ``full`` modules get gradients and
+    optimizer state (adapters in float32, the frozen base in ``spec.dtype``); ``export_weights``
+    streams the merged weights, ``export_adapter`` the adapter, ``base_forward`` runs the base
+    model with the adapter disabled, and checkpoints hold the adapter, its optimizer state and the
+    base's identity. Forwards of one engine run one at a time then (the disabled state belongs to
+    the model).
 
     Args:
         spec: The engine spec (role actor, reference or critic; ``parallel.tp == parallel.pp == 1``).
         options: Backend options (default: parsed from ``spec.options``).
 
     Raises:
-        ConfigError: wrong role, tensor/pipeline parallel requested, dp > 1 outside torchrun, or
-            a model folder that cannot be loaded as needed.
+        ConfigError: wrong role, tensor/pipeline parallel requested, dp > 1 outside torchrun, a
+            model folder that cannot be loaded as needed, or a ``spec.lora`` that does not fit
+            the model (a pattern matching no module), another role than actor, or FSDP2.
     """
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
@@ -125,15 +136,25 @@ class HFTrainingEngine(TrainingEngine):
             self._caps = dataclasses.replace(self._caps, packed_sequences=True)
         tied = bool(getattr(model.config, "tie_word_embeddings", False)) and self._kind == "causal_lm"
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
+        fsdp = self._dp.active and self._dp_mode == "fsdp2"
+        self._lora: HFLora | None = None
+        if spec.lora is not None:
+            if spec.role != "actor":
+                raise ConfigError(f"EngineSpec.lora: the hf backend trains LoRA adapters for the actor, not the "
+                                  f"{spec.role}; build the {spec.role} without lora")
+            if fsdp:
+                raise ConfigError("EngineSpec.lora with FSDP2 data parallelism is not supported by the hf backend; "
+                                  "set options={'data_parallel': 'allreduce'} (the trained adapter is small)")
+            self._lora = HFLora(model, spec.lora, tied=tied, seed=spec.seed)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self._trainable:
             model.requires_grad_(False)
-        fsdp = self._dp.active and self._dp_mode == "fsdp2"
         if fsdp:
             _apply_fsdp2(model)
         self._model: Any = model
-        self._weights = WeightExport(model, tied=tied, fsdp=fsdp, flat=spec.role == "actor" and not fsdp)
+        self._weights = (LoraWeightExport(self._lora) if self._lora is not None
+                         else WeightExport(model, tied=tied, fsdp=fsdp, flat=spec.role == "actor" and not fsdp))
         self._tokenizer: HFTokenizer | None = None
         self._step = 0
         # True from a successful forward_backward until optimizer_step consumes its gradients.
@@ -145,7 +166,8 @@ class HFTrainingEngine(TrainingEngine):
         self._loop = MicroBatchLoop(model, self._kind, self._device, self._dp, fsdp=fsdp,
                                     allreduce_bucket_bytes=self._options.allreduce_bucket_bytes,
                                     packed=self._packed)
-        self._checkpoint = EngineCheckpoint(model, self._weights, self._optim, self._dp, fsdp=fsdp, role=spec.role)
+        self._checkpoint = EngineCheckpoint(model, self._weights, self._optim, self._dp, fsdp=fsdp, role=spec.role,
+                                            lora=self._lora)
         self._offloader = Offloader(model, self._device, self._weights, self._optim)
 
     # ------------------------------------------------------------------ properties
@@ -180,6 +202,11 @@ class HFTrainingEngine(TrainingEngine):
     def packs_sequences(self) -> bool:
         """Whether micro-batches run packed, without padding (``HFOptions.pack_sequences`` resolved)."""
         return self._packed
+
+    @property
+    def lora(self) -> HFLora | None:
+        """The LoRA adapter the engine trains (``spec.lora``), or None."""
+        return self._lora
 
     @property
     def data_parallel_mode(self) -> str:
@@ -238,8 +265,26 @@ class HFTrainingEngine(TrainingEngine):
         validate_inputs(batch, where, self._vocab_size, self._spec)
         max_tokens = self._options.forward_micro_batch_tokens or self._spec.micro_batch_tokens
         size = None if max_tokens is not None else self._spec.micro_batch_size
-        results = self._loop.forward(batch.to(self._device), wanted, max_tokens, size)
+        with self._one_at_a_time():
+            results = self._loop.forward(batch.to(self._device), wanted, max_tokens, size)
         return batch.update({k: v.to(batch.device) for k, v in results.items()})
+
+    def base_forward(
+        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
+    ) -> TensorBatch:
+        """:meth:`forward` of the base model: the adapter disabled (peft's ``disable_adapter()``).
+
+        Raises:
+            ConfigError: the engine trains no adapter (``spec.lora`` is None).
+        """
+        if self._lora is None:
+            return super().base_forward(batch, outputs)
+        with self._lora.disabled():
+            return self.forward(batch, outputs)
+
+    def _one_at_a_time(self) -> contextlib.AbstractContextManager[Any]:
+        """The model's lock under LoRA (a forward must not see another thread's disabled adapter)."""
+        return self._lora.lock if self._lora is not None else contextlib.nullcontext()
 
     def forward_backward(
         self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
@@ -265,9 +310,10 @@ class HFTrainingEngine(TrainingEngine):
         validate_inputs(mini_batch, where, self._vocab_size, self._spec)
         budget: int | None = max_tokens if max_tokens is not None else self._spec.micro_batch_tokens
         size = None if max_tokens is not None else self._spec.micro_batch_size
-        metrics = self._loop.forward_backward(
-            mini_batch.to(self._device), loss_fn, stats, max_tokens=budget, size=size, where=where
-        )
+        with self._one_at_a_time():
+            metrics = self._loop.forward_backward(
+                mini_batch.to(self._device), loss_fn, stats, max_tokens=budget, size=size, where=where
+            )
         self._grads_pending = True
         return metrics
 
@@ -293,6 +339,17 @@ class HFTrainingEngine(TrainingEngine):
         """
         self._require_onloaded("HFTrainingEngine.export_weights")
         return self._weights.stream(self._step, dtype=dtype, bucket_bytes=bucket_bytes)
+
+    def export_adapter(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
+        """Stream the LoRA adapter (``<module>.lora_A.weight``, ``.lora_B.weight``, fully trained tensors).
+
+        Raises:
+            ConfigError: the engine trains no adapter (``spec.lora`` is None).
+        """
+        if not isinstance(self._weights, LoraWeightExport):
+            return super().export_adapter(bucket_bytes=bucket_bytes)
+        self._require_onloaded("HFTrainingEngine.export_adapter")
+        return self._weights.adapter_stream(self._step, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Save model (safetensors), optimizer, scheduler, RNG and step atomically under ``path``.

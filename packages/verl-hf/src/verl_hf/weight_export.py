@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -13,7 +13,10 @@ from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_core.kernel.weights import TensorInfo, WeightManifest, WeightMessage
 from verl_hf.modeling import FlatParameters, export_order
 
-__all__ = ["WeightExport"]
+if TYPE_CHECKING:
+    from verl_hf.lora import HFLora
+
+__all__ = ["LoraWeightExport", "WeightExport"]
 
 
 class WeightExport:
@@ -91,3 +94,52 @@ class WeightExport:
             sd = self._model.state_dict()
         keep = set(self.names)
         return {k: v.detach().cpu().contiguous() for k, v in sd.items() if k in keep and isinstance(v, Tensor)}
+
+
+class LoraWeightExport(WeightExport):
+    """The exported tensors of a model training a LoRA adapter (:class:`~verl_hf.lora.HFLora`).
+
+    The weight stream carries the merged weights, each target's ``W + scale * B A`` computed as
+    the stream reaches it (no second copy of the model); :meth:`adapter_stream` carries the
+    adapter itself. The live state, and what a checkpoint stores, is the adapter (the base is
+    frozen and read again from the model folder). Never in one buffer: the merged tensors are new.
+
+    Args:
+        lora: The adapted model.
+    """
+
+    def __init__(self, lora: HFLora) -> None:
+        self._lora = lora
+        self._model = lora.model
+        self.tied = lora.tied
+        self._fsdp = False
+        self._keep_flat = False
+        self.flat = None
+        self.names = list(lora.adapter())
+        self._owners = None
+
+    def live_state(self) -> dict[str, Tensor]:
+        """Stream name -> the live adapter tensor (``lora_A``/``lora_B`` per target, fully trained copies)."""
+        return self._lora.adapter()
+
+    def rebuild_flat(self) -> None:
+        """Nothing to rebuild: the weights are never in one buffer."""
+
+    def stream(
+        self, version: int, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """The merged weight stream of version ``version`` (the base model's names)."""
+        infos = {n: TensorInfo(i.shape, dtype if dtype is not None else i.dtype)
+                 for n, i in self._lora.base_infos.items()}
+        manifest = WeightManifest(version=version, tensors=infos, tied_embeddings=self.tied)
+        return stream_weights(self._lora.merged(dtype), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def adapter_stream(self, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
+        """The adapter stream of version ``version`` (every tensor in its own dtype)."""
+        state = self._lora.adapter()
+        infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in state.items()}
+        return stream_weights(state.items(), WeightManifest(version=version, tensors=infos), bucket_bytes=bucket_bytes)
+
+    def full_state(self) -> dict[str, Tensor]:
+        """Every adapter tensor on CPU (what a checkpoint stores)."""
+        return {n: t.detach().cpu().contiguous() for n, t in self._lora.adapter().items()}

@@ -18,6 +18,7 @@ def rollout_capabilities() -> RolloutCapabilities:
         exact_log_probs=True,
         exact_log_probs_truncated=True,
         weight_update=True,
+        lora_adapters=False,  # merged weights only (the trainer merges LoRA before the stream)
         sleep_frees_memory=False,
         tensor_parallel=True,
         pipeline_parallel=False,
@@ -41,6 +42,9 @@ def training_capabilities(role: str) -> TrainingCapabilities:
         gradient_checkpointing=False,
         offload=False,
         checkpoint=True,
+        # LoRA needs column- and row-parallel adapters (A split like the layer's input, B like its
+        # output, the tp all-reduce placed accordingly) and their merge under tp/pp: not implemented yet
+        lora=False,
         dtypes=frozenset({"float32", "bfloat16"}),
         devices=frozenset({"cpu", "cuda"}),
     )

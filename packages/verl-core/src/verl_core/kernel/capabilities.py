@@ -47,6 +47,8 @@ class TrainingCapabilities:
     """offload()/onload() move parameters and optimizer state off the device and back."""
     checkpoint: bool = True
     """save_checkpoint/load_checkpoint round-trip model, optimizer, scheduler, RNG and step exactly."""
+    lora: bool = False
+    """Trains EngineSpec.lora adapters (base frozen), with base_forward and export_adapter."""
     dtypes: frozenset[str] = field(default_factory=lambda: frozenset({"float32"}))
     """Parameter dtypes the engine runs in."""
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
@@ -75,6 +77,8 @@ class RolloutCapabilities:
     """update_weights applies a WeightChunk stream."""
     sleep_frees_memory: bool = False
     """sleep() releases device memory (otherwise it only pauses)."""
+    lora_adapters: bool = False
+    """Built with EngineSpec.lora, update_weights applies adapter streams (export_adapter) and samples from base + adapter."""
     prefix_continuation: bool = False
     """generate reuses its cache of a prompt that extends an earlier call's prompt and response (multi-turn)."""
     tensor_parallel: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -16,7 +17,7 @@ from verl_core.kernel.errors import (
     describe,
 )
 
-__all__ = ["DType", "EngineSpec", "OptimConfig", "ParallelSizes", "Role"]
+__all__ = ["DEFAULT_LORA_TARGETS", "DType", "EngineSpec", "LoraSpec", "OptimConfig", "ParallelSizes", "Role", "lora_matches"]
 
 Role = Literal["actor", "reference", "critic", "rollout", "reward"]
 """The part an engine plays in the RL loop."""
@@ -113,6 +114,85 @@ class OptimConfig:
         return self.lr
 
 
+DEFAULT_LORA_TARGETS: Final[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Llama, Qwen2/3 and Mistral layers."""
+
+
+def lora_matches(pattern: str, name: str) -> bool:
+    """Whether a LoRA target ``pattern`` names the module ``name`` (its dotted path in the model).
+
+    A pattern matches a module whose name equals it, ends with ``"." + pattern`` (``q_proj``
+    matches every layer's ``self_attn.q_proj``), or matches it whole as a regular expression
+    (``model\\.layers\\.[0-3]\\..*_proj``). Every backend matches patterns by this one rule.
+    """
+    if name == pattern or name.endswith("." + pattern):
+        return True
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:
+        return False
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter the engine trains instead of the whole model (low-rank adaptation).
+
+    Each target linear layer ``W`` (out x in) gets ``A`` (rank x in) and ``B`` (out x rank); the
+    adapted layer computes ``x W^T + scale * x A^T B^T`` with ``scale = alpha / rank``, the same
+    as the merged weight ``W + scale * B A``. ``B`` starts at zero, so the adapted model starts as
+    the base model. Only the adapter (and the modules in ``full``) gets gradients and optimizer
+    state; the base weights stay frozen in the engine's dtype.
+
+    Attributes:
+        rank: Inner width of each adapter (>= 1).
+        alpha: Scale numerator: the update is ``alpha / rank * B A`` (> 0).
+        dropout: Dropout on the adapter's input while training, in [0, 1). 0 keeps the update's
+            forward equal to the no-grad forward of the same weights (what PPO's ratio assumes).
+        targets: Patterns of the linear modules that get an adapter (see :func:`lora_matches`);
+            each must match at least one linear module of the model.
+        full: Patterns of modules trained fully beside the adapters (e.g. ``embed_tokens``,
+            ``lm_head``); each must match at least one module. A module cannot be both.
+        init_path: A PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+            whose tensors the adapter starts from instead of ``B = 0``; its rank, targets and
+            tensors must be this spec's ("" = start from ``B = 0``).
+
+    Every value is checked when the spec is built; anything else raises ConfigError naming the field.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    full: tuple[str, ...] = ()
+    init_path: str = ""
+
+    def __post_init__(self) -> None:
+        check_int(self.rank, "LoraSpec.rank", low=1, hint=" (the adapter's inner width)")
+        check_number(self.alpha, "LoraSpec.alpha", low=0, low_open=True, hint=" (the update is alpha / rank * B A)")
+        check_number(self.dropout, "LoraSpec.dropout", low=0, high=1, high_open=True)
+        for key in ("targets", "full"):
+            value = getattr(self, key)
+            if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(
+                    isinstance(v, str) and v for v in value):
+                raise ConfigError(f"LoraSpec.{key} must be a list of module name patterns (non-empty strings), "
+                                  f"got {describe(value)}")
+            object.__setattr__(self, key, tuple(value))
+        if not self.targets:
+            raise ConfigError("LoraSpec.targets is empty; name the linear modules that get an adapter, e.g. "
+                              f"{list(DEFAULT_LORA_TARGETS)}")
+        if not isinstance(self.init_path, str):
+            raise ConfigError(f"LoraSpec.init_path must be a folder path or '', got {describe(self.init_path)}")
+        both = sorted(set(self.targets) & set(self.full))
+        if both:
+            raise ConfigError(f"LoraSpec: {both} are both adapter targets and fully trained modules; a module "
+                              "is one or the other")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor of ``B A`` in the merged weight."""
+        return float(self.alpha) / self.rank
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything needed to build an engine of any backend.
@@ -137,6 +217,10 @@ class EngineSpec:
         gradient_checkpointing: Recompute activations in backward to save memory.
         options: Backend-specific options (a mapping with string keys), validated by the backend's
             own config class when the engine is built.
+        lora: Train a LoRA adapter instead of the whole model (training engines), or apply the
+            adapter streams of such a trainer (rollout engines); None trains and serves full
+            weights. Building an engine refuses it where the backend does not declare
+            ``TrainingCapabilities.lora`` / ``RolloutCapabilities.lora_adapters``.
     """
 
     model_path: str
@@ -152,6 +236,7 @@ class EngineSpec:
     micro_batch_size: int | None = None
     gradient_checkpointing: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         path = self.model_path
@@ -176,6 +261,8 @@ class EngineSpec:
                 f"EngineSpec.options must be a mapping with string keys (the backend's options), got "
                 f"{describe(self.options)}"
             )
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ConfigError(f"EngineSpec.lora must be a LoraSpec or None, got {describe(self.lora)}")
 
     @property
     def torch_dtype(self) -> Any:

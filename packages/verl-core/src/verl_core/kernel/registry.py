@@ -402,6 +402,8 @@ class Registry:
                 f"backend {name!r} does not provide role {spec.role!r}; it provides: "
                 f"{', '.join(backend.spec.roles) or 'none'}"
             )
+        if spec.lora is not None:
+            _check_lora(name, spec.role, backend.capabilities(spec.role))
         if backend.spec.config_class is not None:
             parse_options(import_string(backend.spec.config_class), spec.options,
                           where=f"backend {name!r} options")
@@ -514,6 +516,22 @@ def get_reward_engine(name: str, spec: EngineSpec) -> RewardEngine:
 def get_weight_sync(source: str, target: str) -> WeightSync:
     """The WeightSync from training backend ``source`` to rollout backend ``target``."""
     return get_registry().weight_sync(source, target)
+
+
+def _check_lora(name: str, role: Role, caps: Capabilities) -> None:
+    """Refuse ``EngineSpec.lora`` where the backend does not declare it for ``role``."""
+    if isinstance(caps, TrainingCapabilities) and not caps.lora:
+        raise ConfigError(
+            f"backend {name!r} does not train LoRA adapters for role {role!r} (capabilities.lora is False); "
+            "set EngineSpec.lora=None (model.lora.enabled=false) or use a backend that declares it, e.g. hf"
+        )
+    if isinstance(caps, RolloutCapabilities) and not caps.lora_adapters:
+        raise ConfigError(
+            f"backend {name!r} does not apply LoRA adapter streams (capabilities.lora_adapters is False); build "
+            "its rollout engine without EngineSpec.lora and sync merged weights (model.lora.sync='merged')"
+        )
+    if isinstance(caps, RewardCapabilities):
+        raise ConfigError(f"backend {name!r}: a reward engine takes no EngineSpec.lora")
 
 
 def _check_spec(spec: object) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import TrainingCapabilities
 from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError
 
 if TYPE_CHECKING:
     from verl_core.kernel.tokenizer import Tokenizer
@@ -230,8 +231,45 @@ class TrainingEngine(Protocol):
         """Stream the full weights in transformers naming: a manifest, chunks, then a commit.
 
         Tensors are cast to ``dtype`` (the receiver's) when given; a chunk is valid only until the
-        next one is requested. A tied lm_head is not sent. See :mod:`verl_core.kernel.weights`.
+        next one is requested. A tied lm_head is not sent. An engine training a LoRA adapter
+        (``spec.lora``) streams the merged weights ``W + alpha / rank * B A`` of the base model's
+        tensors, each merged as the stream reaches it. See :mod:`verl_core.kernel.weights`.
         """
+
+    def base_forward(
+        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
+    ) -> TensorBatch:
+        """:meth:`forward` of the base model: the LoRA adapter (and fully trained modules) left out.
+
+        An engine built with ``spec.lora`` (``capabilities.lora``) computes what an engine without
+        it computes on the base weights, with the same rules as :meth:`forward`: a frozen reference
+        policy that costs no second model. The default refuses.
+
+        Raises:
+            ConfigError: the engine trains no adapter.
+        """
+        raise ConfigError(
+            f"{type(self).__name__}.base_forward: the engine trains no LoRA adapter (spec.lora is None or "
+            "capabilities.lora is False); use a reference engine of the base model instead"
+        )
+
+    def export_adapter(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
+        """Stream the trained part of a LoRA engine: a manifest, chunks, then a commit.
+
+        Names are transformers module paths: ``<module>.lora_A.weight`` (rank x in) and
+        ``<module>.lora_B.weight`` (out x rank) for each target module, and the tensors of the
+        fully trained modules (``spec.lora.full``) under their own names. Tensors keep their
+        dtypes; the manifest's version is the optimizer step. A rollout engine built with the same
+        ``spec.lora`` (``RolloutCapabilities.lora_adapters``) applies it with ``update_weights``.
+        The default refuses.
+
+        Raises:
+            ConfigError: the engine trains no adapter.
+        """
+        raise ConfigError(
+            f"{type(self).__name__}.export_adapter: the engine trains no LoRA adapter (spec.lora is None or "
+            "capabilities.lora is False); export_weights streams its full weights"
+        )
 
     @abstractmethod
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:

@@ -120,7 +120,8 @@ class WeightSync(Protocol):
 
 
 class StreamWeightSync(WeightSync):
-    """The canonical path: ``target.update_weights(source.export_weights(...))``.
+    """The canonical path: ``target.update_weights(source.export_weights(...))``; a rollout engine
+    built with ``spec.lora`` gets ``source.export_adapter(...)`` instead.
 
     Args:
         bucket_bytes: Bytes per chunk of the stream (chunks of the sender's own memory cost none).
@@ -145,6 +146,9 @@ class StreamWeightSync(WeightSync):
                     counted[1] += msg.nbytes
                 yield msg
 
-        stream = source.export_weights(dtype=target.weight_dtype, bucket_bytes=self.bucket_bytes)
+        if target.spec.lora is not None:  # a rollout that applies adapters gets the adapter, in its own dtypes
+            stream = source.export_adapter(bucket_bytes=self.bucket_bytes)
+        else:
+            stream = source.export_weights(dtype=target.weight_dtype, bucket_bytes=self.bucket_bytes)
         target.update_weights(counting(stream))
         return SyncReport(version, counted[0], counted[1], time.perf_counter() - t0)

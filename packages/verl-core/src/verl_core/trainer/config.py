@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from verl_core.kernel.convert import Check, Ge, Gt, build
-from verl_core.kernel.engine import OptimConfig
+from verl_core.kernel.engine import DEFAULT_LORA_TARGETS, LoraSpec, OptimConfig
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.executor.config import ExecutorName, RayConfig
@@ -32,6 +32,7 @@ __all__ = [
     "BatchConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "LoraSection",
     "ModelConfig",
     "OptimSection",
     "RolloutConfig",
@@ -69,6 +70,51 @@ def _min(n: int, note: str) -> Check:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """Train a LoRA adapter instead of the whole policy (``model.lora``; see docs/lora.md).
+
+    Attributes:
+        enabled: Train the actor's LoRA adapter (the base frozen). The reference policy, when the
+            algorithm needs one, is then the actor with its adapter disabled: no reference engine
+            is built. Checkpoints hold the adapter and the base's identity.
+        rank: Inner width of each adapter (>= 1).
+        alpha: The update is ``alpha / rank * B A`` (> 0).
+        dropout: Dropout on each adapter's input during updates, in [0, 1) (0 keeps PPO's ratio exact).
+        targets: Linear modules that get an adapter, by name pattern: a module's last name part
+            (``q_proj``), a dotted suffix, or a regular expression over the whole name; each must
+            match a linear module. Default: the attention and MLP projections.
+        full: Modules trained fully beside the adapters (e.g. ``embed_tokens``), by the same
+            patterns; empty = none.
+        init_path: A PEFT adapter folder the adapter starts from (empty = ``B = 0``: the base model).
+        sync: What the weight sync sends the rollout: ``merged`` weights (default: ``W + alpha /
+            rank * B A``, merged tensor by tensor; any rollout backend, which then decodes plain
+            weights at full speed), or the ``adapter`` (a few MB; a rollout backend declaring
+            ``RolloutCapabilities.lora_adapters`` and the local executor; the rollout decodes base +
+            adapter, slower per token, with no rounding of merged weights in bfloat16).
+    """
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    full: tuple[str, ...] = ()
+    init_path: str = ""
+    sync: Literal["merged", "adapter"] = "merged"
+
+    def __post_init__(self) -> None:
+        try:
+            self.spec()
+        except ConfigError as e:
+            raise ConfigError(re.sub(r"LoraSpec\.(\w+)", r"config key 'model.lora.\1'", str(e))) from None
+
+    def spec(self) -> LoraSpec:
+        """The engines' :class:`~verl_core.kernel.engine.LoraSpec` of this section."""
+        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
+                        full=self.full, init_path=self.init_path)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The policy model: a transformers folder, or a tiny random model built at start.
 
@@ -88,6 +134,7 @@ class ModelConfig:
         dtype: Parameter dtype of every engine.
         device: Device of every engine (cpu, cuda, cuda:N); with the local executor a CUDA device
             must be visible to this process.
+        lora: Train a LoRA adapter of the policy instead of all its weights (see :class:`LoraSection`).
 
     With ``path`` empty the tiny-model keys must describe a valid model: ``num_heads`` divides
     ``hidden_size``, ``num_kv_heads`` divides ``num_heads``, ``head_dim`` is even (and equals
@@ -107,6 +154,7 @@ class ModelConfig:
     init_std: Annotated[float, Gt(0)] = 0.02
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Annotated[str, Check(_is_device, "cpu, cuda or cuda:N")] = "cpu"
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass(frozen=True)
@@ -449,8 +497,16 @@ def check_device_here(cfg: RunConfig) -> None:
         )
 
 
+def _check_lora(cfg: RunConfig) -> None:
+    if cfg.model.lora.enabled and cfg.model.lora.sync == "adapter" and cfg.executor != "local":
+        raise ConfigError(
+            f"config key 'model.lora.sync' = 'adapter' needs 'executor' = 'local' (it is {cfg.executor!r}): adapter "
+            "streams are not carried between Ray worker groups; use 'merged'"
+        )
+
+
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape, _check_lora)
 
 
 # ---------------------------------------------------------------------------- building

@@ -351,6 +351,13 @@ class RayTrainingEngine(TrainingEngine):
         joined = TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
         return batch.update({n: joined[n] for n in names})
 
+    def base_forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS) -> TensorBatch:
+        """Every rank computes its share with the adapter left out; the outputs are joined into ``batch``."""
+        names = tuple(outputs)
+        parts: list[TensorBatch] = self._place.sharded("call", batch, pre=("base_forward",), post=(names,))
+        joined = TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+        return batch.update({n: joined[n] for n in names})
+
     def forward_backward(
         self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
     ) -> Metrics:

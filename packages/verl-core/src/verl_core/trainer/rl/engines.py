@@ -6,21 +6,37 @@ engine replaced after setup (a wrapper that times calls, a test's fault) is the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import os
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import TrainingCapabilities
 from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine
-from verl_core.kernel.training import TrainingEngine
-from verl_core.kernel.weights import WeightSync
+from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.kernel.training import (
+    DEFAULT_BUCKET_BYTES,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    ModelOutput,
+    StepMetrics,
+    TrainingEngine,
+)
+from verl_core.kernel.weights import WeightMessage, WeightSync
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor
 from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import DigitTask, TaskReward
 
-__all__ = ["RLEngines", "stage_backend"]
+__all__ = ["BaseModelReference", "RLEngines", "stage_backend"]
 
 
 def stage_backend(config: RunConfig, stage: str) -> str:
@@ -30,10 +46,88 @@ def stage_backend(config: RunConfig, stage: str) -> str:
     if config.reward.functions:
         reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
     return {
-        "rollout": b.rollout, "baseline": b.rollout, "reward": reward, "reference": b.reference,
+        "rollout": b.rollout, "baseline": b.rollout, "reward": reward,
+        "reference": f"{b.actor} (base of the LoRA actor)" if config.model.lora.enabled else b.reference,
         "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
         "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
     }.get(stage, "trainer")
+
+
+class BaseModelReference(TrainingEngine):
+    """The reference policy of a LoRA run: the actor's model with its adapter disabled.
+
+    Its :meth:`forward` is the actor's :meth:`~verl_core.kernel.training.TrainingEngine.base_forward`,
+    so the run holds one copy of the base weights instead of two. It trains nothing, owns no
+    memory of its own (offloading and closing are the actor's) and writes no checkpoint.
+
+    Args:
+        actor: The actor engine; it must declare ``capabilities.lora`` and be built with ``spec.lora``.
+
+    Raises:
+        ConfigError: the actor trains no adapter.
+    """
+
+    def __init__(self, actor: TrainingEngine) -> None:
+        if actor.spec.lora is None or not actor.capabilities.lora:
+            raise ConfigError(
+                "the LoRA reference is the actor with its adapter disabled, but the actor trains no adapter "
+                f"(spec.lora {'is None' if actor.spec.lora is None else 'is set'}, capabilities.lora "
+                f"{actor.capabilities.lora}); build a reference engine instead"
+            )
+        self._actor = actor
+        self._spec = dataclasses.replace(actor.spec, role="reference", lora=None)
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The actor's spec, as the reference's role, without the adapter."""
+        return self._spec
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The actor's capabilities."""
+        return self._actor.capabilities
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The actor's tokenizer."""
+        return self._actor.tokenizer
+
+    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The base model's outputs: the actor's ``base_forward``."""
+        return self._actor.base_forward(batch, outputs)
+
+    def _frozen(self, what: str) -> ConfigError:
+        return ConfigError(f"BaseModelReference.{what}: the reference is the actor's frozen base model; train the actor")
+
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    ) -> Metrics:
+        """Refused: the reference is frozen."""
+        raise self._frozen("forward_backward")
+
+    def optimizer_step(self) -> StepMetrics:
+        """Refused: the reference is frozen."""
+        raise self._frozen("optimizer_step")
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[WeightMessage]:
+        """Refused: the base weights are the model folder's."""
+        raise self._frozen("export_weights")
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Refused: the actor's checkpoint holds everything (the base is the model folder)."""
+        raise self._frozen("save_checkpoint")
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Refused: the actor's checkpoint holds everything."""
+        raise self._frozen("load_checkpoint")
+
+    def offload(self) -> None:
+        """Nothing to move: the memory is the actor's."""
+
+    def onload(self) -> None:
+        """Nothing to move: the memory is the actor's."""
 
 
 class RLEngines:
@@ -44,7 +138,8 @@ class RLEngines:
         actor: The policy being trained.
         rollout: The engine that samples responses.
         reward: Scores responses (reward functions, a reward model or the task's rule).
-        reference: The frozen reference policy, or None when the algorithm needs none.
+        reference: The frozen reference policy, or None when the algorithm needs none; with
+            ``model.lora`` the actor with its adapter disabled (:class:`BaseModelReference`).
         critic: The value model, or None when the algorithm has no critic.
         sync: Sends the actor's weights to the rollout engine.
     """
@@ -70,14 +165,16 @@ class RLEngines:
             executor: Where the engines run.
             spec: ``spec(role, path, optim)``: a role's :class:`EngineSpec`.
             path: The policy model folder.
-            use_reference: Build the reference.
+            use_reference: Build the reference (with ``model.lora``: the actor's base, no engine).
             use_critic: Build the critic (from ``critic_model`` when set).
         """
         cfg, b = config, config.backends
         self.executor = executor
         self.actor = executor.training_engine("actor", b.actor, spec("actor", path, cfg.optim.to_optim(cfg.steps)))
         self.rollout = executor.rollout_engine(b.rollout, spec("rollout", path))
-        if use_reference:
+        if use_reference and cfg.model.lora.enabled:
+            self.reference = BaseModelReference(self.actor)  # the frozen base is the actor's own
+        elif use_reference:
             self.reference = executor.training_engine("reference", b.reference, spec("reference", path))
         if use_critic:
             self.critic = executor.training_engine(
@@ -107,7 +204,8 @@ class RLEngines:
 
     def close(self) -> None:
         """Release every engine and the executor."""
-        engines: tuple[Any, ...] = (self.rollout, self.actor, self.reference, self.critic, self.reward)
+        reference = None if isinstance(self.reference, BaseModelReference) else self.reference
+        engines: tuple[Any, ...] = (self.rollout, self.actor, reference, self.critic, self.reward)
         for engine in engines:
             if engine is not None:
                 close: Callable[[], None] | None = getattr(engine, "close", None)

@@ -4,7 +4,10 @@
 of the run's backend through the registry, restores the checkpoint into it and writes the
 canonical weight stream (:meth:`~verl_core.kernel.training.TrainingEngine.export_weights`, transformers
 naming) into safetensors shards next to the model folder's config, tokenizer and generation
-config. Nothing here knows which backend wrote the checkpoint.
+config. For a run that trained a LoRA adapter (``model.lora``) that stream is the merged weights;
+with ``adapter_only`` the adapter stream
+(:meth:`~verl_core.kernel.training.TrainingEngine.export_adapter`) is written as a PEFT adapter
+folder instead. Nothing here knows which backend wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from verl_core.enginekit.checkpoint import fsync_dir
+from verl_core.enginekit.lora import write_adapter_folder
 from verl_core.enginekit.weight_stream import apply_weight_stream
 from verl_core.kernel.errors import (
     CheckpointError,
@@ -89,6 +93,7 @@ def export_checkpoint(
     device: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     run: RunDir | None = None,
+    adapter_only: bool = False,
 ) -> Path:
     """Write the actor of a ``verl train`` checkpoint as a transformers folder; returns the folder
     (as an absolute path, symbolic links and ``..`` resolved).
@@ -119,6 +124,14 @@ def export_checkpoint(
         ConfigError: ``out_dir`` is not empty, lies inside a checkpoint or another run's folder,
             lies under a file, or cannot be written; the saved config does not load, the run's
             model folder is missing, or the actor's backend is not installed.
+        adapter_only: Write only the LoRA adapter of a ``model.lora`` run, as a PEFT adapter
+            folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+            ``PeftModel.from_pretrained`` loads onto the run's base model.
+
+    Raises:
+        ConfigError: ``out_dir`` is not empty, the saved config does not load, the run's model
+            folder is missing, the actor's backend is not installed, or ``adapter_only`` for a
+            run that trained no adapter.
         CheckpointError: not a checkpoint, or a file of it is missing, corrupted or unreadable.
     """
     if max_shard_bytes < 1:
@@ -133,6 +146,11 @@ def export_checkpoint(
     ckpt = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(ckpt)
     config = _saved_config(ckpt, device)
+    if adapter_only and not config.model.lora.enabled:
+        raise ConfigError(
+            f"checkpoint {str(ckpt)!r}: --adapter-only (adapter_only=True) needs a run that trained a LoRA adapter, "
+            "but its model.lora.enabled is false; export its full weights without it"
+        )
     model_dir = _model_folder(ckpt, config)
     engine = _build_actor(ckpt, config, model_dir)
     tmp = dest.parent / f".{dest.name}.export-{os.getpid()}"
@@ -140,9 +158,12 @@ def export_checkpoint(
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        manifest = _write_weights(ckpt, engine, tmp, max_shard_bytes)
-        _copy_model_files(model_dir, tmp, manifest)
-        _ensure_generation_config(tmp, engine.tokenizer)
+        if adapter_only:
+            _write_adapter(ckpt, engine, tmp, config, model_dir)
+        else:
+            manifest = _write_weights(ckpt, engine, tmp, max_shard_bytes)
+            _copy_model_files(model_dir, tmp, manifest)
+            _ensure_generation_config(tmp, engine.tokenizer)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -371,6 +392,25 @@ def _write_weights(ckpt: Path, engine: TrainingEngine, folder: Path, max_shard_b
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: its actor weights cannot be exported: {e}") from e
     writer.finish()
     return manifest
+
+
+def _write_adapter(ckpt: Path, engine: TrainingEngine, folder: Path, config: RunConfig, model_dir: Path) -> None:
+    """The actor's adapter stream, checked as a receiver checks it, as a PEFT adapter folder."""
+    tensors: dict[str, Tensor] = {}
+
+    def keep(chunk: list[tuple[str, Tensor]]) -> None:
+        tensors.update(chunk)
+
+    stream = iter(engine.export_adapter())
+    first = next(stream, None)
+    if not isinstance(first, WeightManifest):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: the actor engine's adapter stream did not start with a manifest")
+    try:
+        apply_weight_stream(itertools.chain([first], stream), first.tensors, keep, copy=True)
+    except VerlError as e:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: its adapter cannot be exported: {e}") from e
+    tied = bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+    write_adapter_folder(folder, config.model.lora.spec(), tensors, base_model=str(model_dir.resolve()), tied=tied)
 
 
 def _copy_model_files(model_dir: Path, folder: Path, manifest: WeightManifest) -> None:

@@ -8,12 +8,12 @@ import os
 import shutil
 from typing import Any
 
-from verl_core.kernel.engine import EngineSpec, OptimConfig, Role
+from verl_core.kernel.engine import EngineSpec, LoraSpec, OptimConfig, Role
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.run.folder import RunDir
 
-__all__ = ["build_run_model", "engine_spec"]
+__all__ = ["build_run_model", "engine_spec", "lora_sync"]
 
 
 def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:
@@ -52,15 +52,32 @@ def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str
     return str(dest)
 
 
+def lora_sync(config: RunConfig) -> str | None:
+    """What the weight sync of a LoRA run sends (``model.lora.sync``: ``merged`` or ``adapter``);
+    None when the run trains full weights."""
+    return config.model.lora.sync if config.model.lora.enabled else None
+
+
+def _lora_of(config: RunConfig, role: Role) -> LoraSpec | None:
+    """The LoRA spec of ``role``: the actor trains it; the rollout applies its stream under adapter sync."""
+    if role == "actor" or (role == "rollout" and lora_sync(config) == "adapter"):
+        return config.model.lora.spec() if config.model.lora.enabled else None
+    return None
+
+
 def engine_spec(
     config: RunConfig, role: Role, path: str, *, max_prompt_len: int, max_response_len: int,
     optim: OptimConfig | None = None,
 ) -> EngineSpec:
-    """The spec a run builds ``role``'s engine from: the ``model`` section, the seed and the role's options."""
+    """The spec a run builds ``role``'s engine from: the ``model`` section (with ``model.lora`` for the
+    actor, and for the rollout under adapter sync), the seed and the role's options."""
     m = config.model
     kwargs: dict[str, Any] = {}
     if optim is not None:
         kwargs["optim"] = optim
+    lora = _lora_of(config, role)
+    if lora is not None:
+        kwargs["lora"] = lora
     return EngineSpec(
         model_path=path, role=role, dtype=m.dtype, device=m.device, seed=config.seed,
         options=dict(config.backends.options.get(role, {})),

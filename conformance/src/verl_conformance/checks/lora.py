@@ -1,0 +1,264 @@
+"""LoRA (``EngineSpec.lora``): the adapted model's numbers, the frozen base, syncs and checkpoints.
+
+Every check is gated by ``training.lora`` and starts the engine from the test kit's crafted PEFT
+adapter (:func:`~verl_conformance.testkit.lora.lora_adapter`: rank 4, alpha 8, nonzero ``A`` and
+``B`` on every projection), so a wrong scale, a swapped factor or a disabled adapter shows in
+every output. The float64 references are the suite's own: the base folder with ``W + alpha /
+rank * B A`` merged in float64, and a float64 base model with the suite's LoRA layers for the
+gradients of ``A`` and ``B``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.stateful import STATE_OPTIM
+from verl_conformance.checks.weight_sync import folder_weights
+from verl_conformance.harness import (
+    SUITE_OPTIM,
+    Harness,
+    collect_stream,
+    exported_weights,
+    recover_grads,
+)
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.reference import ReferenceModel, cached_outputs
+from verl_conformance.testkit.crafted import _copy_with_weights
+from verl_conformance.testkit.lora import (
+    LORA_ALPHA,
+    LORA_RANK,
+    lora_adapter,
+    lora_spec,
+    merged_model,
+    target_weights,
+)
+from verl_core import (
+    GlobalBatchStats,
+    LoraSpec,
+    RolloutEngine,
+    SamplingParams,
+    StepMetrics,
+    StreamWeightSync,
+    TensorBatch,
+    TrainingEngine,
+    WeightSync,
+)
+from verl_core.enginekit.lora import LORA_A, LORA_B
+
+_SCALE = LORA_ALPHA / LORA_RANK
+_TEMPERATURES = (1.0, 0.7)
+
+
+def _lora(h: Harness) -> LoraSpec:
+    """The suite's LoRA spec (starting from the crafted adapter); skips a backend that declares no LoRA."""
+    if not h.training().capabilities.lora:
+        h.skip("backend declares lora=False (it trains no LoRA adapters)")
+    return lora_spec()
+
+
+def _adapter(engine: TrainingEngine) -> dict[str, Tensor]:
+    return collect_stream(engine.export_adapter())[1]
+
+
+def _update(engine: TrainingEngine, batch: TensorBatch) -> tuple[float, StepMetrics]:
+    metrics = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    return metrics["loss"], engine.optimizer_step()
+
+
+def _starts_from_init(h: Harness, engine: TrainingEngine) -> dict[str, Tensor]:
+    """The engine's adapter, which must be the crafted adapter it was built from."""
+    got = _adapter(engine)
+    want = {n.removeprefix("base_model.model."): t for n, t in
+            load_file(f"{lora_adapter()}/adapter_model.safetensors").items()}
+    h.expect(set(got) == set(want), f"export_adapter names differ from the adapter's (LoraSpec.init_path): missing "
+             f"{sorted(set(want) - set(got))[:3]}, unexpected {sorted(set(got) - set(want))[:3]}")
+    for name, t in want.items():
+        h.close_to(got[name].float(), t, "weights", f"export_adapter of an engine built from LoraSpec.init_path: {name}")
+    return got
+
+
+class _LoraLinear(nn.Module):
+    """A float64 reference LoRA layer: ``base(x) + scale * lora_B(lora_A(x))``, the base frozen."""
+
+    def __init__(self, base: nn.Linear, a: Tensor, b: Tensor) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, dtype=torch.float64)
+        self.lora_B = nn.Linear(b.shape[1], b.shape[0], bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.copy_(b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.base_layer(x) + _SCALE * self.lora_B(self.lora_A(x))
+        return out
+
+
+def _lora_reference(base: str, adapter: dict[str, Tensor]) -> ReferenceModel:
+    """The float64 reference of the base folder with the suite's LoRA layers holding ``adapter``."""
+    ref = ReferenceModel(base, SUITE_OPTIM)
+    ref.model.requires_grad_(False)
+    for module in target_weights(Path(base)):
+        parent, _, attr = module.rpartition(".")
+        owner = ref.model.get_submodule(parent)
+        setattr(owner, attr, _LoraLinear(getattr(owner, attr), adapter[module + LORA_A].double(),
+                                         adapter[module + LORA_B].double()))
+    return ref
+
+
+@check("numerics", gates=("training.lora",))
+def check_lora_forward_and_grads_match_reference(h: Harness) -> None:
+    """With a nonzero adapter, log_probs and entropy equal the float64 reference of W + alpha/rank * B A, and one update's loss, grad norm and A and B gradients equal the float64 LoRA reference."""
+    spec = _lora(h)
+    engine = h.training(fresh=True, lora=spec)
+    before = _starts_from_init(h, engine)
+    merged = str(merged_model())
+    for temp in _TEMPERATURES:
+        batch = h.batch(seed=80, temperature=temp)
+        got = engine.forward(batch, ["log_probs", "entropy"])
+        ref = cached_outputs(merged, batch, ("log_probs", "entropy"))
+        for key in ("log_probs", "entropy"):
+            h.close_to(got[key], ref[key], key, f"LoRA {key} at temperature {temp} vs the float64 reference of "
+                       "W + alpha/rank * B A (rank 4, alpha 8, nonzero A and B)", mask=batch["response_mask"])
+    batch = h.batch(seed=81, rl_fields=True)
+    loss, step = _update(engine, batch)
+    grads = recover_grads(before, _adapter(engine), engine.spec.optim)
+    ref_step = _lora_reference(h.model_path("llama"), before).loss_and_grads(
+        batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    h.scalar_close(loss, ref_step.loss, "loss", "LoRA loss of one update vs the float64 LoRA reference")
+    h.scalar_close(step.grad_norm, ref_step.grad_norm, "loss",
+                   "LoRA grad norm of one update vs the float64 LoRA reference (only A and B get gradients)")
+    for name in before:
+        h.close_to(grads[name], ref_step.grads[name], "grad",
+                   f"LoRA gradient of {name} vs the float64 LoRA reference (recovered from the first AdamW step)")
+
+
+@check("numerics", gates=("training.lora",))
+def check_lora_base_forward_is_base_model(h: Harness) -> None:
+    """base_forward of an engine with a nonzero adapter equals the float64 reference of the base folder (the adapter disabled), while forward does not."""
+    engine = h.training(fresh=True, lora=_lora(h))
+    for temp in _TEMPERATURES:
+        batch = h.batch(seed=82, temperature=temp)
+        got = engine.base_forward(batch, ["log_probs", "entropy"])
+        ref = cached_outputs(h.model_path("llama"), batch, ("log_probs", "entropy"))
+        for key in ("log_probs", "entropy"):
+            h.close_to(got[key], ref[key], key, f"base_forward {key} at temperature {temp} vs the float64 reference "
+                       "of the base folder (the adapter must be disabled)", mask=batch["response_mask"])
+        adapted = engine.forward(batch)["log_probs"]
+        m = batch["response_mask"]
+        h.expect(float((adapted.double() - ref["log_probs"]).abs()[m].max()) > 1e-2,
+                 "forward of an engine with a nonzero adapter equals the base model: the adapter is not applied")
+
+
+@check("stateful", gates=("training.lora",))
+def check_lora_base_unchanged(h: Harness) -> None:
+    """After two updates the base is bit-unchanged: base_forward gives the same bits, and the merged export is the folder's tensors (plus alpha/rank * B A on the targets)."""
+    engine = h.training(fresh=True, lora=_lora(h))
+    batch = h.batch(seed=83)
+    base_before = engine.base_forward(batch, ["log_probs"])["log_probs"]
+    for seed in (84, 85):
+        _update(engine, h.batch(seed=seed, rl_fields=True))
+    base_after = engine.base_forward(batch, ["log_probs"])["log_probs"]
+    h.expect(torch.equal(base_after, base_before),
+             "base_forward changed after two updates: the base weights were trained (only the adapter may be)")
+    folder = folder_weights(h.model_path("llama"))
+    merged = exported_weights(engine)
+    adapter = _adapter(engine)
+    for name, w in folder.items():
+        if name not in merged:
+            continue  # a tied lm_head is not streamed
+        module = name.removesuffix(".weight")
+        got = merged[name]
+        if module + LORA_A in adapter:
+            want = w.double() + _SCALE * adapter[module + LORA_B].double() @ adapter[module + LORA_A].double()
+            h.close_to(got.float(), want, "weights", f"merged export of {name} vs the folder's W + alpha/rank * B A "
+                       "of the exported adapter (the base must stay the folder's)")
+        else:
+            h.expect(torch.equal(got, w.to(got.dtype)),
+                     f"merged export of {name} (no adapter) differs from the folder's tensor: the base was trained")
+
+
+def _sync(h: Harness) -> WeightSync:
+    if h.subject.registered:
+        from verl_core import get_weight_sync
+
+        return get_weight_sync(h.subject.name, h.subject.name)
+    return StreamWeightSync()
+
+
+@check("weight_sync", gates=("training.lora", "rollout.lora_adapters"))
+def check_lora_sync_serves_merged_weights(h: Harness) -> None:
+    """After a LoRA update and a sync (merged weights; the adapter where the rollout declares lora_adapters) the rollout samples exactly as a rollout loaded with W + alpha/rank * B A."""
+    spec = _lora(h)
+    engine = h.training(fresh=True, lora=spec)
+    _update(engine, h.batch(seed=86, rl_fields=True))
+    adapter = _adapter(engine)
+    folder = dict(folder_weights(h.model_path("llama")))
+    for module in target_weights(Path(h.model_path("llama"))):
+        w = folder[module + ".weight"]
+        folder[module + ".weight"] = w.double() + _SCALE * adapter[module + LORA_B].double() @ adapter[module + LORA_A].double()
+    prompts = h.batch(seed=87, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=13)
+    modes = ["merged weights"]
+    probe = h.rollout()
+    if probe.capabilities.lora_adapters:
+        modes.append("the adapter")
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-lora-") as tmp:
+        _copy_with_weights(Path(h.model_path("llama")), Path(tmp), folder)
+        loaded = h.rollout(fresh=True, model_path=tmp)
+        want = loaded.generate(prompts, params)
+        ref = ReferenceModel(tmp).outputs(want)["log_probs"]
+        h.close_to(want["rollout_log_probs"], ref, "log_probs",
+                   "a rollout loaded with the merged folder vs its float64 reference", mask=want["response_mask"])
+        for mode in modes:
+            rollout: RolloutEngine = (h.rollout(fresh=True, lora=spec) if mode == "the adapter"
+                                      else h.rollout(fresh=True))
+            _sync(h).sync(engine, rollout, version=1)
+            got = rollout.generate(prompts, params)
+            what = f"after a LoRA sync of {mode}"
+            if h.dtype == "float32":
+                h.expect(torch.equal(got["response_ids"], want["response_ids"]),
+                         f"{what}: the rollout samples other tokens than a rollout loaded with the merged weights "
+                         f"W + alpha/rank * B A (first rows {got['response_ids'][:2].tolist()} vs "
+                         f"{want['response_ids'][:2].tolist()})")
+                h.close_to(got["rollout_log_probs"], want["rollout_log_probs"], "log_probs",
+                           f"{what}: rollout_log_probs vs a rollout loaded with the merged weights",
+                           mask=want["response_mask"])
+            ref_got = ReferenceModel(tmp).outputs(got)["log_probs"]
+            h.close_to(got["rollout_log_probs"], ref_got, "log_probs",
+                       f"{what}: rollout_log_probs vs the float64 reference of the merged weights W + alpha/rank * B A",
+                       mask=got["response_mask"])
+
+
+@check("stateful", gates=("training.lora", "training.checkpoint"))
+def check_lora_checkpoint_round_trip(h: Harness) -> None:
+    """save_checkpoint of a LoRA engine, load_checkpoint into a fresh one: the next two updates give the same loss, grad norm and adapter as the engine that kept its state."""
+    spec = _lora(h)
+    if not h.training().capabilities.checkpoint:
+        h.skip("backend declares checkpoint=False")
+    kept = h.training(fresh=True, lora=spec, optim=STATE_OPTIM)
+    _update(kept, h.batch(seed=88, rl_fields=True))
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        path = Path(tmp) / "checkpoint"
+        kept.save_checkpoint(path)
+        restored = h.training(fresh=True, lora=spec, optim=STATE_OPTIM)
+        restored.load_checkpoint(path)
+    what = "after save_checkpoint and load_checkpoint of a LoRA engine into a fresh one"
+    for i, seed in enumerate((89, 90), start=1):
+        batch = h.batch(seed=seed, rl_fields=True)
+        loss_r, step_r = _update(restored, batch)
+        loss_k, step_k = _update(kept, batch)
+        h.scalar_close(loss_r, loss_k, "loss", f"{what}: loss of update {i}")
+        h.scalar_close(step_r.grad_norm, step_k.grad_norm, "loss", f"{what}: grad norm of update {i}")
+        got, want = _adapter(restored), _adapter(kept)
+        h.expect(set(got) == set(want), f"{what}: adapter names differ after update {i}")
+        for name, t in want.items():
+            h.close_to(got[name].float(), t.float(), "weights",
+                       f"{what}: {name} after update {i} differs from the engine that kept its state "
+                       "(the adapter, its Adam moments or the step were not restored)")

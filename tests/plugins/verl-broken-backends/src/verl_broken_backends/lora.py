@@ -1,0 +1,104 @@
+"""Broken LoRA backends: the hf backend whose actor trains a LoRA adapter with one fault each.
+
+Registered only by tests/conformance/test_meta_faults_lora.py (``VERL_PLUGINS`` names the plugin
+objects below), so the other meta-tests' backends are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Collection
+
+import torch
+
+from verl_broken_backends.plugin import BrokenHFBackend
+from verl_core import EngineSpec, ModelOutput, TensorBatch
+from verl_hf import checkpoint as ckpt
+from verl_hf.optim import HFOptimizer
+from verl_hf.training import HFTrainingEngine
+
+__all__ = [
+    "BaseForwardKeepsAdapter",
+    "BaseTrained",
+    "CheckpointWithoutAdapterMoments",
+    "MergedStreamUnmerged",
+    "ScaleIsAlpha",
+    "lora_base_forward",
+    "lora_base_trained",
+    "lora_checkpoint",
+    "lora_scale",
+    "lora_unmerged_stream",
+]
+
+_LORA = "verl_broken_backends.lora"
+
+
+class ScaleIsAlpha(HFTrainingEngine):
+    """The adapter's update is scaled by alpha instead of alpha / rank (forward and gradients)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None and spec.lora is not None:
+            for module in self.model.modules():
+                scaling = getattr(module, "scaling", None)
+                if isinstance(scaling, dict) and "default" in scaling:
+                    scaling["default"] = float(spec.lora.alpha)
+
+
+class BaseTrained(HFTrainingEngine):
+    """The base weights are trained beside the adapter (every parameter requires grad)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None:
+            self.model.requires_grad_(True)
+            self._optim = HFOptimizer(self.model, spec.optim, self._device, self._dp, fsdp=False,
+                                      master_weights=self._options.master_weights)
+
+
+class MergedStreamUnmerged(HFTrainingEngine):
+    """The merged weight stream leaves the adapter out (the rollout serves the base)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None:
+            self.lora.spec = dataclasses.replace(self.lora.spec, alpha=1e-30)  # merged W + ~0 * B A
+
+
+class BaseForwardKeepsAdapter(HFTrainingEngine):
+    """base_forward runs the adapted model (the adapter is never disabled)."""
+
+    def base_forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The adapted forward, wrongly."""
+        return self.forward(batch, outputs)
+
+
+class CheckpointWithoutAdapterMoments(HFTrainingEngine):
+    """save_checkpoint leaves the adapter's Adam moments out."""
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save, then drop the optimizer state from the committed trainer state."""
+        super().save_checkpoint(path)
+        state = ckpt.current_state_dir(path) / "trainer_state.pt"
+        trainer = torch.load(state, map_location="cpu", weights_only=True)
+        trainer["optimizer"] = None
+        torch.save(trainer, state)
+
+
+lora_scale = BrokenHFBackend("broken-lora-scale", "the LoRA update is scaled by alpha, not alpha / rank",
+                             "actor", f"{_LORA}:ScaleIsAlpha")
+lora_base_trained = BrokenHFBackend("broken-lora-base-trained", "the base weights train beside the adapter",
+                                    "actor", f"{_LORA}:BaseTrained")
+lora_unmerged_stream = BrokenHFBackend("broken-lora-unmerged", "the merged weight stream leaves the adapter out",
+                                       "actor", f"{_LORA}:MergedStreamUnmerged")
+lora_base_forward = BrokenHFBackend("broken-lora-base-forward", "base_forward keeps the adapter on",
+                                    "actor", f"{_LORA}:BaseForwardKeepsAdapter")
+lora_checkpoint = BrokenHFBackend("broken-lora-checkpoint", "a LoRA checkpoint leaves the adapter's Adam moments out",
+                                  "actor", f"{_LORA}:CheckpointWithoutAdapterMoments")
+
+
+def verl_plugins() -> str:
+    """The ``VERL_PLUGINS`` value registering every broken LoRA backend."""
+    return ",".join(f"{obj.name}={__name__}:{attr}" for attr, obj in globals().items()
+                    if isinstance(obj, BrokenHFBackend))
