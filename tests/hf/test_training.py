@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hf_helpers import actor_spec, flat_grads, model_path
 
 from verl_conformance.testkit import assert_close, random_batch
 from verl_core import (
+    ConfigError,
     GlobalBatchStats,
     LossOutput,
     OptimConfig,
@@ -107,6 +110,11 @@ class _NaNLoss:
         return LossOutput(batch["log_probs"].sum() * float("nan"))
 
 
+class _RaisingLoss(_NaNLoss):
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        raise RuntimeError("a failing loss")
+
+
 def test_non_finite_grad_norm_skips_the_step() -> None:
     engine = HFTrainingEngine(actor_spec(model_path()))
     batch = _ppo_batch(engine)
@@ -204,3 +212,28 @@ def test_offload_round_trip_keeps_training_state() -> None:
         assert torch.equal(v, state[k])
     engine.forward_backward(batch, PPO.actor_loss, GlobalBatchStats.of(batch))
     assert not engine.optimizer_step().skipped
+
+
+def test_the_shared_training_rules_hold(tmp_path: Path) -> None:
+    """TrainingEngineBase's gates on a real engine: one call per optimizer step, the frozen reference,
+    a failed call leaves nothing pending, a checkpoint load clears pending gradients."""
+    path = model_path()
+    engine = HFTrainingEngine(actor_spec(path))
+    batch = _ppo_batch(engine)
+    stats = GlobalBatchStats.of(batch)
+    engine.forward_backward(batch, PPO.actor_loss, stats)
+    with pytest.raises(ConfigError, match=r"forward_backward \(actor\): the gradients of the previous call"):
+        engine.forward_backward(batch, PPO.actor_loss, stats)
+    assert not engine.optimizer_step().skipped and engine.step == 1
+    with pytest.raises(RuntimeError, match="a failing loss"):  # a call that raises leaves nothing pending
+        engine.forward_backward(batch, _RaisingLoss(), stats)
+    engine.forward_backward(batch, PPO.actor_loss, stats)
+    engine.save_checkpoint(tmp_path / "ckpt")  # gradients pending at save time are not state
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert engine.step == 1
+    engine.forward_backward(batch, PPO.actor_loss, stats)  # the load cleared the pending gradients
+    reference = HFTrainingEngine(actor_spec(path, role="reference"))
+    with pytest.raises(ConfigError, match=r"forward_backward \(reference\): the reference engine is frozen"):
+        reference.forward_backward(batch, PPO.actor_loss, stats)
+    with pytest.raises(ConfigError, match=r"optimizer_step \(reference\): the reference engine has no optimizer"):
+        reference.optimizer_step()

@@ -14,7 +14,6 @@ from torch import Tensor
 from verl_core import (
     BatchValidationError,
     CheckpointError,
-    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossFn,
@@ -25,13 +24,13 @@ from verl_core import (
     TensorInfo,
     Tokenizer,
     TrainingCapabilities,
-    TrainingEngine,
     WeightManifest,
     WeightMessage,
     stream_weights,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.token_stats import token_log_probs
+from verl_core.enginekit.training_base import TrainingEngineBase
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ACTOR_CAPABILITIES, CRITIC_CAPABILITIES
 
@@ -57,7 +56,7 @@ def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size:
     return rebuilt.check(where=where, vocab_size=vocab_size)
 
 
-class TinyTrainingEngine(TrainingEngine):
+class TinyTrainingEngine(TrainingEngineBase):
     """Actor, reference or critic (on a value-head folder) in plain torch.
 
     Args:
@@ -76,8 +75,7 @@ class TinyTrainingEngine(TrainingEngine):
         o = spec.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
-        self.step = 0  # applied optimizer steps: the schedule's index and the weight version
-        self._pending = False  # gradients of a forward_backward call not yet applied
+        self._init_training()  # the step counter and the one-call-per-optimizer-step gate
 
     @property
     def spec(self) -> EngineSpec:
@@ -120,13 +118,11 @@ class TinyTrainingEngine(TrainingEngine):
         with torch.no_grad():
             return b.update(self._outputs(b, outputs))
 
-    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *,
-                         max_tokens: int | None = None) -> Metrics:
+    def _forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *,
+                          max_tokens: int | None, where: str) -> Metrics:
         """The gradients of ``loss_fn`` (already normalised by the global counts) over micro-batches
-        of the whole mini-batch; once per optimizer step; a call that raises leaves no gradients."""
-        if self._pending:
-            raise ConfigError("forward_backward: call optimizer_step() first (one call per optimizer step)")
-        b = validate(mini_batch, "forward_backward", _SEQ, self.model.cfg.vocab_size)
+        of the whole mini-batch; a call that raises leaves no gradients."""
+        b = validate(mini_batch, where, _SEQ, self.model.cfg.vocab_size)
         s = self._spec
         budget = max_tokens or s.micro_batch_tokens
         parts = (b.micro_batches(max_tokens=budget) if budget
@@ -143,18 +139,16 @@ class TinyTrainingEngine(TrainingEngine):
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # a failed call leaves no gradients
             raise
-        self._pending = True
         return {**sums, "loss": total, "num_micro_batches": float(len(parts))}
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """Clip, step AdamW at ``lr_at(step)``; a non-finite grad norm skips (schedule untouched)."""
-        self._pending = False
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
         for g in grads:
             sq = sq + g.double().pow(2).sum()
         norm = float(sq.sqrt())
-        lr = self._spec.optim.lr_at(self.step)
+        lr = self._spec.optim.lr_at(self._step)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
@@ -166,7 +160,6 @@ class TinyTrainingEngine(TrainingEngine):
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
         return StepMetrics(grad_norm=norm, lr=lr, skipped=False)
 
     def export_weights(self, *, dtype: torch.dtype | None = None,
@@ -174,7 +167,7 @@ class TinyTrainingEngine(TrainingEngine):
         """The weights as a stream whose version is the count of applied steps."""
         named = self.model.named_weights()
         infos = {n: TensorInfo(tuple(t.shape), dtype or t.dtype) for n, t in named}
-        manifest = WeightManifest(self.step, infos, tied_embeddings=self.model.cfg.tied)
+        manifest = WeightManifest(self._step, infos, tied_embeddings=self.model.cfg.tied)
         return stream_weights(((n, t.detach()) for n, t in named), manifest, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -182,12 +175,12 @@ class TinyTrainingEngine(TrainingEngine):
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / "state.pt.tmp"
-        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": self.step,
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": self._step,
                     "rng": torch.get_rng_state(), "py_rng": random.getstate()}, tmp)
         os.replace(tmp, folder / "state.pt")
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (weights-only loading).
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Restore what :meth:`save_checkpoint` wrote (weights-only loading); returns its step.
 
         Raises:
             CheckpointError: the folder holds no checkpoint of this backend.
@@ -198,9 +191,9 @@ class TinyTrainingEngine(TrainingEngine):
         state = torch.load(file, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
-        self.step = int(state["step"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
+        return int(state["step"])
 
     def offload(self) -> None:
         """Nothing to move on a CPU (the backend declares offload=False)."""

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from verl_core.enginekit.precision import MasterWeights
+from verl_core.enginekit.training_base import TrainingEngineBase
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import TrainingCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -38,7 +39,6 @@ from verl_core.kernel.training import (
     Metrics,
     ModelOutput,
     StepMetrics,
-    TrainingEngine,
 )
 from verl_core.kernel.weights import WeightMessage
 from verl_hf.capabilities import training_capabilities
@@ -66,7 +66,7 @@ __all__ = ["HFTrainingEngine", "build_training_engine"]
 _LOG_PROBS_ONLY: Final[frozenset[ModelOutput]] = frozenset({"log_probs"})
 
 
-class HFTrainingEngine(TrainingEngine):
+class HFTrainingEngine(TrainingEngineBase):
     """A transformers model as a verl TrainingEngine (roles actor, reference and critic).
 
     The actor and reference load ``AutoModelForCausalLM``; the critic loads
@@ -156,9 +156,7 @@ class HFTrainingEngine(TrainingEngine):
         self._weights = (LoraWeightExport(self._lora) if self._lora is not None
                          else WeightExport(model, tied=tied, fsdp=fsdp, flat=spec.role == "actor" and not fsdp))
         self._tokenizer: HFTokenizer | None = None
-        self._step = 0
-        # True from a successful forward_backward until optimizer_step consumes its gradients.
-        self._grads_pending = False
+        self._init_training()
         self._optim: HFOptimizer | None = None
         if self._trainable:
             self._optim = HFOptimizer(model, spec.optim, self._device, self._dp, fsdp=fsdp,
@@ -192,11 +190,6 @@ class HFTrainingEngine(TrainingEngine):
     def model(self) -> Any:
         """The underlying transformers model (FSDP2-wrapped under data parallel ``fsdp2``)."""
         return self._model
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (skipped steps do not count)."""
-        return self._step
 
     @property
     def packs_sequences(self) -> bool:
@@ -286,48 +279,32 @@ class HFTrainingEngine(TrainingEngine):
         """The model's lock under LoRA (a forward must not see another thread's disabled adapter)."""
         return self._lora.lock if self._lora is not None else contextlib.nullcontext()
 
-    def forward_backward(
-        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    def _forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None,
+        where: str,
     ) -> Metrics:
-        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
+        """The gradients of ``loss_fn`` over this rank's share of one optimizer step.
 
         Micro-batches hold at most ``max_tokens`` tokens (else ``spec.micro_batch_tokens``, else
         ``spec.micro_batch_size`` samples): padded tokens, or the real tokens when the engine packs
-        (:attr:`packs_sequences`, declared as ``capabilities.packed_sequences``); see
-        :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
-        raises leaves (no gradients).
+        (:attr:`packs_sequences`, declared as ``capabilities.packed_sequences``).
         """
-        where = f"HFTrainingEngine.forward_backward ({self._spec.role})"
-        if not self._trainable:
-            raise ConfigError(f"{where}: the reference engine is frozen; train the actor or critic")
         self._check_outputs(set(loss_fn.needs), where)
         self._require_onloaded(where)
-        if self._grads_pending:
-            raise ConfigError(
-                f"{where}: the gradients of the previous call have not been applied; call optimizer_step() "
-                "first (forward_backward takes the whole mini-batch of one optimizer step)"
-            )
         validate_inputs(mini_batch, where, self._vocab_size, self._spec)
         budget: int | None = max_tokens if max_tokens is not None else self._spec.micro_batch_tokens
         size = None if max_tokens is not None else self._spec.micro_batch_size
         with self._one_at_a_time():
-            metrics = self._loop.forward_backward(
+            return self._loop.forward_backward(
                 mini_batch.to(self._device), loss_fn, stats, max_tokens=budget, size=size, where=where
             )
-        self._grads_pending = True
-        return metrics
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm."""
-        where = f"HFTrainingEngine.optimizer_step ({self._spec.role})"
         if self._optim is None:
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         self._require_onloaded(where)
-        self._grads_pending = False
-        result = self._optim.step()
-        if not result.skipped:
-            self._step += 1
-        return result
+        return self._optim.step()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def export_weights(
@@ -360,8 +337,8 @@ class HFTrainingEngine(TrainingEngine):
         self._require_onloaded("HFTrainingEngine.save_checkpoint")
         self._checkpoint.save(path, self._step)
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore the state :meth:`save_checkpoint` committed under ``path`` exactly.
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Restore the state :meth:`save_checkpoint` committed under ``path`` exactly; returns its step.
 
         Every file is read and every tensor checked against the live engine before anything is
         restored: model tensors by name, shape and dtype; float32 masters and Adam moments by
@@ -377,8 +354,7 @@ class HFTrainingEngine(TrainingEngine):
                 saved, what this engine expects and the checkpoint folder.
         """
         self._require_onloaded("HFTrainingEngine.load_checkpoint")
-        self._step = self._checkpoint.load(path)
-        self._grads_pending = False
+        return self._checkpoint.load(path)
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:

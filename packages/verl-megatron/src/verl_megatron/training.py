@@ -40,11 +40,11 @@ from verl_core import (
     TensorBatch,
     Tokenizer,
     TrainingCapabilities,
-    TrainingEngine,
     WeightMessage,
 )
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.precision import MasterWeights
+from verl_core.enginekit.training_base import TrainingEngineBase
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_megatron.capabilities import training_capabilities
@@ -70,7 +70,7 @@ def build_training_engine(spec: EngineSpec) -> MegatronTrainingEngine:
     return MegatronTrainingEngine(spec)
 
 
-class MegatronTrainingEngine(TrainingEngine):
+class MegatronTrainingEngine(TrainingEngineBase):
     """A megatron-core GPTModel (local layer spec) loaded from a transformers folder.
 
     Every rank of the SPMD group builds the engine with the same spec and makes the same calls in
@@ -116,9 +116,7 @@ class MegatronTrainingEngine(TrainingEngine):
         )
         self._tokenizer = load_tokenizer(spec.model_path)
         self._trainable = spec.role in ("actor", "critic")
-        self._step = 0
-        # True from a successful forward_backward until optimizer_step consumes its gradients.
-        self._grads_pending = False
+        self._init_training()
         stage = Stage(self.model, self.adapter, self.dims, ps, self.tp, self.pp, self.dp, self.tp_rank,
                       self.pp_rank, self.dp_rank, self._device, self._dtype)
         self._opt: StageOptimizer | None = None
@@ -153,12 +151,6 @@ class MegatronTrainingEngine(TrainingEngine):
         """The validated backend options of the spec."""
         return self._options
 
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (the weight version of an export)."""
-        return self._step
-
-    # ------------------------------------------------------------------ optimizer views
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The torch AdamW (None with megatron's optimizer or for a frozen reference)."""
@@ -207,46 +199,32 @@ class MegatronTrainingEngine(TrainingEngine):
             return batch
         return self._loop.forward(batch, needed)
 
-    def forward_backward(
-        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    def _forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None,
+        where: str,
     ) -> Metrics:
-        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
+        """The gradients of ``loss_fn`` over this rank's share of one optimizer step.
 
         Megatron's schedule (``num_microbatches``) runs the micro-batches the kernel partitioner
-        cuts under ``max_tokens`` (else the spec's budget or size); see
-        :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
-        raises leaves (no gradients).
+        cuts under ``max_tokens`` (else the spec's budget or size).
         """
-        if not self._trainable:
-            raise ConfigError(f"forward_backward needs role actor or critic; this engine is {self._spec.role}")
-        if self._grads_pending:
-            raise ConfigError(
-                "MegatronTrainingEngine.forward_backward: the gradients of the previous call have not been "
-                "applied; call optimizer_step() first (forward_backward takes the whole mini-batch of one "
-                "optimizer step)"
-            )
-        self._validate(mini_batch, "MegatronTrainingEngine.forward_backward", frozenset(loss_fn.needs))
+        self._validate(mini_batch, where, frozenset(loss_fn.needs))
         if mini_batch.batch_size == 0:
             raise BatchValidationError("forward_backward got an empty mini-batch; every data-parallel rank needs >= 1 sample")
         onload_s = self._switch.ensure_onloaded()
         metrics = self._loop.forward_backward(mini_batch, loss_fn, stats, max_tokens)
-        self._grads_pending = True
         if onload_s is not None:
             metrics["switch_to_rollout_s"] = self._switch.offload_s
             metrics["switch_to_training_s"] = onload_s
         return metrics
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
         if self._opt is None:
-            raise ConfigError(f"optimizer_step needs role actor or critic; this engine is {self._spec.role}")
-        self._grads_pending = False
+            raise ConfigError(f"{where}: the reference engine has no optimizer")
         if self._opt.core is None:
             self._switch.ensure_onloaded()
-        result = self._opt.step(self._step)
-        if not result.skipped:
-            self._step += 1
-        return result
+        return self._opt.step(self._step)
 
     # ------------------------------------------------------------------ weights
     def _full_tensor(self, name: str, *, what: Gatherable = "param") -> Tensor:
@@ -291,8 +269,8 @@ class MegatronTrainingEngine(TrainingEngine):
         self._switch.ensure_onloaded()
         self._checkpoint.save(path, self._step)
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint`, at this engine's TP/PP layout.
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, at this engine's TP/PP layout; returns its step.
 
         Everything is checked before anything is restored (see :meth:`StageCheckpoint.verify`), on
         every rank alike (each reads the whole file), so a refused load raises on all ranks and
@@ -307,11 +285,11 @@ class MegatronTrainingEngine(TrainingEngine):
         """
         payload = self._checkpoint.read(path)
         self._switch.ensure_onloaded()
-        self._step = self._checkpoint.restore(payload)
+        step = self._checkpoint.restore(payload)
         if self._opt is not None:
             self._opt.clear_grads()
-        self._grads_pending = False
         torch.distributed.barrier()
+        return step
 
     # ------------------------------------------------------------------ colocated switching
     @property

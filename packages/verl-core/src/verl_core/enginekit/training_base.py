@@ -1,0 +1,119 @@
+"""TrainingEngineBase: what every training engine shares, so a backend writes only its compute.
+
+The rules of :class:`~verl_core.kernel.training.TrainingEngine` that do not depend on the engine
+live here once (architecture.md, "Loss and distribution"):
+
+* a reference engine is frozen: :meth:`forward_backward` and :meth:`optimizer_step` refuse it;
+* ``forward_backward`` takes the whole mini-batch of one optimizer step: a second call before
+  :meth:`optimizer_step` is refused, and a call that raises leaves no gradients pending;
+* ``optimizer_step`` counts a step only when it was not skipped (a non-finite grad norm);
+* ``load_checkpoint`` restores the step counter and clears pending gradients.
+
+A backend subclasses it (the way a rollout engine subclasses
+:class:`~verl_core.enginekit.rollout_base.RolloutEngineBase`), calls :meth:`_init_training` in its
+constructor and implements :meth:`_forward_backward`, :meth:`_optimizer_step` and
+:meth:`_load_checkpoint`, plus the rest of the protocol (forward, weights, checkpoints' writing,
+memory).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.engine import EngineSpec
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.training import GlobalBatchStats, LossFn, Metrics, StepMetrics, TrainingEngine
+
+__all__ = ["TrainingEngineBase"]
+
+
+class TrainingEngineBase(TrainingEngine):
+    """A training engine's shared gates: the frozen reference, pending gradients, the step counter."""
+
+    _step: int
+    _grads_pending: bool
+
+    def _init_training(self) -> None:
+        """Start with step 0 and no pending gradients (call from the subclass's constructor)."""
+        self._step = 0
+        self._grads_pending = False
+
+    @property
+    @abstractmethod
+    def spec(self) -> EngineSpec:
+        """The spec this engine was built from."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied (skipped steps are not counted)."""
+        return self._step
+
+    @property
+    def trainable(self) -> bool:
+        """False for a reference engine, which is frozen."""
+        return self.spec.role != "reference"
+
+    def _where(self, method: str) -> str:
+        return f"{type(self).__name__}.{method} ({self.spec.role})"
+
+    def forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None = None
+    ) -> Metrics:
+        """Compute the gradients of ``loss_fn`` over this rank's share of one optimizer step.
+
+        See :meth:`TrainingEngine.forward_backward` for the contract, including what a call that
+        raises leaves (no gradients).
+
+        Raises:
+            ConfigError: the engine is a frozen reference, or the previous call's gradients have
+                not been applied by :meth:`optimizer_step`.
+        """
+        where = self._where("forward_backward")
+        if not self.trainable:
+            raise ConfigError(f"{where}: the reference engine is frozen; train the actor or critic")
+        if self._grads_pending:
+            raise ConfigError(
+                f"{where}: the gradients of the previous call have not been applied; call optimizer_step() "
+                "first (forward_backward takes the whole mini-batch of one optimizer step)"
+            )
+        metrics = self._forward_backward(mini_batch, loss_fn, stats, max_tokens=max_tokens, where=where)
+        self._grads_pending = True
+        return metrics
+
+    def optimizer_step(self) -> StepMetrics:
+        """Apply the pending gradients; the step counts unless it was skipped (non-finite grad norm).
+
+        Raises:
+            ConfigError: the engine is a frozen reference (it has no optimizer).
+        """
+        where = self._where("optimizer_step")
+        if not self.trainable:
+            raise ConfigError(f"{where}: the reference engine has no optimizer")
+        self._grads_pending = False
+        result = self._optimizer_step(where=where)
+        if not result.skipped:
+            self._step += 1
+        return result
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save_checkpoint` committed under ``path``: the step and no pending gradients."""
+        self._step = self._load_checkpoint(path)
+        self._grads_pending = False
+
+    # ------------------------------------------------------------------ what a backend implements
+    @abstractmethod
+    def _forward_backward(
+        self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None,
+        where: str,
+    ) -> Metrics:
+        """The engine's gradient computation (the gates above already passed); raise leaving no gradients."""
+
+    @abstractmethod
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
+        """Clip, step and zero the gradients; all ranks skip together on a non-finite grad norm."""
+
+    @abstractmethod
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Check and restore the checkpoint under ``path``; return its step counter."""
