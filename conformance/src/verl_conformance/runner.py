@@ -189,6 +189,8 @@ def _factories_reproduction(check_id: str, subject: Subject, against: str | None
         else:
             imports.append(f"from {module} import {qualname.split('.')[0]}")
             args.append(f"{keyword}={qualname}")
+    if subject.roles is not None:
+        args.append(f"roles={sorted(subject.roles)!r}")
     if against:
         args.append(f"against={against!r}")
     args.append(f"checks=[{check_id!r}]")
