@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,16 @@ from verl_tiny_backend.model import Rope
 from verl_tiny_backend.rollout import TinyRolloutEngine
 from verl_tiny_backend.training import TinyTrainingEngine
 
-from verl_core import EngineSpec, SamplingParams, StepMetrics, TensorBatch
+from verl_core import (
+    EngineSpec,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    SamplingParams,
+    StepMetrics,
+    TensorBatch,
+    WeightMessage,
+)
 from verl_core.enginekit.rollout_base import Responses
 from verl_core.enginekit.sampling import (
     TokenSampler,
@@ -29,15 +39,28 @@ from verl_core.enginekit.sampling import (
 )
 
 __all__ = [
+    "BudgetIgnored",
+    "ClipIgnored",
+    "ConstantLearningRate",
+    "CoupledWeightDecay",
+    "DefaultBetas",
     "EosIgnoredWithStopTokens",
+    "ExportDtypeIgnored",
+    "GreedyLogProbsAtTemperatureOne",
     "GreedyWhileReportingSoftmax",
     "MomentsResetOnLoad",
+    "NonFiniteStepApplied",
+    "NormAfterClipping",
     "RopeScalingIgnoredRollout",
     "RopeScalingIgnoredTraining",
+    "SameStreamForEverySample",
     "SampledAtTemperatureOne",
     "SchedulerNotCheckpointed",
+    "SkippedStepCounted",
     "StepCountNotCheckpointed",
     "TopPBeforeTemperature",
+    "UnseededIsSeedZero",
+    "WeightDecayIgnored",
 ]
 
 
@@ -198,3 +221,147 @@ class StepCountNotCheckpointed(TinyTrainingEngine):
         super().load_checkpoint(path)
         for state in self.optimizer.state.values():
             state["step"] = torch.zeros_like(state["step"])
+
+
+# ---------------------------------------------------------------------------------------- the optimizer
+def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: bool = True, betas: bool = True,
+                    schedule: bool = True, norm_after_clip: bool = False, skip: bool = True,
+                    count_skipped: bool = False) -> StepMetrics:
+    """The tiny engine's optimizer_step with the settings a fault leaves out."""
+    engine._pending = False
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+
+    def norm_of() -> float:
+        return float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
+
+    norm = norm_of()
+    o = engine.spec.optim
+    lr = o.lr_at(engine.step) if schedule else o.lr
+    if skip and not math.isfinite(norm):
+        engine.optimizer.zero_grad(set_to_none=True)
+        if count_skipped:
+            engine.step += 1
+        return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
+    if clip and o.grad_clip > 0 and norm > o.grad_clip:
+        for g in grads:
+            g.mul_(o.grad_clip / (norm + 1e-6))
+    reported = norm_of() if norm_after_clip else norm
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = o.weight_decay if decay else 0.0
+        group["betas"] = o.betas if betas else (0.9, 0.999)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.step += 1
+    return StepMetrics(grad_norm=reported, lr=lr, skipped=False)
+
+
+class WeightDecayIgnored(TinyTrainingEngine):
+    """Steps AdamW without the spec's weight decay."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step with weight_decay 0."""
+        return _optimizer_step(self, decay=False)
+
+
+class DefaultBetas(TinyTrainingEngine):
+    """Steps AdamW with torch's default betas (0.9, 0.999) whatever the spec says."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step with the default betas."""
+        return _optimizer_step(self, betas=False)
+
+
+class ClipIgnored(TinyTrainingEngine):
+    """Never clips the gradients."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step without clipping."""
+        return _optimizer_step(self, clip=False)
+
+
+class NormAfterClipping(TinyTrainingEngine):
+    """Reports the grad norm after clipping instead of before."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step reporting the clipped norm."""
+        return _optimizer_step(self, norm_after_clip=True)
+
+
+class ConstantLearningRate(TinyTrainingEngine):
+    """Steps at ``spec.optim.lr`` always (no warmup, no decay)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step at the peak learning rate."""
+        return _optimizer_step(self, schedule=False)
+
+
+class CoupledWeightDecay(TinyTrainingEngine):
+    """Adam with L2 regularisation (weight decay added to the gradient) instead of AdamW's decoupled decay."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        o = spec.optim
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=o.lr, betas=o.betas,  # type: ignore[assignment]
+                                          eps=o.eps, weight_decay=o.weight_decay)
+
+
+class NonFiniteStepApplied(TinyTrainingEngine):
+    """Steps even when the grad norm is not finite (the weights become NaN)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step that never skips."""
+        return _optimizer_step(self, skip=False)
+
+
+class SkippedStepCounted(TinyTrainingEngine):
+    """Skips a non-finite update but advances its step counter (the schedule moves on)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A skip that counts as a step."""
+        return _optimizer_step(self, count_skipped=True)
+
+
+# ---------------------------------------------------------------------------------------- more training faults
+class BudgetIgnored(TinyTrainingEngine):
+    """forward_backward ignores the call's ``max_tokens`` (the spec's micro-batching applies)."""
+
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *,
+                         max_tokens: int | None = None) -> Metrics:
+        """The call without its budget."""
+        return super().forward_backward(mini_batch, loss_fn, stats, max_tokens=None)
+
+
+class ExportDtypeIgnored(TinyTrainingEngine):
+    """export_weights sends the parameters' own dtype whatever dtype the receiver asks for."""
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The stream in float32."""
+        return super().export_weights(dtype=None, bucket_bytes=bucket_bytes)
+
+
+# ---------------------------------------------------------------------------------------- more rollout faults
+class GreedyLogProbsAtTemperatureOne(TinyRolloutEngine):
+    """Greedy decoding reports log-probs of softmax(logits), not softmax(logits / T)."""
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        return super()._sample(rows, replace(params, temperature=1.0) if params.greedy else params, seeds)
+
+
+class UnseededIsSeedZero(TinyRolloutEngine):
+    """seed=None samples under seed 0 (every unseeded call gives the same samples)."""
+
+    def _sample_seeds(self, rows: TensorBatch, params: SamplingParams) -> list[int]:
+        return super()._sample_seeds(rows, replace(params, seed=0) if params.seed is None else params)
+
+
+class SameStreamForEverySample(TinyRolloutEngine):
+    """The n samples of a prompt share the first one's random stream (identical samples)."""
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        first: dict[int, int] = {}
+        groups = rows["group_ids"].tolist()
+        for g, seed in zip(groups, seeds, strict=True):
+            first.setdefault(g, seed)
+        return super()._sample(rows, params, [first[g] for g in groups])

@@ -26,6 +26,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
     buffer,
     declared,
+    optimizer,
     stateful,
     trajectory,
 )
