@@ -48,6 +48,7 @@ __all__ = [
     "ExportDtypeIgnored",
     "GreedyLogProbsAtTemperatureOne",
     "GreedyWhileReportingSoftmax",
+    "LengthLimitsIgnored",
     "MomentsResetOnLoad",
     "NonFiniteStepApplied",
     "NormAfterClipping",
@@ -59,6 +60,7 @@ __all__ = [
     "SkippedStepCounted",
     "StepCountNotCheckpointed",
     "TopPBeforeTemperature",
+    "UndeclaredSettingsIgnored",
     "UnseededIsSeedZero",
     "WeightDecayIgnored",
 ]
@@ -339,6 +341,32 @@ class ExportDtypeIgnored(TinyTrainingEngine):
                        bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
         """The stream in float32."""
         return super().export_weights(dtype=None, bucket_bytes=bucket_bytes)
+
+
+class UndeclaredSettingsIgnored(TinyTrainingEngine):
+    """Builds in float32 without gradient checkpointing whatever dtype and checkpointing the spec asks for."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32", gradient_checkpointing=False))
+        self._asked = spec
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec it was asked to build."""
+        return self._asked
+
+
+class LengthLimitsIgnored(TinyTrainingEngine):
+    """Accepts prompts and responses longer than the spec's max_prompt_len and max_response_len."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, max_prompt_len=1 << 20, max_response_len=1 << 20))
+        self._asked = spec
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec it was asked to build."""
+        return self._asked
 
 
 # ---------------------------------------------------------------------------------------- more rollout faults

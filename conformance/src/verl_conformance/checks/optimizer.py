@@ -11,6 +11,7 @@ weights, the optimizer's state or the schedule.
 from __future__ import annotations
 
 import math
+
 import torch
 
 from verl_conformance.checks._registry import check
