@@ -106,7 +106,7 @@ def _compare(h: Harness, engine: Any, label: str, params: SamplingParams) -> Non
 
 @check("numerics", gates=("rollout.temperature", "rollout.top_k", "rollout.top_p"))
 def check_sampled_tokens_follow_log_probs(h: Harness) -> None:
-    """2048 sampled first tokens of one prompt follow the distribution the engine reports (its exact rollout_log_probs at T=0.5, renormalised under top-k and top-p): L1 distance over 7 bins within a bound a correct sampler exceeds with probability < 1e-6."""
+    """2048 sampled first tokens of one prompt follow the distribution the engine reports (its exact rollout_log_probs at T=0.5, renormalised under top-k and top-p): L1 distance over at most 7 bins within a bound a correct sampler exceeds with probability < 1e-6."""
     engine = h.rollout()
     caps = engine.capabilities
     temperature = _TEMPERATURE if caps.temperature else 1.0
