@@ -156,7 +156,7 @@ def _signature(proto: type, name: str) -> str:
     def ann(a: Any) -> str:  # annotations are strings under ``from __future__ import annotations``
         return a if isinstance(a, str) else inspect.formatannotation(a)
 
-    params = []
+    params: list[str] = []
     for p in sig.parameters.values():
         text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {ann(p.annotation)}"
         if p.default is not inspect.Parameter.empty:
