@@ -62,6 +62,7 @@ __all__ = [
     "TopPBeforeTemperature",
     "UndeclaredSettingsIgnored",
     "UnseededIsSeedZero",
+    "VersionCountsSkippedSteps",
     "WeightDecayIgnored",
 ]
 
@@ -341,6 +342,28 @@ class ExportDtypeIgnored(TinyTrainingEngine):
                        bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
         """The stream in float32."""
         return super().export_weights(dtype=None, bucket_bytes=bucket_bytes)
+
+
+class VersionCountsSkippedSteps(TinyTrainingEngine):
+    """The weight stream's version counts optimizer_step calls, skipped ones included."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.calls = 0
+
+    def optimizer_step(self) -> StepMetrics:
+        """Count the call, then step (or skip)."""
+        self.calls += 1
+        return super().optimizer_step()
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The stream, versioned by the count of calls (the manifest is built when called)."""
+        applied, self.step = self.step, self.calls
+        try:
+            return super().export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
+        finally:
+            self.step = applied
 
 
 class UndeclaredSettingsIgnored(TinyTrainingEngine):

@@ -16,10 +16,18 @@ import torch
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
-from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
+from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import ReferenceModel
-from verl_core import GlobalBatchStats, LossOutput, OptimConfig, TensorBatch
+from verl_core import (
+    GlobalBatchStats,
+    LossOutput,
+    OptimConfig,
+    TensorBatch,
+    TrainingEngine,
+    WeightCommit,
+    WeightManifest,
+)
 
 OPTIM_STEPS = 4
 """Updates of :func:`check_optimizer_matches_reference`: two of warmup, the peak, then cosine decay."""
@@ -38,7 +46,7 @@ def _batches(h: Harness) -> list[TensorBatch]:
 
 @check("numerics")
 def check_optimizer_matches_reference(h: Harness) -> None:
-    """Four updates under AdamW with weight decay, betas (0.8, 0.95), gradient clipping and a warmup-then-cosine schedule equal torch AdamW in float64: each step's lr and grad norm (before clipping), and the weights after."""
+    """Four updates under AdamW with weight decay, betas (0.8, 0.95), gradient clipping and a warmup-then-cosine schedule equal torch AdamW in float64: each step's lr and grad norm (before clipping), the weights after, and the stream's version (4)."""
     batches = _batches(h)
     path = h.model_path("llama")
     # clip at half the first step's gradient norm, so clipping acts
@@ -64,6 +72,9 @@ def check_optimizer_matches_reference(h: Harness) -> None:
         h.scalar_close(step.grad_norm, want.grad_norm, "loss",
                        f"{at}: grad norm vs float64 reference (the global norm before clipping, "
                        f"{'clipped to' if want.grad_norm > optim.grad_clip else 'under'} {optim.grad_clip:g})")
+    version = export_version(engine)
+    h.expect(version == OPTIM_STEPS, f"after {OPTIM_STEPS} applied updates export_weights streams version {version}; "
+             f"the version is the count of applied optimizer steps, {OPTIM_STEPS}")
     after = exported_weights(engine)
     ref_after = ref.state()
     for name, w in ref_after.items():
@@ -71,6 +82,14 @@ def check_optimizer_matches_reference(h: Harness) -> None:
         h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
                    f"{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 (weight "
                    "decay decoupled and on every parameter, betas, clipping by the global norm, lr of the schedule)")
+
+
+def export_version(engine: TrainingEngine) -> int:
+    """The version of the engine's weight stream (its manifest's; the commit must say the same)."""
+    msgs = collect_stream(engine.export_weights())[0]
+    manifest, commit = msgs[0], msgs[-1]
+    assert isinstance(manifest, WeightManifest) and isinstance(commit, WeightCommit)
+    return manifest.version if manifest.version == commit.version else -1
 
 
 class _NonFiniteLoss:
@@ -86,7 +105,7 @@ class _NonFiniteLoss:
 
 @check("robustness")
 def check_nonfinite_update_skipped(h: Harness) -> None:
-    """A NaN loss makes optimizer_step skip (skipped=True, a non-finite grad norm) and leaves weights, optimizer state and schedule as they were: the next three updates equal an engine's that never saw it."""
+    """A NaN loss makes optimizer_step skip (skipped=True, a non-finite grad norm) and leaves weights, weight version, optimizer state and schedule as they were: the next three updates equal an engine's that never saw it."""
     optim = STATE_OPTIM
     engine = h.training(fresh=True, optim=optim, micro_batch_size=2)
     clean = h.training(fresh=True, optim=optim, micro_batch_size=2)
@@ -107,5 +126,8 @@ def check_nonfinite_update_skipped(h: Harness) -> None:
              f"{optim.lr_at(0):.6g}")
     changed = sorted(n for n, w in exported_weights(engine).items() if not torch.equal(w, before[n]))
     h.expect(not changed, f"{what}: the weights changed ({changed[:3]}); a skipped update leaves them untouched")
+    version = export_version(engine)
+    h.expect(version == 0, f"{what}: export_weights streams version {version}; the version counts applied optimizer "
+             "steps, and a skipped one is not applied")
     compare_next_update(h, engine, clean, what,
                         "the skipped step touched the optimizer's state or advanced its step count or schedule")

@@ -73,6 +73,10 @@ def check_export_matches_folder(h: Harness) -> None:
                  f"{model}: export stream must be manifest, chunks, commit; got {kinds}")
         manifest = msgs[0]
         assert isinstance(manifest, WeightManifest)
+        commit = msgs[-1]
+        h.expect(manifest.version == 0 and isinstance(commit, WeightCommit) and commit.version == 0,
+                 f"{model}: an engine that never stepped exports version {manifest.version} (commit "
+                 f"{getattr(commit, 'version', None)}); the version is the count of applied optimizer steps, 0 here")
         want = folder_weights(h.model_path(model))
         tied = model.endswith("tied")
         if tied:
