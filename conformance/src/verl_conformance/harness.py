@@ -190,6 +190,7 @@ class Subject:
         Raises:
             ValueError: a role that verl does not know, or a role without the factory that builds it.
         """
+        declared: frozenset[str] | None = None
         if roles is not None:
             if isinstance(roles, str):
                 raise ValueError(f"roles must be a collection of role names, got the string {roles!r}; "
@@ -205,9 +206,7 @@ class Subject:
                 needs = sorted({keyword.get(r, "make_training_engine") for r in missing})
                 raise ValueError(f"roles {missing} are declared but no factory builds them: pass "
                                  f"{' and '.join(needs)}, or leave those roles out")
-            roles = declared
-        return cls(name, make_training, make_rollout, roles=None if roles is None else frozenset(roles),
-                   make_reward=make_reward)
+        return cls(name, make_training, make_rollout, roles=declared, make_reward=make_reward)
 
     @property
     def key(self) -> str:

@@ -63,7 +63,7 @@ def _build(h: Harness, role: str, model: str, kind: str) -> Any:
         if not _names_scaling(str(e), kind):
             h.fail(f"the {role} engine refused the folder {model} ({_scaling(kind)}) with a ConfigError that names "
                    f"neither RoPE nor {kind.removesuffix('-legacy')!r}: {e}; say which rope scaling is not supported")
-        return f"{role} on {model}: {e}"
+        return str(e)
     except Exception as e:
         h.fail(f"building the {role} engine on the folder {model} ({_scaling(kind)}) raised {type(e).__name__}: {e}; "
                "a backend that does not implement a folder's RoPE scaling must refuse it with verl_core.ConfigError "
@@ -121,19 +121,19 @@ def check_rope_scaling_matches_reference(h: Harness) -> None:
     roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
-    refused: list[str] = []
+    refused: dict[str, list[str]] = {}  # refusal -> "role on folder" (one line per folder and message)
     for kind in ROPE_SCALINGS:
         model = f"llama-rope-{kind}"
         for role in roles:
             engine = _build(h, role, model, kind)
             if isinstance(engine, str):
-                refused.append(engine)
+                refused.setdefault(engine, []).append(f"{role} on {model}")
                 continue
             if role == "actor":
                 _forward(h, engine, model, kind)
             else:
                 _generate(h, engine, model, kind)
             h.close_fresh()  # one engine at a time (a rollout engine may hold a KV cache)
-    if len(refused) == len(roles) * len(ROPE_SCALINGS):
+    if sum(map(len, refused.values())) == len(roles) * len(ROPE_SCALINGS):
         h.skip("the backend refuses every RoPE-scaled folder (with a ConfigError naming the scaling): "
-               + "; ".join(refused))
+               + "; ".join(f"{' and '.join(where)}: {why}" for why, where in refused.items()))
