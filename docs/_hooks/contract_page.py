@@ -1,7 +1,9 @@
 """MkDocs hook: generate the contract checklist for backend authors from the conformance check registry.
 
-The page ``contract.md`` is built at every site build from three sources, so it cannot drift from
-the suite:
+The page ``contract.md`` is generated from three sources, so it cannot drift from the suite; it is
+committed as ``docs/contract.md`` (readable in the repository), rewritten by ``python
+docs/_hooks/contract_page.py`` or ``python scripts/gen_conformance_inventory.py`` (a docs test
+fails while the committed page differs), and regenerated at every site build:
 
 * the protocols (``TrainingEngine``, ``RolloutEngine``, ``RewardEngine``, ``ReplayBuffer``): each
   method's signature and docstring (the rules it must keep);
@@ -21,9 +23,12 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 PAGE = "contract.md"
+PAGE_PATH = Path(__file__).resolve().parents[1] / PAGE
+"""The committed copy of the page."""
 
 # Which harness accessor hands a check an object of each protocol (``h.rollout("eos")``).
 ACCESSORS: dict[str, tuple[str, ...]] = {
@@ -151,7 +156,7 @@ def _signature(proto: type, name: str) -> str:
     def ann(a: Any) -> str:  # annotations are strings under ``from __future__ import annotations``
         return a if isinstance(a, str) else inspect.formatannotation(a)
 
-    params = []
+    params: list[str] = []
     for p in sig.parameters.values():
         text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {ann(p.annotation)}"
         if p.default is not inspect.Parameter.empty:
@@ -179,8 +184,9 @@ def contract_markdown() -> str:
         "# Contract checklist",
         "",
         "Everything a backend must do, method by method, with the conformance check that proves each",
-        "rule. This page is generated from the suite's check registry and the protocols' docstrings at",
-        "every build of the site, so it lists exactly what the installed suite checks.",
+        "rule. This page is generated from the suite's check registry and the protocols' docstrings",
+        "(`python scripts/gen_conformance_inventory.py` rewrites `docs/contract.md`, and a test fails",
+        "while it is stale), so it lists exactly what the suite checks.",
         "",
         "How to read it: under each protocol method, **Contract** is the method's docstring (the rules);",
         "**Proved by** lists every check that calls the method, directly or through the suite's helpers,",
@@ -200,7 +206,8 @@ def contract_markdown() -> str:
             lines += [summary, ""]
         for name in protocol_methods(proto):
             checks = [c for c in ordered if name in by_check[c.id].get(pname, [])]
-            lines += [f"### `{pname}.{name}`", "", "```python", _signature(proto, name), "```", ""]
+            # ``py``, not ``python``: a signature, not a block the docs tests would run
+            lines += [f"### `{pname}.{name}`", "", "```py", _signature(proto, name), "```", ""]
             doc = _doc(proto, name)
             if doc:
                 lines += ["**Contract:**", "", textwrap.indent(_markdown(doc), "> ", lambda _: True), ""]
@@ -240,6 +247,16 @@ def contract_markdown() -> str:
     return "\n".join(lines)
 
 
+def write_page(path: str | Path = PAGE_PATH) -> bool:
+    """Write the checklist to ``path`` (``docs/contract.md``); True when the file changed."""
+    page = Path(path)
+    text = contract_markdown()
+    if page.exists() and page.read_text(encoding="utf-8") == text:
+        return False
+    page.write_text(text, encoding="utf-8")
+    return True
+
+
 def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
     """Add the generated checklist page."""
     from mkdocs.structure.files import File
@@ -249,3 +266,7 @@ def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
         files.remove(old)
     files.append(File.generated(config, PAGE, content=contract_markdown()))
     return files
+
+
+if __name__ == "__main__":
+    print(f"{PAGE_PATH}: {'updated' if write_page() else 'up to date'}")

@@ -36,7 +36,7 @@ FAULTS = [
     ("broken-unseeded", ["invariance::seeded_sampling_reproducible"], ["invariance::seeded_sampling_reproducible"],
      ["not reproducible under a fixed seed"]),
     ("broken-checkpoint-optimizer", ["stateful::checkpoint_round_trip"], ["stateful::checkpoint_round_trip"],
-     ["after save_checkpoint and load_checkpoint into a fresh engine", "moments or step were not restored"]),
+     ["after save_checkpoint and load_checkpoint into a fresh engine", "its step or the schedule were not restored"]),
     ("broken-offload-tensor", ["stateful::offload_round_trip", "stateful::offload_frees_memory"],
      ["stateful::offload_round_trip"], ["after offload() and onload()", "optimizer state was lost"]),
     ("broken-wake-reload", ["stateful::sleep_wake_round_trip"], ["stateful::sleep_wake_round_trip"],

@@ -82,6 +82,37 @@ def test_third_party_subclass_with_own_fixtures(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_provided_roles_fixture_skips_the_checks_of_a_missing_role(tmp_path: Path) -> None:
+    """Engines without a critic, given as fixtures, declare their roles; the critic's checks skip saying why."""
+    (tmp_path / "test_mine.py").write_text(
+        "import pytest\n"
+        "from verl_conformance.suite import NumericsSuite, SchemaSuite\n"
+        "from verl_core import ConfigError\n"
+        "from verl_tiny_backend.training import build_training_engine\n"
+        "\n"
+        "def no_critic(spec):\n"
+        "    if spec.role == 'critic':\n"
+        "        raise ConfigError('this backend has no critic')\n"
+        "    return build_training_engine(spec)\n"
+        "\n"
+        "class TestMine(SchemaSuite, NumericsSuite):\n"
+        "    @pytest.fixture\n"
+        "    def make_training_engine(self):\n"
+        "        return no_critic\n"
+        "\n"
+        "    @pytest.fixture\n"
+        "    def provided_roles(self):\n"
+        "        return {'actor', 'reference'}\n"
+    )
+    r = _pytest(str(tmp_path / "test_mine.py"), "-k", "forward_layout or critic_layout or values_match_reference",
+                "-rs", cwd=tmp_path)
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:]
+    assert "1 passed, 2 skipped" in out, out[-3000:]
+    assert "SKIPPED [2]" in out and "backend 'TestMine' provides no training engine for role 'critic'" in out, out[-3000:]
+
+
+@pytest.mark.slow
 def test_cli_table_and_json(tmp_path: Path) -> None:
     out_json = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "verl_core.cli", "conformance", "broken-unseeded",

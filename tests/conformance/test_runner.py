@@ -68,6 +68,17 @@ def test_report_counts_and_json_round_trip(statuses: list[str]) -> None:
     assert f"{statuses.count('passed')} passed" in table or not statuses.count("passed")
 
 
+def test_table_shows_whole_skip_reasons() -> None:
+    """A skip reason of any length is shown whole under its check; a failure's first line likewise."""
+    reason = "the backend refuses every RoPE-scaled folder: " + "; ".join(f"actor on folder {i}: refused" for i in range(12))
+    report = ConformanceReport("b", "dist 1", None)
+    report.results.append(CheckResult("numerics::rope_scaling_matches_reference", "numerics", "skipped", reason, 0.1))
+    report.results.append(CheckResult("schema::forward_layout", "schema", "failed", "first line " * 30 + "\ndetails", 0.1))
+    table = report.table()
+    assert reason in table
+    assert ("first line " * 30).rstrip() in table and "details" not in table
+
+
 def test_pytest_suffix_names_the_collected_test() -> None:
     assert pytest_suffix(CHECKS["weight_sync::bad_streams_rejected"]) == "TestWeightSync::test_bad_streams_rejected"
 

@@ -1,8 +1,9 @@
 """The site builds strictly, its generated pages cover the code, and no page is too large.
 
 The API reference (``docs/_hooks/api_pages.py``) and the contract checklist
-(``docs/_hooks/contract_page.py``) are generated at build time from the packages and the check
-registry; these tests check the generators and the built site.
+(``docs/_hooks/contract_page.py``, also committed as ``docs/contract.md``) are generated at build
+time from the packages and the check registry; these tests check the generators, the committed
+checklist and the built site.
 """
 
 from __future__ import annotations
@@ -101,6 +102,16 @@ def test_contract_lists_every_check_and_method() -> None:
         assert f"### {kind}:" in md and f"| `{field}` |" in md, cap
     generate = md.split("### `RolloutEngine.generate`")[1].split("\n### ")[0]
     assert "`robustness::generate_edge_cases`" in generate and "`schema::eos_ends_response`" in generate
+
+
+def test_committed_contract_page_is_current() -> None:
+    """docs/contract.md (readable in the repository) is the page the hook generates."""
+    page = ROOT / "docs" / "contract.md"
+    assert page.is_file(), "docs/contract.md is missing: run python scripts/gen_conformance_inventory.py"
+    assert page.read_text(encoding="utf-8") == contract_page.contract_markdown(), (
+        "docs/contract.md is stale (a check, capability or protocol docstring changed): run "
+        "python scripts/gen_conformance_inventory.py"
+    )
 
 
 @pytest.mark.slow

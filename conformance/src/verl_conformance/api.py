@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from verl_conformance.errors import ConformanceError
 from verl_conformance.harness import (
@@ -21,6 +21,7 @@ from verl_conformance.runner import (
     run_checks,
     select_checks,
 )
+from verl_core import Role
 
 __all__ = ["check_backend", "check_backends_match", "check_buffer", "run_conformance"]
 
@@ -66,6 +67,7 @@ def check_backend(
     make_training_engine: EngineFactory | None = None,
     make_rollout_engine: EngineFactory | None = None,
     make_reward_engine: EngineFactory | None = None,
+    roles: Collection[Role] | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -81,17 +83,27 @@ def check_backend(
         make_reward_engine: Build reward engines (a reward model, or reward functions wrapped in
             ``verl_core.FunctionReward`` or ``verl_core.trainer.inputs.rewards.RewardFunctions``) with this
             instead of the registry.
+        roles: With factories, the roles they provide, as ``BackendSpec.roles`` declares those of
+            an installed backend (e.g. ``["actor", "reference", "rollout"]`` for a backend without
+            a critic): the checks of a role left out are skipped with the reason. Default: every
+            role of each factory given (``make_training_engine`` builds actor, reference and
+            critic).
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
 
     Raises:
         ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
+        ValueError: ``roles`` without factories (an installed backend provides the roles of its
+            ``BackendSpec``), an unknown role, or a role whose factory is not given.
     """
     if make_training_engine is not None or make_rollout_engine is not None or make_reward_engine is not None:
-        subject: str | Subject = Subject(backend, make_training_engine, make_rollout_engine,
-                                         make_reward=make_reward_engine)
+        subject: str | Subject = Subject.from_factories(backend, make_training_engine, make_rollout_engine,
+                                                        make_reward_engine, roles=roles)
     else:
+        if roles is not None:
+            raise ValueError(f"roles= declares the roles of engines given as factories; the installed backend "
+                             f"{backend!r} provides the roles of its BackendSpec (see `verl backends`)")
         subject = backend
     report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps)
     return _raise_failures(report, subject)

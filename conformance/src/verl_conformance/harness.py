@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Final, NoReturn
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from verl_conformance.errors import CheckFailed, CheckSkipped
 from verl_conformance.testkit import (
+    ROPE_SCALINGS,
     TinyModelSpec,
     absolute_position_model,
     eos_model,
@@ -19,6 +21,7 @@ from verl_conformance.testkit import (
     nan_reward_model,
     perturbed_model,
     random_batch,
+    rope_scaled_model,
     tiny_model,
     tolerance,
 )
@@ -36,6 +39,7 @@ from verl_core import (
     WeightManifest,
     WeightMessage,
 )
+from verl_core.kernel.engine import ROLES
 
 __all__ = [
     "MODELS",
@@ -95,6 +99,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "gpt2": absolute_position_model,
     "llama-longrope": long_rope_model,
     "reward-nan": nan_reward_model,
+    **{f"llama-rope-{kind}": partial(rope_scaled_model, kind) for kind in ROPE_SCALINGS},
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),
 }
@@ -112,7 +117,8 @@ class Subject:
         name: Backend name (registry name, or a label for fixture-supplied factories).
         make_training: Builds training engines (None: the backend has none).
         make_rollout: Builds rollout engines (None: the backend has none).
-        roles: Roles the backend declares (None when unknown, e.g. fixture-supplied factories).
+        roles: Roles the backend provides: an installed backend's ``BackendSpec.roles``, or those
+            declared with factories (None: every role a factory is given for).
         version: Distribution and version, for reports.
         registered: True when built through verl_core's registry (so ``verl_*`` hooks apply).
         make_reward: Builds reward engines (None: the backend has none).
@@ -158,6 +164,49 @@ class Subject:
             registered=True,
             make_reward=make_reward if "reward" in roles else None,
         )
+
+    @classmethod
+    def from_factories(
+        cls,
+        name: str,
+        make_training: EngineFactory | None = None,
+        make_rollout: EngineFactory | None = None,
+        make_reward: EngineFactory | None = None,
+        *,
+        roles: Collection[str] | None = None,
+    ) -> Subject:
+        """Engines given as factories (a backend that is not installed, or not through the registry).
+
+        Args:
+            name: Label for reports.
+            make_training: Builds the engines of the roles actor, reference and critic.
+            make_rollout: Builds rollout engines.
+            make_reward: Builds reward engines.
+            roles: The roles the factories provide, as a backend's ``BackendSpec.roles`` declares
+                them: a role left out skips its checks with the reason, as for an installed
+                backend. None: every role of each factory given (actor, reference and critic
+                with ``make_training``).
+
+        Raises:
+            ValueError: a role that verl does not know, or a role without the factory that builds it.
+        """
+        declared: frozenset[str] | None = None
+        if roles is not None:
+            if isinstance(roles, str):
+                raise ValueError(f"roles must be a collection of role names, got the string {roles!r}; "
+                                 f"write roles=[{roles!r}]")
+            declared = frozenset(roles)
+            unknown = sorted(declared - set(ROLES))
+            if unknown:
+                raise ValueError(f"roles {unknown} are not verl roles; roles: {', '.join(ROLES)}")
+            factories = {"rollout": make_rollout, "reward": make_reward}
+            missing = sorted(r for r in declared if factories.get(r, make_training) is None)
+            if missing:
+                keyword = {"rollout": "make_rollout_engine", "reward": "make_reward_engine"}
+                needs = sorted({keyword.get(r, "make_training_engine") for r in missing})
+                raise ValueError(f"roles {missing} are declared but no factory builds them: pass "
+                                 f"{' and '.join(needs)}, or leave those roles out")
+        return cls(name, make_training, make_rollout, roles=declared, make_reward=make_reward)
 
     @property
     def key(self) -> str:

@@ -6,7 +6,8 @@ MODULE:FACTORY`` selects a replay buffer for the ``buffer`` area, ``--verl-optio
 gives backend options to every engine of the backend under test, ``--verl-xfails-file
 PATH`` declares known gaps (check ids with reasons). Fixtures: ``make_training_engine``,
 ``make_rollout_engine`` and ``make_reward_engine`` (override them to test engines that are not
-installed as a plugin),
+installed as a plugin), ``provided_roles`` (override it to declare which roles those factories
+provide; the checks of the others are skipped),
 ``verl_harness`` (what each check runs against). Markers: ``verl_check(id)`` on every suite
 test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
 """
@@ -226,6 +227,17 @@ def make_reward_engine(verl_backend_subject: Any) -> Callable[[Any], Any] | None
     return None if verl_backend_subject is None else verl_backend_subject.make_reward
 
 
+@pytest.fixture
+def provided_roles() -> Any:
+    """The roles the ``make_*_engine`` fixtures provide (override with a collection of role names).
+
+    None: every role of each factory given (``make_training_engine`` builds actor, reference and
+    critic). A role left out skips its checks with the reason, as for an installed backend whose
+    ``BackendSpec.roles`` lacks it (e.g. ``{"actor", "reference", "rollout"}`` without a critic).
+    """
+    return None
+
+
 @pytest.fixture(scope="session")
 def verl_engine_cache() -> Generator[Any, None, None]:
     """Engines shared across the session's checks (closed at the end)."""
@@ -246,6 +258,7 @@ def verl_harness(
     verl_against_subject: Any,
     verl_engine_cache: Any,
     verl_buffer_subject: Any,
+    provided_roles: Any,
 ) -> Any:
     """What each conformance check runs against."""
     from verl_conformance.harness import Harness, Subject
@@ -261,7 +274,15 @@ def verl_harness(
                            or make_rollout_engine is not subject.make_rollout
                            or make_reward_engine is not subject.make_reward):
         label = request.cls.__name__ if request.cls is not None else "custom"
-        subject = Subject(label, make_training_engine, make_rollout_engine, make_reward=make_reward_engine)
+        try:
+            subject = Subject.from_factories(label, make_training_engine, make_rollout_engine, make_reward_engine,
+                                             roles=provided_roles)
+        except ValueError as e:
+            raise pytest.UsageError(f"provided_roles fixture: {e}") from None
+    elif provided_roles is not None:
+        raise pytest.UsageError(
+            f"the provided_roles fixture declares the roles of engines given by the make_*_engine fixtures; "
+            f"the installed backend {subject.name!r} provides the roles of its BackendSpec (see `verl backends`)")
     return Harness(subject, verl_against_subject, verl_engine_cache,
                    dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
                    options=_options(request.config), buffer=verl_buffer_subject)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from verl_core import GlobalBatchStats, LossFn, OptimConfig, TensorBatch
 
-__all__ = ["ReferenceModel", "ReferenceStep", "cached_outputs", "greedy_reference", "reference_outputs"]
+__all__ = ["ReferenceModel", "ReferenceStep", "cached_model", "cached_outputs", "greedy_reference", "reference_outputs"]
 
 
 def _load(path: str, head: str) -> torch.nn.Module:
@@ -90,7 +90,12 @@ class ReferenceModel:
     def outputs(
         self, batch: TensorBatch, outputs: Collection[str] = ("log_probs",), *, grad: bool = False
     ) -> dict[str, Tensor]:
-        """Float64 [batch, response] outputs, 0 at masked positions; with autograd when ``grad``."""
+        """Float64 [batch, response] outputs, 0 at masked positions; with autograd when ``grad``.
+
+        ``outputs`` names fields of the schema (``log_probs``, ``entropy``, ``values``) and
+        ``max_log_probs``: the largest log-prob of the vocabulary at each position (a greedy token's
+        log-prob equals it unless the engine broke a near tie).
+        """
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where="reference")
         r_width = batch.response_len
         rows: dict[str, list[Tensor]] = {k: [] for k in outputs}
@@ -118,6 +123,7 @@ class ReferenceModel:
                     logp = torch.log_softmax(out.double() / temp, -1)
                     vals["log_probs"] = logp.gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
                     vals["entropy"] = -(logp.exp() * logp).sum(-1)
+                    vals["max_log_probs"] = logp.max(-1).values
                 for k in outputs:
                     if k not in vals:
                         raise ValueError(f"reference of a {self.head} folder has no output {k!r}")
@@ -125,6 +131,12 @@ class ReferenceModel:
                     rows[k].append(row)
         return {k: torch.stack(v) if v else torch.zeros(0, r_width, dtype=torch.float64)
                 for k, v in rows.items()}
+
+    def next_token_log_probs(self, prompt: Tensor, temperature: float = 1.0) -> Tensor:
+        """Float64 log-probs [vocab] of the token after the unpadded ``prompt`` ids, at ``temperature``."""
+        with torch.no_grad():
+            logits = self.model(input_ids=prompt.cpu().unsqueeze(0)).logits[0, -1]
+        return torch.log_softmax(logits.double() / temperature, -1)
 
     def loss_and_grads(self, batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats) -> ReferenceStep:
         """Global loss of ``loss_fn`` on the whole batch, and its float64 gradients."""
@@ -210,10 +222,15 @@ def greedy_reference(
 _CACHE: dict[str, ReferenceModel] = {}
 
 
-def _cached(path: str) -> ReferenceModel:
-    if path not in _CACHE:
-        _CACHE[path] = ReferenceModel(path)
-    return _CACHE[path]
+def cached_model(path: str | os.PathLike[str]) -> ReferenceModel:
+    """The reference model of a folder, loaded once per process (use it without gradients or steps)."""
+    key = str(path)
+    if key not in _CACHE:
+        _CACHE[key] = ReferenceModel(key)
+    return _CACHE[key]
+
+
+_cached = cached_model
 
 
 def cached_outputs(

@@ -60,8 +60,9 @@ class ConformanceReport:
         return json.dumps(asdict(self), indent=1)
 
     def table(self) -> str:
-        """A text table per area: status, check, time, and the reason for skips and failures."""
-        lines = [f"verl conformance: {self.backend} ({self.version})"
+        """A text table per area: status, check, time, and under each check that did not pass the whole
+        reason (a skip's, an expected failure's) or the first line of its failure."""
+        lines = [f"verl conformance: {self.backend} ({self.version or 'engines given as factories'})"
                  + (f" against {self.against}" if self.against else "")]
         for area in AREAS:
             rows = [r for r in self.results if r.area == area]
@@ -73,8 +74,12 @@ class ConformanceReport:
             lines.append(f"[{area}] {summary}")
             for r in rows:
                 name = r.id.split("::", 1)[1]
-                reason = f"  {r.message.splitlines()[0][:150]}" if r.message and r.status != "passed" else ""
-                lines.append(f"  {r.status.upper():<8} {name:<38} {r.seconds:6.1f}s{reason}")
+                lines.append(f"  {r.status.upper():<8} {name:<38} {r.seconds:6.1f}s")
+                if r.message and r.status != "passed":
+                    # the whole reason, on lines of its own under the check (a failure's first line:
+                    # the failures are repeated in full with their reproduction below the table)
+                    text = r.message.splitlines()[0] if r.status == "failed" else r.message
+                    lines.extend(f"           {line}" for line in text.splitlines())
         totals = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped", "xfailed", "xpassed")}
         lines.append("")
         lines.append("total: " + ", ".join(f"{n} {s}" for s, n in totals.items() if n) + f" in {self.seconds:.1f}s")
@@ -189,6 +194,8 @@ def _factories_reproduction(check_id: str, subject: Subject, against: str | None
         else:
             imports.append(f"from {module} import {qualname.split('.')[0]}")
             args.append(f"{keyword}={qualname}")
+    if subject.roles is not None:
+        args.append(f"roles={sorted(subject.roles)!r}")
     if against:
         args.append(f"against={against!r}")
     args.append(f"checks=[{check_id!r}]")

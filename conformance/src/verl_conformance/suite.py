@@ -14,6 +14,13 @@ A third party whose backend is not installed as a plugin subclasses the classes 
         def make_rollout_engine(self):
             return MyRolloutEngine           # or None when there is no rollout role
 
+        @pytest.fixture
+        def provided_roles(self):
+            return {"actor", "reference", "rollout"}   # no critic: its checks are skipped
+
+``provided_roles`` is optional (default: every role of each factory given, so
+``make_training_engine`` must then build a critic on a value-head folder too).
+
 Each test calls one registered check (:mod:`verl_conformance.checks`) on the ``verl_harness``
 fixture that the pytest plugin builds from those factories.
 """

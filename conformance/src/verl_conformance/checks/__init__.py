@@ -14,6 +14,8 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
     positions,
     reward,
     robustness,
+    rope,
+    sampling,
     schema,
     sync_coverage,
     weight_sync,
@@ -25,6 +27,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
     buffer,
     declared,
     lora,
+    optimizer,
     stateful,
     trajectory,
 )

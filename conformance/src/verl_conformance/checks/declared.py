@@ -1,5 +1,5 @@
-"""Declared capabilities the other areas leave alone: dtypes and devices, gradient checkpointing,
-top-k/top-p sampling, and tensor/pipeline parallel rollout.
+"""Declared capabilities the other areas leave alone: dtypes and devices (and refusing the
+undeclared ones), gradient checkpointing, top-k/top-p sampling, and tensor/pipeline parallel rollout.
 
 A backend that declares one of these is held to it here; one that does not is skipped with the reason.
 """
@@ -17,7 +17,7 @@ from verl_conformance.checks.numerics import one_update
 from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
-from verl_core import Role, SamplingParams, TensorBatch
+from verl_core import ConfigError, Role, SamplingParams, TensorBatch
 
 
 def device_available(device: str) -> bool:
@@ -158,3 +158,48 @@ def check_rollout_tensor_parallel_invariance(h: Harness) -> None:
 def check_rollout_pipeline_parallel_invariance(h: Harness) -> None:
     """A pp=2 rollout under torchrun generates the single-process tokens and rollout log-probs on every rank."""
     _rollout_layout(h, {"pp": 2}, "pipeline_parallel")
+
+
+def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, Any]]]:
+    """Spec settings the engine of ``role`` does not declare: other dtypes, gradient checkpointing."""
+    caps = _role_caps(h, role)
+    out: list[tuple[str, dict[str, Any]]] = [
+        (f"dtype={dtype!r} (declared dtypes: {sorted(caps.dtypes)})", {"dtype": dtype})
+        for dtype in ("float32", "bfloat16", "float16") if dtype not in caps.dtypes
+    ]
+    if role != "rollout" and not caps.gradient_checkpointing:
+        out.append(("gradient_checkpointing=True (declared gradient_checkpointing=False)",
+                    {"gradient_checkpointing": True}))
+    return out
+
+
+@check("robustness", gates=("training.dtypes", "rollout.dtypes", "training.gradient_checkpointing"))
+def check_undeclared_settings_refused(h: Harness) -> None:
+    """An engine asked for a dtype or gradient checkpointing it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting."""
+    tried = 0
+    roles: tuple[Role, ...] = ("actor", "rollout")
+    for role in roles:
+        if not h.provides(h.subject, role):
+            continue
+        for setting, kw in _undeclared_settings(h, role):
+            tried += 1
+            try:
+                if role == "rollout":
+                    h.rollout(fresh=True, **kw)
+                else:
+                    h.training(fresh=True, **kw)
+            except ConfigError:
+                continue
+            except Exception as e:
+                h.fail(f"the {role} engine asked for {setting} raised {type(e).__name__}: {e}; refuse a setting the "
+                       "backend does not declare with verl_core.ConfigError naming it")
+            else:
+                why = ("the trainer's memory budget assumes recomputed activations when it asks for them"
+                       if "gradient_checkpointing" in kw else "the suite checks an engine in its declared dtypes only")
+                h.fail(f"the {role} engine built with {setting}: refuse a setting the backend does not declare with "
+                       "a ConfigError naming it, or declare it and be checked in it (nothing upstream compares an "
+                       f"EngineSpec with the capabilities; {why})")
+            finally:
+                h.close_fresh()
+    if not tried:
+        h.skip("the backend declares every dtype and gradient checkpointing")

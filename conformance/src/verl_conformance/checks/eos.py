@@ -1,9 +1,9 @@
-"""EOS and truncation: what a response looks like when it ends, on a model that ends where told.
+"""EOS, stop tokens and truncation: what a response looks like when it ends, on a model that ends where told.
 
 A random tiny model almost never emits EOS, so these checks generate with the test kit's EOS model
 (:func:`verl_conformance.testkit.eos_model`), whose continuation of each prompt is known: EOS after
 three tokens, EOS first, never EOS, EOS exactly as the last allowed token, and the limit one token
-before EOS.
+before EOS; with stop tokens, a stop token first, mid-response and as the last allowed token.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.schema import _valid
 from verl_conformance.harness import Harness
 from verl_conformance.testkit import eos_model_continuation
-from verl_conformance.testkit.crafted import EOS_AFTER_3, EOS_FIRST, EOS_LADDER_END, NEVER_EOS
+from verl_conformance.testkit.crafted import (
+    EOS_AFTER_3,
+    EOS_FIRST,
+    EOS_LADDER_END,
+    EOS_LADDER_START,
+    NEVER_EOS,
+)
 from verl_core import BatchMeta, SamplingParams, TensorBatch
 
 _LIMIT = 6  # max_new_tokens of every call
@@ -27,14 +33,25 @@ _LAST_TOKENS = (
 )
 
 
-def _prompts() -> TensorBatch:
-    """Prompts ending in the tokens of ``_LAST_TOKENS``, of different lengths (left-padded)."""
+_STOPS = (11, 46)  # stop tokens that are not EOS
+_STOP_LAST_TOKENS = (
+    EOS_AFTER_3,                    # the stop token 11 as token 1
+    EOS_FIRST,                      # EOS as token 1: EOS still ends a response when stop tokens are given
+    EOS_LADDER_START,               # 41 .. 46: the stop token 46 as token 6, the last allowed one: not truncated
+    EOS_LADDER_START + 3,           # 44, 45, 46: the stop token mid-way
+    EOS_LADDER_END - 4,             # 57 .. 60, EOS: EOS as token 5, with stop tokens given
+    NEVER_EOS,                      # the limit, no EOS or stop token: truncated
+)
+
+
+def _prompts(last_tokens: tuple[int, ...] = _LAST_TOKENS) -> TensorBatch:
+    """Prompts ending in ``last_tokens``, of different lengths (left-padded)."""
     g = torch.Generator().manual_seed(80)
-    lengths = [3, 1, 7, 5, 2]
+    lengths = [3, 1, 7, 5, 2, 4][: len(last_tokens)]
     width = max(lengths)
     ids = torch.zeros(len(lengths), width, dtype=torch.int64)
     mask = torch.zeros(len(lengths), width, dtype=torch.bool)
-    for i, (n, last) in enumerate(zip(lengths, _LAST_TOKENS, strict=True)):
+    for i, (n, last) in enumerate(zip(lengths, last_tokens, strict=True)):
         row = torch.randint(4, 128, (n,), generator=g)
         row[-1] = last
         ids[i, width - n:] = row
@@ -99,3 +116,37 @@ def check_truncated_flag(h: Harness) -> None:
                        "it ended with EOS before the limit")
                 h.fail(f"{label}, sample {b}: truncated={got}, expected {want_trunc}: {why} "
                        f"(continuation {want}, max_new_tokens {_LIMIT}); got {_row(out, b)}")
+
+
+@check("schema", gates=("rollout.stop_token_ids",))
+def check_stop_tokens_end_response(h: Harness) -> None:
+    """With stop_token_ids on the EOS model, a stop token ends the response as its last real token (mask True, truncated False), also first or as the last allowed token; EOS still ends it; a response cut at max_new_tokens has truncated=True and no stop token."""
+    engine = h.rollout("eos")
+    if not engine.capabilities.stop_token_ids:
+        h.skip("backend declares stop_token_ids=False")
+    pad = engine.tokenizer.pad_token_id
+    prompts = _prompts(_STOP_LAST_TOKENS)
+    runs = [("greedy", SamplingParams(greedy=True, max_new_tokens=_LIMIT, stop_token_ids=_STOPS), 1),
+            ("sampling at T=1, n=2", SamplingParams(temperature=1.0, max_new_tokens=_LIMIT, n=2, seed=4,
+                                                    stop_token_ids=_STOPS), 2)]
+    for label, params, n in runs:
+        out = engine.generate(prompts, params)
+        where = f"generate ({label}, stop_token_ids={_STOPS}) on the EOS model"
+        _valid(h, out, where)
+        mask, ids = out["response_mask"], out["response_ids"]
+        for b in range(out.batch_size):
+            want, want_trunc = eos_model_continuation(_STOP_LAST_TOKENS[b // n], _LIMIT, _STOPS)
+            at = f"{where}, sample {b} (the model continues its prompt with {want})"
+            real = ids[b][mask[b]].tolist()
+            h.expect(real == want and bool(mask[b, : len(want)].all()),
+                     f"{at}: expected exactly those tokens as the real response (a stop token or EOS ends it and "
+                     f"is its last real token, mask True; EOS ends it also when stop tokens are given), got "
+                     f"{_row(out, b)}")
+            rest = slice(len(want), None)
+            h.expect(not bool(mask[b, rest].any()) and bool((ids[b, rest] == pad).all()),
+                     f"{at}: after the response ends only padding may follow (mask False, pad id {pad}); got "
+                     f"{_row(out, b)}")
+            h.expect(bool(out["truncated"][b]) == want_trunc,
+                     f"{at}: truncated={bool(out['truncated'][b])}, expected {want_trunc} ("
+                     + ("max_new_tokens reached without EOS or a stop token" if want_trunc else
+                        "it ended with a stop token or EOS, the last allowed one included") + f"); got {_row(out, b)}")

@@ -28,7 +28,7 @@ def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> Tensor
 
 @check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences"))
 def check_micro_batch_invariance(h: Harness) -> None:
-    """log-probs, loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget."""
+    """log-probs, loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget, each of which the engine applies (its count of micro-batches is the kernel partitioner's)."""
     batch = h.batch(seed=20, rl_fields=True)
     variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
     caps = h.training().capabilities
@@ -51,6 +51,14 @@ def check_micro_batch_invariance(h: Harness) -> None:
     for kw, budget in calls:
         engine = h.training(fresh=True, **kw)  # type: ignore[arg-type]
         metrics, norm, grads = one_update(h, engine, batch, TOKEN_MEAN_PG, max_tokens=budget)
+        tokens = budget or kw.get("micro_batch_tokens")
+        parts = (batch.micro_batches(max_tokens=tokens, packed=caps.packed_sequences) if tokens
+                 else batch.micro_batches(size=kw.get("micro_batch_size") or batch.batch_size))
+        setting = f"max_tokens={budget}" if budget is not None else str(kw or "one micro-batch")
+        h.expect(metrics["num_micro_batches"] == len(parts),
+                 f"forward_backward with {setting} ran {metrics['num_micro_batches']:g} micro-batches; the kernel's "
+                 f"partitioner (batch.micro_batches) makes {len(parts)}: a budget or size that is not applied "
+                 "leaves the memory it bounds unbounded (the trainer halves max_tokens after an out-of-memory error)")
         if base is None:
             base = (metrics, norm, grads)
             continue
@@ -95,7 +103,7 @@ def check_batch_order_invariance(h: Harness) -> None:
 
 @check("invariance", gates=("rollout.seeding",))
 def check_seeded_sampling_reproducible(h: Harness) -> None:
-    """The same seed gives the same samples; per-sample seeding does not depend on batch order; seeds differ."""
+    """The same seed gives the same samples; per-sample seeding does not depend on batch order; seeds differ, and so do two unseeded calls."""
     engine = h.rollout()
     seeding = engine.capabilities.seeding
     if seeding == "none":
@@ -111,6 +119,11 @@ def check_seeded_sampling_reproducible(h: Harness) -> None:
     c = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=99))
     h.expect(not bool(torch.equal(a["response_ids"], c["response_ids"])),
              "seeds 1234 and 99 gave identical samples: the seed is ignored")
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
+    e, f = engine.generate(prompts, unseeded), engine.generate(prompts, unseeded)
+    h.expect(not bool(torch.equal(e["response_ids"], f["response_ids"])),
+             "two generate() calls with seed=None gave identical samples: seed=None means unseeded (a fresh "
+             "random seed per call), not a fixed default seed")
     if seeding != "per_sample":
         return
     rev = torch.arange(prompts.batch_size - 1, -1, -1)

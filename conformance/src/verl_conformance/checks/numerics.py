@@ -125,7 +125,7 @@ def check_value_loss_matches_reference(h: Harness) -> None:
 @check("numerics", gates=("rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.exact_log_probs",
                            "rollout.exact_log_probs_truncated"))
 def check_rollout_log_probs_match_reference(h: Harness) -> None:
-    """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact."""
+    """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact, greedy decoding's too."""
     engine = h.rollout()
     prompts = h.batch(seed=15, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
     caps = engine.capabilities
@@ -133,13 +133,15 @@ def check_rollout_log_probs_match_reference(h: Harness) -> None:
     cases = [SamplingParams(temperature=t, max_new_tokens=6, n=2, seed=3) for t in temperatures]
     if caps.temperature and caps.top_k and caps.top_p:
         cases.append(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=6, n=2, seed=3))
+    # greedy decoding takes the argmax, and its log-probs are still of softmax(logits / T)
+    cases.append(SamplingParams(greedy=True, temperature=temperatures[-1], max_new_tokens=6))
     checked = 0
     for params in cases:
         if not engine.log_probs_exact(params):
             continue
         out = engine.generate(prompts, params)
         ref = cached_outputs(h.model_path("llama"), out)["log_probs"]
-        what = (f"rollout_log_probs at temperature {params.temperature}"
+        what = (f"rollout_log_probs {'of greedy decoding ' if params.greedy else ''}at temperature {params.temperature}"
                 + (f", top_k {params.top_k}, top_p {params.top_p}" if params.truncates else ""))
         h.close_to(out["rollout_log_probs"], ref, "log_probs", f"{what} vs float64 reference of log softmax(logits/T)",
                    mask=out["response_mask"])

@@ -32,7 +32,7 @@ from verl_core import ConfigError, SamplingParams, TensorBatch
 _RESPONSE = 6
 
 
-def _batch(seed: int, width: int, lengths: Sequence[int], responses: Sequence[int] | None = None) -> TensorBatch:
+def left_padded_batch(seed: int, width: int, lengths: Sequence[int], responses: Sequence[int] | None = None) -> TensorBatch:
     """Samples whose prompts, left-padded to ``width`` columns, have ``lengths`` real tokens (and
     whose responses have ``responses`` real tokens, when given)."""
     b = random_batch(batch_size=len(lengths), max_prompt=width, max_response=max(responses or [_RESPONSE]), seed=seed)
@@ -74,7 +74,7 @@ def _unpadded_disagreement(h: Harness, engine: Any, role: str, path: str, length
     difference here is the model's arithmetic (another reading of the folder's RoPE scaling), not
     its positions.
     """
-    prompts = _batch(93, length, (length,), (_RESPONSE,))
+    prompts = left_padded_batch(93, length, (length,), (_RESPONSE,))
     if role == "actor":
         got, mask = engine.forward(prompts, ["log_probs"])["log_probs"], prompts["response_mask"]
         ref = cached_outputs(path, prompts)["log_probs"]
@@ -118,7 +118,7 @@ def _positions_match_reference(h: Harness, model: str, what: str, width: int, le
                "(refused, or computed otherwise than transformers without any padding): " + "; ".join(refused))
     path = h.model_path(model)
     if actor is not None and not isinstance(actor, str):
-        batch = _batch(seed, width, *(forward_lengths or (lengths, None)))
+        batch = left_padded_batch(seed, width, *(forward_lengths or (lengths, None)))
         got = actor.forward(batch, ["log_probs"])["log_probs"]
         ref = cached_outputs(path, batch)["log_probs"]
         h.close_to(got, ref, "log_probs",
@@ -126,7 +126,7 @@ def _positions_match_reference(h: Harness, model: str, what: str, width: int, le
                    "must be cumsum(mask) - 1, not arange over the padded row)",
                    mask=batch["response_mask"])
     if rollout is not None and not isinstance(rollout, str):
-        prompts = _batch(seed + 1, width, lengths).select("prompt_ids", "prompt_mask", "group_ids")
+        prompts = left_padded_batch(seed + 1, width, lengths).select("prompt_ids", "prompt_mask", "group_ids")
         params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=5)
         if rollout.log_probs_exact(params):
             out = rollout.generate(prompts, params)

@@ -130,23 +130,39 @@ def _bad_training_inputs(batch: TensorBatch) -> dict[str, tuple[Callable[[], Ten
         "response_mask shorter than response_ids": (
             lambda: raw(response_mask=t["response_mask"][:, :-1]), ("response_mask", "response_ids")),
         "prompt longer than max_prompt_len": (lambda: _long_prompt(batch), ("prompt",)),
+        "response longer than max_response_len": (lambda: _long_response(batch), ("response",)),
     }
 
 
 def _long_prompt(batch: TensorBatch) -> TensorBatch:
-    extra = MAX_PROMPT + 4 - batch.prompt_len
-    ids = torch.cat([torch.full((batch.batch_size, extra), 7), batch["prompt_ids"]], 1)
-    mask = torch.cat([torch.ones(batch.batch_size, extra, dtype=torch.bool), batch["prompt_mask"]], 1)
-    ids = torch.where(mask, ids, torch.full_like(ids, _PAD))
-    # make sample 0 a real max-plus-4 prompt: fill its padding too
+    """``batch`` with sample 0's prompt grown to ``MAX_PROMPT + 4`` real tokens, correctly left-padded
+    (so the length is the input's only fault: a prompt mask that is not left-padded would be refused
+    for another reason)."""
+    width = MAX_PROMPT + 4
+    extra = width - batch.prompt_len
+    ids = torch.cat([torch.full((batch.batch_size, extra), _PAD), batch["prompt_ids"]], 1)
+    mask = torch.cat([torch.zeros(batch.batch_size, extra, dtype=torch.bool), batch["prompt_mask"]], 1)
+    ids[0] = torch.where(mask[0], ids[0], torch.full_like(ids[0], 9))
     mask[0] = True
-    ids[0] = torch.where(ids[0] == _PAD, torch.full_like(ids[0], 9), ids[0])
     return batch.update(prompt_ids=ids, prompt_mask=mask)
+
+
+def _long_response(batch: TensorBatch) -> TensorBatch:
+    """``batch`` with sample 0's response grown to ``MAX_RESPONSE + 4`` real tokens (right-padded, RL fields too)."""
+    extra = MAX_RESPONSE + 4 - batch.response_len
+    fields: dict[str, torch.Tensor] = {}
+    for name, t in batch.items():
+        if t.dim() == 2 and name not in ("prompt_ids", "prompt_mask"):
+            fill = _PAD if name == "response_ids" else (False if t.dtype == torch.bool else 0)
+            fields[name] = torch.cat([t, torch.full((batch.batch_size, extra), fill, dtype=t.dtype)], 1)
+    fields["response_mask"][0] = True
+    fields["response_ids"][0] = torch.where(fields["response_ids"][0] == _PAD, 9, fields["response_ids"][0])
+    return batch.update(fields)
 
 
 @check("robustness")
 def check_bad_training_input_rejected(h: Harness) -> None:
-    """forward and forward_backward reject NaN, bad ids, wrong padding, missing fields, wrong dtype and mismatched lengths with BatchValidationError, leaving no gradients."""
+    """forward and forward_backward reject NaN, bad ids, wrong padding, missing fields, wrong dtype, mismatched lengths and prompts or responses over the spec's limits with BatchValidationError, leaving no gradients."""
     engine = h.training(fresh=True)
     batch = h.batch(seed=63, rl_fields=True)
     for what, (make, names) in _bad_training_inputs(batch).items():

@@ -3,7 +3,9 @@
 Each check drives an engine into a state that only a faithful round trip restores: two updates
 under a warmup schedule (so Adam's moments and the step counter matter), then compares the
 restored engine with one that never left that state: the same exported weights and forward, and
-the same *next* update (loss, grad norm, learning rate and the weights after it).
+the same *next three* updates (loss, grad norm, learning rate and the weights after each). State
+that decides only a later update (a learning-rate scheduler whose position was not saved, while
+the optimizer's saved learning rate serves the first update) shows from the second one on.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ STATE_OPTIM = replace(SUITE_OPTIM, warmup_steps=4)
 counter, and every step after the first on Adam's moments, so losing either changes the next update."""
 
 _WARM_SEEDS = (60, 61)
-_NEXT_SEED = 62
+_NEXT_SEEDS = (62, 66, 67)
+"""Batches of the updates compared after a round trip: the warmup's third and fourth steps and one past it."""
 _FORWARD_SEED = 63
 
 
@@ -57,25 +60,28 @@ def _same_weights(h: Harness, got: dict[str, Tensor], want: dict[str, Tensor], w
 
 
 def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngine, what: str, cause: str) -> None:
-    """The same forward, then the same next update (loss, grad norm, lr, weights after) on both engines."""
+    """The same forward, then the same next updates (loss, grad norm, lr, weights after each) on both engines."""
     batch = h.batch(seed=_FORWARD_SEED)
     h.close_to(restored.forward(batch)["log_probs"], kept.forward(batch)["log_probs"], "log_probs",
                f"{what}: log_probs vs the engine that kept its state", mask=batch["response_mask"])
-    batch = h.batch(seed=_NEXT_SEED, rl_fields=True)
-    loss_r, step_r = _update(restored, batch)
-    loss_k, step_k = _update(kept, batch)
-    h.scalar_close(loss_r, loss_k, "loss", f"{what}: loss of the next update")
-    h.scalar_close(step_r.grad_norm, step_k.grad_norm, "loss", f"{what}: grad norm of the next update")
-    h.expect(abs(step_r.lr - step_k.lr) <= 1e-9 * max(abs(step_k.lr), 1.0),
-             f"{what}: the next update ran at lr {step_r.lr:.6g}, the engine that kept its state at "
-             f"{step_k.lr:.6g} (the schedule's step counter was not restored)")
-    _same_weights(h, exported_weights(restored), exported_weights(kept),
-                  f"{what}: weights after the next update differ from the engine that kept its state ({cause})")
+    for i, seed in enumerate(_NEXT_SEEDS):
+        nth = ("first", "second", "third")[i] if i < 3 else f"#{i + 1}"
+        label = f"{what}: the {nth} update after it"
+        batch = h.batch(seed=seed, rl_fields=True)
+        loss_r, step_r = _update(restored, batch)
+        loss_k, step_k = _update(kept, batch)
+        h.scalar_close(loss_r, loss_k, "loss", f"{label}: loss")
+        h.scalar_close(step_r.grad_norm, step_k.grad_norm, "loss", f"{label}: grad norm")
+        h.expect(abs(step_r.lr - step_k.lr) <= 1e-9 * max(abs(step_k.lr), 1.0),
+                 f"{label} ran at lr {step_r.lr:.6g}, the engine that kept its state at {step_k.lr:.6g} (the "
+                 "schedule's position was not restored)")
+        _same_weights(h, exported_weights(restored), exported_weights(kept),
+                      f"{label}: weights differ from the engine that kept its state ({cause})")
 
 
 @check("stateful", gates=("training.checkpoint",))
 def check_checkpoint_round_trip(h: Harness) -> None:
-    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next update."""
+    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates."""
     if not h.training().capabilities.checkpoint:
         h.skip("backend declares checkpoint=False")
     engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
@@ -88,12 +94,12 @@ def check_checkpoint_round_trip(h: Harness) -> None:
         fresh.load_checkpoint(path)
         what = "after save_checkpoint and load_checkpoint into a fresh engine"
         _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
-        compare_next_update(h, fresh, engine, what, "the optimizer's moments or step were not restored")
+        compare_next_update(h, fresh, engine, what, "the optimizer's moments, its step or the schedule were not restored")
 
 
 @check("stateful", gates=("training.offload",))
 def check_offload_round_trip(h: Harness) -> None:
-    """offload() then onload() keeps weights and optimizer state: the same forward and next update as an engine never offloaded."""
+    """offload() then onload() keeps weights and optimizer state: the same forward and next three updates as an engine never offloaded."""
     if not h.training().capabilities.offload:
         h.skip("backend declares offload=False")
     engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)

@@ -64,7 +64,7 @@ def _serves(h: Harness, engine: RolloutEngine, model: str, what: str) -> None:
 
 @check("weight_sync")
 def check_export_matches_folder(h: Harness) -> None:
-    """export_weights streams manifest, chunks, commit in transformers naming, equal to the folder's tensors."""
+    """export_weights streams manifest, chunks, commit in transformers naming, equal to the folder's tensors; export_weights(dtype=bfloat16) casts every tensor."""
     for model in ("llama", "llama-tied"):
         engine = h.training(model=model)
         msgs, tensors = collect_stream(engine.export_weights(bucket_bytes=64 * 1024))
@@ -73,6 +73,10 @@ def check_export_matches_folder(h: Harness) -> None:
                  f"{model}: export stream must be manifest, chunks, commit; got {kinds}")
         manifest = msgs[0]
         assert isinstance(manifest, WeightManifest)
+        commit = msgs[-1]
+        h.expect(manifest.version == 0 and isinstance(commit, WeightCommit) and commit.version == 0,
+                 f"{model}: an engine that never stepped exports version {manifest.version} (commit "
+                 f"{getattr(commit, 'version', None)}); the version is the count of applied optimizer steps, 0 here")
         want = folder_weights(h.model_path(model))
         tied = model.endswith("tied")
         if tied:
@@ -91,6 +95,21 @@ def check_export_matches_folder(h: Harness) -> None:
                     g = groups.setdefault(fusion_group(name), i)
                     h.expect(g == i, f"{model}: fusion group {fusion_group(name)} is split across chunks "
                              "(q/k/v and gate/up must travel together)")
+    # the receiver's dtype: every tensor cast to it, and the manifest says so
+    msgs, tensors = collect_stream(h.training().export_weights(dtype=torch.bfloat16))
+    manifest = msgs[0]
+    assert isinstance(manifest, WeightManifest)
+    wrong = sorted(n for n, t in tensors.items() if t.dtype != torch.bfloat16)
+    h.expect(not wrong, f"export_weights(dtype=torch.bfloat16) sent {len(wrong)} tensors in another dtype (e.g. "
+             f"{wrong[:1]} in {tensors[wrong[0]].dtype if wrong else ''}); cast every tensor to the dtype asked, the "
+             "receiver's")
+    undeclared = sorted(n for n, info in manifest.tensors.items() if info.dtype != torch.bfloat16)
+    h.expect(not undeclared, f"export_weights(dtype=torch.bfloat16): the manifest declares {undeclared[:2]} in "
+             "another dtype than bfloat16")
+    want = folder_weights(h.model_path("llama"))
+    for name, t in want.items():
+        h.close_to(tensors[name].float(), t.to(torch.bfloat16).float(), "weights",
+                   f"export_weights(dtype=torch.bfloat16): {name} vs the folder's tensor cast to bfloat16")
 
 
 @check("weight_sync", gates=("rollout.weight_update",))

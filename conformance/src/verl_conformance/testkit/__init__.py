@@ -8,7 +8,8 @@
 * :func:`random_batch`: ragged, correctly padded TensorBatches for tests.
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
-  with absolute positions, a Llama with LongRoPE, perturbed weights, a NaN reward model) and a shuffled tokenizer.
+  with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
+  NaN reward model) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
     LONG_ROPE_TRAINED,
+    ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
     eos_model,
@@ -23,6 +25,7 @@ from verl_conformance.testkit.crafted import (
     long_rope_model,
     nan_reward_model,
     perturbed_model,
+    rope_scaled_model,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
 from verl_conformance.testkit.models import (
@@ -41,6 +44,7 @@ from verl_conformance.testkit.tolerances import TOLERANCES, Tolerance, assert_cl
 __all__ = [
     "ARCHS",
     "LONG_ROPE_TRAINED",
+    "ROPE_SCALINGS",
     "TOLERANCES",
     "Arch",
     "CharTokenizer",
@@ -61,6 +65,7 @@ __all__ = [
     "perturbed_model",
     "random_batch",
     "reference_forward",
+    "rope_scaled_model",
     "tiny_model",
     "tolerance",
     "write_rank_result",

@@ -12,6 +12,9 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   position id changes every output.
 * :func:`long_rope_model`: the tiny Llama with LongRoPE scaling whose frequencies change past
   position :data:`LONG_ROPE_TRAINED`: rotary, yet position ids that count padding show.
+* :func:`rope_scaled_model`: the tiny Llama under a RoPE scaling (linear, also in the
+  transformers 4 format, YaRN, Llama 3, LongRoPE): positions past :data:`LONG_ROPE_TRAINED` move
+  every output by nats when the scaling is ignored.
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
@@ -44,8 +47,11 @@ __all__ = [
     "EOS_AFTER_3",
     "EOS_FIRST",
     "EOS_LADDER_END",
+    "EOS_LADDER_START",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
+    "ROPE_SCALED_MAX_POSITIONS",
+    "ROPE_SCALINGS",
     "ShuffledTokenizer",
     "absolute_position_model",
     "eos_model",
@@ -53,6 +59,7 @@ __all__ = [
     "long_rope_model",
     "nan_reward_model",
     "perturbed_model",
+    "rope_scaled_model",
 ]
 
 _RECIPE: Final = 1  # bump when a recipe changes: the cache key includes it
@@ -65,7 +72,8 @@ NEVER_EOS: Final = 30
 """A prompt ending in this token continues 31, 30, 31, ... and never emits EOS."""
 EOS_LADDER_END: Final = 60
 """A prompt ending in t, 40 <= t <= 60, continues t + 1, ..., 60, EOS: EOS is token number 61 - t."""
-_LADDER_START: Final = 40
+EOS_LADDER_START: Final = 40
+"""The first token of the EOS ladder (see :data:`EOS_LADDER_END`)."""
 LONG_ROPE_TRAINED: Final = 24
 """Positions of :func:`long_rope_model` below this use the model's own rotary frequencies."""
 
@@ -122,20 +130,22 @@ def _successor(token: int) -> int:
         return _EOS
     if token in (NEVER_EOS, NEVER_EOS + 1):
         return NEVER_EOS + 1 if token == NEVER_EOS else NEVER_EOS
-    if _LADDER_START <= token < EOS_LADDER_END:
+    if EOS_LADDER_START <= token < EOS_LADDER_END:
         return token + 1
     return token
 
 
-def eos_model_continuation(last_token: int, max_new_tokens: int) -> tuple[list[int], bool]:
-    """What the EOS model generates after a prompt ending in ``last_token``: the tokens (EOS
-    included when reached) and whether the response is truncated (the limit hit without EOS)."""
+def eos_model_continuation(last_token: int, max_new_tokens: int,
+                           stop_token_ids: Sequence[int] = ()) -> tuple[list[int], bool]:
+    """What the EOS model generates after a prompt ending in ``last_token``: the tokens (EOS, or
+    a token of ``stop_token_ids``, included when reached) and whether the response is truncated
+    (the limit hit without EOS or a stop token)."""
     out: list[int] = []
     token = last_token
     while len(out) < max_new_tokens:
         token = _successor(token)
         out.append(token)
-        if token == _EOS:
+        if token == _EOS or token in stop_token_ids:
             return out, False
     return out, True
 
@@ -224,6 +234,62 @@ def long_rope_model() -> Path:
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
     return _crafted("long-rope", {"base": asdict(spec), "trained": LONG_ROPE_TRAINED}, build)
+
+
+ROPE_SCALED_MAX_POSITIONS: Final = 96
+"""``max_position_embeddings`` of every :func:`rope_scaled_model` folder: 4 times the trained range."""
+_HALF_HEAD: Final = TinyModelSpec().head_dim // 2
+
+ROPE_SCALINGS: Final[dict[str, dict[str, object]]] = {
+    "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    # the same scaling as written by transformers 4 (a top-level rope_scaling and rope_theta)
+    "linear-legacy": {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 10000.0},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": LONG_ROPE_TRAINED}},
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": LONG_ROPE_TRAINED}},
+    # no attention_factor: the default sqrt(1 + ln(factor) / ln(24)) = 1.198 scales cos and sin everywhere
+    "longrope": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": LONG_ROPE_TRAINED,
+                                     "short_factor": [1.0] * _HALF_HEAD,
+                                     "long_factor": [1.0 + 63.0 * i / (_HALF_HEAD - 1)
+                                                     for i in range(_HALF_HEAD)]}},
+}
+"""The RoPE scalings of :func:`rope_scaled_model`, as the ``config.json`` entries that declare them."""
+
+
+def rope_scaled_model(kind: str) -> Path:
+    """The test kit's tiny Llama whose ``config.json`` declares the RoPE scaling ``ROPE_SCALINGS[kind]``.
+
+    The weights are the tiny Llama's; every scaling moves the log-probs by nats at positions
+    past :data:`LONG_ROPE_TRAINED`, so a backend that ignores the scaling its folder declares
+    shows. ``linear-legacy`` writes the linear scaling the way transformers 4 did (a top-level
+    ``rope_scaling`` with ``type``, and ``rope_theta``), which transformers 5 still reads;
+    ``longrope`` leaves ``attention_factor`` out, so its default (from
+    ``max_position_embeddings / original_max_position_embeddings``) scales every position.
+    ``max_position_embeddings`` is :data:`ROPE_SCALED_MAX_POSITIONS` (the scaled range).
+
+    Raises:
+        KeyError: ``kind`` is not a key of :data:`ROPE_SCALINGS`.
+    """
+    if kind not in ROPE_SCALINGS:
+        raise KeyError(f"no RoPE scaling {kind!r}; kinds: {', '.join(ROPE_SCALINGS)}")
+    spec = TinyModelSpec()
+    entries = ROPE_SCALINGS[kind]
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        config.pop("rope_parameters", None)
+        config.pop("rope_scaling", None)
+        config.update(json.loads(json.dumps(entries)))
+        config["max_position_embeddings"] = ROPE_SCALED_MAX_POSITIONS
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted(f"rope-{kind}", {"base": asdict(spec), "config": entries,
+                                     "max_positions": ROPE_SCALED_MAX_POSITIONS}, build)
 
 
 def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:

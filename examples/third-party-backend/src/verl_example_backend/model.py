@@ -54,10 +54,12 @@ class DecoderConfig:
                 f"the example backend runs llama, qwen2 and qwen3 folders; {path} has model_type "
                 f"{model_type!r}"
             )
-        rope = raw.get("rope_parameters") or {}
+        # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"only default RoPE is supported, {path} uses {rope.get('rope_type')!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"only default RoPE is supported, {path} uses rope_type {rope_type!r}")
         heads = int(raw["num_attention_heads"])
         archs = raw.get("architectures") or []
         eos = raw.get("eos_token_id", 1)

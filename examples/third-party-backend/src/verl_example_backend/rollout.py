@@ -64,6 +64,9 @@ class ExampleRolloutEngine(RolloutEngine):
             torch.set_num_threads(options.num_threads)
         if spec.parallel.world_size != 1 or spec.device != "cpu":
             raise ConfigError("the example backend's rollout runs in one process on cpu")
+        if spec.dtype not in self.capabilities.dtypes:
+            raise ConfigError(f"the example backend's rollout runs in {', '.join(sorted(self.capabilities.dtypes))}; "
+                              f"got EngineSpec.dtype {spec.dtype!r}")
         self._spec = spec
         self.model = load_model(spec.model_path, spec.torch_dtype).eval()
         cfg = self.model.cfg

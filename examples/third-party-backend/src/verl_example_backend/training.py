@@ -88,6 +88,15 @@ class ExampleTrainingEngine(TrainingEngine):
             )
         if spec.device != "cpu":
             raise ConfigError(f"the example backend runs on cpu only, got device {spec.device!r}")
+        # nothing upstream compares a spec with the declared capabilities: refuse what is not declared
+        self._caps = TRAINING_CAPABILITIES
+        caps = self.capabilities
+        if spec.dtype not in caps.dtypes:
+            raise ConfigError(f"the example backend trains in {', '.join(sorted(caps.dtypes))}; "
+                              f"got EngineSpec.dtype {spec.dtype!r}")
+        if spec.gradient_checkpointing and not caps.gradient_checkpointing:
+            raise ConfigError("the example backend does not implement gradient checkpointing; set "
+                              "EngineSpec.gradient_checkpointing=False")
         self._spec = spec
         self.model = load_model(spec.model_path, spec.torch_dtype)
         cfg = self.model.cfg
@@ -100,7 +109,6 @@ class ExampleTrainingEngine(TrainingEngine):
             spec.model_path, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
             vocab_size=cfg.vocab_size,
         )
-        self._caps = TRAINING_CAPABILITIES
         o = spec.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay

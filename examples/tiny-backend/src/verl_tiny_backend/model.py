@@ -5,12 +5,72 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from verl_core import ConfigError
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The rotary frequencies a folder declares, computed as transformers does.
+
+    ``default`` and ``linear`` (frequencies divided by ``factor``) have one set of frequencies;
+    ``longrope`` has two: a sequence longer than ``threshold`` (the config's
+    ``original_max_position_embeddings``) uses the long factors at every position, a shorter one
+    the short factors. This model decides per sequence, by its own number of real tokens, which is
+    what each sample alone computes (transformers decides per forward call, by the batch's
+    longest row). ``scale`` (LongRoPE's attention factor) multiplies cos and sin.
+    """
+
+    inv_freq: Tensor
+    long_inv_freq: Tensor | None = None
+    threshold: int = 0
+    scale: float = 1.0
+
+    @staticmethod
+    def load(raw: dict[str, Any], head_dim: int, path: str) -> Rope:
+        """The rotary embedding of a ``config.json``: ``rope_parameters`` (transformers 5) or a
+        top-level ``rope_scaling`` and ``rope_theta`` (transformers 4).
+
+        Raises:
+            ConfigError: a rope type this model does not implement (it would compute another model).
+        """
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ConfigError(f"the tiny backend rotates every dimension of a head; {path} declares a "
+                              "partial_rotary_factor (RoPE on part of each head is not implemented)")
+        base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        if rope_type == "default":
+            return Rope(base)
+        if rope_type == "linear":
+            return Rope(base / float(params["factor"]))
+        if rope_type == "longrope":
+            original = int(params.get("original_max_position_embeddings")
+                           or raw.get("original_max_position_embeddings") or raw["max_position_embeddings"])
+            factor = float(params.get("factor") or raw["max_position_embeddings"] / original)
+            scale = params.get("attention_factor")
+            if scale is None:
+                scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            short = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * (1.0 / base))
+            long = 1.0 / (torch.tensor(params["long_factor"], dtype=torch.float32) * (1.0 / base))
+            return Rope(short, long, original, float(scale))
+        raise ConfigError(f"the tiny backend implements the RoPE types default, linear and longrope; {path} declares "
+                          f"rope_type {rope_type!r}, which it would compute as another model")
+
+    def cos_sin(self, pos: Tensor, lengths: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [batch, 1, seq, head_dim] at positions ``pos`` [batch, seq] of sequences of ``lengths`` real tokens."""
+        inv = self.inv_freq.expand(len(lengths), -1)
+        if self.long_inv_freq is not None:
+            inv = torch.where((lengths > self.threshold)[:, None], self.long_inv_freq, inv)
+        ang = pos.float()[..., None] * inv[:, None, :]  # [b, s, d/2]
+        emb = torch.cat([ang, ang], -1)
+        return (emb.cos() * self.scale)[:, None].to(dtype), (emb.sin() * self.scale)[:, None].to(dtype)
 
 
 @dataclass(frozen=True)
@@ -26,7 +86,7 @@ class Cfg:
     head_dim: int
     inter: int
     eps: float
-    theta: float
+    rope: Rope
     tied: bool
     qkv_bias: bool
     qk_norm: bool
@@ -43,14 +103,12 @@ class Cfg:
         mt = raw.get("model_type")
         if mt not in ("llama", "qwen2", "qwen3"):
             raise ConfigError(f"the tiny backend runs llama, qwen2 and qwen3 folders; {path} has model_type {mt!r}")
-        rope = raw.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []
         return Cfg(mt, int(raw["vocab_size"]), int(raw["hidden_size"]), int(raw["num_hidden_layers"]), heads,
-                   int(raw.get("num_key_value_heads", heads)),
-                   int(raw.get("head_dim") or raw["hidden_size"] // heads), int(raw["intermediate_size"]),
-                   float(raw["rms_norm_eps"]), theta, bool(raw.get("tie_word_embeddings", False)),
+                   int(raw.get("num_key_value_heads", heads)), head_dim, int(raw["intermediate_size"]),
+                   float(raw["rms_norm_eps"]), Rope.load(raw, head_dim, path), bool(raw.get("tie_word_embeddings", False)),
                    mt == "qwen2" or bool(raw.get("attention_bias", False)), mt == "qwen3",
                    any("TokenClassification" in a for a in archs))
 
@@ -70,13 +128,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dt)
 
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding of ``x`` [batch, heads, seq, head_dim] at positions ``pos`` [batch, seq]."""
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``x`` [batch, heads, seq, head_dim] (``cos``, ``sin`` from :meth:`Rope.cos_sin`)."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = pos.float()[..., None] * inv  # [b, s, d/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -95,7 +149,7 @@ class Attn(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.eps)
             self.k_norm = RMSNorm(c.head_dim, c.eps)
 
-    def forward(self, x: Tensor, pos: Tensor, bias: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos_sin: tuple[Tensor, Tensor], bias: Tensor) -> Tensor:
         c = self.c
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, c.heads, c.head_dim)
@@ -103,7 +157,7 @@ class Attn(nn.Module):
         v = self.v_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q.transpose(1, 2), pos, c.theta), rope(k.transpose(1, 2), pos, c.theta)
+        q, k = rope(q.transpose(1, 2), *cos_sin), rope(k.transpose(1, 2), *cos_sin)
         rep = c.heads // c.kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         att = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim) + bias
@@ -136,8 +190,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden, c.eps)
         self.post_attention_layernorm = RMSNorm(c.hidden, c.eps)
 
-    def forward(self, x: Tensor, pos: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), pos, bias)
+    def forward(self, x: Tensor, cos_sin: tuple[Tensor, Tensor], bias: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, bias)
         mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mlp
 
@@ -179,7 +233,8 @@ class Model(nn.Module):
         return m.to(dtype)
 
     def hidden(self, ids: Tensor, mask: Tensor) -> Tensor:
-        """Final hidden states; positions count real tokens only (left padding safe)."""
+        """Final hidden states; positions count real tokens only (left padding safe), and a
+        LongRoPE folder picks its frequencies by each row's number of real tokens."""
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)
         s = ids.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool).tril()
@@ -187,8 +242,9 @@ class Model(nn.Module):
         allowed = allowed | torch.eye(s, dtype=torch.bool)[None]  # padding rows attend to themselves
         bias = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, float("-inf"))[:, None]
         x = self.model.embed_tokens(ids)
+        cos_sin = self.cfg.rope.cos_sin(pos, mask.sum(1), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, pos, bias.to(x.dtype))
+            x = layer(x, cos_sin, bias.to(x.dtype))
         normed: Tensor = self.model.norm(x)
         return normed
 

@@ -22,7 +22,7 @@ from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutE
 from verl_core.enginekit.sampling import TokenSampler, uniform_table
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ROLLOUT_CAPABILITIES
-from verl_tiny_backend.training import DTYPES
+from verl_tiny_backend.training import DTYPES, refuse_undeclared
 
 __all__ = ["TinyRolloutEngine", "build_rollout_engine"]
 
@@ -42,6 +42,7 @@ class TinyRolloutEngine(RolloutEngineBase):
     """
 
     def __init__(self, spec: EngineSpec) -> None:
+        refuse_undeclared(spec, ROLLOUT_CAPABILITIES)
         self._spec = spec
         self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
         self._tok = load_tokenizer(spec.model_path, self.model.cfg.vocab_size)

@@ -14,11 +14,13 @@ from torch import Tensor
 from verl_core import (
     BatchValidationError,
     CheckpointError,
+    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossFn,
     Metrics,
     ModelOutput,
+    RolloutCapabilities,
     StepMetrics,
     TensorBatch,
     TensorInfo,
@@ -34,14 +36,16 @@ from verl_core.enginekit.training_base import TrainingEngineBase
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ACTOR_CAPABILITIES, CRITIC_CAPABILITIES
 
-__all__ = ["DTYPES", "TinyTrainingEngine", "build_training_engine", "validate"]
+__all__ = ["DTYPES", "TinyTrainingEngine", "build_training_engine", "refuse_undeclared", "validate"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
-def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size: int) -> TensorBatch:
-    """Rebuild ``batch`` through the TensorBatch constructor and value-check it.
+def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size: int,
+             spec: EngineSpec | None = None) -> TensorBatch:
+    """Rebuild ``batch`` through the TensorBatch constructor, value-check it, and (given the
+    engine's ``spec``) refuse prompts and responses longer than its limits.
 
     Raises:
         BatchValidationError: naming ``where``, the field and what was expected.
@@ -53,7 +57,34 @@ def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size:
         rebuilt = TensorBatch(dict(batch.items()), batch.extras, batch.meta, batch_size=batch.batch_size)
     except BatchValidationError as e:
         raise BatchValidationError(f"{where}: {e}") from None
-    return rebuilt.check(where=where, vocab_size=vocab_size)
+    rebuilt = rebuilt.check(where=where, vocab_size=vocab_size)
+    if spec is not None and rebuilt.batch_size:
+        for field, limit in (("prompt", spec.max_prompt_len), ("response", spec.max_response_len)):
+            longest = int(rebuilt[f"{field}_mask"].sum(1).max())
+            if longest > limit:
+                raise BatchValidationError(f"{where}: a {field} has {longest} tokens, more than "
+                                           f"EngineSpec.max_{field}_len={limit}")
+    return rebuilt
+
+
+def refuse_undeclared(spec: EngineSpec, caps: TrainingCapabilities | RolloutCapabilities) -> None:
+    """Refuse spec settings the backend does not declare: nothing upstream compares a spec with the
+    capabilities, and an engine that ran them would run a configuration the suite never checked.
+
+    Raises:
+        ConfigError: naming the setting and what the backend supports.
+    """
+    if spec.dtype not in caps.dtypes:
+        raise ConfigError(f"the tiny backend runs in {', '.join(sorted(caps.dtypes))}; got EngineSpec.dtype "
+                          f"{spec.dtype!r}")
+    if torch.device(spec.device).type not in caps.devices:
+        raise ConfigError(f"the tiny backend runs on {', '.join(sorted(caps.devices))}; got EngineSpec.device "
+                          f"{spec.device!r}")
+    if spec.parallel.world_size != 1:
+        raise ConfigError(f"the tiny backend runs in one process; got parallel sizes {spec.parallel}")
+    if spec.gradient_checkpointing and not getattr(caps, "gradient_checkpointing", False):
+        raise ConfigError("the tiny backend does not implement gradient checkpointing; set "
+                          "EngineSpec.gradient_checkpointing=False")
 
 
 class TinyTrainingEngine(TrainingEngineBase):
@@ -67,6 +98,7 @@ class TinyTrainingEngine(TrainingEngineBase):
     """
 
     def __init__(self, spec: EngineSpec) -> None:
+        refuse_undeclared(spec, ACTOR_CAPABILITIES)
         self._spec = spec
         torch.manual_seed(spec.seed)
         self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
@@ -114,7 +146,7 @@ class TinyTrainingEngine(TrainingEngineBase):
 
     def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
         """Log-probs, entropy and values of the response tokens, without gradients."""
-        b = validate(batch, "forward", _SEQ, self.model.cfg.vocab_size)
+        b = validate(batch, "forward", _SEQ, self.model.cfg.vocab_size, self._spec)
         with torch.no_grad():
             return b.update(self._outputs(b, outputs))
 
@@ -122,7 +154,7 @@ class TinyTrainingEngine(TrainingEngineBase):
                           max_tokens: int | None, where: str) -> Metrics:
         """The gradients of ``loss_fn`` (already normalised by the global counts) over micro-batches
         of the whole mini-batch; a call that raises leaves no gradients."""
-        b = validate(mini_batch, where, _SEQ, self.model.cfg.vocab_size)
+        b = validate(mini_batch, where, _SEQ, self.model.cfg.vocab_size, self._spec)
         s = self._spec
         budget = max_tokens or s.micro_batch_tokens
         parts = (b.micro_batches(max_tokens=budget) if budget

@@ -1,0 +1,133 @@
+"""The optimizer as ``OptimConfig`` describes it, and updates skipped on a non-finite gradient.
+
+The other checks train with the suite's optimizer (AdamW ``lr=1, eps=1``, default betas, no weight
+decay, no clipping, a constant schedule) or compare an engine only with itself, so an engine that
+ignores weight decay, betas, clipping or the learning-rate schedule, or reports the grad norm after
+clipping, passes them. Here a few updates under an optimizer that uses every setting are compared
+with torch's AdamW in float64; and a non-finite loss must skip its update without touching the
+weights, the optimizer's state or the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
+from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
+from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.reference import ReferenceModel
+from verl_core import (
+    GlobalBatchStats,
+    LossOutput,
+    OptimConfig,
+    TensorBatch,
+    TrainingEngine,
+    WeightCommit,
+    WeightManifest,
+)
+
+OPTIM_STEPS = 4
+"""Updates of :func:`check_optimizer_matches_reference`: two of warmup, the peak, then cosine decay."""
+
+
+def every_setting(grad_clip: float) -> OptimConfig:
+    """AdamW with decoupled weight decay, non-default betas, clipping at ``grad_clip`` and a 2-step
+    warmup into a cosine decay over 4 steps (learning rates 0.25, 0.5, 0.5, 0.275)."""
+    return OptimConfig(lr=0.5, eps=1.0, betas=(0.8, 0.95), weight_decay=0.1, warmup_steps=2, schedule="cosine",
+                       total_steps=OPTIM_STEPS, min_lr_ratio=0.1, grad_clip=grad_clip)
+
+
+def _batches(h: Harness) -> list[TensorBatch]:
+    return [h.batch(seed=70 + k, rl_fields=True) for k in range(OPTIM_STEPS)]
+
+
+@check("numerics")
+def check_optimizer_matches_reference(h: Harness) -> None:
+    """Four updates under AdamW with weight decay, betas (0.8, 0.95), gradient clipping and a warmup-then-cosine schedule equal torch AdamW in float64: each step's lr and grad norm (before clipping), the weights after, and the stream's version (4)."""
+    batches = _batches(h)
+    path = h.model_path("llama")
+    # clip at half the first step's gradient norm, so clipping acts
+    first = ReferenceModel(path, SUITE_OPTIM).loss_and_grads(batches[0], TOKEN_MEAN_PG, GlobalBatchStats.of(batches[0]))
+    optim = every_setting(round(0.5 * first.grad_norm, 4))
+    settings = (f"lr {optim.lr}, betas {optim.betas}, weight_decay {optim.weight_decay}, grad_clip {optim.grad_clip}, "
+                f"warmup_steps {optim.warmup_steps}, cosine over {optim.total_steps} steps")
+    engine = h.training(fresh=True, optim=optim, micro_batch_size=2)
+    ref = ReferenceModel(path, optim)
+    before = exported_weights(engine)
+    ref_before = ref.state()
+    for k, batch in enumerate(batches):
+        stats = GlobalBatchStats.of(batch)
+        metrics = engine.forward_backward(batch, TOKEN_MEAN_PG, stats)
+        step = engine.optimizer_step()
+        want = ref.step(batch, TOKEN_MEAN_PG, stats)
+        at = f"update {k} under AdamW ({settings})"
+        h.expect(not step.skipped, f"{at}: optimizer_step skipped a finite update")
+        h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
+                 f"{at}: optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) is {optim.lr_at(k):.6g} "
+                 "(the warmup and cosine schedule of spec.optim)")
+        h.scalar_close(metrics["loss"], want.loss, "loss", f"{at}: loss vs float64 reference")
+        h.scalar_close(step.grad_norm, want.grad_norm, "loss",
+                       f"{at}: grad norm vs float64 reference (the global norm before clipping, "
+                       f"{'clipped to' if want.grad_norm > optim.grad_clip else 'under'} {optim.grad_clip:g})")
+    version = export_version(engine)
+    h.expect(version == OPTIM_STEPS, f"after {OPTIM_STEPS} applied updates export_weights streams version {version}; "
+             f"the version is the count of applied optimizer steps, {OPTIM_STEPS}")
+    after = exported_weights(engine)
+    ref_after = ref.state()
+    for name, w in ref_after.items():
+        h.expect(name in after, f"export_weights lacks {name} after {OPTIM_STEPS} updates")
+        h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
+                   f"{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 (weight "
+                   "decay decoupled and on every parameter, betas, clipping by the global norm, lr of the schedule)")
+
+
+def export_version(engine: TrainingEngine) -> int:
+    """The version of the engine's weight stream (its manifest's; the commit must say the same)."""
+    msgs = collect_stream(engine.export_weights())[0]
+    manifest, commit = msgs[0], msgs[-1]
+    assert isinstance(manifest, WeightManifest) and isinstance(commit, WeightCommit)
+    return manifest.version if manifest.version == commit.version else -1
+
+
+class _NonFiniteLoss:
+    """The suite's token-mean policy-gradient loss times NaN: every gradient is NaN."""
+
+    def __init__(self) -> None:
+        self.needs = TOKEN_MEAN_PG.needs
+
+    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
+        out = TOKEN_MEAN_PG(batch, stats)
+        return LossOutput(out.loss * float("nan"), dict(out.metrics))
+
+
+@check("robustness")
+def check_nonfinite_update_skipped(h: Harness) -> None:
+    """A NaN loss makes optimizer_step skip (skipped=True, a non-finite grad norm) and leaves weights, weight version, optimizer state and schedule as they were: the next three updates equal an engine's that never saw it."""
+    optim = STATE_OPTIM
+    engine = h.training(fresh=True, optim=optim, micro_batch_size=2)
+    clean = h.training(fresh=True, optim=optim, micro_batch_size=2)
+    batch = h.batch(seed=68, rl_fields=True)
+    before = exported_weights(engine)
+    what = "after a forward_backward whose loss is NaN and its optimizer_step"
+    try:
+        engine.forward_backward(batch, _NonFiniteLoss(), GlobalBatchStats.of(batch))
+    except Exception as e:
+        h.fail(f"forward_backward raised {type(e).__name__} on a NaN loss: {e}; it must return (the loss and "
+               "metrics are NaN) so that optimizer_step sees the non-finite grad norm and skips the update")
+    step = engine.optimizer_step()
+    h.expect(step.skipped and not math.isfinite(step.grad_norm),
+             f"optimizer_step after a NaN loss returned skipped={step.skipped}, grad_norm={step.grad_norm}: a "
+             "non-finite global grad norm must skip the update (skipped=True, the non-finite norm reported)")
+    h.expect(abs(step.lr - optim.lr_at(0)) <= 1e-9 * optim.lr,
+             f"the skipped step reports lr {step.lr:.6g}; it is the lr the update would have run at, lr_at(0) = "
+             f"{optim.lr_at(0):.6g}")
+    changed = sorted(n for n, w in exported_weights(engine).items() if not torch.equal(w, before[n]))
+    h.expect(not changed, f"{what}: the weights changed ({changed[:3]}); a skipped update leaves them untouched")
+    version = export_version(engine)
+    h.expect(version == 0, f"{what}: export_weights streams version {version}; the version counts applied optimizer "
+             "steps, and a skipped one is not applied")
+    compare_next_update(h, engine, clean, what,
+                        "the skipped step touched the optimizer's state or advanced its step count or schedule")

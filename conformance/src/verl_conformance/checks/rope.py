@@ -1,0 +1,139 @@
+"""RoPE scaling: a backend honours the scaling its folder's config declares, or refuses the folder.
+
+A backend that reads ``rope_theta`` but not the scaling (``rope_parameters.rope_type`` in
+transformers 5 configs, ``rope_scaling`` in transformers 4 ones) computes the model of another
+config, and nothing else in the suite shows it: the other folders use plain RoPE. The test kit's
+:func:`~verl_conformance.testkit.rope_scaled_model` folders are the tiny Llama under each common
+scaling (linear, linear in the transformers 4 format, YaRN, Llama 3, LongRoPE with its default
+attention factor); each moves the log-probs by nats past position
+:data:`~verl_conformance.testkit.LONG_ROPE_TRAINED` (24) when ignored.
+
+Every sequence here is longer than 24 tokens from its prompt on, so the scalings whose
+frequencies depend on the length (LongRoPE) use the long factors everywhere, whether an engine
+decides per sequence, per batch, at prefill or from its maximum model length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from verl_conformance.checks._registry import check
+from verl_conformance.checks.positions import left_padded_batch
+from verl_conformance.harness import Harness
+from verl_conformance.reference import cached_outputs
+from verl_conformance.testkit import LONG_ROPE_TRAINED, ROPE_SCALINGS, tolerance
+from verl_core import ConfigError, SamplingParams, TensorBatch
+
+_PROMPTS = (30, 26, 33)
+"""Real prompt tokens of each sample: every prompt is already past position 24."""
+_RESPONSES = (6, 1, 9)
+"""Real response tokens of each sample of the forward batch."""
+_NEW_TOKENS = 6
+_WIDTH = max(_PROMPTS)
+_MAX_PROMPT = 48
+assert min(_PROMPTS) > LONG_ROPE_TRAINED and _WIDTH <= _MAX_PROMPT
+
+
+def _scaling(kind: str) -> str:
+    """What the folder of ``kind`` declares, for messages (``rope_type 'yarn', factor 4.0, ...``)."""
+    entries = ROPE_SCALINGS[kind]
+    raw = entries.get("rope_parameters") or entries.get("rope_scaling")
+    assert isinstance(raw, dict)
+    key = "rope_parameters" if "rope_parameters" in entries else "rope_scaling"
+    parts = [f"{k} {v!r}" for k, v in raw.items() if k in ("rope_type", "type", "factor")]
+    return f"{key}: {', '.join(parts)}"
+
+
+def _names_scaling(message: str, kind: str) -> bool:
+    """Whether a refusal names RoPE or the rope type it refuses."""
+    text = message.lower()
+    rope_type = kind.removesuffix("-legacy")
+    return "rope" in text or rope_type in text
+
+
+def _build(h: Harness, role: str, model: str, kind: str) -> Any:
+    """The subject's fresh engine of ``role`` on ``model``, or the refusal's text (a ConfigError)."""
+    try:
+        if role == "actor":
+            return h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT)
+        return h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
+    except ConfigError as e:
+        if not _names_scaling(str(e), kind):
+            h.fail(f"the {role} engine refused the folder {model} ({_scaling(kind)}) with a ConfigError that names "
+                   f"neither RoPE nor {kind.removesuffix('-legacy')!r}: {e}; say which rope scaling is not supported")
+        return str(e)
+    except Exception as e:
+        h.fail(f"building the {role} engine on the folder {model} ({_scaling(kind)}) raised {type(e).__name__}: {e}; "
+               "a backend that does not implement a folder's RoPE scaling must refuse it with verl_core.ConfigError "
+               "naming the rope type")
+
+
+def _advice(kind: str) -> str:
+    return (f"the folder declares {_scaling(kind)}: apply it as transformers does, or refuse the folder with a "
+            "ConfigError when the engine is built")
+
+
+def _forward(h: Harness, engine: Any, model: str, kind: str) -> None:
+    batch = left_padded_batch(95, _WIDTH, _PROMPTS, _RESPONSES)
+    got = engine.forward(batch, ["log_probs"])["log_probs"]
+    ref = cached_outputs(h.model_path(model), batch)["log_probs"]
+    h.close_to(got, ref, "log_probs",
+               f"forward log_probs on {model}, sequences of {min(_PROMPTS)} to {_WIDTH + max(_RESPONSES)} tokens, vs "
+               f"the float64 reference ({_advice(kind)})", mask=batch["response_mask"])
+
+
+def _generate(h: Harness, engine: Any, model: str, kind: str) -> None:
+    """Greedy tokens that are the reference's argmax after their own prefix, and (where exact) their log-probs."""
+    prompts = left_padded_batch(96, _WIDTH, _PROMPTS).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=_NEW_TOKENS)
+    out = engine.generate(prompts, params)
+    ref = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
+    greedy_tokens_match(h, out, ref, f"greedy tokens on {model}, prompts of {min(_PROMPTS)} to {_WIDTH} tokens "
+                        f"({_advice(kind)})")
+    if engine.log_probs_exact(params):
+        h.close_to(out["rollout_log_probs"], ref["log_probs"], "log_probs",
+                   f"rollout_log_probs of greedy samples on {model}, prompts of {min(_PROMPTS)} to {_WIDTH} tokens, "
+                   f"vs the float64 reference ({_advice(kind)})", mask=out["response_mask"])
+
+
+def greedy_tokens_match(h: Harness, out: TensorBatch, ref: dict[str, Tensor], what: str) -> None:
+    """Fail unless each greedy token is the reference's most likely token after the same prefix.
+
+    ``ref`` holds the reference's ``log_probs`` and ``max_log_probs`` of ``out``'s samples. A token
+    whose log-prob is within the dtype's margin of the maximum is a near tie either choice passes.
+    """
+    margin = max(1e-4, 2 * tolerance(h.dtype, "log_probs").atol)
+    mask = out["response_mask"].cpu()
+    short = (ref["max_log_probs"] - ref["log_probs"]) > margin
+    bad = (short & mask).nonzero()
+    if bad.numel():
+        b, t = (int(i) for i in bad[0])
+        toks = out["response_ids"][b][mask[b]].tolist()
+        h.fail(f"{what}: sample {b} took token {toks[t]} at step {t} (response {toks}), whose reference log-prob "
+               f"{float(ref['log_probs'][b, t]):.5g} is below the most likely token's {float(ref['max_log_probs'][b, t]):.5g}")
+
+
+@check("numerics")
+def check_rope_scaling_matches_reference(h: Harness) -> None:
+    """On Llamas whose config declares a RoPE scaling (linear, also in the transformers 4 format, YaRN, Llama 3, LongRoPE), forward log-probs, greedy tokens and their rollout log-probs past position 24 equal the float64 reference; a scaling the backend does not implement is refused with a ConfigError naming it."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    refused: dict[str, list[str]] = {}  # refusal -> "role on folder" (one line per folder and message)
+    for kind in ROPE_SCALINGS:
+        model = f"llama-rope-{kind}"
+        for role in roles:
+            engine = _build(h, role, model, kind)
+            if isinstance(engine, str):
+                refused.setdefault(engine, []).append(f"{role} on {model}")
+                continue
+            if role == "actor":
+                _forward(h, engine, model, kind)
+            else:
+                _generate(h, engine, model, kind)
+            h.close_fresh()  # one engine at a time (a rollout engine may hold a KV cache)
+    if sum(map(len, refused.values())) == len(roles) * len(ROPE_SCALINGS):
+        h.skip("the backend refuses every RoPE-scaled folder (with a ConfigError naming the scaling): "
+               + "; ".join(f"{' and '.join(where)}: {why}" for why, where in refused.items()))

@@ -1,0 +1,418 @@
+"""Faulty engines of the meta-tests in test_meta_blind_spots.py: the tiny backend with one fault each.
+
+Each class is an engine factory as ``check_backend(make_training_engine=..., make_rollout_engine=...)``
+takes one (called with an EngineSpec), so the meta-tests run them through the factory route.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from verl_tiny_backend.model import Rope
+from verl_tiny_backend.rollout import TinyRolloutEngine
+from verl_tiny_backend.training import TinyTrainingEngine
+
+from verl_core import (
+    EngineSpec,
+    GlobalBatchStats,
+    LossFn,
+    Metrics,
+    SamplingParams,
+    StepMetrics,
+    TensorBatch,
+    WeightMessage,
+)
+from verl_core.enginekit.rollout_base import Responses
+from verl_core.enginekit.sampling import (
+    TokenSampler,
+    inverse_cdf,
+    kept_probs,
+    tempered_log_probs,
+    uniform_table,
+)
+
+__all__ = [
+    "BudgetIgnored",
+    "ClipIgnored",
+    "ConstantLearningRate",
+    "CoupledWeightDecay",
+    "DefaultBetas",
+    "EosIgnoredWithStopTokens",
+    "ExportDtypeIgnored",
+    "GreedyLogProbsAtTemperatureOne",
+    "GreedyWhileReportingSoftmax",
+    "LengthLimitsIgnored",
+    "MomentsResetOnLoad",
+    "NonFiniteStepApplied",
+    "NormAfterClipping",
+    "RopeScalingIgnoredRollout",
+    "RopeScalingIgnoredTraining",
+    "SameStreamForEverySample",
+    "SampledAtTemperatureOne",
+    "SchedulerNotCheckpointed",
+    "SkippedStepCounted",
+    "StepCountNotCheckpointed",
+    "TopPBeforeTemperature",
+    "UndeclaredSettingsIgnored",
+    "UnseededIsSeedZero",
+    "VersionCountsSkippedSteps",
+    "WeightDecayIgnored",
+]
+
+
+# ---------------------------------------------------------------------------------------- RoPE scaling
+def _plain_rope(path: str, head_dim: int) -> Rope:
+    """The folder's rotary embedding with its scaling left out (only ``rope_theta`` read)."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    params = raw.get("rope_parameters") or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return Rope.load({"rope_theta": theta}, head_dim, path)
+
+
+class RopeScalingIgnoredTraining(TinyTrainingEngine):
+    """Reads ``rope_theta`` and ignores the folder's RoPE scaling (linear, LongRoPE, ...)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.model.cfg = replace(self.model.cfg, rope=_plain_rope(spec.model_path, self.model.cfg.head_dim))
+
+
+class RopeScalingIgnoredRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.model.cfg = replace(self.model.cfg, rope=_plain_rope(spec.model_path, self.model.cfg.head_dim))
+
+
+# ---------------------------------------------------------------------------------------- sampling
+class _SamplerRollout(TinyRolloutEngine):
+    """The tiny rollout's decode loop with the stop ids and the sampler as hooks a fault overrides."""
+
+    def _stops(self, params: SamplingParams) -> list[int]:
+        return [self.tokenizer.eos_token_id, *params.stop_token_ids]
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return TokenSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        uniforms = None if params.greedy else uniform_table(seeds, params.max_new_tokens)
+        sampler = self._sampler(params, torch.tensor(self._stops(params)), uniforms)
+        ids, mask = rows["prompt_ids"], rows["prompt_mask"]
+        toks: list[Tensor] = []
+        masks: list[Tensor] = []
+        lps: list[Tensor] = []
+        alive = torch.ones(rows.batch_size, dtype=torch.bool)
+        with torch.no_grad():
+            for t in range(params.max_new_tokens):
+                logits = self.model.logits(self.model.hidden(ids, mask)[:, -1])
+                tok, lp, stopped = sampler.step(logits, t, alive)
+                toks.append(tok)
+                masks.append(alive.clone())
+                lps.append(lp)
+                ids = torch.cat([ids, tok[:, None]], 1)
+                mask = torch.cat([mask, alive[:, None]], 1)
+                alive = alive & ~stopped
+                if not bool(alive.any()):
+                    break
+        return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1).float(), alive.clone()
+
+
+class _TemperatureOneSampler(TokenSampler):
+    def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        tok, _, stopped = TokenSampler(replace(self.params, temperature=1.0), self.pad, self.stops,
+                                       self.uniforms).step(logits, t, alive)
+        lp = tempered_log_probs(logits, self.params.temperature).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        return tok, torch.where(alive, lp, 0.0), stopped
+
+
+class SampledAtTemperatureOne(_SamplerRollout):
+    """Samples from softmax(logits) whatever the temperature, and reports log-probs at the temperature asked."""
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return _TemperatureOneSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+
+class GreedyWhileReportingSoftmax(TinyRolloutEngine):
+    """Takes the most likely token at every step, and reports its log-prob under softmax(logits / T)."""
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        return super()._sample(rows, replace(params, greedy=True), seeds)
+
+
+class _TopPFirstSampler(TokenSampler):
+    def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        p = self.params
+        if p.greedy or self.uniforms is None:
+            return super().step(logits, t, alive)
+        logp = tempered_log_probs(logits, p.temperature)
+        keep = kept_probs(logits.float(), p.top_k, p.top_p) > 0  # the nucleus of the untempered logits
+        u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
+        tok = inverse_cdf(torch.where(keep, logp.exp(), 0.0), u)
+        tok = torch.where(alive, tok, self.pad)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
+        return tok, torch.where(alive, lp, 0.0), stopped
+
+
+class TopPBeforeTemperature(_SamplerRollout):
+    """Picks the top-k / nucleus set from the untempered logits, then samples it at the temperature."""
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return _TopPFirstSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+
+# ---------------------------------------------------------------------------------------- stop conditions
+class EosIgnoredWithStopTokens(_SamplerRollout):
+    """Stops on ``stop_token_ids`` instead of EOS when any are given (EOS no longer ends a response)."""
+
+    def _stops(self, params: SamplingParams) -> list[int]:
+        return list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+class SchedulerNotCheckpointed(TinyTrainingEngine):
+    """Schedules the learning rate with a torch LambdaLR that save_checkpoint leaves out.
+
+    The optimizer's state holds the learning rate of the next step, so the first update after
+    load_checkpoint runs at the right rate; the fresh scheduler then steps from position 0.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        optim = spec.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: optim.lr_at(k) / optim.lr)
+
+    def optimizer_step(self) -> StepMetrics:
+        """The tiny engine's step at the scheduler's learning rate, then the scheduler's step."""
+        self._pending = False
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.scheduler.step()
+        return StepMetrics(grad_norm=norm, lr=lr, skipped=False)
+
+
+class MomentsResetOnLoad(TinyTrainingEngine):
+    """load_checkpoint restores everything but AdamW's second moments (zeros)."""
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load, then zero every exp_avg_sq."""
+        super().load_checkpoint(path)
+        for state in self.optimizer.state.values():
+            state["exp_avg_sq"].zero_()
+
+
+class StepCountNotCheckpointed(TinyTrainingEngine):
+    """load_checkpoint restores AdamW's moments but not its per-parameter step count (bias correction restarts)."""
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load, then reset AdamW's step count."""
+        super().load_checkpoint(path)
+        for state in self.optimizer.state.values():
+            state["step"] = torch.zeros_like(state["step"])
+
+
+# ---------------------------------------------------------------------------------------- the optimizer
+def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: bool = True, betas: bool = True,
+                    schedule: bool = True, norm_after_clip: bool = False, skip: bool = True,
+                    count_skipped: bool = False) -> StepMetrics:
+    """The tiny engine's optimizer_step with the settings a fault leaves out."""
+    engine._pending = False
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+
+    def norm_of() -> float:
+        return float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
+
+    norm = norm_of()
+    o = engine.spec.optim
+    lr = o.lr_at(engine.step) if schedule else o.lr
+    if skip and not math.isfinite(norm):
+        engine.optimizer.zero_grad(set_to_none=True)
+        if count_skipped:
+            engine.step += 1
+        return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
+    if clip and o.grad_clip > 0 and norm > o.grad_clip:
+        for g in grads:
+            g.mul_(o.grad_clip / (norm + 1e-6))
+    reported = norm_of() if norm_after_clip else norm
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = o.weight_decay if decay else 0.0
+        group["betas"] = o.betas if betas else (0.9, 0.999)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.step += 1
+    return StepMetrics(grad_norm=reported, lr=lr, skipped=False)
+
+
+class WeightDecayIgnored(TinyTrainingEngine):
+    """Steps AdamW without the spec's weight decay."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step with weight_decay 0."""
+        return _optimizer_step(self, decay=False)
+
+
+class DefaultBetas(TinyTrainingEngine):
+    """Steps AdamW with torch's default betas (0.9, 0.999) whatever the spec says."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step with the default betas."""
+        return _optimizer_step(self, betas=False)
+
+
+class ClipIgnored(TinyTrainingEngine):
+    """Never clips the gradients."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step without clipping."""
+        return _optimizer_step(self, clip=False)
+
+
+class NormAfterClipping(TinyTrainingEngine):
+    """Reports the grad norm after clipping instead of before."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step reporting the clipped norm."""
+        return _optimizer_step(self, norm_after_clip=True)
+
+
+class ConstantLearningRate(TinyTrainingEngine):
+    """Steps at ``spec.optim.lr`` always (no warmup, no decay)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step at the peak learning rate."""
+        return _optimizer_step(self, schedule=False)
+
+
+class CoupledWeightDecay(TinyTrainingEngine):
+    """Adam with L2 regularisation (weight decay added to the gradient) instead of AdamW's decoupled decay."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        o = spec.optim
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=o.lr, betas=o.betas,  # type: ignore[assignment]
+                                          eps=o.eps, weight_decay=o.weight_decay)
+
+
+class NonFiniteStepApplied(TinyTrainingEngine):
+    """Steps even when the grad norm is not finite (the weights become NaN)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A step that never skips."""
+        return _optimizer_step(self, skip=False)
+
+
+class SkippedStepCounted(TinyTrainingEngine):
+    """Skips a non-finite update but advances its step counter (the schedule moves on)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """A skip that counts as a step."""
+        return _optimizer_step(self, count_skipped=True)
+
+
+# ---------------------------------------------------------------------------------------- more training faults
+class BudgetIgnored(TinyTrainingEngine):
+    """forward_backward ignores the call's ``max_tokens`` (the spec's micro-batching applies)."""
+
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *,
+                         max_tokens: int | None = None) -> Metrics:
+        """The call without its budget."""
+        return super().forward_backward(mini_batch, loss_fn, stats, max_tokens=None)
+
+
+class ExportDtypeIgnored(TinyTrainingEngine):
+    """export_weights sends the parameters' own dtype whatever dtype the receiver asks for."""
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The stream in float32."""
+        return super().export_weights(dtype=None, bucket_bytes=bucket_bytes)
+
+
+class VersionCountsSkippedSteps(TinyTrainingEngine):
+    """The weight stream's version counts optimizer_step calls, skipped ones included."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.calls = 0
+
+    def optimizer_step(self) -> StepMetrics:
+        """Count the call, then step (or skip)."""
+        self.calls += 1
+        return super().optimizer_step()
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The stream, versioned by the count of calls (the manifest is built when called)."""
+        applied, self.step = self.step, self.calls
+        try:
+            return super().export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
+        finally:
+            self.step = applied
+
+
+class UndeclaredSettingsIgnored(TinyTrainingEngine):
+    """Builds in float32 without gradient checkpointing whatever dtype and checkpointing the spec asks for."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32", gradient_checkpointing=False))
+        self._asked = spec
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec it was asked to build."""
+        return self._asked
+
+
+class LengthLimitsIgnored(TinyTrainingEngine):
+    """Accepts prompts and responses longer than the spec's max_prompt_len and max_response_len."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, max_prompt_len=1 << 20, max_response_len=1 << 20))
+        self._asked = spec
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The spec it was asked to build."""
+        return self._asked
+
+
+# ---------------------------------------------------------------------------------------- more rollout faults
+class GreedyLogProbsAtTemperatureOne(TinyRolloutEngine):
+    """Greedy decoding reports log-probs of softmax(logits), not softmax(logits / T)."""
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        return super()._sample(rows, replace(params, temperature=1.0) if params.greedy else params, seeds)
+
+
+class UnseededIsSeedZero(TinyRolloutEngine):
+    """seed=None samples under seed 0 (every unseeded call gives the same samples)."""
+
+    def _sample_seeds(self, rows: TensorBatch, params: SamplingParams) -> list[int]:
+        return super()._sample_seeds(rows, replace(params, seed=0) if params.seed is None else params)
+
+
+class SameStreamForEverySample(TinyRolloutEngine):
+    """The n samples of a prompt share the first one's random stream (identical samples)."""
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        first: dict[int, int] = {}
+        groups = rows["group_ids"].tolist()
+        for g, seed in zip(groups, seeds, strict=True):
+            first.setdefault(g, seed)
+        return super()._sample(rows, params, [first[g] for g in groups])

@@ -1,0 +1,204 @@
+"""Meta-tests of the checks that close blind spots: each planted fault (faulty_engines.py) fails its check.
+
+The faulty engines are the tiny backend with one fault each, given to ``check_backend`` as
+factories (the route of a backend that is not installed). Each row runs the checks the fault
+targets plus checks it passes or skips (which shows the gap the new check closes) and asserts
+that only the new check fails, with a message that points at the fault. The unbroken tiny backend
+passing the same checks is the last test here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import faulty_engines as faulty
+import pytest
+from verl_tiny_backend.rollout import build_rollout_engine
+from verl_tiny_backend.training import build_training_engine
+
+from verl_conformance import ConformanceError, check_backend
+from verl_core import ConfigError, EngineSpec
+
+Factory = Callable[[EngineSpec], Any]
+
+BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, list[str]]] = [
+    # (label, training factory, rollout factory, checks to run, the check that must fail, message fragments)
+    ("rope-scaling-ignored", faulty.RopeScalingIgnoredTraining, faulty.RopeScalingIgnoredRollout,
+     ["invariance::rotary_positions_under_left_padding", "numerics::rope_scaling_matches_reference"],
+     "numerics::rope_scaling_matches_reference",
+     ["forward log_probs on llama-rope-linear", "rope_type 'linear', factor 4.0", "or refuse the folder"]),
+    ("sampled-at-t1", None, faulty.SampledAtTemperatureOne,
+     ["numerics::rollout_log_probs_match_reference", "invariance::seeded_sampling_reproducible",
+      "numerics::sampled_tokens_follow_log_probs"],
+     "numerics::sampled_tokens_follow_log_probs",
+     ["sampling at T=0.5: the first tokens of 2048 samples", "do not follow the distribution of its rollout_log_probs"]),
+    ("greedy-sampling", None, faulty.GreedyWhileReportingSoftmax,
+     ["numerics::rollout_log_probs_match_reference", "numerics::sampled_tokens_follow_log_probs"],
+     "numerics::sampled_tokens_follow_log_probs", ["sampled 1.000 vs 0.195"]),
+    ("top-p-before-temperature", None, faulty.TopPBeforeTemperature,
+     ["numerics::rollout_log_probs_match_reference", "invariance::truncated_sampling_keeps_top_token",
+      "numerics::sampled_tokens_follow_log_probs"],
+     "numerics::sampled_tokens_follow_log_probs", ["sampling at T=0.5, top_p=0.42", "other tokens: sampled"]),
+    ("scheduler-not-checkpointed", faulty.SchedulerNotCheckpointed, None,
+     ["schema::train_step_metrics", "differential::trajectory_matches_reference", "stateful::checkpoint_round_trip"],
+     "stateful::checkpoint_round_trip",
+     ["the second update after it ran at lr 0.5", "kept its state at 1 (the schedule's position was not restored)"]),
+    ("same-stream-for-every-sample", None, faulty.SameStreamForEverySample,
+     ["schema::generate_layout", "numerics::rollout_log_probs_match_reference",
+      "numerics::sampled_tokens_follow_log_probs"],
+     "numerics::sampled_tokens_follow_log_probs", ["do not follow the distribution"]),
+    ("greedy-log-probs-at-t1", None, faulty.GreedyLogProbsAtTemperatureOne,
+     ["differential::greedy_matches_reference", "numerics::rollout_log_probs_match_reference"],
+     "numerics::rollout_log_probs_match_reference", ["rollout_log_probs of greedy decoding at temperature 0.7"]),
+    ("unseeded-is-seed-zero", None, faulty.UnseededIsSeedZero, ["invariance::seeded_sampling_reproducible"],
+     "invariance::seeded_sampling_reproducible", ["two generate() calls with seed=None gave identical samples"]),
+    # the optimizer as OptimConfig describes it (the other checks train without decay, clipping or schedule)
+    ("weight-decay-ignored", faulty.WeightDecayIgnored, None,
+     ["differential::trajectory_matches_reference", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["under AdamW (lr 0.5", "weight_decay 0.1"]),
+    ("default-betas", faulty.DefaultBetas, None,
+     ["differential::trajectory_matches_reference", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["betas (0.8, 0.95)"]),
+    ("clip-ignored", faulty.ClipIgnored, None,
+     ["differential::trajectory_matches_reference", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["under AdamW (lr 0.5", "grad_clip"]),
+    ("norm-after-clipping", faulty.NormAfterClipping, None,
+     ["schema::train_step_metrics", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["update 0 under AdamW", "grad norm vs float64 reference (the global "
+                                               "norm before clipping, clipped to"]),
+    ("constant-learning-rate", faulty.ConstantLearningRate, None,
+     ["schema::train_step_metrics", "stateful::checkpoint_round_trip", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["update 0 under AdamW", "ran at lr 0.5, OptimConfig.lr_at(0) is 0.25"]),
+    ("coupled-weight-decay", faulty.CoupledWeightDecay, None,
+     ["differential::trajectory_matches_reference", "numerics::optimizer_matches_reference"],
+     "numerics::optimizer_matches_reference", ["under AdamW (lr 0.5", "weight_decay 0.1"]),
+    ("non-finite-step-applied", faulty.NonFiniteStepApplied, None,
+     ["robustness::empty_responses_train", "robustness::nonfinite_update_skipped"],
+     "robustness::nonfinite_update_skipped", ["optimizer_step after a NaN loss returned skipped=False"]),
+    ("skipped-step-counted", faulty.SkippedStepCounted, None,
+     ["robustness::empty_responses_train", "robustness::nonfinite_update_skipped"],
+     "robustness::nonfinite_update_skipped",
+     ["whose loss is NaN and its optimizer_step: export_weights streams version 1"]),
+    ("version-counts-skipped-steps", faulty.VersionCountsSkippedSteps, build_rollout_engine,
+     ["weight_sync::trainer_to_rollout_sync", "robustness::nonfinite_update_skipped"],
+     "robustness::nonfinite_update_skipped", ["export_weights streams version 1", "a skipped one is not applied"]),
+    ("budget-ignored", faulty.BudgetIgnored, None, ["invariance::micro_batch_invariance"],
+     "invariance::micro_batch_invariance", ["forward_backward with max_tokens=24 ran 1 micro-batches"]),
+    ("export-dtype-ignored", faulty.ExportDtypeIgnored, build_rollout_engine,
+     ["weight_sync::trainer_to_rollout_sync", "weight_sync::export_matches_folder"],
+     "weight_sync::export_matches_folder", ["export_weights(dtype=torch.bfloat16) sent 21 tensors in another dtype"]),
+    ("undeclared-settings-ignored", faulty.UndeclaredSettingsIgnored, build_rollout_engine,
+     ["numerics::declared_dtypes_and_devices", "robustness::undeclared_settings_refused"],
+     "robustness::undeclared_settings_refused",
+     ["the actor engine built with dtype='bfloat16' (declared dtypes: ['float32'])"]),
+    # the long prompt of this check was also wrongly left-padded, so an engine that never compared a
+    # prompt with max_prompt_len passed it for the padding alone
+    ("length-limits-ignored", faulty.LengthLimitsIgnored, None, ["robustness::bad_training_input_rejected"],
+     "robustness::bad_training_input_rejected", ["forward(prompt longer than max_prompt_len) was accepted"]),
+    # state lost on load that the first update after it already shows (caught before three updates too)
+    ("moments-reset-on-load", faulty.MomentsResetOnLoad, None, ["stateful::checkpoint_round_trip"],
+     "stateful::checkpoint_round_trip", ["the first update after it: weights differ"]),
+    ("step-count-not-checkpointed", faulty.StepCountNotCheckpointed, None, ["stateful::checkpoint_round_trip"],
+     "stateful::checkpoint_round_trip", ["the first update after it: weights differ"]),
+    ("eos-ignored-with-stop-tokens", None, faulty.EosIgnoredWithStopTokens,
+     ["schema::generate_layout", "schema::eos_ends_response", "robustness::generate_edge_cases",
+      "schema::stop_tokens_end_response"],
+     "schema::stop_tokens_end_response",
+     ["stop_token_ids=(11, 46)", "continues its prompt with [1]", "response_ids [1, 1, 1, 1, 1, 1]"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("label", "training", "rollout", "checks", "target", "fragments"), BLIND_SPOTS,
+                         ids=[row[0] for row in BLIND_SPOTS])
+def test_planted_fault_fails_only_its_check(label: str, training: Factory | None, rollout: Factory | None,
+                                            checks: list[str], target: str, fragments: list[str]) -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_backend(label, make_training_engine=training, make_rollout_engine=rollout, checks=checks)
+    report = info.value.report
+    assert report is not None
+    assert [r.id for r in report.failures] == [target], f"{label}: failed {[r.id for r in report.failures]}"
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{label}: the error does not point at the fault ({fragment!r}):\n{message}"
+
+
+@pytest.mark.slow
+def test_the_tiny_backend_passes_the_new_checks() -> None:
+    """The unbroken engines the faults start from pass every check the faults fail."""
+    targets = sorted({row[4] for row in BLIND_SPOTS})
+    report = check_backend("tiny", make_training_engine=build_training_engine,
+                           make_rollout_engine=build_rollout_engine, checks=targets)
+    assert {r.id: r.status for r in report.results} == dict.fromkeys(targets, "passed")
+
+
+# ------------------------------------------------------------------------------ roles on the factory route
+_CRITIC_CHECKS = ["schema::critic_layout", "numerics::values_match_reference",
+                  "numerics::value_loss_matches_reference"]
+
+
+def no_critic(spec: EngineSpec) -> Any:
+    """The tiny backend's training factory for a backend without a critic: a value-head folder is refused."""
+    if spec.role == "critic":
+        raise ConfigError("this backend has no critic (no value head)")
+    return build_training_engine(spec)
+
+
+class _ShiftedValues:
+    """A critic whose values are the tiny critic's plus 0.5 (a declared critic that is wrong)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.engine = build_training_engine(spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def forward(self, batch: Any, outputs: Any = frozenset({"log_probs"})) -> Any:
+        out = self.engine.forward(batch, outputs)
+        if "values" in outputs:
+            out = out.update(values=(out["values"] + 0.5) * batch["response_mask"])
+        return out
+
+
+def shifted_critic(spec: EngineSpec) -> Any:
+    """The tiny backend's training factory whose critic's values are off by 0.5."""
+    return _ShiftedValues(spec) if spec.role == "critic" else build_training_engine(spec)
+
+
+def test_factories_without_a_critic_skip_its_checks_when_the_roles_say_so() -> None:
+    checks = [*_CRITIC_CHECKS, "schema::forward_layout"]
+    # without roles=, the factory is taken to build every training role, and the critic checks fail
+    with pytest.raises(ConformanceError) as info:
+        check_backend("no-critic", make_training_engine=no_critic, checks=checks)
+    assert info.value.report is not None
+    assert sorted(r.id for r in info.value.report.failures) == sorted(_CRITIC_CHECKS)
+    assert "this backend has no critic" in str(info.value)
+    # declared roles: the critic's checks are skipped with the installed route's reason
+    report = check_backend("no-critic", make_training_engine=no_critic, make_rollout_engine=build_rollout_engine,
+                           roles=["actor", "reference", "rollout"], checks=checks)
+    status = {r.id: (r.status, r.message) for r in report.results}
+    assert status["schema::forward_layout"] == ("passed", "")
+    for cid in _CRITIC_CHECKS:
+        assert status[cid] == ("skipped", "backend 'no-critic' provides no training engine for role 'critic'"), cid
+
+
+def test_a_declared_critic_that_is_wrong_still_fails() -> None:
+    with pytest.raises(ConformanceError, match="critic values vs float64 reference") as info:
+        check_backend("bad-critic", make_training_engine=shifted_critic, roles=["actor", "reference", "critic"],
+                      checks=_CRITIC_CHECKS)
+    assert info.value.report is not None
+    failed = sorted(r.id for r in info.value.report.failures)
+    assert "numerics::values_match_reference" in failed, failed
+    # the snippet re-runs the same factories with the same roles
+    assert "roles=['actor', 'critic', 'reference']" in str(info.value)
+
+
+def test_roles_are_checked_against_the_factories() -> None:
+    with pytest.raises(ValueError, match=r"roles \['critic'\] are declared but no factory builds them: pass "
+                                         r"make_training_engine"):
+        check_backend("x", make_rollout_engine=build_rollout_engine, roles=["rollout", "critic"])
+    with pytest.raises(ValueError, match=r"roles \['actr'\] are not verl roles"):
+        check_backend("x", make_training_engine=build_training_engine, roles=["actr"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="the installed backend 'tiny' provides the roles of its BackendSpec"):
+        check_backend("tiny", roles=["actor"])
