@@ -103,7 +103,7 @@ def test_a_rebuilt_buffer_turns_fusion_off_before_the_next_generate() -> None:
 
 
 def test_the_option_is_validated_and_resolved() -> None:
-    with pytest.raises(ConfigError, match="rollout_fused_projections must be true, false or null"):
+    with pytest.raises(ConfigError, match="rollout_fused_projections.: expected true or false, got .yes."):
         HFOptions(rollout_fused_projections="yes")  # type: ignore[arg-type]
     assert HFOptions().resolve_rollout(torch.device("cpu")).rollout_fused_projections is False
     assert HFOptions().resolve_rollout(torch.device("cuda")).rollout_fused_projections is True

@@ -160,7 +160,7 @@ def test_decode_options_are_validated() -> None:
         engine(rollout_cuda_graphs=True)  # auto picks the static cache for it; graphs need CUDA
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         engine(rollout_cache="static", rollout_cuda_graphs=True)
-    with pytest.raises(ConfigError, match="rollout_cache must be 'auto', 'dynamic' or 'static'"):
+    with pytest.raises(ConfigError, match="'rollout_cache': 'paged' is not valid; choices: 'auto', 'dynamic', 'static'"):
         engine(rollout_cache="paged")
 
 
