@@ -183,7 +183,7 @@ def test_a_run_trains_without_masters_when_only_that_fits_and_says_so(tmp_path: 
         assert trainer.memory_plan is not None and trainer.memory_plan.dropped_masters
         assert trainer.engines.actor._optim.master is None  # type: ignore[attr-defined]
     assert "WARNING: float32 master weights do not fit" in stream.getvalue()
-    assert "memory plan (no master weights):" in stream.getvalue()
+    assert "memory plan (pure bfloat16, no master weights):" in stream.getvalue()
     assert hist[0]["memory_plan/master_weights_dropped"] == 1.0 and hist[0]["memory_plan/master_weights"] == 0.0
     # what sleeping, waking and the out-of-memory back-off cost the step
     assert {"time/rollout_sleep", "time/rollout_wake", "time/weight_sync", "scheduler/actor/oom_seconds"} <= set(hist[0])

@@ -100,6 +100,7 @@ class MemoryPlan:
             was kept).
         options: Backend options the plan sets, by role (``{"actor": {"master_weights": False}}``).
         notes: Warnings of the plan (a tight fit, masters dropped), each one line.
+        dtype: The model dtype.
     """
 
     device: str
@@ -110,6 +111,7 @@ class MemoryPlan:
     configured_peak: int = 0
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    dtype: str = "bfloat16"
 
     def phase_bytes(self, phase: Phase) -> int:
         """Bytes on the device during ``phase``."""
@@ -139,7 +141,9 @@ class MemoryPlan:
                  (f"device {self.device}", _gb(self.total_bytes), "",
                   f"peak {self.share:.0%} of it (limit {FILL_LIMIT:.0%}, refused above {REFUSE_ABOVE:.0%})")]
         width = max(len(r[0]) for r in rows)
-        lines = [f"memory plan ({'float32 master weights' if self.master_weights else 'no master weights'}):"]
+        how = ("float32 master weights" if self.master_weights
+               else "float32" if self.dtype == "float32" else f"pure {self.dtype}, no master weights")
+        lines = [f"memory plan ({how}):"]
         lines += [f"  {a:<{width}}  {b:>9}  {c:<14} {d}".rstrip() for a, b, c, d in rows]
         return "\n".join(lines + [f"  {n}" for n in self.notes])
 
@@ -283,7 +287,7 @@ def plan_memory(
     def build(masters: bool) -> MemoryPlan:
         terms = _terms(config, shape, critic, masters=masters, max_prompt_len=max_prompt_len,
                        use_reference=use_reference)
-        return MemoryPlan(device, total, tuple(terms), master_weights=masters and asked)
+        return MemoryPlan(device, total, tuple(terms), master_weights=masters and asked, dtype=config.model.dtype)
 
     configured = build(True)
     chosen = configured
