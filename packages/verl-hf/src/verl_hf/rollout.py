@@ -49,7 +49,7 @@ from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.fused_projections import FusedProjections
 from verl_hf.lora import HFLora
-from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
+from verl_hf.modeling import GROUPED_SDPA, FlatParameters, load_model, register_grouped_sdpa
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
     allow_recompiles,
@@ -262,11 +262,15 @@ class HFRolloutEngine(RolloutEngineBase):
             allow_recompiles()
             self._compiled = torch.compile(self._model, dynamic=False)
 
+        # windows need the attention that reads a narrower mask as "the first slots only" (a
+        # user's own model object keeps its attention, and the whole cache)
+        windowed = getattr(self._model.config, "_attn_implementation", None) == GROUPED_SDPA
+        window = (self._options.rollout_decode_window or 0) if windowed else 0
+
         def build(sampler: TokenSampler) -> HFStaticDecoder:
             return HFStaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
                                   eager_attention=self._options.attn_implementation == "eager",
-                                  device=self._device, step_model=self._compiled,
-                                  window=self._options.rollout_decode_window or 0)
+                                  device=self._device, step_model=self._compiled, window=window)
 
         return self._decoders.get(self._model, rows, width, params, stop_ids, uniforms,
                                   self._tokenizer.pad_token_id, self._device, build)
