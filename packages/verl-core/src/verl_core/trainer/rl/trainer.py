@@ -206,7 +206,8 @@ class Trainer:
         # checkpoints carry the budget, so a resumed run splits its steps (and sums their
         # gradients) exactly like an uninterrupted one
         self.schedulers.update(make_schedulers(
-            cfg, ("actor", "reference", "critic"), model_path=path,
+            self.memory_plan.apply(cfg) if self.memory_plan is not None else cfg,  # the engines' options
+            ("actor", "reference", "critic"), model_path=path,
             training=("actor", "critic") if self.use_critic else ("actor",),
             gradient_checkpointing=e.actor.spec.gradient_checkpointing, probe=self._probe, peak_probe=self._peak_probe,
         ))

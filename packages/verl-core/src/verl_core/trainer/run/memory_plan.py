@@ -38,7 +38,12 @@ from typing import Any, Final, Literal
 from verl_core.enginekit.sampling import static_prompt_width
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.memory import device_memory
-from verl_core.trainer.batching.budget import DTYPE_BYTES, ModelShape, estimate_token_bytes
+from verl_core.trainer.batching.budget import (
+    DTYPE_BYTES,
+    ModelShape,
+    TrainedState,
+    estimate_token_bytes,
+)
 from verl_core.trainer.config import ModelConfig, RunConfig
 
 __all__ = ["FILL_LIMIT", "REFUSE_ABOVE", "MemoryPlan", "MemoryTerm", "plan_memory", "plan_run_memory"]
@@ -184,17 +189,19 @@ class _Trainable:
     masters: bool
 
     def terms(self) -> list[MemoryTerm]:
-        n, d = self.shape.parameters, DTYPE_BYTES[self.dtype]
-        state = _FLOAT32 if self.masters or d == _FLOAT32 else d
+        n = self.shape.parameters
+        part = TrainedState.of(self.dtype, master_weights=self.masters)
         p = f"{_count(n)} params"
-        out = [MemoryTerm(f"{self.role} weights", n * d, f"{p} x {d} B ({self.dtype})", _BOTH)]
-        if self.masters:
-            out.append(MemoryTerm(f"{self.role} float32 masters", n * _FLOAT32, f"{p} x 4 B", _BOTH))
-            out.append(MemoryTerm(f"{self.role} gradients", n * _FLOAT32,
-                                  f"{p} x 4 B (on the masters at the optimizer step)", _UPDATE))
+        out = [MemoryTerm(f"{self.role} weights", n * part.weights, f"{p} x {part.weights} B ({self.dtype})", _BOTH)]
+        if part.masters:
+            out.append(MemoryTerm(f"{self.role} float32 masters", n * part.masters, f"{p} x {part.masters} B", _BOTH))
+            out.append(MemoryTerm(f"{self.role} gradients", n * part.step_grads,
+                                  f"{p} x {part.step_grads} B (on the masters at the optimizer step)", _UPDATE))
         else:
-            out.append(MemoryTerm(f"{self.role} gradients", n * d, f"{p} x {d} B", _UPDATE))
-        out.append(MemoryTerm(f"{self.role} AdamW moments", 2 * n * state, f"{p} x 2 x {state} B", _BOTH))
+            out.append(MemoryTerm(f"{self.role} gradients", n * part.step_grads, f"{p} x {part.step_grads} B",
+                                  _UPDATE))
+        out.append(MemoryTerm(f"{self.role} AdamW moments", n * part.moments, f"{p} x 2 x {part.moments // 2} B",
+                              _BOTH))
         return out
 
 
