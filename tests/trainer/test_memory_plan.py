@@ -21,6 +21,7 @@ from verl_core.trainer.run.memory_plan import (
     FILL_LIMIT,
     REFUSE_ABOVE,
     MemoryPlan,
+    lora_parameters,
     plan_memory,
     plan_run_memory,
 )
@@ -141,6 +142,29 @@ def test_the_13_5b_model_is_refused_with_the_figures_where_it_cannot_fit(tmp_pat
         plan_run_memory(config(path, "backends.actor=megatron", "backends.options.actor.optimizer=megatron"), path,
                         max_prompt_len=32, use_reference=False, use_critic=False, total_bytes=H200)
     assert "master_weights=false" not in str(err.value) and "even without" not in str(err.value)
+
+
+def test_a_lora_run_keeps_the_frozen_base_and_trains_the_adapter_only(tmp_path: Path) -> None:
+    path = folder(tmp_path, "13.5b")
+    shape = ModelShape.from_config({"vocab_size": 32000, **SHAPES["13.5b"]})
+    assert shape is not None
+    cfg = config(path, "model.lora.enabled=true")
+    h, q, kv, ffn = 5120, 40 * 128, 8 * 128, 13824
+    per_layer = 8 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + ffn) + (ffn + h))  # rank 8, the 7 projections
+    assert lora_parameters(shape, cfg.model.lora) == 48 * per_layer
+    full = config(path, "model.lora.enabled=true", 'model.lora.full=["lm_head"]').model.lora
+    assert lora_parameters(shape, full) == 48 * per_layer + 32000 * 5120
+    p = plan(path, "model.lora.enabled=true", total=80 * GB, reference=True)
+    n, a = shape.parameters, 48 * per_layer
+    assert term(p, "actor weights (frozen base)") == 2 * n
+    assert term(p, "actor adapter float32 masters") == 4 * a and term(p, "actor adapter AdamW moments") == 8 * a
+    assert "reference weights" not in {t.what for t in p.terms}, "the reference is the actor's base"
+    assert p.fits and p.master_weights and not p.dropped_masters
+    # refused without LoRA on the same device, the message gives the LoRA figure
+    with pytest.raises(ConfigError, match=r"model.lora.enabled=true: train a LoRA adapter of rank 8 .*: "
+                                          rf"{p.peak_bytes / GB:,.1f} GB\)"):
+        plan_run_memory(config(path), path, max_prompt_len=32, use_reference=True, use_critic=False,
+                        total_bytes=80 * GB)
 
 
 def test_no_plan_without_a_config_json_or_under_ray(tmp_path: Path) -> None:

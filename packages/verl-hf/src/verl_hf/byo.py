@@ -88,6 +88,7 @@ class HFModelRollout(HFRolloutEngine):
         self._decoders = StaticDecoders()
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
         self._fused = None  # and the user's modules keep their own forwards
+        self._lora = None  # no adapter on a user's model object
         self._host = None
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010

@@ -6,8 +6,11 @@ and the device's total memory (:func:`verl_core.kernel.memory.device_memory`), t
 
 * the actor: weights (model dtype), float32 master weights (``master_weights``, below float32),
   gradients (float32 on the masters at the optimizer step, else the model dtype) and AdamW's two
-  moments (float32 with masters or in float32, else the model dtype, as torch's AdamW keeps them);
-* the critic (its own folder's shape) alike, a colocated reference policy and reward model (weights);
+  moments (float32 with masters or in float32, else the model dtype, as torch's AdamW keeps them)
+  (:class:`~verl_core.trainer.batching.budget.TrainedState`); with ``model.lora`` the frozen base's
+  weights and those four for the adapter's parameters only (:func:`lora_parameters`);
+* the critic (its own folder's shape) alike, a colocated reference policy (none with
+  ``model.lora``: the reference is the actor's base) and reward model (weights);
 * the rollout engine's copy of the weights, its KV cache (rows x prompt + new tokens x layers x
   keys and values; the vLLM backend's ``kv_cache_bytes``) and its sampling working set;
 * the update's activations for at least one sequence (the micro-batch scheduler fills what
@@ -44,9 +47,10 @@ from verl_core.trainer.batching.budget import (
     TrainedState,
     estimate_token_bytes,
 )
-from verl_core.trainer.config import ModelConfig, RunConfig
+from verl_core.trainer.config import LoraSection, RunConfig
 
-__all__ = ["FILL_LIMIT", "REFUSE_ABOVE", "MemoryPlan", "MemoryTerm", "plan_memory", "plan_run_memory"]
+__all__ = ["FILL_LIMIT", "REFUSE_ABOVE", "MemoryPlan", "MemoryTerm", "lora_parameters", "plan_memory",
+           "plan_run_memory"]
 
 _log = logging.getLogger(__name__)
 
@@ -181,28 +185,46 @@ def _count(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Trainable:
-    """A trained role's state bytes, by term."""
+    """A trained role's state bytes, by term: ``trained`` parameters with their gradients, masters and
+    moments, and ``frozen`` ones (a LoRA base) with their weights only."""
 
     role: str
-    shape: ModelShape
+    trained: int
     dtype: str
     masters: bool
+    frozen: int = 0
 
     def terms(self) -> list[MemoryTerm]:
-        n = self.shape.parameters
+        n = self.trained
         part = TrainedState.of(self.dtype, master_weights=self.masters)
-        p = f"{_count(n)} params"
-        out = [MemoryTerm(f"{self.role} weights", n * part.weights, f"{p} x {part.weights} B ({self.dtype})", _BOTH)]
+        p = f"{_count(n)} {'adapter ' if self.frozen else ''}params"
+        role = f"{self.role} adapter" if self.frozen else self.role
+        out = []
+        if self.frozen:
+            out.append(MemoryTerm(f"{self.role} weights (frozen base)", self.frozen * part.weights,
+                                  f"{_count(self.frozen)} params x {part.weights} B ({self.dtype})", _BOTH))
+        out.append(MemoryTerm(f"{role} weights", n * part.weights, f"{p} x {part.weights} B ({self.dtype})", _BOTH))
         if part.masters:
-            out.append(MemoryTerm(f"{self.role} float32 masters", n * part.masters, f"{p} x {part.masters} B", _BOTH))
-            out.append(MemoryTerm(f"{self.role} gradients", n * part.step_grads,
+            out.append(MemoryTerm(f"{role} float32 masters", n * part.masters, f"{p} x {part.masters} B", _BOTH))
+            out.append(MemoryTerm(f"{role} gradients", n * part.step_grads,
                                   f"{p} x {part.step_grads} B (on the masters at the optimizer step)", _UPDATE))
         else:
-            out.append(MemoryTerm(f"{self.role} gradients", n * part.step_grads, f"{p} x {part.step_grads} B",
-                                  _UPDATE))
-        out.append(MemoryTerm(f"{self.role} AdamW moments", n * part.moments, f"{p} x 2 x {part.moments // 2} B",
-                              _BOTH))
+            out.append(MemoryTerm(f"{role} gradients", n * part.step_grads, f"{p} x {part.step_grads} B", _UPDATE))
+        out.append(MemoryTerm(f"{role} AdamW moments", n * part.moments, f"{p} x 2 x {part.moments // 2} B", _BOTH))
         return out
+
+
+def lora_parameters(shape: ModelShape, lora: LoraSection) -> int:
+    """Parameters a LoRA adapter of ``shape`` trains: ``rank x (in + out)`` per adapted projection
+    of every layer (the attention and MLP projections named in ``lora.targets``; other patterns are
+    not counted), plus the embedding or LM head when ``lora.full`` names them."""
+    h, q, kv, inter = (shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+                       shape.intermediate_size)
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+             "up_proj": (h, inter), "down_proj": (inter, h)}
+    per_layer = sum(lora.rank * (i + o) for name, (i, o) in sizes.items() if name in lora.targets)
+    full = sum(shape.vocab_size * h for name in ("embed_tokens", "lm_head") if name in lora.full)
+    return shape.num_layers * per_layer + full
 
 
 def _masters_asked(config: RunConfig, role: str) -> bool:
@@ -242,11 +264,17 @@ def _terms(config: RunConfig, shape: ModelShape, critic: ModelShape | None, *, m
            use_reference: bool) -> list[MemoryTerm]:
     dtype = config.model.dtype
     d = DTYPE_BYTES[dtype]
-    terms = _Trainable("actor", shape, dtype, masters and _masters_asked(config, "actor")).terms()
-    if critic is not None:
-        terms += _Trainable("critic", critic, dtype, masters and _masters_asked(config, "critic")).terms()
     n = shape.parameters
-    if use_reference:
+    lora = config.model.lora
+    actor_masters = masters and _masters_asked(config, "actor")
+    if lora.enabled:  # the base is frozen; the reference is the actor with its adapter disabled
+        trained = lora_parameters(shape, lora)
+        terms = _Trainable("actor", trained, dtype, actor_masters, frozen=n).terms()
+    else:
+        terms = _Trainable("actor", n, dtype, actor_masters).terms()
+    if critic is not None:
+        terms += _Trainable("critic", critic.parameters, dtype, masters and _masters_asked(config, "critic")).terms()
+    if use_reference and not lora.enabled:
         terms.append(MemoryTerm("reference weights", n * d, f"{_count(n)} params x {d} B", _BOTH))
     if config.backends.reward != "rule":
         terms.append(MemoryTerm("reward model weights", n * d, f"{_count(n)} params x {d} B (the policy's shape)",
@@ -321,17 +349,20 @@ def plan_memory(
     return dataclasses.replace(chosen, configured_peak=configured.peak_bytes)
 
 
-def _alternatives(config: RunConfig, plan: MemoryPlan, shape_plan: Callable[[bool], MemoryPlan]) -> list[str]:
-    """What would bring ``plan`` under the limit, each with its figure where one can be given."""
+def _alternatives(config: RunConfig, plan: MemoryPlan, shape_plan: Callable[[RunConfig], MemoryPlan]) -> list[str]:
+    """What would bring ``plan`` under the limit, each with its figure (``shape_plan``: the plan of
+    another config of the same run) where one can be given."""
     usable = REFUSE_ABOVE * plan.total_bytes
     out: list[str] = []
-    if "lora" in {f.name for f in dataclasses.fields(ModelConfig)}:
-        trained = sum(t.nbytes for t in plan.terms if t.what.startswith(("actor float32", "actor gradients",
-                                                                          "actor AdamW")))
-        out.append(f"model.lora: train a LoRA adapter (a frozen base has no gradients, masters or AdamW moments: "
-                   f"about {_gb(plan.peak_bytes - trained)})")
+    if not config.model.lora.enabled and config.backends.actor == "hf":
+        lora = shape_plan(dataclasses.replace(config, model=dataclasses.replace(
+            config.model, lora=dataclasses.replace(config.model.lora, enabled=True))))
+        out.append(f"model.lora.enabled=true: train a LoRA adapter of rank {config.model.lora.rank} (the frozen "
+                   f"base has no gradients, masters or AdamW moments; the reference is the base: "
+                   f"{_gb(lora.peak_bytes)}{'' if lora.fits else ', still too much'})")
     if plan.master_weights and _can_drop_masters(config, "actor"):
-        pure = shape_plan(False)
+        pure = shape_plan(dataclasses.replace(config, backends=dataclasses.replace(config.backends, options={
+            **config.backends.options, "actor": {**config.backends.options.get("actor", {}), "master_weights": False}})))
         out.append(f"backends.options.actor.master_weights=false: pure {config.model.dtype} "
                    f"({_gb(pure.peak_bytes)}{'' if pure.fits else ', still too much'})")
     if config.rollout.sleep == "never":
@@ -379,12 +410,9 @@ def plan_run_memory(
         return None
     if not plan.fits:
 
-        def again(masters: bool) -> MemoryPlan:
-            got = plan_memory(dataclasses.replace(config, backends=dataclasses.replace(
-                config.backends, options={**config.backends.options, "actor": {
-                    **config.backends.options.get("actor", {}), "master_weights": masters}})),
-                model_path, max_prompt_len=max_prompt_len, use_reference=use_reference, use_critic=use_critic,
-                total_bytes=plan.total_bytes)
+        def again(other: RunConfig) -> MemoryPlan:
+            got = plan_memory(other, model_path, max_prompt_len=max_prompt_len, use_reference=use_reference,
+                              use_critic=use_critic, total_bytes=plan.total_bytes)
             assert got is not None
             return got
 
