@@ -19,7 +19,8 @@ Printed: seconds per step and completion tokens per second of each side (median 
 after the first, which warms up), the mean completion length of each (random models rarely stop
 early, so both usually generate the maximum; a warning is printed when the lengths differ by more
 than 5%: the work is then not equal), the peak device memory of each side's process (on CUDA:
-``nvidia-smi``'s per-process reading, polled; on the CPU: the process's peak resident set), the
+the GPU's used memory from ``nvidia-smi`` above the idle reading, polled; on the CPU: the process's
+peak resident set), the
 ratio, and the per-phase breakdown of verl's step (its ``time/*`` metrics). The header shows
 ``verl train``'s memory plan for the run (:mod:`verl_core.trainer.run.memory_plan`, computed in a
 short process of its own before the runs).
@@ -152,33 +153,32 @@ def verl_has_datasets() -> bool:
 
 # ----------------------------------------------------------------------------- measuring a side
 class PeakMemory:
-    """The peak device memory of a child process: ``nvidia-smi``'s per-process reading, polled on CUDA;
-    the peak resident set (``wait4``'s rusage) elsewhere."""
+    """The peak device memory of a child process: on CUDA the GPU's used memory (``nvidia-smi``,
+    polled every 0.25 s) above what was in use before the child started (one side runs at a time;
+    device-wide, so process ids of another namespace do not matter); elsewhere the child's peak
+    resident set (``wait4``'s rusage)."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda") and shutil.which("nvidia-smi") is not None
+        self.index = device.partition(":")[2] or "0"
         self.peak = 0
         self._stop = threading.Event()
 
-    def _used(self, pid: int) -> int:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout
-        used = 0
-        for line in out.splitlines():
-            parts = [x.strip() for x in line.split(",")]
-            if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-                used += int(parts[1]) * 2**20  # MiB
-        return used
+    def _used(self) -> int:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              "-i", self.index], capture_output=True, text=True).stdout.strip()
+        return int(out) * 2**20 if out.isdigit() else 0  # MiB
 
     def run(self, cmd: list[str], log: Path) -> tuple[int, str]:
         """Run ``cmd`` (stdout and stderr into ``log``); its exit status and output."""
+        before = self._used() if self.cuda else 0
         with open(log, "w") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
             poller = None
             if self.cuda:
                 def poll() -> None:
                     while not self._stop.wait(0.25):
-                        self.peak = max(self.peak, self._used(proc.pid))
+                        self.peak = max(self.peak, self._used() - before)
 
                 poller = threading.Thread(target=poll, daemon=True)
                 poller.start()
@@ -193,7 +193,7 @@ class PeakMemory:
 
     @property
     def how(self) -> str:
-        return "nvidia-smi, per process" if self.cuda else "peak resident set"
+        return "nvidia-smi, the GPU's use above the idle reading" if self.cuda else "peak resident set"
 
 
 def _out_of_memory(text: str) -> bool:
