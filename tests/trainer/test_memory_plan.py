@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -185,8 +186,9 @@ def _fake_total(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
     monkeypatch.setattr(memory_plan, "device_memory", lambda device: (total, total))
 
 
-def test_a_run_trains_without_masters_when_only_that_fits_and_says_so(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_trains_without_masters_when_only_that_fits_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from verl_core.trainer.rl.trainer import Trainer
 
     def run_config(name: str, *extra: str) -> RunConfig:
@@ -202,11 +204,13 @@ def test_a_run_trains_without_masters_when_only_that_fits_and_says_so(tmp_path: 
     assert pure is not None and pure.peak_bytes < roomy.peak_bytes
     _fake_total(monkeypatch, int((roomy.peak_bytes + pure.peak_bytes) / 2 / FILL_LIMIT))  # masters over the limit
     stream = io.StringIO()
-    with Trainer(run_config("second", f"model.path={json.dumps(path)}"), stream=stream) as trainer:
+    with (caplog.at_level(logging.WARNING, logger="verl_core.trainer.run.memory_plan"),
+          Trainer(run_config("second", f"model.path={json.dumps(path)}"), stream=stream) as trainer):
         hist = trainer.train()
         assert trainer.memory_plan is not None and trainer.memory_plan.dropped_masters
         assert trainer.engines.actor._optim.master is None  # type: ignore[attr-defined]
-    assert "WARNING: float32 master weights do not fit" in stream.getvalue()
+    (warning,) = [r for r in caplog.records if r.name == "verl_core.trainer.run.memory_plan"]
+    assert warning.levelno == logging.WARNING and warning.getMessage().startswith("float32 master weights do not fit")
     assert "memory plan (pure bfloat16, no master weights):" in stream.getvalue()
     assert hist[0]["memory_plan/master_weights_dropped"] == 1.0 and hist[0]["memory_plan/master_weights"] == 0.0
     # what sleeping, waking and the out-of-memory back-off cost the step

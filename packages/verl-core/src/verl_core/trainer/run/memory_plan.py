@@ -141,8 +141,9 @@ class MemoryPlan:
         """Within :data:`REFUSE_ABOVE` of the device."""
         return self.share <= REFUSE_ABOVE
 
-    def table(self) -> str:
-        """The plan as a text table: each term, when it is on the device, the phase totals and the device."""
+    def table(self, *, notes: bool = True) -> str:
+        """The plan as a text table: each term, when it is on the device, the phase totals and the
+        device (and its warnings, with ``notes``)."""
         rows = [(t.what, _gb(t.nbytes), "+".join(p for p in ("rollout", "update") if p in t.phases), t.how)
                 for t in self.terms]
         rows += [("= rollout phase", _gb(self.phase_bytes("rollout")), "", ""),
@@ -154,7 +155,7 @@ class MemoryPlan:
                else "float32" if self.dtype == "float32" else f"pure {self.dtype}, no master weights")
         lines = [f"memory plan ({how}):"]
         lines += [f"  {a:<{width}}  {b:>9}  {c:<14} {d}".rstrip() for a, b, c, d in rows]
-        return "\n".join(lines + [f"  {n}" for n in self.notes])
+        return "\n".join(lines + [f"  {n}" for n in self.notes if notes])
 
     def metrics(self) -> dict[str, float]:
         """``memory_plan/*``: the planned peak and device size (GB), master weights and whether they were dropped."""
@@ -389,8 +390,9 @@ def plan_run_memory(
 ) -> MemoryPlan | None:
     """Plan the run's memory before any engine is built: print the table, refuse what cannot fit.
 
-    Planned for the local executor only (Ray workers have devices of their own). The table (and
-    any warning) goes to ``say`` (default: this module's logger).
+    Planned for the local executor only (Ray workers have devices of their own). The table goes
+    to ``say`` (default: this module's logger at INFO), each warning of the plan to this module's
+    logger at WARNING (shown on stderr without any logging set-up).
 
     Returns:
         The chosen plan (its :meth:`~MemoryPlan.apply` gives the config the engines are built from),
@@ -424,5 +426,7 @@ def plan_run_memory(
             f"{plan.share:.0%} of the device's {_gb(plan.total_bytes)} (refused above {REFUSE_ABOVE:.0%}, before "
             f"loading the model).\n{plan.table()}\nOptions that reduce it:\n{options}"
         )
-    (say or _log.info)(plan.table())
+    (say or _log.info)(plan.table(notes=False))
+    for note in plan.notes:  # a logged warning: shown whatever the progress settings, never silent
+        _log.warning(note.removeprefix("WARNING: "))
     return plan
