@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
-# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora [args]   (writes under $OUT)
+# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | decode-long | vs-trl.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|decode-long|vs-trl [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names)
 set -uo pipefail
@@ -28,4 +28,8 @@ case $step in
   grpo) python3 benchmarks/bench_step.py --device cuda --no-trl "$@" 2>&1 | tee -a "$OUT/grpo.log" ;;
   #   lora ARGS: LoRA vs full fine-tuning GRPO steps (benchmarks/bench_lora.py ARGS on CUDA), appended to lora.log
   lora) python3 benchmarks/bench_lora.py --device cuda "$@" 2>&1 | tee -a "$OUT/lora.log" ;;
+  #   decode-long ARGS: hf rollout decode tokens/s as responses grow, against the bandwidth bound
+  decode-long) python3 benchmarks/gpu/bench_decode_long.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/decode_long.log" ;;
+  #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)
+  vs-trl) python3 benchmarks/bench_grpo_vs_trl.py --device cuda "$@" 2>&1 | tee -a "$OUT/vs_trl.log" ;;
 esac

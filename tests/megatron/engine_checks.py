@@ -216,11 +216,17 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     plain = recompute.generate(prompts, sampled)
     recompute.close()
     # the engine's own static decode loop (one shape per step, device-side positions); twice, so
-    # the second call reuses the decoder and its caches
+    # the second call reuses the decoder and its caches. Its steps attend over cache windows of 34
+    # slots (the first two steps after the 32-slot prompt) and then the whole cache (38 slots), so the
+    # comparisons below also hold windowed attention to Megatron's KV cache and to the compiled
+    # whole-cache step.
     static = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
-                                                       options={"rollout_static_cache": True}))
+                                                       options={"rollout_static_cache": True,
+                                                                "rollout_decode_window": 34}))
     static_first, static_again = static.generate(prompts, sampled), static.generate(prompts, sampled)
     static_greedy = static.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    static_windows = static._decoders.current.windows
+    static_mode = static.decode_mode
     static.close()
     # the same loop with its decode step compiled (torch.compile; inductor on CPU), at TP=2 only
     # (where the tensor-parallel group lookup inside compiled code matters; each compile costs seconds)
@@ -242,6 +248,7 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
         "recompute": {k: plain[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static": {k: static_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static_again_ids": static_again["response_ids"], "static_greedy_ids": static_greedy["response_ids"],
+        "static_windows": static_windows, "static_mode": static_mode,
         "compiled": compiled_out,
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,

@@ -291,6 +291,7 @@ def test_rollout_static_decode_loop_samples_what_megatron_s_kv_cache_samples(
                  what="static decode loop vs Megatron's KV cache")
     assert torch.equal(res["static_again_ids"], static["response_ids"]), "a reused static decoder sampled differently"
     assert torch.equal(res["static_greedy_ids"], res["greedy_ids"])
+    assert res["static_windows"] == (34, 38) and res["static_mode"] == "static+windows"
 
 
 @pytest.mark.parametrize("layout", [lay for lay in ROLLOUT_LAYOUTS if lay[0] == 2], ids=_id)
@@ -330,8 +331,9 @@ def test_rollout_greedy_matches_across_layouts_and_reference(runs: Any) -> None:
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"rollout_cuda_graphs": True}, "rollout_cuda_graphs needs rollout_static_cache=True"),
-    ({"rollout_compile": True}, "rollout_compile compiles the static decode step"),
+    ({"rollout_cuda_graphs": True, "rollout_static_cache": False}, "rollout_cuda_graphs needs rollout_static_cache=True"),
+    ({"rollout_compile": True, "rollout_static_cache": False}, "rollout_compile compiles the static decode step"),
+    ({"rollout_compile": True, "attention": "local"}, "rollout_compile compiles the static decode step"),
     ({"rollout_static_cache": True, "attention": "local"}, "needs attention='sdpa'"),
     ({"rollout_static_cache": True, "rollout_compile": "yes"}, "'megatron.rollout_compile': expected true or false, got 'yes'"),
 ])

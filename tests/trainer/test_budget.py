@@ -58,9 +58,13 @@ def test_pending_state_of_a_known_model() -> None:
     per_layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 5632 + 2 * 2048
     params = 2 * 32000 * 2048 + 16 * per_layer + 2048  # untied embedding and LM head
     assert shape.parameters == params
-    # bf16 gradient, two float32 AdamW moments, a float32 master gradient
-    assert pending_state_bytes(shape, "bfloat16") == params * (2 + 8 + 4)
+    # with float32 masters: a bf16 gradient in backward and two float32 AdamW moments (the float32
+    # master gradient lives only in the optimizer step, when the activations are gone)
+    assert pending_state_bytes(shape, "bfloat16") == params * (2 + 8)
+    # pure bf16: torch's AdamW keeps its moments in the parameters' dtype
+    assert pending_state_bytes(shape, "bfloat16", master_weights=False) == params * (2 + 4)
     assert pending_state_bytes(shape, "float32") == params * (4 + 8)
+    assert pending_state_bytes(shape, "float32", master_weights=False) == params * (4 + 8)
     tied = ModelShape.from_config({**LLAMA_09B, "tie_word_embeddings": True})
     assert tied is not None and tied.parameters == params - 32000 * 2048
 
@@ -162,3 +166,17 @@ def test_a_hand_set_budget_is_kept(tmp_path: Path, caplog: pytest.LogCaptureFixt
         scheds = make_schedulers(cfg, ("actor",), model_path=str(tmp_path), probe=lambda: MemoryInfo(0, 1))
     assert scheds["actor"].fixed_budget == 4096 and not scheds["actor"].refinement_pending
     assert "micro-batch budget: 4096 tokens (batch.micro_batch_tokens)" in caplog.text
+
+
+def test_the_reserved_state_follows_each_role_s_master_weights(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_09B))
+    shape = ModelShape.from_config(LLAMA_09B)
+    assert shape is not None
+    cfg = _run_config(tmp_path, "model.dtype=bfloat16", "backends.options.actor.master_weights=false")
+    scheds = make_schedulers(cfg, ("actor", "critic"), model_path=str(model), training=("actor", "critic"),
+                             probe=lambda: MemoryInfo(139 * GiB, 139 * GiB))
+    pure, masters = (pending_state_bytes(shape, "bfloat16", master_weights=m) for m in (False, True))
+    assert pure == shape.parameters * 6 and masters == shape.parameters * 10
+    assert scheds["actor"].config.reserved_bytes == pure + masters  # the actor in pure bf16, the critic with masters

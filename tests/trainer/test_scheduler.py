@@ -439,3 +439,26 @@ def test_packed_refinement_measures_per_real_token_and_a_resume_replays_it() -> 
                     packed=True)
     assert [d.groups for d in resumed.plan] == [d.groups for d in plan]
     assert resumed.fixed_budget == 10
+
+
+def test_the_time_lost_to_out_of_memory_attempts_is_counted_per_call() -> None:
+    import time
+
+    batch = make_batch([4, 4, 4, 4])
+    cfg = SchedulerConfig(min_tokens=1, max_tokens=64, bytes_per_token=1, memory_fraction=1.0)
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(1 << 40))
+    attempts: list[int] = []
+
+    def slow_then_fits(budget: int) -> int:
+        attempts.append(budget)
+        if budget > 8:
+            time.sleep(0.05)  # work done before the allocation that fails
+            raise torch.OutOfMemoryError("out of memory")
+        return budget
+
+    got = sched.run(batch, slow_then_fits, key="step0/actor_update/0")
+    assert got == attempts[-1] <= 8 and len(attempts) >= 2
+    assert sched.oom_seconds("step0/") >= 0.05 * (len(attempts) - 1)
+    sched.run(batch, lambda budget: budget, key="step1/actor_update/0")
+    assert sched.oom_seconds("step1/") == 0.0 and sched.oom_seconds() == sched.oom_seconds("step0/")
+    assert sched.metrics()["scheduler/oom_seconds"] == sched.oom_seconds()

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from verl_core.enginekit.byo import GeneratesTokens, generate_with_model, in_memory_spec
-from verl_core.enginekit.sampling import StaticDecoders
+from verl_core.enginekit.sampling import GraphCaptures, StaticDecoders
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
@@ -82,7 +82,7 @@ class HFModelRollout(HFRolloutEngine):
         self._tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, vocab)
         # the weight-update path's caches (filled on the first update_weights); the decoder's state
         self._weights = None
-        self._graphs_error = None
+        self._graphs = GraphCaptures("hf rollout")
         self._compiled = None
         self._first_compiled: dict[tuple[int, int], float] = {}
         self._decoders = StaticDecoders()

@@ -11,7 +11,10 @@ import torch
 from verl_core.kernel.convert import Ge, check_fields
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["HFOptions"]
+__all__ = ["DEFAULT_DECODE_WINDOW", "HFOptions"]
+
+DEFAULT_DECODE_WINDOW = 256
+"""Smallest attention window of a static decode step on CUDA (``HFOptions.rollout_decode_window``)."""
 
 DataParallelMode = Literal["auto", "fsdp2", "allreduce"]
 """How gradients are reduced over data-parallel ranks (see :class:`HFOptions`)."""
@@ -72,6 +75,15 @@ class HFOptions:
             more sequences of a ragged batch under the same budget. An hf
             backend option: the megatron backend's packed sequences (``PackedSeqParams``) are
             out of scope and it keeps padded micro-batches.
+        rollout_decode_window: Smallest attention window (cache slots) of a static-cache decode
+            step. Each step attends over the smallest of ``w, 2w, 4w, ...`` and the whole cache
+            that holds every slot written so far, instead of the whole preallocated cache (prompt
+            plus ``max_new_tokens``), and the prefill over the prompt's slots only (its grouped
+            key/value heads repeated over those slots, not the whole cache); each window is its own
+            CUDA graph and compiled shape. The same samples up to float rounding. 0 reads the whole
+            cache at every step. Needs ``attn_implementation='sdpa'`` (the rollout then runs
+            :func:`verl_hf.modeling.grouped_decode_sdpa`, also off CUDA). None (default): 256 for
+            static-cache rollouts on CUDA with sdpa, 0 elsewhere.
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -85,6 +97,7 @@ class HFOptions:
     rollout_fused_projections: bool | None = None
     master_weights: bool = True
     pack_sequences: bool | None = None
+    rollout_decode_window: Annotated[int, Ge(0)] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="HFOptions.", label="option")  # types, choices and bounds, from the fields
@@ -97,6 +110,16 @@ class HFOptions:
                 "HFOptions.rollout_cuda_graphs needs a static KV cache (a graph replays fixed shapes); "
                 "set rollout_cache='static' as well"
             )
+        if self.rollout_decode_window and self.rollout_cache == "dynamic":
+            raise ConfigError(
+                "HFOptions.rollout_decode_window sets the attention windows of the static decode step; set "
+                "rollout_cache='static' as well (or leave rollout_decode_window unset)"
+            )
+        if self.rollout_decode_window and self.attn_implementation != "sdpa":
+            raise ConfigError(
+                f"HFOptions.rollout_decode_window needs attn_implementation='sdpa' (its attention reads the "
+                f"window's slots only), got {self.attn_implementation!r}; set rollout_decode_window=0 for eager attention"
+            )
         if self.pack_sequences and self.attn_implementation != "sdpa":
             raise ConfigError(
                 f"HFOptions.pack_sequences=True runs sdpa-based packed attention, but attn_implementation is "
@@ -106,19 +129,23 @@ class HFOptions:
     def resolve_rollout(self, device: torch.device, *, static_ok: bool = True) -> HFOptions:
         """These options with the rollout's ``auto`` choices made for ``device``.
 
-        On CUDA the fast decode path is the default: a static KV cache, CUDA graphs and
-        ``torch.compile`` of the decode step (each can be turned off by setting it). Elsewhere, and
-        for models the static cache does not support (``static_ok=False``: sliding-window
-        layers), the dynamic cache without graphs or compilation.
+        On CUDA the fast decode path is the default: a static KV cache, CUDA graphs,
+        ``torch.compile`` of the decode step and attention over cache windows (each can be turned
+        off by setting it). Elsewhere, and for models the static cache does not support
+        (``static_ok=False``: sliding-window layers), the dynamic cache without graphs or compilation.
         """
         cuda = device.type == "cuda"
         cache = self.rollout_cache
         if cache == "auto":
-            wanted = cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs)
+            wanted = (cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs)
+                      or bool(self.rollout_decode_window))
             cache = "static" if wanted and static_ok else "dynamic"
         fast = cuda and cache == "static"
         graphs = self.rollout_cuda_graphs if self.rollout_cuda_graphs is not None else fast
         compiled = self.rollout_compile if self.rollout_compile is not None else fast
         fused = self.rollout_fused_projections if self.rollout_fused_projections is not None else cuda
+        window = self.rollout_decode_window
+        if window is None or cache != "static":
+            window = DEFAULT_DECODE_WINDOW if fast and self.attn_implementation == "sdpa" and window is None else 0
         return dataclasses.replace(self, rollout_cache=cache, rollout_cuda_graphs=graphs, rollout_compile=compiled,
-                                   rollout_fused_projections=fused)
+                                   rollout_fused_projections=fused, rollout_decode_window=window)

@@ -217,7 +217,15 @@ def grouped_decode_sdpa(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers' ``sdpa`` attention, with decode steps that read the KV cache once.
+    """transformers' ``sdpa`` attention, reading only the part of a static KV cache a call needs,
+    with decode steps that read it once.
+
+    A 4D mask narrower than the cache (``attention_mask.shape[-1] < key.shape[2]``) attends over
+    the first ``attention_mask.shape[-1]`` slots only: the rest of a preallocated cache is never
+    read. The hf rollout's static decoder passes masks as wide as the slots filled so far (rounded
+    up to a cache window, :func:`verl_core.enginekit.sampling.cache_windows`), so a step's attention
+    reads what was written, not the whole cache, and the prefill's grouped key/value heads are
+    repeated over the prompt's slots only.
 
     With a mask, transformers' sdpa path materialises every key/value head ``num_key_value_groups``
     times (``repeat_kv``) before the kernel; in a decode step over a long KV cache that copy costs
@@ -227,10 +235,14 @@ def grouped_decode_sdpa(
     float32 softmax: with one query token the masked flash kernels run at about half the
     bandwidth of reading the cache (on an H200, 68 against 33 microseconds per layer at 128 rows
     and 160 slots once compiled: benchmarks/gpu/bench_decode_attention.py). Every other call
-    (prefill, dropout, masks of another shape) is transformers' own function.
+    (prefill, dropout, masks of another shape) is transformers' own function, over the slots the
+    mask covers.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] < key.shape[2]:
+        slots = attention_mask.shape[-1]  # views: the slots past the mask are not read
+        key, value = key[:, :, :slots], value[:, :, :slots]
     groups = int(getattr(module, "num_key_value_groups", 1))
     b, heads, q_len, dim = query.shape
     if (q_len != 1 or dropout != 0.0 or attention_mask is None or attention_mask.dim() != 4

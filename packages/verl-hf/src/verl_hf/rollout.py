@@ -24,6 +24,7 @@ from torch import Tensor
 
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
+    GraphCaptures,
     StaticDecoders,
     TokenSampler,
     sample_seed,
@@ -48,9 +49,10 @@ from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.fused_projections import FusedProjections
 from verl_hf.lora import HFLora
-from verl_hf.modeling import FlatParameters, load_model, register_grouped_sdpa
+from verl_hf.modeling import GROUPED_SDPA, FlatParameters, load_model, register_grouped_sdpa
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
+    allow_recompiles,
     decode_dynamic,
     decode_mode,
     full_attention,
@@ -101,10 +103,11 @@ class HFRolloutEngine(RolloutEngineBase):
             HFOptions, spec.options, where="hf backend options"
         )
         self._device = torch.device(spec.device)
-        # On CUDA, sdpa rollouts run decode steps that read a grouped KV cache once (the same math;
-        # elsewhere transformers' own sdpa, so a CPU engine decodes like a user's model object).
+        # On CUDA, sdpa rollouts run decode steps that read a grouped KV cache once, and only the
+        # slots written so far (the same math; elsewhere transformers' own sdpa, so a CPU engine
+        # decodes like a user's model object, unless rollout_decode_window asks for windows).
         attn: str = self._options.attn_implementation
-        if attn == "sdpa" and self._device.type == "cuda":
+        if attn == "sdpa" and (self._device.type == "cuda" or self._options.rollout_decode_window):
             attn = register_grouped_sdpa()
         self._model: Any = load_model(
             spec.model_path, "causal_lm", dtype=spec.torch_dtype, device=self._device,
@@ -118,8 +121,8 @@ class HFRolloutEngine(RolloutEngineBase):
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
         self._weights: dict[str, Tensor] | None = None
-        # Why CUDA-graph capture failed on this engine (it then decodes eagerly), None while it works.
-        self._graphs_error: str | None = None
+        # Which decode shapes replay CUDA graphs, and those that decode eagerly after failed captures.
+        self._graphs = GraphCaptures("hf rollout")
         if self._options.rollout_cuda_graphs and self._device.type != "cuda":
             raise ConfigError(
                 f"HFOptions.rollout_cuda_graphs needs a CUDA device, the engine runs on {self._device}; "
@@ -170,8 +173,15 @@ class HFRolloutEngine(RolloutEngineBase):
     @property
     def decode_mode(self) -> str:
         """How ``generate`` decodes: ``dynamic``, ``static``, ``static+cuda-graphs``, ``static+compile``
-        or ``static+compile+cuda-graphs`` (and why graphs are not used when capture failed)."""
-        return decode_mode(self._options, self._graphs_error)
+        or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over cache windows (and
+        which shapes decode eagerly after their CUDA-graph captures failed)."""
+        return decode_mode(self._options, self._graphs)
+
+    @property
+    def graph_captures(self) -> GraphCaptures:
+        """The record of CUDA-graph captures: graphs captured, failures, shapes decoding eagerly
+        (``graph_captures.metrics()``)."""
+        return self._graphs
 
     @property
     def fused_projection_groups(self) -> int:
@@ -231,11 +241,9 @@ class HFRolloutEngine(RolloutEngineBase):
             compiling = self._options.rollout_compile and (rows, width) not in self._first_compiled
             started = time.perf_counter()
             decoder.start(chunk, uniforms)
-            if self._options.rollout_cuda_graphs and self._graphs_error is None:
-                self._graphs_error = decoder.run_with_graph()
-            else:
-                # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
-                decoder.run(check_every=8 if self._device.type == "cuda" else 1)
+            # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
+            decoder.run(check_every=8 if self._device.type == "cuda" else 1,
+                        graphs=self._graphs if self._options.rollout_cuda_graphs else None)
             result = decoder.result()
             if compiling:
                 self._first_compiled[(rows, width)] = seconds = time.perf_counter() - started
@@ -251,12 +259,18 @@ class HFRolloutEngine(RolloutEngineBase):
         dropped on sleep/wake)."""
         rows, width = chunk["prompt_ids"].shape
         if self._options.rollout_compile and self._compiled is None:
+            allow_recompiles()
             self._compiled = torch.compile(self._model, dynamic=False)
+
+        # windows need the attention that reads a narrower mask as "the first slots only" (a
+        # user's own model object keeps its attention, and the whole cache)
+        windowed = getattr(self._model.config, "_attn_implementation", None) == GROUPED_SDPA
+        window = (self._options.rollout_decode_window or 0) if windowed else 0
 
         def build(sampler: TokenSampler) -> HFStaticDecoder:
             return HFStaticDecoder(self._model, rows, width, sampler, params.max_new_tokens,
                                   eager_attention=self._options.attn_implementation == "eager",
-                                  device=self._device, step_model=self._compiled)
+                                  device=self._device, step_model=self._compiled, window=window)
 
         return self._decoders.get(self._model, rows, width, params, stop_ids, uniforms,
                                   self._tokenizer.pad_token_id, self._device, build)

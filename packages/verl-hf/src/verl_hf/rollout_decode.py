@@ -14,36 +14,61 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler, eager_decode
+from verl_core.enginekit.sampling import (
+    GraphCaptures,
+    StaticDecodeLoop,
+    TokenSampler,
+    cache_windows,
+    eager_decode,
+)
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_hf.config import HFOptions
 from verl_hf.modeling import cache_keyword, position_ids
 
-__all__ = ["HFStaticDecoder", "decode_dynamic", "decode_mode", "full_attention", "log_compile"]
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "HFStaticDecoder",
+    "allow_recompiles",
+    "decode_dynamic",
+    "decode_mode",
+    "full_attention",
+    "log_compile",
+]
 
 log = logging.getLogger("verl_hf.rollout")
 
 
 class HFStaticDecoder(StaticDecodeLoop):
-    """The decode loop over a preallocated StaticCache, every step at one shape.
+    """The decode loop over a preallocated StaticCache, every step at one shape per cache window.
 
     Besides the loop's state (:class:`~verl_core.enginekit.sampling.StaticDecodeLoop`), the position to
     feed and the cache slot are device tensors updated in place. The attention mask is built here
-    as a 4D mask over the whole cache (prompt padding and not-yet-written slots masked), which
-    keeps transformers' own mask code (with its host synchronisations) out of the step.
+    as a 4D mask (prompt padding and not-yet-written slots masked), which keeps transformers' own
+    mask code (with its host synchronisations) out of the step.
+
+    With ``window`` > 0 the model's attention must read a mask narrower than the cache as "the
+    first mask-width slots only" (:func:`verl_hf.modeling.grouped_decode_sdpa`): the prefill's mask
+    then covers the prompt's slots, and each decode step's the smallest cache window holding every
+    written slot (``window``, doubling, then the whole cache:
+    :func:`~verl_core.enginekit.sampling.cache_windows`), so attention reads what was written
+    rather than the whole cache. With ``window`` 0 every mask covers the whole cache (any attention
+    implementation).
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int, *,
-                 eager_attention: bool, device: torch.device, step_model: Any = None) -> None:
+                 eager_attention: bool, device: torch.device, step_model: Any = None, window: int = 0) -> None:
         from transformers import StaticCache
 
-        super().__init__(rows, max_new, sampler, device, model, "hf rollout")
-        # What a decode step calls: the model, or a compiled version of it (one shape, so no
-        # recompilation while the decoder is reused; the prefill always runs the model itself).
+        length = width + max_new
+        super().__init__(rows, max_new, sampler, device, model, "hf rollout",
+                         windows=cache_windows(width, length, window), filled=width)
+        # What a decode step calls: the model, or a compiled version of it (one shape per cache
+        # window, so no recompilation while the decoder is reused; the prefill always runs the
+        # model itself).
         self.step_model = model if step_model is None else step_model
         self.width = width
-        length = width + max_new
+        self.narrow = window > 0  # masks cover the slots a call reads, not the whole cache
         self.cache_kw = cache_keyword(model)
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         if any(bool(getattr(layer, "is_sliding", False)) for layer in self.cache.layers):
@@ -67,10 +92,12 @@ class HFStaticDecoder(StaticDecodeLoop):
         self.valid[:, :width].copy_(prompt_mask)
         pos = position_ids(prompt_mask)
         # Prefill: causal over the prompt, padding masked; a padding query also sees itself so no
-        # row is fully masked (its output is never read).
-        causal = self.slots[None, :] <= torch.arange(width, device=dev)[:, None]
-        own = self.slots[None, :] == torch.arange(width, device=dev)[:, None]
-        mask = (self.valid[:, None, :] & causal[None]) | own[None]
+        # row is fully masked (its output is never read). Narrow masks cover the prompt's slots.
+        seen = width if self.narrow else self.slots.shape[0]
+        slots = self.slots[:seen]
+        causal = slots[None, :] <= torch.arange(width, device=dev)[:, None]
+        own = slots[None, :] == torch.arange(width, device=dev)[:, None]
+        mask = (self.valid[:, None, :seen] & causal[None]) | own[None]
         out: Any = self.model(input_ids=ids, attention_mask=self._attention(mask[:, None]), position_ids=pos,
                               use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.pos.copy_(pos[:, -1] + 1)
@@ -87,7 +114,8 @@ class HFStaticDecoder(StaticDecodeLoop):
         )
 
     def _advance(self) -> Tensor:
-        mask = self.valid & (self.slots <= self.slot)
+        seen = self.window if self.narrow else self.slots.shape[0]
+        mask = self.valid[:, :seen] & (self.slots[:seen] <= self.slot)
         out: Any = self.step_model(
             input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
             position_ids=self.pos.unsqueeze(-1), use_cache=True, **{self.cache_kw: self.cache},
@@ -127,24 +155,42 @@ def _dynamic_logits(model: Any, chunk: TensorBatch) -> Generator[Tensor, Tensor,
                     use_cache=True, **{cache_kw: getattr(out, cache_kw)})
 
 
-def decode_mode(options: HFOptions, graphs_error: str | None) -> str:
+def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None) -> str:
     """How the engine decodes under ``options``: ``dynamic``, ``static``, ``static+cuda-graphs``,
-    ``static+compile`` or ``static+compile+cuda-graphs`` (and why graphs are not used when
-    capture failed with ``graphs_error``)."""
+    ``static+compile`` or ``static+compile+cuda-graphs``, with ``+windows`` where steps attend
+    over cache windows, and the shapes that decode eagerly after their CUDA-graph captures failed."""
     if options.rollout_cache == "dynamic":
         return "dynamic"
-    if options.rollout_compile:
-        base = "static+compile"
-        if not options.rollout_cuda_graphs:
-            return base
-        if graphs_error is not None:
-            return f"{base} (CUDA graph capture failed: {graphs_error})"
-        return f"{base}+cuda-graphs"
-    if not options.rollout_cuda_graphs:
-        return "static"
-    if graphs_error is not None:
-        return f"static (CUDA graph capture failed: {graphs_error})"
-    return "static+cuda-graphs"
+    mode = "static+compile" if options.rollout_compile else "static"
+    if options.rollout_cuda_graphs:
+        mode += "+cuda-graphs"
+    if options.rollout_decode_window:
+        mode += "+windows"
+    eager = graphs.eager_shapes if graphs is not None and options.rollout_cuda_graphs else {}
+    if eager:
+        last = next(reversed(eager.values()))
+        mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
+    return mode
+
+
+RECOMPILE_LIMIT = 64
+"""Compiled versions of one function dynamo keeps (``torch._dynamo.config.recompile_limit``) while a
+rollout compiles its decode step: one per (rows, prompt width, cache window), more than dynamo's
+default of 8, past which it would run the step uncompiled."""
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's per-function recompile limit to :data:`RECOMPILE_LIMIT` (never lower it).
+
+    A process-wide setting: the compiled decode step is specialised to each shape it sees (rows,
+    prompt width and cache window), and a run meets a few of each.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.recompile_limit < RECOMPILE_LIMIT:
+        log.info("hf rollout: torch._dynamo.config.recompile_limit %d -> %d (a compiled decode step per rows, "
+                 "prompt width and cache window)", dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        dynamo_config.recompile_limit = RECOMPILE_LIMIT
 
 
 def log_compile(rows: int, width: int, seconds: float) -> None:

@@ -28,7 +28,7 @@ from verl_core.enginekit.byo import (
     generate_with_model,
     in_memory_spec,
 )
-from verl_core.enginekit.sampling import StaticDecoders
+from verl_core.enginekit.sampling import GraphCaptures, StaticDecoders
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
 from verl_megatron.options import MegatronOptions
@@ -138,7 +138,7 @@ class MegatronModelRollout(MegatronRolloutEngine):
         # decode by recomputing the sequence each step: it needs nothing of the model but its forward
         self._kv_cache = False
         self._decoders = StaticDecoders()
-        self._graphs_error = None
+        self._graphs = GraphCaptures("megatron rollout")
         self._compiled = None
         self._user_generates = isinstance(built, GeneratesTokens)
 

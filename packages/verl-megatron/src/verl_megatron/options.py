@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from verl_core.kernel.convert import check_fields
+from verl_core.kernel.convert import Ge, check_fields
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["MegatronOptions"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_DECODE_WINDOW", "MegatronOptions"]
+
+DEFAULT_DECODE_WINDOW = 256
+"""Smallest attention window of a static decode step on CUDA (``MegatronOptions.rollout_decode_window``)."""
 
 
 @dataclass(frozen=True)
@@ -28,17 +35,21 @@ class MegatronOptions:
             them in place or ``offload`` them to CPU memory (on a CPU-only machine the move is a
             no-op that is still performed and timed).
         rollout_kv_cache: The rollout engine decodes with Megatron's static KV cache (one prefill,
-            then one token per step); False recomputes the whole sequence at every step.
+            then one token per step); False recomputes the whole sequence at every step. Applies
+            when the static cache below is off.
         rollout_static_cache: The rollout engine decodes with its own preallocated KV cache and
             device-side positions instead of Megatron's inference context
             (:mod:`verl_megatron.static_decode`): every step has one shape and no host
-            synchronisation. Needs ``attention="sdpa"``.
+            synchronisation. Needs ``attention="sdpa"``. None (default): on for CUDA rollouts
+            with sdpa attention, off elsewhere (see :meth:`resolve_rollout`).
         rollout_cuda_graphs: Capture that decode step in a CUDA graph and replay it; needs
-            ``rollout_static_cache=True``, a CUDA device and tp=1.
+            the static cache, a CUDA device and tp=1. None (default): on wherever the static
+            cache is used on CUDA with tp=1.
         rollout_compile: Run that decode step's model forward through ``torch.compile``
             (inductor fuses the per-token elementwise work: norms, rotary embeddings,
-            activations); needs ``rollout_static_cache=True``. Compiled on the first ``generate``
-            of each shape; combines with ``rollout_cuda_graphs``.
+            activations); needs the static cache. Compiled on the first ``generate`` of each
+            shape; combines with ``rollout_cuda_graphs``. None (default): on wherever the
+            static cache is used on CUDA.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's
@@ -53,28 +64,42 @@ class MegatronOptions:
             float32 or bfloat16 spec.
         distributed_optimizer: With ``optimizer="megatron"``, megatron's distributed optimizer:
             each data-parallel rank keeps the main parameters and Adam moments of its shard only.
+        rollout_decode_window: Smallest attention window (cache slots) of a static-cache decode
+            step: each step attends over the smallest of ``w, 2w, 4w, ...`` and the whole cache
+            that holds every slot written so far, and the prefill over the prompt's slots only
+            (:func:`verl_core.enginekit.sampling.cache_windows`); each window is its own CUDA
+            graph and compiled shape. 0 reads the whole cache at every step. None (default): 256
+            where the static cache is used on CUDA, 0 elsewhere.
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
     export_ranks: Literal["all", "first"] = "all"
     during_rollout: Literal["keep", "offload"] = "keep"
     rollout_kv_cache: bool = True
-    rollout_static_cache: bool = False
-    rollout_cuda_graphs: bool = False
-    rollout_compile: bool = False
+    rollout_static_cache: bool | None = None
+    rollout_cuda_graphs: bool | None = None
+    rollout_compile: bool | None = None
     master_weights: bool = True
     optimizer: Literal["torch", "megatron"] = "torch"
     distributed_optimizer: bool = False
+    rollout_decode_window: Annotated[int, Ge(0)] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="megatron.", label="option")  # types and choices, from the fields
-        if self.rollout_cuda_graphs and not self.rollout_static_cache:
+        static_off = self.rollout_static_cache is False or (
+            self.rollout_static_cache is None and self.attention != "sdpa")
+        if self.rollout_cuda_graphs and static_off:
             raise ConfigError(
                 "megatron option rollout_cuda_graphs needs rollout_static_cache=True (a graph replays one shape)"
             )
-        if self.rollout_compile and not self.rollout_static_cache:
+        if self.rollout_compile and static_off:
             raise ConfigError(
                 "megatron option rollout_compile compiles the static decode step; set rollout_static_cache=True as well"
+            )
+        if self.rollout_decode_window and static_off:
+            raise ConfigError(
+                "megatron option rollout_decode_window sets the attention windows of the static decode step; set "
+                "rollout_static_cache=True as well (or leave rollout_decode_window unset)"
             )
         if self.rollout_static_cache and self.attention != "sdpa":
             raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")
@@ -91,3 +116,26 @@ class MegatronOptions:
                 "megatron option master_weights=False is not supported with optimizer='megatron' "
                 "(megatron-core's optimizer always steps float32 main parameters); use optimizer='torch'"
             )
+
+    def resolve_rollout(self, device: torch.device, *, tp: int = 1) -> MegatronOptions:
+        """These options with the rollout's ``None`` (automatic) choices made for ``device``.
+
+        On CUDA the fast decode path is the default, as for the hf rollout: the engine's static
+        cache (with sdpa attention), ``torch.compile`` of its decode step, CUDA graphs (at tp=1)
+        and attention over cache windows; each can be turned off by setting it. Elsewhere
+        Megatron's own KV cache, without graphs or compilation, unless a fast-path option is set
+        (it then asks for the static cache too).
+        """
+        cuda = device.type == "cuda"
+        static = self.rollout_static_cache
+        if static is None:
+            wanted = cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs) or bool(self.rollout_decode_window)
+            static = wanted and self.attention == "sdpa"
+        fast = cuda and static
+        graphs = self.rollout_cuda_graphs if self.rollout_cuda_graphs is not None else fast and tp == 1
+        compiled = self.rollout_compile if self.rollout_compile is not None else fast
+        window = self.rollout_decode_window
+        if window is None or not static:
+            window = DEFAULT_DECODE_WINDOW if fast and window is None else 0
+        return dataclasses.replace(self, rollout_static_cache=static, rollout_cuda_graphs=graphs,
+                                   rollout_compile=compiled, rollout_decode_window=window)

@@ -43,6 +43,7 @@ from verl_core import (
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
+    GraphCaptures,
     StaticDecoders,
     TokenSampler,
     eager_decode,
@@ -104,15 +105,18 @@ class MegatronRolloutEngine(RolloutEngineBase):
         load_stage_weights(self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=0, pp=1)
         self.model.requires_grad_(False)
         self.model.eval()
+        # automatic decode choices: the fast static path on CUDA (graphs at tp=1), Megatron's KV cache elsewhere
+        self._options = self._options.resolve_rollout(self._device, tp=self.tp)
         self._kv_cache = self._options.rollout_kv_cache
         if self._options.rollout_cuda_graphs and (self._device.type != "cuda" or self.tp != 1):
             raise ConfigError(
                 "megatron option rollout_cuda_graphs needs a CUDA device and tp=1, the engine runs on "
                 f"{self._device} with tp={self.tp}; leave it False there (rollout_static_cache alone works anywhere)"
             )
-        # The static decoder of the last shape and sampling configuration; why graph capture failed.
+        # The static decoder of the last shape and sampling configuration; which shapes replay CUDA
+        # graphs and which decode eagerly after failed captures.
         self._decoders: StaticDecoders[StaticDecoder] = StaticDecoders()
-        self._graphs_error: str | None = None
+        self._graphs = GraphCaptures("megatron rollout")
         # torch.compile of the decode step's forward (MegatronOptions.rollout_compile), made on first use.
         self._compiled: StepLogits | None = None
         for name, module in self.model.named_modules():
@@ -174,10 +178,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
             batch = batch.pad_prompts(static_prompt_width(batch["prompt_ids"].shape[1]))
             decoder = self._static_decoder(batch, params, stop_ids, uniforms)
             decoder.start(batch.to(dev), uniforms)
-            if self._options.rollout_cuda_graphs and self._graphs_error is None:
-                self._graphs_error = decoder.run_with_graph(check_every=check_every)
-            else:
-                decoder.run(check_every)
+            decoder.run(check_every, graphs=self._graphs if self._options.rollout_cuda_graphs else None)
             return decoder.result()
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, torch.tensor(stop_ids, device=dev), uniforms)
         if self._kv_cache:
@@ -196,7 +197,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
 
         def build(sampler: TokenSampler) -> StaticDecoder:
             return StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device,
-                                 step_logits=self._compiled)
+                                 step_logits=self._compiled, window=self._options.rollout_decode_window or 0)
 
         return self._decoders.get(self.model, rows, width, params, stop_ids, uniforms, self._tokenizer.pad_token_id,
                                   self._device, build)
@@ -204,16 +205,25 @@ class MegatronRolloutEngine(RolloutEngineBase):
     @property
     def decode_mode(self) -> str:
         """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static``, ``static+compile``,
-        ``static+cuda-graphs`` or ``static+compile+cuda-graphs`` (and why graphs are not used when
-        capture failed)."""
+        ``static+cuda-graphs`` or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over
+        cache windows (and which shapes decode eagerly after their CUDA-graph captures failed)."""
         if not self._options.rollout_static_cache:
             return "kv-cache" if self._kv_cache else "recompute"
-        base = "static+compile" if self._options.rollout_compile else "static"
-        if not self._options.rollout_cuda_graphs:
-            return base
-        if self._graphs_error is not None:
-            return f"{base} (CUDA graph capture failed: {self._graphs_error})"
-        return f"{base}+cuda-graphs"
+        mode = "static+compile" if self._options.rollout_compile else "static"
+        if self._options.rollout_cuda_graphs:
+            mode += "+cuda-graphs"
+        if self._options.rollout_decode_window:
+            mode += "+windows"
+        eager = self._graphs.eager_shapes if self._options.rollout_cuda_graphs else {}
+        if eager:
+            last = next(reversed(eager.values()))
+            mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
+        return mode
+
+    @property
+    def graph_captures(self) -> GraphCaptures:
+        """The record of CUDA-graph captures: graphs captured, failures, shapes decoding eagerly."""
+        return self._graphs
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler
+from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler, cache_windows
 from verl_core.kernel.batch import TensorBatch
 
 __all__ = ["LayerCache", "StaticDecoder", "compiled_last_logits", "last_logits"]
@@ -105,9 +105,11 @@ class LayerCache:
     def attend(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor, scale: float | None) -> Tensor:
         """Write ``key``/``value`` [sq, b, groups, d] at the current slots, attend ``query`` [sq, b, heads, d].
 
-        ``masked`` is [b, 1, sq, length], True where a query must not see a key. Returns
-        [sq, b, heads * d]. Head ``h`` reads group ``h // (heads / groups)``, as Megatron's
-        attention does; a one-token step folds a group's heads instead of repeating its keys.
+        ``masked`` is [b, 1, sq, n], True where a query must not see a key: the attention reads
+        the first ``n`` slots of the cache only (a cache window, or the prompt's slots in the
+        prefill), the rest is never read. Returns [sq, b, heads * d]. Head ``h`` reads group
+        ``h // (heads / groups)``, as Megatron's attention does; a one-token step folds a group's
+        heads instead of repeating its keys, a longer call repeats them over the ``n`` slots only.
         """
         sq, b, heads, d = query.shape
         if self.k is None or self.v is None:
@@ -118,13 +120,14 @@ class LayerCache:
         self.k.index_copy_(2, slots, key.permute(1, 2, 0, 3))
         self.v.index_copy_(2, slots, value.permute(1, 2, 0, 3))
         keep = ~masked
-        groups = self.k.shape[1]
+        seen = masked.shape[-1]
+        k, v = self.k[:, :, :seen], self.v[:, :, :seen]  # views: the slots past the mask are not read
+        groups = k.shape[1]
         rep = heads // groups
         if sq == 1 and rep > 1:
             folded = query.reshape(b, groups, rep, d)
-            out = F.scaled_dot_product_attention(folded, self.k, self.v, attn_mask=keep, scale=scale)
+            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=keep, scale=scale)
             return out.reshape(1, b, heads * d)
-        k, v = self.k, self.v
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), k, v, attn_mask=keep, scale=scale)
@@ -143,14 +146,18 @@ class StaticDecoder(StaticDecodeLoop):
         device: Where the model lives.
         step_logits: What a decode step calls instead of :func:`last_logits` (a compiled version
             of it); the prefill always runs :func:`last_logits`.
+        window: Smallest attention window of a decode step (0: every step reads the whole
+            cache); see :func:`~verl_core.enginekit.sampling.cache_windows`. The prefill reads the
+            prompt's slots only either way.
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int,
-                 device: torch.device, step_logits: StepLogits | None = None) -> None:
-        super().__init__(rows, max_new, sampler, device, model, "megatron rollout")
+                 device: torch.device, step_logits: StepLogits | None = None, window: int = 0) -> None:
+        length = width + max_new
+        super().__init__(rows, max_new, sampler, device, model, "megatron rollout",
+                         windows=cache_windows(width, length, window), filled=width)
         self.step_logits = last_logits if step_logits is None else step_logits
         self.width = width
-        length = width + max_new
         self.slot = torch.full((1,), width, dtype=torch.int64, device=device)
         self._where: list[Tensor] = [self.slot]
         self.caches = []
@@ -181,9 +188,10 @@ class StaticDecoder(StaticDecodeLoop):
         self.valid[:, :width].copy_(prompt_mask)
         self.valid[:, width:] = True
         q = torch.arange(width, device=dev)
+        slots = self.slots[:width]  # the prefill reads the prompt's slots only
         # A query sees earlier real tokens and itself (a padding query sees only itself).
-        causal = (self.slots[None, :] <= q[:, None])[None]
-        visible = causal & (self.valid[:, None, :] | (self.slots[None, :] == q[:, None])[None])
+        causal = (slots[None, :] <= q[:, None])[None]
+        visible = causal & (self.valid[:, None, :width] | (slots[None, :] == q[:, None])[None])
         self._where[0] = q
         logits = last_logits(self.model, ids, (~visible)[:, None], self.freqs[:width])
         self._where[0] = self.slot
@@ -191,7 +199,8 @@ class StaticDecoder(StaticDecodeLoop):
         return logits
 
     def _advance(self) -> Tensor:
-        masked = ~(self.valid & (self.slots <= self.slot))
+        seen = self.window  # the cache window of this step (the whole cache without windows)
+        masked = ~(self.valid[:, :seen] & (self.slots[:seen] <= self.slot))
         logits = self.step_logits(self.model, self.tok.unsqueeze(-1), masked[:, None, None, :],
                                   self.freqs.index_select(0, self.slot))
         self.slot.add_(1)

@@ -7,17 +7,21 @@ of its own generator (:func:`uniform_table`), and a token is the inverse CDF of 
 nucleus-restricted distribution at that uniform (:func:`kept_probs`, :func:`inverse_cdf`).
 :class:`TokenSampler` runs one decode step without any host synchronisation, so a whole decode
 step can be captured in a CUDA graph; :class:`StaticDecodeLoop` is that loop, with an engine's
-model calls left to a subclass, and :class:`StaticDecoders` keeps an engine's decoder for reuse.
+model calls left to a subclass, steps that attend over growing windows of the cache
+(:func:`cache_windows`) and a CUDA graph per window; :class:`GraphCaptures` keeps an engine's
+record of which shapes capture and which fell back to eager steps, and :class:`StaticDecoders`
+keeps an engine's decoder for reuse.
 :func:`eager_decode` is the loop of engines that decode step by step on the host, over a
 generator of the engine's logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import torch
@@ -29,9 +33,12 @@ from verl_core.kernel.schema import FIELDS
 
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",
+    "GraphCaptures",
     "StaticDecodeLoop",
     "StaticDecoders",
     "TokenSampler",
+    "cache_windows",
+    "cuda_graph_capture",
     "eager_decode",
     "expand_prompts",
     "inverse_cdf",
@@ -179,8 +186,123 @@ class TokenSampler:
         return tok, torch.where(alive, lp, 0.0), stopped
 
 
+def cuda_graph_capture(step: Callable[[], None], pool: Any) -> Any:
+    """Capture ``step`` in a new CUDA graph (recorded, not run), allocating from ``pool`` when given.
+
+    The default capture of :class:`GraphCaptures`: ``pool`` is the memory pool of a graph captured
+    earlier by the same decoder, so its graphs (one per cache window, replayed one after the other,
+    never concurrently) share their temporaries.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
+
+
+GraphKey = Hashable
+"""What a capture is of: a decoder's shape and sampling configuration, and the cache window."""
+
+
+class GraphCaptures:
+    """An engine's CUDA-graph captures, and what happens to a shape whose capture fails.
+
+    A failed capture affects only its shape (a decoder's shape and sampling configuration, and the
+    cache window of its steps): the steps of that shape in this call run eagerly, the next call of
+    the shape tries again, and after ``attempts`` failures that shape decodes eagerly for the rest
+    of the engine's life. Every other shape keeps capturing and replaying its graphs. Each failure
+    warns and is counted (:attr:`failures`, :meth:`metrics`); :attr:`eager_shapes` lists the
+    shapes given up on, with their last error.
+
+    Lives in the engine, not in a decoder: decoders are rebuilt on sleep, wake and new shapes, the
+    record of which shapes fail is kept across them.
+
+    Args:
+        name: Who captures, for the warnings.
+        attempts: Failed captures after which a shape stays eager (>= 1).
+        capture: Captures one step: ``capture(step, pool)`` returns an object whose ``replay()``
+            runs the step again, or raises (default: :func:`cuda_graph_capture`). Tests inject one.
+    """
+
+    def __init__(self, name: str, *, attempts: int = 2,
+                 capture: Callable[[Callable[[], None], Any], Any] | None = None) -> None:
+        if attempts < 1:
+            raise ValueError(f"GraphCaptures(attempts={attempts}) needs at least one attempt")
+        self.name = name
+        self.attempts = attempts
+        self._capture = capture or cuda_graph_capture
+        self._failed: dict[GraphKey, int] = {}
+        self.errors: dict[GraphKey, str] = {}
+        self.captured = 0
+        self.failures = 0
+
+    def allowed(self, key: GraphKey) -> bool:
+        """Whether ``key`` may still be captured (it has failed fewer than ``attempts`` times)."""
+        return self._failed.get(key, 0) < self.attempts
+
+    def capture(self, key: GraphKey, step: Callable[[], None], pool: Any = None) -> Any | None:
+        """A captured graph of ``step`` for shape ``key``, or None (counted and warned) when capture fails."""
+        try:
+            graph = self._capture(step, pool)
+        except Exception as e:  # a kernel or library call that cannot be captured: this shape decodes eagerly
+            n = self._failed[key] = self._failed.get(key, 0) + 1
+            self.failures += 1
+            self.errors[key] = f"{type(e).__name__}: {e}"
+            then = ("the next call of this shape tries again" if n < self.attempts
+                    else f"after {n} failures this shape decodes eagerly from now on")
+            warnings.warn(f"{self.name}: CUDA graph capture failed for shape {key} ({self.errors[key]}); its "
+                          f"steps run eagerly in this call, {then}; other shapes keep their graphs",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        self.captured += 1
+        return graph
+
+    @property
+    def eager_shapes(self) -> dict[GraphKey, str]:
+        """Shapes that failed ``attempts`` captures and now always decode eagerly, with their last error."""
+        return {k: self.errors[k] for k, n in self._failed.items() if n >= self.attempts}
+
+    def metrics(self) -> dict[str, float]:
+        """Graphs captured, captures failed, and shapes given up on (decoding eagerly)."""
+        return {"graph_captures": float(self.captured), "graph_capture_failures": float(self.failures),
+                "graph_eager_shapes": float(len(self.eager_shapes))}
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on a side CUDA stream ordered after and before the current one (nothing off CUDA).
+
+    Where a graph's warm-up steps run: the library's lazy set-up happens outside the capture.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def cache_windows(filled: int, length: int, smallest: int) -> tuple[int, ...]:
+    """The attention windows of a static decode over a cache of ``length`` slots, ``filled`` by the prompts.
+
+    ``smallest``, doubling, below ``length``, then ``length`` itself; windows too small for the
+    first decode step (``filled + 1`` slots) are left out, and so is a window within a tenth of
+    ``length`` (one graph more for almost no less reading). ``smallest`` 0: one window, the whole cache.
+    """
+    if smallest <= 0:
+        return (length,)
+    windows = []
+    w = smallest
+    while w < length * 0.9:
+        if w > filled:
+            windows.append(w)
+        w *= 2
+    return (*windows, length)
+
+
 class StaticDecodeLoop:
-    """A decode loop at one shape: output columns, step counters and CUDA-graph replay.
+    """A decode loop at one shape: output columns, step counters, cache windows and CUDA-graph replay.
 
     Every piece of state lives in a preallocated device tensor that a step updates in place (the
     token to feed, the step index, the finished flags, the output columns, and whatever positions
@@ -189,21 +311,33 @@ class StaticDecodeLoop:
     prompts, return the first logits) and :meth:`_advance` (feed :attr:`tok`, advance the engine's
     own positions in place, return the next logits), both without host synchronisation.
 
+    Cache windows: an engine whose KV cache holds ``filled`` prompt slots and room for the new
+    tokens may give ascending ``windows`` (the last one the whole cache, see :func:`cache_windows`).
+    Each step then runs at the smallest window holding every slot it reads, set in
+    :attr:`window` before :meth:`_advance` is called, which attends over the first
+    :attr:`window` slots only. The window of a step is known on the host from the step count, so
+    nothing waits for the device; each window is its own shape, with its own CUDA graph.
+
     Args:
         rows: Sequences decoded together.
         max_new: Most new tokens.
         sampler: The step's sampling; its uniform table (if any) is refilled by :meth:`start`.
         device: Where the state lives.
         model: The module whose parameters a captured graph addresses (see :meth:`reusable`).
-        name: Who decodes, for the capture-failure warning.
+        name: Who decodes.
+        windows: Ascending cache windows (empty: one shape, :attr:`window` 0).
+        filled: Cache slots the prompts fill before the first decode step.
     """
 
     def __init__(self, rows: int, max_new: int, sampler: TokenSampler, device: torch.device,
-                 model: torch.nn.Module, name: str) -> None:
+                 model: torch.nn.Module, name: str, *, windows: Sequence[int] = (), filled: int = 0) -> None:
         self.model = model
         self.sampler = sampler
         self.max_new = max_new
         self.name = name
+        self.windows = tuple(windows)
+        self.filled = filled
+        self.window = self.windows[-1] if self.windows else 0  # the cache window of the step being run
         self.out_tok = torch.full((rows, max_new), sampler.pad, dtype=torch.int64, device=device)
         self.out_mask = torch.zeros(rows, max_new, dtype=torch.bool, device=device)
         self.out_lp = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
@@ -211,7 +345,9 @@ class StaticDecodeLoop:
         self.tok = torch.zeros(rows, dtype=torch.int64, device=device)
         self.t = torch.ones(1, dtype=torch.int64, device=device)
         self.done = 1  # steps whose tokens are in the output columns
-        self.graph: Any = None  # the captured step, replayed by later calls with the same shapes
+        self.shape: GraphKey = None  # the shape and sampling configuration (set by StaticDecoders)
+        self.graphs: dict[int, Any] = {}  # window -> its captured step, replayed by later calls
+        self._pool: Any = None  # the memory pool the graphs share
         self._params = self._param_ptrs()
 
     # ------------------------------------------------------------------ the engine's part
@@ -220,15 +356,21 @@ class StaticDecodeLoop:
         raise NotImplementedError
 
     def _advance(self) -> Tensor:
-        """Feed :attr:`tok`, advance the engine's positions in place; float32 logits [rows, vocab]."""
+        """Feed :attr:`tok` over the first :attr:`window` cache slots, advance the engine's positions in
+        place; float32 logits [rows, vocab]."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop
     def _param_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
 
+    @property
+    def graph(self) -> Any:
+        """The captured step of the smallest window captured so far (None: no graph)."""
+        return self.graphs[min(self.graphs)] if self.graphs else None
+
     def reusable(self, model: torch.nn.Module) -> bool:
-        """Whether the buffers (and a captured graph) still address ``model``'s live parameters."""
+        """Whether the buffers (and captured graphs) still address ``model``'s live parameters."""
         return model is self.model and self._param_ptrs() == self._params
 
     def start(self, chunk: TensorBatch, uniforms: Tensor | None) -> None:
@@ -267,57 +409,73 @@ class StaticDecodeLoop:
     def _all_finished(self) -> bool:
         return bool(self.finished.all())
 
-    def run(self, check_every: int = 1) -> None:
-        """Eager steps until every row finished or max_new tokens were drawn."""
-        self._loop(self.step, check_every)
+    def window_at(self, done: int) -> int:
+        """The cache window of the step run when ``done`` tokens are drawn: the smallest holding the
+        ``filled + done`` slots it reads (0 without windows)."""
+        need = self.filled + done
+        return next((w for w in self.windows if w >= need), self.windows[-1] if self.windows else 0)
 
-    def _loop(self, advance: Callable[[], None], check_every: int) -> None:
-        """Call ``advance`` (one step) until max_new tokens were drawn or, checked every
-        ``check_every`` steps (each check is a host synchronisation), every row finished.
-        Steps run after the last row finished only add all-padding columns (trimmed)."""
+    def _window_end(self, window: int) -> int:
+        """The step count at which ``window`` no longer holds what a step reads (``max_new`` at the last)."""
+        if not self.windows or window == self.windows[-1]:
+            return self.max_new
+        return min(self.max_new, window - self.filled + 1)
+
+    def run(self, check_every: int = 1, *, graphs: GraphCaptures | None = None, warmup: int = 2) -> None:
+        """Steps until every row finished (asked every ``check_every`` steps, each ask a host
+        synchronisation) or max_new tokens were drawn, window by window.
+
+        With ``graphs``, the steps of each window replay a CUDA graph: captured (through
+        ``graphs``, as shape ``(self.shape, window)``) after ``warmup`` eager steps the first time the
+        window is reached, reused by later calls. A window whose capture fails, or that ``graphs``
+        no longer captures, runs its steps eagerly; the others keep their graphs. Steps run after
+        the last row finished only add all-padding columns (trimmed).
+        """
         while self.done < self.max_new:
-            if self.done % check_every == 0 and self._all_finished():
+            self.window = window = self.window_at(self.done)
+            end = self._window_end(window)
+            advance: Callable[[], None] = self.step
+            if graphs is not None:
+                graph = self.graphs.get(window)
+                key = (self.shape, window)
+                if graph is None and graphs.allowed(key) and end - self.done > warmup:
+                    graph = self._capture(graphs, key, warmup)
+                if graph is not None:
+                    advance = graph.replay
+            if self._loop(advance, check_every, end):
                 return
+
+    def _loop(self, advance: Callable[[], None], check_every: int, end: int) -> bool:
+        """Call ``advance`` (one step) until ``end`` steps are done; True when, checked every
+        ``check_every`` steps, every row finished first."""
+        while self.done < end:
+            if self.done % check_every == 0 and self._all_finished():
+                return True
             advance()
             self.done += 1
+        return False
 
-    def run_with_graph(self, warmup: int = 2, check_every: int = 8) -> str | None:
-        """Run a few eager steps, capture one step in a CUDA graph, replay it for the rest.
-
-        Returns:
-            None, or why capture failed (the remaining steps then ran eagerly).
-        """
-        if self.graph is not None:
-            self._loop(self.graph.replay, check_every)
-            return None
-        if self._all_finished():
-            return None
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Warm-up steps are real steps (the library's lazy set-up happens outside capture).
-            for _ in range(min(warmup, self.max_new - self.done)):
+    def _capture(self, graphs: GraphCaptures, key: GraphKey, warmup: int) -> Any | None:
+        """Run ``warmup`` real steps (on a side stream), then capture one step of :attr:`window`."""
+        with _side_stream(self.out_tok.device):
+            # Warm-up steps are real steps (lazy set-up and compilation happen outside capture).
+            for _ in range(warmup):
                 self.step()
                 self.done += 1
-        torch.cuda.current_stream().wait_stream(side)
-        if self.done >= self.max_new or self._all_finished():
+        if self._all_finished():
             return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.step()  # recorded, not run: the replays below run it
-        except Exception as e:  # a kernel or library call that cannot be captured: decode eagerly
-            warnings.warn(f"{self.name}: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
-                          "eagerly from now on", RuntimeWarning, stacklevel=2)
-            self.run(check_every)
-            return f"{type(e).__name__}: {e}"
-        self.graph = graph
-        self._loop(graph.replay, check_every)
-        return None
+        graph = graphs.capture(key, self.step, self._pool)  # recorded, not run: the replays run it
+        if graph is not None:
+            self.graphs[self.window] = graph
+            pool = getattr(graph, "pool", None)
+            if self._pool is None and callable(pool):
+                self._pool = pool()
+        return graph
 
     def close(self) -> None:
-        """Drop the captured graph (an engine's subclass also frees what it attached to the model)."""
-        self.graph = None
+        """Drop the captured graphs (an engine's subclass also frees what it attached to the model)."""
+        self.graphs.clear()
+        self._pool = None
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Output columns trimmed to the steps where any row was alive, and truncated flags."""
@@ -374,6 +532,7 @@ class StaticDecoders(Generic[DecoderT]):
         table = None if uniforms is None else torch.empty_like(uniforms)
         stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=device)
         decoder = build(TokenSampler(params, pad, stops, table))
+        decoder.shape = key
         self._key, self._decoder = key, decoder
         return decoder
 

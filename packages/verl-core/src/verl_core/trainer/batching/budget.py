@@ -30,8 +30,9 @@ response tokens go through the LM head in both layouts, so ``logits`` is an uppe
 packed tokens too.
 
 :func:`pending_state_bytes` is the memory a trainable engine allocates only at its first update
-(gradients, AdamW's two moments, float32 master gradients), which the free memory read at set-up
-does not show yet. The estimate is corrected once from the allocator's measured peak after the
+and keeps while later updates run their activations (gradients, AdamW's two moments, in the
+dtypes :class:`TrainedState` gives with or without float32 masters), which the free memory read
+at set-up does not show yet. The estimate is corrected once from the allocator's measured peak after the
 first training call (``DynamicBatchScheduler(peak_probe=...)``). A model folder without a
 ``config.json`` (a third-party backend's own format) falls back to the constant
 ``SchedulerConfig.bytes_per_token``. :func:`make_schedulers` builds a run's schedulers with the
@@ -57,6 +58,7 @@ __all__ = [
     "LOGITS_FLOAT32_COPIES",
     "ModelShape",
     "TokenMemoryEstimate",
+    "TrainedState",
     "estimate_token_bytes",
     "layer_bytes",
     "make_schedulers",
@@ -212,20 +214,51 @@ def estimate_token_bytes(
     )
 
 
-def pending_state_bytes(shape: ModelShape, dtype: str) -> int:
-    """Bytes a trainable engine allocates at its first update that set-up does not hold yet.
+@dataclass(frozen=True)
+class TrainedState:
+    """Bytes per parameter a trained engine keeps, by part (AdamW, float32 masters below float32).
 
-    Per parameter: its gradient (model dtype), AdamW's two float32 moments and, below float32, the
-    float32 master gradient. An upper bound: engines that allocate their optimizer state up front
-    have it in use already.
+    Attributes:
+        weights: The parameter (model dtype).
+        masters: Its float32 master copy (0 without masters).
+        grads: Its gradient while backward runs (model dtype).
+        step_grads: Its gradient at the optimizer step: float32 on the master with masters (the
+            model-dtype one is freed as it is copied), else the backward's.
+        moments: AdamW's two moments, in the dtype of what the optimizer steps (torch's AdamW
+            keeps them like its parameters: float32 on masters, else the model dtype).
     """
-    d = DTYPE_BYTES[dtype]
-    per_param = d + 2 * _FLOAT32 + (_FLOAT32 if d < _FLOAT32 else 0)
-    return shape.parameters * per_param
+
+    weights: int
+    masters: int
+    grads: int
+    step_grads: int
+    moments: int
+
+    @classmethod
+    def of(cls, dtype: str, *, master_weights: bool = True) -> TrainedState:
+        """The parts for a model in ``dtype`` (masters only below float32, when ``master_weights``)."""
+        d = DTYPE_BYTES[dtype]
+        masters = master_weights and d < _FLOAT32
+        stepped = _FLOAT32 if masters else d
+        return cls(d, _FLOAT32 if masters else 0, d, stepped, 2 * stepped)
+
+
+def pending_state_bytes(shape: ModelShape, dtype: str, *, master_weights: bool = True) -> int:
+    """Bytes a trainable engine allocates at its first update that set-up does not hold yet and that
+    are on the device while later updates' activations are.
+
+    Per parameter: its gradient during backward (model dtype) and AdamW's two moments (float32
+    with masters or in float32, else the model dtype; :class:`TrainedState`). The float32 master
+    gradients of the optimizer step are not counted: they exist only in the step, after the
+    activations are freed. An upper bound for engines that allocate their optimizer state up front
+    (they have it in use already).
+    """
+    part = TrainedState.of(dtype, master_weights=master_weights)
+    return shape.parameters * (part.grads + part.moments)
 
 
 def model_estimate(
-    model_path: str, dtype: str, *, gradient_checkpointing: bool = False
+    model_path: str, dtype: str, *, gradient_checkpointing: bool = False, master_weights: bool = True
 ) -> tuple[TokenMemoryEstimate, int] | None:
     """The estimate and the pending state bytes of the model folder (None: no usable config.json there)."""
     shape = ModelShape.from_model_folder(model_path)
@@ -235,7 +268,7 @@ def model_estimate(
         return None
     est = estimate_token_bytes(shape, dtype, gradient_checkpointing=gradient_checkpointing,
                                source=str(Path(model_path) / "config.json"))
-    return est, pending_state_bytes(shape, dtype)
+    return est, pending_state_bytes(shape, dtype, master_weights=master_weights)
 
 
 def make_schedulers(
@@ -274,8 +307,11 @@ def make_schedulers(
     if found is None:
         sched_cfg, how = base, f"the constant {base.bytes_per_token:,} bytes/token (no estimate for {model_path})"
     else:
-        est, pending = found
-        reserved = pending * sum(1 for r in roles if r in training)
+        est, _ = found
+        shape = ModelShape.from_model_folder(model_path)
+        assert shape is not None
+        reserved = sum(pending_state_bytes(shape, config.model.dtype, master_weights=bool(
+            config.backends.options.get(r, {}).get("master_weights", True))) for r in roles if r in training)
         sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens or None,
                                     bytes_per_token=est.bytes_per_token, reserved_bytes=reserved)
         how = est.describe()

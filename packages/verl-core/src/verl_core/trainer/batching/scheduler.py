@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -166,6 +167,7 @@ class Decision:
 @dataclass
 class _Stats:
     ooms: int = 0
+    oom_seconds: float = 0.0
     micro_batches: int = 0
     replayed: int = 0
     last_budget: int = 0
@@ -208,6 +210,7 @@ class DynamicBatchScheduler:
         self._replay = {d.key: d for d in replay}
         self._plan: list[Decision] = []
         self._stats = _Stats()
+        self._oom_seconds: dict[str, float] = {}  # call key -> seconds of its attempts that ran out of memory
 
     # ------------------------------------------------------------------ budget
     def probe_budget(self) -> int:
@@ -335,6 +338,7 @@ class DynamicBatchScheduler:
         ooms = 0
         while True:
             groups = partition_by_token_budget(lengths, budget, packed=packed)
+            started = time.perf_counter()
             try:
                 if measure is not None:
                     result, reading = measure(functools.partial(fn, budget))
@@ -342,6 +346,9 @@ class DynamicBatchScheduler:
                     result = fn(budget)
                 break
             except torch.OutOfMemoryError as e:
+                lost = time.perf_counter() - started  # the failed attempt's work, run again below
+                self._oom_seconds[key] = self._oom_seconds.get(key, 0.0) + lost
+                self._stats.oom_seconds += lost
                 ooms += 1
                 self._stats.ooms += 1
                 self._successes = 0
@@ -418,11 +425,18 @@ class DynamicBatchScheduler:
 
         return self.run(batch, whole, key=key, packed=packed)
 
+    def oom_seconds(self, prefix: str = "") -> float:
+        """Wall seconds of the attempts that ran out of memory (and ran again on a smaller budget), over
+        the calls whose key starts with ``prefix`` (``"step3/"``: one step's)."""
+        return sum(t for k, t in self._oom_seconds.items() if k.startswith(prefix))
+
     # ------------------------------------------------------------------ state
     def metrics(self) -> dict[str, float]:
-        """Counters since construction: OOMs handled, micro-batches of successful calls, replayed calls, budgets."""
+        """Counters since construction: OOMs handled and the seconds they cost, micro-batches of successful
+        calls, replayed calls, budgets."""
         return {
             "scheduler/ooms": float(self._stats.ooms),
+            "scheduler/oom_seconds": self._stats.oom_seconds,
             "scheduler/micro_batches": float(self._stats.micro_batches),
             "scheduler/replayed_calls": float(self._stats.replayed),
             "scheduler/budget": float(self._stats.last_budget),

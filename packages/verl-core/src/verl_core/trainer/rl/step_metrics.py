@@ -74,6 +74,7 @@ def finish_metrics(
         if decisions:
             metrics[f"scheduler/{role}/micro_batches"] = sum(len(d.groups) for d in decisions)
             metrics[f"scheduler/{role}/ooms"] = sum(d.ooms for d in decisions)
+            metrics[f"scheduler/{role}/oom_seconds"] = sched.oom_seconds(prefix)  # lost to the OOM back-off
             metrics[f"scheduler/{role}/budget"] = decisions[-1].budget
     metrics["weight_version"] = weight_version
 

@@ -65,6 +65,7 @@ from verl_core.trainer.rl.weight_sync import SleepPolicy, WeightSyncStage
 from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext, StepFailedError
 from verl_core.trainer.run.folder import RunDir
+from verl_core.trainer.run.memory_plan import MemoryPlan, plan_run_memory
 from verl_core.trainer.run.model import engine_spec
 from verl_core.trainer.sinks import MetricSinks
 
@@ -143,6 +144,7 @@ class Trainer:
         self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
         self._failed: StepFailedError | None = None
         self._built = False
+        self.memory_plan: MemoryPlan | None = None  # made at setup, before any engine is built
         self.buffer: HybridReplayBuffer
         self.generation: GenerationStage
         self.updater: UpdateStage
@@ -156,8 +158,9 @@ class Trainer:
         return self.ctx.model_path(max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
+        config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
         return engine_spec(
-            self.config, role, path, optim=optim,  # type: ignore[arg-type]
+            config, role, path, optim=optim,  # type: ignore[arg-type]
             max_prompt_len=self.source.prompt_limit(), max_response_len=self.config.rollout.max_new_tokens,
         )
 
@@ -185,6 +188,10 @@ class Trainer:
             self.source.checked = True
         run = self.ctx.prepare(resume)
         path = self.model_path()
+        # what the engines will hold on the device: printed, and refused before any model loads when it cannot fit
+        self.memory_plan = plan_run_memory(cfg, path, max_prompt_len=self.source.prompt_limit(),
+                                           use_reference=self.use_reference, use_critic=self.use_critic,
+                                           say=self.ctx.say)
         b = cfg.backends
         # engines are placed by the executor (this process, or Ray worker groups) and called alike
         ex = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
@@ -199,7 +206,8 @@ class Trainer:
         # checkpoints carry the budget, so a resumed run splits its steps (and sums their
         # gradients) exactly like an uninterrupted one
         self.schedulers.update(make_schedulers(
-            cfg, ("actor", "reference", "critic"), model_path=path,
+            self.memory_plan.apply(cfg) if self.memory_plan is not None else cfg,  # the engines' options
+            ("actor", "reference", "critic"), model_path=path,
             training=("actor", "critic") if self.use_critic else ("actor",),
             gradient_checkpointing=e.actor.spec.gradient_checkpointing, probe=self._probe, peak_probe=self._peak_probe,
         ))
@@ -277,6 +285,8 @@ class Trainer:
                 self.updater.run(state)
             self.weights.sync(state)  # the next step samples from the new policy
         finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
+        if self.memory_plan is not None:
+            state.metrics.update(self.memory_plan.metrics())
         self.evaluator.on_step(state)
         self.step += 1
         self.ctx.log_step(self.step, state.metrics)

@@ -147,14 +147,20 @@ class WeightSyncStage:
         state.timings["time/rollout_sleep"] = time.perf_counter() - t
 
     def sync(self, state: StepState) -> None:
-        """Wake the rollout engine and send it the actor's weights as the next version; sets ``state.sync_bytes``."""
+        """Wake the rollout engine and send it the actor's weights as the next version; sets ``state.sync_bytes``.
+
+        Sets ``time/rollout_wake`` (0 when the rollout stayed awake) and ``time/weight_sync`` (the
+        sync alone).
+        """
         self.policy.after_update()
-        t = time.perf_counter()
         self.progress.stage = "weight_sync"
         e = self.engines
+        t = time.perf_counter()
         if self._asleep:
             e.rollout.wake()
             self._asleep = False
+        state.timings["time/rollout_wake"] = time.perf_counter() - t
+        t = time.perf_counter()
         report = e.sync.sync(e.actor, e.rollout, version=self.progress.weight_version + 1)
         self.progress.weight_version += 1
         self.progress.stage = "logging"

@@ -1,0 +1,52 @@
+"""The GPU benchmarks run on a CPU at their tiny size: ``bench_grpo_vs_trl.py`` (the verl side, its
+memory plan and peak memory; TRL is not installed here) and ``gpu/bench_decode_long.py`` (every
+decode path of the hf rollout, its bandwidth bound). A smoke test of the scripts, not a measurement."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow]
+
+
+def _run(*args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def test_bench_grpo_vs_trl_runs_the_verl_side_at_the_tiny_size(tmp_path: Path) -> None:
+    text = _run("benchmarks/bench_grpo_vs_trl.py", "--size", "tiny", "--device", "cpu", "--sides", "verl",
+                "--steps", "2", "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--out", str(tmp_path))
+    assert "memory plan (float32):" in text and "rollout KV cache" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("verl train  "))
+    assert "<- the default config" in row and float(row.split()[-6]) > 0  # the peak memory column
+    assert "time/rollout_wake" in text and "(no result: run with --sides verl)" not in text
+    assert (tmp_path / "result-verl-default.json").is_file()
+    # a preset fills the flags it sets; explicit flags win over it
+    again = _run("benchmarks/bench_grpo_vs_trl.py", "--help")
+    assert "0.9b-16x8x2048" in again and "14b-8x8x128" in again
+
+
+def test_bench_decode_long_runs_every_decode_path_at_the_tiny_size(tmp_path: Path) -> None:
+    text = _run("benchmarks/gpu/bench_decode_long.py", "--size", "tiny", "--device", "cpu", "--lengths", "8", "40",
+                "--prompts", "2", "--n", "2", "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path),
+                "--variant", "dynamic={}",
+                "--variant", 'windows={"rollout_cache": "static", "rollout_decode_window": 34}',
+                "--variant", 'whole-cache={"rollout_cache": "static", "rollout_decode_window": 0}')
+    rows = [ln.split("|")[1:-1] for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        ("dynamic", "dynamic", "8"), ("dynamic", "dynamic", "40"), ("windows", "static+windows", "8"),
+        ("windows", "static+windows", "40"), ("whole-cache", "static", "8"), ("whole-cache", "static", "40")]
+    for r in rows:
+        assert float(r[6].replace(",", "")) > 0 and float(r[7].replace(",", "")) > 0  # tok/s and its bound
+    assert (tmp_path / "bench_decode_long.md").read_text().count("| windows |") == 2

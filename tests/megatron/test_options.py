@@ -1,0 +1,47 @@
+"""MegatronOptions' rollout choices made per device: the fast decode path by default on CUDA, as
+the hf rollout's, and Megatron's own KV cache on the CPU (no engine is built: no launch needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_core import ConfigError
+from verl_megatron.options import DEFAULT_DECODE_WINDOW, MegatronOptions
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def _choices(options: MegatronOptions) -> tuple[object, ...]:
+    return (options.rollout_static_cache, options.rollout_cuda_graphs, options.rollout_compile,
+            options.rollout_decode_window)
+
+
+def test_the_default_is_the_fast_decode_path_on_cuda_and_megatron_s_kv_cache_on_cpu() -> None:
+    assert _choices(MegatronOptions().resolve_rollout(CUDA)) == (True, True, True, DEFAULT_DECODE_WINDOW)
+    assert _choices(MegatronOptions().resolve_rollout(CPU)) == (False, False, False, 0)
+    # graphs replay one rank's step: tensor parallelism keeps the static cache and compilation only
+    assert _choices(MegatronOptions().resolve_rollout(CUDA, tp=2)) == (True, False, True, DEFAULT_DECODE_WINDOW)
+    # megatron's local attention has no static cache: Megatron's KV cache, as before
+    assert _choices(MegatronOptions(attention="local").resolve_rollout(CUDA)) == (False, False, False, 0)
+
+
+def test_choices_set_by_the_user_are_kept() -> None:
+    assert _choices(MegatronOptions(rollout_compile=False).resolve_rollout(CUDA)) == (True, True, False, 256)
+    assert _choices(MegatronOptions(rollout_static_cache=False).resolve_rollout(CUDA)) == (False, False, False, 0)
+    assert _choices(MegatronOptions(rollout_decode_window=0).resolve_rollout(CUDA)) == (True, True, True, 0)
+    # on the CPU a fast-path option asks for the static cache, as with the hf rollout
+    assert _choices(MegatronOptions(rollout_static_cache=True).resolve_rollout(CPU)) == (True, False, False, 0)
+    assert _choices(MegatronOptions(rollout_compile=True).resolve_rollout(CPU)) == (True, False, True, 0)
+    assert _choices(MegatronOptions(rollout_decode_window=64).resolve_rollout(CPU)) == (True, False, False, 64)
+    resolved = MegatronOptions().resolve_rollout(CUDA)
+    assert resolved.resolve_rollout(CUDA) == resolved  # resolving again changes nothing
+
+
+def test_contradictory_choices_are_refused() -> None:
+    with pytest.raises(ConfigError, match="rollout_decode_window sets the attention windows"):
+        MegatronOptions(rollout_static_cache=False, rollout_decode_window=64)
+    with pytest.raises(ConfigError, match="needs attention='sdpa'"):
+        MegatronOptions(rollout_static_cache=True, attention="local")
+    with pytest.raises(ConfigError, match="rollout_decode_window"):
+        MegatronOptions(rollout_decode_window=-2)
