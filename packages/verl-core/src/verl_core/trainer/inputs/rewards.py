@@ -9,6 +9,9 @@ EOS, so a function can tell ``"123"`` followed by EOS from a ``"123"`` that was 
 keyword is a dataset column (a per-sample extra of the batch), holding that column's value for the
 same samples in the same order (a prompt's ``n`` samples repeat its values). A function that names
 only some keywords (``def f(completions, answer)``) gets just those; one with ``**kwargs`` gets all.
+A batch of multi-turn episodes (``[agent]``) changes three keywords: ``completions`` and
+``completion_ids`` are the episode's final model turn, and ``messages`` is its whole conversation
+(:func:`verl_core.trainer.inputs.agent.episode_keywords`).
 
 :class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
 a reward-model engine's scores); functions are named ``"module:function"`` or
@@ -32,6 +35,7 @@ from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import ConfigError, RewardError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.trainer.inputs.agent import EPISODE_EXTRAS, episode_keywords
 from verl_core.trainer.inputs.usercode import import_object, split_spec
 
 __all__ = [
@@ -259,9 +263,12 @@ class RewardFunctions(RewardEngine):
         else:  # a batch scored outside a rollout: a response is complete when it ends with EOS
             eos = self._tokenizer.eos_token_id
             truncated = [not ids or ids[-1] != eos for ids in completion_ids]
-        columns = {k: list(v) for k, v in batch.extras.items() if not k.startswith("reward/")}
+        episodes = episode_keywords(batch)  # multi-turn: the final turn, and messages= (None: single-turn)
+        columns = {k: list(v) for k, v in batch.extras.items()
+                   if not k.startswith("reward/") and (episodes is None or k not in EPISODE_EXTRAS)}
         sample: dict[str, list[Any]] = {
             "prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated,
+            **(episodes or {}),
         }
         size = batch.batch_size
         total = [0.0] * size
