@@ -22,7 +22,6 @@ import torch
 
 from verl_core.agent.loop import EPISODE_KEY, AgentLoop
 from verl_core.kernel.batch import TensorBatch
-from verl_core.kernel.batch_ops import concat
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import RewardError
 from verl_core.kernel.reward import RewardEngine
@@ -89,7 +88,7 @@ class EpisodeRollout:
             chunk = rows.index(slice(start, start + size))
             chunk_messages = None if row_messages is None else row_messages[start:start + size]
             parts.append(loop.run(chunk, self.setup.factory, turn, prompt_messages=chunk_messages))
-        return parts[0] if len(parts) == 1 else concat(parts)
+        return parts[0] if len(parts) == 1 else TensorBatch.concat(parts)
 
 
 class EpisodeRewards(RewardEngine):
