@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,11 +34,13 @@ SFT_DATA = {"tool": "examples/agent/sft_tool.jsonl", "direct": "examples/agent/s
 
 
 def run(seed: int, variant: evaluate.Variant, out: Path, *, sft_steps: int | None = None,
-        grpo_steps: int | None = None) -> dict[str, float]:
-    """One seed of one variant; returns the held-out success after SFT and after GRPO and the seconds taken."""
+        grpo_steps: int | None = None) -> dict[str, Any]:
+    """One seed of one variant: the held-out success after SFT (``sft``) and after GRPO (``grpo``), the
+    mean tool calls per held-out episode, the training reward of the first and last GRPO step, and the
+    wall-clock seconds of each stage and of the whole run and its CPU seconds (``cpu_s``)."""
     folder = out / f"{variant}-{seed}"
     common = [f"seed={seed}", "overwrite=true", "logging.sinks=[]", "logging.progress=false"]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     path = demo_model.build(folder / "model", seed=seed)
     sft = load_config(SFT_CONFIG, [*common, f"model.path={str(path)!r}", f"output_dir={str(folder / 'sft')!r}",
                                    f"data.train={SFT_DATA[variant]!r}",
@@ -58,7 +61,8 @@ def run(seed: int, variant: evaluate.Variant, out: Path, *, sft_steps: int | Non
     grpo_s = time.perf_counter() - t
     final = history[-1]
     return {"sft": after_sft["success"], "grpo": final[evaluate.METRIC], "tool_calls": final["eval/agent/tool_calls"],
-            "sft_s": sft_s, "grpo_s": grpo_s, "total_s": time.perf_counter() - started}
+            "train_reward": [history[0]["reward/mean"], final["reward/mean"]], "sft_s": sft_s, "grpo_s": grpo_s,
+            "total_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
 def main() -> None:
@@ -73,10 +77,12 @@ def main() -> None:
     for seed in args.seeds:
         for variant in args.variants:
             r = run(seed, variant, Path(args.out), sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
+            first, last = r["train_reward"]
             print(f"seed {seed} {variant:6s}: held-out greedy success after SFT {r['sft']:.3f}, after GRPO "
-                  f"{r['grpo']:.3f} ({r['tool_calls']:.2f} tool calls/episode); SFT {r['sft_s']:.0f}s (model "
-                  f"build and export included), GRPO {r['grpo_s']:.0f}s (held-out evaluation included), total "
-                  f"{r['total_s']:.0f}s", flush=True)
+                  f"{r['grpo']:.3f} ({r['tool_calls']:.2f} tool calls/episode; GRPO training reward {first:.2f} -> "
+                  f"{last:.2f}); SFT {r['sft_s']:.0f}s (model build and export included), GRPO {r['grpo_s']:.0f}s "
+                  f"(held-out evaluations included), total {r['total_s']:.0f}s wall, {r['cpu_s']:.0f}s CPU",
+                  flush=True)
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
