@@ -334,6 +334,8 @@ def test_multi_turn_steps(tmp_path: Path, code: Path) -> None:
         assert metrics["agent/tool_calls"] == pytest.approx(sum(i["tool_calls"] for i in infos) / 6)
         assert metrics["agent/termination/done"] > 0
         assert metrics["update/optimizer_steps"] == 1 and torch.isfinite(torch.tensor(metrics["actor/grad_norm"]))
+        # the update's forward over the whole episodes gives the rollout's log-probs on the model's tokens
+        assert metrics["logprob_mismatch/mean"] < 1e-4
 
 
 @pytest.mark.slow
