@@ -1,9 +1,10 @@
-"""The tool demo (examples/agent): its data, tokenizer and reward, and a shortened run of the recipe.
+"""The tool demo (examples/agent): its data, tokenizer and reward, and its recipe for seed 0.
 
-The full recipe (SFT 400 steps, GRPO 20 steps, both variants; ``examples/agent/recipe.py``) takes
-minutes on 2 CPU cores; its figures are in the README. Here a short SFT teaches the call's format,
-then one GRPO step of episodes: the model calls the calculator, the tool's result is appended as
-observation tokens, and the loss mask covers the model's tokens only.
+The recipe's tool variant runs as shipped (SFT 400 steps on tool conversations, then 20 GRPO steps
+of episodes; about a minute of CPU): the held-out greedy success reaches 0.9 (the README's figures
+give 1.0 for seeds 0-2), every episode calls the calculator, the tool's result is appended as
+observation tokens, and the loss mask covers the model's tokens only. The baseline without the
+tool and the other seeds are ``examples/agent/recipe.py``'s (README).
 """
 
 from __future__ import annotations
@@ -89,18 +90,18 @@ def _repo_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_repo_root")
-def test_a_shortened_recipe_calls_the_tool_and_trains_on_the_models_tokens(tmp_path: Path) -> None:
+def test_the_recipe_for_seed_0_learns_to_use_the_tool(tmp_path: Path) -> None:
     path = demo_model.build(tmp_path / "model", seed=0)
     quiet = ["logging.sinks=[]", "logging.progress=false"]
     sft = load_config(ROOT / "examples/configs/agent_sft.toml",
-                      [*quiet, f"model.path={str(path)!r}", f"output_dir={str(tmp_path / 'sft')!r}", "steps=60"])
+                      [*quiet, f"model.path={str(path)!r}", f"output_dir={str(tmp_path / 'sft')!r}"])
     with SFTTrainer(sft) as trainer:
         history = trainer.train()
         sft_model = trainer.model_dir
-    assert history[-1]["train/loss"] < history[0]["train/loss"] / 2
+    assert history[-1]["train/loss"] < 0.05 * history[0]["train/loss"]
     grpo = load_config(ROOT / "examples/configs/agent_grpo.toml",
-                       [*quiet, f"model.path={str(sft_model)!r}", f"output_dir={str(tmp_path / 'grpo')!r}", "steps=1",
-                        "batch.prompts_per_step=8", "checkpoint.final=false", "data.eval=''"])
+                       [*quiet, f"model.path={str(sft_model)!r}", f"output_dir={str(tmp_path / 'grpo')!r}",
+                        "checkpoint.final=false"])
     batches: list[TensorBatch] = []
     with Trainer(grpo, base_dir=ROOT) as trainer:
         trainer.setup()
@@ -113,26 +114,29 @@ def test_a_shortened_recipe_calls_the_tool_and_trains_on_the_models_tokens(tmp_p
             return batches[-1]
 
         episodes.run = recording  # type: ignore[method-assign]
-        metrics = trainer.train()[-1]
+        history = trainer.train()
         tok = trainer.rollout.tokenizer
-    assert metrics["agent/tool_calls"] > 0.5 and metrics["update/optimizer_steps"] == 1
-    (batch,) = batches
+    last = history[-1]
+    assert last["eval/reward/exact_answer/mean"] >= 0.9 and last["eval/agent/tool_calls"] >= 0.9
+    assert history[0]["agent/tool_calls"] >= 0.9 and history[0]["update/optimizer_steps"] == 1
+    batch = batches[0]  # the first step's episodes (the last batch is the held-out evaluation's)
     calls = 0
     for row, info in enumerate(batch.extras[EPISODE_KEY]):
         mask = batch["response_mask"][row]
         ids = batch["response_ids"][row][mask].tolist()
         loss = batch["loss_mask"][row][mask].tolist()
-        turn0 = [t for t, (i, keep) in enumerate(zip(batch["turn_ids"][row][mask].tolist(), loss)) if i == 0 and keep]
-        first = tok.decode([ids[t] for t in turn0], skip_special_tokens=True)
-        parsed = HermesToolParser().parse(first)
-        if not parsed.calls or info["turns"] < 2:
+        turns = batch["turn_ids"][row][mask].tolist()
+        start = loss.index(False) if False in loss else len(loss)  # turn 0: the model's first tokens
+        parsed = HermesToolParser().parse(tok.decode(ids[:start], skip_special_tokens=True))
+        if not parsed.calls or info["turns"] != 2:  # a call, then the answer
             continue
         calls += 1
+        assert set(turns[:start]) == {0} and tok.decode(ids[:start], skip_special_tokens=False).endswith(
+            "</tool_call><|im_end|>")
+        end = loss.index(True, start)  # the observation: after turn 0, before turn 1
+        assert set(turns[start:end]) == {0} and set(turns[end:]) == {1} and all(loss[end:])
         args = parsed.calls[0].arguments
-        start, end = len(turn0), loss.index(True, len(turn0))  # the observation: after turn 0, before turn 1
-        assert not any(loss[start:end]) and all(loss[:start])
-        observation = tok.decode(ids[start:end], skip_special_tokens=False)
-        if info["messages"][2]["content"].isdigit():  # the call ran: its result follows the template's tool header
-            assert observation == f"\n<|im_start|>tool\n{args['a'] + args['b']}<|im_end|>\n<|im_start|>assistant\n"
-        assert tok.decode(ids[:start], skip_special_tokens=False).endswith("</tool_call><|im_end|>")
-    assert calls >= batch.batch_size // 2
+        assert tok.decode(ids[start:end], skip_special_tokens=False) == (
+            f"\n<|im_start|>tool\n{args['a'] + args['b']}<|im_end|>\n<|im_start|>assistant\n")
+        assert info["messages"][-1]["content"] == tok.decode(ids[end:], skip_special_tokens=True)
+    assert calls >= 0.9 * batch.batch_size

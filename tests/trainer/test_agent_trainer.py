@@ -236,20 +236,25 @@ def test_reward_functions_get_the_final_turn_and_the_conversation() -> None:
 
 
 def test_a_single_turn_batch_keeps_every_column() -> None:
-    """Without episodes nothing changes: a dataset column named like an episode extra still reaches the function."""
+    """Without episodes nothing changes: a dataset column named like an episode extra still reaches the
+    function, and the completions are the decoded responses."""
     from verl_core.enginekit.hf_tokenizer import HFTokenizer
 
+    tok = HFTokenizer(chat_tokenizer_object())
     batch = _episode_batch().drop("loss_mask", "turn_ids")
-    batch = TensorBatch({k: batch[k] for k in batch}, extras={"turns": [1, 2], "answer": ["a", "b"]})
+    batch = TensorBatch({k: batch[k] for k in batch}, extras={"turns": [1, 2], "episode": ["e1", "e2"],
+                                                               "answer": ["a", "b"]})
     assert episode_keywords(batch) is None
     seen: dict[str, Any] = {}
 
     def fn(completions: list[str], **kw: Any) -> list[float]:
-        seen.update(kw)
+        seen.update(kw, completions=completions)
         return [0.0, 0.0]
 
-    RewardFunctions([fn], HFTokenizer(chat_tokenizer_object())).score(batch)
-    assert seen["turns"] == [1, 2] and "messages" not in seen
+    RewardFunctions([fn], tok).score(batch)
+    assert seen["turns"] == [1, 2] and seen["episode"] == ["e1", "e2"] and "messages" not in seen
+    assert seen["completions"] == [tok.decode(batch["response_ids"][i][batch["response_mask"][i]].tolist())
+                                   for i in range(2)]
 
 
 # ---------------------------------------------------------------------------- runs

@@ -43,6 +43,7 @@ __all__ = [
     "AgentConfig",
     "AgentSetup",
     "episode_keywords",
+    "is_episode_batch",
     "resolve_tools",
 ]
 
@@ -280,6 +281,12 @@ def _final_turn_ids(batch: TensorBatch) -> list[list[int]]:
     return out
 
 
+def is_episode_batch(batch: TensorBatch) -> bool:
+    """Whether ``batch`` came from the episode loop (its ``episode`` extras and ``turn_ids``), not a
+    single-turn rollout (whose dataset may have a column named ``episode``)."""
+    return EPISODE_KEY in batch.extras and "turn_ids" in batch
+
+
 def episode_keywords(batch: TensorBatch) -> dict[str, list[Any]] | None:
     """What reward functions get for a batch of episodes (None for a single-turn batch).
 
@@ -288,11 +295,11 @@ def episode_keywords(batch: TensorBatch) -> dict[str, list[Any]] | None:
     ``messages``: the whole conversation (the prompt's messages, every model turn and every
     observation, tool results included).
     """
-    infos: Sequence[Mapping[str, Any]] | None = batch.extras.get(EPISODE_KEY)
-    if infos is None:
+    if not is_episode_batch(batch):
         return None
+    infos: Sequence[Mapping[str, Any]] = batch.extras[EPISODE_KEY]
     messages = [[dict(m) for m in info["messages"]] for info in infos]
     completions = [next((m["content"] for m in reversed(conv) if m.get("role") == "assistant"), "") for conv in messages]
-    ids = _final_turn_ids(batch) if "turn_ids" in batch else [[] for _ in infos]
+    ids = _final_turn_ids(batch)
     return {"completions": completions, "completion_ids": ids, MESSAGES_KEYWORD: messages}
 

@@ -27,7 +27,7 @@ from verl_core.kernel.errors import RewardError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.tokenizer import Tokenizer
-from verl_core.trainer.inputs.agent import PROMPT_MESSAGES, AgentSetup
+from verl_core.trainer.inputs.agent import PROMPT_MESSAGES, AgentSetup, is_episode_batch
 
 if TYPE_CHECKING:
     from verl_core.trainer.rl.engines import RLEngines
@@ -117,13 +117,12 @@ class EpisodeRewards(RewardEngine):
         Raises:
             RewardError: the batch holds no episodes (it did not come from the episode loop).
         """
-        infos = batch.extras.get(EPISODE_KEY)
-        if infos is None:
+        if not is_episode_batch(batch):
             raise RewardError(
-                f"the reward of a multi-turn run scores batches of episodes (extras {EPISODE_KEY!r} from the "
-                "episode loop); this batch has none"
+                f"the reward of a multi-turn run scores batches of episodes (extras {EPISODE_KEY!r} and turn_ids, "
+                "from the episode loop); this batch has none"
             )
-        env = [float(sum(r for r in info["rewards"] if r is not None)) for info in infos]
+        env = [float(sum(r for r in info["rewards"] if r is not None)) for info in batch.extras[EPISODE_KEY]]
         out = self.inner.score(batch) if self.inner is not None else batch
         extra = torch.tensor(env, dtype=torch.float32, device=batch.device)
         base = out["scores"] if "scores" in out else torch.zeros_like(extra)

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from verl_core.agent.loop import EPISODE_KEY, episode_metrics
+from verl_core.agent.loop import episode_metrics
 from verl_core.kernel.reward import RewardEngine
 from verl_core.trainer.batching.scheduler import Decision, DynamicBatchScheduler
+from verl_core.trainer.inputs.agent import is_episode_batch
 from verl_core.trainer.inputs.data import PromptLoader
 from verl_core.trainer.inputs.tasks import TaskReward
 from verl_core.trainer.rl.step_state import StepState
@@ -50,7 +51,7 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
     })
     if isinstance(reward, TaskReward):
         m["reward/exact_match"] = float(reward.exact_match(samples).mean())
-    if EPISODE_KEY in samples.extras:  # multi-turn: turns, tool calls, terminations (agent/...)
+    if is_episode_batch(samples):  # multi-turn: turns, tool calls, terminations (agent/...)
         m.update(episode_metrics(samples))
     if loader is not None:
         m["data/epoch"] = loader.epoch  # epochs completed by the rows drawn so far
