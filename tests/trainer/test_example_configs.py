@@ -12,8 +12,9 @@ from verl_core.trainer.rl.trainer import Trainer, build_algorithm
 
 CONFIGS = sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.toml"))
 # the two stages of `make demo` (the second starts from the first's model) run in
-# tests/examples/test_demo_recipe.py, the LoRA variant of the second in tests/examples/test_demo_lora.py
-RECIPE_STAGES = ("sft_demo.toml", "grpo_demo.toml", "grpo_lora_demo.toml")
+# tests/examples/test_demo_recipe.py, the LoRA variant of the second in tests/examples/test_demo_lora.py;
+# those of the tool demo (a model of its own, then SFT, then GRPO in episodes) in tests/examples/test_agent_demo.py
+RECIPE_STAGES = ("sft_demo.toml", "grpo_demo.toml", "grpo_lora_demo.toml", "agent_sft.toml", "agent_grpo.toml")
 
 
 def test_there_are_example_configs() -> None:

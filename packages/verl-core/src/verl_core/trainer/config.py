@@ -22,11 +22,13 @@ from verl_core.kernel.engine import DEFAULT_LORA_TARGETS, LoraSpec, OptimConfig
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.executor.config import ExecutorName, RayConfig
+from verl_core.trainer.inputs.agent import AgentConfig
 from verl_core.trainer.inputs.data import DataConfig
 from verl_core.trainer.inputs.rewards import RewardFunctionsConfig
 from verl_core.trainer.sinks import SinkConfig, WandbMode
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "BackendsConfig",
     "BatchConfig",
@@ -382,6 +384,8 @@ class RunConfig:
         backends: Backend per role.
         algorithm: Algorithm and options.
         rollout: Sampling parameters.
+        agent: Multi-turn episodes with tools or an environment (off unless ``agent.environment``
+            or ``agent.tools`` is set); see :class:`~verl_core.trainer.inputs.agent.AgentConfig`.
         batch: Batch sizes.
         optim: Actor optimizer.
         critic_optim: Critic optimizer.
@@ -406,6 +410,7 @@ class RunConfig:
     backends: BackendsConfig = field(default_factory=BackendsConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimSection = field(default_factory=OptimSection)
     critic_optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-3))
@@ -442,6 +447,16 @@ def _check_tokens(cfg: RunConfig) -> None:
             f"config key 'rollout.max_new_tokens' = {cfg.rollout.max_new_tokens} is too short for 'task.name' = "
             f"{cfg.task.name!r} with 'task.digits' = {cfg.task.digits}; allowed: >= {need} (answers take "
             f"{'up to ' * (cfg.task.name == 'add')}{need} tokens with EOS)"
+        )
+
+
+def _check_agent(cfg: RunConfig) -> None:
+    """Multi-turn episodes draw their prompts (and the rows environments are built from) from a dataset."""
+    if cfg.agent.enabled and not cfg.data.train_paths:
+        key = "agent.environment" if cfg.agent.environment else "agent.tools"
+        raise ConfigError(
+            f"config key {key!r} is set, which runs multi-turn episodes, but 'data.train' is empty; episodes start "
+            "from the prompts of a dataset (chat messages, rendered with the tools): set data.train"
         )
 
 
@@ -506,7 +521,9 @@ def _check_lora(cfg: RunConfig) -> None:
 
 
 # Checks that involve several keys, run in order after every single-key rule passed.
-_CHECKS: tuple[Callable[[RunConfig], None], ...] = (_check_rollout, _check_tokens, _check_model_shape, _check_lora)
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (
+    _check_rollout, _check_tokens, _check_agent, _check_model_shape, _check_lora,
+)
 
 
 # ---------------------------------------------------------------------------- building

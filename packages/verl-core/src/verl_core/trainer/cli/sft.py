@@ -25,7 +25,9 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
         help="supervised fine-tuning on prompt/response pairs (its model-sft folder is a model.path for train)",
         description=(
             "Supervised fine-tuning of the actor on the prompt/response pairs of data.train (columns "
-            "data.prompt_key and data.response_key), with the loss on the response tokens only. It uses the "
+            "data.prompt_key and data.response_key), with the loss on the response tokens only, or on whole "
+            "conversations (chat messages in data.prompt_key, no response column), with the loss on the "
+            "assistant's tokens only. It uses the "
             "config format, engines, run folders, checkpoints and --resume of `verl train`; at the end it "
             "writes the final weights as a transformers folder, OUTPUT_DIR/model-sft, and prints its path: "
             "pass it to `verl train` as model.path. Overrides are key.sub=value (TOML literals; bare words "

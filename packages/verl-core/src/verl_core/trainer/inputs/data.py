@@ -366,6 +366,8 @@ class PromptDataset:
         columns: Every other column, one value per kept row.
         dropped: Rows left out because their prompt was longer than ``max_prompt_len``.
         sources: The files or folders the rows came from, in order.
+        messages: The chat messages each kept prompt was rendered from (a text prompt rendered
+            with ``chat_template`` as its one user message; None for a text prompt used as it is).
 
     Args:
         longest: Tokens of the longest prompt when already known (:meth:`load` measures every
@@ -381,8 +383,15 @@ class PromptDataset:
         dropped: int = 0,
         sources: Sequence[str] = (),
         longest: int | None = None,
+        messages: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
     ) -> None:
         self.prompts: tuple[str, ...] = tuple(prompts)
+        self.messages: tuple[tuple[dict[str, Any], ...] | None, ...] = (
+            tuple(None if m is None else tuple(dict(x) for x in m) for m in messages)
+            if messages is not None else (None,) * len(self.prompts)
+        )
+        if len(self.messages) != len(self.prompts):
+            raise ConfigError(f"{len(self.messages)} message lists for {len(self.prompts)} prompts")
         self.columns: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in columns.items()}
         for key, values in self.columns.items():
             if len(values) != len(self.prompts):
@@ -442,6 +451,7 @@ class PromptDataset:
         long_prompts: LongPromptPolicy = "drop",
         cache_dir: str | None = None,
         where: str = "dataset",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> PromptDataset:
         """Read, concatenate and check one or more dataset files or folders.
 
@@ -455,6 +465,7 @@ class PromptDataset:
             long_prompts: ``drop`` or ``error`` for longer prompts (see :data:`LongPromptPolicy`).
             cache_dir: ``datasets``' cache folder (``None`` = its default, ``HF_DATASETS_CACHE``).
             where: How messages name the dataset (e.g. ``data.train``).
+            tools: JSON tool schemas the chat template lists in chat prompts (multi-turn runs).
 
         Raises:
             ConfigError: a path that does not exist or has an unsupported extension; a file that
@@ -510,9 +521,11 @@ class PromptDataset:
             renderer = _chat_renderer(tokenizer, f"{where}: data.chat_template is true")
         keep: list[int] = []
         texts: list[str] = []
+        conversations: list[list[dict[str, Any]] | None] = []
         dropped = 0
         longest = 0
         for i, value in enumerate(merged[prompt_key]):
+            messages = None
             if isinstance(value, str) and not chat_template:
                 text = value
             elif isinstance(value, (str, Sequence)) and not isinstance(value, (bytes, bytearray)):
@@ -520,7 +533,7 @@ class PromptDataset:
                     renderer = _chat_renderer(tokenizer, f"{where}: column {prompt_key!r} holds chat messages")
                 messages = [{"role": "user", "content": value}] if isinstance(value, str) else _messages(value, row_name(i))
                 try:
-                    text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    text = renderer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
                 except Exception as e:  # Jinja errors, template-specific checks
                     raise ConfigError(
                         f"{row_name(i)}: the chat template cannot render the messages ({type(e).__name__}: {e})"
@@ -544,6 +557,7 @@ class PromptDataset:
                 continue
             keep.append(i)
             texts.append(text)
+            conversations.append(messages)
             longest = max(longest, length)
         if not keep:
             raise ConfigError(
@@ -551,7 +565,8 @@ class PromptDataset:
                 f"= {max_prompt_len} tokens; raise data.max_prompt_len"
             )
         columns = {k: [v[i] for i in keep] for k, v in merged.items() if k != prompt_key}
-        return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list, longest=longest)
+        return cls(texts, columns, tokenizer, dropped=dropped, sources=path_list, longest=longest,
+                   messages=conversations)
 
     def to_batch(
         self, rows: Sequence[int], *, group_ids: Sequence[int], meta: BatchMeta | None = None

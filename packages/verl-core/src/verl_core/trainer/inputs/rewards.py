@@ -12,6 +12,10 @@ only some keywords (``def f(completions, answer)``) gets just those; one with ``
 Each function gets lists of its own: one that edits ``completions`` or a column in place changes
 nothing that the next function, the batch or the metrics see.
 
+A batch of multi-turn episodes (``[agent]``) changes three keywords: ``completions`` and
+``completion_ids`` are the episode's final model turn, and ``messages`` is its whole conversation
+(:func:`verl_core.trainer.inputs.agent.episode_keywords`).
+
 :class:`RewardFunctions` scores a batch with the weighted sum of the functions (and, optionally, of
 a reward-model engine's scores); functions are named ``"module:function"`` or
 ``"path/to/file.py:function"``. Built-in functions live in :mod:`verl_core.trainer.inputs.reward_functions`.
@@ -36,6 +40,7 @@ from verl_core.kernel.convert import Check, check_fields
 from verl_core.kernel.errors import ConfigError, RewardError, describe
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.tokenizer import Tokenizer
+from verl_core.trainer.inputs.agent import EPISODE_EXTRAS, episode_keywords
 from verl_core.trainer.inputs.usercode import import_object, split_spec
 
 __all__ = [
@@ -261,9 +266,12 @@ class RewardFunctions(RewardEngine):
         else:  # a batch scored outside a rollout: a response is complete when it ends with EOS
             eos = self._tokenizer.eos_token_id
             truncated = [not ids or ids[-1] != eos for ids in completion_ids]
-        columns = {k: v for k, v in batch.extras.items() if not k.startswith("reward/")}
+        episodes = episode_keywords(batch)  # multi-turn: the final turn, and messages= (None: single-turn)
+        columns = {k: v for k, v in batch.extras.items()
+                   if not k.startswith("reward/") and (episodes is None or k not in EPISODE_EXTRAS)}
         sample: dict[str, list[Any]] = {
             "prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated,
+            **(episodes or {}),
         }
         size = batch.batch_size
         total = [0.0] * size

@@ -129,17 +129,34 @@ def char_tokenizer(vocab_size: int) -> Any:
     )
 
 
-def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
+def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec(), *,
+                     tokenizer: Any = None) -> Path:
     """Write a random-initialised model of ``spec`` and its tokenizer to the folder ``path``.
 
     The folder (config.json, model.safetensors, tokenizer files) loads with transformers,
     vLLM and the Megatron converter alike. Deterministic for a given spec.
+
+    Args:
+        path: The folder.
+        spec: The model's shape and seed.
+        tokenizer: A transformers tokenizer to save instead of the character tokenizer (e.g. one
+            with a chat template); ``spec.vocab_size`` must equal its length, and its pad and EOS
+            ids are written to the model's config.
+
+    Raises:
+        ValueError: ``tokenizer``'s length is not ``spec.vocab_size``.
     """
+    if tokenizer is not None and len(tokenizer) != spec.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} ids but spec.vocab_size is {spec.vocab_size}; "
+                         "build the model with vocab_size=len(tokenizer)")
     import transformers
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(spec)
+    if tokenizer is not None:
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id
     auto = {
         "causal_lm": transformers.AutoModelForCausalLM,
         "value": transformers.AutoModelForTokenClassification,
@@ -149,7 +166,7 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
         torch.manual_seed(spec.seed)
         model = auto.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
-    char_tokenizer(spec.vocab_size).save_pretrained(out)
+    (tokenizer if tokenizer is not None else char_tokenizer(spec.vocab_size)).save_pretrained(out)
     (out / "verl_tiny_model.json").write_text(json.dumps(asdict(spec), indent=1))
     return out
 

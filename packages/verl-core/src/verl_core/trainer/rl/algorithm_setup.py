@@ -92,7 +92,9 @@ class AlgorithmSetup:
                 f"(it is {config.task.reward!r})"
             )
         data = config.data
-        if (data.train_paths or data.eval_paths) and not config.reward.functions and config.backends.reward == "rule":
+        # an environment ([agent]) may reward the episodes itself; tools alone give no reward
+        if (data.train_paths or data.eval_paths) and not config.reward.functions and config.backends.reward == "rule" \
+                and not config.agent.environment:
             raise ConfigError(
                 f"config key 'data.{'train' if data.train_paths else 'eval'}' is set but the run has no reward "
                 "for its prompts: list functions in 'reward.functions' (e.g. "

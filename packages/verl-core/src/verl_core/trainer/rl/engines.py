@@ -35,6 +35,7 @@ from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor
 from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import DigitTask, TaskReward
+from verl_core.trainer.rl.episodes import EpisodeRewards
 
 __all__ = ["BaseModelReference", "RLEngines", "stage_backend"]
 
@@ -185,7 +186,11 @@ class RLEngines:
         self, config: RunConfig, spec: EngineSpec, task: DigitTask, *, columns: list[str], base_dir: Path | None,
     ) -> None:
         """The reward: ``reward.functions`` (with the reward model of ``backends.reward``, if any), the
-        reward model alone, or the task's rule; after :meth:`build` (it tokenizes with the rollout's tokenizer)."""
+        reward model alone, or the task's rule; after :meth:`build` (it tokenizes with the rollout's tokenizer).
+
+        With ``[agent]``: the functions or the reward model (or neither), plus the environment's
+        per-turn rewards (:class:`~verl_core.trainer.rl.episodes.EpisodeRewards`).
+        """
         b = config.backends
         tokenizer = self.rollout.tokenizer
         model = None if b.reward == "rule" else self.executor.reward_engine(b.reward, spec)
@@ -195,8 +200,11 @@ class RLEngines:
             )
         elif model is not None:
             self.reward = model
-        else:
+        elif not config.agent.enabled:
             self.reward = TaskReward(task, tokenizer, mode=config.task.reward)
+        if config.agent.enabled:
+            inner = self.reward if config.reward.functions or model is not None else None
+            self.reward = EpisodeRewards(inner)
 
     def trainable(self) -> dict[str, TrainingEngine]:
         """The engines a checkpoint holds, by role: the actor, and the critic when there is one."""

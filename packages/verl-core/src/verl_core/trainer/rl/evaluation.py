@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from verl_core.agent.loop import episode_metrics
 from verl_core.kernel.batch import BatchMeta
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.config import RunConfig
@@ -16,6 +17,7 @@ from verl_core.trainer.inputs.data import PromptDataset
 from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import TaskReward, prompt_batch
 from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.episodes import EpisodeRollout
 from verl_core.trainer.rl.prompt_source import PromptSource
 from verl_core.trainer.rl.step_state import RunProgress, StepState
 
@@ -33,13 +35,17 @@ class Evaluator:
         engines: The run's engines (read at call time).
         source: The run's prompts (the eval dataset, the task, whether the task supplies training prompts).
         progress: The trainer's counters (step, weight version, the running stage).
+        episodes: Multi-turn runs (``[agent]``): ``data.eval`` is answered in episodes, and the
+            means of :func:`~verl_core.agent.loop.episode_metrics` are added (``eval/agent/...``).
     """
 
-    def __init__(self, config: RunConfig, engines: RLEngines, source: PromptSource, progress: RunProgress) -> None:
+    def __init__(self, config: RunConfig, engines: RLEngines, source: PromptSource, progress: RunProgress, *,
+                 episodes: EpisodeRollout | None = None) -> None:
         self.config = config
         self.engines = engines
         self.source = source
         self.progress = progress
+        self.episodes = episodes
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate on every row of ``data.eval`` and/or the task's fixed prompts; keys start with ``eval/``."""
@@ -81,13 +87,18 @@ class Evaluator:
         e.rollout.wake()
         # ids far above any training group (rows drawn so far, or step * prompts_per_step + i)
         for prompts in ds.batches(self.config.batch.prompts_per_step, group_id_base=EVAL_GROUP_BASE, meta=meta):
-            scored = e.reward.score(e.rollout.generate(prompts, params))
+            if self.episodes is not None:
+                scored = e.reward.score(self.episodes.run(prompts, params))
+            else:
+                scored = e.reward.score(e.rollout.generate(prompts, params))
             size = scored.batch_size
             means = {
                 "reward/mean": float(scored["scores"].mean()),
                 **RewardFunctions.metrics(scored),
                 "response/length_mean": float(scored["response_mask"].sum(1).float().mean()),
             }
+            if self.episodes is not None:
+                means.update(episode_metrics(scored))
             for k, v in means.items():
                 sums[k] = sums.get(k, 0.0) + v * size
             count += size

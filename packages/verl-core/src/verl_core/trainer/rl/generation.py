@@ -3,7 +3,8 @@
 :class:`GenerationStage` runs them through :class:`~verl_core.trainer.pipeline.HybridPipeline`
 from a declared graph of inputs and outputs, so the stages whose inputs are ready run concurrently
 (the reference, actor and critic forwards; ReMax's greedy baseline beside the reward), each on its
-long-lived thread; the rollout starts the step alone on the trainer's thread. DAPO's dynamic sampling
+long-lived thread; the rollout starts the step alone on the trainer's thread (with ``[agent]``, as
+multi-turn episodes: :class:`~verl_core.trainer.rl.episodes.EpisodeRollout`). DAPO's dynamic sampling
 (``select``) drops groups whose scores are all equal before the forwards. The outputs land in the
 step's :class:`~verl_core.trainer.rl.step_state.StepState`.
 """
@@ -24,6 +25,7 @@ from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import TaskReward
 from verl_core.trainer.pipeline import HybridPipeline, Stage, StageThreads
 from verl_core.trainer.rl.engines import RLEngines
+from verl_core.trainer.rl.episodes import EpisodeRollout
 from verl_core.trainer.rl.step_state import RunProgress, StepState
 
 __all__ = ["GenerationStage", "groups_with_signal"]
@@ -51,12 +53,14 @@ class GenerationStage:
         dense_only: The reward's dense scores sum to its sequence score: the algorithm gets them alone.
         actor_forward: Run the actor's no-grad forward for ``old_log_probs`` and entropy (False when
             the update takes them from its own forward: the stage then gives None).
+        episodes: Multi-turn runs (``[agent]``): the rollout (and ReMax's baseline) runs these
+            episodes instead of one ``generate`` call; None = single-turn.
     """
 
     def __init__(
         self, engines: RLEngines, schedulers: Mapping[str, DynamicBatchScheduler], progress: RunProgress,
         threads: StageThreads, *, baseline: bool, dynamic_sampling: bool, dense_only: bool,
-        actor_forward: bool = True,
+        actor_forward: bool = True, episodes: EpisodeRollout | None = None,
     ) -> None:
         self.engines = engines
         self.schedulers = schedulers
@@ -66,6 +70,7 @@ class GenerationStage:
         self.dynamic_sampling = dynamic_sampling
         self.dense_only = dense_only
         self.actor_forward = actor_forward
+        self.episodes = episodes
 
     def run(self, state: StepState) -> None:
         """Run the stages on ``state.prompts``; sets every field up to the forwards and ``state.timings``."""
@@ -84,14 +89,20 @@ class GenerationStage:
         """The step's stage graph (prompts -> samples -> scores -> batch -> forwards)."""
         params = state.params
         e = self.engines
+        episodes = self.episodes
 
         def rollout(prompts: TensorBatch) -> Mapping[str, Any]:
             e.rollout.wake()
+            if episodes is not None:  # multi-turn: the episode loop calls generate once per turn
+                return {"samples": episodes.run(prompts, params)}
             return {"samples": e.rollout.generate(prompts, params)}
 
         def baseline(prompts: TensorBatch) -> Mapping[str, Any]:
             greedy = dataclasses.replace(params, n=1, greedy=True)
-            scored = e.reward.score(e.rollout.generate(prompts, greedy))
+            if episodes is not None:
+                scored = e.reward.score(episodes.run(prompts, greedy))
+            else:
+                scored = e.reward.score(e.rollout.generate(prompts, greedy))
             return {"baseline": scored["scores"].repeat_interleave(params.n)}
 
         def reward(samples: TensorBatch) -> Mapping[str, Any]:

@@ -19,6 +19,12 @@ from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
 from verl_core.kernel.tokenizer import Tokenizer
 from verl_core.trainer.config import RunConfig
+from verl_core.trainer.inputs.agent import (
+    EPISODE_EXTRAS,
+    MESSAGES_KEYWORD,
+    PROMPT_MESSAGES,
+    AgentSetup,
+)
 from verl_core.trainer.inputs.data import PromptDataset, PromptLoader
 from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import DigitTask, prompt_batch
@@ -42,7 +48,10 @@ class PromptSource:
         train: ``data.train`` (None: the task's prompts).
         evals: ``data.eval`` (None when not set).
         loader: The data order of ``data.train`` (None: the task's prompts); checkpoints save it.
-        columns: Per-sample extras the reward functions may ask for.
+        columns: Per-sample extras the reward functions may ask for (with ``messages`` in a
+            multi-turn run).
+        agent: The ``[agent]`` section's environments and tools, imported by :meth:`load` (None:
+            single-turn).
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class PromptSource:
         self.evals: PromptDataset | None = None
         self.loader: PromptLoader | None = None
         self.columns: list[str] = ["answer"]
+        self.agent: AgentSetup | None = None
         self.checked = False  # set by the trainer once load() passed (set up again after close(): not again)
         self._longest: int | None = None  # measured by load() when a dataset is used
 
@@ -107,9 +117,12 @@ class PromptSource:
         d = cfg.data
         for spec in cfg.logging.sink_config().callbacks:  # imported (modules are cached) but not built yet
             import_object(spec, what="config key 'logging.sinks': callback", base_dir=self.base_dir)
+        if cfg.agent.enabled:
+            self.agent = AgentSetup.resolve(cfg.agent, base_dir=self.base_dir)
         if not (d.train_paths or d.eval_paths or cfg.reward.functions):
             return
         tok = self.model_tokenizer()
+        tools = self.agent.schemas if self.agent is not None else None
 
         def load(split: str, paths: list[str]) -> PromptDataset | None:
             if not paths:
@@ -117,13 +130,22 @@ class PromptSource:
             return PromptDataset.load(
                 [str(resolve_path(p, self.base_dir)) for p in paths], tok, prompt_key=d.prompt_key,
                 chat_template=d.chat_template, max_prompt_len=d.max_prompt_len, long_prompts=d.long_prompts,
-                where=f"data.{split}",
+                where=f"data.{split}", tools=tools,
             )
 
         train, evals = load("train", d.train_paths), load("eval", d.eval_paths)
         columns = train.column_names if train is not None else ["answer"]  # the task's prompts carry answers
         if evals is not None:
             columns = [c for c in columns if c in evals.column_names]
+        if self.agent is not None:
+            clash = [c for c in (MESSAGES_KEYWORD, *EPISODE_EXTRAS) if c in columns]
+            if clash:
+                raise ConfigError(
+                    f"data.train has the column(s) {clash}; a multi-turn run ([agent]) passes reward functions each "
+                    f"episode's conversation as {MESSAGES_KEYWORD!r} and keeps its episodes under "
+                    f"{', '.join(map(repr, EPISODE_EXTRAS))}: rename them"
+                )
+            columns = [*columns, MESSAGES_KEYWORD]
         if cfg.reward.functions:
             RewardFunctions.from_config(cfg.reward, tok, columns=columns, base_dir=self.base_dir)  # refused here
         lengths = [ds.longest_prompt for ds in (train, evals) if ds is not None]
@@ -158,7 +180,12 @@ class PromptSource:
             ds: PromptDataset | None = getattr(self, split)
             if ds is None:
                 continue
-            ds = PromptDataset(ds.prompts, ds.columns, tokenizer, dropped=ds.dropped, sources=ds.sources)
+            columns = dict(ds.columns)
+            if self.agent is not None:  # each episode's conversation starts with its prompt's messages
+                columns[PROMPT_MESSAGES] = tuple(
+                    list(m) if m is not None else [{"role": "user", "content": p}] for p, m in zip(ds.prompts, ds.messages)
+                )
+            ds = PromptDataset(ds.prompts, columns, tokenizer, dropped=ds.dropped, sources=ds.sources, messages=ds.messages)
             if ds.longest_prompt > self.prompt_limit():
                 raise ConfigError(
                     f"data.{split.removesuffix('s')}: the rollout engine's tokenizer (backend "

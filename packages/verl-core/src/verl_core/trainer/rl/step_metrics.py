@@ -1,6 +1,7 @@
 """What an RL step reports: its metrics, the scheduler's plan, and the run's curves.
 
-:func:`rollout_metrics` (rewards and response lengths of the samples) and :func:`finish_metrics`
+:func:`rollout_metrics` (rewards and response lengths of the samples, the episodes' counts of a
+multi-turn run) and :func:`finish_metrics`
 (timings, throughput, the scheduler's micro-batches of the step) fill the step's
 :class:`~verl_core.trainer.rl.step_state.StepState`; the stages add their own.
 :class:`SchedulerPlanLog` keeps ``scheduler_plan.jsonl``, every decision of the micro-batch
@@ -16,8 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from verl_core.agent.loop import episode_metrics
 from verl_core.kernel.reward import RewardEngine
 from verl_core.trainer.batching.scheduler import Decision, DynamicBatchScheduler
+from verl_core.trainer.inputs.agent import is_episode_batch
 from verl_core.trainer.inputs.data import PromptLoader
 from verl_core.trainer.inputs.tasks import TaskReward
 from verl_core.trainer.rl.step_state import StepState
@@ -48,6 +51,8 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
     })
     if isinstance(reward, TaskReward):
         m["reward/exact_match"] = float(reward.exact_match(samples).mean())
+    if is_episode_batch(samples):  # multi-turn: turns, tool calls, terminations (agent/...)
+        m.update(episode_metrics(samples))
     if loader is not None:
         m["data/epoch"] = loader.epoch  # epochs completed by the rows drawn so far
     if dynamic_sampling:

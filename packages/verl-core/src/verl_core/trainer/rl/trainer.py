@@ -6,7 +6,8 @@ One step, each a component of its own that reads and fills the step's typed
 1. take ``prompts_per_step`` prompts: the next rows of the user's dataset (``data.train``, in a
    seeded order that checkpoints keep), or the built-in task's (a deterministic function of seed
    and step) (:class:`~verl_core.trainer.rl.prompt_source.PromptSource`);
-2. ``RolloutEngine.generate`` ``n`` responses per prompt (and, for ReMax, a greedy baseline), then
+2. ``RolloutEngine.generate`` ``n`` responses per prompt (with ``[agent]``: ``n`` multi-turn
+   episodes per prompt, :mod:`verl_core.trainer.rl.episodes`) (and, for ReMax, a greedy baseline), then
    concurrently, through :class:`~verl_core.trainer.pipeline.HybridPipeline`: reward scores,
    reference log-probs, the actor's ``old_log_probs`` and entropy, the critic's values; DAPO's
    dynamic sampling drops groups whose scores are all equal
@@ -50,6 +51,7 @@ from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.pipeline import StageError, StageThreads
 from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, build_algorithm
 from verl_core.trainer.rl.engines import RLEngines, stage_backend
+from verl_core.trainer.rl.episodes import EpisodeRollout
 from verl_core.trainer.rl.evaluation import Evaluator
 from verl_core.trainer.rl.generation import GenerationStage
 from verl_core.trainer.rl.prompt_source import PromptSource
@@ -152,16 +154,25 @@ class Trainer:
         self.evaluator: Evaluator
 
     # ------------------------------------------------------------------ setup
+    def _response_limit(self) -> int:
+        """Longest response the training engines see: one turn, or a whole episode with ``[agent]``."""
+        agent = self.config.agent
+        return agent.max_total_tokens if agent.enabled else self.config.rollout.max_new_tokens
+
     def model_path(self) -> str:
         """The policy model folder (built as a tiny random model when ``model.path`` is empty)."""
-        longest = self.source.prompt_limit() + self.config.rollout.max_new_tokens
+        longest = self.source.prompt_limit() + self._response_limit()
         return self.ctx.model_path(max_position=max(64, longest + 8))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
+        prompt, response = self.source.prompt_limit(), self._response_limit()
+        if role == "rollout" and self.config.agent.enabled:
+            # each turn is sampled after the episode so far: the prompt and up to max_total_tokens
+            prompt, response = prompt + response, self.config.rollout.max_new_tokens
         return engine_spec(
             config, role, path, optim=optim,  # type: ignore[arg-type]
-            max_prompt_len=self.source.prompt_limit(), max_response_len=self.config.rollout.max_new_tokens,
+            max_prompt_len=prompt, max_response_len=response,
         )
 
     def setup(self, *, resume: bool | None = None) -> None:
@@ -213,16 +224,17 @@ class Trainer:
         ))
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         p = self.progress
+        episodes = EpisodeRollout(self.source.agent, e) if self.source.agent is not None else None
         self.generation = GenerationStage(
             e, self.schedulers, p, self._stage_threads, baseline="greedy_baseline" in self.algorithm.needs,
             dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
-            actor_forward=not self.on_policy_old_log_probs,
+            actor_forward=not self.on_policy_old_log_probs, episodes=episodes,
         )
         self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
         self.weights = WeightSyncStage(e, p, SleepPolicy.for_run(cfg))
-        self.evaluator = Evaluator(cfg, e, self.source, p)
+        self.evaluator = Evaluator(cfg, e, self.source, p, episodes=episodes)
         self._built = True
 
     # ------------------------------------------------------------------ one step

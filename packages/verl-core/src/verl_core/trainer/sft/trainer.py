@@ -17,14 +17,22 @@ batch layout of a rollout: ``prompt_ids``/``prompt_mask`` left-padded, ``respons
 (:class:`SFTLoss`) is the negative log-likelihood of the response tokens only, a token mean over
 the global mini-batch: results do not depend on the micro-batch split.
 
+A dataset of whole conversations (the prompt column holds chat messages with assistant messages,
+tool calls and tool results among them, and there is no ``data.response_key`` column) trains on
+the assistant's tokens only: each conversation is rendered with the chat template (and the
+schemas of ``agent.tools``) incrementally, token for token as a multi-turn rollout appends them,
+and its ``loss_mask`` marks the assistant's tokens (:mod:`verl_core.trainer.sft.conversations`).
+
 Config sections read: ``model``, ``backends.actor`` and ``backends.options.actor``, ``optim``,
 ``batch`` (``prompts_per_step`` = rows per step, ``mini_batch_size`` = rows per optimizer step
 with 0 = the whole step, ``micro_batch_tokens``, ``min_tokens``, ``max_tokens``), ``data`` (every
 key), ``steps``, ``seed``, ``output_dir``, ``overwrite``, ``checkpoint`` (``every``, ``keep``; the
 final checkpoint is always written, the export reads it), ``logging`` (``progress``, ``sinks`` and
-their settings), ``max_consecutive_skips``, ``executor`` and ``ray``. The RL-only keys are ignored:
+their settings), ``max_consecutive_skips``, ``executor``, ``ray`` and ``agent.tools`` (their
+schemas are rendered into conversations). The RL-only keys are ignored:
 ``task``, ``reward``, ``algorithm``, ``rollout``, ``critic_model``, ``critic_optim``, the other
-roles of ``backends``, ``batch.epochs``, ``batch.buffer_memory_bytes`` and ``logging.plot``.
+roles of ``backends``, ``batch.epochs``, ``batch.buffer_memory_bytes``, ``logging.plot`` and the
+other ``agent`` keys.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import IO, Any, Final, Literal
 
 import torch
 
+from verl_core.agent.render import chat_tokenizer
 from verl_core.algorithms.aggregation import masked_total, token_mean
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import CheckpointError, ConfigError
@@ -53,6 +62,7 @@ from verl_core.trainer.batching.scheduler import (
 )
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor, make_executor
+from verl_core.trainer.inputs.agent import resolve_tools
 from verl_core.trainer.inputs.data import (
     DataConfig,
     PromptDataset,
@@ -63,6 +73,7 @@ from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext
 from verl_core.trainer.run.folder import RunDir
 from verl_core.trainer.run.model import engine_spec
+from verl_core.trainer.sft.conversations import render_conversation
 
 __all__ = ["SFT_MODEL_DIR", "SFTDataset", "SFTLoss", "SFTTrainer"]
 
@@ -74,10 +85,12 @@ _NO_LIMIT: Final = 1 << 20  # engine length limits when the model folder states 
 
 
 class SFTLoss:
-    """The SFT :class:`~verl_core.kernel.training.LossFn`: mean negative log-likelihood of the response tokens.
+    """The SFT :class:`~verl_core.kernel.training.LossFn`: mean negative log-likelihood of the trained tokens.
 
-    ``-(sum of log_probs over response tokens) / stats.num_tokens``: prompt and padding positions
-    do not count, and the normaliser is the response-token count of the whole mini-batch, so the
+    The trained tokens are ``TensorBatch.loss_mask``: the response tokens of a prompt/response row,
+    the assistant's tokens of a conversation row. ``-(sum of log_probs over them) /
+    stats.num_tokens``: prompt, padding and non-assistant positions do not count, and the
+    normaliser is the trained-token count of the whole mini-batch, so the
     sum over micro-batches (and ranks) is the mini-batch's token mean whatever the split. The
     log-probs are those of the batch temperature, which SFT batches set to 1.
     """
@@ -88,33 +101,38 @@ class SFTLoss:
         return frozenset({"log_probs"})
 
     def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
-        """This micro-batch's share of the mini-batch's mean NLL (metric ``tokens``: its response tokens)."""
+        """This micro-batch's share of the mini-batch's mean NLL (metric ``tokens``: its trained tokens)."""
         batch.require("log_probs", "response_mask", where="SFTLoss")
-        mask = batch["response_mask"]
+        mask = batch.loss_mask  # response_mask, or the assistant's tokens of a conversation
         loss = token_mean(-batch["log_probs"], mask, stats)
         return LossOutput(loss, {"tokens": mask.sum().float()})
 
 
 class SFTDataset:
-    """Tokenized prompt/response rows of ``data.train`` or ``data.eval``.
+    """Tokenized prompt/response rows, or whole conversations, of ``data.train`` or ``data.eval``.
 
     Build it with :meth:`from_config`; :meth:`batch` makes the training batch of some rows.
 
     Attributes:
         prompts: Prompt token ids of every row.
-        responses: Response token ids of every row, EOS included.
+        responses: Response token ids of every row (EOS included for a prompt/response row).
+        loss_masks: Per row and response token, whether it is trained (None: every response
+            token; conversations train only the assistant's tokens).
         dropped: Rows left out for a prompt longer than ``data.max_prompt_len``.
         pad_token_id: The tokenizer's pad id.
     """
 
     def __init__(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_token_id: int,
-        dropped: int = 0,
+        dropped: int = 0, loss_masks: Sequence[Sequence[bool]] | None = None,
     ) -> None:
         if len(prompts) != len(responses) or not prompts:
             raise ConfigError(f"SFTDataset needs as many responses as prompts (>= 1), got {len(prompts)} and {len(responses)}")
         self.prompts = [tuple(p) for p in prompts]
         self.responses = [tuple(r) for r in responses]
+        self.loss_masks = None if loss_masks is None else [tuple(bool(x) for x in m) for m in loss_masks]
+        if self.loss_masks is not None and [len(m) for m in self.loss_masks] != [len(r) for r in self.responses]:
+            raise ConfigError("SFTDataset needs one loss-mask value per response token of every row")
         self.pad_token_id = pad_token_id
         self.dropped = dropped
 
@@ -124,33 +142,49 @@ class SFTDataset:
     @classmethod
     def from_config(
         cls, data: DataConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
-        context: int | None = None,
+        context: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> SFTDataset:
-        """Load ``data.<split>`` with the config's prompt and response columns.
+        """Load ``data.<split>`` with the config's prompt and response columns, or as conversations.
 
         Prompts are read, rendered and length-checked by
         :meth:`~verl_core.trainer.inputs.data.PromptDataset.from_config`; each response is its text
-        followed by the tokenizer's EOS.
+        followed by the tokenizer's EOS. A dataset without the ``data.response_key`` column whose
+        prompt column holds conversations (chat messages with assistant messages) is read as
+        conversations: each row is rendered by :func:`~verl_core.trainer.sft.conversations.render_conversation`
+        (with ``tools``) and trained on its assistant messages only.
 
         Args:
             data: The run's ``data`` section.
             tokenizer: The actor's tokenizer.
             split: ``train`` or ``eval``.
             context: The model's longest sequence (None = unknown, not checked).
+            tools: JSON tool schemas rendered into conversations (``agent.tools``).
 
         Raises:
             ConfigError: every problem of the prompt dataset; no ``data.response_key`` column
-                (naming it and the columns there are); a response that is not text; a row longer
-                than ``context`` tokens.
+                and no conversations (naming the column and the columns there are); a response
+                that is not text; a conversation the template cannot render as appended turns; a
+                row longer than ``context`` tokens.
         """
         where = f"data.{split}"
-        prompts = PromptDataset.from_config(data, tokenizer, split=split)
+        paths = data.train_paths if split == "train" else data.eval_paths
+        if not paths:
+            raise ConfigError(f"{where} is not set; give a dataset file or folder")
+        prompts = PromptDataset.load(
+            paths, tokenizer, prompt_key=data.prompt_key, chat_template=data.chat_template,
+            max_prompt_len=data.max_prompt_len, long_prompts=data.long_prompts, where=where, tools=tools,
+        )
         key = data.response_key
+        if key not in prompts.columns and all(
+            m is not None and any(x.get("role") == "assistant" for x in m) for m in prompts.messages
+        ):
+            return cls._conversations(prompts, tokenizer, tools=tools, context=context, where=where)
         if key not in prompts.columns:
             raise ConfigError(
                 f"{where}: {', '.join(map(repr, prompts.sources))} has no column {key!r} (the response column, "
                 f"config key 'data.response_key'); its columns: {', '.join([data.prompt_key, *prompts.columns])}; "
-                "set data.response_key to the column holding the responses"
+                "set data.response_key to the column holding the responses, or give whole conversations (chat "
+                "messages with assistant messages) in the prompt column to train on the assistant's messages"
             )
         eos = tokenizer.eos_token_id
         prompt_ids: list[list[int]] = []
@@ -173,8 +207,34 @@ class SFTDataset:
             response_ids.append(r)
         return cls(prompt_ids, response_ids, pad_token_id=tokenizer.pad_token_id, dropped=prompts.dropped)
 
+    @classmethod
+    def _conversations(
+        cls, rows: PromptDataset, tokenizer: Tokenizer, *, tools: Sequence[Mapping[str, Any]] | None,
+        context: int | None, where: str,
+    ) -> SFTDataset:
+        chat = chat_tokenizer(tokenizer)
+        if chat is None:  # PromptDataset.load already refused chat messages without a template
+            raise ConfigError(f"{where}: conversations need a tokenizer with a chat template")
+        prompt_ids: list[list[int]] = []
+        response_ids: list[list[int]] = []
+        masks: list[list[bool]] = []
+        for i, messages in enumerate(rows.messages):
+            assert messages is not None
+            done = render_conversation(chat, messages, tools=tools, where=f"{where}: row {i}")
+            if context is not None and len(done.prompt) + len(done.response) > context:
+                raise ConfigError(
+                    f"{where}: row {i} renders to {len(done.prompt) + len(done.response)} tokens, more than the "
+                    f"model's {context} positions (max_position_embeddings); shorten it, or leave such rows out"
+                )
+            prompt_ids.append(done.prompt)
+            response_ids.append(done.response)
+            masks.append(done.loss_mask)
+        return cls(prompt_ids, response_ids, pad_token_id=tokenizer.pad_token_id, dropped=rows.dropped,
+                   loss_masks=masks)
+
     def batch(self, rows: Sequence[int], *, step: int = 0) -> TensorBatch:
-        """The batch of ``rows``: left-padded prompts, right-padded responses (EOS included), temperature 1."""
+        """The batch of ``rows``: left-padded prompts, right-padded responses (EOS included), temperature 1;
+        with ``loss_mask`` for conversations."""
         prompts = [self.prompts[i] for i in rows]
         responses = [self.responses[i] for i in rows]
         n, width_p, width_r = len(rows), max(map(len, prompts)), max(map(len, responses))
@@ -188,11 +248,14 @@ class SFTDataset:
             prompt_mask[i, width_p - len(p):] = True
             response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
             response_mask[i, : len(r)] = True
-        return TensorBatch(
-            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-             "response_ids": response_ids, "response_mask": response_mask},
-            meta=BatchMeta(temperature=1.0, pad_token_id=pad, step=step),
-        )
+        fields = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                  "response_ids": response_ids, "response_mask": response_mask}
+        if self.loss_masks is not None:
+            loss_mask = torch.zeros((n, width_r), dtype=torch.bool)
+            for i, row in enumerate(rows):
+                loss_mask[i, : len(self.loss_masks[row])] = torch.tensor(self.loss_masks[row], dtype=torch.bool)
+            fields["loss_mask"] = loss_mask
+        return TensorBatch(fields, meta=BatchMeta(temperature=1.0, pad_token_id=pad, step=step))
 
 
 def _short(value: Any) -> str:
@@ -309,6 +372,8 @@ class SFTTrainer:
         cfg = self.config
         for split, paths in (("train", cfg.data.train_paths), ("eval", cfg.data.eval_paths)):
             check_dataset_files(paths, f"data.{split}")  # what needs no tokenizer, before any model is built
+        # the tools' schemas are rendered into conversations as in the multi-turn runs (imported first)
+        tools = [t.schema for t in resolve_tools(cfg.agent)] or None
         self.ctx.prepare(resume)
         path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
@@ -319,9 +384,10 @@ class SFTTrainer:
         self.actor = self.executor.training_engine("actor", cfg.backends.actor, spec)
         try:
             tokenizer = self.actor.tokenizer
-            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context)
+            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context, tools=tools)
             if cfg.data.eval_paths:
-                self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context)
+                self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context,
+                                                        tools=tools)
         except BaseException:
             self.actor.close()
             self.executor.close()
@@ -341,7 +407,8 @@ class SFTTrainer:
         """Train on the next ``batch.prompts_per_step`` rows and return the step's metrics.
 
         Metrics: ``train/loss`` (mean NLL per response token over the step), ``train/grad_norm``
-        (mean over the step's optimizer steps), ``train/lr``, ``train/response_tokens``,
+        (mean over the step's optimizer steps), ``train/lr``, ``train/response_tokens`` (the trained
+        tokens: the responses, or the assistant's tokens of conversations),
         ``train/tokens`` (prompt and response), ``data/epoch``, ``data/rows`` and
         ``data/dropped_long_prompts`` (of ``data.train``), ``update/optimizer_steps``,
         ``update/nonfinite_skips``, ``scheduler/actor/micro_batches``, ``time/step`` and
@@ -372,8 +439,8 @@ class SFTTrainer:
             # an engine skips a non-finite update on every rank (docs/architecture.md, "Loss and distribution")
             self._consecutive_skips = self._consecutive_skips + 1 if m["skipped"] else 0
         self.step += 1
-        tokens = int(batch["response_mask"].sum())
-        all_tokens = tokens + int(batch["prompt_mask"].sum())
+        tokens = int(batch.loss_mask.sum())
+        all_tokens = int(batch["response_mask"].sum()) + int(batch["prompt_mask"].sum())
         metrics: dict[str, Any] = {
             "step": self.step,
             "train/loss": nll / max(tokens, 1),
@@ -404,7 +471,7 @@ class SFTTrainer:
         return self.step == self.config.steps or bool(every and self.step % every == 0)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean NLL per response token on ``data.eval`` (forward only): ``eval/loss`` and ``eval/response_tokens``.
+        """Mean NLL per trained token on ``data.eval`` (forward only): ``eval/loss`` and ``eval/response_tokens``.
 
         Raises:
             ConfigError: ``data.eval`` is not set.
@@ -423,8 +490,8 @@ class SFTTrainer:
 
             out = self.scheduler.run_forward(batch, fn, key=f"step{self.step}/actor/eval{i}",
                                              packed=self.actor.capabilities.packed_sequences)
-            total += masked_total(out["log_probs"].double(), out["response_mask"])
-            tokens += int(out["response_mask"].sum())
+            total += masked_total(out["log_probs"].double(), batch.loss_mask)
+            tokens += int(batch.loss_mask.sum())
         return {"eval/loss": float(-total / max(tokens, 1)), "eval/response_tokens": float(tokens)}
 
     # ------------------------------------------------------------------ checkpoints
