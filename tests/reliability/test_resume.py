@@ -399,3 +399,16 @@ def test_a_resume_after_the_refinement_equals_the_uninterrupted_run(tmp_path: Pa
     assert [m["scheduler/actor/micro_batches"] for m in redone[2:]] == [1, 1]  # the history holds all 4 steps
     assert not _tensors_equal(tmp_path / "straight" / "checkpoints" / "step-000004",
                               control / "checkpoints" / "step-000004")
+
+
+def test_a_checkpoint_older_than_a_config_section_resumes_at_its_defaults(tmp_path: Path) -> None:
+    """A section added after the checkpoint was written ([agent], model.lora) is no change at its default."""
+    from verl_core.trainer.config import RunConfig, config_to_dict
+
+    current = config_to_dict(RunConfig())
+    saved = {k: v for k, v in current.items() if k != "agent"}
+    saved["model"] = {k: v for k, v in current["model"].items() if k != "lora"}
+    assert resume_config_changes(saved, current, tmp_path) == []
+    changed = {**current, "agent": {**current["agent"], "max_turns": 3}}
+    with pytest.raises(ConfigError, match=r"agent.max_turns: '\(absent\)' -> 3"):
+        resume_config_changes(saved, changed, tmp_path)

@@ -247,7 +247,8 @@ def resume_config_changes(
 
     Returns:
         ``"key: old -> new"`` for each changed key that :data:`RESUME_SAFE_KEYS` allows (empty when
-        nothing changed), for the caller to log.
+        nothing changed), for the caller to log. A key the checkpoint's config does not have (a
+        section added by a later release) is no change while it holds its default.
 
     Raises:
         ConfigError: a key outside :data:`RESUME_SAFE_KEYS` changed (or ``steps`` changed under a
@@ -255,12 +256,15 @@ def resume_config_changes(
             old and new value, with the two ways to proceed.
     """
     old, new = _flat(saved), _flat(current)
+    defaults = _flat(config_to_dict(RunConfig()))
     allowed: list[str] = []
     refused: list[str] = []
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
         if before == after:
             continue
+        if key not in old and key in defaults and after == defaults[key]:
+            continue  # a key newer than the checkpoint, at the default that reproduces its behaviour
         line = f"{key}: {before!r} -> {after!r}"
         cosine = key == "steps" and any(new.get(k) == "cosine" for k in _COSINE_STRETCHED_BY)
         if any(fnmatch.fnmatchcase(key, pat) for pat in RESUME_SAFE_KEYS) and not cosine:
