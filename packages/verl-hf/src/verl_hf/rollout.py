@@ -86,8 +86,8 @@ class HFRolloutEngine(RolloutEngineBase):
         options: Backend options (default: parsed from ``spec.options``).
 
     Raises:
-        ConfigError: wrong role, parallel sizes other than 1, a folder that is not a causal LM,
-            or a ``spec.lora`` that does not fit the model.
+        ConfigError: wrong role, parallel sizes other than 1, float16 (not a declared dtype), a
+            folder that is not a causal LM, or a ``spec.lora`` that does not fit the model.
     """
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
@@ -97,6 +97,11 @@ class HFRolloutEngine(RolloutEngineBase):
             raise ConfigError(
                 f"the hf rollout engine runs on one device, got parallel={spec.parallel}; run one "
                 "engine per data-parallel rank instead"
+            )
+        if spec.dtype == "float16":  # as the training engine: what capabilities.dtypes declares
+            raise ConfigError(
+                "the hf rollout engine runs float32 or bfloat16 (its declared dtypes); set EngineSpec.dtype "
+                "to 'bfloat16'"
             )
         self._spec = spec
         self._options = options if options is not None else parse_options(
