@@ -190,9 +190,8 @@ class SchedulerNotCheckpointed(TinyTrainingEngine):
         optim = spec.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: optim.lr_at(k) / optim.lr)
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """The tiny engine's step at the scheduler's learning rate, then the scheduler's step."""
-        self._pending = False
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -201,7 +200,6 @@ class SchedulerNotCheckpointed(TinyTrainingEngine):
             return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
         self.scheduler.step()
         return StepMetrics(grad_norm=norm, lr=lr, skipped=False)
 
@@ -230,8 +228,7 @@ class StepCountNotCheckpointed(TinyTrainingEngine):
 def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: bool = True, betas: bool = True,
                     schedule: bool = True, norm_after_clip: bool = False, skip: bool = True,
                     count_skipped: bool = False) -> StepMetrics:
-    """The tiny engine's optimizer_step with the settings a fault leaves out."""
-    engine._pending = False
+    """The tiny engine's optimizer step (the base class counts applied steps) with the settings a fault leaves out."""
     grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
 
     def norm_of() -> float:
@@ -243,7 +240,7 @@ def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: boo
     if skip and not math.isfinite(norm):
         engine.optimizer.zero_grad(set_to_none=True)
         if count_skipped:
-            engine.step += 1
+            engine._step += 1
         return StepMetrics(grad_norm=norm, lr=lr, skipped=True)
     if clip and o.grad_clip > 0 and norm > o.grad_clip:
         for g in grads:
@@ -255,14 +252,13 @@ def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: boo
         group["betas"] = o.betas if betas else (0.9, 0.999)
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
-    engine.step += 1
     return StepMetrics(grad_norm=reported, lr=lr, skipped=False)
 
 
 class WeightDecayIgnored(TinyTrainingEngine):
     """Steps AdamW without the spec's weight decay."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step with weight_decay 0."""
         return _optimizer_step(self, decay=False)
 
@@ -270,7 +266,7 @@ class WeightDecayIgnored(TinyTrainingEngine):
 class DefaultBetas(TinyTrainingEngine):
     """Steps AdamW with torch's default betas (0.9, 0.999) whatever the spec says."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step with the default betas."""
         return _optimizer_step(self, betas=False)
 
@@ -278,7 +274,7 @@ class DefaultBetas(TinyTrainingEngine):
 class ClipIgnored(TinyTrainingEngine):
     """Never clips the gradients."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step without clipping."""
         return _optimizer_step(self, clip=False)
 
@@ -286,7 +282,7 @@ class ClipIgnored(TinyTrainingEngine):
 class NormAfterClipping(TinyTrainingEngine):
     """Reports the grad norm after clipping instead of before."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step reporting the clipped norm."""
         return _optimizer_step(self, norm_after_clip=True)
 
@@ -294,7 +290,7 @@ class NormAfterClipping(TinyTrainingEngine):
 class ConstantLearningRate(TinyTrainingEngine):
     """Steps at ``spec.optim.lr`` always (no warmup, no decay)."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step at the peak learning rate."""
         return _optimizer_step(self, schedule=False)
 
@@ -312,7 +308,7 @@ class CoupledWeightDecay(TinyTrainingEngine):
 class NonFiniteStepApplied(TinyTrainingEngine):
     """Steps even when the grad norm is not finite (the weights become NaN)."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A step that never skips."""
         return _optimizer_step(self, skip=False)
 
@@ -320,7 +316,7 @@ class NonFiniteStepApplied(TinyTrainingEngine):
 class SkippedStepCounted(TinyTrainingEngine):
     """Skips a non-finite update but advances its step counter (the schedule moves on)."""
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """A skip that counts as a step."""
         return _optimizer_step(self, count_skipped=True)
 
@@ -351,19 +347,19 @@ class VersionCountsSkippedSteps(TinyTrainingEngine):
         super().__init__(spec)
         self.calls = 0
 
-    def optimizer_step(self) -> StepMetrics:
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
         """Count the call, then step (or skip)."""
         self.calls += 1
-        return super().optimizer_step()
+        return super()._optimizer_step(where=where)
 
     def export_weights(self, *, dtype: torch.dtype | None = None,
                        bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
         """The stream, versioned by the count of calls (the manifest is built when called)."""
-        applied, self.step = self.step, self.calls
+        applied, self._step = self._step, self.calls
         try:
             return super().export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
         finally:
-            self.step = applied
+            self._step = applied
 
 
 class UndeclaredSettingsIgnored(TinyTrainingEngine):
