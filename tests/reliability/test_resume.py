@@ -120,9 +120,10 @@ def test_the_allow_list_names_what_may_change() -> None:
         "output_dir: 'runs/verl' -> 'elsewhere'", "ray.address: '' -> 'auto'", "steps: 100 -> 7",
     ]
     assert resume_config_changes(base, base, "ckpt") == []
-    # a key an older checkpoint did not have is a change too (here the allowed 'overwrite')
+    # a key an older checkpoint did not have is no change at its default, a change otherwise
     older = {k: v for k, v in base.items() if k != "overwrite"}
-    assert resume_config_changes(older, base, "ckpt") == ["overwrite: '(absent)' -> False"]
+    assert resume_config_changes(older, base, "ckpt") == []
+    assert resume_config_changes(older, {**base, "overwrite": True}, "ckpt") == ["overwrite: '(absent)' -> True"]
     refused = {
         "algorithm.options.clip_high: 0.3 -> 0.2": _dict("algorithm.options.clip_high=0.2"),
         "backends.options.rollout.rollout_cache: '(absent)' -> 'static'":
