@@ -96,9 +96,9 @@ class LoraSection:
     """
 
     enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: Annotated[int, Ge(1)] = 8
+    alpha: Annotated[float, Gt(0)] = 16.0
+    dropout: Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")] = 0.0
     targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     full: tuple[str, ...] = ()
     init_path: str = ""
