@@ -45,10 +45,16 @@ def _metrics(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def _default_signals() -> None:
+    """The child's SIGINT and SIGTERM as a terminal gives them (a shell's background job ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _start(argv: list[str], out: Path) -> subprocess.Popen[str]:
     """Start ``verl ARGV`` and wait until its first step's metrics line is complete."""
     proc = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_default_signals)
     deadline = time.monotonic() + 300
     metrics = out / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().endswith("\n")):
@@ -173,6 +179,7 @@ def test_a_second_signal_abandons_the_step_at_once(tmp_path: Path, capsys: pytes
 
 def test_an_ignored_signal_stays_ignored_and_handlers_are_put_back() -> None:
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:
         with StopSignals(defer=False):
             os.kill(os.getpid(), signal.SIGTERM)  # ignored, as the process was told before
@@ -191,3 +198,4 @@ def test_an_ignored_signal_stays_ignored_and_handlers_are_put_back() -> None:
         assert str(info.value) == "interrupted by SIGINT while the run was being set up; no checkpoint was written"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
