@@ -29,7 +29,7 @@ from verl_core.trainer import Trainer, latest_checkpoint
 from verl_core.trainer.run.folder import MARKER_FILE
 from verl_core.trainer.run.interrupt import RunInterrupted, StopSignals
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")]
+pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "verl_core.cli"]
 LINE = re.compile(

@@ -43,7 +43,7 @@ from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "Check", "Ge", "Gt", "Interval", "Le", "Lt", "MaxLen", "MinLen",
-    "allowed_text", "build", "check_fields", "constraints", "convert", "satisfies",
+    "allowed_text", "build", "check_fields", "constraints", "convert", "field_types", "satisfies",
 ]
 
 _D = TypeVar("_D")
@@ -187,8 +187,8 @@ def convert(value: Any, tp: Any, key: str, *, label: str = "config key") -> Any:
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    """A dataclass's field annotations, evaluated once per class."""
+def field_types(cls: type) -> dict[str, Any]:
+    """A dataclass's field annotations with their ``Annotated`` bounds, evaluated once per class."""
     hints = _HINTS.get(cls)
     if hints is None:
         hints = _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
@@ -252,7 +252,7 @@ def build(cls: type[_D], data: Mapping[str, Any], *, prefix: str = "", label: st
             wrong type or out of bounds (naming the dotted key, the value and what is allowed), or
             what the class's own cross-field checks refuse (prefixed with the section).
     """
-    hints = _hints(cls)
+    hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -281,14 +281,14 @@ def check_fields(obj: object, *, prefix: str = "", label: str = "config key") ->
     Raises:
         ConfigError: naming the dotted key, the value and what is allowed.
     """
-    hints = _hints(type(obj))
+    hints = field_types(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
         tp = hints[f.name]
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             continue  # a nested section checked itself when it was built
         out = convert(value, tp, prefix + f.name, label=label)
-        if (out is not value and out != value) or type(out) is not type(value):
+        if out is not value:  # normalised (an int for a float field, a list for a tuple field)
             object.__setattr__(obj, f.name, out)
 
 
@@ -298,7 +298,7 @@ def constraints(cls: type, prefix: str = "") -> dict[str, tuple[object, ...]]:
     A report of the schema (for docs and tests): ``{"batch.epochs": (Ge(ge=1),), ...}``.
     """
     out: dict[str, tuple[object, ...]] = {}
-    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+    for name, tp in field_types(cls).items():
         if dataclasses.is_dataclass(tp):
             out.update(constraints(typing.cast(type, tp), f"{prefix}{name}."))
         elif get_origin(tp) is Annotated:

@@ -22,7 +22,6 @@ import importlib
 import importlib.metadata as md
 import os
 import threading
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -38,7 +37,7 @@ from verl_core.kernel.capabilities import (
     RolloutCapabilities,
     TrainingCapabilities,
 )
-from verl_core.kernel.convert import convert
+from verl_core.kernel.convert import convert, field_types
 from verl_core.kernel.engine import ROLES, EngineSpec, Role
 from verl_core.kernel.errors import ConfigError, PluginError, UnknownNameError, check_str, describe
 from verl_core.kernel.reward import RewardEngine
@@ -217,7 +216,7 @@ def parse_options(config_class: type[_T], options: Mapping[str, Any], *, where: 
         raise ConfigError(
             f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names)) or 'none'}"
         )
-    hints = typing.get_type_hints(config_class, include_extras=True)
+    hints = field_types(config_class)
     values = {k: convert(v, hints[k], k, label=f"{where} key") for k, v in options.items()}
     try:
         return config_class(**values)
