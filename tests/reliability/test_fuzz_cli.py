@@ -101,6 +101,7 @@ def _candidates(argv: list[str]) -> Iterator[str]:
             continue
         yield from (repr(".".join(path[: i + 1])) for i in range(len(path)))
         yield repr(".".join(path))[:-1] + "["  # an item of a list value: 'logging.sinks[0]'
+        yield repr(".".join(path))[:-1] + "."  # a key of a table value: 'ray.parallel.0'
         if isinstance(value, str):
             yield repr(value)
     if Path(argv[1]).is_file():  # the keys inside the config file
@@ -275,3 +276,14 @@ def test_a_misspelt_backend_fails_before_anything_is_written(tmp_path: Path, cap
     assert code == 2, err
     assert err.startswith("verl train: error: config key 'backends.rollout': unknown verl backend 'hff'")
     assert not (tmp_path / "o").exists(), "the tiny model was written before the backend was checked"
+
+
+@pytest.mark.parametrize("first", ["x" * 300, "agent.concurrency=" + "x" * 300, "a\0b", "steps=\0"])
+def test_a_first_argument_the_system_refuses_as_a_file_name_is_one_error_line(
+    first: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A name too long for the file system (or holding a NUL byte) is no file: an override or a missing config."""
+    code, _, err = _run(["train", "--check", first], capsys)
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("verl train: error: ") and "unexpected" not in err, err

@@ -107,6 +107,11 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _shown(args: Sequence[str]) -> str:
+    """Command-line words as an error quotes them: bare, or ``repr`` when a character would not show."""
+    return " ".join(a if a.isprintable() and a == a.strip() else repr(a) for a in args)
+
+
 def _build_parser() -> tuple[_Parser, argparse._SubParsersAction[_Parser], dict[str, Callable[[argparse.Namespace], int]]]:
     parser = _Parser(
         prog="verl", description="Reinforcement-learning post-training of language models, on any backend."
@@ -158,14 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     if args.command is None:
         if extras:
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            parser.error(f"unrecognized arguments: {_shown(extras)}")
         parser.print_help()
         return 2
     if extras:
         command_parser = sub.choices[args.command]
         flags = [x for x in extras if x.startswith("-")]
         if flags or not isinstance(getattr(args, "overrides", None), list):
-            command_parser.error(f"unrecognized arguments: {' '.join(flags or extras)}")
+            command_parser.error(f"unrecognized arguments: {_shown(flags or extras)}")
         args.overrides.extend(extras)
     try:
         return handlers[args.command](args)

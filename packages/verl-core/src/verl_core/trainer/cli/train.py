@@ -61,11 +61,11 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     Raises:
         ConfigError: the file or an override is invalid.
     """
-    from verl_core.trainer.config import load_config
+    from verl_core.trainer.config import is_file, load_config
 
     config_path = args.config
     overrides = list(args.overrides)
-    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+    if config_path is not None and "=" in config_path and not is_file(config_path):
         overrides.insert(0, config_path)  # only overrides were given
         config_path = None
     if args.output_dir:
@@ -75,8 +75,10 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 def config_folder(args: argparse.Namespace) -> Path | None:
     """The folder of the config file named on the command line (None when only overrides were given)."""
+    from verl_core.trainer.config import is_file
+
     path = args.config
-    return Path(path).parent if path is not None and Path(path).is_file() else None
+    return Path(path).parent if path is not None and is_file(path) else None
 
 
 def resume_command(args: argparse.Namespace, command: str, *, flag: str = "--resume") -> str:
