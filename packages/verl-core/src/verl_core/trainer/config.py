@@ -30,6 +30,7 @@ from verl_core.trainer.sinks import SinkConfig, WandbMode
 __all__ = [
     "AgentConfig",
     "AlgorithmConfig",
+    "AsyncTrainingConfig",
     "BackendsConfig",
     "BatchConfig",
     "CheckpointConfig",
@@ -43,6 +44,7 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
+    "is_file",
     "load_config",
     "parse_override",
     "read_config_file",
@@ -332,6 +334,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """Asynchronous training: the next steps' samples are generated while the policy updates.
+
+    Attributes:
+        mode: ``sync`` (each step samples from the newest weights) or ``async`` (a producer thread
+            generates the samples of up to ``max_staleness`` steps ahead while the trainer updates;
+            see :mod:`verl_core.trainer.rl.producer`).
+        max_staleness: With ``async``: how many weight versions older than the policy being trained
+            a step's samples may be (0 = the synchronous schedule, run by the producer).
+    """
+
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: Annotated[int, Ge(0)] = 1
+
+    @property
+    def lookahead(self) -> int:
+        """Steps the rollout may run ahead of the update (0 in ``sync`` mode)."""
+        return self.max_staleness if self.mode == "async" else 0
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """What the run reports.
 
@@ -390,6 +413,7 @@ class RunConfig:
         optim: Actor optimizer.
         critic_optim: Critic optimizer.
         checkpoint: Checkpointing.
+        async_training: Rollout ahead of the update, with a bound on the samples' staleness.
         logging: Reporting.
         max_consecutive_skips: Optimizer steps in a row skipped for a non-finite loss or gradient
             (on any rank, actor or critic) after which the run writes a checkpoint and stops with
@@ -415,6 +439,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     critic_optim: OptimSection = field(default_factory=lambda: OptimSection(lr=5e-3))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     max_consecutive_skips: Annotated[int, _min(0, " (0 = never stop)")] = 5
     executor: ExecutorName = "local"
@@ -457,6 +482,15 @@ def _check_agent(cfg: RunConfig) -> None:
         raise ConfigError(
             f"config key {key!r} is set, which runs multi-turn episodes, but 'data.train' is empty; episodes start "
             "from the prompts of a dataset (chat messages, rendered with the tools): set data.train"
+        )
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """The producer thread calls engines of this process; Ray worker groups are not driven so yet."""
+    if cfg.async_training.mode == "async" and cfg.executor != "local":
+        raise ConfigError(
+            f"config key 'async_training.mode' = 'async' runs the rollout on a thread of the trainer's process, "
+            f"but 'executor' = {cfg.executor!r}; asynchronous training runs with executor = 'local' only (for now)"
         )
 
 
@@ -522,7 +556,7 @@ def _check_lora(cfg: RunConfig) -> None:
 
 # Checks that involve several keys, run in order after every single-key rule passed.
 _CHECKS: tuple[Callable[[RunConfig], None], ...] = (
-    _check_rollout, _check_tokens, _check_agent, _check_model_shape, _check_lora,
+    _check_rollout, _check_tokens, _check_agent, _check_async, _check_model_shape, _check_lora,
 )
 
 
@@ -621,6 +655,14 @@ def _deep_copy(d: Mapping[str, Any], memo: dict[int, dict[str, Any]] | None = No
     return memo[id(d)]
 
 
+def is_file(path: str | Path) -> bool:
+    """Whether ``path`` names a file; False for a name the system refuses (too long, a NUL byte)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into nested mappings.
 
@@ -630,8 +672,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     where = f"config file {str(path)!r}"
-    if not p.is_file():
-        raise ConfigError(f"{where} is a folder, not a file" if p.is_dir() else f"{where} does not exist")
+    if not is_file(p):
+        try:
+            folder = p.is_dir()
+        except (OSError, ValueError) as e:  # a name the system refuses: too long, a NUL byte
+            raise ConfigError(f"{where} cannot be a file name: {getattr(e, 'strerror', None) or e}") from None
+        raise ConfigError(f"{where} is a folder, not a file" if folder else f"{where} does not exist")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml"):
         raise ConfigError(f"{where}: unknown format {suffix!r}; use .toml, .yaml or .yml")

@@ -37,21 +37,7 @@ from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import DigitTask, TaskReward
 from verl_core.trainer.rl.episodes import EpisodeRewards
 
-__all__ = ["BaseModelReference", "RLEngines", "stage_backend"]
-
-
-def stage_backend(config: RunConfig, stage: str) -> str:
-    """The backend that runs ``stage`` of a step, as a failed step's error names it."""
-    b = config.backends
-    reward = b.reward
-    if config.reward.functions:
-        reward = "reward.functions" + (f" + {b.reward}" if b.reward != "rule" else "")
-    return {
-        "rollout": b.rollout, "baseline": b.rollout, "reward": reward,
-        "reference": f"{b.actor} (base of the LoRA actor)" if config.model.lora.enabled else b.reference,
-        "actor_forward": b.actor, "actor_update": b.actor, "critic_forward": b.critic,
-        "critic_update": b.critic, "weight_sync": f"{b.actor} -> {b.rollout}", "evaluation": b.rollout,
-    }.get(stage, "trainer")
+__all__ = ["BaseModelReference", "RLEngines"]
 
 
 class BaseModelReference(TrainingEngine):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -26,9 +26,13 @@ from verl_core.trainer.inputs.tasks import TaskReward
 from verl_core.trainer.pipeline import HybridPipeline, Stage, StageThreads
 from verl_core.trainer.rl.engines import RLEngines
 from verl_core.trainer.rl.episodes import EpisodeRollout
+from verl_core.trainer.rl.stages import GENERATION, is_forward
 from verl_core.trainer.rl.step_state import RunProgress, StepState
 
-__all__ = ["GenerationStage", "groups_with_signal"]
+__all__ = ["GenerationStage", "Part", "groups_with_signal"]
+
+#: Which stages of the generation half a call runs: the samples (rollout to select), the forwards, or all.
+Part = Literal["all", "samples", "forwards"]
 
 
 def groups_with_signal(group_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -72,11 +76,34 @@ class GenerationStage:
         self.actor_forward = actor_forward
         self.episodes = episodes
 
-    def run(self, state: StepState) -> None:
-        """Run the stages on ``state.prompts``; sets every field up to the forwards and ``state.timings``."""
-        res = self.pipeline(state).run(prompts=state.prompts)
+    def run(self, state: StepState, part: Part = "all") -> None:
+        """Run the stages of ``part`` on the step; sets ``state.timings`` of each.
+
+        Args:
+            state: The step. ``samples`` and ``all`` start from ``state.prompts``; ``forwards``
+                from ``state.batch`` (set by an earlier ``samples`` run).
+            part: ``samples`` (rollout, baseline, reward, select: sets ``samples`` and ``batch``,
+                and the reward's and dynamic sampling's metrics), ``forwards`` (reference, actor
+                and critic forwards: their fields are added to ``batch``), or ``all`` (both, as one
+                pipeline).
+        """
+        names = self._names(part)
+        start = {"batch": state.batch} if part == "forwards" else {"prompts": state.prompts}
+        res = self.pipeline(state, names, inputs=tuple(start)).run(**start)
         state.timings.update(res.timings)
-        state.fill(res.outputs)
+        out = res.outputs
+        if part != "forwards":
+            state.samples = out["samples"]
+            state.batch = out["batch"]
+            state.metrics.update(out["reward_terms"])  # reward/<function>/mean of each reward function
+            if self.dynamic_sampling:
+                state.metrics["dynamic_sampling/dropped_groups"] = out["dropped_groups"]
+                state.metrics["dynamic_sampling/kept_samples"] = state.batch.batch_size
+        fields: dict[str, torch.Tensor | None] = {f: out[f] for s in GENERATION if s.name in names for f in s.fields}
+        if "baseline_scores" in out:  # scored on every sample: cut by the rows select kept
+            keep = out["keep"]
+            fields["baseline_scores"] = out["baseline_scores"] if keep is None else out["baseline_scores"][keep]
+        state.add_fields(fields)
 
     def _forward(self, role: str, engine: TrainingEngine, batch: TensorBatch, outputs: tuple[str, ...]) -> TensorBatch:
         def fn(mb: TensorBatch) -> TensorBatch:
@@ -85,8 +112,19 @@ class GenerationStage:
         return self.schedulers[role].run_forward(batch, fn, key=f"step{self.progress.step}/{role}/forward",
                                                  packed=engine.capabilities.packed_sequences)
 
-    def pipeline(self, state: StepState) -> HybridPipeline:
-        """The step's stage graph (prompts -> samples -> scores -> batch -> forwards)."""
+    def _names(self, part: Part) -> tuple[str, ...]:
+        """The stages of ``part`` this run has (ReMax's baseline only when the algorithm needs it)."""
+        return tuple(
+            s.name for s in GENERATION
+            if (s.name != "baseline" or self.baseline) and (part == "all" or (part == "forwards") == is_forward(s))
+        )
+
+    def pipeline(
+        self, state: StepState, names: tuple[str, ...] | None = None, inputs: tuple[str, ...] = ("prompts",)
+    ) -> HybridPipeline:
+        """The stage graph of ``names`` (default: every stage of the run), from
+        :data:`~verl_core.trainer.rl.stages.GENERATION`, fed ``inputs``."""
+        names = self._names("all") if names is None else names
         params = state.params
         e = self.engines
         episodes = self.episodes
@@ -94,8 +132,8 @@ class GenerationStage:
         def rollout(prompts: TensorBatch) -> Mapping[str, Any]:
             e.rollout.wake()
             if episodes is not None:  # multi-turn: the episode loop calls generate once per turn
-                return {"samples": episodes.run(prompts, params)}
-            return {"samples": e.rollout.generate(prompts, params)}
+                return {"responses": episodes.run(prompts, params)}
+            return {"responses": e.rollout.generate(prompts, params)}
 
         def baseline(prompts: TensorBatch) -> Mapping[str, Any]:
             greedy = dataclasses.replace(params, n=1, greedy=True)
@@ -103,51 +141,49 @@ class GenerationStage:
                 scored = e.reward.score(episodes.run(prompts, greedy))
             else:
                 scored = e.reward.score(e.rollout.generate(prompts, greedy))
-            return {"baseline": scored["scores"].repeat_interleave(params.n)}
+            return {"baseline_scores": scored["scores"].repeat_interleave(params.n)}
 
-        def reward(samples: TensorBatch) -> Mapping[str, Any]:
-            scored = e.reward.score(samples)
-            return {"scores": scored["scores"], "token_scores": scored.get("token_scores"),
-                    "reward_terms": RewardFunctions.metrics(scored)}
+        def reward(responses: TensorBatch) -> Mapping[str, Any]:
+            scored = e.reward.score(responses)
+            token_scores = scored.get("token_scores")
+            samples = responses.update(scores=scored["scores"])
+            if token_scores is not None:
+                samples = samples.update(token_scores=token_scores)
+            return {"samples": samples, "reward_terms": RewardFunctions.metrics(scored)}
 
         dense_only = self.dense_only and isinstance(e.reward, TaskReward)
 
-        def select(samples: TensorBatch, scores: torch.Tensor, token_scores: torch.Tensor | None) -> Mapping[str, Any]:
+        def select(samples: TensorBatch) -> Mapping[str, Any]:
             # the task's dense scores sum to its sequence score: the algorithm gets them alone, so the
             # score is not counted twice (once spread over the tokens, once on the last token)
-            batch = samples if dense_only else samples.update(scores=scores)
-            if token_scores is not None:
-                batch = batch.update(token_scores=token_scores)
+            batch = samples.drop("scores") if dense_only else samples
             if not self.dynamic_sampling:
-                return {"batch": batch, "dropped_groups": 0}
-            keep = groups_with_signal(samples["group_ids"], scores)
-            dropped = int(torch.unique(batch["group_ids"]).numel()) - int(torch.unique(batch["group_ids"][keep]).numel())
-            return {"batch": batch.index(keep.nonzero()[:, 0]), "dropped_groups": dropped}
+                return {"batch": batch, "keep": None, "dropped_groups": 0}
+            group_ids = samples["group_ids"]
+            keep = groups_with_signal(group_ids, samples["scores"]).nonzero()[:, 0]
+            dropped = int(torch.unique(group_ids).numel()) - int(torch.unique(group_ids[keep]).numel())
+            return {"batch": batch.index(keep), "keep": keep, "dropped_groups": dropped}
 
         def reference(batch: TensorBatch) -> Mapping[str, Any]:
             if e.reference is None or batch.batch_size == 0:
                 return {"ref_log_probs": None}
             return {"ref_log_probs": self._forward("reference", e.reference, batch, ("log_probs",))["log_probs"]}
 
-        def actor(batch: TensorBatch) -> Mapping[str, Any]:
+        def actor_forward(batch: TensorBatch) -> Mapping[str, Any]:
             if batch.batch_size == 0 or not self.actor_forward:
                 return {"old_log_probs": None, "entropy": None}
             out = self._forward("actor", e.actor, batch, ("log_probs", "entropy"))
             return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
 
-        def critic(batch: TensorBatch) -> Mapping[str, Any]:
+        def critic_forward(batch: TensorBatch) -> Mapping[str, Any]:
             if e.critic is None or batch.batch_size == 0:
-                return {"values": None}
-            return {"values": self._forward("critic", e.critic, batch, ("values",))["values"]}
+                return {"values": None, "old_values": None}
+            values = self._forward("critic", e.critic, batch, ("values",))["values"]
+            return {"values": values, "old_values": values}
 
-        stages = [
-            Stage("rollout", rollout, ("prompts",), ("samples",)),
-            Stage("reward", reward, ("samples",), ("scores", "token_scores", "reward_terms")),
-            Stage("select", select, ("samples", "scores", "token_scores"), ("batch", "dropped_groups")),
-            Stage("reference", reference, ("batch",), ("ref_log_probs",)),
-            Stage("actor_forward", actor, ("batch",), ("old_log_probs", "entropy")),
-            Stage("critic_forward", critic, ("batch",), ("values",)),
-        ]
-        if self.baseline:
-            stages.append(Stage("baseline", baseline, ("prompts",), ("baseline",), after=("rollout",)))
-        return HybridPipeline(stages, inputs=("prompts",), threads=self.threads)
+        fns: dict[str, Callable[..., Mapping[str, Any]]] = {
+            "rollout": rollout, "baseline": baseline, "reward": reward, "select": select,
+            "reference": reference, "actor_forward": actor_forward, "critic_forward": critic_forward,
+        }
+        stages = [Stage(s.name, fns[s.name], s.reads, s.adds, after=s.after) for s in GENERATION if s.name in names]
+        return HybridPipeline(stages, inputs=inputs, threads=self.threads)

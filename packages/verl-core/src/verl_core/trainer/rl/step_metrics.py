@@ -29,10 +29,10 @@ from verl_core.trainer.sinks import read_json_lines, write_text_atomic
 __all__ = ["SchedulerPlanLog", "finish_metrics", "plot_metrics", "rollout_metrics"]
 
 
-def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine, loader: PromptLoader | None,
-                    dynamic_sampling: bool) -> None:
-    """Rewards, response lengths and the data epoch of the step's samples (and what dynamic sampling kept)."""
-    samples, scores = state.samples, state.scores
+def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine, loader: PromptLoader | None) -> None:
+    """Rewards, response lengths and the data epoch of the step's samples."""
+    samples = state.samples
+    scores = samples["scores"]
     rmask = samples["response_mask"]
     lengths = rmask.sum(1).float()
     ended = (samples["response_ids"] == eos_token_id) & rmask
@@ -47,7 +47,6 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
         "response/eos_fraction": float(ended.any(1).float().mean()),
         "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
         "samples": samples.batch_size,
-        **state.reward_terms,  # reward/<function>/mean of each reward function
     })
     if isinstance(reward, TaskReward):
         m["reward/exact_match"] = float(reward.exact_match(samples).mean())
@@ -55,9 +54,6 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
         m.update(episode_metrics(samples))
     if loader is not None:
         m["data/epoch"] = loader.epoch  # epochs completed by the rows drawn so far
-    if dynamic_sampling:
-        m["dynamic_sampling/dropped_groups"] = state.dropped_groups
-        m["dynamic_sampling/kept_samples"] = state.batch.batch_size
 
 
 def finish_metrics(

@@ -1,10 +1,13 @@
 """The typed data of one RL step, passed from stage to stage (architecture.md, "One RL step as data flow").
 
-:class:`StepState` starts with the step's prompts and sampling parameters; each stage reads the
-fields it needs and sets the ones it makes. A field is a :class:`Slot`: reading it before the
-stage that sets it has run, or setting it to a value of the wrong type, raises a
-:class:`StepStateError` naming the field, the stage and what was expected, so a stage run out of
-order fails at once with a clear message instead of an ``AttributeError`` or a wrong tensor.
+:class:`StepState` starts with the step's prompts and sampling parameters; the step's tensors then
+travel in two batches, ``samples`` (every response, scored) and ``batch`` (those kept for the
+update), to which each later stage adds its fields. Both are :class:`Slot` fields: reading one before
+the stage that sets it (:func:`~verl_core.trainer.rl.stages.producer`) has run, or setting it to a
+value of the wrong type, raises a :class:`StepStateError` naming the field, the stage and what was
+expected, so a stage run out of order fails at once with a clear message instead of an
+``AttributeError`` or a wrong tensor; so does a stage reading a batch field no stage added
+(:meth:`StepState.require`).
 
 :class:`RunProgress` holds the counters the components of one trainer share (step, weight version,
 non-finite skips in a row, the stage running outside the pipeline).
@@ -23,11 +26,11 @@ import torch
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import VerlError, describe
 from verl_core.kernel.rollout import SamplingParams
+from verl_core.trainer.rl.stages import producer
 
 __all__ = ["RunProgress", "Slot", "StepState", "StepStateError"]
 
 T = TypeVar("T")
-_NONE = type(None)
 
 
 class StepStateError(VerlError, RuntimeError):
@@ -71,7 +74,7 @@ class Slot(Generic[T]):
 
     def __set__(self, obj: StepState, value: T) -> None:
         if not isinstance(value, self.kinds):
-            expected = " or ".join("None" if k is _NONE else k.__name__ for k in self.kinds)
+            expected = " or ".join(k.__name__ for k in self.kinds)
             raise StepStateError(
                 f"step {obj.step + 1}: stage {self.set_by!r} set field {self.name!r} of the step state to "
                 f"{describe(value)}; expected {expected}"
@@ -79,13 +82,13 @@ class Slot(Generic[T]):
         obj.__dict__[self.name] = value
 
 
-_Tensor = Slot[torch.Tensor]
-_MaybeTensor = Slot["torch.Tensor | None"]
-
-
 @dataclasses.dataclass(eq=False)
 class StepState:
-    """One RL step's data: the prompts, then what each stage adds.
+    """One RL step's data: the prompts, then what the stages add (declared in :mod:`~verl_core.trainer.rl.stages`).
+
+    The step's tensors travel in its batches: ``samples`` holds every response with its scores,
+    ``batch`` the samples kept for the update, to which the forwards and the advantages add their
+    fields (:meth:`add_fields`).
 
     Attributes:
         step: The 0-based index of the step (its metrics say ``step + 1``).
@@ -93,21 +96,9 @@ class StepState:
         params: The step's sampling parameters.
         metrics: The step's metrics, filled by the stages.
         timings: Seconds per stage (``time/<stage>``).
-        samples: The rollout's responses (set by ``rollout``).
-        scores: One score per response (``reward``).
-        token_scores: Dense per-token scores, or None (``reward``).
-        reward_terms: ``reward/<function>/mean`` of each reward function (``reward``).
-        baseline: The greedy response's score per sample, ReMax only (``baseline``).
-        batch: The samples kept for the update, with their scores (``select``); DAPO's dynamic
-            sampling may keep fewer.
-        dropped_groups: Groups dropped by dynamic sampling (``select``).
-        ref_log_probs: The reference's log-probs, or None without a reference (``reference``).
-        old_log_probs: The actor's log-probs, or None for an empty batch (``actor_forward``).
-        entropy: The actor's entropy, or None for an empty batch (``actor_forward``).
-        values: The critic's values, or None without a critic (``critic_forward``).
-        train_batch: ``batch`` with the forwards' outputs and the advantages (``advantages``).
-        update: Metrics of the optimizer steps (``update``).
-        sync_bytes: Bytes the weight sync sent (``weight_sync``).
+        samples: The rollout's responses with ``scores`` (and ``token_scores`` of a dense reward) (``reward``).
+        batch: The samples kept for the update (``select``; DAPO's dynamic sampling may keep
+            fewer), with the fields the later stages add.
     """
 
     step: int
@@ -116,20 +107,8 @@ class StepState:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    samples = Slot[TensorBatch](TensorBatch, "rollout")
-    scores = _Tensor(torch.Tensor, "reward")
-    token_scores = _MaybeTensor((torch.Tensor, _NONE), "reward")
-    reward_terms = Slot[Mapping[str, float]](dict, "reward")
-    baseline = _Tensor(torch.Tensor, "baseline")
-    batch = Slot[TensorBatch](TensorBatch, "select")
-    dropped_groups = Slot[int](int, "select")
-    ref_log_probs = _MaybeTensor((torch.Tensor, _NONE), "reference")
-    old_log_probs = _MaybeTensor((torch.Tensor, _NONE), "actor_forward")
-    entropy = _MaybeTensor((torch.Tensor, _NONE), "actor_forward")
-    values = _MaybeTensor((torch.Tensor, _NONE), "critic_forward")
-    train_batch = Slot[TensorBatch](TensorBatch, "advantages")
-    update = Slot[Mapping[str, float]](dict, "update")
-    sync_bytes = Slot[int](int, "weight_sync")
+    samples = Slot[TensorBatch](TensorBatch, producer("samples"))
+    batch = Slot[TensorBatch](TensorBatch, producer("batch"))
 
     @contextlib.contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -142,16 +121,33 @@ class StepState:
         """Whether the field ``name`` was set."""
         return name in self.__dict__
 
-    def fill(self, outputs: Mapping[str, Any]) -> None:
-        """Set the fields named by ``outputs`` (a pipeline's outputs); each is checked.
+    def add_fields(self, fields: Mapping[str, torch.Tensor | None]) -> None:
+        """Add the stages' outputs to ``batch`` as fields, in one update (a None output adds nothing).
 
         Raises:
-            StepStateError: an output is no field of the step state, or has the wrong type.
+            StepStateError: ``batch`` is not set yet, or an output is not a tensor.
         """
-        for name, value in outputs.items():
-            if not isinstance(getattr(type(self), name, None), Slot):
-                raise StepStateError(f"step {self.step + 1}: {name!r} is not a field of the step state")
-            setattr(self, name, value)
+        for name, value in fields.items():
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise StepStateError(
+                    f"step {self.step + 1}: stage {producer(name)!r} gave {name!r} as {describe(value)}; "
+                    "expected a tensor (a field of the batch) or None"
+                )
+        self.batch = self.batch.update({k: v for k, v in fields.items() if v is not None})
+
+    def require(self, name: str, *, by: str) -> torch.Tensor:
+        """The batch field ``name``, which stage ``by`` reads.
+
+        Raises:
+            StepStateError: the batch has no such field (its stage did not run, or gave nothing).
+        """
+        if name not in self.batch:
+            raise StepStateError(
+                f"step {self.step + 1}: stage {by!r} needs the batch field {name!r}, which stage "
+                f"{producer(name)!r} adds, but the batch of {self.batch.batch_size} samples has none "
+                f"(its fields: {sorted(self.batch)})"
+            )
+        return self.batch[name]
 
 
 @dataclasses.dataclass

@@ -50,11 +50,13 @@ from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.pipeline import StageError, StageThreads
 from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, build_algorithm
-from verl_core.trainer.rl.engines import RLEngines, stage_backend
+from verl_core.trainer.rl.engines import RLEngines
 from verl_core.trainer.rl.episodes import EpisodeRollout
 from verl_core.trainer.rl.evaluation import Evaluator
 from verl_core.trainer.rl.generation import GenerationStage
+from verl_core.trainer.rl.producer import RolloutProducer, release_limit
 from verl_core.trainer.rl.prompt_source import PromptSource
+from verl_core.trainer.rl.stages import stage_backend
 from verl_core.trainer.rl.step_metrics import (
     SchedulerPlanLog,
     finish_metrics,
@@ -152,6 +154,7 @@ class Trainer:
         self.updater: UpdateStage
         self.weights: WeightSyncStage
         self.evaluator: Evaluator
+        self.producer: RolloutProducer | None = None  # async_training.mode = "async": made at the first step
 
     # ------------------------------------------------------------------ setup
     def _response_limit(self) -> int:
@@ -282,11 +285,17 @@ class Trainer:
 
     def _train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
-        state = StepState(self.step, self.prompts(self.step), self.sampling_params())
-        self.generation.run(state)  # rollout -> reward -> select -> reference / actor / critic forwards
-        self.weights.sleep(state)  # the update needs the rollout's device memory
+        asynchronous = self.config.async_training.mode == "async"
+        if asynchronous:  # the samples come from the producer thread; the forwards use the weights training now
+            state = self._produced_state()
+            self.generation.run(state, "forwards")
+        else:
+            state = StepState(self.step, self.prompts(self.step), self.sampling_params())
+            self.generation.run(state)  # rollout -> reward -> select -> reference / actor / critic forwards
+        if self.config.async_training.lookahead == 0:
+            self.weights.sleep(state)  # the update needs the rollout's device memory
         rollout_metrics(state, eos_token_id=self.rollout.tokenizer.eos_token_id, reward=self.reward,
-                        loader=self.source.loader, dynamic_sampling=self.dynamic_sampling)
+                        loader=self.source.loader)
         state.metrics.update(self.source.stats())  # data/rows, data/dropped_long_prompts, ...
         if state.batch.batch_size == 0:  # dynamic sampling kept no group: nothing to learn from
             state.metrics["update/skipped"] = 1
@@ -295,6 +304,9 @@ class Trainer:
                 self.updater.advantages(state)
             with state.timed("update"):
                 self.updater.run(state)
+        if self.producer is not None:
+            self.producer.wait_idle()  # no rollout in flight while weights arrive or evaluation samples
+        if state.batch.batch_size:
             self.weights.sync(state)  # the next step samples from the new policy
         finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
         if self.memory_plan is not None:
@@ -304,6 +316,28 @@ class Trainer:
         self.ctx.log_step(self.step, state.metrics)
         self.plan.append()
         return state.metrics
+
+    def _samples_of(self, step: int) -> StepState:
+        """Step ``step``'s prompts and samples (the producer thread's work in ``async`` mode)."""
+        state = StepState(step, self.source.batch(step, self.rollout.tokenizer, weight_version=self.weight_version),
+                          self.source.sampling_params(step))
+        self.generation.run(state, "samples")
+        return state
+
+    def _produced_state(self) -> StepState:
+        """Release the steps the staleness bound allows and take this step's samples from the producer."""
+        cfg = self.config
+        if self.producer is None:
+            loader = self.source.loader
+            self.producer = RolloutProducer(self._samples_of, first=self.step,
+                                            snapshot=lambda: loader.state_dict() if loader is not None else None)
+        self.producer.release(release_limit(self.step, max_staleness=cfg.async_training.max_staleness,
+                                            checkpoint_every=cfg.checkpoint.every, steps=cfg.steps))
+        state, waited = self.producer.take(self.step)
+        state.metrics["async/staleness"] = self.weight_version - state.prompts.meta.weight_version
+        state.metrics["async/wait_s"] = waited
+        state.metrics["async/ahead"] = self.producer.ahead
+        return state
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate on every row of ``data.eval`` and/or the task's fixed prompts; keys start with ``eval/``.
@@ -327,8 +361,9 @@ class Trainer:
             "algorithm": self.algorithm.state_dict(),
         }
         loader = self.source.loader
-        if loader is not None:
-            state["data"] = loader.state_dict()  # a resumed run continues the data order exactly
+        if loader is not None:  # a resumed run continues the data order exactly
+            ahead = self.producer.data_state(self.step) if self.producer is not None else None
+            state["data"] = ahead if ahead is not None else loader.state_dict()  # not the steps drawn ahead
         final = self.ctx.checkpoints.save(self.step, self.engines.trainable(), state,
                                           consecutive_skips=self.progress.consecutive_skips)
         return self.ctx.saved(self.step, final)
@@ -393,6 +428,9 @@ class Trainer:
         try:
             self.ctx.close_sinks(failed=self._failed is not None, step=self.step)
         finally:
+            if self.producer is not None:
+                self.producer.close()  # a rollout under way ends first
+                self.producer = None
             self._stage_threads.close()  # a stage still running (a step abandoned by a signal) ends first
             if self._built:
                 self.engines.close()

@@ -21,8 +21,7 @@ from verl_core.trainer.batching.replay import HybridReplayBuffer
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, train_mini_batch
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.rl.engines import RLEngines
-from verl_core.trainer.rl.generation import groups_with_signal
-from verl_core.trainer.rl.step_state import RunProgress, StepState, StepStateError
+from verl_core.trainer.rl.step_state import RunProgress, StepState
 
 __all__ = ["UpdateStage", "masked_mean"]
 
@@ -82,30 +81,15 @@ class UpdateStage:
 
     # ------------------------------------------------------------------ advantages
     def advantages(self, state: StepState) -> None:
-        """Gather the forwards' outputs into ``state.train_batch`` and add the advantages; adds their metrics."""
+        """Add the advantages (and returns) to ``state.batch``, with their metrics and the forwards'."""
         metrics = state.metrics
-        old, entropy = state.old_log_probs, state.entropy
         batch = state.batch
         # on policy, the update's own forward gives the old log-probs, entropy and KL to the reference
         if not self.on_policy:
-            if old is None or entropy is None:
-                raise StepStateError(
-                    f"step {state.step + 1}: the advantages need the actor's log-probs and entropy, but stage "
-                    f"'actor_forward' gave none (the batch has {state.batch.batch_size} samples)"
-                )
-            batch = batch.update(old_log_probs=old)
-            metrics["actor/entropy"] = masked_mean(entropy, batch.loss_mask)
-        if state.ref_log_probs is not None:
-            batch = batch.update(ref_log_probs=state.ref_log_probs)
-            if not self.on_policy:
+            state.require("old_log_probs", by="advantages")
+            metrics["actor/entropy"] = masked_mean(state.require("entropy", by="advantages"), batch.loss_mask)
+            if "ref_log_probs" in batch:
                 metrics["actor/kl_ref"] = masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], batch.loss_mask)
-        if state.values is not None:
-            batch = batch.update(values=state.values, old_values=state.values)
-        if state.has("baseline"):
-            baseline = state.baseline
-            if self.dynamic_sampling:
-                baseline = baseline[groups_with_signal(state.samples["group_ids"], state.scores)]
-            batch = batch.update(baseline_scores=baseline)
         # rollout vs training log-prob mismatch (only meaningful when the rollout's are exact); on
         # policy, the update's forward reports the mean only (a max does not sum over micro-batches)
         exact = "rollout_log_probs" in batch and self.engines.rollout.log_probs_exact(state.params)
@@ -120,10 +104,10 @@ class UpdateStage:
             metrics["logprob_mismatch/mean"] = _NOT_COMPARABLE
             metrics["logprob_mismatch/max"] = _NOT_COMPARABLE
         self._stage = "advantages"
-        batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
+        state.batch, adv_metrics = self.algorithm.compute_advantages_with_metrics(batch)
         metrics.update({f"algorithm/{k}": float(v) for k, v in adv_metrics.items()})
-        metrics["algorithm/advantage_abs_mean"] = masked_mean(batch["advantages"].abs(), batch.loss_mask)
-        state.train_batch = batch
+        metrics["algorithm/advantage_abs_mean"] = masked_mean(state.require("advantages", by="advantages").abs(),
+                                                              batch.loss_mask)
 
     # ------------------------------------------------------------------ optimizer steps
     def _actor_loss(self) -> LossFn:
@@ -132,9 +116,9 @@ class UpdateStage:
         return OnPolicyActorLoss(self.algorithm.actor_loss, compare_rollout=self._compare_rollout)
 
     def run(self, state: StepState) -> None:
-        """Train on ``state.train_batch``: sets ``state.update`` (and adds it to the step's metrics)."""
-        state.update = self._update(state.train_batch)
-        state.metrics.update(state.update)
+        """Train on ``state.batch`` (with its advantages); adds the optimizer steps' metrics to the step's."""
+        state.require("advantages", by="actor_update")
+        state.metrics.update(self._update(state.batch))
 
     def _update(self, batch: TensorBatch) -> dict[str, float]:
         cfg = self.config.batch

@@ -147,7 +147,9 @@ class WeightSyncStage:
         state.timings["time/rollout_sleep"] = time.perf_counter() - t
 
     def sync(self, state: StepState) -> None:
-        """Wake the rollout engine and send it the actor's weights as the next version; sets ``state.sync_bytes``.
+        """Wake the rollout engine and send it the actor's weights as the next version.
+
+        Adds ``weight_sync/bytes`` (the bytes sent) to the step's metrics.
 
         Sets ``time/rollout_wake`` (0 when the rollout stayed awake) and ``time/weight_sync`` (the
         sync alone).
@@ -165,7 +167,6 @@ class WeightSyncStage:
         self.progress.weight_version += 1
         self.progress.stage = "logging"
         state.timings["time/weight_sync"] = time.perf_counter() - t
-        state.sync_bytes = report.bytes
         state.metrics["weight_sync/bytes"] = report.bytes
 
     def resync(self) -> None:
