@@ -275,7 +275,9 @@ class TrainingEngine(Protocol):
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Save model, optimizer, scheduler, RNG states and step atomically to the folder ``path``.
 
-        A crash at any point leaves a previous checkpoint at ``path`` loadable.
+        The folder is created when missing (parents included). A crash at any point leaves a
+        previous checkpoint at ``path`` loadable: write each file with
+        :func:`~verl_core.enginekit.checkpoint.write_atomic`, or a temporary folder renamed into place.
         """
 
     @abstractmethod
