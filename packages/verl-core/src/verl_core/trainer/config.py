@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.kernel.convert import Check, Ge, Gt, build
 from verl_core.kernel.engine import DEFAULT_LORA_TARGETS, LoraSpec, OptimConfig
 from verl_core.kernel.errors import ConfigError
@@ -223,6 +224,10 @@ class AlgorithmConfig:
         use_reference: Compute reference log-probs (needed for a KL loss or KL reward penalty).
         use_critic: Train a critic (PPO with GAE); None = as the algorithm needs.
         dynamic_sampling: Drop groups whose scores are all equal (DAPO) before the update.
+        offpolicy: Off-policy correction of the actor loss against the rollout engine's log-probs
+            (``[algorithm.offpolicy]``: ``mode`` none, tis or mis; ``level`` token, sequence or
+            geometric; ``upper``, ``lower``); see
+            :class:`~verl_core.algorithms.config.OffPolicyConfig`. Off by default.
     """
 
     name: str = "grpo"
@@ -230,6 +235,7 @@ class AlgorithmConfig:
     use_reference: bool = False
     use_critic: bool | None = None
     dynamic_sampling: bool = False
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
 
 @dataclass(frozen=True)
