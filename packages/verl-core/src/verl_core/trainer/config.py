@@ -265,6 +265,11 @@ class RolloutConfig:
     max_new_tokens: int = 8
     sleep: Literal["auto", "always", "never"] = "auto"
 
+    def sampling_params(self, *, seed: int | None = None) -> SamplingParams:
+        """The training rollout's :class:`~verl_core.kernel.rollout.SamplingParams` (``seed``: each step's)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, n=self.n, seed=seed)
+
 
 @dataclass(frozen=True)
 class BatchConfig:
@@ -432,9 +437,8 @@ class RunConfig:
 
 def _check_rollout(cfg: RunConfig) -> None:
     """The rollout section is checked by SamplingParams itself: one rule for sampling parameters."""
-    r = cfg.rollout
     try:
-        SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, n=r.n)
+        cfg.rollout.sampling_params()
     except ConfigError as e:
         raise ConfigError(re.sub(r"SamplingParams\.(\w+)", r"config key 'rollout.\1'", str(e))) from None
 

@@ -16,7 +16,7 @@ from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.algorithms.losses import ActorLoss
 from verl_core.algorithms.presets import PRESET_TABLE
 from verl_core.kernel.errors import ConfigError
-from verl_core.kernel.rollout import RolloutEngine, SamplingParams
+from verl_core.kernel.rollout import RolloutEngine
 from verl_core.trainer.config import RunConfig
 
 __all__ = ["AlgorithmSetup", "build_algorithm", "check_offpolicy_rollout"]
@@ -61,9 +61,7 @@ def check_offpolicy_rollout(config: RunConfig, rollout: RolloutEngine) -> None:
     if not correction.enabled:
         return
     r = config.rollout
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_new_tokens=r.max_new_tokens, n=r.n)
-    if rollout.log_probs_exact(params):
+    if rollout.log_probs_exact(r.sampling_params()):
         return
     raise ConfigError(
         f"config key 'algorithm.offpolicy.mode' = {correction.mode!r} corrects the loss by the ratio of the training "
