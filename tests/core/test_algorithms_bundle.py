@@ -24,9 +24,9 @@ from verl_core.algorithms import (
     CriticLossConfig,
     GAEConfig,
     GRPOConfig,
+    OffPolicyConfig,
     PolicyLossConfig,
     RewardConfig,
-    TISConfig,
     aggregate,
     kl_estimate,
 )
@@ -106,7 +106,8 @@ def test_presets_set_the_documented_parts() -> None:
     assert ppo.uses_reference and ppo.critic_loss is not None
     assert Algorithm.reinforce_pp_baseline().estimator == "reinforce_pp_baseline"
     assert not Algorithm.dr_grpo().uses_reference
-    assert Algorithm.grpo(tis=TISConfig("sequence", 3.0)).actor_loss.batch_fields >= {"rollout_log_probs"}
+    assert Algorithm.grpo(offpolicy=OffPolicyConfig("tis", "sequence", 3.0)).actor_loss.batch_fields >= {"rollout_log_probs"}
+    assert "rollout_log_probs" not in Algorithm.grpo(offpolicy=OffPolicyConfig("none", "sequence")).actor_loss.batch_fields
 
 
 def test_dr_grpo_step_matches_manual_computation() -> None:
@@ -240,8 +241,11 @@ def test_builtin_components_are_built_with_the_typed_constructors() -> None:
     (lambda: PolicyLossConfig(clip_low=-0.1), r"PolicyLossConfig.clip_low"),
     (lambda: PolicyLossConfig(clip_high=float("nan")), r"'PolicyLossConfig.clip_high': expected a finite number, got nan"),
     (lambda: PolicyLossConfig(clip_ratio_c=1.0), r"clip_ratio_c' = 1.0 .*\(1.0, inf\]"),
-    (lambda: TISConfig(cap=0), r"TISConfig.cap"),
-    (lambda: TISConfig(level="batch"), r"TISConfig.level': 'batch'.*'token', 'sequence'"),  # type: ignore[arg-type]
+    (lambda: OffPolicyConfig("tis", upper=0.5), r"'OffPolicyConfig.upper' = 0.5 is out of range; allowed: \[1.0, inf\]"),
+    (lambda: OffPolicyConfig("mis", lower=1.5), r"'OffPolicyConfig.lower' = 1.5 is out of range; allowed: \[0.0, 1.0\]"),
+    (lambda: OffPolicyConfig(level="batch"), r"OffPolicyConfig.level': 'batch'.*'token', 'sequence', 'geometric'"),  # type: ignore[arg-type]
+    (lambda: OffPolicyConfig(mode="is"), r"OffPolicyConfig.mode': 'is'.*'none', 'tis', 'mis'"),  # type: ignore[arg-type]
+    (lambda: OffPolicyConfig("tis", lower=0.5), r"'lower' = 0.5 applies only to mode 'mis'.*remove lower or set mode"),
     (lambda: ActorLossConfig(loss_agg_mode="mean"), r"loss_agg_mode': 'mean'.*token-mean"),  # type: ignore[arg-type]
     (lambda: ActorLossConfig(entropy_coef=-1), r"entropy_coef"),
     (lambda: ActorLossConfig(norm_length=0), r"norm_length' = 0 .*>= 1"),

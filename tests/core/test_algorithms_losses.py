@@ -1,4 +1,4 @@
-"""Policy, value and KL losses, TIS and aggregation: hand-computed values and split invariance."""
+"""Policy, value and KL losses, the off-policy correction and aggregation: hand-computed values and split invariance."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from verl_core.algorithms import (
     ActorLossConfig,
     CriticLoss,
     CriticLossConfig,
+    OffPolicyConfig,
     PolicyLossConfig,
-    TISConfig,
     actor_loss,
     aggregate,
     cispo_loss,
@@ -26,9 +26,9 @@ from verl_core.algorithms import (
     gspo_loss,
     importance_sampling_loss,
     kl_estimate,
+    offpolicy_correction,
     ppo_loss,
     reinforce_loss,
-    tis_weights,
 )
 
 F64 = torch.float64
@@ -149,11 +149,12 @@ def test_tis_weights_token_and_sequence() -> None:
     old = torch.tensor([[-1.0, -1.0, 0.0], [-0.5, -2.0, 0.0]])
     rollout = torch.tensor([[-2.0, -0.9, 0.0], [-0.5, -2.1, 0.0]])
     mask = make_mask([2, 2], 3)
-    w, trunc = tis_weights(old, rollout, mask, TISConfig("token", cap=2.0))
-    torch.testing.assert_close(w, torch.tensor([[2.0, math.exp(-0.1), 0], [1.0, math.exp(0.1), 0]]))
-    assert trunc.tolist() == [[True, False, False], [False, False, False]]
-    ws, _ = tis_weights(old, rollout, mask, TISConfig("sequence", cap=10.0))
-    torch.testing.assert_close(ws, torch.tensor([[math.exp(0.9)] * 2 + [0], [math.exp(0.1)] * 2 + [0]]))
+    c = offpolicy_correction(old, rollout, mask, OffPolicyConfig("tis", "token", upper=2.0))
+    torch.testing.assert_close(c.weights, torch.tensor([[2.0, math.exp(-0.1), 0], [1.0, math.exp(0.1), 0]]))
+    assert c.hit.tolist() == [[True, False, False], [False, False, False]]
+    s = offpolicy_correction(old, rollout, mask, OffPolicyConfig("tis", "sequence", upper=10.0))
+    torch.testing.assert_close(s.weights, torch.tensor([[math.exp(0.9)] * 2 + [0], [math.exp(0.1)] * 2 + [0]]))
+    assert s.ratio.shape == (2, 1) and not s.hit.any()
 
 
 def test_aggregation_modes_hand_computed() -> None:
@@ -233,18 +234,23 @@ def random_tensors(seed: int, lengths: list[int], width: int, dtype: torch.dtype
     }
 
 
+CORRECTIONS = [OffPolicyConfig(), OffPolicyConfig("tis", "token"), OffPolicyConfig("tis", "sequence", 3.0),
+               OffPolicyConfig("mis", "token", 1.3), OffPolicyConfig("mis", "sequence", 2.0, 0.7),
+               OffPolicyConfig("mis", "geometric", 1.1), OffPolicyConfig("tis", "geometric", 1.05)]
+
+
 @PROPS
 @given(split_case(), st.sampled_from(MODES), st.sampled_from(["ppo", "gspo", "cispo", "reinforce"]),
-       st.sampled_from([None, "token", "sequence"]))
+       st.sampled_from(CORRECTIONS))
 def test_gradient_is_independent_of_the_micro_batch_split(
-    case: tuple[int, list[int], int, list[int]], mode: str, loss: str, tis: str | None
+    case: tuple[int, list[int], int, list[int]], mode: str, loss: str, correction: OffPolicyConfig
 ) -> None:
     seed, lengths, width, splits = case
     tensors = random_tensors(seed, lengths, width)
     config = ActorLossConfig(policy_loss=loss, loss_agg_mode=mode,  # type: ignore[arg-type]
                              policy=PolicyLossConfig(clip_low=0.2, clip_high=0.28),
                              entropy_coef=0.01, kl_loss_coef=0.1, kl_loss_estimator="k3+",
-                             tis=TISConfig(tis, 2.0) if tis else None)  # type: ignore[arg-type]
+                             offpolicy=correction)
     g_whole, l_whole, m_whole = engine_grads(config, tensors, [len(lengths)])
     g_split, l_split, m_split = engine_grads(config, tensors, splits)
     err = float((g_whole - g_split).abs().max()) / max(float(g_whole.abs().max()), 1e-300)
@@ -295,7 +301,7 @@ def test_actor_loss_through_real_micro_batches() -> None:
     stats = GlobalBatchStats.of(batch)
     for mode in MODES:
         fn = ActorLoss(ActorLossConfig(loss_agg_mode=mode, entropy_coef=0.01, kl_loss_coef=0.05,  # type: ignore[arg-type]
-                                       tis=TISConfig("token", 1.5)))
+                                       offpolicy=OffPolicyConfig("tis", "token", 1.5)))
         assert fn.needs == {"log_probs", "entropy"}
         grads = []
         for mbs in (batch.micro_batches(size=len(lengths)), batch.micro_batches(max_tokens=20)):
@@ -336,7 +342,7 @@ def test_critic_loss_fn_needs_values() -> None:
 def test_masked_positions_never_change_losses(seed: int, lengths: list[int], loss: str, mode: str) -> None:
     width = max(lengths)
     cfg = ActorLossConfig(policy_loss=loss, loss_agg_mode=mode, entropy_coef=0.1, kl_loss_coef=0.1,  # type: ignore[arg-type]
-                          tis=TISConfig("sequence", 3.0))
+                          offpolicy=OffPolicyConfig("tis", "sequence", 3.0))
     outs = []
     for junk in (False, True):
         t = random_tensors(seed, lengths, width, junk=junk)
@@ -379,8 +385,10 @@ def test_clipping_bounds(seed: int, lo: float, hi: float, c: float) -> None:
     ov = torch.randn(4, 16, generator=g, dtype=F64)
     t = clipped_value_loss(v, ov, adv, mask, CriticLossConfig(clip_range_value=lo + 0.01))
     assert bool((t.loss >= (v - adv) ** 2 - 1e-12).all())
-    weights, _ = tis_weights(lp, old, mask, TISConfig("token", cap=hi + 0.5))
-    assert bool((weights <= hi + 0.5).all())
+    weights = offpolicy_correction(lp, old, mask, OffPolicyConfig("tis", "token", upper=1.0 + hi)).weights
+    assert bool((weights <= 1.0 + hi).all())
+    kept = offpolicy_correction(lp, old, mask, OffPolicyConfig("mis", "token", upper=1.0 + hi)).weights
+    assert bool(((kept == 0) | ((kept >= 1 / (1.0 + hi)) & (kept <= 1.0 + hi))).all())
 
 
 def test_empty_micro_batch_and_all_empty_batch_are_finite() -> None:
@@ -501,8 +509,8 @@ def test_missing_inputs_say_what_to_do() -> None:
     t = random_tensors(0, [2, 1], 2)
     base = {"log_probs": t["log_probs"], "old_log_probs": t["old_log_probs"], "advantages": t["advantages"],
             "mask": t["mask"]}
-    with pytest.raises(BatchValidationError, match="needs rollout_log_probs.*set tis=None"):
-        actor_loss(ActorLossConfig(tis=TISConfig()), stats_of(t["mask"]), **base)
+    with pytest.raises(BatchValidationError, match="mode 'mis'.*needs rollout_log_probs.*set mode='none'"):
+        actor_loss(ActorLossConfig(offpolicy=OffPolicyConfig("mis")), stats_of(t["mask"]), **base)
     with pytest.raises(BatchValidationError, match="needs ref_log_probs.*kl_loss_coef=0"):
         actor_loss(ActorLossConfig(kl_loss_coef=0.1), stats_of(t["mask"]), **base)
     with pytest.raises(BatchValidationError, match="ActorLoss needs field.*advantages"):
@@ -518,7 +526,7 @@ def test_no_python_loop_over_samples_in_losses(name: str) -> None:
     def calls(lengths: list[int]) -> int:
         t = random_tensors(0, lengths, 64)
         cfg = ActorLossConfig(policy_loss=name, loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.1,
-                              entropy_coef=0.1, tis=TISConfig("sequence"))
+                              entropy_coef=0.1, offpolicy=OffPolicyConfig("mis", "sequence"))
         count = 0
 
         def prof(frame: object, event: str, arg: object) -> None:

@@ -34,9 +34,9 @@ from verl_core.algorithms import (
     CriticLoss,
     CriticLossConfig,
     GAEConfig,
+    OffPolicyConfig,
     ReinforcePPConfig,
     RewardConfig,
-    TISConfig,
     compute_token_rewards,
     gae,
     grpo,
@@ -55,6 +55,8 @@ PROPS = settings(max_examples=30, deadline=None)
 POLICY_LOSSES = ["ppo", "gspo", "cispo", "reinforce", "importance_sampling"]
 KL = ["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
 LOG_PROB_FIELDS = ("old_log_probs", "ref_log_probs", "rollout_log_probs")
+CORRECTIONS = [OffPolicyConfig(), OffPolicyConfig("tis", "token"), OffPolicyConfig("tis", "sequence"),
+               OffPolicyConfig("mis", "token", 1.5), OffPolicyConfig("mis", "geometric", 1.2)]
 
 
 # ----------------------------------------------------------------------------- batches
@@ -260,18 +262,18 @@ def test_single_turn_presets_are_bit_equal_with_an_equal_loss_mask(case: tuple[i
 
 @PROPS
 @given(shapes(), st.sampled_from(POLICY_LOSSES), st.sampled_from(AGG_MODES), st.sampled_from(KL),
-       st.sampled_from([None, "token", "sequence"]))
+       st.sampled_from(CORRECTIONS))
 def test_single_turn_losses_are_bit_equal_with_an_equal_loss_mask(
-    case: tuple[int, list[int], int], policy: str, mode: str, kl: str, tis: str | None
+    case: tuple[int, list[int], int], policy: str, mode: str, kl: str, correction: OffPolicyConfig
 ) -> None:
     seed, lengths, width = case
     plain = make_batch(seed, lengths, width)
     same = plain.update(loss_mask=plain["response_mask"].clone())
     config = ActorLossConfig(policy_loss=policy, loss_agg_mode=mode, entropy_coef=0.01,  # type: ignore[arg-type]
                              kl_loss_coef=0.1, kl_loss_estimator=kl,  # type: ignore[arg-type]
-                             tis=TISConfig(tis) if tis else None)  # type: ignore[arg-type]
+                             offpolicy=correction)
     runs = [actor_run(ActorLoss(config), b, GlobalBatchStats.of(b)) for b in (plain, same)]
-    assert_runs_equal(runs[0], runs[1], f"{policy}/{mode}/{kl}/{tis}")
+    assert_runs_equal(runs[0], runs[1], f"{policy}/{mode}/{kl}/{correction}")
     critic = CriticLoss(CriticLossConfig(loss_agg_mode=mode))  # type: ignore[arg-type]
     c_plain, c_same = (critic_run(critic, b, GlobalBatchStats.of(b)) for b in (plain, same))
     assert_runs_equal(c_plain, c_same, f"critic {mode}")
@@ -284,9 +286,9 @@ def test_single_turn_losses_are_bit_equal_with_an_equal_loss_mask(
 # ----------------------------------------------------------------------------- observation tokens do not count
 @PROPS
 @given(shapes(min_batch=2), st.sampled_from(POLICY_LOSSES), st.sampled_from(AGG_MODES), st.sampled_from(KL),
-       st.sampled_from([None, "token", "sequence"]))
+       st.sampled_from(CORRECTIONS))
 def test_observation_tokens_change_no_loss_and_get_no_gradient(
-    case: tuple[int, list[int], int], policy: str, mode: str, kl: str, tis: str | None
+    case: tuple[int, list[int], int], policy: str, mode: str, kl: str, correction: OffPolicyConfig
 ) -> None:
     seed, lengths, width = case
     lengths[0] = width = max(width, 3)
@@ -297,11 +299,11 @@ def test_observation_tokens_change_no_loss_and_get_no_gradient(
     stats = GlobalBatchStats.of(batch)
     config = ActorLossConfig(policy_loss=policy, loss_agg_mode=mode, entropy_coef=0.01,  # type: ignore[arg-type]
                              kl_loss_coef=0.1, kl_loss_estimator=kl,  # type: ignore[arg-type]
-                             tis=TISConfig(tis) if tis else None)  # type: ignore[arg-type]
+                             offpolicy=correction)
     names = ("log_probs", "advantages", "entropy", *LOG_PROB_FIELDS)
     base = actor_run(ActorLoss(config), batch, stats)
     moved = actor_run(ActorLoss(config), perturbed(batch, names, seed), stats)
-    assert_runs_equal(base, moved, f"{policy}/{mode}/{kl}/{tis}")
+    assert_runs_equal(base, moved, f"{policy}/{mode}/{kl}/{correction}")
     assert not bool(base[1][obs].any()), "observation tokens got a gradient"
     on = OnPolicyActorLoss(ActorLoss(config), compare_rollout=True)
     assert_runs_equal(actor_run(on, batch, stats), actor_run(on, perturbed(batch, names, seed + 1), stats), "on-policy")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_core import GlobalBatchStats, TensorBatch
-from verl_core.algorithms import ActorLoss, ActorLossConfig, TISConfig
+from verl_core.algorithms import ActorLoss, ActorLossConfig, OffPolicyConfig
 from verl_core.algorithms.onpolicy import OnPolicyActorLoss
 
 
@@ -35,7 +35,7 @@ def test_loss_and_gradient_are_bit_equal_to_old_log_probs_from_a_separate_forwar
     logits_lp = (torch.randn(6, 7, generator=g) - 2.0) * mask
     entropy = torch.rand(6, 7, generator=g) * mask
     stats = GlobalBatchStats.of(batch)
-    config = ActorLossConfig(policy_loss=policy_loss, kl_loss_coef=0.1, tis=TISConfig("token", 2.0))  # type: ignore[arg-type]
+    config = ActorLossConfig(policy_loss=policy_loss, kl_loss_coef=0.1, offpolicy=OffPolicyConfig("tis", "token", 2.0))
     results = []
     for on_policy in (False, True):
         leaf = logits_lp.clone().requires_grad_(True)

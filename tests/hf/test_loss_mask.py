@@ -9,11 +9,11 @@ from hf_helpers import actor_spec, flat_grads, model_path
 
 from verl_conformance.testkit import assert_close, random_batch
 from verl_core import GlobalBatchStats, TensorBatch
-from verl_core.algorithms import Algorithm, TISConfig
+from verl_core.algorithms import Algorithm, OffPolicyConfig
 from verl_hf.training import HFTrainingEngine
 
 # every actor term: policy loss, entropy bonus, KL loss, TIS weights
-GRPO = Algorithm.grpo(kl_loss_coef=0.1, entropy_coef=0.01, tis=TISConfig("token"))
+GRPO = Algorithm.grpo(kl_loss_coef=0.1, entropy_coef=0.01, offpolicy=OffPolicyConfig("tis", "token"))
 
 
 def _multi_turn() -> TensorBatch:

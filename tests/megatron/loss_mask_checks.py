@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, write_rank_result
 from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, ParallelSizes, TensorBatch
-from verl_core.algorithms import Algorithm, TISConfig
+from verl_core.algorithms import Algorithm, OffPolicyConfig
 from verl_megatron.training import MegatronTrainingEngine
 
-LOSS = Algorithm.grpo(kl_loss_coef=0.1, entropy_coef=0.01, tis=TISConfig("token")).actor_loss
+LOSS = Algorithm.grpo(kl_loss_coef=0.1, entropy_coef=0.01, offpolicy=OffPolicyConfig("tis", "token")).actor_loss
 
 
 def multi_turn() -> TensorBatch:

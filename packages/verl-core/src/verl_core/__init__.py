@@ -122,6 +122,7 @@ __all__ = [
     "MissingFieldError",
     "ModelOutput",
     "NonFiniteError",
+    "OffPolicyConfig",
     "OptimConfig",
     "ParallelSizes",
     "PluginError",
@@ -144,7 +145,6 @@ __all__ = [
     "StepMetrics",
     "StreamWeightSync",
     "SyncReport",
-    "TISConfig",
     "TensorBatch",
     "TensorInfo",
     "Tokenizer",
@@ -188,15 +188,15 @@ if TYPE_CHECKING:
         GAEConfig,
         GRPOConfig,
         KLName,
+        OffPolicyConfig,
         PolicyLossConfig,
         RewardConfig,
-        TISConfig,
     )
     from verl_core.trainer.inputs.rewards import FunctionReward, ScoreFn
 
 _ALGORITHM_NAMES: Final = frozenset({
     "ActorLoss", "ActorLossConfig", "AggMode", "Algorithm", "CriticLoss", "CriticLossConfig",
-    "GAEConfig", "GRPOConfig", "KLName", "PolicyLossConfig", "RewardConfig", "TISConfig",
+    "GAEConfig", "GRPOConfig", "KLName", "OffPolicyConfig", "PolicyLossConfig", "RewardConfig",
 })
 
 

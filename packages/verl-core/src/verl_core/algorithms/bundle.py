@@ -10,6 +10,7 @@ from verl_core.algorithms.config import ActorLossConfig, CriticLossConfig, Rewar
 from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl_controller
 from verl_core.algorithms.loss_tokens import over_loss_tokens
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
+from verl_core.algorithms.offpolicy import ratio_statistics
 from verl_core.algorithms.presets import PRESET_TABLE, PRESETS
 from verl_core.kernel.algorithm import Need
 from verl_core.kernel.batch import TensorBatch
@@ -144,8 +145,18 @@ class Algorithm:
         A multi-turn batch (``loss_mask`` differing from ``response_mask``) runs all of this, a
         registered estimator too, on its loss tokens (:mod:`verl_core.algorithms.loss_tokens`):
         observation tokens are skipped and get 0.
+
+        With an off-policy correction in the actor loss and a batch holding ``old_log_probs`` and
+        ``rollout_log_probs``, the metrics also give the importance ratio's mean, max and min over
+        the whole batch (``offpolicy/ratio_mean``, ``offpolicy/ratio_max``, ``offpolicy/ratio_min``;
+        :func:`~verl_core.algorithms.offpolicy.ratio_statistics`): the loss reports only what sums
+        over micro-batches.
         """
-        return over_loss_tokens(self._advantages)(batch)
+        out, metrics = over_loss_tokens(self._advantages)(batch)
+        correction = self.actor_loss.config.offpolicy
+        if correction.enabled and "old_log_probs" in batch and "rollout_log_probs" in batch:
+            metrics = {**metrics, **ratio_statistics(batch, correction)}
+        return out, metrics
 
     def _advantages(self, batch: TensorBatch) -> tuple[TensorBatch, Metrics]:
         """:meth:`compute_advantages_with_metrics` of a single-turn batch."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Final, Literal, get_args
 
 from verl_core.kernel.convert import Check, Ge, check_fields
+from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "AGG_MODES",
@@ -23,13 +24,15 @@ __all__ = [
     "GAEConfig",
     "GRPOConfig",
     "KLName",
+    "OffPolicyConfig",
+    "OffPolicyLevel",
+    "OffPolicyMode",
     "PolicyLossConfig",
     "RLOOConfig",
     "ReMaxConfig",
     "ReinforcePPBaselineConfig",
     "ReinforcePPConfig",
     "RewardConfig",
-    "TISConfig",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -175,22 +178,65 @@ class PolicyLossConfig(_Checked):
 
 
 
-@dataclass(frozen=True)
-class TISConfig(_Checked):
-    """Truncated importance sampling against the rollout engine's log-probs.
+OffPolicyMode = Literal["none", "tis", "mis"]
+"""Off-policy correction: ``none``, truncated (``tis``) or masked (``mis``) importance sampling."""
 
-    The weight ``min(pi_old / pi_rollout, cap)`` (token level) or
-    ``min(prod_t pi_old / pi_rollout, cap)`` (sequence level) multiplies each token's policy loss;
-    it corrects the mismatch between the rollout and the training engine. Needs
-    ``rollout_log_probs``.
+OffPolicyLevel = Literal["token", "sequence", "geometric"]
+"""Where the correction's ratio is taken: per token, per response (product), or per response
+(geometric mean)."""
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig(_Checked):
+    """Off-policy correction of the policy loss against the rollout engine's log-probs.
+
+    The rollout engine samples from ``pi_rollout`` (its log-probs ``rollout_log_probs``) while the
+    loss is built around the training engine's ``pi_old`` (``old_log_probs``, the same tokens); a
+    different engine, precision or a stale rollout makes them differ. The importance ratio
+    ``rho = pi_old / pi_rollout`` (detached) is computed in log space at ``level``:
+
+    * ``token``: ``rho_t = exp(log pi_old(y_t) - log pi_rollout(y_t))``, one per token;
+    * ``sequence``: ``rho = exp(sum_t (log pi_old(y_t) - log pi_rollout(y_t)))``, the product of
+      the token ratios over the response, shared by its tokens;
+    * ``geometric``: ``rho = exp(mean_t (...))``, their geometric mean, shared by its tokens;
+
+    each log clamped to +-20 before ``exp``. ``tis`` multiplies each token's policy loss by
+    ``min(rho, upper)`` (truncated importance sampling); ``mis`` by ``rho`` where ``lower <= rho <=
+    upper`` and by 0 outside (masked importance sampling: the token, or the whole response at the
+    sequence levels, is dropped from the policy loss; the loss's normalising counts stay those of
+    the mini-batch). See :mod:`verl_core.algorithms.offpolicy`.
 
     Attributes:
-        level: ``token`` or ``sequence``.
-        cap: Upper bound of the weight, > 0 (verl's default threshold: 2.0).
+        mode: ``none`` (no correction: the loss is exactly the uncorrected one), ``tis`` or ``mis``.
+        level: ``token``, ``sequence`` or ``geometric``.
+        upper: The truncation cap (``tis``) or the upper bound of the kept ratios (``mis``), >= 1
+            (verl's default: 2.0; geometric-mean ratios stay near 1, so their bounds are tight,
+            e.g. 1.001).
+        lower: Lower bound of the kept ratios (``mis`` only), in [0, 1]; None = ``1 / upper``.
     """
 
-    level: Literal["token", "sequence"] = "token"
-    cap: Annotated[float, _POSITIVE] = 2.0
+    mode: OffPolicyMode = "none"
+    level: OffPolicyLevel = "token"
+    upper: Annotated[float, _range(1.0)] = 2.0
+    lower: Annotated[float, _UNIT] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lower is not None and self.mode == "tis":
+            raise ConfigError(
+                f"option 'lower' = {self.lower} applies only to mode 'mis' (mode 'tis' truncates at 'upper' and "
+                "has no lower bound); remove lower or set mode = 'mis'"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when the loss is corrected (``mode`` is not ``none``)."""
+        return self.mode != "none"
+
+    @property
+    def lower_bound(self) -> float:
+        """The lower bound ``mis`` keeps ratios from: ``lower``, else ``1 / upper``."""
+        return 1.0 / self.upper if self.lower is None else self.lower
 
 
 
@@ -208,7 +254,7 @@ class ActorLossConfig(_Checked):
         entropy_coef: Weight of the entropy bonus (subtracted from the loss), >= 0.
         kl_loss_coef: Weight of the KL-to-reference loss term, >= 0 (needs ``ref_log_probs``).
         kl_loss_estimator: Estimator of that term (verl's default: ``low_var_kl`` = k3).
-        tis: Truncated importance sampling against ``rollout_log_probs``, or None.
+        offpolicy: Off-policy correction against ``rollout_log_probs`` (default: none).
         entropy_metric: Report the entropy even when ``entropy_coef`` is 0 (costs the engine an
             entropy computation).
     """
@@ -220,7 +266,7 @@ class ActorLossConfig(_Checked):
     entropy_coef: Annotated[float, _NON_NEGATIVE] = 0.0
     kl_loss_coef: Annotated[float, _NON_NEGATIVE] = 0.0
     kl_loss_estimator: KLName = "k3"
-    tis: TISConfig | None = None
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     entropy_metric: bool = False
 
 

@@ -1,7 +1,10 @@
 """The constructors of :class:`~verl_core.algorithms.bundle.Algorithm` (verl's defaults per algorithm).
 
 Each takes the class as its first argument; Algorithm binds them as its classmethods
-(``Algorithm.ppo(...)``, ``Algorithm.grpo(...)``, ...), which is how they are called.
+(``Algorithm.ppo(...)``, ``Algorithm.grpo(...)``, ...), which is how they are called. Every one takes
+``offpolicy``: the off-policy correction of the actor loss
+(:class:`~verl_core.algorithms.config.OffPolicyConfig`; None = none). A run's config sets it in its
+own section, ``[algorithm.offpolicy]``, not among a preset's options.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from verl_core.algorithms.config import (
     GAEConfig,
     GRPOConfig,
     KLName,
+    OffPolicyConfig,
     PolicyLossConfig,
     ReinforcePPBaselineConfig,
     ReinforcePPConfig,
     ReMaxConfig,
     RewardConfig,
     RLOOConfig,
-    TISConfig,
 )
 
 if TYPE_CHECKING:
@@ -37,7 +40,7 @@ def _actor(
     entropy_coef: float,
     kl_loss_coef: float,
     kl_loss_estimator: KLName,
-    tis: TISConfig | None,
+    offpolicy: OffPolicyConfig | None,
     norm_length: int | None = None,
 ) -> ActorLossConfig:
     return ActorLossConfig(
@@ -52,7 +55,7 @@ def _actor(
         entropy_coef=entropy_coef,
         kl_loss_coef=kl_loss_coef,
         kl_loss_estimator=kl_loss_estimator,
-        tis=tis,
+        offpolicy=offpolicy if offpolicy is not None else OffPolicyConfig(),
     )
 
 
@@ -72,7 +75,7 @@ def ppo(
     kl_controller: Literal["fixed", "adaptive"] = "fixed",
     target_kl: float = 0.1,
     horizon: float = 10000.0,
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """PPO: GAE with a critic, clipped policy and value losses, dual clip.
 
@@ -85,7 +88,7 @@ def ppo(
         "gae",
         GAEConfig(gamma=gamma, lam=lam),
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, loss_agg_mode, entropy_coef,
-                     0.0, "k3", tis),
+                     0.0, "k3", offpolicy),
         critic=CriticLossConfig(clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode),
         reward=RewardConfig(kl_coef=kl_coef, kl_estimator=kl_estimator,
                             controller=kl_controller, target_kl=target_kl, horizon=horizon),
@@ -104,7 +107,7 @@ def grpo(
     entropy_coef: float = 0.0,
     kl_loss_coef: float = 0.001,
     kl_loss_estimator: KLName = "k3",
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """GRPO: group-normalised advantages, PPO clip, KL to the reference as a loss term.
 
@@ -116,7 +119,7 @@ def grpo(
         "grpo",
         GRPOConfig(norm_by_std=norm_by_std, epsilon=epsilon),
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, loss_agg_mode, entropy_coef,
-                     kl_loss_coef, kl_loss_estimator, tis),
+                     kl_loss_coef, kl_loss_estimator, offpolicy),
     )
 
 
@@ -130,7 +133,7 @@ def dr_grpo(
     entropy_coef: float = 0.0,
     kl_loss_coef: float = 0.0,
     kl_loss_estimator: KLName = "k3",
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """Dr. GRPO: no std normalisation, ``seq-mean-token-sum-norm`` aggregation, no KL.
 
@@ -142,7 +145,7 @@ def dr_grpo(
         "grpo",
         GRPOConfig(norm_by_std=False),
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, "seq-mean-token-sum-norm",
-                     entropy_coef, kl_loss_coef, kl_loss_estimator, tis, norm_length),
+                     entropy_coef, kl_loss_coef, kl_loss_estimator, offpolicy, norm_length),
     )
 
 
@@ -157,7 +160,7 @@ def rloo(
     kl_coef: float = 0.0,
     kl_estimator: KLName = "k1",
     kl_loss_coef: float = 0.0,
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """RLOO: leave-one-out baseline, PPO clip; optional KL penalty in the reward."""
     return cls(
@@ -165,7 +168,7 @@ def rloo(
         "rloo",
         RLOOConfig(),
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, loss_agg_mode, entropy_coef,
-                     kl_loss_coef, "k3", tis),
+                     kl_loss_coef, "k3", offpolicy),
         reward=RewardConfig(kl_coef=kl_coef, kl_estimator=kl_estimator),
     )
 
@@ -183,7 +186,7 @@ def reinforce_pp(
     kl_coef: float = 0.001,
     kl_estimator: KLName = "k1",
     kl_loss_coef: float = 0.0,
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """REINFORCE++ (``baseline=True``: with the group-mean baseline); KL penalty in the reward.
 
@@ -196,7 +199,7 @@ def reinforce_pp(
         estimator,
         config,
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, loss_agg_mode, entropy_coef,
-                     kl_loss_coef, "k3", tis),
+                     kl_loss_coef, "k3", offpolicy),
         reward=RewardConfig(kl_coef=kl_coef, kl_estimator=kl_estimator),
     )
 
@@ -216,7 +219,7 @@ def remax(
     entropy_coef: float = 0.0,
     kl_coef: float = 0.001,
     kl_estimator: KLName = "k1",
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """ReMax: the greedy response's score (``baseline_scores``) as baseline; KL in the reward."""
     return cls(
@@ -224,7 +227,7 @@ def remax(
         "remax",
         ReMaxConfig(),
         actor=_actor("ppo", clip_low, clip_high, clip_ratio_c, loss_agg_mode, entropy_coef,
-                     0.0, "k3", tis),
+                     0.0, "k3", offpolicy),
         reward=RewardConfig(kl_coef=kl_coef, kl_estimator=kl_estimator),
     )
 
@@ -238,7 +241,7 @@ def gspo(
     norm_by_std: bool = True,
     entropy_coef: float = 0.0,
     kl_loss_coef: float = 0.0,
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """GSPO: GRPO advantages with the sequence-level ratio (paper's clip 3e-4 / 4e-4)."""
     return cls(
@@ -246,7 +249,7 @@ def gspo(
         "grpo",
         GRPOConfig(norm_by_std=norm_by_std),
         actor=_actor("gspo", clip_low, clip_high, None, loss_agg_mode, entropy_coef,
-                     kl_loss_coef, "k3", tis),
+                     kl_loss_coef, "k3", offpolicy),
     )
 
 
@@ -259,7 +262,7 @@ def cispo(
     norm_by_std: bool = True,
     entropy_coef: float = 0.0,
     kl_loss_coef: float = 0.0,
-    tis: TISConfig | None = None,
+    offpolicy: OffPolicyConfig | None = None,
 ) -> Algorithm:
     """CISPO: GRPO advantages, REINFORCE weighted by the clipped stop-gradient ratio.
 
@@ -271,5 +274,5 @@ def cispo(
         "grpo",
         GRPOConfig(norm_by_std=norm_by_std),
         actor=_actor("cispo", clip_low, clip_high, None, loss_agg_mode, entropy_coef,
-                     kl_loss_coef, "k3", tis),
+                     kl_loss_coef, "k3", offpolicy),
     )

@@ -1,4 +1,4 @@
-"""Policy losses, truncated importance sampling, the value loss, and the LossFn objects engines run.
+"""Policy losses, the off-policy correction in the actor loss, the value loss, and the LossFn objects engines run.
 
 Per-token policy losses (``r = exp(clamp(log_probs - old_log_probs, +-log_ratio_clamp))``, ``A``
 the advantage, all to be minimised), matching verl 0.9.1 ``core_algos``:
@@ -13,9 +13,11 @@ the advantage, all to be minimised), matching verl 0.9.1 ``core_algos``:
 
 The actor loss is ``agg(policy) - entropy_coef * agg(entropy) + kl_loss_coef * agg(kl)`` with one
 aggregation mode for all three terms (as verl's actor), each normalised by the global counts (see
-:mod:`verl_core.algorithms.aggregation`). Metrics follow the same summing rule; the per-token
-statistics (clip fractions, ``ppo_kl``, ``entropy``, ``kl``, TIS weights) are token means over the
-global mini-batch whatever the loss's aggregation mode.
+:mod:`verl_core.algorithms.aggregation`). With an off-policy correction
+(:class:`~verl_core.algorithms.config.OffPolicyConfig`) each token's policy loss is first multiplied by
+its weight (:mod:`verl_core.algorithms.offpolicy`). Metrics follow the same summing rule; the per-token
+statistics (clip fractions, ``ppo_kl``, ``entropy``, ``kl``) are token means over the global
+mini-batch whatever the loss's aggregation mode, the correction's are means over its level's units.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from verl_core.algorithms.config import (
     ActorLossConfig,
     CriticLossConfig,
     PolicyLossConfig,
-    TISConfig,
 )
 from verl_core.algorithms.kl import kl_estimate
+from verl_core.algorithms.offpolicy import correction_metrics, offpolicy_correction
 from verl_core.kernel.algorithm import PolicyLossTerms, ValueLossTerms
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import BatchValidationError
@@ -54,7 +56,6 @@ __all__ = [
     "importance_sampling_loss",
     "ppo_loss",
     "reinforce_loss",
-    "tis_weights",
 ]
 
 _GSPO_LOG_CLAMP: Final = 10.0
@@ -195,26 +196,6 @@ POLICY_LOSSES: Final = {
 """The built-in policy losses by name."""
 
 
-def tis_weights(
-    old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, config: TISConfig
-) -> tuple[Tensor, Tensor]:
-    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` (detached), 0 where masked.
-
-    Token level: one weight per token; sequence level: ``exp(sum_t log ratio)`` shared by the
-    sequence's tokens. Log ratios are clamped to +-20 before exp (as verl).
-
-    Returns:
-        ``(weights, truncated)``: the weights and where the cap was hit (bool).
-    """
-    w = mask_weights(mask, old_log_probs.dtype)
-    log_ratio = (old_log_probs - rollout_log_probs).detach() * w
-    if config.level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
-    raw = log_ratio.clamp(-20.0, 20.0).exp()
-    truncated = (raw > config.cap) & (w > 0)
-    return raw.clamp(max=config.cap) * w, truncated
-
-
 def _token_mean(x: Tensor, w: Tensor, stats: GlobalBatchStats) -> Tensor:
     return masked_total(x.detach(), w) / max(stats.num_tokens, 1)
 
@@ -247,16 +228,15 @@ def actor_loss(
     w = mask_weights(mask, dtype)
     flags = mask if mask.dtype == torch.bool else mask > 0
     metrics: dict[str, Tensor] = {}
-    if config.tis is not None:
+    if config.offpolicy.enabled:
         if rollout_log_probs is None:
             raise BatchValidationError(
-                "truncated importance sampling (ActorLossConfig.tis) needs rollout_log_probs; pass the "
-                "rollout engine's log-probs or set tis=None"
+                f"the off-policy correction (ActorLossConfig.offpolicy, mode {config.offpolicy.mode!r}) needs "
+                "rollout_log_probs; pass the rollout engine's log-probs or set mode='none'"
             )
-        tis, truncated = tis_weights(old_log_probs, rollout_log_probs, w, config.tis)
-        per_token = per_token * tis
-        metrics["tis_weight"] = _token_mean(tis, w, stats)
-        metrics["tis_truncated_frac"] = _token_frac(truncated, flags, stats, dtype)
+        correction = offpolicy_correction(old_log_probs, rollout_log_probs, w, config.offpolicy)
+        per_token = per_token * correction.weights
+        metrics.update(correction_metrics(correction, config.offpolicy, stats))
     mode, L = config.loss_agg_mode, config.norm_length
     pg = aggregate(per_token, w, mode, stats, L)
     loss = pg
@@ -284,18 +264,19 @@ def actor_loss(
 
 @dataclass(frozen=True)
 class ActorLoss:
-    """The actor's :class:`~verl_core.kernel.training.LossFn`: policy loss, entropy bonus, KL loss, TIS.
+    """The actor's :class:`~verl_core.kernel.training.LossFn`: policy loss, entropy bonus, KL loss, correction.
 
     Reads from the micro-batch ``response_mask``, ``old_log_probs``, ``advantages``, the model's
     ``log_probs`` (and ``entropy`` when declared in :attr:`needs`), ``ref_log_probs`` when
-    ``kl_loss_coef`` > 0 and ``rollout_log_probs`` when ``tis`` is set. Every term, aggregation
+    ``kl_loss_coef`` > 0 and ``rollout_log_probs`` when an off-policy correction is on. Every term, aggregation
     and metric is over ``batch.loss_mask`` (``loss_mask``, else ``response_mask``): observation
     tokens of a multi-turn response add nothing and get no gradient.
 
     Metrics (each a contribution; summed over micro-batches and ranks it is the global value):
     ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (token mean of
-    ``old_log_probs - log_probs``), and when enabled ``entropy``, ``kl_loss``, ``kl``,
-    ``tis_weight``, ``tis_truncated_frac``.
+    ``old_log_probs - log_probs``), and when enabled ``entropy``, ``kl_loss``, ``kl``, and the
+    correction's ``offpolicy/weight_mean`` with ``offpolicy/truncated_frac`` (``tis``) or
+    ``offpolicy/masked_frac`` (``mis``) (see :func:`~verl_core.algorithms.offpolicy.correction_metrics`).
     """
 
     config: ActorLossConfig = field(default_factory=ActorLossConfig)
@@ -313,7 +294,7 @@ class ActorLoss:
         out = {"response_mask", "old_log_probs", "advantages"}
         if self.config.kl_loss_coef:
             out.add("ref_log_probs")
-        if self.config.tis is not None:
+        if self.config.offpolicy.enabled:
             out.add("rollout_log_probs")
         return frozenset(out)
 
@@ -329,7 +310,7 @@ class ActorLoss:
             mask=batch.loss_mask,
             entropy=batch["entropy"] if "entropy" in self.needs else None,
             ref_log_probs=batch["ref_log_probs"] if self.config.kl_loss_coef else None,
-            rollout_log_probs=batch["rollout_log_probs"] if self.config.tis is not None else None,
+            rollout_log_probs=batch["rollout_log_probs"] if self.config.offpolicy.enabled else None,
         )
 
 

@@ -4,7 +4,8 @@
 :class:`~verl_core.algorithms.bundle.Algorithm` constructor that builds it, the constructor
 arguments the preset fixes, the defaults it changes, the advantage estimator it swaps in and
 whether the trainer turns on dynamic sampling for it. The constructors' keyword arguments (minus
-the fixed ones) are the preset's options, with the changed defaults. :data:`PRESETS` (the names
+the fixed ones and the ones of :data:`SECTION_OPTIONS`) are the preset's options, with the changed
+defaults. :data:`PRESETS` (the names
 :meth:`Algorithm.from_name` builds) is derived from it: the rows that are a constructor as it is,
 not a recipe on top of one.
 """
@@ -19,9 +20,13 @@ from typing import Any, Final
 
 from verl_core.kernel.errors import ConfigError, VerlError
 
-__all__ = ["PRESETS", "PRESET_TABLE", "Preset"]
+__all__ = ["PRESETS", "PRESET_TABLE", "SECTION_OPTIONS", "Preset"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+SECTION_OPTIONS: Final[Mapping[str, str]] = MappingProxyType({"offpolicy": "algorithm.offpolicy"})
+"""Constructor keywords a run's config sets in a section of their own (by the section's key), not
+in ``algorithm.options``: every preset takes them, so they are not listed as its options."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +62,30 @@ class Preset:
 
         params = inspect.signature(getattr(Algorithm, self.constructor)).parameters
         return {k: self.defaults.get(k, p.default) for k, p in params.items()
-                if k not in self.fixed and p.kind is inspect.Parameter.KEYWORD_ONLY}
+                if k not in self.fixed and k not in SECTION_OPTIONS and p.kind is inspect.Parameter.KEYWORD_ONLY}
 
-    def build(self, options: Mapping[str, Any]) -> Any:
+    def build(self, options: Mapping[str, Any], **sections: Any) -> Any:
         """The :class:`Algorithm` of this preset with ``options``.
+
+        Args:
+            options: The preset's options (``algorithm.options``).
+            **sections: Keywords of :data:`SECTION_OPTIONS` (``offpolicy=``), from their own sections.
 
         Raises:
             ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``
-                and listing the valid ones), or a value the constructor refuses.
+                and listing the valid ones; a keyword of :data:`SECTION_OPTIONS` names its
+                section), or a value the constructor refuses.
         """
         from verl_core.algorithms.bundle import Algorithm
 
+        for key in sorted(set(options) & set(SECTION_OPTIONS)):
+            raise ConfigError(
+                f"config key 'algorithm.options.{key}' is not an option of algorithm {self.name!r}: set it in "
+                f"its own section, [{SECTION_OPTIONS[key]}]"
+            )
+        extra = sorted(set(sections) - set(SECTION_OPTIONS))
+        if extra:
+            raise TypeError(f"Preset.build: unknown section keyword(s) {extra}; valid: {list(SECTION_OPTIONS)}")
         valid = list(self.options())
         unknown = sorted(set(options) - set(valid))
         if unknown:
@@ -75,6 +93,7 @@ class Preset:
                 f"config key 'algorithm.options.{unknown[0]}' is not an option of algorithm {self.name!r}; "
                 f"valid options: {', '.join(valid)}"
             )
+        options = {**options, **{k: v for k, v in sections.items() if v is not None}}
         try:
             algo = getattr(Algorithm, self.constructor)(**self.fixed, **{**self.defaults, **options})
             if self.estimator is not None:

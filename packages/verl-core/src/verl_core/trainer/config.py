@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.kernel.convert import Check, Ge, Gt, build
 from verl_core.kernel.engine import DEFAULT_LORA_TARGETS, LoraSpec, OptimConfig
 from verl_core.kernel.errors import ConfigError
@@ -225,6 +226,10 @@ class AlgorithmConfig:
         use_reference: Compute reference log-probs (needed for a KL loss or KL reward penalty).
         use_critic: Train a critic (PPO with GAE); None = as the algorithm needs.
         dynamic_sampling: Drop groups whose scores are all equal (DAPO) before the update.
+        offpolicy: Off-policy correction of the actor loss against the rollout engine's log-probs
+            (``[algorithm.offpolicy]``: ``mode`` none, tis or mis; ``level`` token, sequence or
+            geometric; ``upper``, ``lower``); see
+            :class:`~verl_core.algorithms.config.OffPolicyConfig`. Off by default.
     """
 
     name: str = "grpo"
@@ -232,6 +237,7 @@ class AlgorithmConfig:
     use_reference: bool = False
     use_critic: bool | None = None
     dynamic_sampling: bool = False
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,11 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 8
     sleep: Literal["auto", "always", "never"] = "auto"
+
+    def sampling_params(self, *, seed: int | None = None) -> SamplingParams:
+        """The training rollout's :class:`~verl_core.kernel.rollout.SamplingParams` (``seed``: each step's)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, n=self.n, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -451,9 +462,8 @@ class RunConfig:
 
 def _check_rollout(cfg: RunConfig) -> None:
     """The rollout section is checked by SamplingParams itself: one rule for sampling parameters."""
-    r = cfg.rollout
     try:
-        SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, n=r.n)
+        cfg.rollout.sampling_params()
     except ConfigError as e:
         raise ConfigError(re.sub(r"SamplingParams\.(\w+)", r"config key 'rollout.\1'", str(e))) from None
 

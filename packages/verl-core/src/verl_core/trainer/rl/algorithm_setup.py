@@ -1,8 +1,9 @@
 """The algorithm of an RL run from its config: the preset, and which engines and stages it needs.
 
 The presets are :data:`verl_core.algorithms.presets.PRESET_TABLE`'s; :func:`build_algorithm`
-builds one and :class:`AlgorithmSetup` checks the
-``algorithm`` section against the rest of the config before anything is built.
+builds one (with the ``[algorithm.offpolicy]`` correction) and :class:`AlgorithmSetup` checks the
+``algorithm`` section against the rest of the config before anything is built;
+:func:`check_offpolicy_rollout` checks the correction against the rollout engine once it is built.
 """
 
 from __future__ import annotations
@@ -11,16 +12,21 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.algorithms.losses import ActorLoss
 from verl_core.algorithms.presets import PRESET_TABLE
 from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.rollout import RolloutEngine
 from verl_core.trainer.config import RunConfig
 
-__all__ = ["AlgorithmSetup", "build_algorithm"]
+__all__ = ["AlgorithmSetup", "build_algorithm", "check_offpolicy_rollout"]
 
 
-def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
+def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyConfig | None = None) -> Any:
     """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
+
+    ``offpolicy`` is the actor loss's off-policy correction (the ``[algorithm.offpolicy]``
+    section; None = none); every preset takes it.
 
     The names and what each one sets are the rows of
     :data:`~verl_core.algorithms.presets.PRESET_TABLE`: e.g. ``dapo`` is GRPO with clip-higher
@@ -35,7 +41,36 @@ def build_algorithm(name: str, options: Mapping[str, Any]) -> Any:
     preset = PRESET_TABLE.get(name)
     if preset is None:
         raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(PRESET_TABLE)}")
-    return preset.build(options)
+    return preset.build(options, offpolicy=offpolicy)
+
+
+def check_offpolicy_rollout(config: RunConfig, rollout: RolloutEngine) -> None:
+    """Refuse an off-policy correction whose ratio would be built on inexact rollout log-probs.
+
+    The correction's ratio is ``pi_old / pi_rollout``: when the rollout engine's
+    ``rollout_log_probs`` do not follow the schema's definition under the run's sampling (e.g.
+    vLLM with top-k/top-p truncation, see ``RolloutEngine.log_probs_exact``), the ratio measures
+    the difference of definitions, not the mismatch of the engines, and would reweigh the loss by
+    it. Called when the rollout engine is built, before any step; nothing to check with ``mode``
+    ``none``.
+
+    Raises:
+        ConfigError: naming ``algorithm.offpolicy.mode``, the rollout backend and the sampling.
+    """
+    correction = config.algorithm.offpolicy
+    if not correction.enabled:
+        return
+    r = config.rollout
+    if rollout.log_probs_exact(r.sampling_params()):
+        return
+    raise ConfigError(
+        f"config key 'algorithm.offpolicy.mode' = {correction.mode!r} corrects the loss by the ratio of the training "
+        f"engine's log-probs to the rollout engine's, but the rollout backend {config.backends.rollout!r} reports "
+        f"log-probs that are not exact under this run's sampling (rollout.temperature = {r.temperature}, "
+        f"rollout.top_p = {r.top_p}, rollout.top_k = {r.top_k}); sample without truncation (rollout.top_p = 1.0, "
+        "rollout.top_k = 0), configure the rollout backend to report exact log-probs, or set "
+        "algorithm.offpolicy.mode = 'none'"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +85,9 @@ class AlgorithmSetup:
             or the preset's).
         on_policy_old_log_probs: The old log-probs are the update's own (``batch.old_log_probs``
             = ``auto``, one optimizer step per batch, nothing needs them before the update): the
-            separate actor forward is skipped.
+            separate actor forward is skipped. Never with an off-policy correction: the step's
+            ratio statistics (max and min over the batch) are computed before the update, from
+            the separate forward's log-probs.
     """
 
     algorithm: Any
@@ -69,7 +106,7 @@ class AlgorithmSetup:
                 reward for its prompts.
         """
         a = config.algorithm
-        algorithm = build_algorithm(a.name, a.options)
+        algorithm = build_algorithm(a.name, a.options, a.offpolicy)
         use_critic = a.use_critic if a.use_critic is not None else algorithm.uses_critic
         if use_critic and not algorithm.uses_critic:
             raise ConfigError(
@@ -110,6 +147,6 @@ class AlgorithmSetup:
             dynamic_sampling=a.dynamic_sampling or PRESET_TABLE[a.name].dynamic_sampling,
             on_policy_old_log_probs=(
                 b.old_log_probs == "auto" and one_update and isinstance(algorithm.actor_loss, ActorLoss)
-                and "old_log_probs" not in algorithm.advantage_fields
+                and "old_log_probs" not in algorithm.advantage_fields and not a.offpolicy.enabled
             ),
         )

@@ -35,6 +35,7 @@ from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor
 from verl_core.trainer.inputs.rewards import RewardFunctions
 from verl_core.trainer.inputs.tasks import DigitTask, TaskReward
+from verl_core.trainer.rl.algorithm_setup import check_offpolicy_rollout
 from verl_core.trainer.rl.episodes import EpisodeRewards
 
 __all__ = ["BaseModelReference", "RLEngines"]
@@ -154,11 +155,16 @@ class RLEngines:
             path: The policy model folder.
             use_reference: Build the reference (with ``model.lora``: the actor's base, no engine).
             use_critic: Build the critic (from ``critic_model`` when set).
+
+        Raises:
+            ConfigError: ``algorithm.offpolicy`` corrects against log-probs the rollout engine does not
+                report exactly under the run's sampling (:func:`~verl_core.trainer.rl.algorithm_setup.check_offpolicy_rollout`).
         """
         cfg, b = config, config.backends
         self.executor = executor
         self.actor = executor.training_engine("actor", b.actor, spec("actor", path, cfg.optim.to_optim(cfg.steps)))
         self.rollout = executor.rollout_engine(b.rollout, spec("rollout", path))
+        check_offpolicy_rollout(cfg, self.rollout)  # before the reference and critic are built
         if use_reference and cfg.model.lora.enabled:
             self.reference = BaseModelReference(self.actor)  # the frozen base is the actor's own
         elif use_reference:

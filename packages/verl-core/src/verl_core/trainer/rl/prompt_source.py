@@ -203,11 +203,7 @@ class PromptSource:
 
     def sampling_params(self, step: int) -> SamplingParams:
         """Sampling parameters of ``step`` (the seed makes every sample reproducible)."""
-        r = self.config.rollout
-        return SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            n=r.n, seed=self.config.seed * 1_000_003 + step,
-        )
+        return self.config.rollout.sampling_params(seed=self.config.seed * 1_000_003 + step)
 
     def batch(self, step: int, tokenizer: Tokenizer, *, weight_version: int) -> TensorBatch:
         """The prompt batch of ``step`` (group ids unique for the run).
