@@ -294,6 +294,8 @@ class Trainer:
             self.generation.run(state)  # rollout -> reward -> select -> reference / actor / critic forwards
         if self.config.async_training.lookahead == 0:
             self.weights.sleep(state)  # the update needs the rollout's device memory
+        else:
+            state.metrics["rollout/slept"] = 0  # the producer samples the next steps during the update
         rollout_metrics(state, eos_token_id=self.rollout.tokenizer.eos_token_id, reward=self.reward,
                         loader=self.source.loader)
         state.metrics.update(self.source.stats())  # data/rows, data/dropped_long_prompts, ...

@@ -1,0 +1,186 @@
+"""Asynchronous training: the rollout producer's schedule, and runs with ``[async_training]``.
+
+The producer generates the samples of released steps only, in order; what it raises reaches the
+trainer. A run with ``mode = "async"`` and ``max_staleness = 0`` is bit for bit the synchronous run
+(metrics and weights); with ``max_staleness = 1`` each step's samples are one weight version old,
+except the first step and the first after a checkpoint, and ``--resume`` from that checkpoint
+continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.rollout import SamplingParams
+from verl_core.trainer.config import load_config
+from verl_core.trainer.rl.producer import RolloutProducer, release_limit
+from verl_core.trainer.rl.step_state import StepState
+from verl_core.trainer.rl.trainer import Trainer
+from verl_core.trainer.run.context import StepFailedError
+
+RUN = """
+seed = 2
+[task]
+name = "copy"
+digits = 1
+[model]
+hidden_size = 32
+intermediate_size = 64
+num_heads = 1
+num_kv_heads = 1
+[rollout]
+n = 8
+max_new_tokens = 3
+[batch]
+prompts_per_step = 8
+[optim]
+lr = 1e-2
+[logging]
+progress = false
+plot = false
+"""
+ASYNC = '\n[async_training]\nmode = "async"\nmax_staleness = {k}\n'
+_CLOCK = ("time/", "throughput/", "async/")  # what differs from run to run however the numbers agree
+
+
+# ----------------------------------------------------------------------------- the schedule
+def test_release_limit_is_the_staleness_bound_cut_at_the_next_checkpoint_and_the_run_end() -> None:
+    assert release_limit(0, max_staleness=0, checkpoint_every=0, steps=10) == 0
+    assert release_limit(3, max_staleness=2, checkpoint_every=0, steps=10) == 5
+    assert release_limit(3, max_staleness=2, checkpoint_every=4, steps=10) == 3  # step 4 follows a checkpoint
+    assert release_limit(4, max_staleness=2, checkpoint_every=4, steps=10) == 6
+    assert release_limit(8, max_staleness=5, checkpoint_every=0, steps=10) == 9
+
+
+def _state(step: int) -> StepState:
+    prompts = TensorBatch({"prompt_ids": torch.full((1, 2), step, dtype=torch.int64),
+                           "prompt_mask": torch.ones(1, 2, dtype=torch.bool)})
+    return StepState(step, prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_the_producer_makes_released_steps_in_order_and_no_further() -> None:
+    made: list[int] = []
+    producer = RolloutProducer(lambda s: (made.append(s), _state(s))[1], first=2, snapshot=lambda: {"row": len(made)})
+    try:
+        producer.release(4)
+        state, _ = producer.take(2)
+        assert state.step == 2
+        producer.wait_idle()
+        assert made == [2, 3, 4] and producer.ahead == 2
+        assert producer.data_state(3) == {"row": 1}  # the data order before step 3's prompts were drawn
+        with pytest.raises(RuntimeError, match="step 6 was not released"):
+            producer.take(5)
+        assert [producer.take(s)[0].step for s in (3, 4)] == [3, 4]
+        assert made == [2, 3, 4]
+    finally:
+        producer.close()
+
+
+def test_what_the_producer_raises_is_raised_by_take() -> None:
+    def make(step: int) -> StepState:
+        if step == 1:
+            raise ValueError("the rollout engine failed")
+        return _state(step)
+
+    producer = RolloutProducer(make, first=0, snapshot=lambda: None)
+    try:
+        producer.release(3)
+        assert producer.take(0)[0].step == 0
+        with pytest.raises(ValueError, match="the rollout engine failed"):
+            producer.take(1)
+        producer.wait_idle()  # returns: the producer stopped
+    finally:
+        producer.close()
+
+
+def test_async_needs_the_local_executor() -> None:
+    with pytest.raises(ConfigError, match=r"'async_training.mode' = 'async'.*executor = 'local' only"):
+        load_config(None, ["async_training.mode=async", "executor=ray"])
+    with pytest.raises(ConfigError, match=r"'async_training.max_staleness' = -1 is out of range"):
+        load_config(None, ["async_training.max_staleness=-1"])
+
+
+# ----------------------------------------------------------------------------- runs
+def _run(tmp_path: Path, name: str, text: str, *overrides: str) -> list[dict[str, Any]]:
+    from verl_core.cli import main
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / f"{name}.toml"
+    config.write_text(text)
+    out = tmp_path / name
+    assert main(["train", str(config), f"output_dir={json.dumps(str(out))}", *overrides]) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in m.items() if not k.startswith(_CLOCK) and not k.endswith("_per_s")}
+
+
+def _weights(run: Path, step: int) -> bytes:
+    (path,) = sorted((run / "checkpoints" / f"step-{step:06d}" / "actor").rglob("model.safetensors"))
+    return path.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path: Path, algorithm: str) -> None:
+    sync = _run(tmp_path, "sync", RUN, "steps=3", f"algorithm.name={algorithm}")
+    produced = _run(tmp_path, "async0", RUN + ASYNC.format(k=0), "steps=3", f"algorithm.name={algorithm}")
+    assert [_comparable(m) for m in sync] == [_comparable(m) for m in produced]
+    assert [m["async/staleness"] for m in produced] == [0, 0, 0]
+    assert sync[-1]["actor/grad_norm"] > 0  # the runs learned something, identically
+    assert _weights(tmp_path / "sync", 3) == _weights(tmp_path / "async0", 3)
+
+
+@pytest.mark.slow
+def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Path) -> None:
+    text = RUN + ASYNC.format(k=1)
+    whole = _run(tmp_path, "whole", text, "steps=4", "checkpoint.every=2")
+    # the first step and the first after a checkpoint sample from the newest weights
+    assert [m["async/staleness"] for m in whole] == [0, 1, 0, 1]
+    assert [m["weight_version"] for m in whole] == [1, 2, 3, 4]
+    assert all(m["actor/grad_norm"] > 0 for m in whole)
+    sync = _run(tmp_path, "sync", RUN, "steps=4", "checkpoint.every=2")
+    # step 1: the same samples, the same update (the rollout stays awake to sample step 2 meanwhile)
+    assert {**_comparable(sync[0]), "rollout/slept": 0} == _comparable(whole[0])
+    assert _comparable(sync[1]) != _comparable(whole[1])  # step 2: samples of the older policy
+    # stopped after the checkpoint of step 2, then resumed to step 4: the same numbers
+    _run(tmp_path, "resumed", text, "steps=2", "checkpoint.every=2")
+    from verl_core.cli import main
+
+    out = tmp_path / "resumed"
+    assert main(["train", str(tmp_path / "resumed.toml"), f"output_dir={json.dumps(str(out))}", "steps=4",
+                 "checkpoint.every=2", "--resume"]) == 0
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [_comparable(m) for m in resumed] == [_comparable(m) for m in whole]
+    assert _weights(out, 4) == _weights(tmp_path / "whole", 4)
+
+
+@pytest.mark.slow
+def test_a_rollout_failing_on_the_producer_thread_fails_the_step_naming_the_stage(tmp_path: Path) -> None:
+    cfg = load_config(None, ["steps=3", "logging.progress=false", "logging.plot=false",
+                             "async_training.mode=async", "async_training.max_staleness=1",
+                             f"output_dir={json.dumps(str(tmp_path / 'run'))}", "rollout.n=2", "task.digits=1",
+                             "batch.prompts_per_step=2"])
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        generate = trainer.rollout.generate
+        calls = threading.Semaphore(1)
+
+        def flaky(prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+            if not calls.acquire(blocking=False):
+                raise RuntimeError("the rollout engine lost its device")
+            return generate(prompts, params)
+
+        trainer.rollout.generate = flaky  # type: ignore[method-assign]
+        with pytest.raises(StepFailedError, match=r"step 2.*'rollout'.*the rollout engine lost its device"):
+            trainer.train()
+        assert trainer.step == 1  # step 1 trained on the samples made before the failure
