@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +27,10 @@ from verl_core import (
     SamplingParams,
     StepMetrics,
     TensorBatch,
+    TensorInfo,
+    WeightManifest,
     WeightMessage,
+    apply_weight_stream,
 )
 from verl_core.enginekit.rollout_base import Responses
 from verl_core.enginekit.sampling import (
@@ -63,7 +66,9 @@ __all__ = [
     "UndeclaredSettingsIgnored",
     "UnseededIsSeedZero",
     "VersionCountsSkippedSteps",
+    "VersionTakenAtManifest",
     "WeightDecayIgnored",
+    "WeightsWrittenDuringGenerate",
 ]
 
 
@@ -412,3 +417,44 @@ class SameStreamForEverySample(TinyRolloutEngine):
         for g, seed in zip(groups, seeds, strict=True):
             first.setdefault(g, seed)
         return super()._sample(rows, params, [first[g] for g in groups])
+
+
+# ---------------------------------------------------------------------------------------- weight updates during generate
+class WeightsWrittenDuringGenerate(TinyRolloutEngine):
+    """Copies each chunk of a sync into the live parameters as it arrives, outside the facade's turn
+    (no ``_writing_weights``): a generate call in flight samples from a mix of two versions."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply chunk by chunk into the model, then take the version."""
+        params = dict(self.model.named_parameters())
+        expected = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in params.items()}
+
+        def apply(chunk: list[tuple[str, Tensor]]) -> None:
+            with torch.no_grad():
+                for name, tensor in chunk:
+                    params[name].copy_(tensor)
+
+        self._commit_weights(apply_weight_stream(stream, expected, apply).version)
+
+
+class VersionTakenAtManifest(TinyRolloutEngine):
+    """Takes a sync's version as soon as its manifest arrives; the previous weights serve until the
+    commit, so a generate call in between reports the new version with the old weights."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Stage the stream (announcing its version first), then copy it in under the facade's turn."""
+
+        def announced() -> Iterator[WeightMessage]:
+            for msg in stream:
+                if isinstance(msg, WeightManifest):
+                    self._version = msg.version
+                yield msg
+
+        params = dict(self.model.named_parameters())
+        expected = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in params.items()}
+        staged: dict[str, Tensor] = {}
+        manifest = apply_weight_stream(announced(), expected, staged.update)
+        with self._writing_weights(), torch.no_grad():
+            for name, tensor in staged.items():
+                params[name].copy_(tensor)
+            self._commit_weights(manifest.version)

@@ -3,6 +3,8 @@ table sampled with the engine kit's TokenSampler."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -248,7 +250,7 @@ def test_a_failed_sync_leaves_the_engine_stale_until_a_complete_one() -> None:
     with pytest.raises(StaleWeightsError, match=r"BigramRollout.generate: .*the last weight sync failed: .*update_weights"):
         e.generate(prompts("cde"), SamplingParams(max_new_tokens=2))
     e.update_weights(msgs)
-    assert not e.stale and e.weight_version == 4
+    assert (e.stale, e.weight_version) == (False, 4)
     out = e.generate(prompts("cde"), SamplingParams(greedy=True, max_new_tokens=1))
     assert out.meta.weight_version == 4
     assert int(out["response_ids"][0, 0]) == int(new[CharTokenizer().encode("e")[0]].argmax())
@@ -264,7 +266,74 @@ def test_an_interrupted_write_is_stale_and_a_write_without_commit_stays_stale() 
         pass
     assert e.stale
     e._commit_weights(2)
+    assert (e.stale, e.weight_version) == (False, 2)
+
+
+class GatedBigram(BigramRollout):
+    """The bigram engine whose sampling waits for ``gate`` while it is set up (a generate call in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__(in_memory_spec(dtype=torch.float32, device="cpu", max_prompt_len=6, max_response_len=8))
+        self.entered = threading.Event()
+        self.gate: threading.Event | None = None
+
+    def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            self.entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+        return super()._sample(rows, params, seeds)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+def test_an_update_waits_for_the_generate_in_flight_and_goes_before_later_ones() -> None:
+    e = GatedBigram()
+    old, new = e.table.clone(), torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(5))
+    greedy = SamplingParams(greedy=True, max_new_tokens=1)
+    gate = e.gate = threading.Event()
+    results: dict[str, object] = {}
+
+    def call(name: str, fn: Callable[[], object]) -> threading.Thread:
+        t = threading.Thread(target=lambda: results.__setitem__(name, fn()), daemon=True)
+        t.start()
+        return t
+
+    threads = [call("first", lambda: e.generate(prompts("cde"), greedy))]
+    assert e.entered.wait(30)
+    threads.append(call("update", lambda: e.update_weights(sync(e, new, 3))))
+    _until(lambda: e._turns._writes_waiting == 1, "the update waits for its turn")
+    threads.append(call("later", lambda: e.generate(prompts("cde"), greedy)))
+    time.sleep(0.05)
+    # the update waits for the call in flight, the later call for the update
+    assert not e.stale and e.weight_version == 0 and set(results) == set()
+    gate.set()
+    for t in threads:
+        t.join(30)
+    first, later = results["first"], results["later"]
+    assert isinstance(first, TensorBatch) and isinstance(later, TensorBatch)
+    assert first.meta.weight_version == 0 and later.meta.weight_version == 3
+    last = CharTokenizer().encode("e")[0]
+    assert int(first["response_ids"][0, 0]) == int(old[last].argmax())  # sampled whole from version 0
+    assert int(later["response_ids"][0, 0]) == int(new[last].argmax())
+
+
+def test_weight_paths_nest_on_one_thread() -> None:
+    """A weight path that falls back to another inside its own turn does not wait for itself."""
+    e = engine()
+    new = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(5))
+    with e._writing_weights():
+        e.update_weights(sync(e, new, 2))
     assert not e.stale and e.weight_version == 2
+    t = threading.Thread(target=e.generate, args=(prompts("cde"), SamplingParams(max_new_tokens=1)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "generate on another thread still waits after the nested writes ended"
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from verl_conformance.checks import (  # noqa: F401  (registration by import)
 # checks of declared capabilities, state and runs: listed after the checks above of the same area
 from verl_conformance.checks import (  # noqa: F401  (registration by import)
     buffer,
+    concurrent_sync,
     declared,
     lora,
     optimizer,

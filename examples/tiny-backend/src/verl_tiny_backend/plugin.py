@@ -16,8 +16,9 @@ ACTOR_CAPABILITIES = TrainingCapabilities(values=False)
 """Actor and reference: causal-LM folders, no value head."""
 CRITIC_CAPABILITIES = TrainingCapabilities(values=True)
 """The critic: a value-head folder."""
-ROLLOUT_CAPABILITIES = RolloutCapabilities(exact_log_probs_truncated=True)
-"""Log-probs of the untruncated tempered distribution, whatever top-k/top-p."""
+ROLLOUT_CAPABILITIES = RolloutCapabilities(exact_log_probs_truncated=True, concurrent_weight_update=True)
+"""Log-probs of the untruncated tempered distribution, whatever top-k/top-p; weight updates on another
+thread take turns with generate (the engine kit's facade)."""
 
 
 @hookimpl

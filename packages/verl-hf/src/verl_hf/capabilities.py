@@ -43,6 +43,7 @@ ROLLOUT_CAPABILITIES = RolloutCapabilities(
     weight_update=True,
     lora_adapters=True,
     sleep_frees_memory=False,
+    concurrent_weight_update=True,  # generate and weight writes take turns (RolloutEngineBase)
     tensor_parallel=False,
     pipeline_parallel=False,
     dtypes=frozenset({"float32", "bfloat16"}),

@@ -410,21 +410,24 @@ class HFDirectSync(WeightSync):
             # LoRA: the stream merges tensor by tensor (or carries the adapter) with no second copy
             return self._stream.sync(source, target, version=version)
         t0 = time.perf_counter()
-        moved = target._load_flat(source, version=version)
-        if moved is not None:
+        # One turn for every path tried: a generate call on another thread waits for the whole
+        # sync, never meeting the engine stale between a failed fast path and its fallback.
+        with target._writing_weights():
+            moved = target._load_flat(source, version=version)
+            if moved is not None:
+                return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
+            state = source._live_state()
+            tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
+            # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
+            # actors go through the stream, which gathers, casts or rejects them.
+            device = target.model.get_input_embeddings().weight.device
+            if tied != target._tied or any(
+                hasattr(t, "full_tensor") or t.device != device or t.dtype != target.weight_dtype
+                for t in state.values()
+            ):
+                return self._stream.sync(source, target, version=version)
+            moved = target._load_local(state, version=version)
             return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
-        state = source._live_state()
-        tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
-        # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
-        # actors go through the stream, which gathers, casts or rejects them.
-        device = target.model.get_input_embeddings().weight.device
-        if tied != target._tied or any(
-            hasattr(t, "full_tensor") or t.device != device or t.dtype != target.weight_dtype
-            for t in state.values()
-        ):
-            return self._stream.sync(source, target, version=version)
-        moved = target._load_local(state, version=version)
-        return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
 
 
 def build_rollout_engine(spec: EngineSpec) -> HFRolloutEngine:

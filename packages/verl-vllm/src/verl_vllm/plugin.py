@@ -19,6 +19,7 @@ ROLLOUT_CAPABILITIES: Final = RolloutCapabilities(
     weight_update=True,
     sleep_frees_memory=False,
     prefix_continuation=True,
+    concurrent_weight_update=True,  # generate and weight reloads take turns (RolloutEngineBase)
     tensor_parallel=False,
     pipeline_parallel=False,
     dtypes=frozenset({"float32", "bfloat16"}),

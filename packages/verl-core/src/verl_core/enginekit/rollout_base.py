@@ -7,7 +7,9 @@ template: it refuses a closed, sleeping or stale engine, validates the request
 rows to the engine's device, derives each row's seed, and assembles the output batch. A backend
 implements only :meth:`RolloutEngineBase._generate_limits` (its vocabulary, device and memory
 facts) and :meth:`RolloutEngineBase._sample` (the responses of the expanded rows). It also keeps
-the weight version and the stale flag of weight updates (:meth:`RolloutEngineBase._writing_weights`).
+the weight version and the stale flag of weight updates (:meth:`RolloutEngineBase._writing_weights`),
+and makes generation and weight writes take turns (:class:`WeightTurns`), so an update on another
+thread never reaches a ``generate`` call in flight.
 
 Engines may also implement the kernel's :class:`~verl_core.kernel.rollout.RolloutEngine` protocol
 directly; the trainer and the conformance suite only use the protocol.
@@ -16,6 +18,7 @@ directly; the trainer and the conformance suite only use the protocol.
 from __future__ import annotations
 
 import contextlib
+import threading
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +42,14 @@ from verl_core.kernel.errors import (
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import check_temperature
 
-__all__ = ["EngineAsleepError", "GenerateLimits", "Responses", "RolloutEngineBase", "check_generate_request"]
+__all__ = [
+    "EngineAsleepError",
+    "GenerateLimits",
+    "Responses",
+    "RolloutEngineBase",
+    "WeightTurns",
+    "check_generate_request",
+]
 
 
 class EngineAsleepError(ConfigError, RuntimeError):
@@ -140,6 +150,61 @@ def check_generate_request(
                           rows_at_once=limits.rows_at_once, where=where, group=limits.group)
 
 
+class WeightTurns:
+    """Generation and weight writes of one engine take turns: one holder at a time, writes first.
+
+    ``generating()`` holds the turn for a ``generate`` call, ``writing()`` for a weight update.
+    A write waits for the holder to let go; while a write waits, no new ``generate`` call takes
+    the turn, so a steady flow of ``generate`` calls cannot starve an update. ``generate`` calls
+    of one engine thus run one at a time. The thread that holds the turn may take it again (a
+    weight path that nests another, a ``generate`` that writes), so nesting never deadlocks.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # the thread holding the turn
+        self._depth = 0  # how many times it took it
+        self._writes_waiting = 0
+
+    def generating(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the turn for generation (waits for a write in progress or waiting)."""
+        return self._hold(write=False)
+
+    def writing(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the turn for a weight write (waits for the ``generate`` call in flight)."""
+        return self._hold(write=True)
+
+    @contextlib.contextmanager
+    def _hold(self, *, write: bool) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                if write:
+                    self._writes_waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._owner is None and (write or not self._writes_waiting))
+                except BaseException:  # interrupted while waiting
+                    if write:
+                        self._writes_waiting -= 1
+                        self._cond.notify_all()  # generate calls waiting behind this write may go
+                    raise
+                if write:
+                    self._writes_waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                    self._cond.notify_all()
+
+
+_TURNS_MADE = threading.Lock()  # guards the lazy creation of each engine's WeightTurns
+
+
 class RolloutEngineBase(RolloutEngine):
     """A :class:`~verl_core.kernel.rollout.RolloutEngine` whose ``generate`` is written once.
 
@@ -156,15 +221,27 @@ class RolloutEngineBase(RolloutEngine):
     (:func:`check_generate_request`), and fills the output's response fields and meta. Every
     message names the engine class.
 
-    The state it keeps (version, stale reason, asleep, closed) has class-level defaults, so a
-    subclass constructor need not call ``super().__init__()``. ``update_weights`` writes through
-    :meth:`_writing_weights`; ``sleep``/``wake``/``close`` set ``_asleep`` and ``_closed``.
+    Weight updates during generation (``RolloutCapabilities.concurrent_weight_update``): ``generate``
+    holds the engine's :class:`WeightTurns` from its first check to its output, and
+    :meth:`_writing_weights` holds it while weights are written. An ``update_weights`` that writes
+    through :meth:`_writing_weights` waits for the ``generate`` call in flight to end and then
+    applies the whole stream; ``generate`` calls that arrive meanwhile wait for it and then use
+    the new version (or raise ``StaleWeightsError`` if it failed). Each call therefore samples from
+    one complete version and stamps that version in its meta. A weight path that writes outside
+    :meth:`_writing_weights` (``_mark_stale`` ... ``_commit_weights`` on its own) gets no such
+    guarantee, and its engine must not declare the capability.
+
+    The state it keeps (version, stale reason, asleep, closed, turns) has class-level defaults or
+    is made on first use, so a subclass constructor need not call ``super().__init__()``.
+    ``update_weights`` writes through :meth:`_writing_weights`; ``sleep``/``wake``/``close`` set
+    ``_asleep`` and ``_closed``.
     """
 
     _version: int = 0
     _stale_reason: str | None = None
     _asleep: bool = False
     _closed: bool = False
+    _weight_turns: WeightTurns | None = None
 
     # ------------------------------------------------------------------ the hooks
     @abstractmethod
@@ -200,6 +277,17 @@ class RolloutEngineBase(RolloutEngine):
     def _name(self, what: str) -> str:
         return f"{type(self).__name__}.{what}"
 
+    @property
+    def _turns(self) -> WeightTurns:
+        """This engine's :class:`WeightTurns` (made on first use)."""
+        turns = self._weight_turns
+        if turns is None:
+            with _TURNS_MADE:
+                if self._weight_turns is None:
+                    self._weight_turns = WeightTurns()
+                turns = self._weight_turns
+        return turns
+
     def _check_ready(self, what: str) -> None:
         """Refuse to run ``what`` on a closed or sleeping engine.
 
@@ -215,6 +303,9 @@ class RolloutEngineBase(RolloutEngine):
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`).
 
+        The call holds the engine's turn (:class:`WeightTurns`) throughout: it waits for a weight
+        write in progress or waiting, and no write starts until it returns.
+
         Raises:
             VerlError: the engine was closed.
             EngineAsleepError: :meth:`sleep` was called without :meth:`wake`.
@@ -224,6 +315,11 @@ class RolloutEngineBase(RolloutEngine):
                 vocabulary, or a temperature below the engine's floor.
             RequestTooLargeError: the request cannot fit in memory.
         """
+        with self._turns.generating():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """:meth:`generate` with the turn held."""
         where = self._name("generate")
         self._check_ready("generate")
         if self._stale_reason is not None:
@@ -270,15 +366,21 @@ class RolloutEngineBase(RolloutEngine):
 
     @contextlib.contextmanager
     def _writing_weights(self) -> Iterator[None]:
-        """Mark the engine stale while its weights are written; the body ends with
-        :meth:`_commit_weights`. An exception leaves it stale, recording why, and propagates."""
-        self._mark_stale("a weight sync is in progress")
-        try:
-            yield
-        except Exception as e:
-            detail = str(e) if isinstance(e, VerlError) else f"{type(e).__name__}: {e}"
-            self._mark_stale(f"the last weight sync failed: {detail}")
-            raise
-        except BaseException:
-            self._mark_stale("a weight sync was interrupted")
-            raise
+        """Hold the engine's turn and mark it stale while its weights are written; the body ends
+        with :meth:`_commit_weights`. An exception leaves it stale, recording why, and propagates.
+
+        Entering waits for the ``generate`` call in flight to end; ``generate`` calls that arrive
+        while the body runs wait for it (:class:`WeightTurns`). The thread inside may enter again
+        (a weight path that falls back to another).
+        """
+        with self._turns.writing():
+            self._mark_stale("a weight sync is in progress")
+            try:
+                yield
+            except Exception as e:
+                detail = str(e) if isinstance(e, VerlError) else f"{type(e).__name__}: {e}"
+                self._mark_stale(f"the last weight sync failed: {detail}")
+                raise
+            except BaseException:
+                self._mark_stale("a weight sync was interrupted")
+                raise

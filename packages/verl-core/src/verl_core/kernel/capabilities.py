@@ -81,6 +81,8 @@ class RolloutCapabilities:
     """Built with EngineSpec.lora, update_weights applies adapter streams (export_adapter) and samples from base + adapter."""
     prefix_continuation: bool = False
     """generate reuses its cache of a prompt that extends an earlier call's prompt and response (multi-turn)."""
+    concurrent_weight_update: bool = False
+    """update_weights may run on another thread while generate calls are in flight (see RolloutEngine.update_weights)."""
     tensor_parallel: bool = False
     """Runs with parallel.tp > 1."""
     pipeline_parallel: bool = False

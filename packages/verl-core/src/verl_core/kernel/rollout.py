@@ -100,6 +100,12 @@ class RolloutEngine(Protocol):
     validated at the boundary (shape, dtype, padding side, ids in the vocabulary, prompt length
     within ``spec.max_prompt_len``) and rejected with a BatchValidationError before any engine
     code runs.
+
+    Weight updates during generation: an engine that declares
+    ``RolloutCapabilities.concurrent_weight_update`` accepts :meth:`update_weights` on one thread
+    while :meth:`generate` calls are in flight on others, and never serves a half-applied weight
+    version (the rule is at :meth:`update_weights`). Callers of an engine that does not declare it
+    never overlap the two: ``update_weights`` runs only while no ``generate`` call is in flight.
     """
 
     @property
@@ -136,7 +142,8 @@ class RolloutEngine(Protocol):
             ``sample_index`` 0..n-1) updated with ``response_ids`` (right-padded with the pad id),
             ``response_mask`` (True at generated tokens including a terminating EOS/stop token),
             ``rollout_log_probs``, ``truncated``; meta carries temperature, top_p, top_k, pad id and
-            the weight version.
+            the weight version: the one complete version that produced every response of the call
+            (see :meth:`update_weights` for calls that overlap a weight update).
 
         Raises:
             StaleWeightsError: the last weight sync failed and no complete one followed.
@@ -152,6 +159,24 @@ class RolloutEngine(Protocol):
 
         On success the new version serves and the prefix cache is invalidated; on any failure
         the engine is stale and ``generate`` raises until a complete sync succeeds.
+
+        An engine that declares ``RolloutCapabilities.concurrent_weight_update`` may be given this
+        call on one thread while ``generate`` calls run on others. It never serves a half-applied
+        weight version:
+
+        * every response of one ``generate`` call is produced by exactly one complete weight
+          version, and the returned batch's ``meta.weight_version`` is that version;
+        * a ``generate`` call that starts after ``update_weights`` returned uses the version it
+          applied (or a later one, when another update followed);
+        * a ``generate`` call that overlaps an update uses the version before it or the version
+          it applies, whole; it may wait for the update, but never raises ``StaleWeightsError``
+          because an update is in progress (only after one that failed).
+
+        Whether an update waits for the ``generate`` calls in flight, swaps in a second copy of
+        the weights or pauses between requests is the engine's choice.
+        :class:`~verl_core.enginekit.rollout_base.RolloutEngineBase` takes turns: an update waits
+        for the ``generate`` call in flight to end and then writes, and ``generate`` calls that
+        arrive meanwhile wait for it.
         """
 
     def sleep(self) -> None:
