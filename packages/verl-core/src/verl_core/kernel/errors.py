@@ -12,7 +12,7 @@ from typing import Final
 
 __all__ = ["BatchValidationError", "CheckpointError", "ConfigError", "MissingFieldError",
            "NonFiniteError", "PluginError", "RewardError", "RequestTooLargeError",
-           "StaleWeightsError", "UnknownNameError", "VerlError", "WeightSyncError", "check_bool",
+           "StaleWeightsError", "StorageError", "UnknownNameError", "VerlError", "WeightSyncError", "check_bool",
            "check_int", "check_number", "check_str", "describe"]
 
 
@@ -45,6 +45,14 @@ class RequestTooLargeError(ConfigError):
 
 class CheckpointError(VerlError, ValueError):
     """A checkpoint is missing, incomplete, truncated or corrupted (its files disagree with its manifest)."""
+
+
+class StorageError(VerlError, OSError):
+    """A file of the run could not be written (a full disk, a quota, a file too large, a permission).
+
+    The message names the path, the system's reason and what was kept (e.g. the last complete
+    checkpoint); nothing half-written is left looking complete.
+    """
 
 
 class PluginError(VerlError, RuntimeError):

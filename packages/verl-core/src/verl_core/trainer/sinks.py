@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Final, Literal, Protocol, get_args
 
 from verl_core.enginekit.checkpoint import write_atomic
-from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.kernel.errors import ConfigError, StorageError, VerlError
 from verl_core.trainer.inputs.usercode import import_object, split_spec
 
 __all__ = [
@@ -286,14 +286,24 @@ class _JsonlSink:
 
     def log(self, step: int, metrics: Mapping[str, Any], *, kind: Literal["step", "eval"]) -> None:
         line = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
-        self._fh.write(json.dumps(line) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(line) + "\n")
+            self._fh.flush()
+        except OSError as e:  # a full disk: the lines before stay whole, and a torn last line is dropped on read
+            raise StorageError(
+                f"the metrics of step {step} could not be written to {str(self.path)!r}: {e.strerror or e}; the "
+                "lines before are kept, and --resume continues from the newest checkpoint once there is space"
+            ) from e
 
     def checkpoint(self, step: int, path: Path) -> None:
         self._fh.flush()
 
     def close(self, *, failed: bool) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # what a full disk kept in the buffer is lost; the log raised when it happened
+            if not failed:
+                raise
 
 
 class _TensorBoardSink:

@@ -45,7 +45,7 @@ from typing import Any, Final
 import torch
 
 from verl_core.enginekit.checkpoint import fsync_dir, write_atomic
-from verl_core.kernel.errors import CheckpointError, ConfigError, VerlError, describe
+from verl_core.kernel.errors import CheckpointError, ConfigError, StorageError, VerlError, describe
 from verl_core.kernel.training import TrainingEngine
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler
 from verl_core.trainer.config import RunConfig, config_to_dict
@@ -67,6 +67,7 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "verify_checkpoint",
+    "write_failed",
     "write_checkpoint",
     "write_manifest",
 ]
@@ -298,15 +299,25 @@ def write_checkpoint(
     appears under its final name only when complete, and a checkpoint being replaced or pruned is
     renamed out of the ``step-*`` names before it is deleted.
     """
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for role, engine in engines.items():
-        engine.save_checkpoint(tmp / role)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    write_manifest(tmp)  # sizes and hashes, after every file is fsynced
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for role, engine in engines.items():
+            _save_engine(engine, role, tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        write_manifest(tmp)  # sizes and hashes, after every file is fsynced
+    except OSError as e:  # a full disk, a quota, a file too large: the half-written folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = checkpoint_folders(root)
+        raise StorageError(
+            f"checkpoint {str(final)!r} could not be written: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename else ''}; nothing of it was kept, "
+            + (f"the newest complete checkpoint is {str(kept[-1])!r}; free space and continue with --resume" if kept
+               else "and the run has no checkpoint yet; free space and start it again")
+        ) from e
     # Every step below is a rename, so a crash at any point leaves complete checkpoints only:
     # a folder being replaced or pruned is first renamed out of the step-* namespace.
     if final.exists():
@@ -320,6 +331,33 @@ def write_checkpoint(
     for stale in root.glob(".trash-*"):
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def write_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a failed write (a full disk, a quota, a file too large) however the library said it.
+
+    ``OSError`` itself, and what the writers of weights wrap it in: safetensors' "I/O error ... (os
+    error N)", torch.save's stream errors ("unexpected pos", "iostream error", "failed writing").
+    """
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError):
+            return True
+        text = str(e) if e is not None else ""
+        if any(sign in text for sign in ("I/O error", "os error", "iostream error", "unexpected pos", "failed writing")):
+            return True
+    return False
+
+
+def _save_engine(engine: TrainingEngine, role: str, folder: Path) -> None:
+    """``engine.save_checkpoint`` into ``folder/role``; a failed write the engine's library wrapped is an OSError again."""
+    try:
+        engine.save_checkpoint(folder / role)
+    except (OSError, VerlError):
+        raise
+    except Exception as e:
+        if write_failed(e):
+            raise OSError(f"the {role} engine could not write its state: {e}") from e
+        raise
 
 
 def load_engine_checkpoint(ckpt: Path, role: str, engine: TrainingEngine, backend: str) -> None:

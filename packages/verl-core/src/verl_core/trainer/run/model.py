@@ -9,8 +9,9 @@ import shutil
 from typing import Any
 
 from verl_core.kernel.engine import EngineSpec, LoraSpec, OptimConfig, Role
-from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.errors import ConfigError, StorageError
 from verl_core.trainer.config import RunConfig
+from verl_core.trainer.run.checkpoints import write_failed
 from verl_core.trainer.run.folder import RunDir
 
 __all__ = ["build_run_model", "engine_spec", "lora_sync"]
@@ -47,8 +48,17 @@ def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str
     )
     tmp = run.model_tmp  # named by the run id: a leftover of this run's killed build, never another's
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, spec)
-    os.replace(tmp, dest)
+    try:
+        build_tiny_model(tmp, spec)
+        os.replace(tmp, dest)
+    except Exception as e:  # a full disk, a quota: this run's half-built folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not write_failed(e):
+            raise
+        raise StorageError(
+            f"the tiny model (config key 'model.path' is empty) could not be written to {str(dest)!r}: "
+            f"{getattr(e, 'strerror', None) or e}; nothing of it was kept; free space, or set model.path to a model folder"
+        ) from e
     return str(dest)
 
 
