@@ -95,6 +95,13 @@ def test_the_0_9b_model_fits_with_float32_masters(tmp_path: Path) -> None:
         assert what in table
     assert p.metrics()["memory_plan/master_weights"] == 1.0
     assert p.metrics()["memory_plan/master_weights_dropped"] == 0.0
+    # asynchronous: the rollout samples the next step during the update, so its copy counts there too
+    ahead = plan(folder(tmp_path, "0.9b"), "async_training.mode=async", batch="16x8x2048")
+    awake = term(p, "rollout weights") + term(p, "rollout KV cache") + term(p, "rollout sampling")
+    assert ahead.phase_bytes("update") == p.phase_bytes("update") + awake
+    same = plan(folder(tmp_path, "0.9b"), "async_training.mode=async", "async_training.max_staleness=0",
+                batch="16x8x2048")
+    assert same.phase_bytes("update") == p.phase_bytes("update")
 
 
 def test_the_6_7b_model_with_masters_is_flagged_and_trains_without_them(tmp_path: Path) -> None:
@@ -123,7 +130,8 @@ def test_the_13_5b_model_is_refused_with_the_figures_where_it_cannot_fit(tmp_pat
     path = folder(tmp_path, "13.5b")
     pure = plan(path)  # masters need 18 bytes per parameter (244 GB); pure bfloat16 needs 8 (108 GB)
     assert pure.dropped_masters and pure.fits and pure.configured_peak > H200
-    for total, extra, reference in [(80 * GB, (), False), (H200, (), True), (H200, ("rollout.sleep=never",), True)]:
+    for total, extra, reference in [(80 * GB, (), False), (H200, (), True), (H200, ("rollout.sleep=never",), True),
+                                    (H200, ("async_training.mode=async",), True)]:
         cfg = config(path, *extra)
         with pytest.raises(ConfigError) as err:
             plan_run_memory(cfg, path, max_prompt_len=32, use_reference=reference, use_critic=False,
@@ -136,6 +144,8 @@ def test_the_13_5b_model_is_refused_with_the_figures_where_it_cannot_fit(tmp_pat
         assert "more devices: executor='ray' with ray.parallel.actor = {dp = " in text
         if "rollout.sleep=never" in extra:
             assert "rollout.sleep='auto'" in text
+        if "async_training.mode=async" in extra:  # it samples the next step during the update
+            assert "async_training.max_staleness=0" in text and "rollout.sleep='auto'" not in text
         again = plan(path, *extra, total=total, reference=reference)
         assert again.share > REFUSE_ABOVE
     # megatron-core's optimizer keeps float32 main parameters: the masters are not offered as an option

@@ -238,10 +238,16 @@ def _can_drop_masters(config: RunConfig, role: str) -> bool:
     return backend in _MASTER_BACKENDS and opts.get("optimizer", "torch") != "megatron"
 
 
+def _awake_in_update(config: RunConfig) -> bool:
+    """Whether the rollout engine stays on the device during the update (never sleeps, or samples ahead)."""
+    return config.rollout.sleep == "never" or config.async_training.lookahead > 0
+
+
 def _rollout_terms(config: RunConfig, shape: ModelShape, max_prompt_len: int) -> list[MemoryTerm]:
     """The rollout engine's weights, KV cache and sampling working set."""
     d = DTYPE_BYTES[config.model.dtype]
-    awake = _BOTH if config.rollout.sleep == "never" else _ROLLOUT  # a sleeping rollout is on the host in the update
+    # a sleeping rollout is on the host in the update; an asynchronous one samples during it
+    awake = _BOTH if _awake_in_update(config) else _ROLLOUT
     n = shape.parameters
     out = [MemoryTerm("rollout weights", n * d, f"{_count(n)} params x {d} B", awake)]
     opts = config.backends.options.get("rollout", {})
@@ -366,7 +372,9 @@ def _alternatives(config: RunConfig, plan: MemoryPlan, shape_plan: Callable[[Run
             **config.backends.options, "actor": {**config.backends.options.get("actor", {}), "master_weights": False}})))
         out.append(f"backends.options.actor.master_weights=false: pure {config.model.dtype} "
                    f"({_gb(pure.peak_bytes)}{'' if pure.fits else ', still too much'})")
-    if config.rollout.sleep == "never":
+    if config.async_training.lookahead > 0:
+        out.append("async_training.max_staleness=0: the rollout samples no step ahead, so it can sleep during the update")
+    elif config.rollout.sleep == "never":
         out.append("rollout.sleep='auto': the rollout's weights and KV cache leave the device during the update")
     kv = sum(t.nbytes for t in plan.terms if t.what == "rollout KV cache")
     if plan.phase_bytes("rollout") >= plan.phase_bytes("update") and kv > 0.1 * plan.peak_bytes:
