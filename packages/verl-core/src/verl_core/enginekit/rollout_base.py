@@ -233,8 +233,10 @@ class RolloutEngineBase(RolloutEngine):
 
     The state it keeps (version, stale reason, asleep, closed, turns) has class-level defaults or
     is made on first use, so a subclass constructor need not call ``super().__init__()``.
-    ``update_weights`` writes through :meth:`_writing_weights`; ``sleep``/``wake``/``close`` set
-    ``_asleep`` and ``_closed``.
+    ``update_weights`` writes through :meth:`_writing_weights`. ``sleep``, ``wake`` and ``close``
+    are the protocol's no-ops unless a subclass overrides them: a ``sleep`` that frees memory
+    sets ``_asleep`` (``wake`` clears it), and a subclass's ``close`` sets ``_closed``, which
+    ``generate`` then refuses.
     """
 
     _version: int = 0

@@ -549,6 +549,12 @@ def eager_decode(steps: Generator[Tensor, Tensor, None], sampler: TokenSampler, 
     and is sent the sampled tokens) until every row finished (asked every ``check_every`` steps,
     each ask a host synchronisation) or ``max_new`` tokens were drawn.
 
+    The first logits are taken with ``next(steps)`` (those after the prompts: a KV-cache engine
+    prefills before its first ``yield``); each later step sends the tokens just drawn (``[rows]``
+    int64, the pad id in finished rows) and takes the logits the generator yields next, so it
+    yields at most ``max_new`` times. The generator is closed when the loop ends, so code after
+    its last resumed ``yield`` may never run.
+
     Returns:
         Response ids, mask, log-probs [rows, steps] and truncated [rows].
     """

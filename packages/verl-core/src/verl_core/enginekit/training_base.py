@@ -12,8 +12,10 @@ live here once (architecture.md, "Loss and distribution"):
 A backend subclasses it (the way a rollout engine subclasses
 :class:`~verl_core.enginekit.rollout_base.RolloutEngineBase`), calls :meth:`_init_training` in its
 constructor and implements :meth:`_forward_backward`, :meth:`_optimizer_step` and
-:meth:`_load_checkpoint`, plus the rest of the protocol (forward, weights, checkpoints' writing,
-memory).
+:meth:`_load_checkpoint`, plus the rest of the protocol: the abstract properties ``spec``,
+``capabilities`` and ``tokenizer``, and ``forward``, ``export_weights``, ``save_checkpoint``,
+``offload`` and ``onload``. ``close`` is a no-op and ``base_forward``/``export_adapter`` refuse
+unless overridden.
 """
 
 from __future__ import annotations
@@ -108,11 +110,20 @@ class TrainingEngineBase(TrainingEngine):
         self, mini_batch: TensorBatch, loss_fn: LossFn, stats: GlobalBatchStats, *, max_tokens: int | None,
         where: str,
     ) -> Metrics:
-        """The engine's gradient computation (the gates above already passed); raise leaving no gradients."""
+        """The engine's gradient computation (the gates above already passed).
+
+        An exception must leave no gradients: clear them (``param.grad = None``) before it
+        propagates; the base only refuses a second call before :meth:`optimizer_step`.
+        """
 
     @abstractmethod
     def _optimizer_step(self, *, where: str) -> StepMetrics:
-        """Clip, step and zero the gradients; all ranks skip together on a non-finite grad norm."""
+        """Clip, step and zero the gradients; all ranks skip together on a non-finite grad norm.
+
+        ``self.step`` is the count of applied steps before this one (the learning rate is
+        ``spec.optim.lr_at(self.step)``); do not count the step here: :meth:`optimizer_step`
+        counts it when the result is not ``skipped``.
+        """
 
     @abstractmethod
     def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:

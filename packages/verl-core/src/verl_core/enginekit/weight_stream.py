@@ -68,7 +68,9 @@ def stream_weights(
 
     A fusion group (see :func:`fusion_group`) is held back until all of its manifest tensors have
     arrived and then travels in one chunk; a group larger than a bucket travels alone. Tensors are
-    cast to ``dtype`` when given. ``named_tensors`` must yield exactly the manifest's names.
+    cast to ``dtype`` when given; the manifest is sent as it is, so it must already describe them
+    as sent (each ``TensorInfo`` of ``dtype`` when given: receivers check it against their own).
+    ``named_tensors`` must yield exactly the manifest's names.
     """
     if bucket_bytes < 1:
         raise WeightSyncError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
