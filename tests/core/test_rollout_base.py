@@ -94,9 +94,6 @@ class BigramRollout(RolloutEngineBase):
     def wake(self) -> None:
         self._asleep = False
 
-    def close(self) -> None:
-        self._closed = True
-
     def _generate_limits(self) -> GenerateLimits:
         return GenerateLimits(vocab_size=VOCAB, device=torch.device("cpu"), logits_vocab=VOCAB,
                               min_temperature=self.min_temperature, temperature_reason="the table's floor")

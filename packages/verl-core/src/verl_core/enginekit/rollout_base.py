@@ -233,10 +233,10 @@ class RolloutEngineBase(RolloutEngine):
 
     The state it keeps (version, stale reason, asleep, closed, turns) has class-level defaults or
     is made on first use, so a subclass constructor need not call ``super().__init__()``.
-    ``update_weights`` writes through :meth:`_writing_weights`. ``sleep``, ``wake`` and ``close``
-    are the protocol's no-ops unless a subclass overrides them: a ``sleep`` that frees memory
-    sets ``_asleep`` (``wake`` clears it), and a subclass's ``close`` sets ``_closed``, which
-    ``generate`` then refuses.
+    ``update_weights`` writes through :meth:`_writing_weights`. ``sleep`` and ``wake`` are the
+    protocol's no-ops unless a subclass overrides them (a ``sleep`` that frees memory sets
+    ``_asleep``, ``wake`` clears it). ``close`` sets ``_closed``, which ``generate`` then refuses;
+    a subclass's ``close`` that releases more sets it too.
     """
 
     _version: int = 0
@@ -301,6 +301,10 @@ class RolloutEngineBase(RolloutEngine):
             raise VerlError(f"{self._name(what)}: the engine was closed; build a new one")
         if self._asleep:
             raise EngineAsleepError(f"{self._name(what)}: the engine is asleep; call wake() first")
+
+    def close(self) -> None:
+        """Mark the engine closed: :meth:`generate` refuses it from now on (a subclass releases more)."""
+        self._closed = True
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt (see :meth:`RolloutEngine.generate`).
