@@ -194,6 +194,24 @@ def test_seeded_episodes_are_reproducible() -> None:
     assert not torch.equal(a["response_ids"][:, :5], c["response_ids"][:, :5])
 
 
+class VersionPerCall(RecordingRollout):
+    """Reports weight version 7, 5, 9, ... for its successive calls (as if updates arrived between turns)."""
+
+    VERSIONS = (7, 5, 9, 9, 9, 9)
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        out = super().generate(prompts, params)
+        return out.with_meta(weight_version=self.VERSIONS[len(self.calls) - 1])
+
+
+def test_an_episode_sampled_from_several_weight_versions_reports_the_oldest() -> None:
+    engine = VersionPerCall(rollout())
+    batch, _ = prompts(engine, 2)
+    out = AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=80)).run(
+        batch, lambda row: Counting({"turns": 3}), SamplingParams(seed=3, stop_token_ids=stops(engine)))
+    assert len(engine.calls) >= 3 and out.meta.weight_version == min(VersionPerCall.VERSIONS[:len(engine.calls)])
+
+
 def test_token_budget_and_max_turns_truncate() -> None:
     engine = rollout()
     batch, _ = prompts(engine, 2)

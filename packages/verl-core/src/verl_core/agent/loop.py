@@ -257,7 +257,9 @@ class AgentLoop:
                 ``prompts``), to begin each episode's recorded conversation.
 
         Returns:
-            The episodes' batch (see the module docstring).
+            The episodes' batch (see the module docstring). Its ``meta.weight_version`` is the oldest
+            weight version any of its turns was sampled from (an update between turns is recorded,
+            not hidden behind the last turn's version).
 
         Raises:
             ConfigError: arguments of the wrong type, or as many environments or message lists as
@@ -290,7 +292,8 @@ class AgentLoop:
         while active := self._within_context(episodes):
             assert renderer is not None
             out = self._sample_turn(active, params, stops)
-            meta = out.meta
+            oldest = out.meta.weight_version if meta is None else min(meta.weight_version, out.meta.weight_version)
+            meta = dataclasses.replace(out.meta, weight_version=oldest)
             ended = self._take_turn(active, out, set(stops))
             self._step(ended, renderer)
         return self._output(rows, episodes, params, meta)
