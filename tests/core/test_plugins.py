@@ -13,6 +13,7 @@ import torch
 
 from verl_core import (
     PROTOCOL_VERSION,
+    AlgorithmComponent,
     BackendSpec,
     ConfigError,
     EngineSpec,
@@ -23,6 +24,7 @@ from verl_core import (
     UnknownNameError,
     hookimpl,
 )
+from verl_core.kernel.algorithm import Preset
 from verl_core.kernel.registry import PLUGINS_ENV, Registry, get_reward_engine, reset_registry
 
 
@@ -249,3 +251,66 @@ def test_a_broken_command_plugin_is_listed_and_fails_only_when_run(
     err = capsys.readouterr().err
     assert "verl broken: error:" in err and "no_such_module_xyz" in err
     assert cli.main(["backends"]) == 0
+
+
+def _zero(batch: TensorBatch, config: object) -> TensorBatch:
+    return batch
+
+
+class _PresetPlugin:
+    """A plugin declaring the presets it is given and, with ``estimator``, one advantage estimator."""
+
+    def __init__(self, *presets: object, estimator: bool = True) -> None:
+        self.presets = list(presets)
+        self.estimator = estimator
+
+    @hookimpl
+    def verl_algorithm_components(self) -> list[AlgorithmComponent]:
+        return [AlgorithmComponent.advantage("zero_adv", _zero, None, "zero")] if self.estimator else []
+
+    @hookimpl
+    def verl_algorithm_presets(self) -> list[object]:
+        return self.presets
+
+
+def test_a_plugin_preset_is_listed_after_the_builtin_ones() -> None:
+    registry = Registry(autoload=False)
+    registry.register(_PresetPlugin(Preset("zero_grpo", "grpo", estimator="zero_adv")), "zeros", distribution="zeros-dist")
+    presets = registry.presets()
+    assert list(presets)[:2] == ["ppo", "grpo"] and list(presets)[-1] == "zero_grpo"
+    assert registry.preset("zero_grpo").estimator == "zero_adv"
+    with pytest.raises(UnknownNameError, match=r"unknown algorithm 'zero'; choices: ppo, grpo, .*zero_grpo"):
+        registry.preset("zero")
+
+
+def test_a_preset_name_taken_by_verl_core_or_another_plugin_is_refused_naming_both() -> None:
+    registry = Registry(autoload=False)
+    registry.presets()  # verl-core's are registered
+    with pytest.raises(PluginError, match=r"algorithm preset 'grpo' is registered by both verl-core and clash-dist"):
+        registry.register(_PresetPlugin(Preset("grpo", "grpo", estimator="zero_adv")), "clash", distribution="clash-dist")
+    # a refused plugin leaves nothing behind: not its estimator either
+    assert "zero_adv" not in registry.components("advantage")
+    registry.register(_PresetPlugin(Preset("mine", "grpo")), "first", distribution="first-dist")
+    with pytest.raises(PluginError, match=r"'mine' is registered by both first-dist and second-dist"):
+        registry.register(_PresetPlugin(Preset("mine", "rloo"), estimator=False), "second", distribution="second-dist")
+    assert registry.preset("mine").constructor == "grpo"
+
+
+def test_a_plugin_that_takes_a_builtin_preset_name_before_the_builtins_load_fails_every_lookup() -> None:
+    registry = Registry(autoload=False)
+    registry.register(_PresetPlugin(Preset("dapo", "grpo")), "early", distribution="early-dist")
+    for _ in range(2):
+        with pytest.raises(PluginError, match=r"'dapo' is registered by both early-dist and verl-core"):
+            registry.presets()
+
+
+def test_a_preset_that_is_not_a_preset_record_or_names_no_constructor_is_refused() -> None:
+    from verl_core.algorithms import build_preset
+
+    with pytest.raises(PluginError, match=r"verl_algorithm_presets\(\) must return Preset records.*got {'name': 'x'} \(dict\)"):
+        Registry(autoload=False).register(_PresetPlugin({"name": "x"}), "bad")
+    with pytest.raises(PluginError, match=r"Preset.name must be a non-empty string, got ''"):
+        Preset("", "grpo")
+    with pytest.raises(PluginError, match=r"names the constructor 'grpoo', which Algorithm does not have; "
+                                          r"constructors: cispo, dr_grpo, grpo"):
+        build_preset(Preset("typo", "grpoo"), {})

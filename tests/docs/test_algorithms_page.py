@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from verl_core.algorithms import PRESET_TABLE, PRESETS
+from verl_core.algorithms import PRESET_TABLE, PRESETS, preset_options
 from verl_core.algorithms.config import AGG_MODES, KL_ESTIMATORS
 from verl_core.kernel.registry import get_registry
 
@@ -31,7 +31,7 @@ def preset_rows() -> dict[str, str]:
 
 def signature_options(preset: str) -> dict[str, Any]:
     """Keyword options (name -> default) of the preset, as the trainer accepts them."""
-    return PRESET_TABLE[preset].options()
+    return preset_options(PRESET_TABLE[preset])
 
 
 def test_every_preset_has_a_row() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_core.algorithms import PRESET_TABLE, PRESETS, Algorithm
+from verl_core.algorithms import PRESET_TABLE, PRESETS, Algorithm, preset_options
 from verl_core.kernel.errors import ConfigError
 from verl_core.trainer.config import load_config
 from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, build_algorithm
@@ -22,8 +22,8 @@ def test_every_row_builds_with_its_defaults(name: str) -> None:
     algo = build_algorithm(name, {})
     assert algo.estimator == (preset.estimator or Algorithm.from_name(preset.constructor, **preset.fixed).estimator)
     for key, value in preset.defaults.items():
-        assert preset.options()[key] == value
-    assert not set(preset.fixed) & set(preset.options())
+        assert preset_options(preset)[key] == value
+    assert not set(preset.fixed) & set(preset_options(preset))
 
 
 def test_a_recipe_changes_only_its_defaults() -> None:

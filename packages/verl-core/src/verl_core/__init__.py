@@ -15,6 +15,7 @@ from verl_core.kernel.algorithm import (
     KLEstimator,
     PolicyLoss,
     PolicyLossTerms,
+    Preset,
     ValueLoss,
     ValueLossTerms,
 )
@@ -130,6 +131,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossConfig",
     "PolicyLossTerms",
+    "Preset",
     "ReplayBuffer",
     "RequestTooLargeError",
     "RewardCapabilities",

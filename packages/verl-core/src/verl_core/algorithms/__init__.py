@@ -1,7 +1,8 @@
 """The built-in RL algorithms: advantage estimators, policy and value losses, KL, aggregation.
 
-Everything here is registered by name through the ``verl_algorithm_components`` hook (see
-:mod:`verl_core.algorithms.builtin`); :class:`Algorithm` bundles the parts an RL step uses.
+Everything here is registered by name through the ``verl_algorithm_components`` and
+``verl_algorithm_presets`` hooks (see :mod:`verl_core.algorithms.builtin`); :class:`Algorithm`
+bundles the parts an RL step uses.
 
 The numerics follow verl 0.9.1's ``verl.trainer.ppo.core_algos`` (cross-checked by
 ``benchmarks/bench_algorithms.py --verl``). The deliberate differences, each documented where it
@@ -92,7 +93,7 @@ from verl_core.algorithms.offpolicy import (
     ratio_statistics,
     rollout_log_ratio,
 )
-from verl_core.algorithms.presets import PRESET_TABLE, PRESETS, Preset
+from verl_core.algorithms.presets import PRESET_TABLE, PRESETS, Preset, build_preset, preset_options
 
 __all__ = [
     "AGGREGATIONS",
@@ -126,6 +127,7 @@ __all__ = [
     "RewardConfig",
     "actor_loss",
     "aggregate",
+    "build_preset",
     "cispo_loss",
     "clipped_value_loss",
     "compute_token_rewards",
@@ -147,6 +149,7 @@ __all__ = [
     "outcome_rewards",
     "over_loss_tokens",
     "ppo_loss",
+    "preset_options",
     "ratio_statistics",
     "reinforce_loss",
     "reinforce_pp",

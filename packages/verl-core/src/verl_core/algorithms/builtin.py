@@ -1,4 +1,4 @@
-"""The built-in algorithm components, registered through the same hook as a plugin's.
+"""The built-in algorithm components and presets, registered through the same hooks as a plugin's.
 
 The package facade (``verl_core/__init__``) hands this module to the registry as a built-in plugin,
 loaded when algorithm components are first looked up and whatever the plugin autoload setting: the
@@ -20,8 +20,9 @@ from verl_core.algorithms.config import (
     ReMaxConfig,
     RLOOConfig,
 )
+from verl_core.algorithms.presets import PRESET_TABLE
 from verl_core.algorithms.token_estimators import grpo_token
-from verl_core.kernel.algorithm import AlgorithmComponent
+from verl_core.kernel.algorithm import AlgorithmComponent, Preset
 from verl_core.kernel.hookspecs import hookimpl
 
 
@@ -69,3 +70,9 @@ def _components() -> list[AlgorithmComponent]:
 def verl_algorithm_components() -> list[AlgorithmComponent]:
     """The algorithms verl-core ships."""
     return _components()
+
+
+@hookimpl
+def verl_algorithm_presets() -> list[Preset]:
+    """The named algorithms verl-core ships (:data:`~verl_core.algorithms.presets.PRESET_TABLE`)."""
+    return list(PRESET_TABLE.values())

@@ -30,6 +30,9 @@ from verl_core.algorithms.config import (
 if TYPE_CHECKING:
     from verl_core.algorithms.bundle import Algorithm
 
+__all__ = ["cispo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
+"""Every constructor; :class:`Algorithm` binds each as its classmethod, and a preset names one."""
+
 
 def _actor(
     policy_loss: str,

@@ -1,6 +1,9 @@
 """The named algorithm presets, declared once as data.
 
-:data:`PRESET_TABLE` is the single list of the names ``algorithm.name`` accepts. Each row names the
+:data:`PRESET_TABLE` is verl-core's list of the names ``algorithm.name`` accepts (registered through
+the ``verl_algorithm_presets`` hook, as a plugin's presets are; the registry's
+:meth:`~verl_core.kernel.registry.Registry.presets` holds them all). Each row (a
+:class:`~verl_core.kernel.algorithm.Preset`) names the
 :class:`~verl_core.algorithms.bundle.Algorithm` constructor that builds it, the constructor
 arguments the preset fixes, the defaults it changes, the advantage estimator it swaps in and
 whether the trainer turns on dynamic sampling for it. The constructors' keyword arguments (minus
@@ -12,95 +15,88 @@ not a recipe on top of one.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from verl_core.kernel.errors import ConfigError, VerlError
+from verl_core.algorithms import constructors as _ctors
+from verl_core.kernel.algorithm import Preset
+from verl_core.kernel.errors import ConfigError, PluginError, VerlError
 
-__all__ = ["PRESETS", "PRESET_TABLE", "SECTION_OPTIONS", "Preset"]
+__all__ = ["CONSTRUCTORS", "PRESETS", "PRESET_TABLE", "SECTION_OPTIONS", "Preset", "build_preset", "preset_options"]
 
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
+CONSTRUCTORS: Final = tuple(_ctors.__all__)
+"""The :class:`~verl_core.algorithms.bundle.Algorithm` constructors a preset may name (``Preset.constructor``)."""
 
 SECTION_OPTIONS: Final[Mapping[str, str]] = MappingProxyType({"offpolicy": "algorithm.offpolicy"})
 """Constructor keywords a run's config sets in a section of their own (by the section's key), not
 in ``algorithm.options``: every preset takes them, so they are not listed as its options."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """One named algorithm.
+def _constructor(preset: Preset) -> Callable[..., Any]:
+    """The :class:`Algorithm` constructor ``preset`` names.
 
-    Attributes:
-        name: The value of ``algorithm.name``.
-        constructor: The :class:`Algorithm` classmethod that builds it.
-        fixed: Constructor arguments the preset sets (not options of the preset).
-        defaults: Option defaults that differ from the constructor's.
-        estimator: An advantage estimator that replaces the constructor's (it must be registered).
-        dynamic_sampling: The trainer drops groups whose scores are all equal (DAPO).
-        summary: One line for listings.
+    Raises:
+        PluginError: the preset names no constructor of :class:`Algorithm` (a plugin's typo).
     """
+    from verl_core.algorithms.bundle import Algorithm
 
-    name: str
-    constructor: str
-    fixed: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
-    estimator: str | None = None
-    dynamic_sampling: bool = False
-    summary: str = ""
+    if preset.constructor not in CONSTRUCTORS:
+        raise PluginError(
+            f"algorithm preset {preset.name!r} names the constructor {preset.constructor!r}, which Algorithm does "
+            f"not have; constructors: {', '.join(CONSTRUCTORS)}"
+        )
+    ctor: Callable[..., Any] = getattr(Algorithm, preset.constructor)
+    return ctor
 
-    @property
-    def is_recipe(self) -> bool:
-        """True when the preset is another constructor's with changed defaults, estimator or sampling."""
-        return bool(self.defaults) or self.estimator is not None or self.dynamic_sampling
 
-    def options(self) -> dict[str, Any]:
-        """The preset's options in order, each with its default (``inspect.Parameter.empty`` when required)."""
-        from verl_core.algorithms.bundle import Algorithm
+def preset_options(preset: Preset) -> dict[str, Any]:
+    """The options of ``preset`` in order, each with its default (``inspect.Parameter.empty`` when required):
+    its constructor's keyword arguments minus the fixed ones and those of :data:`SECTION_OPTIONS`,
+    with the preset's changed defaults."""
+    params = inspect.signature(_constructor(preset)).parameters
+    return {k: preset.defaults.get(k, p.default) for k, p in params.items()
+            if k not in preset.fixed and k not in SECTION_OPTIONS and p.kind is inspect.Parameter.KEYWORD_ONLY}
 
-        params = inspect.signature(getattr(Algorithm, self.constructor)).parameters
-        return {k: self.defaults.get(k, p.default) for k, p in params.items()
-                if k not in self.fixed and k not in SECTION_OPTIONS and p.kind is inspect.Parameter.KEYWORD_ONLY}
 
-    def build(self, options: Mapping[str, Any], **sections: Any) -> Any:
-        """The :class:`Algorithm` of this preset with ``options``.
+def build_preset(preset: Preset, options: Mapping[str, Any], **sections: Any) -> Any:
+    """The :class:`Algorithm` of ``preset`` with ``options``.
 
-        Args:
-            options: The preset's options (``algorithm.options``).
-            **sections: Keywords of :data:`SECTION_OPTIONS` (``offpolicy=``), from their own sections.
+    Args:
+        preset: The preset (a row of :data:`PRESET_TABLE` or a plugin's).
+        options: The preset's options (``algorithm.options``).
+        **sections: Keywords of :data:`SECTION_OPTIONS` (``offpolicy=``), from their own sections.
 
-        Raises:
-            ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``
-                and listing the valid ones; a keyword of :data:`SECTION_OPTIONS` names its
-                section), or a value the constructor refuses.
-        """
-        from verl_core.algorithms.bundle import Algorithm
-
-        for key in sorted(set(options) & set(SECTION_OPTIONS)):
-            raise ConfigError(
-                f"config key 'algorithm.options.{key}' is not an option of algorithm {self.name!r}: set it in "
-                f"its own section, [{SECTION_OPTIONS[key]}]"
-            )
-        extra = sorted(set(sections) - set(SECTION_OPTIONS))
-        if extra:
-            raise TypeError(f"Preset.build: unknown section keyword(s) {extra}; valid: {list(SECTION_OPTIONS)}")
-        valid = list(self.options())
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise ConfigError(
-                f"config key 'algorithm.options.{unknown[0]}' is not an option of algorithm {self.name!r}; "
-                f"valid options: {', '.join(valid)}"
-            )
-        options = {**options, **{k: v for k, v in sections.items() if v is not None}}
-        try:
-            algo = getattr(Algorithm, self.constructor)(**self.fixed, **{**self.defaults, **options})
-            if self.estimator is not None:
-                algo = algo.replace(name=self.name, estimator=self.estimator)
-            return algo
-        except (VerlError, TypeError) as e:
-            raise ConfigError(f"config section 'algorithm.options' of {self.name!r}: {e}") from e
+    Raises:
+        ConfigError: an option the preset does not take (naming ``algorithm.options.<key>``
+            and listing the valid ones; a keyword of :data:`SECTION_OPTIONS` names its
+            section), or a value the constructor refuses.
+        PluginError: the preset names no constructor of :class:`Algorithm`.
+    """
+    for key in sorted(set(options) & set(SECTION_OPTIONS)):
+        raise ConfigError(
+            f"config key 'algorithm.options.{key}' is not an option of algorithm {preset.name!r}: set it in "
+            f"its own section, [{SECTION_OPTIONS[key]}]"
+        )
+    extra = sorted(set(sections) - set(SECTION_OPTIONS))
+    if extra:
+        raise TypeError(f"build_preset: unknown section keyword(s) {extra}; valid: {list(SECTION_OPTIONS)}")
+    valid = list(preset_options(preset))
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"config key 'algorithm.options.{unknown[0]}' is not an option of algorithm {preset.name!r}; "
+            f"valid options: {', '.join(valid)}"
+        )
+    options = {**options, **{k: v for k, v in sections.items() if v is not None}}
+    try:
+        algo = _constructor(preset)(**preset.fixed, **{**preset.defaults, **options})
+        if preset.estimator is not None:
+            algo = algo.replace(name=preset.name, estimator=preset.estimator)
+        return algo
+    except (VerlError, TypeError) as e:
+        raise ConfigError(f"config section 'algorithm.options' of {preset.name!r}: {e}") from e
 
 
 PRESET_TABLE: Final[Mapping[str, Preset]] = MappingProxyType({p.name: p for p in (
@@ -119,7 +115,7 @@ PRESET_TABLE: Final[Mapping[str, Preset]] = MappingProxyType({p.name: p for p in
     Preset("grpo_token", "grpo", estimator="grpo_token",
            summary="GRPO's loss with per-position group normalisation of dense token scores"),
 )})
-"""Every named algorithm, by ``algorithm.name``."""
+"""verl-core's named algorithms, by ``algorithm.name`` (a plugin's are added through the hook)."""
 
 PRESETS: Final = tuple(name for name, p in PRESET_TABLE.items() if not p.is_recipe)
 """Names accepted by :meth:`Algorithm.from_name`: the presets that are a constructor as it is."""

@@ -1,9 +1,11 @@
 """Algorithm parts: the protocols of advantage estimators, policy losses, KL estimators, loss
-aggregation and value losses, and the AlgorithmComponent record through which they are registered.
+aggregation and value losses, the AlgorithmComponent record through which they are registered, and
+the Preset record of a named algorithm (a value of ``algorithm.name``).
 
 Every part is a pure function of TensorBatch fields (or of the tensors they hold) and a typed
 config. Implementations of the built-in parts live in :mod:`verl_core.algorithms`; a third party
-adds its own through the ``verl_algorithm_components`` hook, with the signature of its kind:
+adds its own through the ``verl_algorithm_components`` hook, with the signature of its kind, and its
+named algorithms through the ``verl_algorithm_presets`` hook:
 
 ========================  ==================================================================
 kind                      signature of ``AlgorithmComponent.impl``
@@ -21,11 +23,14 @@ kind                      signature of ``AlgorithmComponent.impl``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torch import Tensor
+
+from verl_core.kernel.errors import PluginError, check_str
 
 if TYPE_CHECKING:
     from verl_core.kernel.batch import TensorBatch
@@ -40,6 +45,7 @@ __all__ = [
     "Need",
     "PolicyLoss",
     "PolicyLossTerms",
+    "Preset",
     "ValueLoss",
     "ValueLossTerms",
 ]
@@ -117,6 +123,49 @@ class AlgorithmComponent:
     def aggregation(cls, name: str, impl: Aggregation, doc: str) -> AlgorithmComponent:
         """A loss aggregation mode."""
         return cls("aggregation", name, impl, None, doc)
+
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named algorithm, the value of a run's ``algorithm.name``: a record of names and values.
+
+    Registered through the ``verl_algorithm_presets`` hook (verl-core's own table,
+    ``verl_core.algorithms.presets.PRESET_TABLE``, through the same hook); the algorithms layer
+    builds it (``verl_core.algorithms.presets.build_preset``) with the
+    :class:`~verl_core.algorithms.Algorithm` constructor it names.
+
+    Attributes:
+        name: The value of ``algorithm.name`` (unique among the registered presets).
+        constructor: The name of the :class:`Algorithm` classmethod that builds it (``ppo``,
+            ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, ``remax``,
+            ``gspo``, ``cispo``).
+        fixed: Constructor arguments the preset sets (not options of the preset).
+        defaults: Option defaults that differ from the constructor's.
+        estimator: A registered advantage estimator that replaces the constructor's (a plugin's
+            own, for example).
+        dynamic_sampling: The trainer drops groups whose scores are all equal (DAPO).
+        summary: One line for listings.
+    """
+
+    name: str
+    constructor: str
+    fixed: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    defaults: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    estimator: str | None = None
+    dynamic_sampling: bool = False
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        check_str(self.name, "Preset.name", error=PluginError)
+        check_str(self.constructor, f"Preset {self.name!r}: constructor", error=PluginError)
+
+    @property
+    def is_recipe(self) -> bool:
+        """True when the preset is another constructor's with changed defaults, estimator or sampling."""
+        return bool(self.defaults) or self.estimator is not None or self.dynamic_sampling
 
 
 @dataclass(frozen=True)

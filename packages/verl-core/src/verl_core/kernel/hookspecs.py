@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from verl_core.kernel.algorithm import AlgorithmComponent
+    from verl_core.kernel.algorithm import AlgorithmComponent, Preset
     from verl_core.kernel.registry import BackendSpec
     from verl_core.kernel.weights import WeightSync
 
@@ -41,6 +41,17 @@ def verl_algorithm_components() -> list[AlgorithmComponent]:  # type: ignore[emp
     Called once when the registry loads plugins (verl-core registers its built-in algorithms
     through this same hook). Returns the components this plugin adds; a name already taken by
     another plugin for the same kind is an error naming both.
+    """
+
+
+@hookspec
+def verl_algorithm_presets() -> list[Preset]:  # type: ignore[empty-body]
+    """Register named algorithms: each :class:`~verl_core.kernel.algorithm.Preset` is a value of a
+    run's ``algorithm.name``.
+
+    Called once when the registry loads plugins (verl-core registers its own presets through this
+    same hook). A preset may name the plugin's own advantage estimator (``Preset.estimator``); a
+    preset name already taken, by verl-core or another plugin, is an error naming both.
     """
 
 

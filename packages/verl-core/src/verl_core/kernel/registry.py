@@ -1,4 +1,4 @@
-"""The typed registry facade over pluggy: backends, engines, weight-sync paths, algorithm parts.
+"""The typed registry facade over pluggy: backends, engines, weight-sync paths, algorithm parts and presets.
 
 Plugins are discovered through the ``verl.plugins`` entry-point group on first use (set
 ``VERL_DISABLE_PLUGIN_AUTOLOAD=1`` to skip discovery; built-in algorithms stay registered).
@@ -30,7 +30,7 @@ from typing import Any, Final, TypeVar, cast, get_args
 import pluggy
 
 from verl_core.kernel import hookspecs
-from verl_core.kernel.algorithm import AlgorithmComponent, ComponentKind
+from verl_core.kernel.algorithm import AlgorithmComponent, ComponentKind, Preset
 from verl_core.kernel.capabilities import (
     Capabilities,
     RewardCapabilities,
@@ -66,6 +66,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP: Final = "verl.plugins"
+_CORE: Final = "verl-core"
+"""The distribution name the built-in plugins are registered under."""
 AUTOLOAD_ENV: Final = "VERL_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV: Final = "VERL_PLUGINS"
 _INSTALL_HINTS: Final = {
@@ -242,6 +244,7 @@ class Registry:
         self._backends: dict[str, InstalledBackend] = {}
         self._broken: dict[str, BrokenPlugin] = {}
         self._components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
+        self._presets: dict[str, tuple[Preset, str]] = {}
         self._builtins_loaded = False
 
     def _ensure_builtins(self) -> None:
@@ -249,10 +252,10 @@ class Registry:
         with self._lock:
             if self._builtins_loaded:
                 return
-            self._builtins_loaded = True
             for name, load in _BUILTINS:
                 if not self.pm.has_plugin(name):
-                    self._register_module(load(), name, "verl-core", _core_version())
+                    self._register_module(load(), name, _CORE, _core_version())
+            self._builtins_loaded = True  # after a refusal (a plugin took a built-in name) every lookup says why
 
     # ------------------------------------------------------------- loading
     def _ensure_loaded(self) -> None:
@@ -332,33 +335,57 @@ class Registry:
         return list(self.pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs))
 
     def _collect(self, plugin: object, name: str, dist: str, version: str) -> None:
-        specs = self._call(plugin, "verl_backend")
-        spec = specs[0] if specs else None
-        if spec is not None:
-            if not isinstance(spec, BackendSpec):
-                raise PluginError(f"plugin {name!r}: verl_backend() must return a BackendSpec, got {type(spec).__name__}")
-            if spec.name != name:
-                raise PluginError(
-                    f"plugin {name!r} (from {dist}) returns a BackendSpec named {spec.name!r}; "
-                    "the spec name must equal the entry-point name"
-                )
-            if not protocol_compatible(spec.protocol_version):
-                raise PluginError(
-                    f"backend {name!r} ({dist} {version}) implements verl protocol {spec.protocol_version}, "
-                    f"but this verl-core speaks {PROTOCOL_VERSION} (same major, minor <= ours); "
-                    f"upgrade {dist} or verl-core so they match"
-                )
-            if name in self._backends:
-                other = self._backends[name].distribution
-                raise PluginError(f"two distributions claim the verl backend name {name!r}: {other} and {dist}")
-            self._backends[name] = InstalledBackend(spec, dist, version)
+        """Check everything ``plugin`` declares, then record it all (a refused plugin leaves nothing)."""
+        spec = self._backend_spec(plugin, name, dist, version)
+        components: dict[tuple[ComponentKind, str], tuple[AlgorithmComponent, str]] = {}
         for comp in [c for comps in self._call(plugin, "verl_algorithm_components") for c in comps or []]:
             key = (comp.kind, comp.name)
-            if key in self._components:
+            if key in self._components or key in components:
+                other = (self._components.get(key) or components[key])[1]
+                raise PluginError(f"{comp.kind} {comp.name!r} is registered by both {other} and {dist}")
+            components[key] = (comp, dist)
+        presets: dict[str, tuple[Preset, str]] = {}
+        for preset in [p for found in self._call(plugin, "verl_algorithm_presets") for p in found or []]:
+            if not isinstance(preset, Preset):
                 raise PluginError(
-                    f"{comp.kind} {comp.name!r} is registered by both {self._components[key][1]} and {dist}"
+                    f"plugin {name!r} (from {dist}): verl_algorithm_presets() must return Preset records "
+                    f"(verl_core.kernel.algorithm.Preset), got {describe(preset)}"
                 )
-            self._components[key] = (comp, dist)
+            if preset.name in self._presets or preset.name in presets:
+                other = (self._presets.get(preset.name) or presets[preset.name])[1]
+                raise PluginError(
+                    f"algorithm preset {preset.name!r} is registered by both {other} and {dist}; "
+                    "give the plugin's preset another name"
+                )
+            presets[preset.name] = (preset, dist)
+        if spec is not None:
+            self._backends[name] = InstalledBackend(spec, dist, version)
+        self._components.update(components)
+        self._presets.update(presets)
+
+    def _backend_spec(self, plugin: object, name: str, dist: str, version: str) -> BackendSpec | None:
+        """The checked BackendSpec ``plugin`` declares (None for a plugin that adds only algorithms)."""
+        specs = self._call(plugin, "verl_backend")
+        spec = specs[0] if specs else None
+        if spec is None:
+            return None
+        if not isinstance(spec, BackendSpec):
+            raise PluginError(f"plugin {name!r}: verl_backend() must return a BackendSpec, got {type(spec).__name__}")
+        if spec.name != name:
+            raise PluginError(
+                f"plugin {name!r} (from {dist}) returns a BackendSpec named {spec.name!r}; "
+                "the spec name must equal the entry-point name"
+            )
+        if not protocol_compatible(spec.protocol_version):
+            raise PluginError(
+                f"backend {name!r} ({dist} {version}) implements verl protocol {spec.protocol_version}, "
+                f"but this verl-core speaks {PROTOCOL_VERSION} (same major, minor <= ours); "
+                f"upgrade {dist} or verl-core so they match"
+            )
+        if name in self._backends:
+            other = self._backends[name].distribution
+            raise PluginError(f"two distributions claim the verl backend name {name!r}: {other} and {dist}")
+        return spec
 
     # ------------------------------------------------------------- backends
     def backends(self) -> dict[str, InstalledBackend]:
@@ -441,6 +468,29 @@ class Registry:
                 f"unknown {kind} {name!r}; registered: {', '.join(comps) or 'none'}{broken}"
             )
         return comps[name]
+
+
+    def presets(self) -> dict[str, Preset]:
+        """Registered algorithm presets by name (the values of ``algorithm.name``): verl-core's first,
+        in its table's order, then the plugins'."""
+        self._ensure_builtins()
+        self._ensure_loaded()
+        ordered = sorted(self._presets.items(), key=lambda item: item[1][1] != _CORE)  # stable: table order kept
+        return {n: p for n, (p, _) in ordered}
+
+    def preset(self, name: str) -> Preset:
+        """The preset ``name``; an unknown name lists the registered ones.
+
+        Raises:
+            UnknownNameError: no preset of that name is registered (the message lists them, and any
+                installed plugin that could not be loaded).
+        """
+        presets = self.presets()
+        check_str(name, "algorithm preset name")
+        if name not in presets:
+            broken = "".join(f"; {b.describe()} (it may provide it)" for b in self._broken.values())
+            raise UnknownNameError(f"unknown algorithm {name!r}; choices: {', '.join(presets)}{broken}")
+        return presets[name]
 
 
 def _dist_name(ep: md.EntryPoint) -> str:

@@ -1,6 +1,7 @@
 """The algorithm of an RL run from its config: the preset, and which engines and stages it needs.
 
-The presets are :data:`verl_core.algorithms.presets.PRESET_TABLE`'s; :func:`build_algorithm`
+The presets are the registry's (:meth:`~verl_core.kernel.registry.Registry.presets`: verl-core's
+:data:`~verl_core.algorithms.presets.PRESET_TABLE` and a plugin's); :func:`build_algorithm`
 builds one (with the ``[algorithm.offpolicy]`` correction) and :class:`AlgorithmSetup` checks the
 ``algorithm`` section against the rest of the config before anything is built;
 :func:`check_offpolicy_rollout` checks the correction against the rollout engine once it is built.
@@ -14,12 +15,14 @@ from typing import Any
 
 from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.algorithms.losses import ActorLoss
-from verl_core.algorithms.presets import PRESET_TABLE
+from verl_core.algorithms.presets import build_preset
+from verl_core.kernel.algorithm import Preset
 from verl_core.kernel.errors import ConfigError
+from verl_core.kernel.registry import get_registry
 from verl_core.kernel.rollout import RolloutEngine
 from verl_core.trainer.config import RunConfig
 
-__all__ = ["AlgorithmSetup", "build_algorithm", "check_offpolicy_rollout"]
+__all__ = ["AlgorithmSetup", "build_algorithm", "check_offpolicy_rollout", "find_preset"]
 
 
 def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyConfig | None = None) -> Any:
@@ -28,8 +31,9 @@ def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyC
     ``offpolicy`` is the actor loss's off-policy correction (the ``[algorithm.offpolicy]``
     section; None = none); every preset takes it.
 
-    The names and what each one sets are the rows of
-    :data:`~verl_core.algorithms.presets.PRESET_TABLE`: e.g. ``dapo`` is GRPO with clip-higher
+    The names and what each one sets are the registered presets: the rows of
+    :data:`~verl_core.algorithms.presets.PRESET_TABLE` and those of plugins (the
+    ``verl_algorithm_presets`` hook). E.g. ``dapo`` is GRPO with clip-higher
     (``clip_high=0.28``) and no KL loss, for which the trainer turns on dynamic sampling;
     ``grpo_token`` is GRPO's loss with the per-position estimator of
     :mod:`verl_core.algorithms.token_estimators` (it needs dense ``token_scores``: ``task.reward="token"``).
@@ -38,10 +42,19 @@ def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyC
         ConfigError: an unknown name (listing the presets), or an option the preset does not take
             (naming ``algorithm.options.<key>``).
     """
-    preset = PRESET_TABLE.get(name)
-    if preset is None:
-        raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(PRESET_TABLE)}")
-    return preset.build(options, offpolicy=offpolicy)
+    return build_preset(find_preset(name), options, offpolicy=offpolicy)
+
+
+def find_preset(name: str) -> Preset:
+    """The registered preset ``name`` (verl-core's or a plugin's).
+
+    Raises:
+        ConfigError: no preset of that name, naming ``algorithm.name`` and listing the registered ones.
+    """
+    presets = get_registry().presets()
+    if name not in presets:
+        raise ConfigError(f"config key 'algorithm.name': unknown algorithm {name!r}; choices: {', '.join(presets)}")
+    return presets[name]
 
 
 def check_offpolicy_rollout(config: RunConfig, rollout: RolloutEngine) -> None:
@@ -144,7 +157,7 @@ class AlgorithmSetup:
         return cls(
             algorithm=algorithm, use_critic=use_critic,
             use_reference=a.use_reference or algorithm.uses_reference,
-            dynamic_sampling=a.dynamic_sampling or PRESET_TABLE[a.name].dynamic_sampling,
+            dynamic_sampling=a.dynamic_sampling or find_preset(a.name).dynamic_sampling,
             on_policy_old_log_probs=(
                 b.old_log_probs == "auto" and one_update and isinstance(algorithm.actor_loss, ActorLoss)
                 and "old_log_probs" not in algorithm.advantage_fields and not a.offpolicy.enabled
