@@ -131,9 +131,9 @@ def prompts_from_ids(
         ConfigError: an empty prompt, or as many group ids as prompts not given.
     """
     if len(group_ids) != len(ids):
-        raise ConfigError(f"prompts_from_ids(): {len(ids)} prompts but {len(group_ids)} group ids")
+        raise ConfigError(f"prompt batch: {len(ids)} prompts but {len(group_ids)} group ids; give one group id per prompt")
     if any(len(row) == 0 for row in ids):
-        raise ConfigError("prompts_from_ids(): a prompt has no tokens; every prompt needs at least one")
+        raise ConfigError("prompt batch: a prompt has no tokens; every prompt needs at least one")
     width = max((len(row) for row in ids), default=0)
     out = torch.full((len(ids), width), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(ids), width), dtype=torch.bool)

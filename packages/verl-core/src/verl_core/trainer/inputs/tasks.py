@@ -16,6 +16,7 @@ from typing import Any, Final, Literal
 
 import torch
 
+from verl_core.agent.render import prompts_from_ids
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import ConfigError
@@ -173,22 +174,14 @@ def prompt_batch(
     extras: Mapping[str, Sequence[Any]] | None = None,
     meta: BatchMeta | None = None,
 ) -> TensorBatch:
-    """Encode prompt texts into a left-padded TensorBatch with ``group_ids`` and extras."""
-    if len(group_ids) != len(prompts):
-        raise ConfigError(f"prompt_batch: {len(prompts)} prompts but {len(group_ids)} group ids")
+    """Encode prompt texts into a left-padded TensorBatch with ``group_ids`` and extras.
+
+    The texts are encoded as they are (no chat template); the batch is
+    :func:`~verl_core.agent.render.prompts_from_ids`'s, the one builder of prompt batches
+    (:func:`~verl_core.agent.render.render_prompts` takes conversations as well as texts).
+
+    Raises:
+        ConfigError: a prompt that encodes to no tokens, or not as many group ids as prompts.
+    """
     encoded = [tokenizer.encode(p) for p in prompts]
-    if any(not e for e in encoded):
-        raise ConfigError("prompt_batch: a prompt encodes to no tokens")
-    width = max(len(e) for e in encoded)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(encoded), width), pad, dtype=torch.int64)
-    mask = torch.zeros((len(encoded), width), dtype=torch.bool)
-    for i, e in enumerate(encoded):
-        ids[i, width - len(e):] = torch.tensor(e, dtype=torch.int64)
-        mask[i, width - len(e):] = True
-    meta = meta or BatchMeta(pad_token_id=pad)
-    return TensorBatch(
-        {"prompt_ids": ids, "prompt_mask": mask, "group_ids": torch.tensor(list(group_ids), dtype=torch.int64)},
-        extras=extras,
-        meta=meta,
-    )
+    return prompts_from_ids(encoded, tokenizer.pad_token_id, group_ids=group_ids, extras=extras, meta=meta)
