@@ -26,7 +26,7 @@ from verl_core.trainer.executor.config import ExecutorName, RayConfig
 from verl_core.trainer.inputs.agent import AgentConfig
 from verl_core.trainer.inputs.data import DataConfig
 from verl_core.trainer.inputs.rewards import RewardFunctionsConfig
-from verl_core.trainer.sinks import SinkConfig, WandbMode
+from verl_core.trainer.sinks import SinkConfig
 
 __all__ = [
     "AgentConfig",
@@ -366,34 +366,23 @@ class AsyncTrainingConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
-    """What the run reports.
+class LoggingConfig(SinkConfig):
+    """What the run reports: the metric sinks and their settings (the fields and rules of
+    :class:`~verl_core.trainer.sinks.SinkConfig`, declared there once), a progress bar and a plot.
 
     Attributes:
-        progress: A progress bar with the live reward on stderr.
-        plot: A PNG of the curves at the end (needs the ``plot`` extra: matplotlib).
         sinks: Where every step's metrics go: ``jsonl`` (``<output_dir>/metrics.jsonl``),
             ``tensorboard``, ``wandb``, and callbacks named ``module:attr`` or
             ``path/to/file.py:attr`` (see :mod:`verl_core.trainer.sinks`); empty = none.
         wandb_project: The W&B project (``wandb`` sink).
         wandb_mode: ``offline`` (files under the run folder, no network), ``online`` or ``disabled``.
         tensorboard_dir: Folder of TensorBoard's event files; empty = ``<output_dir>/tensorboard``.
+        progress: A progress bar with the live reward on stderr.
+        plot: A PNG of the curves at the end (needs the ``plot`` extra: matplotlib).
     """
 
     progress: bool = True
     plot: bool = True
-    sinks: tuple[str, ...] = ("jsonl",)
-    wandb_project: str = "verl"
-    wandb_mode: WandbMode = "offline"
-    tensorboard_dir: str = ""
-
-    def __post_init__(self) -> None:
-        self.sink_config()  # the sink names and settings are checked when the config loads
-
-    def sink_config(self) -> SinkConfig:
-        """The :class:`~verl_core.trainer.sinks.SinkConfig` of these settings."""
-        return SinkConfig(sinks=self.sinks, wandb_project=self.wandb_project, wandb_mode=self.wandb_mode,
-                          tensorboard_dir=self.tensorboard_dir)
 
 
 @dataclass(frozen=True)

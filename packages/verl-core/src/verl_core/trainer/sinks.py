@@ -69,7 +69,9 @@ _CHOICES: Final = (
 
 @dataclass(frozen=True)
 class SinkConfig:
-    """Which sinks a run's metrics go to, and their settings.
+    """Which sinks a run's metrics go to, and their settings: the one declaration of the
+    ``logging.sinks``, ``logging.wandb_*`` and ``logging.tensorboard_dir`` keys (the run config's
+    ``logging`` section, :class:`~verl_core.trainer.config.LoggingConfig`, is a SinkConfig).
 
     Attributes:
         sinks: The sinks, in any order: ``jsonl``, ``tensorboard``, ``wandb``, and callbacks named

@@ -50,7 +50,7 @@ def _handle(args: argparse.Namespace) -> int:
     trainer = SFTTrainer(config)  # checks the data section
     check_device_here(config)
     check_backends(config, {"actor": config.backends.actor})
-    check_sinks(config.output_dir, config.logging.sink_config())
+    check_sinks(config.output_dir, config.logging)
     if args.check:
         print(f"verl sft: config is valid ({config.steps} steps on {', '.join(config.data.train_paths)}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)

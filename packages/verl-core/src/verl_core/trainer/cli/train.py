@@ -143,7 +143,7 @@ def _handle(args: argparse.Namespace) -> int:
     trainer = Trainer(config, base_dir=config_folder(args))
     check_device_here(config)
     check_backends(config, _roles(trainer))
-    check_sinks(config.output_dir, config.logging.sink_config())
+    check_sinks(config.output_dir, config.logging)
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "
               f"output_dir {config.output_dir!r})", file=sys.stderr)

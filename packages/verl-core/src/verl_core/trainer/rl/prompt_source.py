@@ -115,7 +115,7 @@ class PromptSource:
         """
         cfg = self.config
         d = cfg.data
-        for spec in cfg.logging.sink_config().callbacks:  # imported (modules are cached) but not built yet
+        for spec in cfg.logging.callbacks:  # imported (modules are cached) but not built yet
             import_object(spec, what="config key 'logging.sinks': callback", base_dir=self.base_dir)
         if cfg.agent.enabled:
             self.agent = AgentSetup.resolve(cfg.agent, base_dir=self.base_dir)

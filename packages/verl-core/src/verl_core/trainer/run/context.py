@@ -148,7 +148,7 @@ class RunContext:
     def prepare(self, resume: bool | None) -> RunDir:
         """Before any engine is built: check the device, claim the folder, seed the process RNGs."""
         check_device_here(self.config)  # before the run folder is claimed or any engine is built
-        check_sinks(self.out, self.config.logging.sink_config())  # packages and folders of logging.sinks
+        check_sinks(self.out, self.config.logging)  # packages and folders of logging.sinks
         run = self.claim(resume)
         torch.manual_seed(self.config.seed)
         random.seed(self.config.seed)
@@ -183,7 +183,7 @@ class RunContext:
         if self.sinks is None:
             cfg = self.config
             self.sinks = MetricSinks.open(
-                self.out, cfg.logging.sink_config(), run_name=self.out.name, resume_step=self.logs_from,
+                self.out, cfg.logging, run_name=self.out.name, resume_step=self.logs_from,
                 hparams=config_to_dict(cfg), base_dir=self.base_dir,
             )
             if self.logs_from is not None and "jsonl" in self.sinks.names:
