@@ -18,18 +18,18 @@ from verl_conformance.testkit import tiny_model
 from verl_core import (
     Algorithm,
     EngineSpec,
-    FunctionReward,
     SamplingParams,
     TensorBatch,
     get_rollout_engine,
     get_training_engine,
 )
 from verl_core.trainer import HybridPipeline, HybridReplayBuffer, PipelineError, Stage, prompt_batch
+from verl_core.trainer.inputs.rewards import RewardFunctions
 
 
-def digits_reward(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
-    """Share of response characters that are digits."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
+def digits_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """Share of each completion's characters that are digits (the call of ``reward.functions``)."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     folder = str(tiny_model())
     rollout = get_rollout_engine("hf", EngineSpec(model_path=folder, role="rollout", max_response_len=8))
     critic = get_training_engine("hf", EngineSpec(model_path=folder, role="critic", max_response_len=8))
-    reward = FunctionReward(digits_reward, rollout.tokenizer)
+    reward = RewardFunctions([digits_reward], rollout.tokenizer)
     algorithm = Algorithm.ppo(kl_coef=0.0, lam=0.95)
     buffer = HybridReplayBuffer(memory_samples=64)
     params = SamplingParams(max_new_tokens=6, n=4, seed=0)
@@ -46,7 +46,7 @@ def main() -> None:
         return {"samples": rollout.generate(prompts, params)}
 
     def critic_evaluation(samples: TensorBatch) -> Mapping[str, Any]:
-        return {"values": critic.forward(samples, ("values",))["values"]}
+        return {"values": critic.forward(samples, ["values"])["values"]}
 
     def buffer_processing(samples: TensorBatch, values: torch.Tensor) -> Mapping[str, Any]:
         scored = reward.score(samples).update(values=values, old_values=values)
