@@ -9,12 +9,14 @@ import os
 import shutil
 import string
 import tempfile
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import torch
+
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
+from verl_core.enginekit.hf_tokenizer import load_tokenizer as load_hf_tokenizer
 
 __all__ = [
     "ARCHS",
@@ -194,37 +196,19 @@ def tiny_model(spec: TinyModelSpec = TinyModelSpec(), *, cache_dir: str | os.Pat
     return dest
 
 
-class CharTokenizer:
-    """The verl_core.Tokenizer protocol over a test-kit folder's tokenizer (transformers-backed)."""
+class CharTokenizer(HFTokenizer):
+    """The tokenizer of a tiny-model folder (one id per character, ``<pad>`` and ``<eos>``): the
+    engine kit's :class:`~verl_core.enginekit.hf_tokenizer.HFTokenizer` over it, as the engines see it.
+
+    Args:
+        path: The model folder (see :func:`tiny_model`).
+
+    Raises:
+        ConfigError: the folder has no loadable tokenizer, or transformers is not installed.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        self._vocab_size = len(self._tok)
-
-    @property
-    def eos_token_id(self) -> int:
-        """Id of ``<eos>``."""
-        return int(self._tok.eos_token_id)
-
-    @property
-    def pad_token_id(self) -> int:
-        """Id of ``<pad>``."""
-        return int(self._tok.pad_token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids."""
-        return self._vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        """One id per character."""
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Characters of ``ids``."""
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        super().__init__(load_hf_tokenizer(path).wrapped)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> CharTokenizer:
