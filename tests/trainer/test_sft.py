@@ -212,6 +212,21 @@ def test_verl_sft_command_prints_the_model_path(
     assert json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "trainer_state.json").read_text())["step"] == 3
 
 
+def test_relative_paths_of_an_sft_config_are_looked_up_next_to_it_as_for_verl_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    write_data(folder / "train.jsonl", 8)
+    (folder / "sft.toml").write_text('steps = 1\n[data]\ntrain = "train.jsonl"\n[logging]\nprogress = false\n')
+    monkeypatch.chdir(tmp_path)  # the working directory has no train.jsonl
+    assert main(["sft", "project/sft.toml", "output_dir=run", "batch.prompts_per_step=4"]) == 0
+    assert capsys.readouterr().out.strip() == str(Path("run") / SFT_MODEL_DIR)
+    # the same config given as overrides only has no folder: the path is the working directory's
+    assert main(["sft", "data.train=train.jsonl", "output_dir=run2", "steps=1"]) == 2
+    assert "train.jsonl" in capsys.readouterr().err
+
+
 def test_verl_train_refuses_to_resume_an_sft_run(tmp_path: Path, data: Path) -> None:
     with SFTTrainer(sft_config(tmp_path / "run", data, "steps=1")) as t:
         t.train()

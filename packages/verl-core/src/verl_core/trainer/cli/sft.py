@@ -11,6 +11,7 @@ from typing import Any
 from verl_core.trainer.cli.train import (
     add_run_arguments,
     check_backends,
+    config_folder,
     load_run_config,
     stop_on_signals,
 )
@@ -47,7 +48,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.print_config and not args.check:
         print(json.dumps(config_to_dict(config), indent=1))
         return 0
-    trainer = SFTTrainer(config)  # checks the data section
+    trainer = SFTTrainer(config, base_dir=config_folder(args))  # checks the data section
     check_device_here(config)
     check_backends(config, {"actor": config.backends.actor})
     check_sinks(config.output_dir, config.logging)

@@ -69,6 +69,7 @@ from verl_core.trainer.inputs.data import (
     PromptSampler,
     check_dataset_files,
 )
+from verl_core.trainer.inputs.usercode import resolve_path
 from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext
 from verl_core.trainer.run.folder import RunDir
@@ -143,6 +144,7 @@ class SFTDataset:
     def from_config(
         cls, data: DataConfig, tokenizer: Tokenizer, *, split: Literal["train", "eval"] = "train",
         context: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+        base_dir: Path | None = None,
     ) -> SFTDataset:
         """Load ``data.<split>`` with the config's prompt and response columns, or as conversations.
 
@@ -159,6 +161,7 @@ class SFTDataset:
             split: ``train`` or ``eval``.
             context: The model's longest sequence (None = unknown, not checked).
             tools: JSON tool schemas rendered into conversations (``agent.tools``).
+            base_dir: The config file's folder, where relative dataset paths are looked up first.
 
         Raises:
             ConfigError: every problem of the prompt dataset; no ``data.response_key`` column
@@ -171,7 +174,7 @@ class SFTDataset:
         if not paths:
             raise ConfigError(f"{where} is not set; give a dataset file or folder")
         prompts = PromptDataset.load(
-            paths, tokenizer, prompt_key=data.prompt_key, chat_template=data.chat_template,
+            [str(resolve_path(p, base_dir)) for p in paths], tokenizer, prompt_key=data.prompt_key, chat_template=data.chat_template,
             max_prompt_len=data.max_prompt_len, long_prompts=data.long_prompts, where=where, tools=tools,
         )
         key = data.response_key
@@ -303,6 +306,9 @@ class SFTTrainer:
         stream: Where the progress bar and messages go (default stderr).
         peak_probe: Allocator peak probe whose reading of the first update refines the micro-batch
             budget once (default: the CUDA allocator on a CUDA device, none on the CPU).
+        base_dir: The config file's folder: relative paths of datasets, tool files and callback
+            files are looked up there first, then in the working directory (default: the working
+            directory only), as :class:`~verl_core.trainer.rl.trainer.Trainer` does.
 
     Use :meth:`train` (with ``resume=True`` to continue from the newest checkpoint of the output
     folder); the actor engine is built on first use and released by :meth:`close` (or ``with``).
@@ -315,7 +321,7 @@ class SFTTrainer:
 
     def __init__(
         self, config: RunConfig, *, memory_probe: MemoryProbe | None = None, stream: IO[str] | None = None,
-        peak_probe: PeakProbe | None = None,
+        peak_probe: PeakProbe | None = None, base_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         data = config.data
         if not data.train_paths:
@@ -331,7 +337,8 @@ class SFTTrainer:
             )
         self.config = config
         self.out = Path(config.output_dir)
-        self.ctx = RunContext(config, runner="sft", stream=stream)
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.ctx = RunContext(config, runner="sft", stream=stream, base_dir=self.base_dir)
         self.loss_fn = SFTLoss()
         self.step = 0
         self.model_dir: Path | None = None
@@ -371,9 +378,10 @@ class SFTTrainer:
             return
         cfg = self.config
         for split, paths in (("train", cfg.data.train_paths), ("eval", cfg.data.eval_paths)):
-            check_dataset_files(paths, f"data.{split}")  # what needs no tokenizer, before any model is built
+            # what needs no tokenizer, before any model is built
+            check_dataset_files([str(resolve_path(p, self.base_dir)) for p in paths], f"data.{split}")
         # the tools' schemas are rendered into conversations as in the multi-turn runs (imported first)
-        tools = [t.schema for t in resolve_tools(cfg.agent)] or None
+        tools = [t.schema for t in resolve_tools(cfg.agent, base_dir=self.base_dir)] or None
         self.ctx.prepare(resume)
         path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
@@ -384,10 +392,11 @@ class SFTTrainer:
         self.actor = self.executor.training_engine("actor", cfg.backends.actor, spec)
         try:
             tokenizer = self.actor.tokenizer
-            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context, tools=tools)
+            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context, tools=tools,
+                                                     base_dir=self.base_dir)
             if cfg.data.eval_paths:
                 self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context,
-                                                        tools=tools)
+                                                        tools=tools, base_dir=self.base_dir)
         except BaseException:
             self.actor.close()
             self.executor.close()
