@@ -138,7 +138,7 @@ def test_grpo_kl_loss_uses_reference() -> None:
 
 
 def test_unknown_names_list_the_registered_ones() -> None:
-    with pytest.raises(UnknownNameError, match=r"unknown algorithm 'ppg'; available: ppo, grpo"):
+    with pytest.raises(UnknownNameError, match=r"unknown algorithm 'ppg'; choices: ppo, grpo"):
         Algorithm.from_name("ppg")
     with pytest.raises(UnknownNameError, match=r"unknown advantage 'gea'; registered: .*gae.*grpo"):
         Algorithm("x", "gea")

@@ -46,3 +46,14 @@ def test_unknown_names_and_options_name_the_key() -> None:
 def test_dynamic_sampling_comes_from_the_table(name: str, dynamic: bool) -> None:
     setup = AlgorithmSetup.from_config(load_config(None, [f"algorithm.name={name}"]))
     assert setup.dynamic_sampling is dynamic
+
+
+def test_from_name_builds_every_registered_preset_as_the_trainer_does() -> None:
+    from verl_core.algorithms import OffPolicyConfig
+
+    for name in PRESET_TABLE:
+        assert repr(Algorithm.from_name(name)) == repr(build_algorithm(name, {}))
+    dapo = Algorithm.from_name("dapo", clip_high=0.3, offpolicy=OffPolicyConfig("tis"))
+    assert dapo.actor_loss.config.policy.clip_high == 0.3 and dapo.actor_loss.config.offpolicy.mode == "tis"
+    with pytest.raises(ConfigError, match=r"'algorithm.options.lam' is not an option of algorithm 'grpo'"):
+        Algorithm.from_name("grpo", lam=0.9)

@@ -107,3 +107,9 @@ def test_a_run_trains_with_the_plugin_preset(tmp_path: Path) -> None:
         history = trainer.train()
     assert [m["weight_version"] for m in history] == [1, 2]
     assert CALLS == [16, 16]  # the plugin's estimator ran on each step's whole batch
+
+
+def test_algorithm_from_name_builds_the_plugin_preset() -> None:
+    from verl_core.algorithms import Algorithm
+
+    assert Algorithm.from_name("centered_grpo").estimator == "centered"

@@ -11,10 +11,10 @@ from verl_core.algorithms.kl import KLController, compute_token_rewards, make_kl
 from verl_core.algorithms.loss_tokens import over_loss_tokens
 from verl_core.algorithms.losses import ActorLoss, CriticLoss
 from verl_core.algorithms.offpolicy import ratio_statistics
-from verl_core.algorithms.presets import PRESET_TABLE, PRESETS
+from verl_core.algorithms.presets import PRESETS, SECTION_OPTIONS, build_preset
 from verl_core.kernel.algorithm import Need
 from verl_core.kernel.batch import TensorBatch
-from verl_core.kernel.errors import ConfigError, UnknownNameError
+from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.training import Metrics
 
 __all__ = ["PRESETS", "Algorithm"]
@@ -205,16 +205,24 @@ class Algorithm:
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> Algorithm:
-        """The preset ``name`` (see :data:`~verl_core.algorithms.presets.PRESETS`) built with ``kwargs``.
+        """The registered preset ``name`` built with ``kwargs``: what a run's ``algorithm.name`` and
+        ``algorithm.options`` build (:func:`~verl_core.algorithms.presets.build_preset`), verl-core's
+        presets (``dapo`` and ``grpo_token`` included) and a plugin's.
+
+        Args:
+            name: The preset (:meth:`~verl_core.kernel.registry.Registry.presets`).
+            **kwargs: Its options, and ``offpolicy=`` (an
+                :class:`~verl_core.algorithms.config.OffPolicyConfig`).
 
         Raises:
-            UnknownNameError: ``name`` is not a preset (the message lists them).
+            UnknownNameError: ``name`` is not a registered preset (the message lists them).
+            ConfigError: an option the preset does not take, or a value it refuses.
         """
-        if name not in PRESETS:
-            raise UnknownNameError(f"unknown algorithm {name!r}; available: {', '.join(PRESETS)}")
-        preset = PRESET_TABLE[name]
-        factory: Callable[..., Algorithm] = getattr(cls, preset.constructor)
-        return factory(**preset.fixed, **kwargs)
+        from verl_core.kernel.registry import get_registry
+
+        sections = {k: kwargs.pop(k) for k in SECTION_OPTIONS if k in kwargs}
+        algo: Algorithm = build_preset(get_registry().preset(name), kwargs, **sections)
+        return algo
 
     def replace(self, **changes: Any) -> Algorithm:
         """A copy with constructor arguments replaced (``actor=``, ``critic=``, ``reward=``, ...)."""

@@ -8,9 +8,9 @@ the ``verl_algorithm_presets`` hook, as a plugin's presets are; the registry's
 arguments the preset fixes, the defaults it changes, the advantage estimator it swaps in and
 whether the trainer turns on dynamic sampling for it. The constructors' keyword arguments (minus
 the fixed ones and the ones of :data:`SECTION_OPTIONS`) are the preset's options, with the changed
-defaults. :data:`PRESETS` (the names
-:meth:`Algorithm.from_name` builds) is derived from it: the rows that are a constructor as it is,
-not a recipe on top of one.
+defaults. :data:`PRESETS` is derived from it: the rows that are a constructor as it is, not a recipe on top
+of one. :func:`build_preset` builds any registered preset (``Algorithm.from_name`` and the
+trainer's ``build_algorithm`` call it).
 """
 
 from __future__ import annotations
@@ -118,4 +118,4 @@ PRESET_TABLE: Final[Mapping[str, Preset]] = MappingProxyType({p.name: p for p in
 """verl-core's named algorithms, by ``algorithm.name`` (a plugin's are added through the hook)."""
 
 PRESETS: Final = tuple(name for name, p in PRESET_TABLE.items() if not p.is_recipe)
-"""Names accepted by :meth:`Algorithm.from_name`: the presets that are a constructor as it is."""
+"""verl-core's presets that are a constructor as it is (not a recipe on top of one)."""
