@@ -13,7 +13,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from verl_core.enginekit.hf_tokenizer import HFTokenizer
+from verl_core.enginekit.hf_tokenizer import HFTokenizer, load_tokenizer
 from verl_core.kernel.batch import BatchMeta, TensorBatch
 from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.rollout import SamplingParams
@@ -95,16 +95,10 @@ class PromptSource:
             from verl_core.trainer.inputs.tiny_model import char_tokenizer
 
             return HFTokenizer(char_tokenizer(m.vocab_size), m.vocab_size)
-        from transformers import AutoTokenizer
-
         try:
-            tok = AutoTokenizer.from_pretrained(m.path, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"config key 'model.path' = {m.path!r}: cannot load its tokenizer with transformers "
-                f"({type(e).__name__}: {e}); expected a transformers folder with a tokenizer"
-            ) from e
-        return HFTokenizer(tok)
+            return load_tokenizer(m.path)
+        except ConfigError as e:
+            raise ConfigError(f"config key 'model.path' = {m.path!r}: {e}") from e
 
     def load(self) -> None:
         """Read and check ``data.train`` / ``data.eval``, the reward functions and callback imports.
