@@ -31,9 +31,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final, Literal, Protocol, get_args
+from typing import IO, Annotated, Any, Final, Literal, Protocol
 
 from verl_core.enginekit.checkpoint import write_atomic
+from verl_core.kernel.convert import Check, check_fields
 from verl_core.kernel.errors import ConfigError, StorageError, VerlError
 from verl_core.trainer.inputs.usercode import import_object, split_spec
 
@@ -87,7 +88,7 @@ class SinkConfig:
     """
 
     sinks: tuple[str, ...] = ("jsonl",)
-    wandb_project: str = "verl"
+    wandb_project: Annotated[str, Check(bool, "a non-empty W&B project name")] = "verl"
     wandb_mode: WandbMode = "offline"
     tensorboard_dir: str = ""
 
@@ -98,22 +99,14 @@ class SinkConfig:
                 f"config key 'logging.sinks': expected a list of sink names, got {self.sinks!r}; "
                 f"each entry is {_CHOICES}"
             )
-        object.__setattr__(self, "sinks", tuple(given))
+        check_fields(self, prefix="logging.")  # types, the W&B modes and a named project, from the fields
         seen: set[str] = set()
         for entry in self.sinks:
-            if not isinstance(entry, str) or not (entry in BUILTIN_SINKS or _is_callback_spec(entry)):
+            if not (entry in BUILTIN_SINKS or _is_callback_spec(entry)):
                 raise ConfigError(f"config key 'logging.sinks': unknown sink {entry!r}; choices: {_CHOICES}")
             if entry in seen:
                 raise ConfigError(f"config key 'logging.sinks': {entry!r} is listed twice; list each sink once")
             seen.add(entry)
-        modes = get_args(WandbMode)
-        if self.wandb_mode not in modes:
-            raise ConfigError(
-                f"config key 'logging.wandb_mode': {self.wandb_mode!r} is not valid; "
-                f"choices: {', '.join(repr(m) for m in modes)}"
-            )
-        if not self.wandb_project:
-            raise ConfigError("config key 'logging.wandb_project' is empty; give the W&B project name")
 
     @property
     def callbacks(self) -> tuple[str, ...]:
