@@ -221,8 +221,7 @@ class Algorithm:
         from verl_core.kernel.registry import get_registry
 
         sections = {k: kwargs.pop(k) for k in SECTION_OPTIONS if k in kwargs}
-        algo: Algorithm = build_preset(get_registry().preset(name), kwargs, **sections)
-        return algo
+        return build_preset(get_registry().preset(name), kwargs, **sections)
 
     def replace(self, **changes: Any) -> Algorithm:
         """A copy with constructor arguments replaced (``actor=``, ``critic=``, ``reward=``, ...)."""

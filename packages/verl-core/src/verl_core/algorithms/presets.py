@@ -18,11 +18,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from verl_core.algorithms import constructors as _ctors
 from verl_core.kernel.algorithm import Preset
 from verl_core.kernel.errors import ConfigError, PluginError, VerlError
+
+if TYPE_CHECKING:
+    from verl_core.algorithms.bundle import Algorithm
 
 __all__ = ["CONSTRUCTORS", "PRESETS", "PRESET_TABLE", "SECTION_OPTIONS", "Preset", "build_preset", "preset_options"]
 
@@ -60,7 +63,7 @@ def preset_options(preset: Preset) -> dict[str, Any]:
             if k not in preset.fixed and k not in SECTION_OPTIONS and p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def build_preset(preset: Preset, options: Mapping[str, Any], **sections: Any) -> Any:
+def build_preset(preset: Preset, options: Mapping[str, Any], **sections: Any) -> Algorithm:
     """The :class:`Algorithm` of ``preset`` with ``options``.
 
     Args:
@@ -91,7 +94,7 @@ def build_preset(preset: Preset, options: Mapping[str, Any], **sections: Any) ->
         )
     options = {**options, **{k: v for k, v in sections.items() if v is not None}}
     try:
-        algo = _constructor(preset)(**preset.fixed, **{**preset.defaults, **options})
+        algo: Algorithm = _constructor(preset)(**preset.fixed, **{**preset.defaults, **options})
         if preset.estimator is not None:
             algo = algo.replace(name=preset.name, estimator=preset.estimator)
         return algo

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verl_core.algorithms.bundle import Algorithm
 from verl_core.algorithms.config import OffPolicyConfig
 from verl_core.algorithms.losses import ActorLoss
 from verl_core.algorithms.presets import build_preset
@@ -25,7 +26,7 @@ from verl_core.trainer.config import RunConfig
 __all__ = ["AlgorithmSetup", "build_algorithm", "check_offpolicy_rollout", "find_preset"]
 
 
-def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyConfig | None = None) -> Any:
+def build_algorithm(name: str, options: Mapping[str, Any], offpolicy: OffPolicyConfig | None = None) -> Algorithm:
     """The :class:`verl_core.algorithms.Algorithm` preset ``name`` with ``options``.
 
     ``offpolicy`` is the actor loss's off-policy correction (the ``[algorithm.offpolicy]``
