@@ -69,6 +69,7 @@ STAGES: Final[tuple[StageSpec, ...]] = (
     StageSpec("critic_update", "critic", ("batch",)),
     StageSpec("weight_sync", "sync"),
     StageSpec("evaluation", "rollout"),
+    StageSpec("logging", "trainer"),  # the step's metrics to the sinks
 )
 
 _BY_NAME: Final = {s.name: s for s in STAGES}
