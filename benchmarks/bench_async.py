@@ -1,7 +1,7 @@
 """Asynchronous against synchronous training, in one run: steps per second and their ratio.
 
     python benchmarks/bench_async.py [--steps 6] [--repeats 3] [--staleness 1 2] [--tool-s 0.05]
-        [--workloads tokens64 tokens256 slow-tool]
+        [--workloads tokens64 tokens256 slow-tool] [--executor local|ray]
 
 Each workload runs ``verl train`` (the tiny model, hf backends, GRPO) with ``async_training.mode``
 ``sync`` and then ``async`` at each ``--staleness``, ``--repeats`` times in turn, and prints the
@@ -18,8 +18,19 @@ Workloads:
   seconds, and ends each episode after 1 to 4 turns (chosen from the row, so lengths are ragged
   and the same in every setting).
 
-On a CPU the producer thread and the update share the cores, so the single-turn ratio shows
-what overlap is left after the two compete; while tools wait, the cores are free for the update.
+Executors (``--executor``):
+
+* ``local`` (default): every engine in the trainer's process; the producer is a thread of it;
+* ``ray``: split placement (``executor = "ray"``, ``ray.placement = "split"``): the actor, the
+  reference and the rollout engine each in a Ray worker process of its own, on a local cluster
+  the run starts (its start is not part of any step's time), so the rollout and the update run
+  in different processes. Each worker reserves half a CPU, so the three fit on a 2-CPU machine;
+  the reservation is bookkeeping, not a limit.
+
+On a CPU with the local executor the producer thread and the update share the process's cores,
+so the single-turn ratio shows what overlap is left after the two compete; while tools wait, the
+cores are free for the update. With ``ray`` the engines are processes of their own, which the
+operating system spreads over the cores.
 """
 
 from __future__ import annotations
@@ -79,9 +90,15 @@ def _workload(name: str, tmp: Path) -> list[str]:
     raise SystemExit(f"unknown workload {name!r}; choices: tokensN (e.g. tokens64), slow-tool")
 
 
+# split placement: actor, reference and rollout in Ray worker processes of their own
+RAY_SPLIT = ("executor=ray", "ray.placement=split", "ray.num_cpus_per_worker=0.5")
+# the workers inherit the cluster's environment: no usage reporting, no runtime-env probing
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DEDUP_LOGS": "0"}
+
+
 def _seconds_per_step(overrides: list[str], out: Path, steps: int, tool_s: float) -> float:
     env = {**os.environ, "VERL_BENCH_TOOL_S": str(tool_s), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **RAY_ENV}
     cmd = [sys.executable, "-m", "verl_core.cli", "train", *overrides, f"steps={steps}",
            f"output_dir={json.dumps(str(out))}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -99,21 +116,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tool-s", type=float, default=0.05, help="seconds each tool call of slow-tool waits")
     p.add_argument("--workloads", nargs="+", default=["tokens64", "tokens256", "slow-tool"])
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where the engines run: this process, or split Ray worker processes")
     args = p.parse_args(argv)
+    placement = list(RAY_SPLIT) if args.executor == "ray" else ["executor=local"]
     settings = [("sync", ["async_training.mode=sync"])] + [
         (f"async k={k}", ["async_training.mode=async", f"async_training.max_staleness={k}"]) for k in args.staleness
     ]
     load = os.getloadavg()[0]
+    where = "ray, split placement (actor, reference and rollout in worker processes of their own)" if args.executor == "ray" \
+        else "local (every engine in the trainer's process)"
+    print(f"# executor {where}")
     print(f"# {args.repeats} repeats x {args.steps} steps; load average at start {load:.2f} on {os.cpu_count()} CPUs")
     print(f"{'workload':<11} {'setting':<10} {'s/step (median)':>16} {'runs':>24} {'sync/this':>10}")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         for workload in args.workloads:
-            base = _workload(workload, tmp)
+            base = [*_workload(workload, tmp), *placement]
             times: dict[str, list[float]] = {name: [] for name, _ in settings}
             for r in range(args.repeats):  # settings in turn, so a change of load touches each alike
                 for name, extra in settings:
-                    out = tmp / f"{workload}-{name.replace(' ', '')}-{r}"
+                    out = tmp / f"{workload}-{args.executor}-{name.replace(' ', '')}-{r}"
                     times[name].append(_seconds_per_step([*base, *extra], out, args.steps, args.tool_s))
             sync = statistics.median(times["sync"])
             for name, _ in settings:

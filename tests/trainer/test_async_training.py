@@ -68,7 +68,12 @@ def _state(step: int) -> StepState:
 
 def test_the_producer_makes_released_steps_in_order_and_no_further() -> None:
     made: list[int] = []
-    producer = RolloutProducer(lambda s: (made.append(s), _state(s))[1], first=2, snapshot=lambda: {"row": len(made)})
+
+    def make(step: int) -> StepState:
+        made.append(step)
+        return _state(step)
+
+    producer = RolloutProducer(make, first=2, snapshot=lambda: {"row": len(made)})
     try:
         producer.release(4)
         state, _ = producer.take(2)
@@ -101,9 +106,12 @@ def test_what_the_producer_raises_is_raised_by_take() -> None:
         producer.close()
 
 
-def test_async_needs_the_local_executor() -> None:
-    with pytest.raises(ConfigError, match=r"'async_training.mode' = 'async'.*executor = 'local' only"):
-        load_config(None, ["async_training.mode=async", "executor=ray"])
+def test_async_runs_where_the_rollout_can_overlap_the_update() -> None:
+    for executor in (["executor=local"], ["executor=ray", "ray.placement=split"]):
+        assert load_config(None, ["async_training.mode=async", *executor]).async_training.lookahead == 1
+    with pytest.raises(ConfigError, match=r"'ray.placement' = 'colocated'.*could never overlap.*placement = \"split\""):
+        load_config(None, ["async_training.mode=async", "executor=ray", "ray.placement=colocated"])
+    assert load_config(None, ["executor=ray", "ray.placement=colocated"]).async_training.mode == "sync"
     with pytest.raises(ConfigError, match=r"'async_training.max_staleness' = -1 is out of range"):
         load_config(None, ["async_training.max_staleness=-1"])
 

@@ -485,11 +485,13 @@ def _check_agent(cfg: RunConfig) -> None:
 
 
 def _check_async(cfg: RunConfig) -> None:
-    """The producer thread calls engines of this process; Ray worker groups are not driven so yet."""
-    if cfg.async_training.mode == "async" and cfg.executor != "local":
+    """The rollout must be able to run while the update does: not in the training engines' own Ray workers."""
+    if cfg.async_training.mode == "async" and cfg.executor == "ray" and cfg.ray.placement == "colocated":
         raise ConfigError(
-            f"config key 'async_training.mode' = 'async' runs the rollout on a thread of the trainer's process, "
-            f"but 'executor' = {cfg.executor!r}; asynchronous training runs with executor = 'local' only (for now)"
+            "config key 'async_training.mode' = 'async' generates the next steps' samples while the policy "
+            "updates, but 'ray.placement' = 'colocated' puts the rollout in the training engines' worker "
+            "processes, which run one call at a time, so the two could never overlap; set ray.placement = "
+            "\"split\" (the rollout in worker processes of its own) or async_training.mode = \"sync\""
         )
 
 

@@ -13,6 +13,13 @@ store once per share; results come from each data-parallel group's first rank. R
 roles run ``dp`` independent replicas, each generating or scoring its share. Calls to one group
 are submitted under a lock, so every rank sees them in the same order (collectives never cross).
 
+The controller may call from several threads at once (asynchronous training's rollout producer
+calls the rollout and reward groups while the trainer's thread calls the training groups); Ray's
+calls are thread-safe, and each group's lock orders what reaches it. A weight export, which is a
+sequence of calls (open on rank 0, drain on the other ranks, pull message by message, finish),
+holds its groups for the whole sequence (:meth:`WorkerGroup.exclusive`), so no other thread's
+call lands between its parts.
+
 Weight sync: with ``placement = "split"`` the rollout replicas pull the actor's canonical weight
 stream (:mod:`verl_core.kernel.weights`) from actor rank 0 through the object store, one bucket at a time
 (the other actor ranks run their side of the export's collectives); with ``"colocated"`` each
@@ -123,7 +130,8 @@ class WorkerGroup:
         self.world = world
         self.roles: dict[str, EngineKind] = {}
         self.failure: WorkerFailedError | None = None
-        self._lock = threading.Lock()
+        # orders submissions; re-entrant so a sequence of calls can hold it throughout (exclusive())
+        self._lock = threading.RLock()
         bundle: dict[str, float] = {}
         if num_cpus:
             bundle["CPU"] = num_cpus
@@ -183,6 +191,17 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         """Process id of each rank's worker."""
         return [int(i["pid"]) for i in self.info]
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the group for a sequence of calls made by this thread: calls from other threads
+        are submitted before the sequence starts or after it ends, never between its parts.
+
+        A weight export is such a sequence: a call that reached rank 0 between its messages while
+        the other ranks run the export's collectives would pair with the wrong collectives and hang.
+        """
+        with self._lock:
+            yield
 
     def run(
         self,
@@ -377,21 +396,21 @@ class RayTrainingEngine(TrainingEngine):
         group = self._place.group
         ray = group._ray
         role = self._place.role
-        group.run(role, "export_open", [(role, dtype, bucket_bytes, 1)], ranks=[0])
-        with group._lock:
+        with group.exclusive():  # no other thread's call between the export's parts
+            group.run(role, "export_open", [(role, dtype, bucket_bytes, 1)], ranks=[0])
             drains = [group.workers[r].export_drain.remote(role, dtype, bucket_bytes) for r in range(1, group.world)]
-        try:
-            index = 0
-            while True:
-                [ref] = group.run(role, "export_next", [(role, index)], ranks=[0])[0]
-                msg: WeightMessage = ray.get(ref)
-                index += 1
-                yield msg
-                if isinstance(msg, WeightCommit):
-                    break
-        finally:
-            group.run(role, "export_finish", [(role,)], ranks=[0])
-            group.gather(role, "export_weights", drains, list(range(1, group.world)))
+            try:
+                index = 0
+                while True:
+                    [ref] = group.run(role, "export_next", [(role, index)], ranks=[0])[0]
+                    msg: WeightMessage = ray.get(ref)
+                    index += 1
+                    yield msg
+                    if isinstance(msg, WeightCommit):
+                        break
+            finally:
+                group.run(role, "export_finish", [(role,)], ranks=[0])
+                group.gather(role, "export_weights", drains, list(range(1, group.world)))
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Every rank saves (the engine decides which rank writes what) to ``path``."""
@@ -513,8 +532,10 @@ class RayWeightSync(WeightSync):
     """Actor -> rollout weight sync between engines placed by a RayExecutor.
 
     Split groups: the rollout replicas pull actor rank 0's canonical weight stream through the
-    object store, one bucket in flight. Colocated: every process syncs its own engines by the
-    registry's path for the backend pair. Engines not placed by Ray get the canonical stream.
+    object store, one bucket in flight; the sync holds both groups meanwhile
+    (:meth:`WorkerGroup.exclusive`), so a call another thread makes to either waits for it to end.
+    Colocated: every process syncs its own engines by the registry's path for the backend pair.
+    Engines not placed by Ray get the canonical stream.
 
     Args:
         actor_backend: Backend of the actor.
@@ -541,15 +562,18 @@ class RayWeightSync(WeightSync):
             return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
         group = src.group
         replicas = dst.group.world
-        group.run(src.role, "export_open", [(src.role, target.weight_dtype, self.bucket_bytes, replicas)], ranks=[0])
-        with group._lock:
+        # the actor's group, then the rollout's (the one order anything takes both in): neither sees
+        # another thread's call until every replica has the new version and the export is closed
+        with group.exclusive(), dst.group.exclusive():
+            group.run(src.role, "export_open", [(src.role, target.weight_dtype, self.bucket_bytes, replicas)],
+                      ranks=[0])
             drains = [group.workers[r].export_drain.remote(src.role, target.weight_dtype, self.bucket_bytes)
                       for r in range(1, group.world)]
-        try:
-            reports = dst.run("update_from", [(dst.role, group.workers[0], src.role, version)] * replicas)
-        finally:
-            group.run(src.role, "export_finish", [(src.role,)], ranks=[0])
-            group.gather(src.role, "export_weights", drains, list(range(1, group.world)))
+            try:
+                reports = dst.run("update_from", [(dst.role, group.workers[0], src.role, version)] * replicas)
+            finally:
+                group.run(src.role, "export_finish", [(src.role,)], ranks=[0])
+                group.gather(src.role, "export_weights", drains, list(range(1, group.world)))
         return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
 
 

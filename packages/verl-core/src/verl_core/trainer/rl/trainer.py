@@ -146,11 +146,15 @@ class Trainer:
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self.plan = SchedulerPlanLog(self.out, self.schedulers)
         self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
+        # the producer's samples pipelines (async) run on threads of their own: a StageThreads runs one
+        # pipeline at a time, and the trainer's forwards (other engines) must not wait for a rollout
+        self._producer_threads = StageThreads(name_prefix="verl-producer")
         self._failed: StepFailedError | None = None
         self._built = False
         self.memory_plan: MemoryPlan | None = None  # made at setup, before any engine is built
         self.buffer: HybridReplayBuffer
         self.generation: GenerationStage
+        self._producer_generation: GenerationStage  # the same stages on the producer's threads
         self.updater: UpdateStage
         self.weights: WeightSyncStage
         self.evaluator: Evaluator
@@ -228,11 +232,16 @@ class Trainer:
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         p = self.progress
         episodes = EpisodeRollout(self.source.agent, e) if self.source.agent is not None else None
-        self.generation = GenerationStage(
-            e, self.schedulers, p, self._stage_threads, baseline="greedy_baseline" in self.algorithm.needs,
-            dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
-            actor_forward=not self.on_policy_old_log_probs, episodes=episodes,
-        )
+
+        def generation(threads: StageThreads) -> GenerationStage:
+            return GenerationStage(
+                e, self.schedulers, p, threads, baseline="greedy_baseline" in self.algorithm.needs,
+                dynamic_sampling=self.dynamic_sampling, dense_only=cfg.task.reward == "token",
+                actor_forward=not self.on_policy_old_log_probs, episodes=episodes,
+            )
+
+        self.generation = generation(self._stage_threads)
+        self._producer_generation = generation(self._producer_threads)  # the samples half, on the producer
         self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
@@ -323,7 +332,7 @@ class Trainer:
         """Step ``step``'s prompts and samples (the producer thread's work in ``async`` mode)."""
         state = StepState(step, self.source.batch(step, self.rollout.tokenizer, weight_version=self.weight_version),
                           self.source.sampling_params(step))
-        self.generation.run(state, "samples")
+        self._producer_generation.run(state, "samples")
         return state
 
     def _produced_state(self) -> StepState:
@@ -434,6 +443,7 @@ class Trainer:
                 self.producer.close()  # a rollout under way ends first
                 self.producer = None
             self._stage_threads.close()  # a stage still running (a step abandoned by a signal) ends first
+            self._producer_threads.close()
             if self._built:
                 self.engines.close()
                 self.buffer.close()
