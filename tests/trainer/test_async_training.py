@@ -192,3 +192,18 @@ def test_a_rollout_failing_on_the_producer_thread_fails_the_step_naming_the_stag
         with pytest.raises(StepFailedError, match=r"step 2.*'rollout'.*the rollout engine lost its device"):
             trainer.train()
         assert trainer.step == 1  # step 1 trained on the samples made before the failure
+
+
+@pytest.mark.slow
+def test_the_data_epoch_of_a_step_is_read_when_its_rows_are_drawn(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    rows = (root / "examples/demo/train.jsonl").read_text().splitlines()[:12]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    text = RUN + f'\n[data]\ntrain = {json.dumps(str(data))}\n[reward]\nfunctions = ' \
+        f'[{json.dumps(str(root / "examples/demo/reward.py:exact_answer_then_eos"))}]\n'
+    text = text.replace("max_new_tokens = 3", "max_new_tokens = 6")
+    sync = _run(tmp_path, "sync", text, "steps=4")
+    ahead = _run(tmp_path, "ahead", text + ASYNC.format(k=2), "steps=4")
+    # 8 rows a step from 12: the third step starts the third epoch, whatever the producer drew ahead
+    assert [m["data/epoch"] for m in sync] == [m["data/epoch"] for m in ahead] == [0, 1, 2, 2]

@@ -53,7 +53,7 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
     if is_episode_batch(samples):  # multi-turn: turns, tool calls, terminations (agent/...)
         m.update(episode_metrics(samples))
     if loader is not None:
-        m["data/epoch"] = loader.epoch  # epochs completed by the rows drawn so far
+        m.setdefault("data/epoch", loader.epoch)  # epochs completed by the rows drawn so far (for this step)
 
 
 def finish_metrics(

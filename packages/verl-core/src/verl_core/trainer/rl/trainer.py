@@ -332,6 +332,8 @@ class Trainer:
         """Step ``step``'s prompts and samples (the producer thread's work in ``async`` mode)."""
         state = StepState(step, self.source.batch(step, self.rollout.tokenizer, weight_version=self.weight_version),
                           self.source.sampling_params(step))
+        if self.source.loader is not None:  # read when this step's rows are drawn, not when it trains
+            state.metrics["data/epoch"] = self.source.loader.epoch
         self._producer_generation.run(state, "samples")
         return state
 
