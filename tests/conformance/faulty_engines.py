@@ -419,6 +419,14 @@ class SameStreamForEverySample(TinyRolloutEngine):
         return super()._sample(rows, params, [first[g] for g in groups])
 
 
+
+class MetaNotStamped(TinyRolloutEngine):
+    """A generate written without the facade that keeps the prompts' meta instead of ``expand_prompts``'s
+    (temperature 1, weight version 0): its log-probs are right, the batch says the wrong temperature."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        return super().generate(prompts, params).update(meta=prompts.meta)
+
 # ---------------------------------------------------------------------------------------- weight updates during generate
 class WeightsWrittenDuringGenerate(TinyRolloutEngine):
     """Copies each chunk of a sync into the live parameters as it arrives, outside the facade's turn

@@ -51,6 +51,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
     ("greedy-log-probs-at-t1", None, faulty.GreedyLogProbsAtTemperatureOne,
      ["differential::greedy_matches_reference", "numerics::rollout_log_probs_match_reference"],
      "numerics::rollout_log_probs_match_reference", ["rollout_log_probs of greedy decoding at temperature 0.7"]),
+    # a direct generate that forgets the output's meta: the layout check names it, the log-probs (right,
+    # at the temperature asked for) pass
+    ("meta-not-stamped", None, faulty.MetaNotStamped,
+     ["schema::generate_layout", "numerics::rollout_log_probs_match_reference"],
+     "schema::generate_layout", ["meta must carry the sampling params"]),
     ("unseeded-is-seed-zero", None, faulty.UnseededIsSeedZero, ["invariance::seeded_sampling_reproducible"],
      "invariance::seeded_sampling_reproducible", ["two generate() calls with seed=None gave identical samples"]),
     # the optimizer as OptimConfig describes it (the other checks train without decay, clipping or schedule)

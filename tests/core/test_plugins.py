@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,23 @@ def test_plugins_named_in_the_environment_are_registered(monkeypatch: pytest.Mon
     with pytest.raises(PluginError, match=r"cannot import 'no_such_module_xyz'"):
         Registry(autoload=False).backends()
 
+
+
+def test_cli_backends_table_aligns_long_values(tmp_path: Path) -> None:
+    """A VERL_PLUGINS backend's version is its module path: the columns widen, every role stays aligned."""
+    (tmp_path / "verl_long_version_toy.py").write_text(
+        "from verl_core import PROTOCOL_VERSION, BackendSpec, hookimpl\n\n\n@hookimpl\ndef verl_backend():\n"
+        "    return BackendSpec(name='longtoy', roles={'reward': 'm:f'}, capabilities={},\n"
+        "                       protocol_version=PROTOCOL_VERSION)\n")
+    env = {**os.environ, PLUGINS_ENV: "longtoy=verl_long_version_toy",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "verl_core.cli", "backends"], capture_output=True, text=True,
+                         check=True, env=env)
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("longtoy ") and " verl_long_version_toy " in line for line in lines), out.stdout
+    role_column = lines[0].index("role: capabilities")
+    for line in lines[2:]:
+        assert re.match(r"(actor|reference|critic|rollout|reward|broken): ", line[role_column:]), out.stdout
 
 class _Toy2:
     @hookimpl

@@ -140,7 +140,8 @@ def check_rollout_log_probs_match_reference(h: Harness) -> None:
         if not engine.log_probs_exact(params):
             continue
         out = engine.generate(prompts, params)
-        ref = cached_outputs(h.model_path("llama"), out)["log_probs"]
+        # the reference is of the temperature asked for: a wrong meta is schema::generate_layout's failure
+        ref = cached_outputs(h.model_path("llama"), out.with_meta(temperature=params.temperature))["log_probs"]
         what = (f"rollout_log_probs {'of greedy decoding ' if params.greedy else ''}at temperature {params.temperature}"
                 + (f", top_k {params.top_k}, top_p {params.top_p}" if params.truncates else ""))
         h.close_to(out["rollout_log_probs"], ref, "log_probs", f"{what} vs float64 reference of log softmax(logits/T)",

@@ -97,7 +97,7 @@ class ExampleRolloutEngine(RolloutEngine):
     @property
     def weight_dtype(self) -> torch.dtype:
         """Weights arrive in the model's dtype."""
-        return self._spec.torch_dtype  # type: ignore[no-any-return]
+        return self._spec.torch_dtype
 
     @property
     def weight_version(self) -> int:

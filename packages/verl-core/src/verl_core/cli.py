@@ -81,18 +81,24 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if not backends and not broken:
         print("no verl backends installed (try: pip install verl-hf)")
         return 0
-    header = f"{'backend':<10} {'distribution':<18} {'version':<9} {'protocol':<8} role: capabilities"
+    # Columns as wide as their longest value: a VERL_PLUGINS backend's version is its module path.
+    ok = {name: (name, b.distribution, b.version, b.spec.protocol_version) for name, b in backends.items()}
+    bad = {name: (name, p.distribution, p.version, "-") for name, p in broken.items()}
+    titles = ("backend", "distribution", "version", "protocol")
+    widths = [max(len(t), *(len(lead[i]) for lead in [*ok.values(), *bad.values()])) for i, t in enumerate(titles)]
+
+    def columns(values: tuple[str, ...]) -> str:
+        return " ".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True))
+
+    header = f"{columns(titles)} role: capabilities"
     print(header)
     print("-" * len(header))
     for name, b in backends.items():
-        first = True
-        for role in b.spec.roles:
-            lead = (f"{name:<10} {b.distribution:<18} {b.version:<9} {b.spec.protocol_version:<8}"
-                    if first else " " * 48)
+        for i, role in enumerate(b.spec.roles):
+            lead = columns(ok[name]) if i == 0 else " " * len(columns(titles))
             print(f"{lead} {role}: {_capability_summary(b.capabilities(role))}")
-            first = False
     for name, p in broken.items():
-        print(f"{name:<10} {p.distribution:<18} {p.version:<9} {'-':<8} broken: {_one_line(p.error)}")
+        print(f"{columns(bad[name])} broken: {_one_line(p.error)}")
     return 0
 
 

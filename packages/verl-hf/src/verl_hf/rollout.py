@@ -168,7 +168,7 @@ class HFRolloutEngine(RolloutEngineBase):
     @property
     def weight_dtype(self) -> torch.dtype:
         """The model's parameter dtype."""
-        return self._spec.torch_dtype  # type: ignore[no-any-return]
+        return self._spec.torch_dtype
 
     @property
     def model(self) -> Any:

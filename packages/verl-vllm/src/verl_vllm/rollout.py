@@ -136,7 +136,7 @@ class VllmRolloutEngine(RolloutEngineBase):
     @property
     def weight_dtype(self) -> torch.dtype:
         """Dtype the engine wants weight streams in."""
-        return self._spec.torch_dtype  # type: ignore[no-any-return]
+        return self._spec.torch_dtype
 
     @property
     def llm(self) -> Any:

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from verl_core.kernel.errors import (
     ConfigError,
@@ -16,6 +16,9 @@ from verl_core.kernel.errors import (
     check_str,
     describe,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_LORA_TARGETS", "DType", "EngineSpec", "LoraSpec", "OptimConfig", "ParallelSizes", "Role", "lora_matches"]
 
@@ -265,7 +268,7 @@ class EngineSpec:
             raise ConfigError(f"EngineSpec.lora must be a LoraSpec or None, got {describe(self.lora)}")
 
     @property
-    def torch_dtype(self) -> Any:
+    def torch_dtype(self) -> torch.dtype:
         """The dtype as a ``torch.dtype``."""
         import torch
 
