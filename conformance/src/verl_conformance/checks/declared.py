@@ -35,7 +35,7 @@ def _role_caps(h: Harness, role: str) -> Any:
 
 @check("numerics", gates=("training.dtypes", "training.devices", "rollout.dtypes", "rollout.devices"))
 def check_declared_dtypes_and_devices(h: Harness) -> None:
-    """Each declared dtype on each declared device present here builds and matches the float64 reference in its tier."""
+    """Each declared dtype on each declared device present here builds, and one actor forward's log-probs and one rollout generate's rollout_log_probs match the float64 reference in its tier (no update runs: --verl-dtype runs the whole suite in a dtype)."""
     suite_device = torch.device(h.device).type
     tried: list[str] = []
     roles: tuple[Role, ...] = ("actor", "rollout")
