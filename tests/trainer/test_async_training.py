@@ -157,8 +157,11 @@ def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Pa
     assert [m["weight_version"] for m in whole] == [1, 2, 3, 4]
     assert all(m["actor/grad_norm"] > 0 for m in whole)
     sync = _run(tmp_path, "sync", RUN, "steps=4", "checkpoint.every=2")
-    # step 1: the same samples, the same update (the rollout stays awake to sample step 2 meanwhile)
-    assert {**_comparable(sync[0]), "rollout/slept": 0} == _comparable(whole[0])
+    # step 1: the same samples, the same update; the rollout stays awake to sample step 2 meanwhile,
+    # so the memory plan counts it in the update too
+    plan = "memory_plan/peak_gb"
+    assert {**_comparable(sync[0]), "rollout/slept": 0, plan: None} == {**_comparable(whole[0]), plan: None}
+    assert whole[0][plan] > sync[0][plan]
     assert _comparable(sync[1]) != _comparable(whole[1])  # step 2: samples of the older policy
     # stopped after the checkpoint of step 2, then resumed to step 4: the same numbers
     _run(tmp_path, "resumed", text, "steps=2", "checkpoint.every=2")
