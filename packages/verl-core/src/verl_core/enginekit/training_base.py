@@ -7,7 +7,8 @@ live here once (architecture.md, "Loss and distribution"):
 * ``forward_backward`` takes the whole mini-batch of one optimizer step: a second call before
   :meth:`optimizer_step` is refused, and a call that raises leaves no gradients pending;
 * ``optimizer_step`` counts a step only when it was not skipped (a non-finite grad norm);
-* ``load_checkpoint`` restores the step counter and clears pending gradients.
+* ``load_checkpoint`` restores the step counter and allows the next ``forward_backward``
+  (the gradients themselves are the subclass's to clear in :meth:`_load_checkpoint`).
 
 A backend subclasses it (the way a rollout engine subclasses
 :class:`~verl_core.enginekit.rollout_base.RolloutEngineBase`), calls :meth:`_init_training` in its
@@ -100,7 +101,11 @@ class TrainingEngineBase(TrainingEngine):
         return result
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore what :meth:`save_checkpoint` committed under ``path``: the step and no pending gradients."""
+        """Restore what :meth:`save_checkpoint` committed under ``path``, then the step counter.
+
+        The pending-call flag is reset, so the next :meth:`forward_backward` is allowed; the
+        parameters' gradients are cleared by :meth:`_load_checkpoint`.
+        """
         self._step = self._load_checkpoint(path)
         self._grads_pending = False
 
@@ -127,4 +132,9 @@ class TrainingEngineBase(TrainingEngine):
 
     @abstractmethod
     def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
-        """Check and restore the checkpoint under ``path``; return its step counter."""
+        """Check and restore the checkpoint under ``path``; return its step counter.
+
+        Clear the gradients too (``optimizer.zero_grad(set_to_none=True)``): a ``forward_backward``
+        before the load may have left some, and the base resets only its pending-call flag, so they
+        would add to the next call's.
+        """
