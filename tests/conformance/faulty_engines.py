@@ -219,6 +219,17 @@ class MomentsResetOnLoad(TinyTrainingEngine):
             state["exp_avg_sq"].zero_()
 
 
+class GradientsKeptOnLoad(TinyTrainingEngine):
+    """load_checkpoint keeps the gradients of a forward_backward before it (they add to the next update)."""
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load, then put back the gradients the parameters held before."""
+        grads = {n: p.grad for n, p in self.model.named_parameters()}
+        super().load_checkpoint(path)
+        for n, p in self.model.named_parameters():
+            p.grad = grads[n]
+
+
 class StepCountNotCheckpointed(TinyTrainingEngine):
     """load_checkpoint restores AdamW's moments but not its per-parameter step count (bias correction restarts)."""
 

@@ -106,6 +106,9 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      "stateful::checkpoint_round_trip", ["the first update after it: weights differ"]),
     ("step-count-not-checkpointed", faulty.StepCountNotCheckpointed, None, ["stateful::checkpoint_round_trip"],
      "stateful::checkpoint_round_trip", ["the first update after it: weights differ"]),
+    ("gradients-kept-on-load", faulty.GradientsKeptOnLoad, None,
+     ["stateful::checkpoint_round_trip", "stateful::load_drops_pending_gradients"],
+     "stateful::load_drops_pending_gradients", ["the first update after it", "load_checkpoint must clear the gradients"]),
     # weight updates on another thread while generate calls run (the other sync checks call one at a time)
     ("weights-written-during-generate", None, faulty.WeightsWrittenDuringGenerate,
      ["weight_sync::rollout_applies_stream", "weight_sync::every_tensor_applied",

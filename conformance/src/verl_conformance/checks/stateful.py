@@ -37,6 +37,7 @@ counter, and every step after the first on Adam's moments, so losing either chan
 
 _WARM_SEEDS = (60, 61)
 _NEXT_SEEDS = (62, 66, 67)
+_STRAY_SEED = 68  # a forward_backward whose gradients a load must drop
 """Batches of the updates compared after a round trip: the warmup's third and fourth steps and one past it."""
 _FORWARD_SEED = 63
 
@@ -95,6 +96,26 @@ def check_checkpoint_round_trip(h: Harness) -> None:
         what = "after save_checkpoint and load_checkpoint into a fresh engine"
         _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
         compare_next_update(h, fresh, engine, what, "the optimizer's moments, its step or the schedule were not restored")
+
+
+@check("stateful", gates=("training.checkpoint",))
+def check_load_drops_pending_gradients(h: Harness) -> None:
+    """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards."""
+    if not h.training().capabilities.checkpoint:
+        h.skip("backend declares checkpoint=False")
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    _warm(h, engine)
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        path = Path(tmp) / "checkpoint"
+        engine.save_checkpoint(path)
+        other = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        stray = h.batch(seed=_STRAY_SEED, rl_fields=True)
+        other.forward_backward(stray, TOKEN_MEAN_PG, GlobalBatchStats.of(stray))  # never followed by a step
+        other.load_checkpoint(path)
+        compare_next_update(h, other, engine, "after forward_backward, then load_checkpoint with no optimizer_step "
+                            "between (load_checkpoint must clear the gradients of the call before it)",
+                            "the gradients of the forward_backward before the load were kept and added to the next "
+                            "update's")
 
 
 @check("stateful", gates=("training.offload",))

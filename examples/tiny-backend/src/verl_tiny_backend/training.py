@@ -221,6 +221,7 @@ class TinyTrainingEngine(TrainingEngineBase):
         if not file.exists():
             raise CheckpointError(f"{path} holds no tiny-backend checkpoint (no state.pt)")
         state = torch.load(file, weights_only=True)
+        self.optimizer.zero_grad(set_to_none=True)  # a forward_backward before the load adds nothing after it
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
