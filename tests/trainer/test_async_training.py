@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_runs import CLOCK, TINY_RUN, cli_run, comparable
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
@@ -26,29 +27,9 @@ from verl_core.trainer.rl.step_state import StepState
 from verl_core.trainer.rl.trainer import Trainer
 from verl_core.trainer.run.context import StepFailedError
 
-RUN = """
-seed = 2
-[task]
-name = "copy"
-digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-num_heads = 1
-num_kv_heads = 1
-[rollout]
-n = 8
-max_new_tokens = 3
-[batch]
-prompts_per_step = 8
-[optim]
-lr = 1e-2
-[logging]
-progress = false
-plot = false
-"""
+RUN = TINY_RUN
 ASYNC = '\n[async_training]\nmode = "async"\nmax_staleness = {k}\n'
-_CLOCK = ("time/", "throughput/", "async/")  # what differs from run to run however the numbers agree
+_CLOCK = (*CLOCK, "async/")  # the producer's waits differ from run to run too
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -117,19 +98,8 @@ def test_async_runs_where_the_rollout_can_overlap_the_update() -> None:
 
 
 # ----------------------------------------------------------------------------- runs
-def _run(tmp_path: Path, name: str, text: str, *overrides: str) -> list[dict[str, Any]]:
-    from verl_core.cli import main
-
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    config = tmp_path / f"{name}.toml"
-    config.write_text(text)
-    out = tmp_path / name
-    assert main(["train", str(config), f"output_dir={json.dumps(str(out))}", *overrides]) == 0
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _comparable(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in m.items() if not k.startswith(_CLOCK) and not k.endswith("_per_s")}
+    return comparable(m, _CLOCK)
 
 
 def _weights(run: Path, step: int) -> bytes:
@@ -140,8 +110,8 @@ def _weights(run: Path, step: int) -> bytes:
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path: Path, algorithm: str) -> None:
-    sync = _run(tmp_path, "sync", RUN, "steps=3", f"algorithm.name={algorithm}")
-    produced = _run(tmp_path, "async0", RUN + ASYNC.format(k=0), "steps=3", f"algorithm.name={algorithm}")
+    sync = cli_run(tmp_path, "sync", RUN, "steps=3", f"algorithm.name={algorithm}")
+    produced = cli_run(tmp_path, "async0", RUN + ASYNC.format(k=0), "steps=3", f"algorithm.name={algorithm}")
     assert [_comparable(m) for m in sync] == [_comparable(m) for m in produced]
     assert [m["async/staleness"] for m in produced] == [0, 0, 0]
     assert sync[-1]["actor/grad_norm"] > 0  # the runs learned something, identically
@@ -151,12 +121,12 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path: Path, algorith
 @pytest.mark.slow
 def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Path) -> None:
     text = RUN + ASYNC.format(k=1)
-    whole = _run(tmp_path, "whole", text, "steps=4", "checkpoint.every=2")
+    whole = cli_run(tmp_path, "whole", text, "steps=4", "checkpoint.every=2")
     # the first step and the first after a checkpoint sample from the newest weights
     assert [m["async/staleness"] for m in whole] == [0, 1, 0, 1]
     assert [m["weight_version"] for m in whole] == [1, 2, 3, 4]
     assert all(m["actor/grad_norm"] > 0 for m in whole)
-    sync = _run(tmp_path, "sync", RUN, "steps=4", "checkpoint.every=2")
+    sync = cli_run(tmp_path, "sync", RUN, "steps=4", "checkpoint.every=2")
     # step 1: the same samples, the same update; the rollout stays awake to sample step 2 meanwhile,
     # so the memory plan counts it in the update too
     plan = "memory_plan/peak_gb"
@@ -164,7 +134,7 @@ def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Pa
     assert whole[0][plan] > sync[0][plan]
     assert _comparable(sync[1]) != _comparable(whole[1])  # step 2: samples of the older policy
     # stopped after the checkpoint of step 2, then resumed to step 4: the same numbers
-    _run(tmp_path, "resumed", text, "steps=2", "checkpoint.every=2")
+    cli_run(tmp_path, "resumed", text, "steps=2", "checkpoint.every=2")
     from verl_core.cli import main
 
     out = tmp_path / "resumed"
@@ -206,7 +176,7 @@ def test_the_data_epoch_of_a_step_is_read_when_its_rows_are_drawn(tmp_path: Path
     text = RUN + f'\n[data]\ntrain = {json.dumps(str(data))}\n[reward]\nfunctions = ' \
         f'[{json.dumps(str(root / "examples/demo/reward.py:exact_answer_then_eos"))}]\n'
     text = text.replace("max_new_tokens = 3", "max_new_tokens = 6")
-    sync = _run(tmp_path, "sync", text, "steps=4")
-    ahead = _run(tmp_path, "ahead", text + ASYNC.format(k=2), "steps=4")
+    sync = cli_run(tmp_path, "sync", text, "steps=4")
+    ahead = cli_run(tmp_path, "ahead", text + ASYNC.format(k=2), "steps=4")
     # 8 rows a step from 12: the third step starts the third epoch, whatever the producer drew ahead
     assert [m["data/epoch"] for m in sync] == [m["data/epoch"] for m in ahead] == [0, 1, 2, 2]

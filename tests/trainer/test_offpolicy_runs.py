@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_runs import TINY_RUN, cli_run, comparable, write
 
 from verl_core.algorithms import OffPolicyConfig
 from verl_core.kernel.batch import TensorBatch
@@ -24,49 +25,18 @@ from verl_core.trainer.config import config_from_dict, config_to_dict, load_conf
 from verl_core.trainer.rl.algorithm_setup import AlgorithmSetup, check_offpolicy_rollout
 from verl_core.trainer.rl.trainer import Trainer
 
-# seed 2 of this tiny setting gives reward variance, so a gradient, in both steps
-RUN = """
-steps = 2
-seed = 2
-[task]
-name = "copy"
-digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-num_heads = 1
-num_kv_heads = 1
-[rollout]
-n = 8
-max_new_tokens = 3
-[batch]
-prompts_per_step = 8
-[optim]
-lr = 1e-2
-[logging]
-progress = false
-plot = false
-"""
+RUN = "steps = 2\n" + TINY_RUN
 SECTION = """
 [algorithm.offpolicy]
 mode = "{mode}"
 level = "sequence"
 upper = 3.0
 """
-# what differs from run to run however the numbers agree
-_CLOCK = ("time/", "throughput/")
-
-
-def _write(tmp_path: Path, name: str, text: str) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / name
-    path.write_text(text)
-    return path
 
 
 # ----------------------------------------------------------------------------- the section
 def test_the_section_from_toml_yaml_and_dotted_overrides(tmp_path: Path) -> None:
-    toml = _write(tmp_path, "run.toml", RUN + SECTION.format(mode="tis"))
+    toml = write(tmp_path, "run.toml", RUN + SECTION.format(mode="tis"))
     cfg = load_config(toml)
     assert cfg.algorithm.offpolicy == OffPolicyConfig("tis", "sequence", upper=3.0)
     over = load_config(toml, ["algorithm.offpolicy.mode=mis", "algorithm.offpolicy.level=geometric",
@@ -75,7 +45,7 @@ def test_the_section_from_toml_yaml_and_dotted_overrides(tmp_path: Path) -> None
     assert load_config(None).algorithm.offpolicy == OffPolicyConfig()  # off by default
     assert config_from_dict(config_to_dict(over)) == over
     pytest.importorskip("yaml")
-    yaml = _write(tmp_path, "run.yaml", "algorithm:\n  offpolicy:\n    mode: mis\n    upper: 2.5\n")
+    yaml = write(tmp_path, "run.yaml", "algorithm:\n  offpolicy:\n    mode: mis\n    upper: 2.5\n")
     assert load_config(yaml).algorithm.offpolicy == OffPolicyConfig("mis", "token", upper=2.5)
 
 
@@ -120,15 +90,6 @@ def test_the_section_reaches_the_actor_loss_and_turns_the_separate_forward_on(na
 
 
 # ----------------------------------------------------------------------------- runs
-def _cli_run(tmp_path: Path, name: str, text: str, *overrides: str) -> list[dict[str, Any]]:
-    from verl_core.cli import main
-
-    out = tmp_path / name
-    assert main(["train", str(_write(tmp_path, f"{name}.toml", text)), f"output_dir={json.dumps(str(out))}",
-                 *overrides]) == 0
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _finite(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
@@ -136,7 +97,7 @@ def _finite(value: Any) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tis", "mis"])
 def test_verl_train_with_a_correction_reports_its_metrics(tmp_path: Path, mode: str) -> None:
-    history = _cli_run(tmp_path, mode, RUN + SECTION.format(mode=mode), "checkpoint.final=false")
+    history = cli_run(tmp_path, mode, RUN + SECTION.format(mode=mode), "checkpoint.final=false")
     share = "actor/offpolicy/truncated_frac" if mode == "tis" else "actor/offpolicy/masked_frac"
     assert len(history) == 2
     for m in history:
@@ -151,15 +112,11 @@ def test_verl_train_with_a_correction_reports_its_metrics(tmp_path: Path, mode: 
         assert "time/actor_forward" in m  # the old log-probs come from the separate forward
 
 
-def _comparable(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in m.items() if not k.startswith(_CLOCK) and not k.endswith("_per_s")}
-
-
 @pytest.mark.slow
 def test_mode_none_is_the_run_without_the_section(tmp_path: Path) -> None:
-    plain = _cli_run(tmp_path, "plain", RUN)
-    none = _cli_run(tmp_path, "none", RUN + SECTION.format(mode="none"))
-    assert [_comparable(m) for m in plain] == [_comparable(m) for m in none]
+    plain = cli_run(tmp_path, "plain", RUN)
+    none = cli_run(tmp_path, "none", RUN + SECTION.format(mode="none"))
+    assert [comparable(m) for m in plain] == [comparable(m) for m in none]
     assert not any("offpolicy" in k for m in none for k in m)
     assert plain[-1]["actor/grad_norm"] > 0  # the runs learned something, identically
     ckpt = Path("checkpoints") / "step-000002" / "actor"
@@ -173,7 +130,7 @@ SHIFT = 0.7  # the rollout's log-probs are lowered by this: rho = exp(0.7) = 2.0
 
 def _shifted_run(tmp_path: Path, *overrides: str) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor],
                                                             dict[str, torch.Tensor]]:
-    cfg = load_config(_write(tmp_path, "run.toml", RUN), [f"output_dir={json.dumps(str(tmp_path / 'out'))}",
+    cfg = load_config(write(tmp_path, "run.toml", RUN), [f"output_dir={json.dumps(str(tmp_path / 'out'))}",
                                                            "checkpoint.final=false", "algorithm.options.kl_loss_coef=0.0",
                                                            *overrides])
     with Trainer(cfg) as trainer:

@@ -10,7 +10,9 @@ the optimizer's saved learning rate serves the first update) shows from the seco
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -80,9 +82,9 @@ def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngi
                       f"{label}: weights differ from the engine that kept its state ({cause})")
 
 
-@check("stateful", gates=("training.checkpoint",))
-def check_checkpoint_round_trip(h: Harness) -> None:
-    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates."""
+@contextlib.contextmanager
+def _saved(h: Harness) -> Iterator[tuple[TrainingEngine, Path]]:
+    """A warmed engine and the checkpoint it saved (in a folder removed afterwards)."""
     if not h.training().capabilities.checkpoint:
         h.skip("backend declares checkpoint=False")
     engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
@@ -91,6 +93,13 @@ def check_checkpoint_round_trip(h: Harness) -> None:
         path = Path(tmp) / "checkpoint"
         engine.save_checkpoint(path)
         h.expect(path.exists(), f"save_checkpoint({str(path)!r}) wrote nothing at that path")
+        yield engine, path
+
+
+@check("stateful", gates=("training.checkpoint",))
+def check_checkpoint_round_trip(h: Harness) -> None:
+    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates."""
+    with _saved(h) as (engine, path):
         fresh = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
         fresh.load_checkpoint(path)
         what = "after save_checkpoint and load_checkpoint into a fresh engine"
@@ -101,13 +110,7 @@ def check_checkpoint_round_trip(h: Harness) -> None:
 @check("stateful", gates=("training.checkpoint",))
 def check_load_drops_pending_gradients(h: Harness) -> None:
     """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards."""
-    if not h.training().capabilities.checkpoint:
-        h.skip("backend declares checkpoint=False")
-    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    _warm(h, engine)
-    with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
-        path = Path(tmp) / "checkpoint"
-        engine.save_checkpoint(path)
+    with _saved(h) as (engine, path):
         other = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
         stray = h.batch(seed=_STRAY_SEED, rl_fields=True)
         other.forward_backward(stray, TOKEN_MEAN_PG, GlobalBatchStats.of(stray))  # never followed by a step
