@@ -37,6 +37,11 @@ once); a TRL run that fails with CUDA out-of-memory is run again with twice the 
 ``result-verl-<variant>.json``): ``--sides trl`` and ``--sides verl`` run one side in a call (for
 large shapes, each within a time limit) and the report includes the other side's saved result.
 
+LoRA: ``--lora RANK`` trains a rank-RANK adapter (alpha = 2 x RANK, no dropout) on every attention
+and MLP projection on both sides: TRL through ``peft_config`` (PEFT's ``LoraConfig``; TRL generates
+through the unmerged adapter), ``verl train`` through ``model.lora.*`` (its default sync: merged
+weights into the rollout). The presets ``6.7b-lora-8x8x128`` and ``14b-lora-8x8x128`` set rank 16.
+
 TRL is not a dependency of this project: install it into an environment that also has this
 project, e.g. a venv that sees the project's packages::
 
@@ -89,9 +94,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "trl_accumulation": 8},
     "6.7b-8x8x128": {"size": "6.7b", "prompts": 8, "n": 8, "max_new_tokens": 128, "steps": 4, "trl_accumulation": 2},
     "14b-8x8x128": {"size": "14b", "prompts": 8, "n": 8, "max_new_tokens": 128, "steps": 3, "trl_accumulation": 4},
+    "6.7b-lora-8x8x128": {"size": "6.7b", "prompts": 8, "n": 8, "max_new_tokens": 128, "steps": 4,
+                          "trl_accumulation": 1, "lora": 16},
+    "14b-lora-8x8x128": {"size": "14b", "prompts": 8, "n": 8, "max_new_tokens": 128, "steps": 3,
+                         "trl_accumulation": 1, "lora": 16},
 }
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The modules ``--lora`` adapts on both sides: every attention and MLP projection."""
 DEFAULTS: dict[str, Any] = {"size": "tiny", "prompts": 8, "n": 8, "max_new_tokens": 32, "steps": 4,
-                            "trl_accumulation": 1, "dtype": "float32", "lr": 1e-5}
+                            "trl_accumulation": 1, "dtype": "float32", "lr": 1e-5, "lora": 0}
 """Values of the flags a preset sets, when neither the preset nor the command line does."""
 
 
@@ -214,6 +225,9 @@ def verl_overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: P
         "checkpoint.every=0", "checkpoint.final=false", "logging.progress=false", "logging.plot=false",
         "task.name=copy", f"task.digits={args.digits}", "task.reward=exact",
     ]
+    if args.lora:
+        overrides += ["model.lora.enabled=true", f"model.lora.rank={args.lora}", f"model.lora.alpha={2.0 * args.lora}",
+                      "model.lora.dropout=0.0", f"model.lora.targets={json.dumps(LORA_TARGETS)}"]
     if use_data:
         overrides += [f"data.train={json.dumps(str(data))}", "data.prompt_key=prompt",
                       f"reward.functions={json.dumps([REWARD])}"]
@@ -313,8 +327,14 @@ def trl_worker(args: argparse.Namespace) -> None:
         disable_tqdm=True,
     )
     times = StepTimes()
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=cfg, train_dataset=dataset,
-                          processing_class=tok, callbacks=[times])
+                          processing_class=tok, callbacks=[times], peft_config=peft_config)
     trainer.train()
     print("TRL_STEPS " + json.dumps(times.steps), flush=True)
 
@@ -349,7 +369,7 @@ def _shared_flags(args: argparse.Namespace, **override: Any) -> list[str]:
     values = {"steps": args.steps, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "lr": args.lr, "dtype": args.dtype, "device": args.device,
               "seed": args.seed, "digits": args.digits, "size": args.size, "trl_accumulation": args.trl_accumulation,
-              **override}
+              "lora": args.lora, **override}
     return [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -381,6 +401,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--digits", type=int, default=3, help="digits of the copy task's prompts")
+    p.add_argument("--lora", type=int, metavar="RANK",
+                   help="train a LoRA adapter of this rank on both sides (0: full fine-tuning, the default)")
     p.add_argument("--trl-accumulation", type=int,
                    help="forward/backward passes TRL splits each step's batch into (default 1, or the preset's)")
     p.add_argument("--trl-oom-retries", type=int, default=2,
@@ -438,7 +460,7 @@ def main() -> None:
 def _key(args: argparse.Namespace) -> dict[str, Any]:
     """What a saved result must share with this call to be reported beside it."""
     return {k: getattr(args, k) for k in ("size", "prompts", "n", "max_new_tokens", "dtype", "device", "lr",
-                                           "temperature", "seed", "digits", "steps")}
+                                           "temperature", "seed", "digits", "steps", "lora")}
 
 
 def _save(out: Path, side: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -465,7 +487,9 @@ def report(args: argparse.Namespace, trl: dict[str, Any] | None, verl: dict[str,
     print(f"\nmodel {args.size}, {args.dtype} on {args.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads; {args.prompts} prompts x {args.n} completions, "
           f"max {args.max_new_tokens} new tokens, T={args.temperature}, lr {args.lr}, beta 0, "
-          f"one optimizer step per batch; median of steps 2..{args.steps}")
+          f"one optimizer step per batch; median of steps 2..{args.steps}"
+          + (f"; LoRA rank {args.lora}, alpha {2 * args.lora} on {', '.join(LORA_TARGETS)} (both sides)" if args.lora
+             else "; full fine-tuning"))
     print("verl prompts: " + ("the JSONL file through data.train, reward through reward.functions" if use_data
                               else "the built-in copy task and its exact-match reward (this trainer does not "
                                    "read data.train); TRL: the same task's prompts from the JSONL file"))

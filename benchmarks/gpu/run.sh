@@ -7,7 +7,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# install once per machine: later calls of this script in the same command reuse /tmp/site
+if [ ! -f /tmp/site/.verl-wheels ] || [ "$(cat /tmp/site/.verl-wheels)" != "$(ls -l .whl)" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  ls -l .whl > /tmp/site/.verl-wheels
+fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VERL_TESTKIT_CACHE=/tmp/verl-testkit PATH=/tmp/site/bin:$PATH
 python3 -c "import torch, transformers, megatron.core, verl_core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, torch.cuda.get_device_name())"
