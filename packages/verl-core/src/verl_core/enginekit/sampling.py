@@ -191,10 +191,12 @@ def cuda_graph_capture(step: Callable[[], None], pool: Any) -> Any:
 
     The default capture of :class:`GraphCaptures`: ``pool`` is the memory pool of a graph captured
     earlier by the same decoder, so its graphs (one per cache window, replayed one after the other,
-    never concurrently) share their temporaries.
+    never concurrently) share their temporaries. The capture is thread-local: an update running in
+    another thread meanwhile (asynchronous training, where the rollout runs in a producer thread)
+    may synchronise or allocate without invalidating it.
     """
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         step()
     return graph
 
