@@ -207,6 +207,8 @@ def _train(overrides: list[str], out: Path, steps: int, env: Mapping[str, str]) 
     cmd = [sys.executable, "-m", "verl_core.cli", "train", *overrides, f"steps={steps}",
            f"output_dir={json.dumps(str(out))}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.is_dir():
+        (out / "bench-train.log").write_text(f"{' '.join(cmd)}\n{done.stdout}{done.stderr}")
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -244,16 +246,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model-dir", type=Path,
                    help="folder of the 0.9b model: built there once, reused when it holds a model (default: a temp folder)")
     p.add_argument("--turn-tokens", type=int,
-                   help="ragged: tokens per turn, rollout.max_new_tokens (default: 8 tiny, 128 0.9b)")
+                   help="rollout.max_new_tokens of ragged (and of slow-tool above tiny) (default: 8 tiny, 128 0.9b)")
     p.add_argument("--max-turns", type=int, help="ragged: most turns of an episode (default: 8 tiny, 16 0.9b)")
     p.add_argument("--out", type=Path,
                    help="keep each run's folder (its metrics.jsonl) under this new folder (default: a temp folder, removed)")
     args = p.parse_args(argv)
     sized = SIZES[args.size]
-    turn_tokens = args.turn_tokens or sized.turn_tokens
-    max_turns = args.max_turns or sized.max_turns
+    turn_tokens = sized.turn_tokens if args.turn_tokens is None else args.turn_tokens
+    max_turns = sized.max_turns if args.max_turns is None else args.max_turns
     if turn_tokens < 1 or max_turns < 1:
         raise SystemExit(f"--turn-tokens and --max-turns must be >= 1, got {turn_tokens} and {max_turns}")
+    if args.out is not None and args.out.exists() and any(args.out.iterdir()):
+        raise SystemExit(f"--out {args.out} holds files already; give a new or empty folder")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     placement = list(RAY_SPLIT) if args.executor == "ray" else ["executor=local"]
     placement += [f"model.device={args.device}", f"model.dtype={dtype}"]
@@ -265,8 +269,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     where = "ray, split placement (actor, reference and rollout in worker processes of their own)" if args.executor == "ray" \
         else "local (every engine in the trainer's process)"
     print(f"# executor {where}", flush=True)
-    if args.out is not None and args.out.exists() and any(args.out.iterdir()):
-        raise SystemExit(f"--out {args.out} holds files already; give a new or empty folder")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         runs = args.out.resolve() if args.out is not None else tmp
