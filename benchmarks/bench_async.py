@@ -37,9 +37,9 @@ Sizes (``--size``):
   holds a model), for every workload; 16 prompts x 8 samples per step, learning rate 1e-6;
   ``slow-tool`` turns of ``--turn-tokens`` tokens. For a GPU: ``--device cuda`` (bfloat16 by
   default). On CUDA the multi-turn workloads set ``backends.options.rollout.rollout_compile=false``:
-  the compiled decode step is compiled anew for each (rows, prompt width) it meets, about 30 s
-  each on an H200, and an episode's turns meet a new one nearly every turn; the static KV cache and
-  CUDA graphs stay on.
+  the compiled decode step is compiled anew for each (rows, prompt width) it meets (about 30 s
+  each on an H200: ``benchmarks/results/gpu-h200-math-2026-12-04.md``), and an episode's turns meet
+  a new one nearly every turn; the static KV cache and CUDA graphs stay on.
 
 Executors (``--executor``):
 
@@ -56,11 +56,16 @@ so the single-turn ratio shows what overlap is left after the two compete; while
 cores are free for the update. With ``ray`` the engines are processes of their own, which the
 operating system spreads over the cores.
 
+Each run's seconds per step go to stderr as it ends; a run that fails prints its error there,
+its setting's row says ``failed``, the other settings still run, and the script exits with
+status 1 at the end. ``--out DIR`` keeps every run's folder (``metrics.jsonl``, the run's log in
+``bench-train.log``).
+
 On one H200, colocated, 0.9b, sync against async at staleness 1 on ``ragged`` and ``slow-tool``
-(about 4 minutes, the model's build included)::
+(estimated at about 4 minutes with the model's build, from the GPU figures in docs/benchmarks.md)::
 
     python benchmarks/bench_async.py --device cuda --size 0.9b --workloads ragged slow-tool \\
-        --staleness 1 --steps 3 --repeats 1 --tool-s 0.2
+        --staleness 1 --steps 3 --repeats 1 --tool-s 0.1
 """
 
 from __future__ import annotations
@@ -200,8 +205,16 @@ RAY_SPLIT = ("executor=ray", "ray.placement=split", "ray.num_cpus_per_worker=0.5
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DEDUP_LOGS": "0"}
 
 
+class RunError(Exception):
+    """A ``verl train`` run that exited with an error (the message: its command and the end of its stderr)."""
+
+
 def _train(overrides: list[str], out: Path, steps: int, env: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Run ``verl train`` with ``overrides`` for ``steps`` steps; every step's metrics."""
+    """Run ``verl train`` with ``overrides`` for ``steps`` steps; every step's metrics.
+
+    Raises:
+        RunError: the run exited with an error.
+    """
     env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", **RAY_ENV}
     cmd = [sys.executable, "-m", "verl_core.cli", "train", *overrides, f"steps={steps}",
@@ -210,7 +223,7 @@ def _train(overrides: list[str], out: Path, steps: int, env: Mapping[str, str]) 
     if out.is_dir():
         (out / "bench-train.log").write_text(f"{' '.join(cmd)}\n{done.stdout}{done.stderr}")
     if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        raise RunError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -269,9 +282,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     where = "ray, split placement (actor, reference and rollout in worker processes of their own)" if args.executor == "ray" \
         else "local (every engine in the trainer's process)"
     print(f"# executor {where}", flush=True)
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        runs = args.out.resolve() if args.out is not None else tmp
+        run_dirs = args.out.resolve() if args.out is not None else tmp
         model: Path | None = None
         if args.size != "tiny":
             model = (args.model_dir or tmp / f"model-{args.size}").resolve()
@@ -287,21 +301,35 @@ def main(argv: Sequence[str] | None = None) -> None:
             steps_seen: list[dict[str, Any]] = []
             for r in range(args.repeats):  # settings in turn, so a change of load touches each alike
                 for name, extra in settings:
-                    out = runs / f"{workload}-{args.executor}-{name.replace(' ', '')}-{r}"
-                    metrics = _train([*base, *extra], out, args.steps, env)
+                    out = run_dirs / f"{workload}-{args.executor}-{name.replace(' ', '')}-{r}"
+                    started = time.perf_counter()
+                    try:
+                        metrics = _train([*base, *extra], out, args.steps, env)
+                    except RunError as e:  # the other settings still run; the exit status says so at the end
+                        failed.append(f"{workload} {name} run {r}")
+                        print(f"# {workload} {name} run {r}: {e}", file=sys.stderr, flush=True)
+                        continue
                     times[name].append(_seconds_per_step(metrics))
                     steps_seen += metrics
-            if workload == "ragged":
+                    print(f"# {workload} {name} run {r}: {times[name][-1]:.3f} s/step, "
+                          f"{time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
+            if workload == "ragged" and steps_seen:
                 low, mean, high = _length_spread(steps_seen)
                 print(f"# ragged: response tokens per sample min {low:.0f}, mean {mean:.1f}, max {high:.0f} "
                       f"({len(steps_seen)} steps of every setting; {max_turns} turns of {turn_tokens} tokens "
                       f"at most, tool {args.tool_s:g} s a turn)")
-            sync = statistics.median(times["sync"])
+            sync = statistics.median(times["sync"]) if times["sync"] else None
             for name, _ in settings:
+                if not times[name]:
+                    print(f"{workload:<11} {name:<10} {'failed':>16}", flush=True)
+                    continue
                 med = statistics.median(times[name])
                 runs = " ".join(f"{t:.3f}" for t in times[name])
-                print(f"{workload:<11} {name:<10} {med:>16.3f} {runs:>24} {sync / med:>10.2f}", flush=True)
+                ratio = f"{sync / med:>10.2f}" if sync is not None else f"{'-':>10}"
+                print(f"{workload:<11} {name:<10} {med:>16.3f} {runs:>24} {ratio}", flush=True)
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed ({', '.join(failed)}); their errors are above")
 
 
 if __name__ == "__main__":
