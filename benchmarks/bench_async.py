@@ -232,12 +232,13 @@ def _seconds_per_step(metrics: Sequence[Mapping[str, Any]]) -> float:
     return statistics.fmean(float(m["time/step"]) for m in metrics[1:])
 
 
-def _length_spread(metrics: Sequence[Mapping[str, Any]]) -> tuple[float, float, float]:
+def _length_spread(metrics: Sequence[Mapping[str, Any]]) -> str:
     """The shortest, mean and longest response in tokens over ``metrics``' steps (their
-    ``response/length_min``, ``response/length_mean`` and ``response/length_max``)."""
-    return (min(float(m["response/length_min"]) for m in metrics),
-            statistics.fmean(float(m["response/length_mean"]) for m in metrics),
-            max(float(m["response/length_max"]) for m in metrics))
+    ``response/length_min``, ``response/length_mean`` and ``response/length_max``), in words."""
+    mins = [float(m["response/length_min"]) for m in metrics if "response/length_min" in m]
+    low = f"{min(mins):.0f}" if len(mins) == len(metrics) else "n/a (a verl-core without response/length_min)"
+    mean = statistics.fmean(float(m["response/length_mean"]) for m in metrics)
+    return f"min {low}, mean {mean:.1f}, max {max(float(m['response/length_max']) for m in metrics):.0f}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -314,8 +315,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"# {workload} {name} run {r}: {times[name][-1]:.3f} s/step, "
                           f"{time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
             if workload == "ragged" and steps_seen:
-                low, mean, high = _length_spread(steps_seen)
-                print(f"# ragged: response tokens per sample min {low:.0f}, mean {mean:.1f}, max {high:.0f} "
+                print(f"# ragged: response tokens per sample {_length_spread(steps_seen)} "
                       f"({len(steps_seen)} steps of every setting; {max_turns} turns of {turn_tokens} tokens "
                       f"at most, tool {args.tool_s:g} s a turn)")
             sync = statistics.median(times["sync"]) if times["sync"] else None
