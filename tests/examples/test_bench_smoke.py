@@ -1,10 +1,13 @@
 """The GPU benchmarks run on a CPU at their tiny size: ``bench_grpo_vs_trl.py`` (the verl side, its
-memory plan and peak memory; TRL is not installed here) and ``gpu/bench_decode_long.py`` (every
-decode path of the hf rollout, its bandwidth bound). A smoke test of the scripts, not a measurement."""
+memory plan and peak memory; TRL is not installed here), ``gpu/bench_decode_long.py`` (every
+decode path of the hf rollout, its bandwidth bound) and ``bench_async.py``'s ragged multi-turn
+workload (sync against async). A smoke test of the scripts, not a measurement."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +53,24 @@ def test_bench_decode_long_runs_every_decode_path_at_the_tiny_size(tmp_path: Pat
     for r in rows:
         assert float(r[6].replace(",", "")) > 0 and float(r[7].replace(",", "")) > 0  # tok/s and its bound
     assert (tmp_path / "bench_decode_long.md").read_text().count("| windows |") == 2
+
+
+def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    text = _run("benchmarks/bench_async.py", "--workloads", "ragged", "--steps", "2", "--repeats", "1",
+                "--staleness", "1", "--tool-s", "0", "--out", str(runs))
+    rows = {" ".join(ln.split()[1:-3]): ln.split()[-3:] for ln in text.splitlines() if ln.startswith("ragged ")}
+    assert set(rows) == {"sync", "async k=1"}, text
+    for seconds, run, ratio in rows.values():
+        assert float(seconds) == float(run) > 0 and float(ratio) > 0
+    assert float(rows["sync"][2]) == 1.0
+    # the spread measured in the runs: episodes of 1 to 8 turns of up to 8 tokens, 64 tokens at most
+    spread = re.search(r"# ragged: response tokens per sample min (\d+), mean ([\d.]+), max (\d+)", text)
+    assert spread is not None, text
+    low, mean, high = int(spread[1]), float(spread[2]), int(spread[3])
+    assert 0 < low <= mean <= high <= 64 and high > 2 * low, spread[0]
+    for setting in ("sync", "asynck=1"):
+        steps = [json.loads(ln) for ln in (runs / f"ragged-local-{setting}-0" / "metrics.jsonl").read_text().splitlines()]
+        assert len(steps) == 2 and all(m["agent/turns"] > 1 for m in steps), steps
+        assert all(m["response/length_min"] <= m["response/length_mean"] <= m["response/length_max"] for m in steps)
+    assert json.loads((runs / "ragged-local-asynck=1-0" / "config.json").read_text())["async_training"]["mode"] == "async"

@@ -43,6 +43,7 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
         "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
         "reward/max": float(scores.max()),
         "response/length_mean": float(lengths.mean()),
+        "response/length_min": float(lengths.min()),
         "response/length_max": float(lengths.max()),
         "response/eos_fraction": float(ended.any(1).float().mean()),
         "response/truncated_fraction": float(samples["truncated"].float().mean()) if "truncated" in samples else 0.0,
