@@ -412,9 +412,9 @@ def check_multi_turn_stop_and_truncation(h: Harness) -> None:
 
 
 # --------------------------------------------------------------------------- prefix continuation
-@check("invariance", gates=("rollout.prefix_continuation", "rollout.seeding"))
+@check("invariance", gates=("rollout.prefix_continuation", "rollout.seeding", "rollout.exact_log_probs"))
 def check_prefix_continuation_matches_rerun(h: Harness) -> None:
-    """An engine declaring prefix_continuation samples prompts that extend an earlier call's prompt and response (two other observations after one turn, then a third turn) exactly as an engine that never saw the earlier calls samples them."""
+    """An engine declaring prefix_continuation samples prompts that extend an earlier call's prompt and response (two other observations after one turn, then a third turn) exactly as an engine that never saw the earlier calls samples them, with the float64 reference's log-probs of those exact ids where exact."""
     cold = h.rollout(max_prompt_len=_CONTEXT)
     if not cold.capabilities.prefix_continuation:
         h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch; "
@@ -456,3 +456,15 @@ def check_prefix_continuation_matches_rerun(h: Harness) -> None:
             h.close_to(got["rollout_log_probs"][b, :len(g_ids)],
                        cold_out["rollout_log_probs"][k * len(groups) + b, :len(w_ids)],
                        "log_probs", f"{where}: rollout_log_probs after the earlier calls vs without them")
+    if not cold.log_probs_exact(params):
+        return
+    # the engine without the earlier calls caches too (within its one call), so it can share a fault:
+    # the float64 reference of the exact ids cannot
+    path = h.model_path("llama")
+    for label, rows in calls.items():
+        got = warm_out[label]
+        h.close_to(got["rollout_log_probs"], cached_outputs(path, got)["log_probs"], "log_probs",
+                   f"prefix continuation, prompts of {[len(r) for r in rows]} ids (a prompt, its sampled turn, "
+                   f"{label}): rollout_log_probs vs the float64 reference of those exact ids; a cached prefix must "
+                   "be looked up by the whole id sequence, within a call as across calls (an entry of another "
+                   "prompt serves this one)", mask=got["response_mask"])

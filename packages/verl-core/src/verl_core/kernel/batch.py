@@ -675,9 +675,13 @@ class TensorBatch(Mapping[str, Tensor]):
 
         With ``max_tokens``, samples are partitioned (:func:`partition_by_token_budget`, ``packed`` for
         an engine without padding) so each micro-batch's cost (prompt plus response tokens) stays within
-        the budget; with ``size``, consecutive samples are taken ``size`` at a time. Each micro-batch is
-        trimmed of all-padding columns unless ``trim`` is False; :meth:`MicroBatches.restore` undoes the
-        reordering.
+        the budget; with ``size``, consecutive samples are taken ``size`` at a time. Give exactly one of
+        the two (the whole batch as one micro-batch: ``size=max(1, batch_size)``; a batch of no
+        samples gives no micro-batches). Each micro-batch is trimmed of all-padding columns unless
+        ``trim`` is False; :meth:`MicroBatches.restore` undoes the reordering.
+
+        Raises:
+            BatchValidationError: both or neither of ``max_tokens`` and ``size``, or a value out of range.
         """
         if (max_tokens is None) == (size is None):
             raise BatchValidationError("micro_batches() takes exactly one of max_tokens= or size=")

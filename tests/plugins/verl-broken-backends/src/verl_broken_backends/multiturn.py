@@ -15,6 +15,7 @@ __all__ = [
     "PREFIX_CONTINUATION_ROLLOUT",
     "loss_mask_dropped",
     "observation_outputs",
+    "prefix_keyed_cache",
     "prompt_window",
     "special_tokens_dropped",
     "stale_prefix_cache",
@@ -45,3 +46,6 @@ prompt_window = _rollout("broken-prompt-window", "only the last 16 prompt tokens
 stop_ids_ignored = _rollout("broken-stop-ids", "stop_token_ids are ignored", "StopIdsIgnored")
 stale_prefix_cache = _rollout("broken-stale-prefix-cache", "prefix_continuation serves a stale cache entry",
                               "StalePrefixCache", PREFIX_CONTINUATION_ROLLOUT)
+prefix_keyed_cache = _rollout("broken-prefix-keyed-cache", "prefix_continuation looks its cache up by a prompt's "
+                              "first half and length, within a call as across calls", "PrefixKeyedCache",
+                              PREFIX_CONTINUATION_ROLLOUT)

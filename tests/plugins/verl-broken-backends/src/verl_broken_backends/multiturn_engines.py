@@ -27,6 +27,7 @@ from verl_core import (
 __all__ = [
     "LossMaskDropped",
     "ObservationOutputs",
+    "PrefixKeyedCache",
     "PromptWindow",
     "SpecialTokensDropped",
     "StalePrefixCache",
@@ -163,3 +164,23 @@ class StalePrefixCache(_PromptRewriter):
             self._roots.append(tuple(ids))
             return ids
         return self._continuations.setdefault((root, len(ids)), ids)
+
+
+class PrefixKeyedCache(_PromptRewriter):
+    """Declares prefix_continuation; keys its cache by the first half of a prompt and its length, and
+    fills it row by row, so a prompt of the same length after the same turn (another observation) is
+    served the first one's samples in the call that samples both as in any later one: an engine
+    that never saw the earlier calls, sampling every prompt in one call, repeats the fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._entries: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The example's capabilities with prefix_continuation=True."""
+        return PREFIX_CONTINUATION_ROLLOUT
+
+    def rewrite(self, ids: list[int]) -> list[int]:
+        """The cached prompt of the same first half and length, else ``ids`` (then cached)."""
+        return self._entries.setdefault((tuple(ids[: len(ids) // 2]), len(ids)), ids)

@@ -76,7 +76,9 @@ class AgentConfig:
             turn without a call ends the episode.
         max_turns: Model turns per episode (>= 1).
         max_total_tokens: Tokens after the prompt per episode, model turns and observations
-            together (>= 1); ``rollout.max_new_tokens`` bounds each single turn.
+            together (>= 1); the only bound on one turn's length: ``rollout.max_new_tokens`` is
+            the size of one ``generate`` call (the rollout engine's ``max_response_len``), and a
+            turn it cuts before EOS or a stop token continues in the next call.
         tool_timeout_s: Wall-clock seconds the tool calls of one turn may take (> 0); a call still
             running then is abandoned and the model reads an error.
         step_timeout_s: Wall-clock seconds one environment step may take (> 0, and above
