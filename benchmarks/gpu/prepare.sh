@@ -9,10 +9,12 @@ rm -f .whl/verl_*.whl
 ls .whl/megatron_core-0.19.2-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
   -d .whl megatron-core==0.19.2
-# peft (verl-hf's LoRA) and accelerate, which peft imports: pure-Python wheels
+# peft (verl-hf's LoRA), accelerate (which peft imports) and annotated-types (verl-core): pure-Python wheels
 ls .whl/peft-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl \
   "peft==$(.venv/bin/python -c 'import peft; print(peft.__version__)')" \
   "accelerate==$(.venv/bin/python -c 'import accelerate; print(accelerate.__version__)')"
+ls .whl/annotated_types-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl \
+  "annotated-types==$(.venv/bin/python -c 'from importlib.metadata import version; print(version("annotated-types"))')"
 for d in packages/verl-core packages/verl-hf packages/verl-megatron packages/verl-vllm conformance; do
   .venv/bin/python -m build -q --wheel --outdir .whl "$d" >/dev/null
 done
