@@ -134,8 +134,12 @@ def test_the_chat_template_lists_tools_and_renders_tool_turns(tiny: Path) -> Non
         **{k: v for k, v in plain.get_vocab().items() if not k.startswith("<extra_")},
         "{": plain.convert_tokens_to_ids("<extra_0>"), "}": plain.convert_tokens_to_ids("<extra_1>"),
         "\n": plain.convert_tokens_to_ids("<extra_2>")}
-    with pytest.raises(ValueError, match=r"extra_chars 'a\{' repeats a character or holds ones the tokenizer already has \('a'\)"):
+    with pytest.raises(ValueError, match=r"extra_chars 'a\{' holds characters the tokenizer already has \('a'\)"):
         char_tokenizer(96, "a{")
+    with pytest.raises(ValueError, match=r"extra_chars '\{\{' repeats a character"):
+        char_tokenizer(96, "{{")
+    with pytest.raises(ValueError, match=r"vocab_size must be >= 91, got 90"):
+        char_tokenizer(90, "{}\n")
 
 
 def test_the_example_runs_on_cpu_with_tensorboard_and_eval(tiny: Path, tmp_path: Path) -> None:

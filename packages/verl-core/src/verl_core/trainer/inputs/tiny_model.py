@@ -42,10 +42,12 @@ _CHARS: Final = string.digits + string.ascii_lowercase + string.ascii_uppercase 
 
 
 def _vocab(size: int, extra_chars: str = "") -> dict[str, int]:
-    known = [c for c in dict.fromkeys(extra_chars) if c in _CHARS or c in SPECIAL_TOKENS]
-    if known or len(set(extra_chars)) != len(extra_chars):
-        raise ValueError(f"extra_chars {extra_chars!r} repeats a character or holds ones the tokenizer already has "
-                         f"({''.join(known)!r}); give only new characters, each once")
+    known = "".join(c for c in dict.fromkeys(extra_chars) if c in _CHARS)
+    if known:
+        raise ValueError(f"extra_chars {extra_chars!r} holds characters the tokenizer already has ({known!r}); "
+                         "give only new ones")
+    if len(set(extra_chars)) != len(extra_chars):
+        raise ValueError(f"extra_chars {extra_chars!r} repeats a character; give each once")
     tokens = list(SPECIAL_TOKENS) + list(_CHARS) + list(extra_chars)
     if size < len(tokens):
         raise ValueError(f"vocab_size must be >= {len(tokens)}, got {size}")
@@ -131,8 +133,8 @@ def char_tokenizer(vocab_size: int, extra_chars: str = "") -> Any:
             built-in characters do not change.
 
     Raises:
-        ValueError: ``vocab_size`` too small for the characters, or ``extra_chars`` repeats a
-            character or holds one the tokenizer already has.
+        ValueError: ``vocab_size`` too small for the characters, or ``extra_chars`` holds a
+            character the tokenizer already has or repeats one.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
