@@ -37,11 +37,22 @@ from verl_core.trainer.inputs.tiny_model import (
 )
 
 CHAT_TEMPLATE: Final = (
+    "{% if tools %}<system> tools:{% for tool in tools %} {{ tool['function']['name'] }}"
+    "({{ tool['function']['parameters']['properties'] | join(', ') }}){% endfor %} {% endif %}"
     "{% for message in messages %}<{{ message['role'] }}> {{ message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}"
     "{% if add_generation_prompt %}<assistant> {% endif %}"
 )
-"""Roles in angle brackets, one space between turns: every character is one of the tokenizer's."""
+"""Roles in angle brackets, one space between turns: every character is one of the tokenizer's.
+
+With tools (a multi-turn run's ``agent.tools``, or SFT on tool conversations), a first line lists
+them, ``<system> tools: python(code) ``; a tool's result is a ``<tool>`` turn. Without tools the
+rendering is the same as before tools were supported."""
+
+EXTRA_CHARS: Final = "{}\n"
+"""Characters added to the tokenizer's built-in ones (taking the first ``<extra_i>`` ids), for JSON
+tool calls (``<tool_call>{"name": "python", ...}</tool_call>``) and tool output, which ends with a
+newline."""
 
 SIZES: Final = {
     "tiny": TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32,
@@ -57,7 +68,7 @@ def make_model(out: Path, size: str, arch: Arch = "llama", seed: int = 0) -> Pat
     """Write the model of ``size`` and its tokenizer (with :data:`CHAT_TEMPLATE`) to ``out``."""
     spec = dataclasses.replace(SIZES[size], arch=arch, seed=seed)
     build_tiny_model(out, spec)
-    tokenizer = char_tokenizer(spec.vocab_size)
+    tokenizer = char_tokenizer(spec.vocab_size, EXTRA_CHARS)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)  # replaces the tokenizer files build_tiny_model wrote
     return out

@@ -32,6 +32,7 @@ from verl_core.agent import (
     StepResult,
     ToolCall,
     ToolEnvironment,
+    environment_seconds,
     episode_metrics,
     render_prompts,
 )
@@ -309,6 +310,40 @@ def test_failing_environments_end_their_episode_only() -> None:
     for i in range(4):  # the failed episodes keep their one model turn, no observation
         assert torch.equal(out["loss_mask"][i], out["response_mask"][i]) and bool(out["loss_mask"][i].any())
     assert episode_metrics(out)["agent/env_errors"] == pytest.approx(3 / 5)
+
+
+class Sleeping:
+    """Sleeps 0.2 s in every step; done after ``row['turns']`` turns."""
+
+    def __init__(self, row: Mapping[str, Any]) -> None:
+        self.turns, self.steps = int(row["turns"]), 0
+
+    def step(self, text: str, token_ids: Sequence[int]) -> StepResult:
+        time.sleep(0.2)
+        self.steps += 1
+        return StepResult(tool_message(self.steps), done=self.steps >= self.turns)
+
+
+def test_seconds_in_environments_are_shared_among_the_episodes_stepped_together() -> None:
+    """Each wait on the environments of a turn is divided evenly among the episodes stepped in it: the
+    shares add up to the loop's wall-clock seconds in environments (the steps run concurrently, so
+    two turns of 0.2 s steps are at least 0.4 s, not 1.0 s), the rest of its time is sampling."""
+    engine = rollout()
+    batch, _ = prompts(engine, 3, turns=[1, 2, 2])
+    start = time.perf_counter()
+    out = AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=300)).run(
+        batch, Sleeping, SamplingParams(seed=3, stop_token_ids=ids_of(engine.tokenizer, ["<|im_end|>"])))
+    wall = time.perf_counter() - start
+    infos = out.extras[EPISODE_KEY]
+    assert [i["termination"] for i in infos] == ["done", "done", "done"] and [i["turns"] for i in infos] == [1, 2, 2]
+    shares = [i["env_seconds"] for i in infos]
+    total = environment_seconds(out)
+    assert total == pytest.approx(sum(shares)) and 0.4 <= total < wall
+    # turn 0 stepped all three episodes together, turn 1 the last two
+    assert shares[1] == pytest.approx(shares[2]) and shares[1] > shares[0] >= 0.2 / 3
+    assert episode_metrics(out)["agent/env_seconds"] == pytest.approx(total / 3)
+    with pytest.raises(ConfigError, match=r"environment_seconds\(\) needs a batch from AgentLoop.run\(\)"):
+        environment_seconds(batch)
 
 
 def test_environment_factories_that_fail() -> None:

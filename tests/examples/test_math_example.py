@@ -2,7 +2,8 @@
 
 The run is the GPU config as shipped with the device and dtype overridden for a CPU (the tiny
 model of ``make_model.py``, float32): the chat template builds the prompts, TensorBoard event files
-and the held-out evaluation's metrics are written.
+and the held-out evaluation's metrics are written. The variant with the Python tool (SFT, then
+GRPO with the tool) runs in ``test_math_tool.py``; its data and chat template are checked here.
 """
 
 from __future__ import annotations
@@ -51,13 +52,35 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_data_files_are_what_make_data_writes(tmp_path: Path) -> None:
     _run(str(MATH / "make_data.py"), "--out", str(tmp_path))
-    for name in ("train", "eval"):
+    for name in ("train", "eval", "sft_tool"):
         assert (tmp_path / f"{name}.jsonl").read_bytes() == (MATH / f"{name}.jsonl").read_bytes(), name
     train, held_out = _rows("train"), _rows("eval")
     assert (len(train), len(held_out)) == (400, 100)
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
     assert all(set(r) == {"question", "answer"} and r["answer"].isdigit() for r in train + held_out)
     assert train[0] == {"question": "Max has 4 coins. Max gets 18 more. How many coins does Max have now?", "answer": "22"}
+
+
+def test_tool_conversations_call_python_with_a_program_that_prints_the_answer() -> None:
+    from verl_core.agent import HermesToolParser, python_tool
+
+    conversations = [json.loads(line) for line in (MATH / "sft_tool.jsonl").read_text().splitlines()]
+    train = _rows("train")
+    assert len(conversations) == len(train) == 400
+    parser = HermesToolParser()
+    programs = []
+    for row, conv in zip(train, conversations):
+        user, call, result, final = conv["messages"]
+        assert user == {"role": "user", "content": row["question"]}
+        assert call["role"] == "assistant" and [c.name for c in parser.parse(call["content"]).calls] == ["python"]
+        code = parser.parse(call["content"]).calls[0].arguments["code"]
+        assert code.startswith("print(") and set(code[6:-1]) <= set("0123456789+-*/"), code
+        assert result == {"role": "tool", "content": row["answer"] + "\n"}
+        assert final == {"role": "assistant", "content": row["answer"]}
+        programs.append(code)
+    tool = python_tool()  # the sandboxed tool the episodes run: what it returns is the tool message
+    for code, row in list(zip(programs, train))[:5]:  # one of each kind of problem
+        assert tool.fn(code=code) == row["answer"] + "\n"
 
 
 def test_reward_scores_the_last_number_of_the_completion() -> None:
@@ -90,6 +113,35 @@ def test_make_model_writes_a_folder_with_a_chat_template(tiny: Path) -> None:
     assert AutoConfig.from_pretrained(tiny).model_type == "llama"
 
 
+def test_the_chat_template_lists_tools_and_renders_tool_turns(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from verl_core.agent import python_tool
+    from verl_core.trainer.inputs.tiny_model import char_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    conversation = json.loads((MATH / "sft_tool.jsonl").read_text().splitlines()[0])["messages"]
+    question = conversation[0]["content"]
+    text = tok.apply_chat_template(conversation, tools=[python_tool().schema], tokenize=False)
+    assert text == (f"<system> tools: python(code) <user> {question} <assistant> {conversation[1]['content']}<eos> "
+                    "<tool> 22\n <assistant> 22<eos> ")
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.unk_token_id not in ids  # braces and the newline are in the vocabulary
+    assert tok.decode(ids, skip_special_tokens=True) == text.replace("<eos>", "")
+    # the built-in characters keep their ids: the braces and the newline take the first extra ids
+    plain = char_tokenizer(96)
+    assert {k: v for k, v in tok.get_vocab().items() if not k.startswith("<extra_")} == {
+        **{k: v for k, v in plain.get_vocab().items() if not k.startswith("<extra_")},
+        "{": plain.convert_tokens_to_ids("<extra_0>"), "}": plain.convert_tokens_to_ids("<extra_1>"),
+        "\n": plain.convert_tokens_to_ids("<extra_2>")}
+    with pytest.raises(ValueError, match=r"extra_chars 'a\{' holds characters the tokenizer already has \('a'\)"):
+        char_tokenizer(96, "a{")
+    with pytest.raises(ValueError, match=r"extra_chars '\{\{' repeats a character"):
+        char_tokenizer(96, "{{")
+    with pytest.raises(ValueError, match=r"vocab_size must be >= 91, got 90"):
+        char_tokenizer(90, "{}\n")
+
+
 def test_the_example_runs_on_cpu_with_tensorboard_and_eval(tiny: Path, tmp_path: Path) -> None:
     shipped = load_config(ROOT / CONFIG)  # the GPU settings the docs describe
     assert (shipped.model.device, shipped.model.dtype) == ("cuda", "bfloat16")
@@ -111,7 +163,7 @@ def test_the_example_runs_on_cpu_with_tensorboard_and_eval(tiny: Path, tmp_path:
         assert 0.0 <= m["reward/numeric_answer/mean"] <= 1.0 and m["reward/mean"] == m["reward/numeric_answer/mean"]
         assert 0.0 <= m["eval/reward/numeric_answer/mean"] <= 1.0 and m["eval/response/length_mean"] > 0
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
 
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     events = EventAccumulator(str(out / "tensorboard"))
@@ -126,4 +178,12 @@ def test_gpu_script_is_valid_bash() -> None:
     script = ROOT / "benchmarks" / "gpu" / "run_math_example.sh"
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert f"verl train {CONFIG}" in script.read_text()
+    text = script.read_text()
+    assert f"CONFIG={CONFIG}" in text and 'verl train "$CONFIG"' in text
+    assert "verl sft examples/math/sft_tool.toml" in text and "CONFIG=examples/math/config_tool.toml" in text
+    tool = load_config(MATH / "config_tool.toml")  # everything but the tool's keys as in config.toml
+    shipped = load_config(ROOT / CONFIG)
+    assert tool.agent.tools == ["verl_core.agent.sandbox:python_tool"] and tool.agent.max_turns == 3
+    assert (tool.rollout, tool.batch, tool.optim, tool.reward, tool.algorithm, tool.model.dtype, tool.model.device) == (
+        shipped.rollout, shipped.batch, shipped.optim, shipped.reward, shipped.algorithm, shipped.model.dtype,
+        shipped.model.device)

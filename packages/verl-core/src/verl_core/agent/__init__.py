@@ -13,6 +13,7 @@ from verl_core.agent.loop import (
     EpisodeLimits,
     Termination,
     TurnInfo,
+    environment_seconds,
     episode_metrics,
 )
 from verl_core.agent.render import (
@@ -70,6 +71,7 @@ __all__ = [
     "TurnInfo",
     "as_tools",
     "chat_tokenizer",
+    "environment_seconds",
     "episode_metrics",
     "prompts_from_ids",
     "python_tool",

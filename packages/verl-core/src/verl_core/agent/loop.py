@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypedDict
@@ -60,7 +61,8 @@ from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import FIELDS, TURNS_EXTRA
 from verl_core.kernel.tokenizer import ChatMessage, Tokenizer
 
-__all__ = ["EPISODE_KEY", "AgentLoop", "EpisodeInfo", "EpisodeLimits", "Termination", "TurnInfo", "episode_metrics"]
+__all__ = ["EPISODE_KEY", "AgentLoop", "EpisodeInfo", "EpisodeLimits", "Termination", "TurnInfo", "environment_seconds",
+           "episode_metrics"]
 
 EPISODE_KEY: Final = "episode"
 """The extras key of the per-episode :class:`EpisodeInfo`."""
@@ -104,6 +106,11 @@ class EpisodeInfo(TypedDict):
         env_errors: Environment failures (a raising factory or step, a wrong return type, an
             observation that cannot be rendered): 0 or 1.
         env_timeouts: Steps that did not return within the timeout: 0 or 1.
+        env_seconds: This episode's share of the wall-clock seconds the loop spent building and
+            stepping environments (with the tools' environment: running the tool calls): each
+            time the loop waits on the environments of several episodes at once, the seconds are
+            divided evenly among them, so the shares of a batch add up to the loop's time in
+            environments (:func:`environment_seconds`).
         metrics: Every metric the steps reported, summed.
         messages: The conversation: the prompt's messages when given, then each model turn (role
             ``assistant``, decoded without special tokens) and each appended observation (its
@@ -121,6 +128,7 @@ class EpisodeInfo(TypedDict):
     tool_timeouts: float
     env_errors: int
     env_timeouts: int
+    env_seconds: float
     metrics: dict[str, float]
     messages: list[dict[str, Any]]
 
@@ -174,6 +182,7 @@ class _Episode:
     truncated: bool = False
     env_errors: int = 0
     env_timeouts: int = 0
+    env_seconds: float = 0.0  # share of the loop's wall-clock seconds in environments
 
     def end(self, why: Termination, message: str | None = None, *, truncated: bool = False) -> None:
         self.termination, self.message, self.truncated = why, message, truncated
@@ -198,7 +207,8 @@ class _Episode:
             model_tokens=model, observation_tokens=len(self.tokens) - model,
             tool_calls=self.metrics.get("tool_calls", 0.0), tool_errors=self.metrics.get("tool_errors", 0.0),
             tool_timeouts=self.metrics.get("tool_timeouts", 0.0), env_errors=self.env_errors,
-            env_timeouts=self.env_timeouts, metrics=dict(self.metrics), messages=list(self.messages),
+            env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, metrics=dict(self.metrics),
+            messages=list(self.messages),
         )
 
 
@@ -312,7 +322,9 @@ class AgentLoop:
             extras = rows.extras
             factory = environments
             jobs = [functools.partial(factory, {k: v[e.index] for k, v in extras.items()}) for e in episodes]
+            started = time.perf_counter()
             built = run_with_deadline(jobs, self._limits.step_timeout_s)
+            _share(episodes, time.perf_counter() - started)
         else:
             raise ConfigError(f"AgentLoop.run() environments must be a factory (row -> Environment) or a list "
                               f"of environments, got {describe(environments)}")
@@ -400,7 +412,10 @@ class AgentLoop:
         limits = self._limits
         turns = [self._close_turn(e) for e in ended]
         jobs = [functools.partial(_call_step, e.env, text, ids) for e, (text, ids) in zip(ended, turns, strict=True)]
-        for e, out in zip(ended, run_with_deadline(jobs, limits.step_timeout_s), strict=True):
+        started = time.perf_counter()
+        outs = run_with_deadline(jobs, limits.step_timeout_s)
+        _share(ended, time.perf_counter() - started)
+        for e, out in zip(ended, outs, strict=True):
             where = f"episode {e.index}: {type(e.env).__name__}.step (turn {e.turns - 1})"
             if not out.finished:
                 e.fail(f"{where} did not return within step_timeout_s={limits.step_timeout_s:g} s; the episode was "
@@ -481,12 +496,33 @@ def _call_step(env: Environment | None, text: str, ids: list[int]) -> StepResult
     return env.step(text, ids)
 
 
+def _share(episodes: Sequence[_Episode], seconds: float) -> None:
+    """Divide ``seconds`` the loop waited on the environments of ``episodes`` evenly among them."""
+    for e in episodes:
+        e.env_seconds += seconds / len(episodes)
+
+
+def environment_seconds(batch: TensorBatch) -> float:
+    """The wall-clock seconds the episode loop spent building and stepping the environments of ``batch``'s
+    episodes (with the tools' environment: running their tool calls): the sum of their
+    :attr:`EpisodeInfo.env_seconds`. The rest of the loop's time is sampling the turns (and rendering).
+
+    Raises:
+        ConfigError: the batch has no :data:`EPISODE_KEY` extras (it did not come from an AgentLoop).
+    """
+    if not isinstance(batch, TensorBatch) or EPISODE_KEY not in batch.extras:
+        raise ConfigError(f"environment_seconds() needs a batch from AgentLoop.run() (extras {EPISODE_KEY!r}), got "
+                          f"{describe(batch)}")
+    return float(sum(float(i.get("env_seconds", 0.0)) for i in batch.extras[EPISODE_KEY]))
+
+
 def episode_metrics(batch: TensorBatch) -> dict[str, float]:
     """Means over a batch's episodes of what :class:`EpisodeInfo` counts, and the share of each termination.
 
     Keys: ``agent/turns``, ``agent/model_tokens``, ``agent/observation_tokens``,
     ``agent/tool_calls``, ``agent/tool_errors``, ``agent/tool_timeouts``, ``agent/env_errors``,
-    ``agent/env_timeouts`` and ``agent/termination/<why>`` for every :data:`Termination`.
+    ``agent/env_timeouts``, ``agent/env_seconds`` and ``agent/termination/<why>`` for every
+    :data:`Termination`.
 
     Raises:
         ConfigError: the batch has no :data:`EPISODE_KEY` extras (it did not come from an AgentLoop).
@@ -500,6 +536,7 @@ def episode_metrics(batch: TensorBatch) -> dict[str, float]:
     for key in ("turns", "model_tokens", "observation_tokens", "tool_calls", "tool_errors", "tool_timeouts",
                 "env_errors", "env_timeouts"):
         out[f"agent/{key}"] = sum(float(i[key]) for i in infos) / n
+    out["agent/env_seconds"] = environment_seconds(batch) / n
     for why in ("done", "max_turns", "max_total_tokens", "context_limit", "error"):
         out[f"agent/termination/{why}"] = sum(i["termination"] == why for i in infos) / n
     return out

@@ -41,8 +41,14 @@ SPECIAL_TOKENS: Final = ("<pad>", "<eos>", "<bos>", "<unk>")
 _CHARS: Final = string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=.,:;?!()[]'\"#<>_"
 
 
-def _vocab(size: int) -> dict[str, int]:
-    tokens = list(SPECIAL_TOKENS) + list(_CHARS)
+def _vocab(size: int, extra_chars: str = "") -> dict[str, int]:
+    known = "".join(c for c in dict.fromkeys(extra_chars) if c in _CHARS)
+    if known:
+        raise ValueError(f"extra_chars {extra_chars!r} holds characters the tokenizer already has ({known!r}); "
+                         "give only new ones")
+    if len(set(extra_chars)) != len(extra_chars):
+        raise ValueError(f"extra_chars {extra_chars!r} repeats a character; give each once")
+    tokens = list(SPECIAL_TOKENS) + list(_CHARS) + list(extra_chars)
     if size < len(tokens):
         raise ValueError(f"vocab_size must be >= {len(tokens)}, got {size}")
     tokens += [f"<extra_{i}>" for i in range(size - len(tokens))]
@@ -117,13 +123,25 @@ def _config(spec: TinyModelSpec) -> Any:
     return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
 
 
-def char_tokenizer(vocab_size: int) -> Any:
-    """The character-level transformers tokenizer a tiny model of ``vocab_size`` ids is saved with."""
+def char_tokenizer(vocab_size: int, extra_chars: str = "") -> Any:
+    """The character-level transformers tokenizer a tiny model of ``vocab_size`` ids is saved with.
+
+    Args:
+        vocab_size: Ids of the vocabulary; those past the characters are ``<extra_i>`` tokens.
+        extra_chars: Characters to add after the built-in ones (e.g. ``"{}\\n"`` for JSON tool
+            calls and multi-line tool output), taking the first ``<extra_i>`` ids; the ids of the
+            built-in characters do not change.
+
+    Raises:
+        ValueError: ``vocab_size`` too small for the characters, or ``extra_chars`` holds a
+            character the tokenizer already has or repeats one.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(_vocab(vocab_size), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = Tokenizer(models.WordLevel(_vocab(vocab_size, extra_chars), unk_token="<unk>"))
+    # "." does not match a newline: with one among the characters, every character is its own piece
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\\n" if "\n" in extra_chars else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",

@@ -1,7 +1,7 @@
 """What an RL step reports: its metrics, the scheduler's plan, and the run's curves.
 
 :func:`rollout_metrics` (rewards and response lengths of the samples, the episodes' counts of a
-multi-turn run) and :func:`finish_metrics`
+multi-turn run and the rollout's seconds in their environments) and :func:`finish_metrics`
 (timings, throughput, the scheduler's micro-batches of the step) fill the step's
 :class:`~verl_core.trainer.rl.step_state.StepState`; the stages add their own.
 :class:`SchedulerPlanLog` keeps ``scheduler_plan.jsonl``, every decision of the micro-batch
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from verl_core.agent.loop import episode_metrics
+from verl_core.agent.loop import environment_seconds, episode_metrics
 from verl_core.kernel.reward import RewardEngine
 from verl_core.trainer.batching.scheduler import Decision, DynamicBatchScheduler
 from verl_core.trainer.inputs.agent import is_episode_batch
@@ -30,7 +30,9 @@ __all__ = ["SchedulerPlanLog", "finish_metrics", "plot_metrics", "rollout_metric
 
 
 def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine, loader: PromptLoader | None) -> None:
-    """Rewards, response lengths and the data epoch of the step's samples."""
+    """Rewards, response lengths and the data epoch of the step's samples; for episodes (``[agent]``) also
+    their ``agent/...`` means and ``time/environment``, the wall-clock seconds of the rollout spent
+    building and stepping their environments (running the tool calls), which ``time/rollout`` includes."""
     samples = state.samples
     scores = samples["scores"]
     rmask = samples["response_mask"]
@@ -53,6 +55,7 @@ def rollout_metrics(state: StepState, *, eos_token_id: int, reward: RewardEngine
         m["reward/exact_match"] = float(reward.exact_match(samples).mean())
     if is_episode_batch(samples):  # multi-turn: turns, tool calls, terminations (agent/...)
         m.update(episode_metrics(samples))
+        m["time/environment"] = environment_seconds(samples)
     if loader is not None:
         m.setdefault("data/epoch", loader.epoch)  # epochs completed by the rows drawn so far (for this step)
 
