@@ -31,6 +31,8 @@ FAULTS = [
      ["after a LoRA sync of merged weights", "a rollout loaded with the merged weights"]),
     ("broken-lora-base-forward", ALL[:2], ALL[1:2],
      ["base_forward log_probs at temperature 1.0 vs the float64 reference of the base folder"]),
+    ("broken-lora-base-forward-full", ALL[1:3], ALL[2:3],
+     ["base_forward of an engine that trains model.norm fully (LoraSpec.full) changed after two updates"]),
     ("broken-lora-checkpoint", [ALL[2], ALL[4]], ALL[4:5],
      ["after save_checkpoint and load_checkpoint of a LoRA engine", "update 1"]),
 ]

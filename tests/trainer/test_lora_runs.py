@@ -11,7 +11,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_core import ConfigError, SamplingParams, WeightChunk
+from verl_core import ConfigError, LoraSpec, SamplingParams, WeightChunk
+from verl_core.enginekit.lora import read_adapter_folder, write_adapter_folder
 from verl_core.trainer import Trainer, latest_checkpoint, load_config, prompt_batch
 from verl_core.trainer.config import config_from_dict
 from verl_core.trainer.rl.engines import BaseModelReference
@@ -81,6 +82,32 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     changed = _config(resumed, "steps=4", "model.lora.rank=8")
     with Trainer(changed) as trainer, pytest.raises(ConfigError, match="model.lora.rank"):  # type: ignore[arg-type]
         trainer.train(resume=True)
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_the_first_rollout_samples_from_the_init_path_adapter(tmp_path: Path, sync: str) -> None:
+    """model.lora.init_path: step 1's rollout samples the actor's policy (base + that adapter), not the base."""
+    first = tmp_path / "first"
+    _train(first, "steps=1")
+    spec = LoraSpec(rank=4, alpha=8.0)
+    trained = read_adapter_folder(export_checkpoint(first, tmp_path / "trained", adapter_only=True), spec)
+    g = torch.Generator().manual_seed(0)
+    far = {n: 0.3 * torch.randn(t.shape, generator=g) for n, t in trained.items()}  # far from the base
+    init = tmp_path / "init"
+    init.mkdir()
+    write_adapter_folder(init, spec, far, base_model=str(first / "model"))
+    cfg = _config(tmp_path / "run", "steps=1", f"model.path={json.dumps(str(first / 'model'))}",
+                  f"model.lora.init_path={json.dumps(str(init))}", f"model.lora.sync={sync}")
+    with Trainer(cfg) as trainer:  # type: ignore[arg-type]
+        trainer.setup()
+        prompts = prompt_batch(TEXTS, trainer.rollout.tokenizer, group_ids=list(range(len(TEXTS))))
+        samples = trainer.rollout.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))
+        actor = trainer.actor.forward(samples)["log_probs"]
+        base = trainer.actor.base_forward(samples)["log_probs"]
+    mask = samples["response_mask"]
+    assert float((actor - base).abs()[mask].max()) > 0.1  # the adapter moves the policy
+    assert torch.allclose(samples["rollout_log_probs"][mask], actor[mask], atol=1e-5), (
+        f"{sync} sync: the first rollout does not sample from the actor's starting policy")
 
 
 def test_export_merged_and_adapter_only_generate_like_the_rollout(tmp_path: Path) -> None:

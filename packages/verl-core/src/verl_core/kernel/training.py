@@ -243,7 +243,11 @@ class TrainingEngine(Protocol):
 
         An engine built with ``spec.lora`` (``capabilities.lora``) computes what an engine without
         it computes on the base weights, with the same rules as :meth:`forward`: a frozen reference
-        policy that costs no second model. The default refuses.
+        policy that costs no second model. The trainer calls it and :meth:`forward` on one engine
+        at the same time, from two threads (a step's reference and actor forwards run
+        concurrently): neither may see the other's adapter state, so pass the choice down the call
+        or hold one lock around every forward that switches it (peft's ``disable_adapter()``
+        does). The default refuses.
 
         Raises:
             ConfigError: the engine trains no adapter.

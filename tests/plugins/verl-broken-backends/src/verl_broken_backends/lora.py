@@ -20,11 +20,13 @@ from verl_hf.training import HFTrainingEngine
 
 __all__ = [
     "BaseForwardKeepsAdapter",
+    "BaseForwardKeepsTrainedFull",
     "BaseTrained",
     "CheckpointWithoutAdapterMoments",
     "MergedStreamUnmerged",
     "ScaleIsAlpha",
     "lora_base_forward",
+    "lora_base_forward_full",
     "lora_base_trained",
     "lora_checkpoint",
     "lora_scale",
@@ -74,6 +76,26 @@ class BaseForwardKeepsAdapter(HFTrainingEngine):
         return self.forward(batch, outputs)
 
 
+class BaseForwardKeepsTrainedFull(HFTrainingEngine):
+    """base_forward disables the LoRA layers but serves the trained copies of the fully trained modules."""
+
+    def base_forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The base forward with peft's trained ``modules_to_save`` copies switched back on, wrongly."""
+        from peft.utils.other import ModulesToSaveWrapper
+
+        if self._lora is None:
+            return super().base_forward(batch, outputs)
+        with self._lora.disabled():
+            wrappers = [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+            for w in wrappers:
+                w._disable_adapters = False
+            try:
+                return self.forward(batch, outputs)
+            finally:
+                for w in wrappers:
+                    w._disable_adapters = True
+
+
 class CheckpointWithoutAdapterMoments(HFTrainingEngine):
     """save_checkpoint leaves the adapter's Adam moments out."""
 
@@ -94,6 +116,9 @@ lora_unmerged_stream = BrokenHFBackend("broken-lora-unmerged", "the merged weigh
                                        "actor", f"{_LORA}:MergedStreamUnmerged")
 lora_base_forward = BrokenHFBackend("broken-lora-base-forward", "base_forward keeps the adapter on",
                                     "actor", f"{_LORA}:BaseForwardKeepsAdapter")
+lora_base_forward_full = BrokenHFBackend("broken-lora-base-forward-full",
+                                        "base_forward serves the trained values of the fully trained modules",
+                                        "actor", f"{_LORA}:BaseForwardKeepsTrainedFull")
 lora_checkpoint = BrokenHFBackend("broken-lora-checkpoint", "a LoRA checkpoint leaves the adapter's Adam moments out",
                                   "actor", f"{_LORA}:CheckpointWithoutAdapterMoments")
 

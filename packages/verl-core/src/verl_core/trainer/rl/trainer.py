@@ -246,6 +246,10 @@ class Trainer:
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
         self.weights = WeightSyncStage(e, p, SleepPolicy.for_run(cfg))
+        if cfg.model.lora.enabled and cfg.model.lora.init_path:
+            # the actor starts from the adapter folder, not from B = 0, while a rollout given merged
+            # weights was built on the base folder alone: send the actor's weights before the first rollout
+            self.weights.resync()
         self.evaluator = Evaluator(cfg, e, self.source, p, episodes=episodes)
         self._built = True
 
