@@ -21,9 +21,9 @@ case $step in
     for backend in "$@"; do
       for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
-        (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
+        (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -v --tb=short -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
            --verl-device cuda --verl-dtype "$dtype" ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} \
-           -o console_output_style=classic 2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
+           2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
         echo "conformance $backend $dtype ${CONF_OPTIONS:-}: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log")"
       done
     done ;;
