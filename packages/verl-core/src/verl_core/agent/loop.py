@@ -80,6 +80,11 @@ class TurnInfo(TypedDict):
         reward: The environment step's reward (None: none given, or the step did not run).
         done: The environment ended the episode at this turn.
         metrics: The step's metrics (e.g. ``tool_calls``).
+        weight_versions: The weight versions of the ``generate`` calls that sampled the turn,
+            ascending and distinct: one, unless a turn cut by the engine's ``max_response_len``
+            continued in a call after a weight update (asynchronous training with
+            ``partial_rollouts = "continue"``). The token's turn (``turn_ids``) maps each model
+            token to its turn's versions.
     """
 
     model_tokens: int
@@ -87,6 +92,7 @@ class TurnInfo(TypedDict):
     reward: float | None
     done: bool
     metrics: dict[str, float]
+    weight_versions: list[int]
 
 
 class EpisodeInfo(TypedDict):
@@ -172,6 +178,7 @@ class _Episode:
     turn_of: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     turn_start: int | None = None  # where the turn being sampled starts in ``tokens``
+    turn_versions: list[int] = field(default_factory=list)  # weight versions of the turn's generate calls
     turns: int = 0
     calls: int = 0  # generate calls that sampled for this episode
     steps: int = 0
@@ -347,8 +354,9 @@ class AgentLoop:
         text = self._tok.decode(e.tokens[start:], skip_special_tokens=True)
         e.messages.append({"role": "assistant", "content": text})
         e.turn_infos.append(TurnInfo(model_tokens=len(e.tokens) - start, observation_tokens=0, reward=None,
-                                     done=False, metrics={}))
+                                     done=False, metrics={}, weight_versions=sorted(set(e.turn_versions))))
         e.turn_start = None
+        e.turn_versions = []
         e.turns += 1
         return text, e.tokens[start:]
 
@@ -388,7 +396,9 @@ class AgentLoop:
         limit = self._limits.max_total_tokens
         ended = []
         masks, ids_all, lps_all = out["response_mask"], out["response_ids"], out["rollout_log_probs"]
+        version = out.meta.weight_version
         for r, e in enumerate(active):
+            e.turn_versions.append(version)
             mask = masks[r]
             ids = ids_all[r][mask].tolist()
             lps = lps_all[r][mask].tolist()
@@ -521,8 +531,9 @@ def episode_metrics(batch: TensorBatch) -> dict[str, float]:
 
     Keys: ``agent/turns``, ``agent/model_tokens``, ``agent/observation_tokens``,
     ``agent/tool_calls``, ``agent/tool_errors``, ``agent/tool_timeouts``, ``agent/env_errors``,
-    ``agent/env_timeouts``, ``agent/env_seconds`` and ``agent/termination/<why>`` for every
-    :data:`Termination`.
+    ``agent/env_timeouts``, ``agent/env_seconds``, ``agent/mixed_versions`` (the share of episodes
+    whose turns were sampled by more than one weight version: asynchronous training with
+    ``partial_rollouts = "continue"``) and ``agent/termination/<why>`` for every :data:`Termination`.
 
     Raises:
         ConfigError: the batch has no :data:`EPISODE_KEY` extras (it did not come from an AgentLoop).
@@ -537,6 +548,9 @@ def episode_metrics(batch: TensorBatch) -> dict[str, float]:
                 "env_errors", "env_timeouts"):
         out[f"agent/{key}"] = sum(float(i[key]) for i in infos) / n
     out["agent/env_seconds"] = environment_seconds(batch) / n
+    turns: Sequence[Sequence[Mapping[str, Any]]] = batch.extras.get(TURNS_EXTRA, [])
+    out["agent/mixed_versions"] = sum(
+        len({v for t in episode for v in t.get("weight_versions", ())}) > 1 for episode in turns) / n
     for why in ("done", "max_turns", "max_total_tokens", "context_limit", "error"):
         out[f"agent/termination/{why}"] = sum(i["termination"] == why for i in infos) / n
     return out

@@ -354,10 +354,26 @@ class AsyncTrainingConfig:
             see :mod:`verl_core.trainer.rl.producer`).
         max_staleness: With ``async``: how many weight versions older than the policy being trained
             a step's samples may be (0 = the synchronous schedule, run by the producer).
+        partial_rollouts: With ``async``: what happens to the rollout under way when the weights
+            are updated. ``finish`` (default): the weight sync waits until the producer has
+            generated every step it was allowed, so each step's samples come from one version and
+            the schedule does not depend on timing. ``continue``: the sync waits only for the
+            ``generate`` call in flight; the rest (later turns of an episode, later steps) samples
+            from the new weights, each turn's versions recorded (``TurnInfo.weight_versions``).
+            Needs a rollout engine that declares ``concurrent_weight_update`` and
+            ``max_staleness >= 1``; a run's numbers then depend on timing.
     """
 
     mode: Literal["sync", "async"] = "sync"
     max_staleness: Annotated[int, Ge(0)] = 1
+    partial_rollouts: Literal["finish", "continue"] = "finish"
+
+    def __post_init__(self) -> None:
+        if self.partial_rollouts == "continue" and (self.mode != "async" or self.max_staleness < 1):
+            raise ConfigError(
+                f"async_training.partial_rollouts='continue' lets rollouts continue across a weight update, which only "
+                f"happens with mode='async' and max_staleness >= 1; got mode={self.mode!r}, "
+                f"max_staleness={self.max_staleness}: set both, or partial_rollouts='finish'")
 
     @property
     def lookahead(self) -> int:

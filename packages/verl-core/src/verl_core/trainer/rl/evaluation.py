@@ -56,15 +56,25 @@ class Evaluator:
             out.update(self._task())
         return out
 
-    def on_step(self, state: StepState) -> None:
-        """Evaluate when due after ``state``'s step (the last step always is); adds the metrics and ``time/eval``."""
+    def _due(self, step: int) -> tuple[PromptDataset | None, bool]:
+        """The evaluation dataset due after ``step`` (None: none), and whether the task's prompts are."""
         tc, d = self.config.task, self.config.data
 
         def due(every: int) -> bool:  # the last step is always evaluated
-            return state.step + 1 == self.config.steps or bool(every and (state.step + 1) % every == 0)
+            return step + 1 == self.config.steps or bool(every and (step + 1) % every == 0)
 
         on_data = self.source.evals if due(d.eval_every) else None
         on_task = bool(tc.eval_prompts) and self.source.loader is None and due(tc.eval_every)
+        return on_data, on_task
+
+    def due_after(self, step: int) -> bool:
+        """Whether an evaluation runs after ``step`` (0-based)."""
+        on_data, on_task = self._due(step)
+        return on_data is not None or on_task
+
+    def on_step(self, state: StepState) -> None:
+        """Evaluate when due after ``state``'s step (the last step always is); adds the metrics and ``time/eval``."""
+        on_data, on_task = self._due(state.step)
         if on_data is None and not on_task:
             return
         t = time.perf_counter()

@@ -15,7 +15,9 @@ checkpoint step at or before ``j``. The schedule is fixed, not a race:
   released (:meth:`RolloutProducer.wait_idle`): no ``generate`` is in flight while weights arrive,
   and no response mixes two versions.
 
-So a run's numbers do not depend on thread timing, and ``max_staleness = 0`` is the synchronous
+(That is ``async_training.partial_rollouts = "finish"``; with ``"continue"`` the sync waits only for
+the ``generate`` call in flight, and the rest samples from the new weights: see
+:class:`~verl_core.trainer.config.AsyncTrainingConfig`.) So a run's numbers do not depend on thread timing, and ``max_staleness = 0`` is the synchronous
 trainer, computed by this machinery (tested bit-equal). Nothing is ever older than the bound, so
 nothing is dropped; ``async/staleness`` reports the age of each step's samples in weight versions.
 The off-policy gap (the rollout's log-probs against the current policy's) is what the importance

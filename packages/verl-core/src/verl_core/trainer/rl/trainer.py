@@ -246,6 +246,12 @@ class Trainer:
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
         self.weights = WeightSyncStage(e, p, SleepPolicy.for_run(cfg))
+        if cfg.async_training.partial_rollouts == "continue" and not e.rollout.capabilities.concurrent_weight_update:
+            raise ConfigError(
+                f"async_training.partial_rollouts='continue' sends new weights while the producer's rollout is under "
+                f"way, but the rollout backend {cfg.backends.rollout!r} does not declare "
+                "RolloutCapabilities.concurrent_weight_update (a weight update that waits for the generate call in "
+                "flight); use partial_rollouts='finish' or a rollout backend that declares it (hf, vllm)")
         if cfg.model.lora.enabled and cfg.model.lora.init_path:
             # the actor starts from the adapter folder, not from B = 0, while a rollout given merged
             # weights was built on the base folder alone: send the actor's weights before the first rollout
@@ -319,8 +325,11 @@ class Trainer:
                 self.updater.advantages(state)
             with state.timed("update"):
                 self.updater.run(state)
-        if self.producer is not None:
-            self.producer.wait_idle()  # no rollout in flight while weights arrive or evaluation samples
+        if self.producer is not None and (self.config.async_training.partial_rollouts == "finish"
+                                          or self.evaluator.due_after(self.step)):
+            # "finish": no rollout in flight while weights arrive (nor while evaluation samples); with
+            # "continue" the rollout's own lock orders the sync after the generate call in flight
+            self.producer.wait_idle()
         if state.batch.batch_size:
             self.weights.sync(state)  # the next step samples from the new policy
         finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
@@ -351,7 +360,8 @@ class Trainer:
         self.producer.release(release_limit(self.step, max_staleness=cfg.async_training.max_staleness,
                                             checkpoint_every=cfg.checkpoint.every, steps=cfg.steps))
         state, waited = self.producer.take(self.step)
-        state.metrics["async/staleness"] = self.weight_version - state.prompts.meta.weight_version
+        # the oldest version that sampled the step (its prompts' draw version under "finish")
+        state.metrics["async/staleness"] = self.weight_version - state.samples.meta.weight_version
         state.metrics["async/wait_s"] = waited
         state.metrics["async/ahead"] = self.producer.ahead
         return state

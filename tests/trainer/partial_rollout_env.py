@@ -1,0 +1,53 @@
+"""The environment of tests/trainer/test_partial_rollouts.py: three turns per episode, where the
+second step of every episode after the first step's waits for the trainer's first weight update."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from verl_core.agent import StepResult
+
+TRAINER: Any = None
+"""The test's trainer (read for its ``weight_version``)."""
+FIRST_STEP_EPISODES = 6
+"""Environments of the first training step (prompts x samples); later ones wait for version 1."""
+WAIT_S = 30.0
+
+_lock = threading.Lock()
+_made = 0
+waited: list[bool] = []
+"""Per waiting episode: whether version 1 arrived within WAIT_S."""
+
+
+class ThreeTurns:
+    def __init__(self, waits: bool) -> None:
+        self.waits = waits
+        self.turns = 0
+
+    def step(self, text: str, token_ids: Sequence[int]) -> StepResult:
+        self.turns += 1
+        if self.turns == 1 and self.waits:  # hold the episode between its turns until the weights change
+            deadline = time.monotonic() + WAIT_S
+            while TRAINER.weight_version < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with _lock:
+                waited.append(TRAINER.weight_version >= 1)
+        if self.turns == 3:
+            return StepResult(done=True, reward=1.0)
+        return StepResult([{"role": "tool", "content": "ok"}], metrics={"tool_calls": 1.0})
+
+
+def make(row: Mapping[str, Any]) -> ThreeTurns:
+    global _made
+    with _lock:
+        _made += 1
+        return ThreeTurns(waits=_made > FIRST_STEP_EPISODES)
+
+
+def reset(trainer: Any) -> None:
+    global TRAINER, _made
+    TRAINER, _made = trainer, 0
+    waited.clear()

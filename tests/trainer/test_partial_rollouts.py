@@ -1,0 +1,80 @@
+"""Asynchronous training with ``async_training.partial_rollouts``: its config rules, the capability it
+needs, and episodes that continue across a weight update with each turn's version recorded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_core import ConfigError
+from verl_core.kernel.schema import TURNS_EXTRA
+from verl_core.trainer import Trainer, load_config
+from verl_core.trainer.rl.step_state import StepState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import partial_rollout_env
+from agent_helpers import chat_model_path
+
+
+@pytest.mark.parametrize("overrides", [
+    ["async_training.partial_rollouts=continue"],
+    ["async_training.mode=async", "async_training.max_staleness=0", "async_training.partial_rollouts=continue"],
+])
+def test_continue_needs_async_with_staleness(overrides: list[str]) -> None:
+    with pytest.raises(ConfigError, match="partial_rollouts='continue'.*max_staleness >= 1"):
+        load_config(None, overrides)
+
+
+def test_continue_is_refused_before_any_step_by_a_rollout_without_concurrent_weight_updates(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"output_dir={json.dumps(str(tmp_path / 'run'))}", "steps=1", "logging.progress=false",
+                             "async_training.mode=async", "async_training.partial_rollouts=continue",
+                             "backends.rollout=example", "model.hidden_size=32",
+                             "model.intermediate_size=64", "model.num_heads=1", "model.num_kv_heads=1"])
+    with Trainer(cfg) as trainer, pytest.raises(ConfigError, match="concurrent_weight_update"):
+        trainer.setup()
+
+
+def _train(tmp_path: Path, partial: str) -> tuple[list[dict[str, float]], list[list[list[int]]]]:
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": "q"}], "answer": str(i)}) + "\n" for i in range(6)))
+    cfg = load_config(None, [
+        f"model.path={json.dumps(chat_model_path())}", f"data.train={json.dumps(str(tmp_path / 'train.jsonl'))}",
+        f"output_dir={json.dumps(str(tmp_path / partial))}", "steps=2", "rollout.n=2", "rollout.max_new_tokens=4",
+        "batch.prompts_per_step=3", "agent.max_turns=3", "agent.max_total_tokens=40",
+        f"agent.environment={json.dumps('partial_rollout_env:make')}", "algorithm.options={kl_loss_coef=0.0}",
+        "async_training.mode=async", "async_training.max_staleness=1",
+        f"async_training.partial_rollouts={partial}", "logging.progress=false", "logging.plot=false",
+        "checkpoint.final=false",
+    ])
+    versions: list[list[list[int]]] = []
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        partial_rollout_env.reset(trainer)
+        take = trainer._produced_state
+
+        def recorded() -> StepState:  # each step's turns and their weight versions, as the trainer takes them
+            state = take()
+            versions.append([[v for t in ep for v in t["weight_versions"]] for ep in state.samples.extras[TURNS_EXTRA]])
+            return state
+
+        trainer._produced_state = recorded  # type: ignore[method-assign]
+        history = trainer.train()
+    return history, versions
+
+
+def test_continue_lets_an_episode_finish_on_the_weights_updated_while_it_ran(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    history, versions = _train(tmp_path, "continue")
+    # step 2's episodes waited between turns for the update of step 1, which did not wait for them
+    assert partial_rollout_env.waited and all(partial_rollout_env.waited)
+    first, second = versions
+    assert all(v == [0] * len(v) for v in first)  # step 1: sampled before any update
+    assert any(v[0] == 0 and v[-1] == 1 for v in second)  # step 2: turns of versions 0 and then 1
+    assert all(v == sorted(v) for v in second)
+    assert history[1]["agent/mixed_versions"] > 0 and history[0]["agent/mixed_versions"] == 0
+    assert [m["async/staleness"] for m in history] == [0, 1]  # from the oldest version that sampled the step
