@@ -18,6 +18,8 @@ WAIT_S = 30.0
 
 _lock = threading.Lock()
 _made = 0
+reached = threading.Event()
+"""Set when an episode of the second step has sampled its first turn (and waits for version 1)."""
 waited: list[bool] = []
 """Per waiting episode: whether version 1 arrived within WAIT_S."""
 
@@ -30,6 +32,7 @@ class ThreeTurns:
     def step(self, text: str, token_ids: Sequence[int]) -> StepResult:
         self.turns += 1
         if self.turns == 1 and self.waits:  # hold the episode between its turns until the weights change
+            reached.set()
             deadline = time.monotonic() + WAIT_S
             while TRAINER.weight_version < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -51,3 +54,4 @@ def reset(trainer: Any) -> None:
     global TRAINER, _made
     TRAINER, _made = trainer, 0
     waited.clear()
+    reached.clear()

@@ -63,6 +63,14 @@ def _train(tmp_path: Path, partial: str) -> tuple[list[dict[str, float]], list[l
             return state
 
         trainer._produced_state = recorded  # type: ignore[method-assign]
+        sync = trainer.weights.sync
+
+        def after_the_second_step_started(state: StepState) -> None:  # the race this test is not about:
+            # the first update lands only once the second step's episodes are under way
+            assert partial_rollout_env.reached.wait(60), "the second step's episodes never reached their first step"
+            sync(state)
+
+        trainer.weights.sync = after_the_second_step_started  # type: ignore[method-assign]
         history = trainer.train()
     return history, versions
 
