@@ -119,6 +119,10 @@ class TrainingEngineBase(TrainingEngine):
 
         An exception must leave no gradients: clear them (``param.grad = None``) before it
         propagates; the base only refuses a second call before :meth:`optimizer_step`.
+
+        ``where`` names the call for error messages, ``"<class>.forward_backward (<role>)"``
+        (``MyEngine.forward_backward (actor)``), as the base's own refusals do: pass it to
+        ``batch.require``/``batch.check`` and start the messages of the errors you raise with it.
         """
 
     @abstractmethod
@@ -127,7 +131,8 @@ class TrainingEngineBase(TrainingEngine):
 
         ``self.step`` is the count of applied steps before this one (the learning rate is
         ``spec.optim.lr_at(self.step)``); do not count the step here: :meth:`optimizer_step`
-        counts it when the result is not ``skipped``.
+        counts it when the result is not ``skipped``. ``where`` is ``"<class>.optimizer_step
+        (<role>)"``, for the messages of the errors you raise.
         """
 
     @abstractmethod
