@@ -90,9 +90,14 @@ def _problems(n: int, seed: int) -> list[Problem]:
     return out
 
 
+def _row(problem: Problem) -> dict[str, str]:
+    question, answer, _ = problem
+    return {"question": question, "answer": str(answer)}
+
+
 def problems(n: int, seed: int) -> list[dict[str, str]]:
     """``n`` distinct problems as ``{"question", "answer"}`` rows, the kinds in turn."""
-    return [{"question": question, "answer": str(answer)} for question, answer, _ in _problems(n, seed)]
+    return [_row(p) for p in _problems(n, seed)]
 
 
 def tool_call(code: str) -> str:
@@ -115,7 +120,7 @@ def write(out: Path, n_train: int, n_eval: int, seed: int) -> None:
     """Write ``train.jsonl`` (the first ``n_train`` problems), ``eval.jsonl`` (the next ``n_eval``) and
     ``sft_tool.jsonl`` (the training problems as conversations with the Python tool)."""
     every = _problems(n_train + n_eval, seed)
-    rows = [{"question": question, "answer": str(answer)} for question, answer, _ in every]
+    rows = [_row(p) for p in every]
     out.mkdir(parents=True, exist_ok=True)
     files = (("train", rows[:n_train]), ("eval", rows[n_train:]),
              ("sft_tool", [tool_conversation(p) for p in every[:n_train]]))

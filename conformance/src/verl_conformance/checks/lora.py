@@ -168,19 +168,18 @@ def check_lora_base_unchanged(h: Harness) -> None:
     base_after = engine.base_forward(batch, ["log_probs"])["log_probs"]
     h.expect(torch.equal(base_after, base_before),
              "base_forward changed after two updates: the base weights were trained (only the adapter may be)")
+    folder = folder_weights(h.model_path("llama"))
     # a fully trained module is part of what base_forward leaves out: its base values serve there
     full = h.training(fresh=True, lora=LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, full=(_FULL,)))
     full_before = full.base_forward(batch, ["log_probs"])["log_probs"]
     for seed in (84, 85):
         _update(full, h.batch(seed=seed, rl_fields=True))
     trained = _adapter(full).get(_FULL + ".weight")
-    h.expect(trained is not None and not torch.equal(trained.float(), folder_weights(h.model_path("llama"))[
-        _FULL + ".weight"].float()), f"with LoraSpec(full=({_FULL!r},)) export_adapter holds no trained "
+    h.expect(trained is not None and not torch.equal(trained.float(), folder[_FULL + ".weight"].float()), f"with LoraSpec(full=({_FULL!r},)) export_adapter holds no trained "
              f"{_FULL}.weight after two updates: a fully trained module must train and be streamed under its name")
     h.expect(torch.equal(full.base_forward(batch, ["log_probs"])["log_probs"], full_before),
              f"base_forward of an engine that trains {_FULL} fully (LoraSpec.full) changed after two updates: "
              "the trained values of a full module must be left out of base_forward like the adapter")
-    folder = folder_weights(h.model_path("llama"))
     merged = exported_weights(engine)
     adapter = _adapter(engine)
     for name, w in folder.items():
