@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -211,6 +211,97 @@ def test_an_episode_sampled_from_several_weight_versions_reports_the_oldest() ->
     out = AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=80)).run(
         batch, lambda row: Counting({"turns": 3}), SamplingParams(seed=3, stop_token_ids=stops(engine)))
     assert len(engine.calls) >= 3 and out.meta.weight_version == min(VersionPerCall.VERSIONS[:len(engine.calls)])
+
+
+class VersionAfter(RecordingRollout):
+    """Reports weight version ``versions(k)`` for its k-th call (0-based): updates that change nothing
+    in the weights, so an episode sampled again replays what it sampled before."""
+
+    def __init__(self, engine: RolloutEngine, versions: Callable[[int], int]) -> None:
+        super().__init__(engine)
+        self.versions = versions
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        out = super().generate(prompts, params)
+        return out.with_meta(weight_version=self.versions(len(self.calls) - 1))
+
+
+class Built:
+    """A factory of :class:`Counting` environments of three turns that keeps every one it built."""
+
+    def __init__(self) -> None:
+        self.envs: list[Counting] = []
+
+    def __call__(self, row: Mapping[str, Any]) -> Counting:
+        self.envs.append(Counting({"turns": 3}))
+        return self.envs[-1]
+
+
+def _restart_run(versions: Callable[[int], int], max_restarts: int) -> tuple[TensorBatch, TensorBatch, Built]:
+    """The episodes of 3 prompts x 2 samples with weights that never change (the reference) and with
+    ``versions`` reported per call under ``max_restarts``; and the factory of the second run."""
+    engine = rollout()
+    batch, convs = prompts(engine, 3)
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=300)
+    params = SamplingParams(seed=5, stop_token_ids=stops(engine), n=2)
+    reference = AgentLoop(engine, limits).run(batch, Built(), params, prompt_messages=convs)
+    built = Built()
+    out = AgentLoop(VersionAfter(engine, versions), limits, max_restarts=max_restarts).run(
+        batch, built, params, prompt_messages=convs)
+    assert [i["termination"] for i in reference.extras[EPISODE_KEY]] == ["done"] * 6  # three turns, one call each
+    return reference, out, built
+
+
+def _same_episodes(a: TensorBatch, b: TensorBatch) -> None:
+    for key in ("response_ids", "response_mask", "loss_mask", "turn_ids", "rollout_log_probs"):
+        assert torch.equal(a[key], b[key]), key
+    assert [i["messages"] for i in a.extras[EPISODE_KEY]] == [i["messages"] for i in b.extras[EPISODE_KEY]]
+
+
+def test_an_episode_that_spans_a_weight_update_restarts_from_its_first_turn() -> None:
+    """Versions 3, 3, then 4: at the third call (the third turn) every episode is abandoned and sampled
+    again from its prompt with a fresh environment; the weights did not really change, so it replays
+    the reference's episode, now wholly on version 4."""
+    reference, out, built = _restart_run(lambda k: 3 if k < 2 else 4, max_restarts=1)
+    _same_episodes(reference, out)
+    infos, ref_infos = out.extras[EPISODE_KEY], reference.extras[EPISODE_KEY]
+    assert [i["restarts"] for i in infos] == [1] * 6
+    # the abandoned attempt sampled the first three turns: as many tokens as the whole episode has
+    assert [i["restarted_tokens"] for i in infos] == [i["model_tokens"] for i in ref_infos]
+    assert all(t["weight_versions"] == [4] for ep in out.extras[TURNS_EXTRA] for t in ep)
+    assert out.meta.weight_version == 4  # the abandoned turns of version 3 do not count
+    # a fresh environment per attempt: the abandoned one saw two turns, the kept one the three kept turns
+    assert [len(e.seen) for e in built.envs] == [2] * 6 + [3] * 6
+    m = episode_metrics(out)
+    assert m["agent/restarted_episodes"] == 1 and m["agent/mixed_versions"] == 0
+    assert m["agent/restarted_tokens"] == pytest.approx(sum(i["model_tokens"] for i in ref_infos) / 6)
+    assert m["agent/model_tokens"] == episode_metrics(reference)["agent/model_tokens"]
+    # without restarts the same run continues across the update, its turns tagged
+    _, kept, _ = _restart_run(lambda k: 3 if k < 2 else 4, max_restarts=0)
+    _same_episodes(reference, kept)
+    assert [[t["weight_versions"] for t in ep] for ep in kept.extras[TURNS_EXTRA]] == [[[3], [3], [4]]] * 6
+    assert episode_metrics(kept)["agent/restarted_episodes"] == 0 and kept.meta.weight_version == 3
+
+
+def test_an_episode_restarted_max_restarts_times_continues_across_later_updates() -> None:
+    """A new version at every call: each episode is restarted twice (calls 1 and 3 see a version its
+    attempt did not start with), then finishes over versions 4, 5 and 6, its turns tagged and counted."""
+    reference, out, built = _restart_run(lambda k: k, max_restarts=2)
+    _same_episodes(reference, out)
+    assert [i["restarts"] for i in out.extras[EPISODE_KEY]] == [2] * 6
+    assert [[t["weight_versions"] for t in ep] for ep in out.extras[TURNS_EXTRA]] == [[[4], [5], [6]]] * 6
+    assert [len(e.seen) for e in built.envs] == [1] * 12 + [3] * 6
+    m = episode_metrics(out)
+    assert m["agent/restarted_episodes"] == 1 and m["agent/mixed_versions"] == 1 and out.meta.weight_version == 4
+
+
+def test_restarts_need_a_factory_and_a_count() -> None:
+    engine = rollout()
+    batch, _ = prompts(engine, 1)
+    with pytest.raises(ConfigError, match=r"max_restarts=1.*pass a factory"):
+        AgentLoop(engine, max_restarts=1).run(batch, [Counting({})], SamplingParams())
+    with pytest.raises(ConfigError, match="max_restarts"):
+        AgentLoop(engine, max_restarts=-1)
 
 
 def test_token_budget_and_max_turns_truncate() -> None:

@@ -50,6 +50,12 @@ def make(row: Mapping[str, Any]) -> ThreeTurns:
         return ThreeTurns(waits=_made > FIRST_STEP_EPISODES)
 
 
+def made() -> int:
+    """Environments built since :func:`reset`."""
+    with _lock:
+        return _made
+
+
 def reset(trainer: Any) -> None:
     global TRAINER, _made
     TRAINER, _made = trainer, 0

@@ -30,6 +30,15 @@ least one more model token) or comes after the last allowed turn is not appended
 The rollout engine re-runs the whole prefix each turn unless it declares
 ``RolloutCapabilities.prefix_continuation`` (it then reuses what it cached); the result is the same.
 
+When the engine's weights are updated while episodes run (asynchronous training), each call's
+output carries its weight version. By default an episode continues on the new weights and each turn
+records its versions (:attr:`TurnInfo.weight_versions`). With ``max_restarts`` n >= 1, an episode
+whose call returns another version than the first call of its attempt is abandoned instead: what it
+sampled is discarded (counted in :attr:`EpisodeInfo.restarted_tokens`), a fresh environment is
+built from the factory, and the episode starts again from its initial prompt like a new one (the
+same random streams), so its tokens come from one version. After n restarts it continues across
+further updates, its turns tagged.
+
 The output is one :class:`~verl_core.kernel.batch.TensorBatch` in the canonical layout:
 ``prompt_ids``/``prompt_mask`` the initial prompt (left-padded), ``response_ids``/``response_mask``
 every token after it (model turns and observations, right-padded), ``loss_mask`` True exactly on
@@ -83,8 +92,8 @@ class TurnInfo(TypedDict):
         weight_versions: The weight versions of the ``generate`` calls that sampled the turn,
             ascending and distinct: one, unless a turn cut by the engine's ``max_response_len``
             continued in a call after a weight update (asynchronous training with
-            ``partial_rollouts = "continue"``). The token's turn (``turn_ids``) maps each model
-            token to its turn's versions.
+            ``partial_rollouts = "continue"``, or an episode past ``AgentLoop``'s ``max_restarts``).
+            The token's turn (``turn_ids``) maps each model token to its turn's versions.
     """
 
     model_tokens: int
@@ -116,7 +125,11 @@ class EpisodeInfo(TypedDict):
             stepping environments (with the tools' environment: running the tool calls): each
             time the loop waits on the environments of several episodes at once, the seconds are
             divided evenly among them, so the shares of a batch add up to the loop's time in
-            environments (:func:`environment_seconds`).
+            environments (:func:`environment_seconds`). Abandoned attempts (``restarts``) included.
+        restarts: Times the episode was abandoned at a weight update and started again from its
+            first turn (``AgentLoop``'s ``max_restarts``); the other fields but ``env_seconds``
+            describe the last attempt only.
+        restarted_tokens: Tokens the model sampled in the abandoned attempts (discarded).
         metrics: Every metric the steps reported, summed.
         messages: The conversation: the prompt's messages when given, then each model turn (role
             ``assistant``, decoded without special tokens) and each appended observation (its
@@ -135,6 +148,8 @@ class EpisodeInfo(TypedDict):
     env_errors: int
     env_timeouts: int
     env_seconds: float
+    restarts: int
+    restarted_tokens: int
     metrics: dict[str, float]
     messages: list[dict[str, Any]]
 
@@ -172,6 +187,7 @@ class _Episode:
     group_id: int
     sample_index: int
     messages: list[dict[str, Any]]
+    first_messages: tuple[dict[str, Any], ...] = ()  # the prompt's messages, to start an attempt again
     env: Environment | None = None
     tokens: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
@@ -190,6 +206,9 @@ class _Episode:
     env_errors: int = 0
     env_timeouts: int = 0
     env_seconds: float = 0.0  # share of the loop's wall-clock seconds in environments
+    version: int | None = None  # the weight version of the attempt's first generate call
+    restarts: int = 0
+    restarted_tokens: int = 0
 
     def end(self, why: Termination, message: str | None = None, *, truncated: bool = False) -> None:
         self.termination, self.message, self.truncated = why, message, truncated
@@ -205,6 +224,16 @@ class _Episode:
         self.turn_of.extend([turn] * len(ids))
         self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
 
+    def restarted(self, discarded: int) -> _Episode:
+        """This episode started again from its initial prompt, as a new one (no environment yet): the
+        tokens it sampled, and ``discarded`` more from the call that saw the new version, are dropped."""
+        return _Episode(
+            index=self.index, prompt=self.prompt, group_id=self.group_id, sample_index=self.sample_index,
+            messages=[dict(m) for m in self.first_messages], first_messages=self.first_messages,
+            env_seconds=self.env_seconds, restarts=self.restarts + 1,
+            restarted_tokens=self.restarted_tokens + sum(self.sampled) + discarded,
+        )
+
     def info(self) -> EpisodeInfo:
         assert self.termination is not None
         model = sum(self.sampled)
@@ -214,8 +243,8 @@ class _Episode:
             model_tokens=model, observation_tokens=len(self.tokens) - model,
             tool_calls=self.metrics.get("tool_calls", 0.0), tool_errors=self.metrics.get("tool_errors", 0.0),
             tool_timeouts=self.metrics.get("tool_timeouts", 0.0), env_errors=self.env_errors,
-            env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, metrics=dict(self.metrics),
-            messages=list(self.messages),
+            env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, restarts=self.restarts,
+            restarted_tokens=self.restarted_tokens, metrics=dict(self.metrics), messages=list(self.messages),
         )
 
 
@@ -228,13 +257,18 @@ class AgentLoop:
         tokenizer: Renders observations (default: the engine's). With a chat template
             (:class:`~verl_core.kernel.tokenizer.ChatTokenizer`) message observations are rendered
             as deltas; without one they and text observations are encoded as text.
+        max_restarts: What an episode does when the engine's weights change under it (a call
+            returns another ``meta.weight_version`` than the first call of the episode's attempt).
+            0 (default): it continues on the new weights, each turn tagged with its versions.
+            n >= 1: it is abandoned and started again from its initial prompt, with a fresh
+            environment from the factory, at most n times; after that it continues, tagged.
 
     Raises:
-        ConfigError: an argument of the wrong type.
+        ConfigError: an argument of the wrong type, or a negative ``max_restarts``.
     """
 
     def __init__(self, engine: RolloutEngine, limits: EpisodeLimits | None = None, *,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, max_restarts: int = 0) -> None:
         if not callable(getattr(engine, "generate", None)):
             raise ConfigError(f"AgentLoop needs a RolloutEngine, got {describe(engine)}")
         if limits is not None and not isinstance(limits, EpisodeLimits):
@@ -242,6 +276,7 @@ class AgentLoop:
         self._engine = engine
         self._limits = limits if limits is not None else EpisodeLimits()
         self._tok = tokenizer if tokenizer is not None else engine.tokenizer
+        self._max_restarts = check_int(max_restarts, "AgentLoop max_restarts", low=0)
 
     @property
     def limits(self) -> EpisodeLimits:
@@ -265,7 +300,8 @@ class AgentLoop:
                 ``RolloutEngine.generate`` does, unless ``params.n`` is 1 and they already carry
                 ``sample_index`` (prompts repeated by the caller).
             environments: A factory called with each sample's row (its extras by key) to build a
-                fresh environment, or a list of one environment per sample after the repetition.
+                fresh environment (again for each restart), or a list of one environment per
+                sample after the repetition (only with ``max_restarts`` 0).
             params: Sampling parameters. ``stop_token_ids`` (plus EOS) end a turn: include the
                 chat template's end-of-turn ids. ``max_new_tokens`` is ignored (the budget is
                 ``EpisodeLimits.max_total_tokens``); with a seed, every episode's every turn has
@@ -276,11 +312,11 @@ class AgentLoop:
         Returns:
             The episodes' batch (see the module docstring). Its ``meta.weight_version`` is the oldest
             weight version any of its turns was sampled from (an update between turns is recorded,
-            not hidden behind the last turn's version).
+            not hidden behind the last turn's version; the turns of abandoned attempts do not count).
 
         Raises:
-            ConfigError: arguments of the wrong type, or as many environments or message lists as
-                samples not given.
+            ConfigError: arguments of the wrong type, as many environments or message lists as
+                samples not given, or a list of environments with ``max_restarts`` >= 1.
             BatchValidationError: prompts without ``prompt_ids``, ``prompt_mask`` or ``group_ids``.
         """
         if not isinstance(prompts, TensorBatch):
@@ -292,6 +328,11 @@ class AgentLoop:
         if prompt_messages is not None and len(prompt_messages) != prompts.batch_size:
             raise ConfigError(f"AgentLoop.run(): {len(prompt_messages)} prompt message lists for "
                               f"{prompts.batch_size} prompts; give one list per prompt")
+        if self._max_restarts and isinstance(environments, (list, tuple)):
+            raise ConfigError(
+                f"AgentLoop(max_restarts={self._max_restarts}) builds a fresh environment for each restarted "
+                "episode, which a list of environments cannot give; pass a factory (row -> Environment), or "
+                "max_restarts=0")
         checked = [check_messages(m, f"prompt_messages[{i}]") for i, m in enumerate(prompt_messages or ())]
         rows = prompts.repeat_interleave(repeat) if repeat > 1 or "sample_index" not in prompts else prompts
         episodes = [
@@ -299,6 +340,7 @@ class AgentLoop:
                 index=i, prompt=rows["prompt_ids"][i][rows["prompt_mask"][i]].tolist(),
                 group_id=int(rows["group_ids"][i]), sample_index=int(rows["sample_index"][i]),
                 messages=[dict(m) for m in checked[i // repeat]] if checked else [],
+                first_messages=checked[i // repeat] if checked else (),
             )
             for i in range(rows.batch_size)
         ]
@@ -309,10 +351,16 @@ class AgentLoop:
         while active := self._within_context(episodes):
             assert renderer is not None
             out = self._sample_turn(active, params, stops)
-            oldest = out.meta.weight_version if meta is None else min(meta.weight_version, out.meta.weight_version)
-            meta = dataclasses.replace(out.meta, weight_version=oldest)
-            ended = self._take_turn(active, out, set(stops))
+            meta = out.meta
+            ended, restarted = self._take_turn(active, out, set(stops))
             self._step(ended, renderer)
+            if restarted:  # abandoned at a weight update: fresh episodes, with fresh environments
+                for e in restarted:
+                    episodes[e.index] = e
+                self._make_environments(restarted, rows, environments)
+        if meta is not None:  # the oldest version of a kept turn (every call's, without restarts)
+            kept = [v for e in episodes for t in e.turn_infos for v in t["weight_versions"]]
+            meta = dataclasses.replace(meta, weight_version=min(kept, default=meta.weight_version))
         return self._output(rows, episodes, params, meta)
 
     # ------------------------------------------------------------------ the steps of a run
@@ -391,16 +439,23 @@ class AgentLoop:
         turn = dataclasses.replace(params, n=1, max_new_tokens=max_new, stop_token_ids=stops)
         return self._engine.generate(batch, turn)
 
-    def _take_turn(self, active: list[_Episode], out: TensorBatch, stops: set[int]) -> list[_Episode]:
-        """Append each episode's sampled tokens; the episodes whose turn ended at a stop token."""
+    def _take_turn(self, active: list[_Episode], out: TensorBatch,
+                   stops: set[int]) -> tuple[list[_Episode], list[_Episode]]:
+        """Append each episode's sampled tokens; the episodes whose turn ended at a stop token, and the
+        fresh episodes that replace those abandoned because the call's weight version is not their first's."""
         limit = self._limits.max_total_tokens
-        ended = []
+        ended, restarted = [], []
         masks, ids_all, lps_all = out["response_mask"], out["response_ids"], out["rollout_log_probs"]
         version = out.meta.weight_version
         for r, e in enumerate(active):
-            e.turn_versions.append(version)
             mask = masks[r]
             ids = ids_all[r][mask].tolist()
+            if e.version is None:
+                e.version = version
+            elif version != e.version and e.restarts < self._max_restarts:
+                restarted.append(e.restarted(len(ids)))
+                continue
+            e.turn_versions.append(version)
             lps = lps_all[r][mask].tolist()
             room = limit - len(e.tokens)
             cut = len(ids) > room
@@ -415,7 +470,7 @@ class AgentLoop:
                 e.end("max_total_tokens", f"episode {e.index}: the token budget max_total_tokens={limit} ran out "
                       f"during turn {e.turns - 1}", truncated=True)
             # else the engine's max_response_len cut the turn inside the budget: it continues next call
-        return ended
+        return ended, restarted
 
     def _step(self, ended: list[_Episode], renderer: ObservationRenderer) -> None:
         """Step the environments of the episodes whose turn ended, concurrently, and append what they say."""
@@ -533,7 +588,11 @@ def episode_metrics(batch: TensorBatch) -> dict[str, float]:
     ``agent/tool_calls``, ``agent/tool_errors``, ``agent/tool_timeouts``, ``agent/env_errors``,
     ``agent/env_timeouts``, ``agent/env_seconds``, ``agent/mixed_versions`` (the share of episodes
     whose turns were sampled by more than one weight version: asynchronous training with
-    ``partial_rollouts = "continue"``) and ``agent/termination/<why>`` for every :data:`Termination`.
+    ``partial_rollouts = "continue"``), ``agent/restarted_episodes`` (the share of episodes
+    restarted at least once at a weight update: ``partial_rollouts = "restart"``),
+    ``agent/restarted_tokens`` (the mean tokens an episode sampled in abandoned attempts: with
+    ``agent/model_tokens``, the share of the sampling discarded) and ``agent/termination/<why>``
+    for every :data:`Termination`.
 
     Raises:
         ConfigError: the batch has no :data:`EPISODE_KEY` extras (it did not come from an AgentLoop).
@@ -551,6 +610,8 @@ def episode_metrics(batch: TensorBatch) -> dict[str, float]:
     turns: Sequence[Sequence[Mapping[str, Any]]] = batch.extras.get(TURNS_EXTRA, [])
     out["agent/mixed_versions"] = sum(
         len({v for t in episode for v in t.get("weight_versions", ())}) > 1 for episode in turns) / n
+    out["agent/restarted_episodes"] = sum(int(i.get("restarts", 0)) > 0 for i in infos) / n
+    out["agent/restarted_tokens"] = sum(float(i.get("restarted_tokens", 0)) for i in infos) / n
     for why in ("done", "max_turns", "max_total_tokens", "context_limit", "error"):
         out[f"agent/termination/{why}"] = sum(i["termination"] == why for i in infos) / n
     return out

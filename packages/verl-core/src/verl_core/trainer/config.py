@@ -360,20 +360,32 @@ class AsyncTrainingConfig:
             the schedule does not depend on timing. ``continue``: the sync waits only for the
             ``generate`` call in flight; the rest (later turns of an episode, later steps) samples
             from the new weights, each turn's versions recorded (``TurnInfo.weight_versions``).
-            Needs a rollout engine that declares ``concurrent_weight_update`` and
-            ``max_staleness >= 1``; a run's numbers then depend on timing.
+            ``restart``: the sync waits as with ``continue``, but a multi-turn episode whose next
+            ``generate`` call comes from another version than its first is abandoned and sampled
+            again from its first turn, with a fresh environment, so no episode mixes versions (at
+            most ``max_staleness`` restarts an episode, which is as many updates as can land
+            while its step is generated); a single-turn rollout behaves as with ``continue``.
+            ``continue`` and ``restart`` need a rollout engine that declares
+            ``concurrent_weight_update`` and ``max_staleness >= 1``; a run's numbers then depend
+            on timing.
     """
 
     mode: Literal["sync", "async"] = "sync"
     max_staleness: Annotated[int, Ge(0)] = 1
-    partial_rollouts: Literal["finish", "continue"] = "finish"
+    partial_rollouts: Literal["finish", "continue", "restart"] = "finish"
 
     def __post_init__(self) -> None:
-        if self.partial_rollouts == "continue" and (self.mode != "async" or self.max_staleness < 1):
+        if self.partial_rollouts != "finish" and (self.mode != "async" or self.max_staleness < 1):
             raise ConfigError(
-                f"async_training.partial_rollouts='continue' lets rollouts continue across a weight update, which only "
-                f"happens with mode='async' and max_staleness >= 1; got mode={self.mode!r}, "
+                f"async_training.partial_rollouts={self.partial_rollouts!r} lets rollouts run across a weight update, "
+                f"which only happens with mode='async' and max_staleness >= 1; got mode={self.mode!r}, "
                 f"max_staleness={self.max_staleness}: set both, or partial_rollouts='finish'")
+
+    @property
+    def max_restarts(self) -> int:
+        """Times a multi-turn episode may be restarted at a weight update (``max_staleness`` with
+        ``partial_rollouts = "restart"``, else 0: see :class:`~verl_core.agent.loop.AgentLoop`)."""
+        return self.max_staleness if self.partial_rollouts == "restart" else 0
 
     @property
     def lookahead(self) -> int:

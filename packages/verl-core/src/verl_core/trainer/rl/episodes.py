@@ -45,11 +45,14 @@ class EpisodeRollout:
         setup: The ``[agent]`` section's environments, tools and limits.
         engines: The run's engines; the rollout engine is read at call time (one replaced after
             setup is the one used).
+        max_restarts: Times an episode whose turns would span a weight update is sampled again from
+            its first turn (``AgentLoop``'s ``max_restarts``; 0 = it continues on the new weights).
     """
 
-    def __init__(self, setup: AgentSetup, engines: RLEngines) -> None:
+    def __init__(self, setup: AgentSetup, engines: RLEngines, *, max_restarts: int = 0) -> None:
         self.setup = setup
         self.engines = engines
+        self.max_restarts = max_restarts
         self._stops: tuple[Tokenizer, tuple[int, ...]] | None = None
 
     def stop_token_ids(self, engine: RolloutEngine) -> tuple[int, ...]:
@@ -81,7 +84,7 @@ class EpisodeRollout:
             prompts = prompts.select(*prompts, extras=[k for k in prompts.extras if k != PROMPT_MESSAGES])
         rows = prompts.repeat_interleave(params.n)  # sample_index 0..n-1: the loop takes them as they are
         row_messages = None if messages is None else [m for m in messages for _ in range(params.n)]
-        loop = AgentLoop(engine, config.limits(), tokenizer=engine.tokenizer)
+        loop = AgentLoop(engine, config.limits(), tokenizer=engine.tokenizer, max_restarts=self.max_restarts)
         size = config.concurrency or rows.batch_size
         parts = []
         for start in range(0, rows.batch_size, size):

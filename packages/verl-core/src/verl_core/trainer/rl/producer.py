@@ -16,7 +16,8 @@ checkpoint step at or before ``j``. The schedule is fixed, not a race:
   and no response mixes two versions.
 
 (That is ``async_training.partial_rollouts = "finish"``; with ``"continue"`` the sync waits only for
-the ``generate`` call in flight, and the rest samples from the new weights: see
+the ``generate`` call in flight, and the rest samples from the new weights; ``"restart"`` waits the
+same way but samples an episode that spans the update again from its first turn: see
 :class:`~verl_core.trainer.config.AsyncTrainingConfig`.) So a run's numbers do not depend on thread timing, and ``max_staleness = 0`` is the synchronous
 trainer, computed by this machinery (tested bit-equal). Nothing is ever older than the bound, so
 nothing is dropped; ``async/staleness`` reports the age of each step's samples in weight versions.

@@ -231,7 +231,8 @@ class Trainer:
         ))
         self.buffer = HybridReplayBuffer(memory_bytes=bc.buffer_memory_bytes or None, spill_dir=run.spill_root)
         p = self.progress
-        episodes = EpisodeRollout(self.source.agent, e) if self.source.agent is not None else None
+        episodes = (EpisodeRollout(self.source.agent, e, max_restarts=cfg.async_training.max_restarts)
+                    if self.source.agent is not None else None)
 
         def generation(threads: StageThreads) -> GenerationStage:
             return GenerationStage(
@@ -246,9 +247,10 @@ class Trainer:
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
         self.weights = WeightSyncStage(e, p, SleepPolicy.for_run(cfg))
-        if cfg.async_training.partial_rollouts == "continue" and not e.rollout.capabilities.concurrent_weight_update:
+        partial = cfg.async_training.partial_rollouts
+        if partial != "finish" and not e.rollout.capabilities.concurrent_weight_update:
             raise ConfigError(
-                f"async_training.partial_rollouts='continue' sends new weights while the producer's rollout is under "
+                f"async_training.partial_rollouts={partial!r} sends new weights while the producer's rollout is under "
                 f"way, but the rollout backend {cfg.backends.rollout!r} does not declare "
                 "RolloutCapabilities.concurrent_weight_update (a weight update that waits for the generate call in "
                 "flight); use partial_rollouts='finish' or a rollout backend that declares it (hf, vllm)")
@@ -328,7 +330,7 @@ class Trainer:
         if self.producer is not None and (self.config.async_training.partial_rollouts == "finish"
                                           or self.evaluator.due_after(self.step)):
             # "finish": no rollout in flight while weights arrive (nor while evaluation samples); with
-            # "continue" the rollout's own lock orders the sync after the generate call in flight
+            # "continue" and "restart" the rollout's own lock orders the sync after the generate call in flight
             self.producer.wait_idle()
         if state.batch.batch_size:
             self.weights.sync(state)  # the next step samples from the new policy
