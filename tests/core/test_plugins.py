@@ -332,3 +332,12 @@ def test_a_preset_that_is_not_a_preset_record_or_names_no_constructor_is_refused
     with pytest.raises(PluginError, match=r"names the constructor 'grpoo', which Algorithm does not have; "
                                           r"constructors: cispo, dr_grpo, grpo"):
         build_preset(Preset("typo", "grpoo"), {})
+
+
+def test_python_m_verl_core_is_the_verl_command() -> None:
+    """``python -m verl_core`` runs the same command as the ``verl`` script (an environment without it)."""
+    proc = subprocess.run([sys.executable, "-m", "verl_core", "backends", "--json"], capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = json.loads(proc.stdout)
+    assert "hf" in json.dumps(listed), listed
