@@ -35,7 +35,7 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
             "Flags may come anywhere among the overrides."
         ),
     )
-    add_run_arguments(p, checks="keys, values, algorithm options, backends")
+    add_run_arguments(p, checks="keys, values, algorithm options, backends and the dtype, device and LoRA they declare")
     return _handle
 
 
