@@ -9,7 +9,8 @@ passing the same checks is the last test here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import faulty_engines as faulty
@@ -18,7 +19,18 @@ from verl_tiny_backend.rollout import build_rollout_engine
 from verl_tiny_backend.training import build_training_engine
 
 from verl_conformance import ConformanceError, check_backend
-from verl_core import ConfigError, EngineSpec
+from verl_conformance.api import run_conformance
+from verl_conformance.harness import Subject
+from verl_core import (
+    PROTOCOL_VERSION,
+    BackendSpec,
+    ConfigError,
+    EngineSpec,
+    RolloutCapabilities,
+    TrainingCapabilities,
+    hookimpl,
+)
+from verl_core.kernel.registry import get_registry, reset_registry
 
 Factory = Callable[[EngineSpec], Any]
 
@@ -221,3 +233,76 @@ def test_roles_are_checked_against_the_factories() -> None:
         check_backend("x", make_training_engine=build_training_engine, roles=["actr"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="the installed backend 'tiny' provides the roles of its BackendSpec"):
         check_backend("tiny", roles=["actor"])
+
+
+def test_a_refusal_of_the_training_factory_says_how_to_declare_the_roles() -> None:
+    """Without roles=, a factory that refuses the critic is taken to be wrong; the failure names the fix."""
+    with pytest.raises(ConformanceError) as info:
+        check_backend("no-critic", make_training_engine=no_critic, make_rollout_engine=build_rollout_engine,
+                      checks=["schema::critic_layout"])
+    assert info.value.report is not None
+    [result] = info.value.report.results
+    assert result.status == "failed"
+    assert result.message.startswith("ConfigError: this backend has no critic (no value head); "), result.message
+    assert ("if backend 'no-critic' has no critic engine, pass roles=['actor', 'reference', 'rollout'] to "
+            "check_backend (or a provided_roles fixture under pytest) to skip the roles your backend does not "
+            "provide") in result.message, result.message
+    assert "pass roles=['actor', 'reference', 'rollout']" in info.value.report.table()
+
+
+class _Ten:
+    """An installed backend without a critic (registered in-process), as a third party's is."""
+
+    @hookimpl
+    def verl_backend(self) -> BackendSpec:
+        caps = TrainingCapabilities(values=False)
+        return BackendSpec(
+            name="ten",
+            roles={"actor": "verl_tiny_backend.training:build_training_engine",
+                   "reference": "verl_tiny_backend.training:build_training_engine",
+                   "rollout": "verl_tiny_backend.rollout:build_rollout_engine"},
+            capabilities={"actor": caps, "reference": caps, "rollout": RolloutCapabilities()},
+            protocol_version=PROTOCOL_VERSION,
+        )
+
+
+@pytest.fixture
+def ten() -> Iterator[None]:
+    """The backend ``ten`` installed for one test."""
+    reset_registry()
+    get_registry().register(_Ten(), "ten", distribution="verl-ten")
+    yield
+    reset_registry()
+
+
+@pytest.mark.usefixtures("ten")
+def test_factories_of_an_installed_backend_provide_the_roles_its_spec_declares() -> None:
+    """Factories checked under an installed backend's name take its BackendSpec's roles, as the installed
+    route does: the critic's checks are skipped, not failed, without roles=."""
+    checks = [*_CRITIC_CHECKS, "schema::forward_layout"]
+    report = check_backend("ten", make_training_engine=no_critic, make_rollout_engine=build_rollout_engine,
+                           checks=checks)
+    status = {r.id: (r.status, r.message) for r in report.results}
+    assert status["schema::forward_layout"][0] == "passed"
+    installed = run_conformance("ten", checks=checks)  # the installed route: the same outcome
+    for cid in _CRITIC_CHECKS:
+        assert status[cid] == ("skipped", "backend 'ten' provides no training engine for role 'critic'"), cid
+    assert {r.id: (r.status, r.message) for r in installed.results} == status
+    # only the roles a factory is given for: a training factory alone provides actor and reference
+    subject = Subject.from_factories("ten", no_critic)
+    assert subject.roles == frozenset({"actor", "reference"})
+    # roles= still wins, and a name that is not installed keeps every role of the factories
+    assert Subject.from_factories("ten", no_critic, roles=["actor"]).roles == frozenset({"actor"})
+    assert Subject.from_factories("not-installed", no_critic).roles is None
+
+
+def test_a_pass_reports_the_rope_scalings_it_compared_and_those_refused() -> None:
+    """The tiny backend implements default, linear and LongRoPE and refuses YaRN and Llama 3 (naming RoPE):
+    the pass says which folders were compared and which were refused, in the table and the JSON."""
+    report = check_backend("tiny", checks=["numerics::rope_scaling_matches_reference"])
+    [result] = report.results
+    expected = ("actor and rollout: compared: linear, linear-legacy, longrope; refused (ConfigError naming RoPE): "
+                "yarn, llama3")
+    assert (result.status, result.message) == ("passed", expected)
+    assert expected in report.table()
+    assert json.loads(report.to_json())["results"][0]["message"] == expected

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,3 +56,23 @@ def test_random_batch_is_well_formed() -> None:
     b.check(vocab_size=128)
     assert b["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
     assert b["response_mask"][-2:].sum() == 0
+
+
+def test_building_a_tiny_model_prints_no_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """transformers' "Writing model shards" bar is noise on the trainer's stderr (logging.progress=false
+    included); the build leaves the progress-bar setting as it found it."""
+    from transformers.utils import logging as hf_logging
+
+    from verl_core.trainer.inputs.tiny_model import build_tiny_model
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # as in a fresh process
+    try:
+        build_tiny_model(tmp_path / "m", TinyModelSpec(num_layers=2))
+        assert hf_logging.is_progress_bar_enabled(), "the build turned transformers' progress bars off for good"
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    out, err = capfd.readouterr()
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert "Writing model shards" not in err + out, err

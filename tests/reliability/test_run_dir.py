@@ -152,6 +152,46 @@ def test_a_fresh_run_in_another_run_s_folder_is_refused(
     assert _snapshot(world.parent) == before, "a refused run changed the other run's folder"
 
 
+def test_a_run_that_never_reached_a_checkpoint_is_not_offered_to_resume(
+    model: Path, world: Path, tally: Counter[str]
+) -> None:
+    """A run stopped before its first checkpoint (here: set up, never trained) has nothing to resume:
+    the refusals say so and offer only the ways that work, in both modes."""
+    other = world / "started"
+    shutil.copytree(model.parent, other)
+    assert read_marker(other) is not None and latest_checkpoint(other) is None
+    before = _snapshot(world.parent)
+    tally["fuzz/output_dir (a run without a checkpoint)"] += 2
+    msg = _refused(tiny_config(other, "steps=2", model=model))
+    assert "already holds a run that never reached a checkpoint" in msg and "a different config" in msg, msg
+    assert "nothing to resume" in msg and "--resume" not in msg, msg
+    for way in ("choose another output_dir", f"remove {str(other)!r} if it is yours", "overwrite=true"):
+        assert way in msg, msg
+    with Trainer(tiny_config(other, "steps=2", model=model)) as trainer, pytest.raises(ConfigError) as info:
+        trainer.train(resume=True)  # refused once the engines are built, when the checkpoint is looked up
+    msg = str(info.value)
+    assert msg.startswith("--resume:") and "never reached a checkpoint" in msg, msg
+    assert "run without --resume to start fresh" not in msg, msg  # a fresh run there is refused (above)
+    for way in ("choose another output_dir", f"remove {str(other)!r} if it is yours", "overwrite=true"):
+        assert way in msg, msg
+    assert _snapshot(world.parent) == before, "a refused run changed the folder"
+    # the way it names works: overwrite=true moves the run aside and starts fresh
+    with Trainer(tiny_config(other, "steps=1", "overwrite=true", model=model)) as t:
+        assert len(t.train()) == 1
+
+
+def test_a_run_under_way_before_its_first_checkpoint_is_in_use(model: Path, world: Path) -> None:
+    """A fresh run is not told to remove the folder of a run that is running there."""
+    other = world / "running"
+    shutil.copytree(model.parent, other)
+    holder = RunDir.claim(str(other), tiny_config(other, "steps=1", model=model), mode="resume")
+    try:
+        msg = _refused(tiny_config(other, "steps=2", model=model))
+        assert "is in use" in msg and "remove" not in msg, msg
+    finally:
+        holder.release()
+
+
 def test_checkpoints_without_a_run_marker_are_refused_in_both_modes(
     finished: Path, world: Path, model: Path, tally: Counter[str]
 ) -> None:

@@ -85,9 +85,11 @@ def check_backend(
             instead of the registry.
         roles: With factories, the roles they provide, as ``BackendSpec.roles`` declares those of
             an installed backend (e.g. ``["actor", "reference", "rollout"]`` for a backend without
-            a critic): the checks of a role left out are skipped with the reason. Default: every
-            role of each factory given (``make_training_engine`` builds actor, reference and
-            critic).
+            a critic): the checks of a role left out are skipped with the reason. Default: when
+            ``backend`` names an installed backend, the roles its ``BackendSpec`` declares that a
+            factory given builds; otherwise every role of each factory given
+            (``make_training_engine`` builds actor, reference and critic). A ConfigError of the
+            training factory for a role it was taken to build says how to pass ``roles``.
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).

@@ -26,6 +26,7 @@ from verl_conformance.testkit import (
     tolerance,
 )
 from verl_core import (
+    ConfigError,
     EngineSpec,
     OptimConfig,
     ReplayBuffer,
@@ -40,6 +41,7 @@ from verl_core import (
     WeightMessage,
 )
 from verl_core.kernel.engine import ROLES
+from verl_core.kernel.registry import InstalledBackend
 
 __all__ = [
     "MODELS",
@@ -143,7 +145,7 @@ class Subject:
         )
 
         backend = get_backend(name)
-        roles = frozenset(backend.spec.roles)
+        roles = declared_roles(backend)
         training = bool(roles & {"actor", "reference", "critic"})
 
         def make_training(spec: EngineSpec) -> TrainingEngine:
@@ -184,14 +186,25 @@ class Subject:
             make_reward: Builds reward engines.
             roles: The roles the factories provide, as a backend's ``BackendSpec.roles`` declares
                 them: a role left out skips its checks with the reason, as for an installed
-                backend. None: every role of each factory given (actor, reference and critic
-                with ``make_training``).
+                backend. None: when ``name`` is an installed backend, the roles its
+                ``BackendSpec`` declares (:func:`declared_roles`, as for the installed route) that a
+                factory given builds; otherwise every role of each factory given (actor,
+                reference and critic with ``make_training``).
 
         Raises:
             ValueError: a role that verl does not know, or a role without the factory that builds it.
         """
+        factories = {"rollout": make_rollout, "reward": make_reward}
+
+        def built(role: str) -> bool:
+            return factories.get(role, make_training) is not None
+
         declared: frozenset[str] | None = None
-        if roles is not None:
+        if roles is None:
+            installed = _installed(name)
+            if installed is not None:
+                declared = frozenset(r for r in declared_roles(installed) if built(r))
+        else:
             if isinstance(roles, str):
                 raise ValueError(f"roles must be a collection of role names, got the string {roles!r}; "
                                  f"write roles=[{roles!r}]")
@@ -199,8 +212,7 @@ class Subject:
             unknown = sorted(declared - set(ROLES))
             if unknown:
                 raise ValueError(f"roles {unknown} are not verl roles; roles: {', '.join(ROLES)}")
-            factories = {"rollout": make_rollout, "reward": make_reward}
-            missing = sorted(r for r in declared if factories.get(r, make_training) is None)
+            missing = sorted(r for r in declared if not built(r))
             if missing:
                 keyword = {"rollout": "make_rollout_engine", "reward": "make_reward_engine"}
                 needs = sorted({keyword.get(r, "make_training_engine") for r in missing})
@@ -217,6 +229,22 @@ class Subject:
         for f in (self.make_training, self.make_rollout, self.make_reward):
             parts.append("-" if f is None else f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', id(f))}")
         return "|".join(parts)
+
+
+def declared_roles(backend: InstalledBackend) -> frozenset[str]:
+    """The roles an installed backend provides: those its ``BackendSpec.roles`` declares (the one
+    source of both routes: the installed backend, and factories checked under its name)."""
+    return frozenset(backend.spec.roles)
+
+
+def _installed(name: str) -> InstalledBackend | None:
+    """The installed backend ``name``, or None when none of that name is installed (or it cannot load)."""
+    from verl_core import VerlError, get_backend
+
+    try:
+        return get_backend(name)
+    except VerlError:
+        return None
 
 
 class EngineCache:
@@ -264,6 +292,7 @@ class Harness:
         options: Backend options given to every engine of the subject (``--verl-options``); a
             check's own options win.
         buffer: The replay buffer implementation the ``buffer`` area checks, or None.
+        notes: What the running check reports on a pass (see :meth:`note`).
     """
 
     subject: Subject
@@ -273,6 +302,7 @@ class Harness:
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)
     buffer: BufferSubject | None = None
+    notes: list[str] = field(default_factory=list)
     _fresh: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ outcome helpers
@@ -285,6 +315,11 @@ class Harness:
     def fail(message: str) -> NoReturn:
         """Fail the running check with a message that points at the fault."""
         raise CheckFailed(message)
+
+    def note(self, text: str) -> None:
+        """Report ``text`` with the running check's pass (e.g. what it compared and what the backend
+        refused): the message of its result in the report's table and JSON."""
+        self.notes.append(text)
 
     def expect(self, condition: bool, message: str) -> None:
         """Fail with ``message`` unless ``condition`` holds."""
@@ -344,11 +379,29 @@ class Harness:
         factory = self._factory(subject, spec.role)
         if self.options and subject is self.subject:
             spec = replace(spec, options={**self.options, **spec.options})
-        if fresh:
-            engine = factory(spec)
-            self._fresh.append(engine)
-            return engine
-        return self.cache.get((subject.key, repr(spec)), lambda: factory(spec))
+        try:
+            if fresh:
+                engine = factory(spec)
+                self._fresh.append(engine)
+                return engine
+            return self.cache.get((subject.key, repr(spec)), lambda: factory(spec))
+        except ConfigError as e:
+            self._roles_note(subject, spec.role, e)
+            raise
+
+    def _roles_note(self, subject: Subject, role: Role, error: ConfigError) -> None:
+        """Add to a refusal of the training factory the way to declare the roles it provides.
+
+        Only where the roles were not declared (factories not checked under an installed
+        backend's name, no ``roles=``): the factory is then taken to build every training role.
+        """
+        if subject.registered or subject.roles is not None or role not in ("actor", "reference", "critic"):
+            return
+        others = [r for r in ROLES if r != role and self.provides(subject, r)]
+        error.add_note(
+            f"if backend {subject.name!r} has no {role} engine, pass roles={others!r} to check_backend (or a "
+            f"provided_roles fixture under pytest) to skip the roles your backend does not provide"
+        )
 
     def provides(self, subject: Subject, role: Role) -> bool:
         """Whether ``subject`` can build an engine of ``role``."""

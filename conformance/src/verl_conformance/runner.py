@@ -60,8 +60,8 @@ class ConformanceReport:
         return json.dumps(asdict(self), indent=1)
 
     def table(self) -> str:
-        """A text table per area: status, check, time, and under each check that did not pass the whole
-        reason (a skip's, an expected failure's) or the first line of its failure."""
+        """A text table per area: status, check, time, and under each check its whole message (a skip's
+        reason, an expected failure's, what a pass compared) or the first line of its failure."""
         lines = [f"verl conformance: {self.backend} ({self.version or 'engines given as factories'})"
                  + (f" against {self.against}" if self.against else "")]
         for area in AREAS:
@@ -75,9 +75,9 @@ class ConformanceReport:
             for r in rows:
                 name = r.id.split("::", 1)[1]
                 lines.append(f"  {r.status.upper():<8} {name:<38} {r.seconds:6.1f}s")
-                if r.message and r.status != "passed":
-                    # the whole reason, on lines of its own under the check (a failure's first line:
-                    # the failures are repeated in full with their reproduction below the table)
+                if r.message:
+                    # the whole reason (or what a pass compared), on lines of its own under the check (a
+                    # failure's first line: the failures are repeated in full with their reproduction below the table)
                     text = r.message.splitlines()[0] if r.status == "failed" else r.message
                     lines.extend(f"           {line}" for line in text.splitlines())
         totals = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped", "xfailed", "xpassed")}
@@ -203,7 +203,9 @@ def _factories_reproduction(check_id: str, subject: Subject, against: str | None
 
 
 def run_one(check: Check, harness: Harness) -> tuple[Status, str]:
-    """Run one check; return its status and message (the traceback's last line for crashes)."""
+    """Run one check; return its status and message: a skip's reason, a failure's message (for a
+    crash the exception's type and text, then its notes), or what a pass reports (:meth:`Harness.note`)."""
+    harness.notes.clear()
     try:
         check.func(harness)
     except CheckSkipped as e:
@@ -211,10 +213,11 @@ def run_one(check: Check, harness: Harness) -> tuple[Status, str]:
     except CheckFailed as e:
         return "failed", str(e)
     except Exception as e:
-        return "failed", f"{type(e).__name__}: {e}"
+        notes = "".join(f"; {note}" for note in getattr(e, "__notes__", ()))
+        return "failed", f"{type(e).__name__}: {e}{notes}"
     finally:
         harness.close_fresh()
-    return "passed", ""
+    return "passed", "; ".join(harness.notes)
 
 
 def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None = None) -> ConformanceReport:

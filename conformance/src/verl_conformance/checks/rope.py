@@ -122,18 +122,38 @@ def check_rope_scaling_matches_reference(h: Harness) -> None:
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
     refused: dict[str, list[str]] = {}  # refusal -> "role on folder" (one line per folder and message)
+    outcome: dict[str, dict[str, list[str]]] = {role: {"compared": [], "refused": []} for role in roles}
     for kind in ROPE_SCALINGS:
         model = f"llama-rope-{kind}"
         for role in roles:
             engine = _build(h, role, model, kind)
             if isinstance(engine, str):
                 refused.setdefault(engine, []).append(f"{role} on {model}")
+                outcome[role]["refused"].append(kind)
                 continue
             if role == "actor":
                 _forward(h, engine, model, kind)
             else:
                 _generate(h, engine, model, kind)
+            outcome[role]["compared"].append(kind)
             h.close_fresh()  # one engine at a time (a rollout engine may hold a KV cache)
     if sum(map(len, refused.values())) == len(roles) * len(ROPE_SCALINGS):
         h.skip("the backend refuses every RoPE-scaled folder (with a ConfigError naming the scaling): "
                + "; ".join(f"{' and '.join(where)}: {why}" for why, where in refused.items()))
+    h.note(_summary(outcome))
+
+
+def _summary(outcome: dict[str, dict[str, list[str]]]) -> str:
+    """What a pass compared with the reference and what it refused, by scaling (and role where they differ):
+    ``compared: linear, longrope; refused (ConfigError naming RoPE): yarn, llama3``."""
+
+    def line(kinds: dict[str, list[str]]) -> str:
+        parts = [f"compared: {', '.join(kinds['compared']) or 'none'}"]
+        if kinds["refused"]:
+            parts.append(f"refused (ConfigError naming RoPE): {', '.join(kinds['refused'])}")
+        return "; ".join(parts)
+
+    lines = {role: line(kinds) for role, kinds in outcome.items()}
+    if len(set(lines.values())) == 1:
+        return f"{' and '.join(lines)}: {next(iter(lines.values()))}"
+    return "; ".join(f"{role}: {text}" for role, text in lines.items())

@@ -40,6 +40,7 @@ from verl_core.trainer.inputs.tiny_model import (
     CharTokenizer,
     TinyModelSpec,
     load_tokenizer,
+    no_progress_bars,
     tiny_model,
 )
 
@@ -180,7 +181,6 @@ def absolute_position_model() -> Path:
     padding (``arange`` under left padding) change every output.
     """
     import transformers
-    from transformers.utils import logging as hf_logging
 
     def build(out: Path) -> None:
         config = transformers.GPT2Config(
@@ -191,13 +191,8 @@ def absolute_position_model() -> Path:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per tiny save is noise
-        try:
+        with no_progress_bars():  # one bar per tiny save is noise
             model.save_pretrained(out, safe_serialization=True)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
         # the test kit's tokenizer files (the same character vocabulary as every other folder)
         base = tiny_model(TinyModelSpec())
         for f in base.iterdir():

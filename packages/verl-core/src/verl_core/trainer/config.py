@@ -188,6 +188,12 @@ class TaskConfig:
 class BackendsConfig:
     """Backend name per role (as listed by ``verl backends``).
 
+    A role left unset runs on ``hf`` (``reward``: the ``rule`` reward), whatever the other roles
+    name: a run with ``actor``, ``rollout`` and ``reference`` on another backend and an algorithm
+    that needs a critic (``ppo``) builds its critic with ``hf`` unless ``backends.critic`` names
+    that backend too. When the roles of a run use more than one backend, the run prints the
+    backend of each role as it starts.
+
     Attributes:
         actor: Backend of the trained policy.
         rollout: Backend that generates responses.

@@ -9,6 +9,8 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -28,6 +30,7 @@ __all__ = [
     "build_tiny_model",
     "char_tokenizer",
     "load_tokenizer",
+    "no_progress_bars",
     "tiny_model",
 ]
 
@@ -149,6 +152,21 @@ def char_tokenizer(vocab_size: int, extra_chars: str = "") -> Any:
     )
 
 
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Turn transformers' progress bars off inside the block (e.g. ``save_pretrained``'s "Writing model
+    shards" bar, noise on the trainer's stderr); the setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
 def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec(), *,
                      tokenizer: Any = None) -> Path:
     """Write a random-initialised model of ``spec`` and its tokenizer to the folder ``path``.
@@ -185,7 +203,8 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = auto.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    model.save_pretrained(out, safe_serialization=True)
+    with no_progress_bars():
+        model.save_pretrained(out, safe_serialization=True)
     (tokenizer if tokenizer is not None else char_tokenizer(spec.vocab_size)).save_pretrained(out)
     (out / "verl_tiny_model.json").write_text(json.dumps(asdict(spec), indent=1))
     return out

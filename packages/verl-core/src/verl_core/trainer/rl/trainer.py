@@ -45,7 +45,7 @@ from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.batching.budget import make_schedulers
 from verl_core.trainer.batching.replay import HybridReplayBuffer
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
-from verl_core.trainer.config import RunConfig
+from verl_core.trainer.config import BackendsConfig, RunConfig
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.pipeline import StageError, StageThreads
@@ -171,6 +171,35 @@ class Trainer:
         longest = self.source.prompt_limit() + self._response_limit()
         return self.ctx.model_path(max_position=max(64, longest + 8))
 
+    def backend_roles(self) -> dict[str, str]:
+        """Role -> backend of every engine the run builds: the actor and rollout, the reference and
+        critic when the algorithm uses them (no reference engine with ``model.lora``: it is the
+        actor's base), and the reward when ``backends.reward`` is a backend rather than ``rule``."""
+        b = self.config.backends
+        roles = {"actor": b.actor, "rollout": b.rollout}
+        if self.use_reference and not self.config.model.lora.enabled:
+            roles["reference"] = b.reference
+        if self.use_critic:
+            roles["critic"] = b.critic
+        if b.reward != "rule":
+            roles["reward"] = b.reward
+        return roles
+
+    def _say_backends(self) -> None:
+        """One line naming the backend of each role when the roles do not all use one backend.
+
+        A role left unset runs on ``hf`` (the default of every ``backends.*`` key), which a run
+        whose other roles name another backend would not show otherwise.
+        """
+        roles = self.backend_roles()
+        if len(set(roles.values())) < 2:
+            return
+        default = BackendsConfig()
+        named = {r for r, n in roles.items() if n != getattr(default, r)}
+        parts = [f"{role} {name}" + (f" (the default of backends.{role})" if named and role not in named else "")
+                 for role, name in roles.items()]
+        self.ctx.say("backends: " + ", ".join(parts))
+
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
         prompt, response = self.source.prompt_limit(), self._response_limit()
@@ -211,6 +240,7 @@ class Trainer:
                                            use_reference=self.use_reference, use_critic=self.use_critic,
                                            say=self.ctx.say)
         b = cfg.backends
+        self._say_backends()
         # engines are placed by the executor (this process, or Ray worker groups) and called alike
         ex = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
         e = self.engines

@@ -50,6 +50,7 @@ from verl_core.kernel.training import TrainingEngine
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler
 from verl_core.trainer.config import RunConfig, config_to_dict
 from verl_core.trainer.inputs.data import PromptSampler
+from verl_core.trainer.run.folder import no_checkpoint_ways_out
 
 __all__ = [
     "Checkpointer",
@@ -644,7 +645,11 @@ class Checkpointer:
         """
         ckpt = latest_checkpoint(self.root.parent)
         if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint under {str(self.root)!r}; run without --resume to start fresh")
+            raise ConfigError(
+                f"--resume: the run in {str(self.root.parent)!r} never reached a checkpoint (none under "
+                f"{str(self.root)!r}), so there is nothing to resume; start it again without --resume: "
+                f"{no_checkpoint_ways_out(self.root.parent)}"
+            )
         return ckpt
 
     def load(

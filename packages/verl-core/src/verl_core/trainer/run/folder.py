@@ -47,7 +47,7 @@ try:
 except ImportError:  # pragma: no cover - no advisory locks (Windows): the marker alone keeps runs apart
     _LOCKS = False
 
-__all__ = ["MARKER_FILE", "Mode", "RunDir", "RunMarker", "config_hash", "read_marker"]
+__all__ = ["MARKER_FILE", "Mode", "RunDir", "RunMarker", "config_hash", "no_checkpoint_ways_out", "read_marker"]
 
 MARKER_FILE: Final = "verl_run.json"
 _FORMAT: Final = "verl.run/1"
@@ -172,10 +172,12 @@ class RunDir:
         moved = None
         if found.kind != "empty":
             if not config.overwrite:
+                if found.kind == "run" and not _checkpoints(path):
+                    _lock_marker(path).close()  # a run still under way before its first checkpoint is said so
                 detail = _describe(path, found, config)
                 raise ConfigError(
                     f"output_dir {str(path)!r} {detail}; a fresh run starts only in a new or empty folder "
-                    f"(so two runs never mix): {_ways_out(path, resumable=found.kind == 'run')}"
+                    f"(so two runs never mix): {_ways_out(path, run=found.kind == 'run')}"
                 )
             moved = _move_aside(path, found)
         try:
@@ -262,7 +264,7 @@ class RunDir:
             found = _Found("run", self.marker)
             raise ConfigError(
                 f"output_dir {str(self.path)!r} {_describe(self.path, found, config)}; a fresh run starts only "
-                f"in a new or empty folder (so two runs never mix): {_ways_out(self.path, resumable=True)}"
+                f"in a new or empty folder (so two runs never mix): {_ways_out(self.path, run=True)}"
             )
 
     def acquire(self) -> None:
@@ -363,19 +365,34 @@ def _describe(path: Path, found: _Found, config: RunConfig) -> str:
     assert m is not None
     same = "the same config as this one" if m.config_hash == config_hash(config) else "a different config"
     done = _checkpoints(path)
-    has = f"checkpoints up to {done[-1]}" if done else "no checkpoint yet"
-    return f"already holds a run (run {m.run_id}, started {m.created} by {m.created_by}, {same}, {has})"
+    about = f"run {m.run_id}, started {m.created} by {m.created_by}, {same}"
+    if not done:
+        return f"already holds a run that never reached a checkpoint ({about}), so there is nothing to resume"
+    return f"already holds a run ({about}, checkpoints up to {done[-1]})"
 
 
 def _aside_hint(path: Path) -> str:
     return repr(f"{path}.old-<time>")
 
 
-def _ways_out(path: Path, *, resumable: bool) -> str:
+def _ways_out(path: Path, *, run: bool) -> str:
+    """The ways out of a folder a fresh run may not start in; ``run``: the folder holds a run's marker.
+
+    ``--resume`` is offered only where there is a checkpoint to continue from; a run that never
+    reached one can only be started again elsewhere, or in its folder once that is emptied.
+    """
+    resumable = run and bool(_checkpoints(path))
     ways = ["continue that run with `verl train CONFIG --resume` (Trainer.train(resume=True))"] if resumable else []
     ways.append("choose another output_dir")
+    if run and not resumable:
+        ways.append(f"remove {str(path)!r} if it is yours")
     ways.append(f"set overwrite=true to move what it holds aside to {_aside_hint(path)} and start fresh (nothing is deleted)")
     return "; or ".join(ways)
+
+
+def no_checkpoint_ways_out(path: str | os.PathLike[str]) -> str:
+    """The ways out for ``--resume`` in a folder whose run never reached a checkpoint."""
+    return _ways_out(Path(path), run=True)
 
 
 # ---------------------------------------------------------------------------- marker and lock

@@ -14,7 +14,7 @@ from verl_core.trainer.config import RunConfig
 from verl_core.trainer.run.checkpoints import write_failed
 from verl_core.trainer.run.folder import RunDir
 
-__all__ = ["build_run_model", "engine_spec", "lora_sync"]
+__all__ = ["build_run_model", "engine_spec", "lora_of", "lora_sync"]
 
 
 def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:
@@ -68,7 +68,7 @@ def lora_sync(config: RunConfig) -> str | None:
     return config.model.lora.sync if config.model.lora.enabled else None
 
 
-def _lora_of(config: RunConfig, role: Role) -> LoraSpec | None:
+def lora_of(config: RunConfig, role: Role) -> LoraSpec | None:
     """The LoRA spec of ``role``: the actor trains it; the rollout applies its stream under adapter sync."""
     if role == "actor" or (role == "rollout" and lora_sync(config) == "adapter"):
         return config.model.lora.spec() if config.model.lora.enabled else None
@@ -85,7 +85,7 @@ def engine_spec(
     kwargs: dict[str, Any] = {}
     if optim is not None:
         kwargs["optim"] = optim
-    lora = _lora_of(config, role)
+    lora = lora_of(config, role)
     if lora is not None:
         kwargs["lora"] = lora
     return EngineSpec(

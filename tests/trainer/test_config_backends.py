@@ -1,0 +1,112 @@
+"""The backends of a run against what the ``model`` section asks of them, checked before the output folder
+is claimed; and the line a run prints when its roles use more than one backend.
+
+The tiny backend (examples/tiny-backend, installed) declares float32 and cpu only, and no LoRA: the
+real backend of a third party that declares less than hf does.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_core import ConfigError
+from verl_core.cli import main
+from verl_core.trainer import Trainer
+from verl_core.trainer.cli.train import check_backends
+from verl_core.trainer.config import BackendsConfig, load_config
+
+# a one-step run small enough to build every engine in a few seconds
+TINY = ("task.name=copy", "task.digits=1", "model.hidden_size=32", "model.intermediate_size=64",
+        "model.num_heads=1", "model.num_kv_heads=1", "model.num_layers=1", "rollout.n=2",
+        "rollout.max_new_tokens=3", "batch.prompts_per_step=2", "batch.micro_batch_tokens=64",
+        "logging.plot=false", "steps=1")
+# every role of a GRPO run (actor, rollout, reference) on the tiny backend
+ALL_TINY = ("backends.actor=tiny", "backends.rollout=tiny", "backends.reference=tiny")
+
+
+def _train(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["train", *argv])
+    return code, capsys.readouterr().err
+
+
+def test_check_refuses_a_dtype_the_backends_do_not_declare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    code, err = _train([*TINY, *ALL_TINY, "model.dtype=bfloat16", "--check", "--output-dir", str(out)], capsys)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert ("config key 'model.dtype' = 'bfloat16', but backend 'tiny' (config key 'backends.actor') declares its "
+            "actor engine runs in float32 only; set model.dtype to float32") in err, err
+    assert not out.exists()
+    # the dtype it declares passes
+    code, err = _train([*TINY, *ALL_TINY, "model.dtype=float32", "--check", "--output-dir", str(out)], capsys)
+    assert code == 0 and "config is valid" in err, err
+
+
+def test_a_run_with_an_undeclared_dtype_claims_no_folder_and_a_retry_there_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run (no --check) is refused before it writes anything, so the corrected run starts in the same folder."""
+    out = tmp_path / "run"
+    code, err = _train([*TINY, *ALL_TINY, "model.dtype=bfloat16", "--output-dir", str(out)], capsys)
+    assert code == 2 and "'model.dtype' = 'bfloat16'" in err, err
+    assert not out.exists(), f"the refused run wrote {sorted(p.name for p in out.iterdir())}"
+    code, err = _train([*TINY, *ALL_TINY, "--output-dir", str(out)], capsys)
+    assert code == 0, err
+    assert (out / "verl_run.json").is_file()
+
+
+@pytest.mark.parametrize("role", ["rollout", "reference", "critic"])
+def test_each_role_s_declared_dtypes_are_checked(role: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """hf declares bfloat16 for every role; one role on the tiny backend is enough to refuse it."""
+    code, err = _train([*TINY, "algorithm.name=ppo", f"backends.{role}=tiny", "model.dtype=bfloat16", "--check"],
+                       capsys)
+    assert code == 2, err
+    assert f"backend 'tiny' (config key 'backends.{role}') declares its {role} engine runs in float32 only" in err, err
+
+
+def test_the_device_is_checked_against_each_backend(tmp_path: Path) -> None:
+    """``model.device`` names a device type the backend does not declare (checked without a GPU here:
+    whether this machine has one is check_device_here's business)."""
+    cfg = load_config(None, [*TINY, "backends.rollout=tiny", "model.device=cuda:1", f"output_dir={json.dumps(str(tmp_path))}"])
+    with pytest.raises(ConfigError, match=r"config key 'model.device' = 'cuda:1', but backend 'tiny' \(config key "
+                                          r"'backends.rollout'\) declares its rollout engine runs on cpu only; "
+                                          r"set model.device to cpu"):
+        check_backends(cfg, {"actor": "hf", "rollout": "tiny"})
+    check_backends(cfg, {"actor": "hf", "rollout": "hf"})  # hf declares cuda
+
+
+def test_lora_is_checked_against_the_actor_and_the_adapter_rollout(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _train([*TINY, "backends.actor=tiny", "model.lora.enabled=true", "--check"], capsys)
+    assert code == 2 and "config key 'model.lora.enabled' is true, but backend 'tiny' (config key 'backends.actor')" in err, err
+    # the rollout is given the adapter only under adapter sync
+    code, err = _train([*TINY, "backends.rollout=tiny", "model.lora.enabled=true", "--check"], capsys)
+    assert code == 0, err
+    code, err = _train([*TINY, "backends.rollout=tiny", "model.lora.enabled=true", "model.lora.sync=adapter",
+                        "--check"], capsys)
+    assert code == 2 and "config key 'model.lora.sync' = 'adapter', but backend 'tiny'" in err, err
+
+
+# ---------------------------------------------------------------------------- the backend of each role
+def test_an_unset_role_is_hf_and_a_run_mixing_backends_names_each_role_s(tmp_path: Path) -> None:
+    assert "A role left unset runs on ``hf``" in (BackendsConfig.__doc__ or "")
+    cfg = load_config(None, [*TINY, "algorithm.name=ppo", "backends.actor=tiny", "backends.rollout=tiny",
+                             "backends.reference=tiny", f"output_dir={json.dumps(str(tmp_path / 'mixed'))}"])
+    stream = io.StringIO()
+    with Trainer(cfg, stream=stream) as trainer:
+        trainer.setup()
+        assert trainer.critic is not None and type(trainer.critic).__module__.startswith("verl_hf")
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("backends:")]
+    assert lines == ["backends: actor tiny, rollout tiny, reference tiny, critic hf (the default of backends.critic)"]
+
+
+def test_a_run_on_one_backend_prints_no_backends_line(tmp_path: Path) -> None:
+    cfg = load_config(None, [*TINY, *ALL_TINY, f"output_dir={json.dumps(str(tmp_path / 'one'))}"])
+    stream = io.StringIO()
+    with Trainer(cfg, stream=stream) as trainer:
+        assert trainer.backend_roles() == dict.fromkeys(("actor", "rollout", "reference"), "tiny")
+        trainer.setup()
+    assert "backends:" not in stream.getvalue()
