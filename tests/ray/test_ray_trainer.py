@@ -1,4 +1,4 @@
-"""The trainer on Ray worker groups gives the local run's metrics; a killed worker fails the step clearly."""
+"""The trainer on Ray worker groups gives the local run's metrics; a killed training worker fails the step clearly."""
 
 from __future__ import annotations
 
@@ -54,12 +54,16 @@ def test_split_groups_give_the_local_metrics_and_a_killed_worker_fails_the_step_
         assert len(history) == STEPS and history[-1]["weight_version"] == STEPS
         assert_same_metrics(history, local_run[:STEPS])
 
-        # one step more, with the actor's worker process killed first
+        assert [m["ray/rollout_restarts"] for m in history] == [0] * STEPS
+
+        # one step more, with the actor's worker process killed first: rollout workers are replaced
+        # (ray.max_rollout_restarts, default 3), a training engine's never (its state is in checkpoints)
         ckpt = latest_checkpoint(tmp_path)
         assert ckpt is not None and ckpt.name == f"step-{STEPS:06d}"
         _kill(ex.worker_pids("actor")[0])
         with pytest.raises(StepFailedError) as info:
             trainer.train_step()
+        assert ex.rollout_restarts == 0
     err = info.value
     cause = err.__cause__
     assert isinstance(cause, WorkerFailedError), repr(cause)
