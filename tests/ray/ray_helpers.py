@@ -1,8 +1,11 @@
-"""Helpers of the Ray executor tests: the GRPO demo config cut to a few steps, metric comparison."""
+"""Helpers of the Ray executor tests: the GRPO demo config cut to a few steps, metric comparison, killing a worker."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,18 @@ def train(cfg: RunConfig, *, resume: bool = False) -> list[dict[str, Any]]:
     """Run ``cfg`` to the end and return the metrics of every step."""
     with Trainer(cfg) as trainer:
         return trainer.train(resume=resume)
+
+
+def kill(pid: int) -> None:
+    """SIGKILL process ``pid`` (a Ray worker) and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} survived SIGKILL")
 
 
 def comparable(m: dict[str, Any]) -> dict[str, Any]:

@@ -6,24 +6,25 @@ served (sent again by the actor in a synchronous run; the copy kept in the objec
 asynchronous training, where the actor has been updated since) and retries the call. Sampling is
 seeded per sample, so every step's numbers equal the uninterrupted run's, bit for bit. With
 ``ray.max_rollout_restarts = 0``, or a rollout that shares its processes with the actor, the step
-fails as before.
+fails as before; so does sampling when the served weights are nowhere left (the actor trained on
+and no copy was kept), until the next weight sync.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_helpers import RAY_SPLIT, demo_config, train
+import torch
+from ray_helpers import RAY_SPLIT, demo_config, kill, train
 
-from verl_conformance.testkit import TinyModelSpec, tiny_model
-from verl_core import EngineSpec, SamplingParams, TensorBatch
+from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model
+from verl_core import EngineSpec, GlobalBatchStats, OptimConfig, SamplingParams, TensorBatch
+from verl_core.algorithms import Algorithm
 from verl_core.trainer.executor import RayConfig, WorkerFailedError
 from verl_core.trainer.rl.trainer import Trainer
 from verl_core.trainer.run.context import StepFailedError
@@ -36,17 +37,6 @@ pytestmark = [
 LOGGER = "verl_core.trainer.executor.ray_executor"
 # the timings, the producer's thread timing and the restart count differ; nothing else may
 _VARIES = ("time/", "throughput/", "memory_plan/", "ray/", "async/wait_s", "async/ahead")
-
-
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(200):  # until the process is gone
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} survived SIGKILL")
 
 
 def _fixed(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,7 +55,7 @@ def _kill_before_generate(trainer: Trainer, call: int, *, before: Callable[[], N
         if seen["calls"] != call:
             return generate(prompts, params)
         [pid] = ex.worker_pids("rollout")
-        _kill(pid)
+        kill(pid)
         seen["killed"] = pid
         before()
         out = generate(prompts, params)
@@ -164,7 +154,7 @@ def test_a_rollout_sharing_its_process_with_the_actor_is_not_replaced(ray_cluste
         ex.training_engine("actor", "hf", EngineSpec(model_path=model, role="actor"))
         rollout = ex.rollout_engine("hf", EngineSpec(model_path=model, role="rollout"))
         [pid] = ex.worker_pids("rollout")
-        _kill(pid)
+        kill(pid)
         with pytest.raises(WorkerFailedError) as info:
             rollout.log_probs_exact(SamplingParams())
         assert ex.rollout_restarts == 0
@@ -173,3 +163,50 @@ def test_a_rollout_sharing_its_process_with_the_actor_is_not_replaced(ray_cluste
     err = info.value
     assert (err.role, err.rank) == ("rollout", 0)
     assert any("not replaced: its processes also host actor" in note for note in err.__notes__)
+
+
+def test_a_replaced_rollout_gets_the_actors_weights_until_the_actor_moves_on(ray_cluster: Any) -> None:
+    from verl_core.trainer.executor.ray_executor import RayExecutor
+
+    model = str(tiny_model(TinyModelSpec(arch="llama", tied=False)))
+    prompts = random_batch(batch_size=5, max_prompt=6, max_response=1, seed=3).select(
+        "prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(max_new_tokens=6, n=2, seed=7)
+    ex = RayExecutor(RayConfig(num_cpus_per_worker=0.5))
+    try:
+        actor = ex.training_engine("actor", "hf", EngineSpec(model_path=model, role="actor", optim=OptimConfig(lr=0.1),
+                                                             max_prompt_len=16, max_response_len=16))
+        rollout = ex.rollout_engine("hf", EngineSpec(model_path=model, role="rollout", max_prompt_len=16,
+                                                     max_response_len=6))
+        sync = ex.weight_sync("hf", "hf")
+        batch = random_batch(batch_size=4, max_prompt=7, max_response=6, seed=11, with_rl_fields=True)
+        actor.forward_backward(batch, Algorithm.grpo().actor_loss, GlobalBatchStats.of(batch))
+        actor.optimizer_step()
+        sync.sync(actor, rollout, version=1)
+        want = rollout.generate(prompts, params)
+
+        # the rollout worker dies: it is replaced, and the actor (unchanged since) sends version 1 again
+        [old] = ex.worker_pids("rollout")
+        kill(old)
+        got = rollout.generate(prompts, params)
+        assert ex.rollout_restarts == 1
+        assert ex.worker_pids("rollout") != [old]
+        assert rollout.weight_version == got.meta.weight_version == 1
+        for name in ("response_ids", "response_mask", "rollout_log_probs", "sample_index"):
+            assert torch.equal(got[name], want[name]), name
+
+        # now the actor trains on before the next death: version 1 is nowhere left (no copy is
+        # kept outside asynchronous training), so sampling fails instead of using other weights
+        actor.forward_backward(batch, Algorithm.grpo().actor_loss, GlobalBatchStats.of(batch))
+        actor.optimizer_step()
+        kill(ex.worker_pids("rollout")[0])
+        with pytest.raises(WorkerFailedError, match=r"weights it served \(version 1\) cannot be given to the fresh "
+                                                    r"workers: the actor has been updated since") as info:
+            rollout.generate(prompts, params)
+        assert ex.rollout_restarts == 2
+        assert info.value.role == "rollout"
+        # the next weight sync gives the fresh workers the actor's weights, and sampling goes on
+        sync.sync(actor, rollout, version=2)
+        assert rollout.generate(prompts, params).meta.weight_version == 2
+    finally:
+        ex.close()

@@ -924,11 +924,15 @@ class RayExecutor(Executor):
                     role, self.rollout_restarts, limit)
         kind = old.roles.pop(role)
         old.shutdown()  # gives its bundles back for the fresh group
-        group = self._new_group(old.name, old.world)
+        group: WorkerGroup | None = None
         try:
+            group = self._new_group(old.name, old.world)
             group.run(role, "build", [(role, kind, backend, spec)] * group.world)
-        except BaseException:
-            group.shutdown()
+        except BaseException as e:
+            if group is not None:
+                group.shutdown()
+            e.add_note(f"raised while replacing the {role} worker group after its worker rank {err.rank} died "
+                       f"during {call} ({_first_line(err.__cause__ or err)})")
             raise
         group.roles[role] = kind
         place.group = group
