@@ -1,8 +1,11 @@
-"""Helpers of the Ray executor tests: the GRPO demo config cut to a few steps, metric comparison."""
+"""Helpers of the Ray executor tests: the GRPO demo config cut to a few steps, metric comparison, killing a worker."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +34,22 @@ def train(cfg: RunConfig, *, resume: bool = False) -> list[dict[str, Any]]:
         return trainer.train(resume=resume)
 
 
+def kill(pid: int) -> None:
+    """SIGKILL process ``pid`` (a Ray worker) and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} survived SIGKILL")
+
+
 def comparable(m: dict[str, Any]) -> dict[str, Any]:
     """The metrics that do not depend on timing (nor on this process's device: the memory plan is
-    made where the engines run, here for the local executor only)."""
-    return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/", "memory_plan/"))}
+    made where the engines run, here for the local executor only; nor on the executor: ``ray/``)."""
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/", "memory_plan/", "ray/"))}
 
 
 def assert_same_metrics(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:

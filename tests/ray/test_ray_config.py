@@ -19,6 +19,8 @@ def test_default_is_local_and_ray_is_accepted() -> None:
     assert cfg.ray.placement == "colocated"
     assert cfg.ray.parallel_of("actor") is not None and cfg.ray.parallel_of("actor").dp == 2  # type: ignore[union-attr]
     assert cfg.ray.parallel_of("critic") is None
+    assert cfg.ray.max_rollout_restarts == 3
+    assert load_config(None, ["ray.max_rollout_restarts=0"]).ray.max_rollout_restarts == 0
     assert isinstance(make_executor("local"), LocalExecutor)
 
 
@@ -31,6 +33,7 @@ def test_default_is_local_and_ray_is_accepted() -> None:
     ("ray.parallel={actor={ep=2}}", "'ray.parallel.actor.ep': unknown; valid keys: tp, pp, dp"),
     ("ray.parallel={actor={dp=0}}", "'ray.parallel.actor.dp' must be an integer >= 1"),
     ("ray.parallel={rollout={tp=2}}", "only dp \\(replicas\\) is placed by the executor"),
+    ("ray.max_rollout_restarts=-1", "'ray.max_rollout_restarts' must be >= 0 \\(0 = a dead rollout worker fails"),
 ])
 def test_bad_values_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -40,8 +40,18 @@ __all__ = [
 ]
 
 
-def make_executor(name: str, ray: RayConfig | None = None, *, device: str = "cpu") -> Executor:
+def make_executor(
+    name: str, ray: RayConfig | None = None, *, device: str = "cpu", rollout_during_update: bool = False
+) -> Executor:
     """The executor called ``name`` (``local`` or ``ray``).
+
+    Args:
+        name: ``local`` or ``ray``.
+        ray: The ``[ray]`` config section (``ray`` only).
+        device: Device of the engines (``model.device``).
+        rollout_during_update: Whether the rollout samples while the actor trains (asynchronous
+            training with ``max_staleness`` >= 1); the Ray executor then keeps the last weights sent
+            to the rollout, for a rollout worker group it replaces (see :class:`RayExecutor`).
 
     Raises:
         ConfigError: an unknown name, or ``ray`` without Ray installed.
@@ -51,7 +61,7 @@ def make_executor(name: str, ray: RayConfig | None = None, *, device: str = "cpu
     if name == "ray":
         from verl_core.trainer.executor.ray_executor import RayExecutor
 
-        return RayExecutor(ray, device=device)
+        return RayExecutor(ray, device=device, rollout_during_update=rollout_during_update)
     raise ConfigError(f"config key 'executor': unknown executor {name!r}; choices: 'local', 'ray'")
 
 

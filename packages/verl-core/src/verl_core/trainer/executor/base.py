@@ -61,6 +61,11 @@ class Executor(Protocol):
     def weight_sync(self, actor_backend: str, rollout_backend: str) -> WeightSync:
         """The weight sync between engines of these backends, as placed by this executor."""
 
+    def metrics(self) -> dict[str, float]:
+        """The executor's own numbers, added to every step's metrics (none by default; the Ray
+        executor's ``ray/rollout_restarts``)."""
+        return {}
+
     @abstractmethod
     def close(self) -> None:
         """Release what the executor started (worker processes, placement groups, a local cluster)."""

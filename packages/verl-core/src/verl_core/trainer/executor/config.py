@@ -42,6 +42,11 @@ class RayConfig:
         num_cpus: CPUs of a local cluster started here (0 = every CPU of the machine).
         object_store_memory: Bytes of a local cluster's object store (0 = Ray's default).
         placement_timeout_s: Seconds to wait for a worker group's resources before failing.
+        max_rollout_restarts: How many times in a run a rollout worker group whose worker died is
+            replaced by fresh workers (same spec and placement), given the weights it was serving
+            and the interrupted call retried; 0 = a dead rollout worker fails the step. Needs
+            ``placement = "split"`` (a colocated rollout shares its processes with the training
+            engines, whose state only a checkpoint restores).
     """
 
     address: str = ""
@@ -53,6 +58,7 @@ class RayConfig:
     num_cpus: int = 0
     object_store_memory: int = 0
     placement_timeout_s: float = 120.0
+    max_rollout_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.num_cpus_per_worker < 0:
@@ -67,6 +73,11 @@ class RayConfig:
             )
         if not self.placement_timeout_s > 0:
             raise ConfigError(f"config key 'ray.placement_timeout_s' must be > 0, got {self.placement_timeout_s}")
+        if self.max_rollout_restarts < 0:
+            raise ConfigError(
+                "config key 'ray.max_rollout_restarts' must be >= 0 (0 = a dead rollout worker fails the step), "
+                f"got {self.max_rollout_restarts}"
+            )
         for role, sizes in self.parallel.items():
             if role not in ROLES:
                 raise ConfigError(

@@ -26,19 +26,25 @@ stream (:mod:`verl_core.kernel.weights`) from actor rank 0 through the object st
 process syncs its own actor into its own rollout replica by the registry's path for the pair.
 
 A worker that dies makes the call raise :class:`~verl_core.trainer.executor.WorkerFailedError` naming the
-role and the rank; the group is then unusable, and the run resumes from its last checkpoint.
+role and the rank; the group is then unusable, and the run resumes from its last checkpoint. The
+exception is a rollout group of its own (``split``): up to ``ray.max_rollout_restarts`` times in a
+run, :class:`RayRolloutEngine` replaces it with fresh workers built from the same spec on a fresh
+placement group, gives them the weights the old ones served, and retries the call (see
+:class:`RayRolloutEngine`). A training engine's state (weights, optimizer, random state) lives only
+in its workers and its checkpoints, so a dead training worker always fails the step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import Any, final
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, final
 
 import torch
 
@@ -66,6 +72,7 @@ from verl_core.kernel.weights import (
     StreamWeightSync,
     SyncReport,
     WeightCommit,
+    WeightManifest,
     WeightMessage,
     WeightSync,
 )
@@ -76,7 +83,10 @@ from verl_core.trainer.executor.worker import EngineKind, EngineWorker
 
 __all__ = ["RayExecutor", "RayRewardEngine", "RayRolloutEngine", "RayTrainingEngine", "RayWeightSync", "WorkerGroup"]
 
+log = logging.getLogger(__name__)
+
 _SYNC_BUCKET_BYTES = 64 * 1024 * 1024
+_T = TypeVar("_T")
 _LOG_PROBS: frozenset[ModelOutput] = frozenset({"log_probs"})
 
 
@@ -342,6 +352,17 @@ class RayTrainingEngine(TrainingEngine):
         self._spec = spec
         self._caps: TrainingCapabilities = info["capabilities"]
         self._tokenizer: Tokenizer = info["tokenizer"]
+        self._weight_changes = 0
+
+    @property
+    def weight_changes(self) -> int:
+        """Calls submitted so far that may change the weights (optimizer steps, checkpoint loads).
+
+        Counted before the call is submitted, so a reader holding the group
+        (:meth:`WorkerGroup.exclusive`) that sees the count it saw at an export knows the weights
+        are still those the export sent.
+        """
+        return self._weight_changes
 
     @property
     def spec(self) -> EngineSpec:
@@ -386,6 +407,7 @@ class RayTrainingEngine(TrainingEngine):
 
     def optimizer_step(self) -> StepMetrics:
         """Every rank steps (they agree on skipping); rank 0's metrics."""
+        self._weight_changes += 1
         out: StepMetrics = self._place.call_all("optimizer_step")[0]
         return out
 
@@ -418,6 +440,7 @@ class RayTrainingEngine(TrainingEngine):
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Every rank restores from ``path``."""
+        self._weight_changes += 1
         self._place.call_all("load_checkpoint", os.path.abspath(path))
 
     def offload(self) -> None:
@@ -433,16 +456,72 @@ class RayTrainingEngine(TrainingEngine):
         self._place.release()
 
 
+class _ServedWeightsLostError(WorkerFailedError):
+    """A replaced rollout group cannot be given the weights its predecessor served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """The weights a rollout group serves, as a replacement group can be given them again.
+
+    Attributes:
+        version: The weight version.
+        kept: ObjectRefs of the stream's messages, kept in the object store (None: not kept).
+        sync: The sync that sent them from ``source`` (None: they came another way).
+        source: The training engine they were exported from.
+        changes: ``source.weight_changes`` at the export: while it is unchanged the source still
+            holds these weights and can send them again.
+    """
+
+    version: int
+    kept: list[Any] | None = None
+    sync: RayWeightSync | None = None
+    source: RayTrainingEngine | None = None
+    changes: int = 0
+
+
 @final
 class RayRolloutEngine(RolloutEngine):
-    """A rollout engine as ``dp`` replicas in a Ray worker group; prompts are split between them."""
+    """A rollout engine as ``dp`` replicas in a Ray worker group; prompts are split between them.
 
-    def __init__(self, place: _Placed, spec: EngineSpec, info: dict[str, Any]) -> None:
+    A worker of the group that dies (Ray reports the actor, its process or its node gone) is
+    survived up to ``ray.max_rollout_restarts`` times in the run when the group hosts the rollout
+    alone (``placement = "split"``): the executor kills what is left of the group, places a fresh
+    one from the same spec, and the call that met the death is retried there. Before a call that
+    samples (``generate``, ``weight_version``) the fresh replicas get the weights the old ones
+    served, at the same version, from
+
+    * the copy kept in the object store, when the executor keeps one (asynchronous training, where
+      the actor trains while the rollout samples: it is one copy of the weights in the rollout's
+      dtype, held until the next sync replaces it, spilled to disk by Ray when the store is full);
+    * else the actor, by the same weight sync, as long as it has not been updated since it sent
+      them: always true in a synchronous run, where the rollout samples only between a weight sync
+      and the next update (no copy is kept then);
+    * nothing, when they are the weights the engine was built with (no sync yet).
+
+    A weight sync to a fresh group sends new weights anyway, so a group replaced while asleep
+    (during the update) waits for it. Sampling is seeded per sample, so the retried call returns
+    what the interrupted one would have. When none of the above can give the served weights back
+    (their copy was not kept and the actor has moved on), the call raises the WorkerFailedError.
+    """
+
+    def __init__(
+        self, place: _Placed, spec: EngineSpec, info: dict[str, Any], *, backend: str,
+        executor: RayExecutor | None = None, keep: bool = False,
+    ) -> None:
         self._place = place
         self._spec = spec
+        self._backend = backend
+        self._executor = executor
+        self._keep = keep
         self._caps: RolloutCapabilities = info["capabilities"]
         self._tokenizer: Tokenizer = info["tokenizer"]
         self._dtype: torch.dtype = info["weight_dtype"]
+        # held while the group is replaced, given its weights, or sent new ones: a call from
+        # another thread never sees a fresh group before it serves the right version
+        self._lock = threading.RLock()
+        self._served: _Served | None = None  # None: the weights the engine was built with
+        self._pending: WorkerFailedError | None = None  # the death that left the served weights to restore
 
     @property
     def spec(self) -> EngineSpec:
@@ -466,42 +545,129 @@ class RayRolloutEngine(RolloutEngine):
 
     @property
     def worker_group(self) -> WorkerGroup:
-        """The group the replicas run in."""
+        """The group the replicas run in (a fresh one after a replacement)."""
         return self._place.group
 
     @property
     def weight_version(self) -> int:
         """Replica 0's serving weight version."""
-        out: int = self._place.run("attr", [(self._place.role, "weight_version")], ranks=[0])[0]
-        return out
+        place = self._place
+
+        def read() -> int:
+            out: int = place.run("attr", [(place.role, "weight_version")], ranks=[0])[0]
+            return out
+
+        return self._call("weight_version", read, served=True)
 
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Each replica samples its share of the prompts (per-sample seeding keeps the samples)."""
-        parts: list[TensorBatch] = self._place.sharded("call", prompts, pre=("generate",), post=(params,))
-        return TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+
+        def sample() -> TensorBatch:
+            parts: list[TensorBatch] = self._place.sharded("call", prompts, pre=("generate",), post=(params,))
+            return TensorBatch.concat(parts) if len(parts) > 1 else parts[0]
+
+        return self._call("generate", sample, served=True)
 
     def log_probs_exact(self, params: SamplingParams) -> bool:
         """Replica 0's answer."""
-        out: bool = self._place.run("call", [(self._place.role, "log_probs_exact", params)], ranks=[0])[0]
-        return out
+        place = self._place
+
+        def ask() -> bool:
+            out: bool = place.run("call", [(place.role, "log_probs_exact", params)], ranks=[0])[0]
+            return out
+
+        return self._call("log_probs_exact", ask, served=False)
 
     def update_weights(self, stream: Iterable[WeightMessage]) -> None:
         """Put every message into the object store, then every replica applies the stream."""
         ray = self._place.group._ray
-        refs = [ray.put(msg) for msg in stream]
-        self._place.all("update_from_refs", refs)
+        refs, version = [], 0
+        for msg in stream:
+            if isinstance(msg, WeightManifest):
+                version = msg.version
+            refs.append(ray.put(msg))
+        self.receive(lambda: (self._place.all("update_from_refs", refs), _Served(version, refs if self._keep else None)))
 
     def sleep(self) -> None:
         """Every replica sleeps."""
-        self._place.call_all("sleep")
+        self._call("sleep", lambda: self._place.call_all("sleep"), served=False)
 
     def wake(self) -> None:
         """Every replica wakes."""
-        self._place.call_all("wake")
+        self._call("wake", lambda: self._place.call_all("wake"), served=False)
 
     def close(self) -> None:
         """Close every replica."""
         self._place.release()
+
+    # ------------------------------------------------------------------ surviving a dead worker
+    def receive(self, send: Callable[[], tuple[_T, _Served]]) -> _T:
+        """Run ``send``, which gives every replica a complete weight stream and says what it was.
+
+        A replica that dies meanwhile is replaced (within the restarts left) and the stream sent
+        again; what was sent becomes what a later replacement is given. Other threads' calls wait
+        until then.
+        """
+        with self._lock:
+            if self._served is not None and self._served.kept is not None:
+                self._served = _Served(self._served.version)  # at most one copy in the store: the new one replaces it
+            out, served = self._call("update_weights", send, served=False)
+            self._served, self._pending = served, None
+            return out
+
+    def _call(self, what: str, call: Callable[[], _T], *, served: bool) -> _T:
+        """``call()``, surviving the death of a worker of the group; ``served``: it needs the served weights."""
+        while True:
+            group = self._place.group
+            try:
+                if served and self._pending is not None:
+                    self._restore()
+                return call()
+            except WorkerFailedError as e:
+                self._recover(group, e, what)
+
+    def _recover(self, group: WorkerGroup, err: WorkerFailedError, what: str) -> None:
+        """Replace ``group`` after ``err`` (or raise ``err`` when the executor may not)."""
+        if err.role != self._place.role or self._executor is None or isinstance(err, _ServedWeightsLostError):
+            raise err  # another role's worker died (e.g. the actor while sending weights): not ours to replace
+        with self._lock:
+            if self._place.group is not group:
+                return  # another thread met the same death and replaced the group already
+            self._executor.restart_rollout(self._place, self._backend, self._spec, err, what)
+            if self._served is not None:
+                self._pending = err
+
+    def _restore(self) -> None:
+        """Give a replacement group the weights the old one served (see the class docstring)."""
+        with self._lock:
+            served, death = self._served, self._pending
+            if served is None or death is None:
+                return
+            if served.kept is not None:
+                self._place.all("update_from_refs", served.kept, served.version)
+            elif served.sync is not None and served.source is not None:
+                source = served.source
+                with source.worker_group.exclusive():  # no optimizer step starts while we compare and export
+                    if source.weight_changes != served.changes:
+                        raise self._lost(served, death, "the actor has been updated since it sent them and no copy "
+                                         "was kept (a copy is kept only under asynchronous training)")
+                    self._served = served.sync.stream(source, self, version=served.version)[1]
+            else:
+                raise self._lost(served, death, "they were not sent by the actor's weight sync and no copy was kept")
+            self._pending = None
+            log.info("the fresh rollout worker group serves weight version %d again (%s)", served.version,
+                     "from the copy kept in the object store" if served.kept is not None else "sent by the actor")
+
+    def _lost(self, served: _Served, death: WorkerFailedError, why: str) -> WorkerFailedError:
+        err = _ServedWeightsLostError(
+            f"the {death.role} worker group was replaced after its worker rank {death.rank} died "
+            f"({_first_line(death.__cause__ or death)}), but the weights it served (version {served.version}) "
+            f"cannot be given to the fresh workers: {why}. The step failed and was not recorded; resume from "
+            "the last checkpoint with `verl train CONFIG --resume`",
+            role=death.role, rank=death.rank, method=death.method,
+        )
+        err.__cause__ = death
+        return err
 
 
 @final
@@ -534,19 +700,25 @@ class RayWeightSync(WeightSync):
     Split groups: the rollout replicas pull actor rank 0's canonical weight stream through the
     object store, one bucket in flight; the sync holds both groups meanwhile
     (:meth:`WorkerGroup.exclusive`), so a call another thread makes to either waits for it to end.
-    Colocated: every process syncs its own engines by the registry's path for the backend pair.
-    Engines not placed by Ray get the canonical stream.
+    With ``keep`` the stream's messages stay in the object store until the next sync, so that a
+    replacement rollout group can be given them (:class:`RayRolloutEngine`). Colocated: every
+    process syncs its own engines by the registry's path for the backend pair. Engines not placed
+    by Ray get the canonical stream.
 
     Args:
         actor_backend: Backend of the actor.
         rollout_backend: Backend of the rollout engine.
         bucket_bytes: Bytes per chunk of the stream (split groups).
+        keep: Keep the last stream sent (split groups).
     """
 
-    def __init__(self, actor_backend: str, rollout_backend: str, *, bucket_bytes: int = _SYNC_BUCKET_BYTES) -> None:
+    def __init__(
+        self, actor_backend: str, rollout_backend: str, *, bucket_bytes: int = _SYNC_BUCKET_BYTES, keep: bool = False
+    ) -> None:
         self.actor_backend = actor_backend
         self.rollout_backend = rollout_backend
         self.bucket_bytes = bucket_bytes
+        self.keep = keep
 
     def sync(self, source: TrainingEngine, target: RolloutEngine, *, version: int) -> SyncReport:
         """Move ``source``'s weights into ``target`` as ``version``."""
@@ -560,21 +732,34 @@ class RayWeightSync(WeightSync):
                 [(src.role, dst.role, self.actor_backend, self.rollout_backend, version)] * src.group.world,
             )
             return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
+        report = target.receive(lambda: self.stream(source, target, version=version))
+        return dataclasses.replace(report, seconds=time.perf_counter() - t0)
+
+    def stream(self, source: RayTrainingEngine, target: RayRolloutEngine, *, version: int) -> tuple[SyncReport, _Served]:
+        """Send ``source``'s weights to ``target``'s split group as ``version``, once; returns the
+        report and what ``target`` then serves (:meth:`RayRolloutEngine.receive` calls it)."""
+        src, dst = source._place, target._place
         group = src.group
         replicas = dst.group.world
         # the actor's group, then the rollout's (the one order anything takes both in): neither sees
         # another thread's call until every replica has the new version and the export is closed
         with group.exclusive(), dst.group.exclusive():
-            group.run(src.role, "export_open", [(src.role, target.weight_dtype, self.bucket_bytes, replicas)],
-                      ranks=[0])
+            changes = source.weight_changes
+            serial = group.run(src.role, "export_open",
+                               [(src.role, target.weight_dtype, self.bucket_bytes, replicas, self.keep)], ranks=[0])[0]
             drains = [group.workers[r].export_drain.remote(src.role, target.weight_dtype, self.bucket_bytes)
                       for r in range(1, group.world)]
+            kept = None
             try:
-                reports = dst.run("update_from", [(dst.role, group.workers[0], src.role, version)] * replicas)
+                reports: list[SyncReport] = dst.run(
+                    "update_from", [(dst.role, group.workers[0], src.role, version, serial)] * replicas
+                )
+                if self.keep:
+                    kept = group.run(src.role, "export_kept", [(src.role,)], ranks=[0])[0]
             finally:
                 group.run(src.role, "export_finish", [(src.role,)], ranks=[0])
                 group.gather(src.role, "export_weights", drains, list(range(1, group.world)))
-        return dataclasses.replace(reports[0], seconds=time.perf_counter() - t0)
+        return reports[0], _Served(version, kept, self, source, changes)
 
 
 @final
@@ -585,12 +770,18 @@ class RayExecutor(Executor):
         config: Placement and resources (the ``[ray]`` config section).
         device: Device of the engines (``model.device``): CUDA devices reserve GPUs per worker
             unless ``config.num_gpus_per_worker`` says otherwise.
+        rollout_during_update: The rollout samples while the actor trains (asynchronous training).
+            A rollout group replaced then cannot be sent the weights it served by the actor, which
+            has moved on, so the weight sync keeps the last weights it sent in the object store
+            (one copy, in the rollout's dtype) while ``config.max_rollout_restarts`` > 0.
 
     Raises:
         ConfigError: Ray is not installed.
     """
 
-    def __init__(self, config: RayConfig | None = None, *, device: str = "cpu") -> None:
+    def __init__(
+        self, config: RayConfig | None = None, *, device: str = "cpu", rollout_during_update: bool = False
+    ) -> None:
         self.config = config or RayConfig()
         ray = import_ray()
         self._ray = ray
@@ -610,6 +801,9 @@ class RayExecutor(Executor):
         gpus = self.config.num_gpus_per_worker
         self._gpus = float(gpus) if gpus is not None else (1.0 if device.startswith("cuda") else 0.0)
         self._groups: dict[str, WorkerGroup] = {}
+        self._keep = rollout_during_update and self.config.max_rollout_restarts > 0
+        self.rollout_restarts = 0
+        """Rollout worker groups replaced so far (see :meth:`restart_rollout`)."""
 
     @property
     def name(self) -> str:
@@ -642,6 +836,9 @@ class RayExecutor(Executor):
                     "world size or set ray.placement = \"split\""
                 )
             return group
+        return self._new_group(name, world)
+
+    def _new_group(self, name: str, world: int) -> WorkerGroup:
         cfg = self.config
         group = WorkerGroup(name, world, num_cpus=cfg.num_cpus_per_worker, num_gpus=self._gpus,
                             strategy=cfg.strategy, timeout_s=cfg.placement_timeout_s)
@@ -681,7 +878,7 @@ class RayExecutor(Executor):
     def rollout_engine(self, backend: str, spec: EngineSpec) -> RolloutEngine:
         """Place the rollout engine: ``ray.parallel.rollout.dp`` replicas (or one per colocated rank)."""
         place, spec, info = self._place("rollout", "rollout", backend, spec)
-        return RayRolloutEngine(place, spec, info)
+        return RayRolloutEngine(place, spec, info, backend=backend, executor=self, keep=self._keep)
 
     def reward_engine(self, backend: str, spec: EngineSpec) -> RewardEngine:
         """Place a reward-model engine as replicas."""
@@ -689,8 +886,60 @@ class RayExecutor(Executor):
         return RayRewardEngine(place, info)
 
     def weight_sync(self, actor_backend: str, rollout_backend: str) -> WeightSync:
-        """A :class:`RayWeightSync` for the pair."""
-        return RayWeightSync(actor_backend, rollout_backend)
+        """A :class:`RayWeightSync` for the pair (keeping the last weights sent when a replaced
+        rollout group could not get them from the actor)."""
+        return RayWeightSync(actor_backend, rollout_backend, keep=self._keep)
+
+    def restart_rollout(
+        self, place: _Placed, backend: str, spec: EngineSpec, err: WorkerFailedError, call: str
+    ) -> None:
+        """Replace the rollout's worker group, after ``err`` (a worker's death) during ``call``.
+
+        Kills what is left of the group, removes its placement group, then places a fresh group
+        of as many workers with the same resources and builds the engine from ``spec`` on each.
+        Logs one warning and counts in :attr:`rollout_restarts` (the metric ``ray/rollout_restarts``).
+
+        Raises:
+            WorkerFailedError: ``err`` (with a note saying why), when the group also hosts other
+                roles (``placement = "colocated"``) or ``ray.max_rollout_restarts`` replacements
+                were made already.
+            ConfigError: the cluster cannot place the fresh group within ``ray.placement_timeout_s``.
+        """
+        old, role = place.group, place.role
+        limit = self.config.max_rollout_restarts
+        others = sorted(r for r in old.roles if r != role)
+        if others:
+            err.add_note(f"the {role} worker is not replaced: its processes also host {', '.join(others)} "
+                         "(ray.placement = \"colocated\"), whose state only a checkpoint restores")
+            raise err
+        if self.rollout_restarts >= limit:
+            if limit:
+                err.add_note(f"the {role} worker group was replaced {limit} time(s) already in this run, the "
+                             "limit ray.max_rollout_restarts")
+            raise err
+        self.rollout_restarts += 1
+        pid = old.info[err.rank].get("pid") if err.rank < len(old.info) else None
+        log.warning("Ray %s worker rank %d (pid %s) died during %s: %s; replacing the %s worker group (restart %d "
+                    "of %d, ray.max_rollout_restarts)", role, err.rank, pid, call, _first_line(err.__cause__ or err),
+                    role, self.rollout_restarts, limit)
+        kind = old.roles.pop(role)
+        old.shutdown()  # gives its bundles back for the fresh group
+        group: WorkerGroup | None = None
+        try:
+            group = self._new_group(old.name, old.world)
+            group.run(role, "build", [(role, kind, backend, spec)] * group.world)
+        except BaseException as e:
+            if group is not None:
+                group.shutdown()
+            e.add_note(f"raised while replacing the {role} worker group after its worker rank {err.rank} died "
+                       f"during {call} ({_first_line(err.__cause__ or err)})")
+            raise
+        group.roles[role] = kind
+        place.group = group
+
+    def metrics(self) -> dict[str, float]:
+        """``ray/rollout_restarts``: rollout worker groups replaced so far in this process."""
+        return {"ray/rollout_restarts": self.rollout_restarts}
 
     def close(self) -> None:
         """Kill every worker, remove the placement groups, and stop a cluster this executor started."""

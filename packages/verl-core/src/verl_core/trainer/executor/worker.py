@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,9 +39,28 @@ class _Export:
 
     stream: Iterator[WeightMessage]
     consumers: int
+    serial: int  # this worker's count of streams opened: a reader of an earlier one is refused
+    keep: bool = False  # keep every message's ObjectRef for export_kept (else dropped once all took it)
     produced: list[Any] = field(default_factory=list)  # ObjectRef per message (None once all took it)
     taken: list[int] = field(default_factory=list)
     done: bool = False
+
+
+def _as_version(stream: Iterable[WeightMessage], version: int | None, counted: list[int]) -> Iterator[WeightMessage]:
+    """``stream`` up to its commit, with the manifest and the commit stamped ``version`` (None: as they
+    are); adds the tensors and bytes sent to ``counted[0]`` and ``counted[1]``, the version to ``counted[2]``."""
+    for msg in stream:
+        if isinstance(msg, WeightManifest):
+            if version is not None:
+                msg = WeightManifest(version, msg.tensors, msg.tied_embeddings)
+            counted[2] = msg.version
+        elif isinstance(msg, WeightChunk):
+            counted[0] += len(msg.tensors)
+            counted[1] += msg.nbytes
+        elif isinstance(msg, WeightCommit):
+            yield msg if version is None else WeightCommit(version)
+            return
+        yield msg
 
 
 class EngineWorker:
@@ -60,6 +79,7 @@ class EngineWorker:
         self.world = world
         self.engines: dict[str, Any] = {}
         self._exports: dict[str, _Export] = {}
+        self._opened = 0
 
     # ------------------------------------------------------------------ group setup
     def describe(self) -> dict[str, Any]:
@@ -148,13 +168,21 @@ class EngineWorker:
             engine.close()
 
     # ------------------------------------------------------------------ weight streams
-    def export_open(self, role: str, dtype: torch.dtype | None, bucket_bytes: int, consumers: int) -> None:
-        """Start serving ``role``'s weight stream to ``consumers`` readers (see :meth:`export_next`)."""
+    def export_open(
+        self, role: str, dtype: torch.dtype | None, bucket_bytes: int, consumers: int, keep: bool = False
+    ) -> int:
+        """Start serving ``role``'s weight stream to ``consumers`` readers (see :meth:`export_next`);
+        with ``keep`` every message stays in the object store for :meth:`export_kept`. Returns the
+        stream's serial, which its readers pass to :meth:`export_next`."""
         stream = self._engine(role).export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
-        self._exports[role] = _Export(iter(stream), consumers)
+        self._opened += 1
+        self._exports[role] = _Export(iter(stream), consumers, self._opened, keep)
+        return self._opened
 
-    def export_next(self, role: str, index: int) -> list[Any]:
-        """Message ``index`` of the open stream, as ``[ObjectRef]``.
+    def export_next(self, role: str, index: int, serial: int | None = None) -> list[Any]:
+        """Message ``index`` of the open stream, as ``[ObjectRef]``; with ``serial``, only if the open
+        stream is that one (a reader of a stream that was abandoned, e.g. after a reader died and
+        the sync was sent again, is refused instead of taking a message of the new one).
 
         Each message is put into the object store as soon as it is produced (a chunk is valid only
         until the next one is requested, so it is copied at once) and dropped here once every
@@ -163,8 +191,9 @@ class EngineWorker:
         import ray
 
         exp = self._exports.get(role)
-        if exp is None:
-            raise WeightSyncError(f"no weight stream of role {role!r} is open on rank {self.rank}")
+        if exp is None or (serial is not None and serial != exp.serial):
+            raise WeightSyncError(f"no weight stream of role {role!r} is open on rank {self.rank}"
+                                  + (f" with serial {serial}" if serial is not None else ""))
         while len(exp.produced) <= index:
             if exp.done:
                 raise WeightSyncError(f"weight stream of role {role!r} ended before message {index}")
@@ -179,9 +208,21 @@ class EngineWorker:
         if ref is None:
             raise WeightSyncError(f"message {index} of role {role!r}'s weight stream was already taken by every reader")
         exp.taken[index] += 1
-        if exp.taken[index] >= exp.consumers:
+        if exp.taken[index] >= exp.consumers and not exp.keep:
             exp.produced[index] = None
         return [ref]
+
+    def export_kept(self, role: str) -> list[Any]:
+        """The ObjectRef of every message of the open stream, opened with ``keep`` and read to its commit.
+
+        The caller holds them (as a borrower) after :meth:`export_finish` drops this worker's own.
+        """
+        exp = self._exports.get(role)
+        if exp is None or not exp.keep or not exp.done or any(ref is None for ref in exp.produced):
+            raise WeightSyncError(
+                f"role {role!r} on rank {self.rank} has no complete weight stream opened with keep=True to hand over"
+            )
+        return list(exp.produced)
 
     def export_finish(self, role: str) -> None:
         """Run the open stream to its end (so peers in collectives finish) and close it."""
@@ -195,39 +236,39 @@ class EngineWorker:
         for _ in self._engine(role).export_weights(dtype=dtype, bucket_bytes=bucket_bytes):
             pass
 
-    def update_from(self, role: str, source: Any, source_role: str, version: int) -> SyncReport:
-        """Pull ``source_role``'s open weight stream from worker ``source`` into ``role``'s engine."""
-        import time
-
+    def update_from(
+        self, role: str, source: Any, source_role: str, version: int, serial: int | None = None
+    ) -> SyncReport:
+        """Pull ``source_role``'s open weight stream (the one of ``serial``, when given) from worker
+        ``source`` into ``role``'s engine."""
         import ray
-
-        t0 = time.perf_counter()
-        counted = [0, 0]
 
         def pull() -> Iterator[WeightMessage]:
             index = 0
             while True:
-                [ref] = ray.get(source.export_next.remote(source_role, index))
+                [ref] = ray.get(source.export_next.remote(source_role, index, serial))
                 msg: WeightMessage = ray.get(ref)
                 index += 1
-                if isinstance(msg, WeightManifest):
-                    msg = WeightManifest(version, msg.tensors, msg.tied_embeddings)
-                elif isinstance(msg, WeightChunk):
-                    counted[0] += len(msg.tensors)
-                    counted[1] += msg.nbytes
-                elif isinstance(msg, WeightCommit):
-                    yield WeightCommit(version)
-                    return
                 yield msg
+                if isinstance(msg, WeightCommit):
+                    return
 
-        self._engine(role).update_weights(pull())
-        return SyncReport(version, counted[0], counted[1], time.perf_counter() - t0)
+        return self._apply(role, pull(), version)
 
-    def update_from_refs(self, role: str, refs: list[Any]) -> None:
-        """Apply a weight stream whose messages the controller put into the object store."""
+    def update_from_refs(self, role: str, refs: list[Any], version: int | None = None) -> SyncReport:
+        """Apply a weight stream whose messages are in the object store (``refs``, in order), stamped
+        ``version`` (None: the version its manifest carries)."""
         import ray
 
-        self._engine(role).update_weights(ray.get(r) for r in refs)
+        return self._apply(role, (ray.get(r) for r in refs), version)
+
+    def _apply(self, role: str, stream: Iterable[WeightMessage], version: int | None) -> SyncReport:
+        import time
+
+        t0 = time.perf_counter()
+        counted = [0, 0, 0]
+        self._engine(role).update_weights(_as_version(stream, version, counted))
+        return SyncReport(counted[2], counted[0], counted[1], time.perf_counter() - t0)
 
     def sync_local(
         self, actor_role: str, rollout_role: str, actor_backend: str, rollout_backend: str, version: int

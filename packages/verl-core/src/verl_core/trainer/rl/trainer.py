@@ -242,7 +242,8 @@ class Trainer:
         b = cfg.backends
         self._say_backends()
         # engines are placed by the executor (this process, or Ray worker groups) and called alike
-        ex = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
+        ex = make_executor(cfg.executor, cfg.ray, device=cfg.model.device,
+                           rollout_during_update=cfg.async_training.lookahead > 0)
         e = self.engines
         e.build(cfg, ex, self._spec, path, use_reference=self.use_reference, use_critic=self.use_critic)
         tokenizer = e.rollout.tokenizer
@@ -365,6 +366,7 @@ class Trainer:
         if state.batch.batch_size:
             self.weights.sync(state)  # the next step samples from the new policy
         finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
+        state.metrics.update(self.executor.metrics())  # the Ray executor's ray/rollout_restarts
         if self.memory_plan is not None:
             state.metrics.update(self.memory_plan.metrics())
         self.evaluator.on_step(state)

@@ -91,6 +91,7 @@ RESUME_SAFE_KEYS: Final[tuple[str, ...]] = (
     "ray.num_cpus",
     "ray.object_store_memory",
     "ray.placement_timeout_s",
+    "ray.max_rollout_restarts",  # a replaced rollout serves the same weights and samples the same
 )
 """Config keys (``fnmatch`` patterns over dotted keys) a resumed run may change: none changes what
 a step computes, so the resumed run still matches an uninterrupted one. Every other key must equal
