@@ -15,15 +15,17 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from verl_tiny_backend.model import Rope
+from verl_tiny_backend.model import Model, Rope
+from verl_tiny_backend.plugin import ROLLOUT_CAPABILITIES
 from verl_tiny_backend.rollout import TinyRolloutEngine
-from verl_tiny_backend.training import TinyTrainingEngine
+from verl_tiny_backend.training import DTYPES, TinyTrainingEngine
 
 from verl_core import (
     EngineSpec,
     GlobalBatchStats,
     LossFn,
     Metrics,
+    RolloutCapabilities,
     SamplingParams,
     StepMetrics,
     TensorBatch,
@@ -62,7 +64,9 @@ __all__ = [
     "SchedulerNotCheckpointed",
     "SkippedStepCounted",
     "StepCountNotCheckpointed",
+    "TiesToTheHighestId",
     "TopPBeforeTemperature",
+    "TopTokenDropped",
     "UndeclaredSettingsIgnored",
     "UnseededIsSeedZero",
     "VersionCountsSkippedSteps",
@@ -152,19 +156,29 @@ class GreedyWhileReportingSoftmax(TinyRolloutEngine):
         return super()._sample(rows, replace(params, greedy=True), seeds)
 
 
-class _TopPFirstSampler(TokenSampler):
+class _KeptSetSampler(TokenSampler):
+    """A sampler whose top-k / nucleus set a fault chooses (:meth:`_kept`); greedy and untruncated steps as usual."""
+
+    def _kept(self, logits: Tensor, logp: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         p = self.params
-        if p.greedy or self.uniforms is None:
+        if p.greedy or self.uniforms is None or not p.truncates:
             return super().step(logits, t, alive)
         logp = tempered_log_probs(logits, p.temperature)
-        keep = kept_probs(logits.float(), p.top_k, p.top_p) > 0  # the nucleus of the untempered logits
         u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-        tok = inverse_cdf(torch.where(keep, logp.exp(), 0.0), u)
+        tok = inverse_cdf(self._kept(logits, logp), u)
         tok = torch.where(alive, tok, self.pad)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
         return tok, torch.where(alive, lp, 0.0), stopped
+
+
+class _TopPFirstSampler(_KeptSetSampler):
+    def _kept(self, logits: Tensor, logp: Tensor) -> Tensor:
+        keep = kept_probs(logits.float(), self.params.top_k, self.params.top_p) > 0  # the untempered logits' set
+        return torch.where(keep, logp.exp(), 0.0)
 
 
 class TopPBeforeTemperature(_SamplerRollout):
@@ -172,6 +186,46 @@ class TopPBeforeTemperature(_SamplerRollout):
 
     def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
         return _TopPFirstSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+
+class _TopTokenDroppedSampler(_KeptSetSampler):
+    def _kept(self, logits: Tensor, logp: Tensor) -> Tensor:
+        rest = logp.scatter(-1, torch.argmax(logits, -1, keepdim=True), -math.inf)
+        return kept_probs(rest, self.params.top_k, self.params.top_p)
+
+
+class TopTokenDropped(_SamplerRollout):
+    """Leaves the most likely token out of the top-k / nucleus set (top_k=1 samples the runner-up)."""
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return _TopTokenDroppedSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+
+class _HighestIdFirstSampler(_KeptSetSampler):
+    def _kept(self, logits: Tensor, logp: Tensor) -> Tensor:
+        # the engine kit's rule over the reversed vocabulary: equal logits rank the highest id first
+        p = self.params
+        return kept_probs(logp.flip(-1), p.top_k, p.top_p, ranking=logits.flip(-1)).flip(-1)
+
+
+class TiesToTheHighestId(_SamplerRollout):
+    """Not a fault: in bfloat16, top-k and the nucleus break a tie at the top to the highest id (greedy: the lowest).
+
+    Declares bfloat16 (the tiny backend does not) and runs its model in the spec's dtype.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32"))  # the tiny backend refuses an undeclared dtype
+        self._spec = spec
+        self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The tiny rollout's capabilities, with bfloat16 declared."""
+        return replace(ROLLOUT_CAPABILITIES, dtypes=frozenset({"float32", "bfloat16"}))
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return _HighestIdFirstSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
 
 
 # ---------------------------------------------------------------------------------------- stop conditions

@@ -15,18 +15,22 @@ from typing import Any
 
 import faulty_engines as faulty
 import pytest
+import torch
 from verl_tiny_backend.rollout import build_rollout_engine
 from verl_tiny_backend.training import build_training_engine
 
 from verl_conformance import ConformanceError, check_backend
 from verl_conformance.api import run_conformance
-from verl_conformance.harness import Subject
+from verl_conformance.checks import CHECKS
+from verl_conformance.harness import Harness, Subject
+from verl_conformance.runner import run_one
 from verl_core import (
     PROTOCOL_VERSION,
     BackendSpec,
     ConfigError,
     EngineSpec,
     RolloutCapabilities,
+    SamplingParams,
     TrainingCapabilities,
     hookimpl,
 )
@@ -52,6 +56,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      ["numerics::rollout_log_probs_match_reference", "invariance::truncated_sampling_keeps_top_token",
       "numerics::sampled_tokens_follow_log_probs"],
      "numerics::sampled_tokens_follow_log_probs", ["sampling at T=0.5, top_p=0.42", "other tokens: sampled"]),
+    # the check accepts a tie at the top broken another way (bfloat16): the most likely token must still stay
+    ("top-token-dropped", None, faulty.TopTokenDropped,
+     ["numerics::rollout_log_probs_match_reference", "invariance::truncated_sampling_keeps_top_token"],
+     "invariance::truncated_sampling_keeps_top_token",
+     ["top_k=1: sample 0 (prompt 0)", "is below the most likely token's", "float32 near-tie margin 0.0001"]),
     ("scheduler-not-checkpointed", faulty.SchedulerNotCheckpointed, None,
      ["schema::train_step_metrics", "differential::trajectory_matches_reference", "stateful::checkpoint_round_trip"],
      "stateful::checkpoint_round_trip",
@@ -162,6 +171,24 @@ def test_the_tiny_backend_passes_the_new_checks() -> None:
     report = check_backend("tiny", make_training_engine=build_training_engine,
                            make_rollout_engine=build_rollout_engine, checks=targets)
     assert {r.id: r.status for r in report.results} == dict.fromkeys(targets, "passed")
+
+
+@pytest.mark.slow
+def test_a_tie_at_the_top_broken_to_another_id_passes_in_bfloat16() -> None:
+    """bfloat16 logits tie exactly at the top; a backend may break such a tie its own way (vLLM keeps every
+    token tied with the k-th), so top_k=1 leaves the greedy path there and the check still passes."""
+    h = Harness(Subject.from_factories("ties-to-the-highest-id", make_rollout=faulty.TiesToTheHighestId),
+                dtype="bfloat16")
+    try:
+        engine = h.rollout()
+        prompts = h.batch(seed=66, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")  # the check's
+        greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=5))["response_ids"]
+        for params in (SamplingParams(top_k=1, max_new_tokens=5), SamplingParams(top_p=1e-6, max_new_tokens=5)):
+            # the tie is there: the samples leave the greedy path, which the check used to require
+            assert not torch.equal(engine.generate(prompts, params)["response_ids"], greedy), params
+        assert run_one(CHECKS["invariance::truncated_sampling_keeps_top_token"], h) == ("passed", "")
+    finally:
+        h.cache.close()
 
 
 # ------------------------------------------------------------------------------ roles on the factory route

@@ -89,6 +89,11 @@ def test_reproduction_names_the_backend_or_the_factories() -> None:
 
     text = reproduction("schema::forward_layout", "hf", "example")
     assert "--verl-backend hf --verl-against example" in text and "check_backend('hf', against='example'" in text
+    # a run in bfloat16 reproduces through pytest only (check_backend runs float32)
+    text = reproduction("invariance::truncated_sampling_keeps_top_token", "hf",
+                        pytest_flags=["--verl-dtype bfloat16", "--verl-options '{\"rollout_cache\": \"static\"}'"])
+    assert text == ("pytest --pyargs verl_conformance --verl-backend hf --verl-dtype bfloat16 --verl-options "
+                    "'{\"rollout_cache\": \"static\"}' -k 'TestInvariance and test_truncated_sampling_keeps_top_token'")
     from verl_example_backend.training import ExampleTrainingEngine
 
     mine = Subject("mine", ExampleTrainingEngine, lambda spec: None)

@@ -44,6 +44,70 @@ def test_kept_probs_and_inverse_cdf() -> None:
         assert int(inverse_cdf(probs, torch.tensor([u]))) == i
 
 
+def _tied_bf16_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """float32 logits with bfloat16's values: a narrow range, so many tokens tie exactly, at the top too."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * 0.05 + 2.0).to(torch.bfloat16).float()
+
+
+def _ranking(logits: torch.Tensor) -> torch.Tensor:
+    """Token ids by logit, largest first, equal logits by id (the tie rule, computed one row at a time)."""
+    return torch.stack([torch.tensor(sorted(range(len(r)), key=lambda i: (-float(r[i]), i))) for r in logits])
+
+
+def test_top_k_keeps_exactly_k_tokens_with_ties_to_the_lowest_id_in_bfloat16() -> None:
+    logits = _tied_bf16_logits(64, 100, seed=0)
+    top = logits.max(-1, keepdim=True).values
+    assert int(((logits == top).sum(-1) > 1).sum()) > 10  # the rows do tie at the top
+    ranking = _ranking(logits)
+    for k in (1, 2, 5, 37):
+        kept = kept_probs(logits, k, 1.0) > 0
+        assert kept.sum(-1).tolist() == [k] * 64, f"top_k={k} kept another count of tokens"
+        want = torch.zeros_like(kept).scatter(-1, ranking[:, :k], True)
+        assert torch.equal(kept, want), f"top_k={k}: the tokens tied with the k-th are not the lowest ids"
+    # top_k=1 keeps the greedy token: torch.argmax takes the first (lowest) index among equal maxima
+    assert torch.equal((kept_probs(logits, 1, 1.0) > 0).int().argmax(-1), torch.argmax(logits, -1))
+
+
+def test_nucleus_boundary_inside_a_tie_keeps_the_lower_ids() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.3, 0.3, 0.3]]))  # three tokens tie; 0.5 ends inside the tie
+    assert (kept_probs(logits, 0, 0.5) > 0).tolist() == [[False, True, True, False]]
+    assert (kept_probs(logits, 0, 1e-6) > 0).tolist() == [[False, True, False, False]]
+    assert (kept_probs(logits, 2, 0.99) > 0).tolist() == [[False, True, True, False]]  # top-k, then the nucleus
+    logits = _tied_bf16_logits(64, 100, seed=1)
+    ranking = _ranking(logits)
+    for top_p in (1e-6, 0.05, 0.5):
+        kept = kept_probs(logits, 0, top_p) > 0
+        # the kept tokens are a prefix of the ranking, whatever the ties
+        assert torch.equal(kept.gather(-1, ranking), torch.arange(100) < kept.sum(-1, keepdim=True)), top_p
+    assert torch.equal(kept_probs(logits, 0, 1e-6).argmax(-1), torch.argmax(logits, -1))
+
+
+def test_top_k_one_and_a_tiny_nucleus_sample_the_greedy_token_in_bfloat16() -> None:
+    logits = _tied_bf16_logits(32, 100, seed=2)
+    alive = torch.ones(32, dtype=torch.bool)
+    stops = torch.tensor([0])
+    greedy, _, _ = TokenSampler(SamplingParams(greedy=True), 1, stops, None).step(logits, 0, alive)
+    g = torch.Generator().manual_seed(3)
+    for params in (SamplingParams(top_k=1, temperature=0.7), SamplingParams(top_p=1e-6),
+                   SamplingParams(top_k=3, top_p=1e-6, temperature=1.3)):
+        for _ in range(4):
+            uniforms = torch.rand(32, 1, generator=g, dtype=torch.float64)
+            tok, _, _ = TokenSampler(params, 1, stops, uniforms).step(logits, 0, alive)
+            assert torch.equal(tok, greedy), params
+
+
+def test_truncation_ranks_by_the_logits_where_the_temperature_rounds_them_together() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 1.5]])
+    # at T = 1e30 the tempered log-probs of every token are equal; top-k still keeps the largest logit
+    params = SamplingParams(top_k=1, temperature=1e30)
+    tok, _, _ = TokenSampler(params, 0, torch.tensor([9]), torch.tensor([[0.0]], dtype=torch.float64)).step(
+        logits, 0, torch.ones(1, dtype=torch.bool))
+    assert int(tok) == 2
+    logp = torch.log_softmax(logits / 1e30, -1)
+    assert (kept_probs(logp, 2, 1.0, ranking=logits) > 0).tolist() == [[False, False, True, True]]
+
+
 def test_token_sampler_pads_finished_rows_and_flags_stops() -> None:
     logits = torch.tensor([[0.0, 5.0, 0.0], [5.0, 0.0, 0.0]])
     sampler = TokenSampler(SamplingParams(greedy=True), pad=0, stops=torch.tensor([1]), uniforms=None)

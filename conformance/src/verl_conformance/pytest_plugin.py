@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import warnings
 from collections.abc import Callable, Generator
 from typing import Any
@@ -149,15 +150,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         subject = getattr(harness, "subject", None)
         from verl_conformance.runner import reproduction
 
+        flags = _setting_flags(item.config)
+        node = " ".join([f"pytest '{item.nodeid}'", *flags])
         if subject is not None and not subject.registered:
             # engines from overridden fixtures: --verl-backend (if any) is not what ran
-            text = f"pytest '{item.nodeid}'\n" + reproduction(check_id, subject, against)
+            text = f"{node}\n" + reproduction(check_id, subject, against)
         elif backend and cls is not None and cls.__module__ == "verl_conformance.test_conformance":
-            text = reproduction(check_id, backend, against)
+            text = reproduction(check_id, backend, against, pytest_flags=flags)
         else:
-            text = f"pytest '{item.nodeid}'"
+            text = node
         report.sections.append(("verl conformance: reproduce", f"check {check_id}\n{text}"))
     return report
+
+
+def _setting_flags(config: pytest.Config) -> list[str]:
+    """The --verl-dtype, --verl-device and --verl-options a run was given other than the defaults."""
+    flags = [f"{flag} {value}" for flag, value, default in (
+        ("--verl-dtype", config.getoption("--verl-dtype"), "float32"),
+        ("--verl-device", config.getoption("--verl-device"), "cpu")) if value != default]
+    raw = config.getoption("--verl-options", None)
+    if raw:
+        flags.append(f"--verl-options {shlex.quote(raw)}")
+    return flags
 
 
 @pytest.fixture(scope="session")

@@ -153,12 +153,15 @@ def select_checks(checks: Sequence[str] | None = None, areas: Sequence[str] | No
     return out
 
 
-def reproduction(check_id: str, backend: str | Subject, against: str | None = None) -> str:
+def reproduction(check_id: str, backend: str | Subject, against: str | None = None, *,
+                 pytest_flags: Sequence[str] = ()) -> str:
     """Commands that re-run one check alone.
 
     An installed backend (a name, or a registry Subject) gets the pytest and the Python command;
     engines given as factories get the ``check_backend`` call with those factories (and their
-    imports), since no installed backend ran.
+    imports), since no installed backend ran. ``pytest_flags`` (such as ``--verl-dtype bfloat16``)
+    are settings only the pytest form takes: the pytest command gets them and the Python command,
+    which would run float32 on cpu with no options, is left out.
     """
     if isinstance(backend, Subject):
         if not backend.registered:
@@ -173,8 +176,13 @@ def reproduction(check_id: str, backend: str | Subject, against: str | None = No
         )
     ag = f" --verl-against {against}" if against else ""
     ag_py = f", against={against!r}" if against else ""
+    flags = "".join(f" {f}" for f in pytest_flags)
+    command = (f"pytest --pyargs verl_conformance --verl-backend {backend}{ag}{flags} "
+               f"-k '{pytest_suffix(c).split('::')[0]} and test_{c.name}'")
+    if pytest_flags:
+        return command
     return (
-        f"pytest --pyargs verl_conformance --verl-backend {backend}{ag} -k '{pytest_suffix(c).split('::')[0]} and test_{c.name}'\n"
+        f"{command}\n"
         f"python -c \"from verl_conformance import check_backend; check_backend({backend!r}{ag_py}, checks=[{check_id!r}])\""
     )
 

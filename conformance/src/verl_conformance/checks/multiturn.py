@@ -29,7 +29,7 @@ from verl_conformance.checks.numerics import one_update
 from verl_conformance.harness import SUITE_OPTIM, Harness
 from verl_conformance.losses import SuiteLoss
 from verl_conformance.reference import ReferenceModel, cached_outputs, greedy_reference
-from verl_conformance.testkit import eos_model_continuation, load_tokenizer, tolerance
+from verl_conformance.testkit import eos_model_continuation, load_tokenizer, near_tie_margin
 from verl_core import (
     BatchMeta,
     GlobalBatchStats,
@@ -269,7 +269,7 @@ def check_rollout_continues_multi_turn_prefix(h: Harness) -> None:
                    f"rollout_log_probs {what} vs the float64 reference of those exact ids; {rules}",
                    mask=sampled["response_mask"])
     greedy = engine.generate(batch, SamplingParams(greedy=True, max_new_tokens=6))
-    margin = max(1e-4, 2 * tolerance(h.dtype, "log_probs").atol)
+    margin = near_tie_margin(h.dtype)
     for b, prefix in enumerate(prefixes):
         toks = _real(greedy, "response_ids", "response_mask", b)
         want, decided = greedy_reference(path, torch.tensor(prefix), 6, {engine.tokenizer.eos_token_id}, margin=margin)

@@ -23,7 +23,7 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.positions import left_padded_batch
 from verl_conformance.harness import Harness
 from verl_conformance.reference import cached_outputs
-from verl_conformance.testkit import LONG_ROPE_TRAINED, ROPE_SCALINGS, tolerance
+from verl_conformance.testkit import LONG_ROPE_TRAINED, ROPE_SCALINGS, near_tie_margin
 from verl_core import ConfigError, SamplingParams, TensorBatch
 
 _PROMPTS = (30, 26, 33)
@@ -104,7 +104,7 @@ def greedy_tokens_match(h: Harness, out: TensorBatch, ref: dict[str, Tensor], wh
     ``ref`` holds the reference's ``log_probs`` and ``max_log_probs`` of ``out``'s samples. A token
     whose log-prob is within the dtype's margin of the maximum is a near tie either choice passes.
     """
-    margin = max(1e-4, 2 * tolerance(h.dtype, "log_probs").atol)
+    margin = near_tie_margin(h.dtype)
     mask = out["response_mask"].cpu()
     short = (ref["max_log_probs"] - ref["log_probs"]) > margin
     bad = (short & mask).nonzero()

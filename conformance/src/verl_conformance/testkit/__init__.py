@@ -4,7 +4,8 @@
   shaped transformers folders, tied or untied, with an offline character-level tokenizer; sizes
   divide by 2 so TP=2 and PP=2 work; head_dim >= 32 (vLLM's CPU attention needs it).
 * :func:`reference_forward`: log-probs, entropy and values in float64 with transformers.
-* :data:`TOLERANCES` / :func:`assert_close`: the tolerance tiers per dtype, declared once.
+* :data:`TOLERANCES` / :func:`assert_close`: the tolerance tiers per dtype, declared once;
+  :func:`near_tie_margin`: the log-prob gap under which two tokens are a near tie in a dtype.
 * :func:`random_batch`: ragged, correctly padded TensorBatches for tests.
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
@@ -39,7 +40,13 @@ from verl_conformance.testkit.models import (
     tiny_model,
 )
 from verl_conformance.testkit.reference import reference_forward
-from verl_conformance.testkit.tolerances import TOLERANCES, Tolerance, assert_close, tolerance
+from verl_conformance.testkit.tolerances import (
+    TOLERANCES,
+    Tolerance,
+    assert_close,
+    near_tie_margin,
+    tolerance,
+)
 
 __all__ = [
     "ARCHS",
@@ -62,6 +69,7 @@ __all__ = [
     "load_tokenizer",
     "long_rope_model",
     "nan_reward_model",
+    "near_tie_margin",
     "perturbed_model",
     "random_batch",
     "reference_forward",

@@ -8,7 +8,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-__all__ = ["TOLERANCES", "Tolerance", "assert_close", "tolerance"]
+__all__ = ["TOLERANCES", "Tolerance", "assert_close", "near_tie_margin", "tolerance"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,17 @@ def tolerance(dtype: str | torch.dtype, quantity: str) -> Tolerance:
     except KeyError:
         raise KeyError(f"no tolerance for dtype {name!r} / quantity {quantity!r}; tiers: "
                        f"{ {k: sorted(v) for k, v in TOLERANCES.items()} }") from None
+
+
+def near_tie_margin(dtype: str | torch.dtype) -> float:
+    """The log-prob gap under which two tokens are a near tie that an engine in ``dtype`` may break either way.
+
+    Twice the dtype's log-prob ``atol`` (each of the two log-probs may be off by it), at least 1e-4:
+    bfloat16 logits carry ~1e-2 error and tie exactly where they round to one value, float32
+    ~1e-6. A token whose float64 reference log-prob is within this margin of the most likely
+    token's is a most likely token for the checks that compare chosen tokens with the reference.
+    """
+    return max(1e-4, 2 * tolerance(dtype, "log_probs").atol)
 
 
 def assert_close(

@@ -102,23 +102,45 @@ def tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(z / temperature if temperature != 1.0 else z, -1)
 
 
-def kept_probs(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+def kept_probs(scaled: Tensor, top_k: int, top_p: float, *, ranking: Tensor | None = None) -> Tensor:
     """softmax(scaled) with the tokens outside the top-k / nucleus set zeroed (not renormalised).
 
-    The nucleus is the smallest prefix (by probability) whose mass reaches ``top_p``; the most
-    likely token always stays.
+    Tokens are ranked by ``ranking`` (default: ``scaled``) from the largest value down, equal
+    values by token id, lowest first: the order in which ``torch.argmax`` finds the first
+    maximum, so the first token of the ranking is always greedy's. Top-k keeps exactly the first
+    ``top_k`` tokens of the ranking, even where more tokens tie with the k-th (bfloat16 logits tie
+    often); the nucleus is the shortest prefix of the ranking (after top-k) whose mass reaches
+    ``top_p``, so a tie at its boundary keeps the lower ids. The first token of the ranking always
+    stays. :class:`TokenSampler` passes the float32 logits as ``ranking``: dividing by the
+    temperature can round two distinct logits to one value, and then the tie rule would part
+    from greedy's argmax over the logits.
+
+    Args:
+        scaled: Tempered logits (or log-probs) ``[..., vocab]``; their softmax is what is kept.
+        top_k: Tokens kept (0, or at least the vocabulary: all).
+        top_p: Nucleus mass (1.0: all).
+        ranking: Values that rank the tokens (a monotone function of ``scaled``), same shape.
     """
     probs = torch.softmax(scaled, -1)
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        probs = torch.where(scaled >= kth, probs, 0.0)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        keep_sorted = before < top_p * sorted_p.sum(-1, keepdim=True)
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, 0.0)
-    return probs
+    rank_by = scaled if ranking is None else ranking
+    vocab = scaled.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    if top_p >= 1.0:
+        if k < vocab:
+            kth = torch.topk(rank_by, k, dim=-1).values[..., -1:]
+            above = rank_by > kth
+            tied = rank_by == kth
+            room = k - above.sum(-1, keepdim=True)  # how many of the tokens tied with the k-th stay
+            probs = torch.where(above | (tied & (tied.cumsum(-1) <= room)), probs, 0.0)
+        return probs
+    # A stable descending sort keeps equal values in token-id order: the ranking, in one pass.
+    order = torch.sort(rank_by, dim=-1, descending=True, stable=True).indices
+    sorted_p = probs.gather(-1, order)
+    if k < vocab:
+        sorted_p[..., k:] = 0.0
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked before each one
+    keep_sorted = before < top_p * sorted_p.sum(-1, keepdim=True)  # the first token: 0 < top_p * mass
+    return torch.zeros_like(probs).scatter(-1, order, torch.where(keep_sorted, sorted_p, 0.0))
 
 
 _CDF_BLOCK: Final = 256
@@ -155,7 +177,9 @@ class TokenSampler:
 
     Pure tensor code with no host synchronisation (it runs inside a CUDA graph too): uniforms come
     from a precomputed [rows, steps] table (:func:`uniform_table`; None samples greedily), the step
-    index may be a device tensor.
+    index may be a device tensor. Greedy takes ``argmax(logits)`` (ties: the lowest id), and top-k /
+    the nucleus rank tokens by the same logits with the same tie rule (:func:`kept_probs`), so
+    ``top_k=1`` samples exactly the greedy token, in bfloat16 too.
 
     Args:
         params: The sampling parameters.
@@ -178,7 +202,8 @@ class TokenSampler:
             tok = torch.argmax(logits, -1)
         else:
             u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-            tok = inverse_cdf(kept_probs(logp, p.top_k, p.top_p), u)  # softmax(logp) = softmax(logits / T)
+            # softmax(logp) = softmax(logits / T); ranked by the logits themselves, as greedy's argmax
+            tok = inverse_cdf(kept_probs(logp, p.top_k, p.top_p, ranking=logits), u)
         tok = torch.where(alive, tok, self.pad)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
