@@ -110,3 +110,22 @@ def test_a_run_on_one_backend_prints_no_backends_line(tmp_path: Path) -> None:
         assert trainer.backend_roles() == dict.fromkeys(("actor", "rollout", "reference"), "tiny")
         trainer.setup()
     assert "backends:" not in stream.getvalue()
+
+
+@pytest.mark.parametrize("partial", ["continue", "restart"])
+def test_check_refuses_partial_rollouts_on_a_rollout_without_concurrent_weight_updates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], partial: str
+) -> None:
+    """The example backend's rollout takes no weights while it generates: --check says so, before any folder."""
+    out = tmp_path / "run"
+    async_keys = ["async_training.mode=async", "async_training.max_staleness=1",
+                  f"async_training.partial_rollouts={partial}"]
+    code, err = _train([*TINY, "backends.rollout=example", *async_keys, "--check", "--output-dir", str(out)], capsys)
+    assert code == 2, err
+    assert (f"config key 'async_training.partial_rollouts' = '{partial}'" in err
+            and "backend 'example' (config key 'backends.rollout')" in err
+            and "concurrent_weight_update" in err), err
+    assert not out.exists()
+    code, err = _train([*TINY, "backends.rollout=example", *async_keys[:2], "--check", "--output-dir", str(out)],
+                       capsys)
+    assert code == 0 and "config is valid" in err, err

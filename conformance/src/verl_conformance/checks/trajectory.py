@@ -150,6 +150,7 @@ def check_against_grpo_run(h: Harness) -> None:
     sync = _sync(a_roles["actor"], a_roles["rollout"])
     algorithm = grpo()
     roles = ", ".join(f"{r} {s.name}" for r, s in a_roles.items())
+    h.note(f"{me.name} run: {roles}; against {other.name} in every role")
     for step in range(GRPO_STEPS):
         params = SamplingParams(temperature=1.0, max_new_tokens=8, n=SAMPLES_PER_PROMPT, seed=1000 + step)
         samples = cut_at_pad(rollout.generate(step_prompts(h, step), params))

@@ -14,8 +14,8 @@ __all__ = ["ACTOR_CAPABILITIES", "CRITIC_CAPABILITIES", "ROLLOUT_CAPABILITIES", 
 
 ACTOR_CAPABILITIES = TrainingCapabilities(values=False)
 """Actor and reference: causal-LM folders, no value head."""
-CRITIC_CAPABILITIES = TrainingCapabilities(values=True)
-"""The critic: a value-head folder."""
+CRITIC_CAPABILITIES = TrainingCapabilities(values=True, log_probs=False, entropy=False)
+"""The critic: a value-head folder (values only: it has no lm_head)."""
 ROLLOUT_CAPABILITIES = RolloutCapabilities(exact_log_probs_truncated=True, concurrent_weight_update=True)
 """Log-probs of the untruncated tempered distribution, whatever top-k/top-p; weight updates on another
 thread take turns with generate (the engine kit's facade)."""

@@ -59,6 +59,7 @@ class TrainingEngineBase(TrainingEngine):
         return self.spec.role != "reference"
 
     def _where(self, method: str) -> str:
+        """The prefix of the errors of ``method``: ``"MyEngine.method (role)"`` (use it for your own)."""
         return f"{type(self).__name__}.{method} ({self.spec.role})"
 
     def forward_backward(

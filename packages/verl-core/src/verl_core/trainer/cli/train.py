@@ -182,7 +182,8 @@ def _roles(trainer: Trainer) -> dict[str, str]:
 
 def check_backends(config: RunConfig, roles: Mapping[str, str]) -> None:
     """Every role -> backend of ``roles`` is installed, provides that role, takes its options and
-    declares what the ``model`` section asks of it (``model.dtype``, ``model.device``, LoRA).
+    declares what the ``model`` section asks of it (``model.dtype``, ``model.device``, LoRA) and what
+    ``async_training.partial_rollouts`` asks of the rollout.
 
     Building the engines checks the same, but only after the output folder is claimed and the tiny
     model written; this fails a misspelt backend name, an option or a setting the backend does not
@@ -241,6 +242,14 @@ def _check_declared(config: RunConfig, role: Role, name: str, caps: Capabilities
             f"config key 'model.device' = {m.device!r}, but {which} declares its {role} engine runs on "
             f"{', '.join(sorted(caps.devices))} only; set model.device to {_one_of(caps.devices)}, or choose a "
             f"backend for the {role} that declares {device} (`verl backends` lists each backend's capabilities)"
+        )
+    partial = config.async_training.partial_rollouts
+    if partial != "finish" and isinstance(caps, RolloutCapabilities) and not caps.concurrent_weight_update:
+        raise ConfigError(
+            f"config key 'async_training.partial_rollouts' = {partial!r} sends new weights while the rollout is "
+            f"under way, but {which} does not declare RolloutCapabilities.concurrent_weight_update for its rollout "
+            "engine; set async_training.partial_rollouts='finish', or choose a rollout backend that declares it "
+            "(e.g. hf, vllm)"
         )
     if lora_of(config, role) is None:
         return
