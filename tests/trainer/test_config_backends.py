@@ -16,8 +16,8 @@ import pytest
 from verl_core import ConfigError
 from verl_core.cli import main
 from verl_core.trainer import Trainer
-from verl_core.trainer.cli.train import check_backends
 from verl_core.trainer.config import BackendsConfig, load_config
+from verl_core.trainer.run.backends import check_backends
 
 # a one-step run small enough to build every engine in a few seconds
 TINY = ("task.name=copy", "task.digits=1", "model.hidden_size=32", "model.intermediate_size=64",
@@ -129,3 +129,12 @@ def test_check_refuses_partial_rollouts_on_a_rollout_without_concurrent_weight_u
     code, err = _train([*TINY, "backends.rollout=example", *async_keys[:2], "--check", "--output-dir", str(out)],
                        capsys)
     assert code == 0 and "config is valid" in err, err
+
+
+def test_the_python_api_refuses_an_undeclared_dtype_before_it_claims_the_folder(tmp_path: Path) -> None:
+    """Trainer.setup() from Python checks the backends as `verl train` does, before writing anything."""
+    out = tmp_path / "run"
+    cfg = load_config(None, [*TINY, *ALL_TINY, "model.dtype=bfloat16", f"output_dir={json.dumps(str(out))}"])
+    with Trainer(cfg) as trainer, pytest.raises(ConfigError, match="'model.dtype' = 'bfloat16'.*float32 only"):
+        trainer.setup()
+    assert not out.exists()

@@ -10,11 +10,11 @@ from typing import Any
 
 from verl_core.trainer.cli.train import (
     add_run_arguments,
-    check_backends,
     config_folder,
     load_run_config,
     stop_on_signals,
 )
+from verl_core.trainer.run.backends import check_backends
 
 __all__ = ["register"]
 

@@ -66,6 +66,7 @@ from verl_core.trainer.rl.step_metrics import (
 from verl_core.trainer.rl.step_state import RunProgress, StepState
 from verl_core.trainer.rl.update import UpdateStage
 from verl_core.trainer.rl.weight_sync import SleepPolicy, WeightSyncStage
+from verl_core.trainer.run.backends import check_backends
 from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext, StepFailedError
 from verl_core.trainer.run.folder import RunDir
@@ -233,6 +234,8 @@ class Trainer:
         if not self.source.checked:  # a trainer set up again after close() has its data already
             self.source.load()
             self.source.checked = True
+        # a backend that is missing or declares less than the config asks fails before the folder is claimed
+        check_backends(cfg, self.backend_roles())
         run = self.ctx.prepare(resume)
         path = self.model_path()
         # what the engines will hold on the device: printed, and refused before any model loads when it cannot fit
