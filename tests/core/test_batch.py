@@ -222,7 +222,7 @@ def test_pickle_round_trips_exactly(batch: TensorBatch) -> None:
             assert back[k].dtype == batch[k].dtype
         assert back.extras == batch.extras and back.meta == batch.meta and back.batch_size == batch.batch_size
         with pytest.raises(AttributeError, match="immutable"):
-            back.foo = 1  # type: ignore[attr-defined]
+            back.foo = 1
 
 
 def test_unpickling_validates_like_the_constructor() -> None:

@@ -71,7 +71,7 @@ from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext, StepFailedError
 from verl_core.trainer.run.folder import RunDir
 from verl_core.trainer.run.memory_plan import MemoryPlan, plan_run_memory
-from verl_core.trainer.run.model import engine_spec
+from verl_core.trainer.run.model import check_model_folders, engine_spec
 from verl_core.trainer.sinks import MetricSinks
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
@@ -236,6 +236,7 @@ class Trainer:
             self.source.checked = True
         # a backend that is missing or declares less than the config asks fails before the folder is claimed
         check_backends(cfg, self.backend_roles())
+        check_model_folders(cfg, use_critic=self.use_critic)  # so does a critic_model or reward_model that is no folder
         run = self.ctx.prepare(resume)
         path = self.model_path()
         # what the engines will hold on the device: printed, and refused before any model loads when it cannot fit
@@ -251,7 +252,8 @@ class Trainer:
         e.build(cfg, ex, self._spec, path, use_reference=self.use_reference, use_critic=self.use_critic)
         tokenizer = e.rollout.tokenizer
         self.source.bind(tokenizer)
-        e.build_reward(cfg, self._spec("reward", path), self.task, columns=self.source.columns, base_dir=self.base_dir)
+        e.build_reward(cfg, self._spec("reward", cfg.reward_model or path), self.task, columns=self.source.columns,
+                       base_dir=self.base_dir, say=self.ctx.say)
         e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         # free memory is read once per run (the budget refined once by the first update) and
