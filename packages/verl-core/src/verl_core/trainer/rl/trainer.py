@@ -187,10 +187,14 @@ class Trainer:
         return roles
 
     def _say_backends(self) -> None:
-        """One line naming the backend of each role when the roles do not all use one backend.
+        """One line naming the backend of each role of :meth:`backend_roles` (the reward's when it
+        is not ``rule``) when the roles do not all use one backend.
 
         A role left unset runs on ``hf`` (the default of every ``backends.*`` key), which a run
-        whose other roles name another backend would not show otherwise.
+        whose other roles name another backend would not show otherwise. The line is printed
+        whatever ``logging.progress`` says (:meth:`~verl_core.trainer.run.context.RunContext.warn`:
+        above the progress bar, or with the bar off a WARNING of the ``verl_core.trainer.rl.trainer``
+        logger, which Python prints on stderr when logging is not configured).
         """
         roles = self.backend_roles()
         if len(set(roles.values())) < 2:
@@ -199,7 +203,7 @@ class Trainer:
         named = {r for r, n in roles.items() if n != getattr(default, r)}
         parts = [f"{role} {name}" + (f" (the default of backends.{role})" if named and role not in named else "")
                  for role, name in roles.items()]
-        self.ctx.say("backends: " + ", ".join(parts))
+        self.ctx.warn("backends: " + ", ".join(parts))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
