@@ -435,10 +435,10 @@ class RunConfig:
         model: The policy model.
         critic_model: Folder of the critic's model (empty = the policy model).
         reward_model: Folder of the reward model (empty = the policy model), the folder the reward
-            engine of ``backends.reward`` is built on; it must name a backend (not ``rule``). The
+            engine of ``backends.reward`` is built on (which must then name a backend, not ``rule``). The
             ``hf`` backend needs a trained sequence-classification model here (it refuses a
-            causal-LM folder such as the policy's). Checked before the output folder is claimed:
-            it must be an existing folder.
+            causal-LM folder such as the policy's). With the local executor it must be an
+            existing folder, checked before the output folder is claimed.
         task: The built-in task (its prompts and rule reward are used when ``data.train`` and
             ``reward.functions`` are empty).
         data: The user's dataset: training and evaluation prompts (``data.train``, ``data.eval``).
