@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_conformance import check_buffer
+from verl_conformance import check_backend, check_buffer
 from verl_core.trainer.batching.replay import HybridReplayBuffer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +30,16 @@ def test_a_buffer_without_disk_tier_skips_the_spill_check() -> None:
     report = check_buffer(memory_only, disk_tier=False)
     assert {r.id: r.status for r in report.results}["buffer::buffer_spill"] == "skipped"
     assert [r.status for r in report.results].count("passed") == 3
+
+
+def test_without_a_buffer_the_skip_names_pytest_s_option() -> None:
+    """The buffer area of a backend's run (check_backend, `verl conformance`) has no buffer: the skip says
+    where one is given, which is pytest's option (the `verl conformance` command has none) or check_buffer."""
+    report = check_backend("toy", checks=["buffer::buffer_capacity"])
+    [result] = report.results
+    assert result.status == "skipped"
+    assert result.message.startswith("no replay buffer selected: pass pytest's --verl-buffer MODULE:FACTORY"), result
+    assert "check_buffer" in result.message
 
 
 def test_check_buffer_runs_buffer_checks_only() -> None:

@@ -201,6 +201,39 @@ def test_load_refuses_arbitrary_pickles(tmp_path: Path) -> None:
         load_batch(tmp_path / "evil.pt")
 
 
+@pytest.mark.parametrize("batch", [
+    make_batch([(2, 3), (1, 0), (3, 1)]).with_meta(temperature=0.7, top_p=0.9, top_k=5, weight_version=3, step=4),
+    # extras of any picklable value (a replay buffer's spill file keeps what the wire format refuses)
+    TensorBatch({"scores": torch.tensor([0.5, -1.0])}, {"obj": [(1, "a"), {"k": [2.0]}], "none": [None, b"x"]}),
+    TensorBatch({}, {"answer": ["x", "y", "z"]}),  # extras only
+    TensorBatch({}, batch_size=3),  # neither fields nor extras: the batch size alone
+    TensorBatch({"prompt_ids": torch.zeros(0, 4, dtype=torch.int64)}),  # no samples
+], ids=["rl-fields", "object-extras", "extras-only", "size-only", "empty"])
+def test_pickle_round_trips_exactly(batch: TensorBatch) -> None:
+    """A spill tier writes batches with pickle: tensors (bit for bit, dtype, shape), extras, meta and size
+    come back; so does copy.deepcopy, which pickles alike."""
+    import copy
+    import pickle
+
+    for back in (pickle.loads(pickle.dumps(batch)), copy.deepcopy(batch)):
+        assert type(back) is TensorBatch and back is not batch
+        assert_same(back, batch)
+        for k in batch:
+            assert back[k].dtype == batch[k].dtype
+        assert back.extras == batch.extras and back.meta == batch.meta and back.batch_size == batch.batch_size
+        with pytest.raises(AttributeError, match="immutable"):
+            back.foo = 1
+
+
+def test_unpickling_validates_like_the_constructor() -> None:
+    """A pickle whose fields disagree is refused when it is read, as the constructor refuses them."""
+    batch = make_batch([(1, 1), (2, 2)])
+    rebuild, (cls, tensors, extras, meta, size) = batch.__reduce__()
+    assert rebuild(cls, tensors, extras, meta, size).batch_size == 2
+    with pytest.raises(BatchValidationError, match="field 'scores': dim 'batch' has size 5"):
+        rebuild(cls, {**tensors, "scores": torch.zeros(5)}, extras, meta, size)
+
+
 def test_save_rejects_non_json_extras(tmp_path: Path) -> None:
     b = TensorBatch({"scores": torch.zeros(1)}, {"obj": [object()]})
     with pytest.raises(BatchValidationError, match="extras must be JSON"):

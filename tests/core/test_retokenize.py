@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core import BatchMeta, FunctionReward, TensorBatch
-from verl_core.enginekit.retokenize import CrossTokenizerReward, retokenize, same_vocabulary
+from verl_core.enginekit.retokenize import (
+    CrossTokenizerReward,
+    max_token_bytes,
+    retokenize,
+    same_vocabulary,
+)
 
 ALPHABET = "abcdefgh0123456789=+"
 
@@ -135,3 +140,13 @@ def test_missing_reward_tokenizer_is_a_clear_error() -> None:
     engine = NoTokenizer(lambda p, r, e: 0.0, REWARD)
     with pytest.raises(Exception, match="pass reward_tokenizer="):
         CrossTokenizerReward(engine, POLICY)
+
+
+def test_max_token_bytes_bounds_a_re_encoded_sample() -> None:
+    """One byte per character of these tokenizers, plus one; specials add none; multi-byte characters count
+    their UTF-8 bytes, and a sample re-encoded one token per byte stays within n * max_token_bytes."""
+    assert max_token_bytes(POLICY) == 2
+    wide = CharTok("aé€😀")
+    assert max_token_bytes(wide) == 1 + 4
+    ids = [2, 3, 4, 5, 5]
+    assert len(wide.decode(ids).encode("utf-8")) <= len(ids) * max_token_bytes(wide)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -58,5 +62,27 @@ def test_non_finite_scores_raise_naming_the_samples() -> None:
 
 
 def test_a_causal_lm_folder_is_not_a_reward_model() -> None:
-    with pytest.raises(ConfigError, match="ForSequenceClassification"):
+    with pytest.raises(ConfigError, match=r"ForSequenceClassification.*set the config key reward_model"):
         HFRewardEngine(EngineSpec(model_path=model_path("llama"), role="reward"))
+
+
+def test_a_folder_without_the_score_head_s_weights_is_refused(tmp_path: Path) -> None:
+    """A causal LM's folder whose config names no architecture loads as a sequence classifier with a
+    random head (transformers says so only in its load report): refused, naming the folder and the key."""
+    folder = tmp_path / "no-head"
+    shutil.copytree(model_path("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=(
+        rf"reward model '{folder}' holds no weights for the score head \(score.weight missing\): transformers "
+        r"would initialise it at random.*set the config key reward_model to the reward model's folder")):
+        HFRewardEngine(EngineSpec(model_path=str(folder), role="reward"))
+    # the same folder with a trained head is a reward model (its weights hold score.weight)
+    reward = tmp_path / "with-head"
+    shutil.copytree(model_path("llama", head="reward"), reward)
+    config = json.loads((reward / "config.json").read_text())
+    del config["architectures"]
+    (reward / "config.json").write_text(json.dumps(config))
+    assert HFRewardEngine(EngineSpec(model_path=str(reward), role="reward")).score(random_batch(batch_size=2))[
+        "scores"].shape == (2,)

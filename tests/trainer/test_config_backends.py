@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,28 @@ def test_an_unset_role_is_hf_and_a_run_mixing_backends_names_each_role_s(tmp_pat
         assert trainer.critic is not None and type(trainer.critic).__module__.startswith("verl_hf")
     lines = [line for line in stream.getvalue().splitlines() if line.startswith("backends:")]
     assert lines == ["backends: actor tiny, rollout tiny, reference tiny, critic hf (the default of backends.critic)"]
+
+
+def test_the_backends_line_names_the_reward_and_shows_with_progress_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Actor and reference on hf, the rollout and the reward model elsewhere, no progress bar: the line lists
+    the reward's backend and is a WARNING of the trainer's logger (Python prints it on stderr unconfigured)."""
+    cfg = load_config(None, [*TINY, "algorithm.use_reference=true", "backends.rollout=tiny", "backends.reward=toy",
+                             "logging.progress=false", f"output_dir={json.dumps(str(tmp_path / 'mixed'))}"])
+    stream = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="verl_core"), Trainer(cfg, stream=stream) as trainer:
+        assert trainer.backend_roles() == {"actor": "hf", "rollout": "tiny", "reference": "hf", "reward": "toy"}
+        trainer.setup()
+    lines = [(r.levelno, r.name, r.getMessage()) for r in caplog.records if r.getMessage().startswith("backends:")]
+    assert lines == [(logging.WARNING, "verl_core.trainer.rl.trainer",
+                      "backends: actor hf (the default of backends.actor), rollout tiny, "
+                      "reference hf (the default of backends.reference), reward toy")]
+    assert stream.getvalue() == ""  # no progress bar: nothing is written above one
+    # the rule reward is no engine: not listed
+    rule = load_config(None, [*TINY, "backends.rollout=tiny", f"output_dir={json.dumps(str(tmp_path / 'rule'))}"])
+    with Trainer(rule) as trainer:
+        assert trainer.backend_roles() == {"actor": "hf", "rollout": "tiny", "reference": "hf"}
 
 
 def test_a_run_on_one_backend_prints_no_backends_line(tmp_path: Path) -> None:

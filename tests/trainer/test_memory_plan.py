@@ -104,6 +104,18 @@ def test_the_0_9b_model_fits_with_float32_masters(tmp_path: Path) -> None:
     assert same.phase_bytes("update") == p.phase_bytes("update")
 
 
+def test_the_reward_model_counts_with_reward_model_s_shape(tmp_path: Path) -> None:
+    """A 6.7B reward model behind a 0.9B policy weighs 6.7B parameters; without reward_model, the policy's shape."""
+    policy, rm = folder(tmp_path, "0.9b"), folder(tmp_path, "6.7b")
+    shapes = {k: ModelShape.from_config({"vocab_size": 32000, **SHAPES[k]}) for k in ("0.9b", "6.7b")}
+    assert shapes["0.9b"] is not None and shapes["6.7b"] is not None
+    own = plan(policy, "backends.reward=hf", f"reward_model={json.dumps(rm)}")
+    assert term(own, "reward model weights") == 2 * shapes["6.7b"].parameters
+    assert "(reward_model's shape)" in own.table()
+    assert term(plan(policy, "backends.reward=hf"), "reward model weights") == 2 * shapes["0.9b"].parameters
+    assert not any(t.what == "reward model weights" for t in plan(policy).terms)
+
+
 def test_the_6_7b_model_with_masters_is_flagged_and_trains_without_them(tmp_path: Path) -> None:
     path = folder(tmp_path, "6.7b")
     p = plan(path)

@@ -13,7 +13,9 @@ import torch
 
 from verl_conformance.testkit import TinyModelSpec, tiny_model
 from verl_core.kernel.batch import TensorBatch
+from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.reward import RewardEngine
 from verl_core.trainer.inputs.data import PromptDataset, PromptLoader
 from verl_core.trainer.inputs.reward_functions import (
     exact_match,
@@ -164,6 +166,48 @@ def test_reward_model_scores_combine_by_weight(tok: HFTokenizer) -> None:
     assert engine.names == ["exact_match", "model"]
     only_model = RewardFunctions([], tok, model=model, model_weight=2.0)
     assert only_model.score(batch)["scores"].tolist() == [4.0, 8.0]
+
+
+class _DenseModel(RewardEngine):
+    """A reward model giving a sequence score (the response length) and per-token scores (1 per real token)."""
+
+    @property
+    def capabilities(self) -> RewardCapabilities:
+        return RewardCapabilities(token_scores=True)
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        mask = batch["response_mask"]
+        return batch.update(scores=mask.sum(1).float(), token_scores=mask.float())
+
+
+class _NoDecode:
+    """A tokenizer that refuses to decode: a reward model alone needs no text."""
+
+    eos_token_id, pad_token_id, vocab_size = 1, 0, 96
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError("nothing is encoded")
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        raise AssertionError("a reward model alone is scored without decoding")
+
+
+def test_a_reward_model_alone_is_weighted_and_passes_its_token_scores_on(tok: HFTokenizer) -> None:
+    batch = scored_batch(tok, ["ab", "abcd"], answer=["ab", "x"])
+    lengths = [3.0, 5.0]  # the texts and EOS
+    alone = RewardFunctions.from_config(RewardFunctionsConfig(model_weight=-0.5), _NoDecode(),
+                                        model=_DenseModel())
+    assert alone.capabilities.token_scores and not alone.capabilities.needs_text
+    out = alone.score(batch)
+    assert out["scores"].tolist() == [-0.5 * v for v in lengths]
+    assert torch.equal(out["token_scores"], -0.5 * batch["response_mask"].float())
+    assert RewardFunctions.metrics(out) == {"reward/model/mean": 4.0}  # the model's own score, before the weight
+    # beside functions the sequence scores add up and the token scores are dropped
+    both = RewardFunctions.from_config(RewardFunctionsConfig(functions=[f"{BUILTINS}:exact_match"], model_weight=2.0),
+                                       tok, model=_DenseModel())
+    scored = both.score(batch)
+    assert scored["scores"].tolist() == [1.0 + 2 * 3.0, 2 * 5.0] and "token_scores" not in scored
+    assert not both.capabilities.token_scores
 
 
 @pytest.mark.parametrize(("returned", "message"), [

@@ -418,7 +418,8 @@ class Harness:
     def require_buffer(self) -> BufferSubject:
         """The replay buffer under test, or skip when none was given."""
         if self.buffer is None:
-            self.skip("no replay buffer selected: pass --verl-buffer MODULE:FACTORY (or use check_buffer)")
+            self.skip("no replay buffer selected: pass pytest's --verl-buffer MODULE:FACTORY (the `verl conformance` "
+                      "command has no buffer option), or use check_buffer")
         return self.buffer
 
     # ------------------------------------------------------------------ data

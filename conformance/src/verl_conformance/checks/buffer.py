@@ -1,8 +1,8 @@
 """Replay buffer: capacity, order, spill to disk and back bit for bit, seeded sampling.
 
 These checks run on a replay buffer implementation (:class:`verl_core.ReplayBuffer`) selected with
-``--verl-buffer MODULE:FACTORY`` or :func:`verl_conformance.api.check_buffer`; they skip when none
-is selected. Every sample carries its own id (``group_ids``) and an extra (``uid``), so a sample
+pytest's ``--verl-buffer MODULE:FACTORY`` or :func:`verl_conformance.api.check_buffer` (the ``verl
+conformance`` command has no buffer option); they skip when none is selected. Every sample carries its own id (``group_ids``) and an extra (``uid``), so a sample
 that comes back is recognised, and compared byte for byte with the one that went in.
 """
 

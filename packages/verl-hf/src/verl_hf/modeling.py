@@ -16,7 +16,7 @@ import math
 import os
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 from torch import Tensor, nn
@@ -424,10 +424,20 @@ def packing_unsupported(model: Any) -> str | None:
     return None
 
 
+_REWARD_MODEL_KEY: Final = (
+    " (with `verl train`: set the config key reward_model to the reward model's folder; "
+    "left empty it is the policy's folder, a causal LM)"
+)
+
+
 def _architectures(path: str) -> list[str]:
+    """The ``architectures`` of the folder's config (empty when it names none or cannot be read: loading says why)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError):
+        return []
     return list(getattr(config, "architectures", None) or [])
 
 
@@ -445,10 +455,14 @@ def load_model(
     A ``value`` model is read with ``AutoModelForTokenClassification`` (one label) so every backend
     reads the same value head; when the folder holds a causal LM its backbone is loaded and the
     value head is initialised from ``seed``. A ``reward`` model is read with
-    ``AutoModelForSequenceClassification`` and must have one label.
+    ``AutoModelForSequenceClassification`` and must have one label and hold its ``score`` head's
+    weights: a folder that names another architecture (a causal LM) or lacks those weights is
+    refused rather than given a random head, whose scores would be noise that trains nothing.
 
     Raises:
-        ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label.
+        ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label;
+            for ``reward``, the folder names a non-classification architecture or holds no
+            weights for the score head.
     """
     import transformers
 
@@ -462,6 +476,14 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
     if kind != "causal_lm":
         kwargs["num_labels"] = 1
+    if kind == "reward":  # before the weights load: a causal LM's folder is refused at once
+        archs = _architectures(path)
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ConfigError(
+                f"reward model {path!r} has architectures {archs}; expected a "
+                f"*ForSequenceClassification model with one label (a trained reward model){_REWARD_MODEL_KEY}"
+            )
+        kwargs["output_loading_info"] = True  # to see whether the folder holds the score head
     try:
         with quiet_transformers(), torch.random.fork_rng(devices=[]):
             # Missing heads (a value head over a causal-LM folder) are initialised from the seed.
@@ -473,11 +495,15 @@ def load_model(
             "expected a transformers folder with config.json and safetensors weights"
         ) from e
     if kind == "reward":
-        archs = _architectures(path)
-        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        model, info = model
+        head = getattr(model, "score", None)
+        names = {f"score.{n}" for n, _ in head.named_parameters()} if isinstance(head, torch.nn.Module) else set()
+        missing = sorted(names & set(info.get("missing_keys") or ()))
+        if missing:
             raise ConfigError(
-                f"reward model {path!r} has architectures {archs}; expected a "
-                "*ForSequenceClassification model with one label (a trained reward model)"
+                f"reward model {path!r} holds no weights for the score head ({', '.join(missing)} missing): "
+                "transformers would initialise it at random and every score would be noise; expected a trained "
+                f"*ForSequenceClassification reward model with one label{_REWARD_MODEL_KEY}"
             )
     disable_dropout(model)
     model.to(device)

@@ -29,9 +29,19 @@ class HFRewardEngine(RewardEngine):
     ``HFOptions.rollout_batch_size``, else ``EngineSpec.micro_batch_size`` (all at once by
     default). A non-finite score raises :class:`~verl_core.RewardError` naming the samples.
 
+    The folder must hold a trained reward model: one that names a causal-LM architecture, or has
+    no weights for the ``score`` head (which transformers would initialise at random), is refused
+    with a :class:`~verl_core.ConfigError` naming it (with ``verl train``, the config key
+    ``reward_model`` names the folder; empty, it is the policy's). Its :attr:`tokenizer` lets the
+    trainer score a policy of another vocabulary through text
+    (:class:`~verl_core.enginekit.retokenize.CrossTokenizerReward`).
+
     Args:
         spec: The engine spec (role reward).
         options: Backend options (default: parsed from ``spec.options``).
+
+    Raises:
+        ConfigError: the role is not ``reward``, or the folder is not a trained reward model.
     """
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:

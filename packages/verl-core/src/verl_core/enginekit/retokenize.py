@@ -25,7 +25,7 @@ from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.schema import FIELDS
 from verl_core.kernel.tokenizer import Tokenizer
 
-__all__ = ["CrossTokenizerReward", "retokenize", "same_vocabulary"]
+__all__ = ["CrossTokenizerReward", "max_token_bytes", "retokenize", "same_vocabulary"]
 
 
 def _vocab_table(tok: Tokenizer) -> dict[str, int] | None:
@@ -58,6 +58,18 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
         a.decode([i], skip_special_tokens=False) == b.decode([i], skip_special_tokens=False)
         for i in range(a.vocab_size)
     )
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes one id of ``tokenizer`` adds to the text :func:`retokenize` decodes, plus one.
+
+    Special tokens (dropped by the decode) add none; the extra byte is for a leading space that some
+    tokenizers (SentencePiece) drop when they decode an id alone. A sample of ``n`` ids re-encoded by
+    a tokenizer each of whose tokens covers at least one byte of text (byte-level BPE, WordPiece,
+    SentencePiece, character tokenizers) is at most ``n * max_token_bytes(tokenizer)`` ids long.
+    Decodes every id once.
+    """
+    return 1 + max((len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)), default=0)
 
 
 def retokenize(batch: TensorBatch, source: Tokenizer, target: Tokenizer) -> TensorBatch:

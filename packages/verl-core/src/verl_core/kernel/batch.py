@@ -335,6 +335,16 @@ class TensorBatch(Mapping[str, Tensor]):
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("TensorBatch is immutable; use update() to get a new batch")
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle as the constructor's arguments: unpickling (and ``copy.deepcopy``) rebuilds the batch
+        through the validating constructor, with the same tensors, extras, meta and batch size.
+
+        A field registered with :func:`~verl_core.kernel.schema.register_field` must be registered
+        in the process that unpickles too. (Between Ray worker groups batches travel in the wire
+        format of :mod:`verl_core.trainer.executor.wire` instead.)
+        """
+        return _unpickle_batch, (type(self), dict(self._tensors), dict(self._extras), self._meta, self._size)
+
     # ----------------------------------------------------------------- mapping and access
     def __getitem__(self, name: str) -> Tensor:
         """The field ``name``.
@@ -770,6 +780,13 @@ def _device(device: object, name: str) -> torch.device:
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise BatchValidationError(f"{name} is {dev}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _unpickle_batch(
+    cls: type[TensorBatch], tensors: dict[str, Tensor], extras: dict[str, tuple[Any, ...]], meta: BatchMeta, size: int
+) -> TensorBatch:
+    """A pickled batch rebuilt (:meth:`TensorBatch.__reduce__`), validated as any new batch is."""
+    return cls(tensors, extras, meta, batch_size=size)
 
 
 def _extras_size(extras: Mapping[str, tuple[Any, ...]]) -> int:

@@ -434,6 +434,11 @@ class RunConfig:
             nothing is deleted. Not allowed with ``--resume``.
         model: The policy model.
         critic_model: Folder of the critic's model (empty = the policy model).
+        reward_model: Folder of the reward model (empty = the policy model), the folder the reward
+            engine of ``backends.reward`` is built on (which must then name a backend, not ``rule``). The
+            ``hf`` backend needs a trained sequence-classification model here (it refuses a
+            causal-LM folder such as the policy's). With the local executor it must be an
+            existing folder, checked before the output folder is claimed.
         task: The built-in task (its prompts and rule reward are used when ``data.train`` and
             ``reward.functions`` are empty).
         data: The user's dataset: training and evaluation prompts (``data.train``, ``data.eval``).
@@ -462,6 +467,7 @@ class RunConfig:
     overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     critic_model: str = ""
+    reward_model: str = ""
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardFunctionsConfig = field(default_factory=RewardFunctionsConfig)
@@ -581,6 +587,15 @@ def check_device_here(cfg: RunConfig) -> None:
         )
 
 
+def _check_reward_model(cfg: RunConfig) -> None:
+    if cfg.reward_model and cfg.backends.reward == "rule":
+        raise ConfigError(
+            f"config key 'reward_model' = {cfg.reward_model!r} names a reward model, but 'backends.reward' = 'rule' "
+            "builds no reward-model engine (the reward is reward.functions or the task's rule); set backends.reward "
+            "to a backend with a reward engine (e.g. \"hf\"), or leave reward_model empty"
+        )
+
+
 def _check_lora(cfg: RunConfig) -> None:
     if cfg.model.lora.enabled and cfg.model.lora.sync == "adapter" and cfg.executor != "local":
         raise ConfigError(
@@ -591,7 +606,7 @@ def _check_lora(cfg: RunConfig) -> None:
 
 # Checks that involve several keys, run in order after every single-key rule passed.
 _CHECKS: tuple[Callable[[RunConfig], None], ...] = (
-    _check_rollout, _check_tokens, _check_agent, _check_async, _check_model_shape, _check_lora,
+    _check_rollout, _check_tokens, _check_agent, _check_async, _check_model_shape, _check_lora, _check_reward_model,
 )
 
 

@@ -129,6 +129,7 @@ def stop_on_signals(args: argparse.Namespace, command: str, run_dir: Callable[[]
 
 def _handle(args: argparse.Namespace) -> int:
     from verl_core.trainer.config import check_device_here, config_to_dict
+    from verl_core.trainer.run.model import check_model_folders
     from verl_core.trainer.sinks import check_sinks
 
     config = load_run_config(args)
@@ -142,6 +143,7 @@ def _handle(args: argparse.Namespace) -> int:
     trainer = Trainer(config, base_dir=config_folder(args))
     check_device_here(config)
     check_backends(config, trainer.backend_roles())
+    check_model_folders(config, use_critic=trainer.use_critic)
     check_sinks(config.output_dir, config.logging)
     if args.check:
         print(f"verl train: config is valid ({config.steps} steps, algorithm {config.algorithm.name!r}, "

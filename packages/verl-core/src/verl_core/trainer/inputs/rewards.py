@@ -73,7 +73,10 @@ class RewardFunctionsConfig:
             ``"path/to/file.py:function"`` (a Python file; a relative path is looked up in the
             config file's folder, then in the working directory), e.g. ``"verl_core.trainer.inputs.reward_functions:exact_match"``.
         weights: One weight per function (empty = 1.0 each); the score is the weighted sum.
-        model_weight: Weight of a reward-model engine's scores when the run also has one.
+        model_weight: Weight of the reward model's scores (``backends.reward`` other than
+            ``rule``), with or without functions: the score is ``model_weight`` times the model's
+            score plus the weighted functions (a negative weight flips the model's scores). The
+            metric ``reward/model/mean`` is the model's own score, before the weight.
     """
 
     functions: list[str] = dataclasses.field(default_factory=list)
@@ -165,7 +168,9 @@ class RewardFunctions(RewardEngine):
     reward model's score. The returned batch also carries each term's unweighted per-sample values
     as the extra ``reward/<name>`` (``<name>`` is the function's name, made unique with ``_2``,
     ``_3``... and ``model`` for the reward model); :meth:`metrics` turns them into
-    ``reward/<name>/mean``.
+    ``reward/<name>/mean``. With the reward model alone (no functions) nothing is decoded, and the
+    model's ``token_scores``, when it gives them, are passed on times ``model_weight`` (beside
+    functions they are dropped: the functions give sequence scores only).
 
     Args:
         functions: Import strings (see :func:`load_function`) or callables.
@@ -221,7 +226,12 @@ class RewardFunctions(RewardEngine):
         self._tokenizer = tokenizer
         self._model = model
         self._model_weight = float(model_weight)
-        self._caps = RewardCapabilities(needs_text=True)
+        if self._terms or model is None:
+            self._caps = RewardCapabilities(needs_text=True)
+        else:  # the model alone: what it gives
+            inner = model.capabilities
+            self._caps = RewardCapabilities(token_scores=inner.token_scores, needs_text=inner.needs_text,
+                                            devices=inner.devices)
 
     @classmethod
     def from_config(
@@ -241,7 +251,7 @@ class RewardFunctions(RewardEngine):
 
     @property
     def capabilities(self) -> RewardCapabilities:
-        """Sequence scores from text."""
+        """Sequence scores from text (with the reward model alone: the model's capabilities)."""
         return self._caps
 
     @property
@@ -250,7 +260,8 @@ class RewardFunctions(RewardEngine):
         return [t.name for t in self._terms] + ([MODEL_NAME] if self._model is not None else [])
 
     def score(self, batch: TensorBatch) -> TensorBatch:
-        """Decode every sample, call each function once on the whole batch, and sum the weighted terms.
+        """Decode every sample, call each function once on the whole batch, and sum the weighted terms
+        (with the reward model alone: its scores times ``model_weight``, nothing decoded).
 
         Raises:
             RewardError: a function raised, or returned a wrong number of values, a value that is
@@ -258,6 +269,35 @@ class RewardFunctions(RewardEngine):
                 model returned no ``scores``.
         """
         batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where="RewardFunctions.score")
+        size = batch.batch_size
+        total = [0.0] * size
+        extras: dict[str, list[float]] = {}
+        if self._terms:
+            total = self._functions(batch, extras)
+        token_scores = None
+        if self._model is not None:
+            scored = self._model.score(batch)
+            if "scores" not in scored:
+                raise RewardError("the reward model returned no 'scores'; RewardFunctions combines sequence scores")
+            values = [float(v) for v in scored["scores"].detach().float().cpu().tolist()]
+            extras[f"reward/{MODEL_NAME}"] = values
+            total = [t + self._model_weight * v for t, v in zip(total, values)]
+            if not self._terms and "token_scores" in scored:
+                token_scores = (self._model_weight * scored["token_scores"].float()).to(batch.device)
+        for i, v in enumerate(total):
+            # finite terms can still overflow when weighted and summed, or beyond float32, the scores' dtype
+            if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+                raise RewardError(
+                    f"the weighted reward of sample {i} is {v}, beyond the float32 range of the scores "
+                    f"(|x| <= {_FLOAT32_MAX:.4g}); lower the reward weights or the values of {', '.join(self.names)}"
+                )
+        scores = torch.tensor(total, dtype=torch.float32, device=batch.device)
+        if token_scores is not None:
+            return batch.update(scores=scores, token_scores=token_scores, extras=extras)
+        return batch.update(scores=scores, extras=extras)
+
+    def _functions(self, batch: TensorBatch, extras: dict[str, list[float]]) -> list[float]:
+        """The weighted sum of the functions' values of each sample; each function's values go to ``extras``."""
         prompts = self._decode(_rows(batch["prompt_ids"], batch["prompt_mask"]))
         completion_ids = _rows(batch["response_ids"], batch["response_mask"])
         completions = self._decode(completion_ids)
@@ -275,27 +315,11 @@ class RewardFunctions(RewardEngine):
         }
         size = batch.batch_size
         total = [0.0] * size
-        extras: dict[str, list[float]] = {}
         for term in self._terms:
             values = self._call(term, sample, columns, size)
             extras[f"reward/{term.name}"] = values
             total = [t + term.weight * v for t, v in zip(total, values)]
-        if self._model is not None:
-            scored = self._model.score(batch)
-            if "scores" not in scored:
-                raise RewardError("the reward model returned no 'scores'; RewardFunctions combines sequence scores")
-            values = [float(v) for v in scored["scores"].detach().float().cpu().tolist()]
-            extras[f"reward/{MODEL_NAME}"] = values
-            total = [t + self._model_weight * v for t, v in zip(total, values)]
-        for i, v in enumerate(total):
-            # finite terms can still overflow when weighted and summed, or beyond float32, the scores' dtype
-            if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
-                raise RewardError(
-                    f"the weighted reward of sample {i} is {v}, beyond the float32 range of the scores "
-                    f"(|x| <= {_FLOAT32_MAX:.4g}); lower the reward weights or the values of {', '.join(self.names)}"
-                )
-        scores = torch.tensor(total, dtype=torch.float32, device=batch.device)
-        return batch.update(scores=scores, extras=extras)
+        return total
 
     @staticmethod
     def metrics(batch: TensorBatch) -> dict[str, float]:

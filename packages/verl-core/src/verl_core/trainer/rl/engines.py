@@ -7,6 +7,7 @@ engine replaced after setup (a wrapper that times calls, a test's fault) is the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 
+from verl_core.enginekit.byo import as_tokenizer
+from verl_core.enginekit.retokenize import CrossTokenizerReward, max_token_bytes, same_vocabulary
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import TrainingCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -39,6 +42,8 @@ from verl_core.trainer.rl.algorithm_setup import check_offpolicy_rollout
 from verl_core.trainer.rl.episodes import EpisodeRewards
 
 __all__ = ["BaseModelReference", "RLEngines"]
+
+_log = logging.getLogger(__name__)
 
 
 class BaseModelReference(TrainingEngine):
@@ -176,27 +181,82 @@ class RLEngines:
 
     def build_reward(
         self, config: RunConfig, spec: EngineSpec, task: DigitTask, *, columns: list[str], base_dir: Path | None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         """The reward: ``reward.functions`` (with the reward model of ``backends.reward``, if any), the
         reward model alone, or the task's rule; after :meth:`build` (it tokenizes with the rollout's tokenizer).
 
+        The reward model (``backends.reward`` other than ``rule``) is built on ``spec``, whose
+        folder is ``reward_model`` (the policy's when empty). It takes the rollout's token ids; when
+        the engine has a ``tokenizer`` attribute whose vocabulary is not the rollout tokenizer's
+        (:func:`~verl_core.enginekit.retokenize.same_vocabulary`), it is wrapped in
+        :class:`~verl_core.enginekit.retokenize.CrossTokenizerReward`, which decodes each sample
+        with the rollout's tokenizer and encodes it with the reward model's (the engine is built
+        again with length limits that hold in its own tokens, see :meth:`_reward_model`), and
+        ``say`` gets one line saying so. An engine without a ``tokenizer`` attribute (the Ray executor's proxy of a
+        reward engine has none) gets the rollout's ids as they are. Alone or beside functions it
+        is a :class:`~verl_core.trainer.inputs.rewards.RewardFunctions` term: the score is
+        ``reward.model_weight`` times its score (plus the weighted functions), and its own score is
+        the extra ``reward/model`` (so the metric ``reward/model/mean``).
+
         With ``[agent]``: the functions or the reward model (or neither), plus the environment's
         per-turn rewards (:class:`~verl_core.trainer.rl.episodes.EpisodeRewards`).
+
+        Args:
+            config: The run.
+            spec: The reward model's engine spec (role ``reward``).
+            task: The built-in task (its rule is the reward when there is nothing else).
+            columns: The dataset's columns (offered to the reward functions).
+            base_dir: Where relative paths of reward-function files are looked up first.
+            say: Where the line about a converting reward model goes (default: this module's logger).
         """
         b = config.backends
         tokenizer = self.rollout.tokenizer
-        model = None if b.reward == "rule" else self.executor.reward_engine(b.reward, spec)
-        if config.reward.functions:
+        model = None if b.reward == "rule" else self._reward_model(b.reward, spec, say or _log.info)
+        if config.reward.functions or model is not None:
             self.reward = RewardFunctions.from_config(
                 config.reward, tokenizer, model=model, columns=columns, base_dir=base_dir
             )
-        elif model is not None:
-            self.reward = model
         elif not config.agent.enabled:
             self.reward = TaskReward(task, tokenizer, mode=config.task.reward)
         if config.agent.enabled:
             inner = self.reward if config.reward.functions or model is not None else None
             self.reward = EpisodeRewards(inner)
+
+    def _reward_model(self, backend: str, spec: EngineSpec, say: Callable[[str], None]) -> RewardEngine:
+        """The reward engine of ``backend`` on ``spec``, in a :class:`CrossTokenizerReward` when its
+        tokenizer's vocabulary is not the rollout's.
+
+        ``spec``'s length limits count the rollout's tokens; a sample re-encoded by the reward
+        model's tokenizer may take more of its own, so a converting engine is built again with the
+        limits times :func:`~verl_core.enginekit.retokenize.max_token_bytes` of the rollout's
+        tokenizer (one more response token for the EOS the conversion appends).
+        """
+        policy = self.rollout.tokenizer
+        engine = self.executor.reward_engine(backend, spec)
+        try:
+            own = getattr(engine, "tokenizer", None)
+            converts = own is not None and not same_vocabulary(as_tokenizer(policy), as_tokenizer(own))
+        except Exception:  # the reward model's tokenizer cannot be read: release the engine built
+            engine.close()
+            raise
+        if not converts:
+            return engine
+        engine.close()
+        per_token = max_token_bytes(policy)
+        spec = dataclasses.replace(spec, max_prompt_len=spec.max_prompt_len * per_token,
+                                   max_response_len=spec.max_response_len * per_token + 1)
+        engine = self.executor.reward_engine(backend, spec)
+        try:
+            wrapped = CrossTokenizerReward(engine, policy)
+        except Exception:
+            engine.close()
+            raise
+        say(f"reward model {spec.model_path!r} (backend {backend!r}): its tokenizer's vocabulary is not the "
+            "rollout's, so each sample is decoded with the rollout's tokenizer and encoded with the reward "
+            f"model's before it is scored (its engine takes up to {spec.max_prompt_len} prompt and "
+            f"{spec.max_response_len} response tokens of its own)")
+        return wrapped
 
     def trainable(self) -> dict[str, TrainingEngine]:
         """The engines a checkpoint holds, by role: the actor, and the critic when there is one."""

@@ -71,7 +71,7 @@ from verl_core.trainer.run.checkpoints import latest_checkpoint
 from verl_core.trainer.run.context import RunContext, StepFailedError
 from verl_core.trainer.run.folder import RunDir
 from verl_core.trainer.run.memory_plan import MemoryPlan, plan_run_memory
-from verl_core.trainer.run.model import engine_spec
+from verl_core.trainer.run.model import check_model_folders, engine_spec
 from verl_core.trainer.sinks import MetricSinks
 
 __all__ = ["Trainer", "build_algorithm", "latest_checkpoint", "plot_metrics"]
@@ -187,10 +187,14 @@ class Trainer:
         return roles
 
     def _say_backends(self) -> None:
-        """One line naming the backend of each role when the roles do not all use one backend.
+        """One line naming the backend of each role of :meth:`backend_roles` (the reward's when it
+        is not ``rule``) when the roles do not all use one backend.
 
         A role left unset runs on ``hf`` (the default of every ``backends.*`` key), which a run
-        whose other roles name another backend would not show otherwise.
+        whose other roles name another backend would not show otherwise. The line is printed
+        whatever ``logging.progress`` says (:meth:`~verl_core.trainer.run.context.RunContext.warn`:
+        above the progress bar, or with the bar off a WARNING of the ``verl_core.trainer.rl.trainer``
+        logger, which Python prints on stderr when logging is not configured).
         """
         roles = self.backend_roles()
         if len(set(roles.values())) < 2:
@@ -199,7 +203,7 @@ class Trainer:
         named = {r for r, n in roles.items() if n != getattr(default, r)}
         parts = [f"{role} {name}" + (f" (the default of backends.{role})" if named and role not in named else "")
                  for role, name in roles.items()]
-        self.ctx.say("backends: " + ", ".join(parts))
+        self.ctx.warn("backends: " + ", ".join(parts))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
@@ -236,6 +240,7 @@ class Trainer:
             self.source.checked = True
         # a backend that is missing or declares less than the config asks fails before the folder is claimed
         check_backends(cfg, self.backend_roles())
+        check_model_folders(cfg, use_critic=self.use_critic)  # so does a critic_model or reward_model that is no folder
         run = self.ctx.prepare(resume)
         path = self.model_path()
         # what the engines will hold on the device: printed, and refused before any model loads when it cannot fit
@@ -251,7 +256,8 @@ class Trainer:
         e.build(cfg, ex, self._spec, path, use_reference=self.use_reference, use_critic=self.use_critic)
         tokenizer = e.rollout.tokenizer
         self.source.bind(tokenizer)
-        e.build_reward(cfg, self._spec("reward", path), self.task, columns=self.source.columns, base_dir=self.base_dir)
+        e.build_reward(cfg, self._spec("reward", cfg.reward_model or path), self.task, columns=self.source.columns,
+                       base_dir=self.base_dir, say=self.ctx.say)
         e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         # free memory is read once per run (the budget refined once by the first update) and

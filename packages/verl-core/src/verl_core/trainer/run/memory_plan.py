@@ -10,7 +10,8 @@ and the device's total memory (:func:`verl_core.kernel.memory.device_memory`), t
   (:class:`~verl_core.trainer.batching.budget.TrainedState`); with ``model.lora`` the frozen base's
   weights and those four for the adapter's parameters only (:func:`lora_parameters`);
 * the critic (its own folder's shape) alike, a colocated reference policy (none with
-  ``model.lora``: the reference is the actor's base) and reward model (weights);
+  ``model.lora``: the reference is the actor's base) and reward model (weights; the shape of
+  ``reward_model`` when set, else the policy's);
 * the rollout engine's copy of the weights, its KV cache (rows x prompt + new tokens x layers x
   keys and values; the vLLM backend's ``kv_cache_bytes``) and its sampling working set;
 * the update's activations for at least one sequence (the micro-batch scheduler fills what
@@ -268,7 +269,7 @@ def _rollout_terms(config: RunConfig, shape: ModelShape, max_prompt_len: int) ->
 
 
 def _terms(config: RunConfig, shape: ModelShape, critic: ModelShape | None, *, masters: bool, max_prompt_len: int,
-           use_reference: bool) -> list[MemoryTerm]:
+           use_reference: bool, reward: ModelShape | None = None) -> list[MemoryTerm]:
     dtype = config.model.dtype
     d = DTYPE_BYTES[dtype]
     n = shape.parameters
@@ -284,8 +285,9 @@ def _terms(config: RunConfig, shape: ModelShape, critic: ModelShape | None, *, m
     if use_reference and not lora.enabled:
         terms.append(MemoryTerm("reference weights", n * d, f"{_count(n)} params x {d} B", _BOTH))
     if config.backends.reward != "rule":
-        terms.append(MemoryTerm("reward model weights", n * d, f"{_count(n)} params x {d} B (the policy's shape)",
-                                _BOTH))
+        r = (reward or shape).parameters
+        whose = "reward_model's" if reward is not None else "the policy's"
+        terms.append(MemoryTerm("reward model weights", r * d, f"{_count(r)} params x {d} B ({whose} shape)", _BOTH))
     terms += _rollout_terms(config, shape, max_prompt_len)
     est = estimate_token_bytes(shape, dtype)
     fixed = config.batch.micro_batch_tokens
@@ -309,6 +311,8 @@ def plan_memory(
         max_prompt_len: The longest prompt the engines are built for.
         use_reference: A reference policy is built.
         use_critic: A critic is built (from ``config.critic_model`` when set).
+            The reward model (``backends.reward`` other than ``rule``) is counted with the shape of
+            ``config.reward_model`` when set.
         total_bytes: The device's total memory (default: :func:`~verl_core.kernel.memory.device_memory`).
 
     Returns:
@@ -322,13 +326,15 @@ def plan_memory(
     if use_critic:
         critic = ModelShape.from_model_folder(config.critic_model) if config.critic_model else shape
         critic = critic or shape
+    # the reward model's folder when set (None: unreadable or unset, the policy's shape is assumed)
+    reward = ModelShape.from_model_folder(config.reward_model) if config.reward_model else None
     device = config.model.device
     total = device_memory(device)[1] if total_bytes is None else total_bytes
     asked = any(_masters_asked(config, r) for r in ("actor", "critic") if r == "actor" or use_critic)
 
     def build(masters: bool) -> MemoryPlan:
         terms = _terms(config, shape, critic, masters=masters, max_prompt_len=max_prompt_len,
-                       use_reference=use_reference)
+                       use_reference=use_reference, reward=reward)
         return MemoryPlan(device, total, tuple(terms), master_weights=masters and asked, dtype=config.model.dtype)
 
     configured = build(True)

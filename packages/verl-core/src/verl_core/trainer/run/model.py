@@ -1,11 +1,13 @@
 """The run's model and engine specs: the tiny random model a run builds when ``model.path`` is empty,
-and the :class:`~verl_core.kernel.engine.EngineSpec` of each role from the run config."""
+the check of the critic's and reward model's folders, and the :class:`~verl_core.kernel.engine.EngineSpec`
+of each role from the run config."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from verl_core.kernel.engine import EngineSpec, LoraSpec, OptimConfig, Role
@@ -14,7 +16,39 @@ from verl_core.trainer.config import RunConfig
 from verl_core.trainer.run.checkpoints import write_failed
 from verl_core.trainer.run.folder import RunDir
 
-__all__ = ["build_run_model", "engine_spec", "lora_of", "lora_sync"]
+__all__ = ["build_run_model", "check_model_folders", "engine_spec", "lora_of", "lora_sync"]
+
+
+def check_model_folders(config: RunConfig, *, use_critic: bool) -> None:
+    """Refuse a ``critic_model`` (when the run has a critic) or ``reward_model`` that is not an existing folder.
+
+    Runs before the output folder is claimed (``Trainer.setup``, ``verl train --check``), so a
+    misspelt folder fails with nothing written. With an executor other than ``local`` the folders
+    are the workers' to find (as the backends are), so nothing is checked here.
+
+    Args:
+        config: The run.
+        use_critic: The run builds a critic (its folder is ``critic_model`` when set).
+
+    Raises:
+        ConfigError: naming the key, its value and whether the path is missing or a file.
+    """
+    if config.executor != "local":
+        return
+    keys = (("critic_model", config.critic_model if use_critic else ""), ("reward_model", config.reward_model))
+    for key, value in keys:
+        if not value:
+            continue
+        try:
+            folder = Path(value).is_dir()
+            what = "is a file, not a folder" if Path(value).exists() else "does not exist"
+        except (OSError, ValueError) as e:  # a name the system refuses: too long, a NUL byte
+            folder, what = False, f"cannot be a folder name ({getattr(e, 'strerror', None) or e})"
+        if not folder:
+            raise ConfigError(
+                f"config key {key!r} = {value!r} {what}; expected the folder of the {key.partition('_')[0]} model "
+                "(for the hf backend a transformers folder with config.json and its weights)"
+            )
 
 
 def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:

@@ -30,7 +30,7 @@ key), ``steps``, ``seed``, ``output_dir``, ``overwrite``, ``checkpoint`` (``ever
 final checkpoint is always written, the export reads it), ``logging`` (``progress``, ``sinks`` and
 their settings), ``max_consecutive_skips``, ``executor``, ``ray`` and ``agent.tools`` (their
 schemas are rendered into conversations). The RL-only keys are ignored:
-``task``, ``reward``, ``algorithm``, ``rollout``, ``critic_model``, ``critic_optim``, the other
+``task``, ``reward``, ``algorithm``, ``rollout``, ``critic_model``, ``reward_model``, ``critic_optim``, the other
 roles of ``backends``, ``batch.epochs``, ``batch.buffer_memory_bytes``, ``logging.plot`` and the
 other ``agent`` keys.
 """
