@@ -12,6 +12,7 @@ import io
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,38 +110,39 @@ def test_hf_on_the_policy_folder_is_refused_naming_reward_model(tmp_path: Path) 
 
 
 # ---------------------------------------------------------------------------- the engine the trainer builds
-def test_the_reward_engine_is_built_on_reward_model(tmp_path: Path) -> None:
-    folder = _reward_folder(tmp_path, permuted=False)
+def _scored_by_a_run(tmp_path: Path, folder: Path) -> tuple[TensorBatch, TensorBatch, str, Any, tuple[int, int]]:
+    """A run's samples, its reward's scores of them with ``reward_model = folder``, what the run said,
+    and its rollout's tokenizer and length limits."""
     stream = io.StringIO()
     with Trainer(_config(tmp_path, "run", "backends.reward=hf", f"reward_model={json.dumps(str(folder))}"),
                  stream=stream) as trainer:
         trainer.setup()
         samples = _samples(trainer)
         scored = trainer.reward.score(samples)
+        limits = trainer.rollout.spec.max_prompt_len, trainer.rollout.spec.max_response_len
+        return samples, scored, stream.getvalue(), trainer.rollout.tokenizer, limits
+
+
+def test_the_reward_engine_is_built_on_reward_model(tmp_path: Path) -> None:
+    folder = _reward_folder(tmp_path, permuted=False)
+    samples, scored, said, _, _ = _scored_by_a_run(tmp_path, folder)
     want = _engine(folder).score(samples)["scores"]
     assert torch.equal(scored["scores"], want)
     assert list(scored.extras["reward/model"]) == want.tolist()
-    assert LINE not in stream.getvalue()  # the same vocabulary: ids pass as they are
+    assert LINE not in said  # the same vocabulary: ids pass as they are
 
 
 def test_a_reward_model_of_another_vocabulary_scores_the_text(tmp_path: Path) -> None:
     """The reward model's ids mean other characters: the trainer decodes the samples with the rollout's
     tokenizer and encodes them with the reward model's, and says so once."""
     folder = _reward_folder(tmp_path, permuted=True)
-    stream = io.StringIO()
-    with Trainer(_config(tmp_path, "run", "backends.reward=hf", f"reward_model={json.dumps(str(folder))}"),
-                 stream=stream) as trainer:
-        trainer.setup()
-        samples = _samples(trainer)
-        scored = trainer.reward.score(samples)
-        policy_tok = trainer.rollout.tokenizer
-        limits = trainer.rollout.spec.max_prompt_len, trainer.rollout.spec.max_response_len
+    samples, scored, said, policy_tok, limits = _scored_by_a_run(tmp_path, folder)
     engine = _engine(folder)
     through_text = engine.score(retokenize(samples, policy_tok, load_tokenizer(folder)))["scores"]
     as_they_are = engine.score(samples)["scores"]
     assert torch.equal(scored["scores"], through_text)
     assert not torch.allclose(as_they_are, through_text), "the test's tokenizers must give the samples other ids"
-    lines = [ln for ln in stream.getvalue().splitlines() if LINE in ln]
+    lines = [ln for ln in said.splitlines() if LINE in ln]
     # the limits count the reward model's tokens: the rollout's times the most bytes one of its ids decodes to
     # ("<extra_7>", 9 bytes) plus one, and one more response token for the EOS
     assert lines == [f"reward model {str(folder)!r} (backend 'hf'): {LINE}, so each sample is decoded with the "
