@@ -19,10 +19,14 @@ Workloads:
   answers every turn like a tool taking ``--tool-s`` seconds, and ends each episode after 1 to 4
   turns (chosen from the row, so lengths are ragged and the same in every setting);
 * ``ragged``: the same environment (:func:`ragged`) ending each episode after 1 to
-  ``--max-turns`` turns of up to ``--turn-tokens`` tokens each, with ``agent.max_total_tokens`` =
-  their product: at the 0.9b size 1 to 16 turns of 128 tokens, episodes of about 128 to 2048
-  tokens (a random model with a 32000-token vocabulary almost never samples the end of a turn
-  early; ``--turn-tokens 32 --max-turns 64`` reaches down to 32 tokens, at four times the turns).
+  ``--max-turns`` turns, with generate calls of ``--turn-tokens`` tokens and
+  ``agent.max_total_tokens`` = their product. A turn ends only at EOS or a stop token (``rollout.max_new_tokens`` is the size
+  of one generate call, not a turn's length), and a random model samples neither on cue: at the
+  0.9b size the multi-turn workloads list up to vocabulary // ``--turn-tokens`` of the tokenizer's
+  81 visible characters in ``agent.stop_tokens``, so a turn ends at the first of them sampled,
+  after about 32000 / 81 = 395 tokens of a random model's near-uniform draws (a spread from 1 up,
+  not a cap). ``--turn-tokens 340 --max-turns 6`` then gives episodes of 1 to 2040 tokens.
+  Without stop tokens every episode's first turn ran its whole ``agent.max_total_tokens``.
   The tool waits ``--tool-s`` after each turn (0 for ragged lengths alone). Before its rows the
   table prints the response lengths measured in the runs (``response/length_min``, ``_mean`` and
   ``_max`` of the steps), so the spread is the one trained on.
@@ -65,7 +69,7 @@ On one H200, colocated, 0.9b, sync against async at staleness 1 on ``ragged`` an
 (estimated at about 4 minutes with the model's build, from the GPU figures in docs/benchmarks.md)::
 
     python benchmarks/bench_async.py --device cuda --size 0.9b --workloads ragged slow-tool \\
-        --staleness 1 --steps 3 --repeats 1 --tool-s 0.1
+        --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 --turn-tokens 340 --max-turns 6
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ import json
 import os
 import shutil
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -131,6 +136,7 @@ class _Size:
         turn_tokens: ``ragged``'s default tokens per turn.
         max_turns: ``ragged``'s default most turns.
         extra: More overrides of every run.
+        vocab: The model's vocabulary when its turns need stop tokens to end (0: the model ends them).
     """
 
     prompts: int
@@ -138,13 +144,17 @@ class _Size:
     turn_tokens: int
     max_turns: int
     extra: tuple[str, ...] = ()
+    vocab: int = 0
 
 
 SIZES = {
     "tiny": _Size(prompts=8, slow_tool=(16, 96), turn_tokens=8, max_turns=8),
-    "0.9b": _Size(prompts=16, slow_tool=None, turn_tokens=128, max_turns=16, extra=("optim.lr=1e-6",)),
+    "0.9b": _Size(prompts=16, slow_tool=None, turn_tokens=128, max_turns=16, extra=("optim.lr=1e-6",),
+                  vocab=32000),
 }
 MULTI_TURN = ("slow-tool", "ragged")
+_STOP_CHARS = string.digits + string.ascii_letters + "+-*/=.,:;?!()[]'\"#_"
+"""Characters of the character tokenizer (``examples/math/make_model.py``'s) that end a turn at the 0.9b size."""
 
 
 def _agent_model(tmp: Path) -> Path:
@@ -194,6 +204,9 @@ def _workload(name: str, tmp: Path, *, size: str, model: Path | None, turn_token
         most, env = 4, "slow_tool"
     else:
         per_turn, per_episode, most, env = turn_tokens, turn_tokens * max_turns, max_turns, "ragged"
+    if sized.vocab:  # a turn ends at the first of these characters sampled
+        stops = list(_STOP_CHARS[: max(1, sized.vocab // per_turn)])
+        base.append(f"agent.stop_tokens={json.dumps(stops)}")
     return [*base, 'data.train="examples/agent/train.jsonl"', 'data.prompt_key="messages"',
             f'agent.environment="{Path(__file__).resolve()}:{env}"', f"agent.max_turns={most}",
             f"agent.max_total_tokens={per_episode}", f"rollout.max_new_tokens={per_turn}"]

@@ -1,11 +1,12 @@
 """GRPO steps with a LoRA adapter vs full fine-tuning: step time, memory, parameter and optimizer bytes.
 
-    python benchmarks/bench_lora.py [--size tiny|small|1b|7b] [--device cpu|cuda] [--dtype float32|bfloat16]
+    python benchmarks/bench_lora.py [--size tiny|small|1b|7b|14b] [--device cpu|cuda] [--dtype float32|bfloat16]
         [--steps 2] [--rank 16] [--modes full,lora,lora-merged] [--kl] [--max-new-tokens N] [--prompts N]
         [--gradient-checkpointing] [--keep DIR]
 
 Builds a random Llama of the chosen shape locally (``7b``: Llama-2-7B's 4096 x 32 layers, 32
-heads, FFN 11008, vocabulary 32000; initialised on the device, saved in ``--dtype``), then runs each
+heads, FFN 11008, vocabulary 32000; ``14b``: Qwen2.5-14B's body, 5120 x 48 layers, 40 heads over 8 KV heads, FFN
+13824, vocabulary 32000, 13.5B parameters; initialised on the device, saved in ``--dtype``), then runs each
 mode in its own process (so peak memory is that mode's): a warm-up GRPO step and ``--steps``
 measured ones of the trainer (hf actor and rollout, the built-in copy task, 8 samples per prompt).
 ``lora`` trains a rank ``--rank`` adapter (alpha = 2 x rank) on every attention and MLP projection
@@ -39,6 +40,7 @@ SIZES: dict[str, tuple[int, int, int, int, int, int, int, int, int]] = {
     "base": (768, 12, 12, 12, 64, 2048, 96, 16, 4),
     "1b": (2048, 16, 16, 8, 128, 5632, 96, 128, 16),
     "7b": (4096, 32, 32, 32, 128, 11008, 32000, 128, 16),
+    "14b": (5120, 48, 40, 8, 128, 13824, 32000, 128, 8),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | decode-long | vs-trl.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|decode-long|vs-trl [args]   (writes under $OUT)
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|vs-trl [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
-#   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names)
+#   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ case $step in
       for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
         (cd /tmp && timeout ${CONF_TIMEOUT:-120} python3 -m pytest -v --tb=short -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
-           --verl-device cuda --verl-dtype "$dtype" ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} \
+           --verl-device cuda --verl-dtype "$dtype" ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} ${CONF_K:+-k "$CONF_K"} \
            2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
         echo "conformance $backend $dtype ${CONF_OPTIONS:-}: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log")"
       done
@@ -32,6 +32,8 @@ case $step in
   grpo) python3 benchmarks/bench_step.py --device cuda --no-trl "$@" 2>&1 | tee -a "$OUT/grpo.log" ;;
   #   lora ARGS: LoRA vs full fine-tuning GRPO steps (benchmarks/bench_lora.py ARGS on CUDA), appended to lora.log
   lora) python3 benchmarks/bench_lora.py --device cuda "$@" 2>&1 | tee -a "$OUT/lora.log" ;;
+  #   async ARGS: asynchronous against synchronous training (benchmarks/bench_async.py ARGS on CUDA), appended to async.log
+  async) python3 benchmarks/bench_async.py --device cuda "$@" 2>&1 | tee -a "$OUT/async.log" ;;
   #   decode-long ARGS: hf rollout decode tokens/s as responses grow, against the bandwidth bound
   decode-long) python3 benchmarks/gpu/bench_decode_long.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/decode_long.log" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)

@@ -60,11 +60,13 @@ __all__ = [
     "RopeScalingIgnoredRollout",
     "RopeScalingIgnoredTraining",
     "SameStreamForEverySample",
+    "SeededByBatchPosition",
     "SampledAtTemperatureOne",
     "SchedulerNotCheckpointed",
     "SkippedStepCounted",
     "StepCountNotCheckpointed",
     "TiesToTheHighestId",
+    "TinyInBfloat16",
     "TopPBeforeTemperature",
     "TopTokenDropped",
     "UndeclaredSettingsIgnored",
@@ -208,11 +210,8 @@ class _HighestIdFirstSampler(_KeptSetSampler):
         return kept_probs(logp.flip(-1), p.top_k, p.top_p, ranking=logits.flip(-1)).flip(-1)
 
 
-class TiesToTheHighestId(_SamplerRollout):
-    """Not a fault: in bfloat16, top-k and the nucleus break a tie at the top to the highest id (greedy: the lowest).
-
-    Declares bfloat16 (the tiny backend does not) and runs its model in the spec's dtype.
-    """
+class TinyInBfloat16(TinyRolloutEngine):
+    """Not a fault: the tiny rollout with bfloat16 declared (the tiny backend does not), its model in the spec's dtype."""
 
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(replace(spec, dtype="float32"))  # the tiny backend refuses an undeclared dtype
@@ -223,6 +222,10 @@ class TiesToTheHighestId(_SamplerRollout):
     def capabilities(self) -> RolloutCapabilities:
         """The tiny rollout's capabilities, with bfloat16 declared."""
         return replace(ROLLOUT_CAPABILITIES, dtypes=frozenset({"float32", "bfloat16"}))
+
+
+class TiesToTheHighestId(TinyInBfloat16, _SamplerRollout):
+    """Not a fault: in bfloat16, top-k and the nucleus break a tie at the top to the highest id (greedy: the lowest)."""
 
     def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
         return _HighestIdFirstSampler(params, self.tokenizer.pad_token_id, stops, uniforms)
@@ -464,6 +467,15 @@ class GreedyLogProbsAtTemperatureOne(TinyRolloutEngine):
 
     def _sample(self, rows: TensorBatch, params: SamplingParams, seeds: list[int]) -> Responses:
         return super()._sample(rows, replace(params, temperature=1.0) if params.greedy else params, seeds)
+
+
+class SeededByBatchPosition(TinyInBfloat16):
+    """Row r draws from the first row's stream plus r (its position in the batch), not from its own
+    (seed, group id, sample index): a prompt sampled alone draws what another batch's first row draws."""
+
+    def _sample_seeds(self, rows: TensorBatch, params: SamplingParams) -> list[int]:
+        seeds = super()._sample_seeds(rows, params)
+        return [seeds[0] + r for r in range(len(seeds))]
 
 
 class UnseededIsSeedZero(TinyRolloutEngine):

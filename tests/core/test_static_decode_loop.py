@@ -21,6 +21,7 @@ from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
     cache_windows,
+    release_generator_after_failed_capture,
     uniform_table,
 )
 
@@ -194,3 +195,44 @@ def test_graph_captures_live_across_rebuilt_decoders() -> None:
     assert capture.calls == [16], "the new decoder of the same shape does not try the failed window again"
     with pytest.raises(ValueError, match="at least one attempt"):
         GraphCaptures("test", attempts=0)
+
+
+class _FakeCudaGenerator:
+    """What :func:`release_generator_after_failed_capture` uses of a CUDA generator: seed, offset, graph-safe state."""
+
+    def __init__(self, seed: int = 0, offset: int = 0) -> None:
+        self.seed, self.offset = seed, offset
+        self.state: object = object()
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed, self.offset = seed, 0
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+    def graphsafe_get_state(self) -> object:
+        return self
+
+    def graphsafe_set_state(self, state: _FakeCudaGenerator) -> None:
+        self.state = state
+
+
+def test_a_failed_capture_gives_the_generator_a_fresh_state_at_the_same_seed_and_offset() -> None:
+    """A capture that fails leaves PyTorch's generator marked as capturing; its state is replaced, its stream kept."""
+    stuck = _FakeCudaGenerator(seed=1234, offset=4096)
+    stuck_state = stuck.state
+    made: list[_FakeCudaGenerator] = []
+
+    def fresh() -> _FakeCudaGenerator:
+        made.append(_FakeCudaGenerator(seed=7, offset=12))
+        return made[-1]
+
+    release_generator_after_failed_capture(stuck, fresh)
+    assert len(made) == 1 and stuck.state is made[0] and stuck.state is not stuck_state
+    assert (made[0].seed, made[0].offset) == (1234, 4096), "the random stream goes on where it was"

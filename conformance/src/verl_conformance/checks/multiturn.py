@@ -278,14 +278,25 @@ def check_rollout_continues_multi_turn_prefix(h: Harness) -> None:
                                        f"exact ids gives {want}; {rules}")
     if engine.capabilities.seeding != "per_sample":
         return  # samples of other seeding modes depend on the batch they are drawn in
+    # Alone, a prompt runs at another batch size and padding width, so in reduced precision its logits
+    # carry other roundings, and a sample may cross a boundary of the sampler after the first token:
+    # there the samples must agree up to where they part (and from the first token on). In float32
+    # they agree in full.
+    exact = h.dtype == "float32"
     for b in range(len(prefixes)):
         alone = engine.generate(batch.index([b]), params)
         got, want_ids = _real(alone, "response_ids", "response_mask", 0), _real(sampled, "response_ids", "response_mask", b)
-        h.expect(got == want_ids, f"seeded sample (seed {params.seed}, group id {5 + b}) {what}, prompt {b}: "
-                                  f"in the batch of {len(prefixes)} prompts {want_ids}, alone {got}; the same ids "
-                                  "and seed stream must give the same sample (seeding='per_sample')")
-        h.close_to(alone["rollout_log_probs"][0, :len(got)], sampled["rollout_log_probs"][b, :len(got)], "log_probs",
-                   f"rollout_log_probs of prompt {b} {what} alone vs in the batch")
+        shared = next((i for i, (x, y) in enumerate(zip(got, want_ids)) if x != y), min(len(got), len(want_ids)))
+        same = got == want_ids if exact else shared >= 1
+        rule = "the same ids and seed stream must give the same sample" + (
+            "" if exact else f" (in {h.dtype} they may part after the first token, where the batch's roundings move "
+                             "a draw across a boundary of the sampler)")
+        h.expect(same, f"seeded sample (seed {params.seed}, group id {5 + b}) {what}, prompt {b}: "
+                       f"in the batch of {len(prefixes)} prompts {want_ids}, alone {got}; {rule} (seeding='per_sample')")
+        n = len(got) if exact else shared
+        h.close_to(alone["rollout_log_probs"][0, :n], sampled["rollout_log_probs"][b, :n], "log_probs",
+                   f"rollout_log_probs of prompt {b} {what} alone vs in the batch"
+                   + ("" if exact else f", over the {n} tokens they share"))
 
 
 # --------------------------------------------------------------------------- episodes: stops and truncation

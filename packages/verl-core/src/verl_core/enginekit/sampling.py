@@ -219,11 +219,36 @@ def cuda_graph_capture(step: Callable[[], None], pool: Any) -> Any:
     never concurrently) share their temporaries. The capture is thread-local: an update running in
     another thread meanwhile (asynchronous training, where the rollout runs in a producer thread)
     may synchronise or allocate without invalidating it.
+
+    A capture that fails leaves the device's default random generator marked as capturing (PyTorch
+    ends its graph state only in a capture that succeeds), after which every random operation of
+    the process on that device raises "Offset increment outside graph capture encountered
+    unexpectedly"; the generator's state is therefore replaced by a fresh one at the same seed and
+    offset (:func:`release_generator_after_failed_capture`) before the error is raised.
     """
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        step()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            step()
+    except BaseException:
+        device = torch.cuda.current_device()
+        release_generator_after_failed_capture(torch.cuda.default_generators[device],
+                                               lambda: torch.Generator(device=f"cuda:{device}"))
+        raise
     return graph
+
+
+def release_generator_after_failed_capture(generator: Any, fresh: Callable[[], Any]) -> None:
+    """Give ``generator`` a new graph-safe state at its seed and offset (``fresh()``: a new generator of its device).
+
+    The random stream goes on where it was: the same seed, the same Philox offset, so later draws
+    are the ones the process would have made without the failed capture.
+    """
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    state = fresh()
+    state.manual_seed(seed)
+    state.set_offset(offset)
+    generator.graphsafe_set_state(state.graphsafe_get_state())
 
 
 GraphKey = Hashable
