@@ -245,6 +245,14 @@ def _seconds_per_step(metrics: Sequence[Mapping[str, Any]]) -> float:
     return statistics.fmean(float(m["time/step"]) for m in metrics[1:])
 
 
+def _stages(metrics: Sequence[Mapping[str, Any]]) -> str:
+    """Mean seconds of the step's main stages (the first step left out), in words."""
+    keys = ("time/rollout", "time/update", "time/reference", "time/weight_sync", "time/rollout_sleep")
+    rest = metrics[1:] or metrics
+    return ", ".join(f"{k.removeprefix('time/')} {statistics.fmean(float(m.get(k, 0.0)) for m in rest):.2f}"
+                     for k in keys)
+
+
 def _length_spread(metrics: Sequence[Mapping[str, Any]]) -> str:
     """The shortest, mean and longest response in tokens over ``metrics``' steps (their
     ``response/length_min``, ``response/length_mean`` and ``response/length_max``), in words."""
@@ -314,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             steps_seen: list[dict[str, Any]] = []
             for r in range(args.repeats):  # settings in turn, so a change of load touches each alike
                 for name, extra in settings:
-                    out = run_dirs / f"{workload}-{args.executor}-{name.replace(' ', '')}-{r}"
+                    out = run_dirs / f"{workload}-{args.executor}-{name.replace(' ', '').replace('=', '')}-{r}"
                     started = time.perf_counter()
                     try:
                         metrics = _train([*base, *extra], out, args.steps, env)
@@ -325,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     times[name].append(_seconds_per_step(metrics))
                     steps_seen += metrics
                     print(f"# {workload} {name} run {r}: {times[name][-1]:.3f} s/step, "
-                          f"{time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
+                          f"{time.perf_counter() - started:.0f} s in all; {_stages(metrics)}", file=sys.stderr, flush=True)
             if workload == "ragged" and steps_seen:
                 print(f"# ragged: response tokens per sample {_length_spread(steps_seen)} "
                       f"({len(steps_seen)} steps of every setting; {max_turns} turns of {turn_tokens} tokens "
