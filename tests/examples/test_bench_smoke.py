@@ -69,8 +69,8 @@ def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tm
     assert spread is not None, text
     low, mean, high = int(spread[1]), float(spread[2]), int(spread[3])
     assert 0 < low <= mean <= high <= 64 and high > 2 * low, spread[0]
-    for setting in ("sync", "asynck=1"):
+    for setting in ("sync", "asynck1"):
         steps = [json.loads(ln) for ln in (runs / f"ragged-local-{setting}-0" / "metrics.jsonl").read_text().splitlines()]
         assert len(steps) == 2 and all(m["agent/turns"] > 1 for m in steps), steps
         assert all(m["response/length_min"] <= m["response/length_mean"] <= m["response/length_max"] for m in steps)
-    assert json.loads((runs / "ragged-local-asynck=1-0" / "config.json").read_text())["async_training"]["mode"] == "async"
+    assert json.loads((runs / "ragged-local-asynck1-0" / "config.json").read_text())["async_training"]["mode"] == "async"
