@@ -247,10 +247,10 @@ def _seconds_per_step(metrics: Sequence[Mapping[str, Any]]) -> float:
 
 def _stages(metrics: Sequence[Mapping[str, Any]]) -> str:
     """Mean seconds of the step's main stages (the first step left out), in words."""
-    keys = ("time/rollout", "time/update", "time/reference", "time/weight_sync", "time/rollout_sleep")
+    keys = ("time/rollout", "time/update", "time/reference", "time/weight_sync", "time/rollout_sleep", "async/wait_s")
     rest = metrics[1:] or metrics
     return ", ".join(f"{k.removeprefix('time/')} {statistics.fmean(float(m.get(k, 0.0)) for m in rest):.2f}"
-                     for k in keys)
+                     for k in keys if any(k in m for m in rest))
 
 
 def _length_spread(metrics: Sequence[Mapping[str, Any]]) -> str:
