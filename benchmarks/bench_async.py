@@ -7,7 +7,7 @@
 
 Each workload runs ``verl train`` (hf backends, GRPO) with ``async_training.mode`` ``sync`` and
 then ``async`` at each ``--staleness``, ``--repeats`` times in turn, and prints the median seconds
-per step (the first step, which builds caches, left out) and the ratio of sync's to each async
+per step (over every step of a run: see :func:`_seconds_per_step`) and the ratio of sync's to each async
 setting (> 1: async is faster). Every setting of a workload trains on the same prompts, model,
 batch, lengths and learning rate; only the schedule differs.
 
@@ -241,8 +241,16 @@ def _train(overrides: list[str], out: Path, steps: int, env: Mapping[str, str]) 
 
 
 def _seconds_per_step(metrics: Sequence[Mapping[str, Any]]) -> float:
-    """Mean seconds per step, the first step (which builds caches) left out."""
-    return statistics.fmean(float(m["time/step"]) for m in metrics[1:])
+    """Mean seconds per step over every step of the run, the first included.
+
+    Both schedules do the same work over a run (one rollout and one update per step), but not in
+    the same steps: an asynchronous run's first step also generates (under ``partial_rollouts =
+    "finish"``, waits for) the samples of the steps released ahead, and its last ``max_staleness``
+    steps have nothing left to produce (no rollout). Leaving the first step out would count those free steps
+    and not the rollouts they skipped, which flatters async; the whole run's mean does not (the
+    first step's caches and compilation are in both schedules' means).
+    """
+    return statistics.fmean(float(m["time/step"]) for m in metrics)
 
 
 def _stages(metrics: Sequence[Mapping[str, Any]]) -> str:

@@ -74,3 +74,20 @@ def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tm
         assert len(steps) == 2 and all(m["agent/turns"] > 1 for m in steps), steps
         assert all(m["response/length_min"] <= m["response/length_mean"] <= m["response/length_max"] for m in steps)
     assert json.loads((runs / "ragged-local-asynck1-0" / "config.json").read_text())["async_training"]["mode"] == "async"
+
+
+def test_bench_async_counts_every_step_of_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An asynchronous run's first step also generates the steps released ahead and its last steps
+    have no rollout left: a mean that leaves the first step out counts the free steps alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_async", ROOT / "benchmarks" / "bench_async.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_async", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    # three steps at staleness 1: two rollouts in the first, one in the second, none in the third
+    async_run = [{"time/step": 60.0}, {"time/step": 30.0}, {"time/step": 6.0}]
+    sync_run = [{"time/step": 36.0}, {"time/step": 34.0}, {"time/step": 34.0}]
+    assert bench._seconds_per_step(async_run) == pytest.approx(32.0)
+    assert bench._seconds_per_step(sync_run) == pytest.approx(104.0 / 3)
