@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
-# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | decode-long | vs-trl.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|vs-trl [args]   (writes under $OUT)
+# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long | vs-trl | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|vs-trl|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
 set -uo pipefail
@@ -36,6 +36,15 @@ case $step in
   async) python3 benchmarks/bench_async.py --device cuda "$@" 2>&1 | tee -a "$OUT/async.log" ;;
   #   decode-long ARGS: hf rollout decode tokens/s as responses grow, against the bandwidth bound
   decode-long) python3 benchmarks/gpu/bench_decode_long.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/decode_long.log" ;;
+  #   pending: the open GPU measurements in one call of under 10 minutes, each under its own limit:
+  #   the bfloat16 hf checks that failed on CUDA, the ragged async benchmark, a 14B LoRA run
+  pending)
+    CONF_DTYPES=bfloat16 CONF_TIMEOUT=90 CONF_K="seeded_sampling_reproducible or positions_under_left_padding or rollout_continues_multi_turn_prefix or greedy_matches_reference or truncated_sampling" \
+      bash "$0" conformance hf
+    grep -E "PASSED|FAILED|^E " "$OUT/conformance-hf-bfloat16.log" | head -20
+    timeout 250 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
+      --turn-tokens 340 --max-turns 6 --out "$OUT/async"
+    timeout 200 bash "$0" lora --size 14b --modes lora --steps 2 --json "$OUT/lora-14b.json" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)
   vs-trl) python3 benchmarks/bench_grpo_vs_trl.py --device cuda "$@" 2>&1 | tee -a "$OUT/vs_trl.log" ;;
 esac
