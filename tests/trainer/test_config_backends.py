@@ -161,3 +161,37 @@ def test_the_python_api_refuses_an_undeclared_dtype_before_it_claims_the_folder(
     with Trainer(cfg) as trainer, pytest.raises(ConfigError, match="'model.dtype' = 'bfloat16'.*float32 only"):
         trainer.setup()
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------- gradient checkpointing
+def test_gradient_checkpointing_is_checked_against_the_trained_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny backend declares no gradient checkpointing: refused for the actor and the critic, which
+    train; a tiny reference or rollout is not asked for it."""
+    code, err = _train([*TINY, "backends.actor=tiny", "model.gradient_checkpointing=true", "--check"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert ("config key 'model.gradient_checkpointing' is true, but backend 'tiny' (config key 'backends.actor') "
+            "does not declare gradient checkpointing for its actor engine") in err, err
+    code, err = _train([*TINY, "algorithm.name=ppo", "backends.critic=tiny", "model.gradient_checkpointing=true",
+                        "--check"], capsys)
+    assert code == 2 and "(config key 'backends.critic') does not declare gradient checkpointing" in err, err
+    code, err = _train([*TINY, "backends.reference=tiny", "backends.rollout=tiny", "model.gradient_checkpointing=true",
+                        "--check"], capsys)
+    assert code == 0, err
+
+
+def test_gradient_checkpointing_reaches_the_actor_and_trains_as_without(tmp_path: Path) -> None:
+    """``model.gradient_checkpointing`` is the actor's ``EngineSpec.gradient_checkpointing`` (hf recomputes
+    its activations), not the reference's; the step's loss and gradient norm are those of a run without it."""
+    runs = {}
+    for on in (False, True):
+        cfg = load_config(None, [*TINY, "algorithm.use_reference=true", "algorithm.options.kl_loss_coef=0.01",
+                                 f"model.gradient_checkpointing={'true' if on else 'false'}",
+                                 f"output_dir={json.dumps(str(tmp_path / str(on)))}", "logging.sinks=[]"])
+        with Trainer(cfg) as trainer:
+            trainer.setup()
+            assert trainer.actor.spec.gradient_checkpointing is on
+            assert trainer.reference is not None and trainer.reference.spec.gradient_checkpointing is False
+            assert trainer.actor.model.is_gradient_checkpointing is on  # type: ignore[attr-defined]
+            runs[on] = trainer.train()[-1]
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-7), key

@@ -140,6 +140,10 @@ class ModelConfig:
         device: Device of every engine (cpu, cuda, cuda:N); with the local executor a CUDA device
             must be visible to this process.
         lora: Train a LoRA adapter of the policy instead of all its weights (see :class:`LoraSection`).
+        gradient_checkpointing: Recompute the trained roles' (actor, critic) activations in the
+            backward pass instead of keeping them: less activation memory, so larger micro-batches
+            (the token budget counts it), for about a third more compute in the update. Refused
+            where the role's backend does not declare ``TrainingCapabilities.gradient_checkpointing``.
 
     With ``path`` empty the tiny-model keys must describe a valid model: ``num_heads`` divides
     ``hidden_size``, ``num_kv_heads`` divides ``num_heads``, ``head_dim`` is even (and equals
@@ -160,6 +164,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Annotated[str, Check(_is_device, "cpu, cuda or cuda:N")] = "cpu"
     lora: LoraSection = field(default_factory=LoraSection)
+    gradient_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ __all__ = ["check_backends"]
 
 def check_backends(config: RunConfig, roles: Mapping[str, str]) -> None:
     """Every role -> backend of ``roles`` is installed, provides that role, takes its options and
-    declares what the ``model`` section asks of it (``model.dtype``, ``model.device``, LoRA) and what
+    declares what the ``model`` section asks of it (``model.dtype``, ``model.device``, LoRA, gradient
+    checkpointing) and what
     ``async_training.partial_rollouts`` asks of the rollout.
 
     Building the engines checks the same, but only after the output folder is claimed and the tiny
@@ -61,7 +62,7 @@ def _check_declared(config: RunConfig, role: Role, name: str, caps: Capabilities
     and for the rollout under adapter sync, ``model.lora``: see :func:`~verl_core.trainer.run.model.engine_spec`).
     """
     from verl_core.kernel.capabilities import RolloutCapabilities, TrainingCapabilities
-    from verl_core.trainer.run.model import lora_of
+    from verl_core.trainer.run.model import TRAINED_ROLES, lora_of
 
     m = config.model
     which = f"backend {name!r} (config key 'backends.{role}')"
@@ -78,6 +79,13 @@ def _check_declared(config: RunConfig, role: Role, name: str, caps: Capabilities
             f"config key 'model.device' = {m.device!r}, but {which} declares its {role} engine runs on "
             f"{', '.join(sorted(caps.devices))} only; set model.device to {_one_of(caps.devices)}, or choose a "
             f"backend for the {role} that declares {device} (`verl backends` lists each backend's capabilities)"
+        )
+    if (m.gradient_checkpointing and role in TRAINED_ROLES and isinstance(caps, TrainingCapabilities)
+            and not caps.gradient_checkpointing):
+        raise ConfigError(
+            f"config key 'model.gradient_checkpointing' is true, but {which} does not declare gradient checkpointing "
+            f"for its {role} engine (TrainingCapabilities.gradient_checkpointing is false); set "
+            f"model.gradient_checkpointing=false, or choose a backend for the {role} that declares it (e.g. hf)"
         )
     partial = config.async_training.partial_rollouts
     if partial != "finish" and isinstance(caps, RolloutCapabilities) and not caps.concurrent_weight_update:

@@ -18,6 +18,9 @@ from verl_core.trainer.run.folder import RunDir
 
 __all__ = ["build_run_model", "check_model_folders", "engine_spec", "lora_of", "lora_sync"]
 
+TRAINED_ROLES: tuple[str, ...] = ("actor", "critic")
+"""The roles whose engines run backward passes (``model.gradient_checkpointing`` applies to them)."""
+
 
 def check_model_folders(config: RunConfig, *, use_critic: bool) -> None:
     """Refuse a ``critic_model`` (when the run has a critic) or ``reward_model`` that is not an existing folder.
@@ -114,9 +117,12 @@ def engine_spec(
     optim: OptimConfig | None = None,
 ) -> EngineSpec:
     """The spec a run builds ``role``'s engine from: the ``model`` section (with ``model.lora`` for the
-    actor, and for the rollout under adapter sync), the seed and the role's options."""
+    actor, and for the rollout under adapter sync; ``model.gradient_checkpointing`` for the trained
+    roles, actor and critic), the seed and the role's options."""
     m = config.model
     kwargs: dict[str, Any] = {}
+    if m.gradient_checkpointing and role in TRAINED_ROLES:
+        kwargs["gradient_checkpointing"] = True
     if optim is not None:
         kwargs["optim"] = optim
     lora = lora_of(config, role)
