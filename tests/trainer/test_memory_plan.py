@@ -116,6 +116,14 @@ def test_the_reward_model_counts_with_reward_model_s_shape(tmp_path: Path) -> No
     assert not any(t.what == "reward model weights" for t in plan(policy).terms)
 
 
+def test_gradient_checkpointing_shrinks_the_update_s_activations(tmp_path: Path) -> None:
+    """The plan's activations per token are the token budget's (each layer's input and one recomputed layer)."""
+    path = folder(tmp_path, "0.9b")
+    full, checkpointed = term(plan(path), "update activations"), term(plan(path, "model.gradient_checkpointing=true"),
+                                                                     "update activations")
+    assert 0 < checkpointed < full / 4, (checkpointed, full)
+
+
 def test_the_6_7b_model_with_masters_is_flagged_and_trains_without_them(tmp_path: Path) -> None:
     path = folder(tmp_path, "6.7b")
     p = plan(path)

@@ -14,8 +14,9 @@ and the device's total memory (:func:`verl_core.kernel.memory.device_memory`), t
   ``reward_model`` when set, else the policy's);
 * the rollout engine's copy of the weights, its KV cache (rows x prompt + new tokens x layers x
   keys and values; the vLLM backend's ``kv_cache_bytes``) and its sampling working set;
-* the update's activations for at least one sequence (the micro-batch scheduler fills what
-  is left: :mod:`verl_core.trainer.batching.budget`).
+* the update's activations for at least one sequence, checkpointed under
+  ``model.gradient_checkpointing`` (the micro-batch scheduler fills what is left:
+  :mod:`verl_core.trainer.batching.budget`).
 
 Each term is on the device in the update, in the rollout, or in both: the rollout's copy and KV
 cache are not there during the update when the rollout sleeps (``rollout.sleep`` ``auto`` or
@@ -289,7 +290,7 @@ def _terms(config: RunConfig, shape: ModelShape, critic: ModelShape | None, *, m
         whose = "reward_model's" if reward is not None else "the policy's"
         terms.append(MemoryTerm("reward model weights", r * d, f"{_count(r)} params x {d} B ({whose} shape)", _BOTH))
     terms += _rollout_terms(config, shape, max_prompt_len)
-    est = estimate_token_bytes(shape, dtype)
+    est = estimate_token_bytes(shape, dtype, gradient_checkpointing=config.model.gradient_checkpointing)
     fixed = config.batch.micro_batch_tokens
     tokens = fixed or (max_prompt_len + config.rollout.max_new_tokens)
     what = (f"batch.micro_batch_tokens {tokens}" if fixed
