@@ -252,7 +252,7 @@ def _episode_prefixes(engine: RolloutEngine, seed: int, prompt_lengths: Sequence
 
 @check("invariance", gates=("rollout.exact_log_probs", "rollout.seeding"))
 def check_rollout_continues_multi_turn_prefix(h: Harness) -> None:
-    """A prompt holding an earlier turn and observation tokens (EOS and BOS among them, up to 40 ids) is continued as the float64 reference continues that exact id sequence (greedy tokens, sampled log-probs), and a seeded sample of it in an episode's batch equals the same prompt sampled alone."""
+    """A prompt holding an earlier turn and observation tokens (EOS and BOS among them, up to 40 ids) is continued as the float64 reference continues that exact id sequence (greedy tokens, sampled log-probs), and a seeded sample of it in an episode's batch equals the same prompt sampled alone (in bfloat16 they may part after the first token, where the batch's roundings move a draw)."""
     engine = h.rollout(max_prompt_len=_CONTEXT)
     prefixes = _episode_prefixes(engine, 130, (5, 24, 2), (9, 12, 4))
     batch = prompts_from_ids(prefixes, engine.tokenizer.pad_token_id, group_ids=[5, 6, 7])
