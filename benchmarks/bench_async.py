@@ -1,12 +1,15 @@
 """Asynchronous against synchronous training, in one run: steps per second and their ratio.
 
-    python benchmarks/bench_async.py [--steps 6] [--repeats 3] [--staleness 1 2] [--tool-s 0.05]
+    python benchmarks/bench_async.py [--steps 6] [--repeats 3] [--staleness 1 2] [--partial finish continue] [--tool-s 0.05]
         [--workloads tokens64 tokens256 slow-tool ragged] [--executor local|ray]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--size tiny|0.9b] [--model-dir DIR]
         [--turn-tokens N] [--max-turns N] [--out DIR]
 
 Each workload runs ``verl train`` (hf backends, GRPO) with ``async_training.mode`` ``sync`` and
-then ``async`` at each ``--staleness``, ``--repeats`` times in turn, and prints the median seconds
+then ``async`` at each ``--staleness`` and each ``--partial`` (``async_training.partial_rollouts``:
+``finish``, the setting ``async k=N``, produces one step at a time; ``continue``, the setting
+``async k=N cont``, samples every released step at once, and in the multi-turn workloads their
+episodes share the rollout's generate calls), ``--repeats`` times in turn, and prints the median seconds
 per step (over every step of a run: see :func:`_seconds_per_step`) and the ratio of sync's to each async
 setting (> 1: async is faster). Every setting of a workload trains on the same prompts, model,
 batch, lengths and learning rate; only the schedule differs.
@@ -275,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--partial", nargs="+", choices=["finish", "continue"], default=["finish", "continue"],
+                   help="async_training.partial_rollouts of the async settings")
     p.add_argument("--tool-s", type=float, default=0.05,
                    help="seconds each tool call of slow-tool and ragged waits (0: no wait)")
     p.add_argument("--workloads", nargs="+", default=["tokens64", "tokens256", "slow-tool"],
@@ -304,7 +309,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     placement = list(RAY_SPLIT) if args.executor == "ray" else ["executor=local"]
     placement += [f"model.device={args.device}", f"model.dtype={dtype}"]
     settings = [("sync", ["async_training.mode=sync"])] + [
-        (f"async k={k}", ["async_training.mode=async", f"async_training.max_staleness={k}"]) for k in args.staleness
+        (f"async k={k}{' cont' if partial == 'continue' else ''}",
+         ["async_training.mode=async", f"async_training.max_staleness={k}", f"async_training.partial_rollouts={partial}"])
+        for partial in args.partial for k in args.staleness
     ]
     env = {"VERL_BENCH_TOOL_S": str(args.tool_s), "VERL_BENCH_MAX_TURNS": str(max_turns)}
     load = os.getloadavg()[0]
@@ -322,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if (args.device, dtype, args.size) != ("cpu", "float32", "tiny"):
             print(f"# device {args.device}, {dtype}", flush=True)
         print(f"# {args.repeats} repeats x {args.steps} steps; load average at start {load:.2f} on {os.cpu_count()} CPUs")
-        print(f"{'workload':<11} {'setting':<10} {'s/step (median)':>16} {'runs':>24} {'sync/this':>10}", flush=True)
+        print(f"{'workload':<11} {'setting':<14} {'s/step (median)':>16} {'runs':>24} {'sync/this':>10}", flush=True)
         for workload in args.workloads:
             base = [*_workload(workload, tmp, size=args.size, model=model, turn_tokens=turn_tokens,
                                max_turns=max_turns, device=args.device), *placement]
@@ -349,12 +356,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             sync = statistics.median(times["sync"]) if times["sync"] else None
             for name, _ in settings:
                 if not times[name]:
-                    print(f"{workload:<11} {name:<10} {'failed':>16}", flush=True)
+                    print(f"{workload:<11} {name:<14} {'failed':>16}", flush=True)
                     continue
                 med = statistics.median(times[name])
                 runs = " ".join(f"{t:.3f}" for t in times[name])
                 ratio = f"{sync / med:>10.2f}" if sync is not None else f"{'-':>10}"
-                print(f"{workload:<11} {name:<10} {med:>16.3f} {runs:>24} {ratio}", flush=True)
+                print(f"{workload:<11} {name:<14} {med:>16.3f} {runs:>24} {ratio}", flush=True)
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
     if failed:
         raise SystemExit(f"{len(failed)} run(s) failed ({', '.join(failed)}); their errors are above")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -208,7 +209,7 @@ class VersionPerCall(RecordingRollout):
 def test_an_episode_sampled_from_several_weight_versions_reports_the_oldest() -> None:
     engine = VersionPerCall(rollout())
     batch, _ = prompts(engine, 2)
-    out = AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=80)).run(
+    out = AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=200)).run(
         batch, lambda row: Counting({"turns": 3}), SamplingParams(seed=3, stop_token_ids=stops(engine)))
     assert len(engine.calls) >= 3 and out.meta.weight_version == min(VersionPerCall.VERSIONS[:len(engine.calls)])
 
@@ -518,3 +519,112 @@ def test_without_chat_template_observations_are_text() -> None:
         observations = [ids[a:b] for f, a, b in runs(flags) if not f]
         assert observations == [tok.encode(" obs: "), tok.encode("A\nB")]
         assert out.extras[EPISODE_KEY][i]["messages"][1] == {"role": "observation", "content": " obs: "}
+
+
+class Gated(RecordingRollout):
+    """Holds its first generate call until :attr:`gate` is set (so a second caller can arrive meanwhile)."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        super().__init__(engine)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        self.entered.set()
+        assert self.gate.wait(60)
+        return super().generate(prompts, params)
+
+
+def _in_threads(loop: AgentLoop, calls: Sequence[tuple[TensorBatch, SamplingParams]],
+                engine: Gated) -> list[TensorBatch]:
+    """Run ``calls`` on ``loop`` from one thread each, the later ones arriving while the first one's
+    first generate call is held; each call's batch (or what it raised)."""
+    results: list[Any] = [None] * len(calls)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = loop.run(calls[i][0], Counting, calls[i][1])
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    threads[0].start()
+    assert engine.entered.wait(60)
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(loop._runs) < len(calls) and time.monotonic() < deadline:  # every call submitted, waiting
+        time.sleep(0.01)
+    engine.gate.set()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_calls_under_way_at_once_share_generate_calls_and_sample_what_each_samples_alone() -> None:
+    """Two steps' episodes (other prompts, other seeds) run from two threads at once: every turn after
+    the first is one generate call for both, and each call's batch equals the one it gives alone."""
+    engine = rollout()
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=80)
+    first, _ = prompts(engine, 2, turns=[3, 2])
+    second, _ = prompts(engine, 3, turns=[1, 3, 2])
+    second = second.update(group_ids=second["group_ids"] + 100)
+    calls = [(first, SamplingParams(seed=3, stop_token_ids=stops(engine), n=2)),
+             (second, SamplingParams(seed=4, stop_token_ids=stops(engine), n=2))]
+    alone = [AgentLoop(RecordingRollout(engine), limits).run(b, Counting, p) for b, p in calls]
+    gated = Gated(engine)
+    shared = _in_threads(AgentLoop(gated, limits), calls, gated)
+    for a, s in zip(alone, shared, strict=True):
+        assert isinstance(s, TensorBatch), s
+        a, s = a.trim(), s.trim()
+        for name in ("response_ids", "loss_mask", "turn_ids", "group_ids", "sample_index"):
+            assert torch.equal(a[name], s[name]), name
+        torch.testing.assert_close(s["rollout_log_probs"], a["rollout_log_probs"], atol=1e-5, rtol=0)
+        assert [i["messages"] for i in a.extras[EPISODE_KEY]] == [i["messages"] for i in s.extras[EPISODE_KEY]]
+    sizes = [b.batch_size for b, _, _ in gated.calls]
+    assert sizes[0] == 4 and max(sizes) > 6, sizes  # the first call held alone; later turns of both at once
+    assert {p.seed for _, p, _ in gated.calls} == {0}  # the seeds travel in each row's stream
+
+
+def test_max_active_starts_episodes_as_others_end() -> None:
+    """``max_active`` bounds the rows of every generate call, episodes start as others end (a call
+    holds a later episode's first turn beside an earlier one's later turn), and the batch equals an
+    unbounded run's."""
+    engine = rollout()
+    batch, _ = prompts(engine, 3, turns=[1, 3, 2])
+    params = SamplingParams(seed=6, stop_token_ids=stops(engine), n=2)
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=80)
+    free = AgentLoop(engine, limits).run(batch, Counting, params)
+    recording = RecordingRollout(engine)
+    bounded = AgentLoop(recording, limits, max_active=2).run(batch, Counting, params)
+    assert max(b.batch_size for b, _, _ in recording.calls) <= 2
+    mixed = [int((b["prompt_mask"].sum(-1) != b["prompt_mask"].sum(-1)[0]).any()) for b, _, _ in recording.calls]
+    assert any(mixed), "no call held episodes at different turns"
+    free, bounded = free.trim(), bounded.trim()
+    for name in ("response_ids", "loss_mask", "turn_ids"):
+        assert torch.equal(free[name], bounded[name]), name
+
+
+class FailsOnSecondCall(Gated):
+    failed = False
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        if len(self.calls) == 1 and not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return super().generate(prompts, params)
+
+
+def test_a_failed_generate_call_fails_every_call_whose_episodes_it_held() -> None:
+    engine = rollout()
+    first, _ = prompts(engine, 2, turns=[3, 3])
+    second, _ = prompts(engine, 2, turns=[3, 3])
+    calls = [(first, SamplingParams(seed=1, stop_token_ids=stops(engine))),
+             (second, SamplingParams(seed=2, stop_token_ids=stops(engine)))]
+    gated = FailsOnSecondCall(engine)
+    loop = AgentLoop(gated, EpisodeLimits(max_turns=3, max_total_tokens=80))
+    out = _in_threads(loop, calls, gated)
+    assert all(isinstance(o, RuntimeError) and "device lost" in str(o) for o in out), out
+    assert not loop._runs  # nothing left behind: the loop serves the next call
+    again = loop.run(first, Counting, calls[0][1])
+    assert again.batch_size == 2

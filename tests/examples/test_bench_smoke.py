@@ -60,7 +60,7 @@ def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tm
     text = _run("benchmarks/bench_async.py", "--workloads", "ragged", "--steps", "2", "--repeats", "1",
                 "--staleness", "1", "--tool-s", "0", "--out", str(runs))
     rows = {" ".join(ln.split()[1:-3]): ln.split()[-3:] for ln in text.splitlines() if ln.startswith("ragged ")}
-    assert set(rows) == {"sync", "async k=1"}, text
+    assert set(rows) == {"sync", "async k=1", "async k=1 cont"}, text
     for seconds, run, ratio in rows.values():
         assert float(seconds) == float(run) > 0 and float(ratio) > 0
     assert float(rows["sync"][2]) == 1.0
@@ -69,11 +69,13 @@ def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tm
     assert spread is not None, text
     low, mean, high = int(spread[1]), float(spread[2]), int(spread[3])
     assert 0 < low <= mean <= high <= 64 and high > 2 * low, spread[0]
-    for setting in ("sync", "asynck1"):
+    for setting in ("sync", "asynck1", "asynck1cont"):
         steps = [json.loads(ln) for ln in (runs / f"ragged-local-{setting}-0" / "metrics.jsonl").read_text().splitlines()]
         assert len(steps) == 2 and all(m["agent/turns"] > 1 for m in steps), steps
         assert all(m["response/length_min"] <= m["response/length_mean"] <= m["response/length_max"] for m in steps)
     assert json.loads((runs / "ragged-local-asynck1-0" / "config.json").read_text())["async_training"]["mode"] == "async"
+    assert json.loads((runs / "ragged-local-asynck1cont-0" / "config.json").read_text())["async_training"] == {
+        "mode": "async", "max_staleness": 1, "partial_rollouts": "continue"}
 
 
 def test_bench_async_counts_every_step_of_a_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,7 @@
 """The environment of tests/trainer/test_partial_rollouts.py: three turns per episode, where the
-second step of every episode after the first step's waits for the trainer's first weight update."""
+second step of every episode of the second training step (rows whose answer is 3 or more, in an
+unshuffled data order of 3 prompts a step) waits for the trainer's first weight update. The
+producer may build the two steps' environments side by side, so the row decides, not the order."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from verl_core.agent import StepResult
 
 TRAINER: Any = None
 """The test's trainer (read for its ``weight_version``)."""
-FIRST_STEP_EPISODES = 6
-"""Environments of the first training step (prompts x samples); later ones wait for version 1."""
+FIRST_STEP_ROWS = 3
+"""Rows of the first training step; the episodes of later rows wait for version 1."""
 WAIT_S = 30.0
 
 _lock = threading.Lock()
@@ -47,7 +49,7 @@ def make(row: Mapping[str, Any]) -> ThreeTurns:
     global _made
     with _lock:
         _made += 1
-        return ThreeTurns(waits=_made > FIRST_STEP_EPISODES)
+        return ThreeTurns(waits=int(row["answer"]) >= FIRST_STEP_ROWS)
 
 
 def made() -> int:
@@ -61,3 +63,21 @@ def reset(trainer: Any) -> None:
     TRAINER, _made = trainer, 0
     waited.clear()
     reached.clear()
+
+
+class Turns:
+    """An episode of ``turns`` turns, each answered at once."""
+
+    def __init__(self, turns: int) -> None:
+        self.left = turns
+
+    def step(self, text: str, token_ids: Sequence[int]) -> StepResult:
+        self.left -= 1
+        if self.left <= 0:
+            return StepResult(done=True, reward=1.0)
+        return StepResult([{"role": "tool", "content": "ok"}], metrics={"tool_calls": 1.0})
+
+
+def ragged(row: Mapping[str, Any]) -> Turns:
+    """1 to 3 turns, from the row's answer."""
+    return Turns(1 + int(row["answer"]) % 3)

@@ -344,9 +344,9 @@ def test_multi_turn_steps(tmp_path: Path, code: Path) -> None:
 
 
 @pytest.mark.slow
-def test_concurrency_runs_the_same_episodes_in_chunks(tmp_path: Path, code: Path) -> None:
+def test_concurrency_runs_the_same_episodes_refilled_as_they_end(tmp_path: Path, code: Path) -> None:
     """``agent.concurrency`` bounds the episodes run at once; each episode's random stream is its own,
-    so the chunks give the episodes of one run at once."""
+    so episodes started as others end give the episodes of one run at once."""
     outs = []
     for concurrency in (0, 4):
         cfg = agent_config(tmp_path, "agent.environment='usercode.py:TwoTurns'", f"agent.concurrency={concurrency}",

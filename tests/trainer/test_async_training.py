@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def test_the_producer_makes_released_steps_in_order_and_no_further() -> None:
         made.append(step)
         return _state(step)
 
-    producer = RolloutProducer(make, first=2, snapshot=lambda: {"row": len(made)})
+    producer = RolloutProducer(make, lambda state, slot: None, first=2, snapshot=lambda: {"row": len(made)})
     try:
         producer.release(4)
         state, _ = producer.take(2)
@@ -70,13 +71,13 @@ def test_the_producer_makes_released_steps_in_order_and_no_further() -> None:
         producer.close()
 
 
-def test_what_the_producer_raises_is_raised_by_take() -> None:
-    def make(step: int) -> StepState:
-        if step == 1:
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_what_the_producer_raises_is_raised_by_take(parallel: int) -> None:
+    def sample(state: StepState, slot: int) -> None:
+        if state.step == 1:
             raise ValueError("the rollout engine failed")
-        return _state(step)
 
-    producer = RolloutProducer(make, first=0, snapshot=lambda: None)
+    producer = RolloutProducer(_state, sample, first=0, snapshot=lambda: None, parallel=parallel)
     try:
         producer.release(3)
         assert producer.take(0)[0].step == 0
@@ -84,6 +85,44 @@ def test_what_the_producer_raises_is_raised_by_take() -> None:
             producer.take(1)
         producer.wait_idle()  # returns: the producer stopped
     finally:
+        producer.close()
+
+
+def test_with_parallel_slots_a_released_step_starts_before_the_one_before_it_ends() -> None:
+    """Steps are drawn in order; with 2 slots step 1 is sampled while step 0 still is, each on a slot
+    of its own, and a step under way when another fails is still handed over."""
+    drawn: list[int] = []
+    started = {s: threading.Event() for s in range(4)}
+    finish = {s: threading.Event() for s in range(4)}
+    slots: dict[int, int] = {}
+
+    def draw(step: int) -> StepState:
+        drawn.append(step)
+        return _state(step)
+
+    def sample(state: StepState, slot: int) -> None:
+        slots[state.step] = slot
+        started[state.step].set()
+        assert finish[state.step].wait(30)
+        if state.step == 1:
+            raise ValueError("step 2's rollout failed")
+
+    producer = RolloutProducer(draw, sample, first=0, snapshot=lambda: None, parallel=2)
+    try:
+        producer.release(3)
+        assert started[0].wait(30) and started[1].wait(30)  # step 1 runs while step 0 does
+        assert producer.in_flight == 2 and drawn == [0, 1] and slots[0] != slots[1]
+        time.sleep(0.05)
+        assert not started[2].is_set()  # no third slot
+        finish[1].set()  # step 1 fails while step 0 is under way
+        finish[0].set()
+        assert producer.take(0)[0].step == 0
+        with pytest.raises(ValueError, match="step 2's rollout failed"):
+            producer.take(1)
+        assert drawn == [0, 1]  # nothing more is drawn after a failure
+    finally:
+        for e in finish.values():
+            e.set()
         producer.close()
 
 

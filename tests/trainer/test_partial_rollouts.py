@@ -63,7 +63,7 @@ def _train(tmp_path: Path, partial: str,
     cfg = load_config(None, [
         f"model.path={json.dumps(chat_model_path())}", f"data.train={json.dumps(str(tmp_path / 'train.jsonl'))}",
         f"output_dir={json.dumps(str(tmp_path / partial))}", "steps=2", "rollout.n=2", "rollout.max_new_tokens=4",
-        "batch.prompts_per_step=3", "agent.max_turns=3", "agent.max_total_tokens=40",
+        "batch.prompts_per_step=3", "data.shuffle=false", "agent.max_turns=3", "agent.max_total_tokens=40",
         f"agent.environment={json.dumps('partial_rollout_env:make')}", "algorithm.options={kl_loss_coef=0.0}",
         "async_training.mode=async", "async_training.max_staleness=1",
         f"async_training.partial_rollouts={partial}", "logging.progress=false", "logging.plot=false",
@@ -131,3 +131,34 @@ def test_restart_samples_an_episode_that_spans_the_update_again_on_the_new_weigh
         sum(i["restarted_tokens"] for i in infos[1]) / len(infos[1]))
     oldest = min(v for ep in second for v in ep)
     assert [m["async/staleness"] for m in history] == [0, 1 - oldest]  # the weights trained at step 2 are version 1
+
+
+def test_continue_samples_the_released_steps_at_once_in_shared_generate_calls(tmp_path: Path) -> None:
+    """Under "continue" the producer samples step t+1 while step t's episodes still run, and their
+    turns share generate calls: some call holds more rows than one step has episodes."""
+    torch.set_num_threads(1)
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": "q"}], "answer": str(i)}) + "\n" for i in range(12)))
+    cfg = load_config(None, [
+        f"model.path={json.dumps(chat_model_path())}", f"data.train={json.dumps(str(tmp_path / 'train.jsonl'))}",
+        f"output_dir={json.dumps(str(tmp_path / 'run'))}", "steps=4", "rollout.n=2", "rollout.max_new_tokens=4",
+        "batch.prompts_per_step=3", "agent.max_turns=3", "agent.max_total_tokens=40",
+        f"agent.environment={json.dumps('partial_rollout_env:ragged')}", "algorithm.options={kl_loss_coef=0.0}",
+        "async_training.mode=async", "async_training.max_staleness=1", "async_training.partial_rollouts=continue",
+        "logging.progress=false", "logging.plot=false", "checkpoint.final=false",
+    ])
+    calls: list[tuple[int, int]] = []  # (rows, steps in flight) of each generate call
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        engine = trainer.engines.rollout
+        generate = engine.generate
+
+        def recorded(prompts: Any, params: Any) -> Any:
+            calls.append((prompts.batch_size, trainer.producer.in_flight if trainer.producer is not None else 0))
+            return generate(prompts, params)
+
+        engine.generate = recorded  # type: ignore[method-assign]
+        history = trainer.train()
+    assert len(history) == 4 and all(m["async/staleness"] <= 1 for m in history)
+    assert max(in_flight for _, in_flight in calls) == 2  # max_staleness + 1 steps sampled at once
+    assert max(rows for rows, _ in calls) > 6, calls  # one step has 3 prompts x 2 samples

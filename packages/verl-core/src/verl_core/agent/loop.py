@@ -27,6 +27,16 @@ episode, with one message saying what happened; the run goes on. A turn cut by t
 handed to the environment, and an observation that does not fit the budget (with room for at
 least one more model token) or comes after the last allowed turn is not appended.
 
+Several ``run`` calls may be under way at once, from different threads (an asynchronous trainer
+producing the samples of two steps): their episodes then share the loop's ``generate`` calls, one
+call per turn for every active episode of every call whose sampling parameters agree but for the
+seed (and ``max_new_tokens``), and one thread at a time drives them all. ``max_active`` caps the
+episodes running at once across every call: as one ends, the next waiting episode (of the same call,
+or of the next call in arrival order) starts, so the engine's batch stays full while the longest
+episodes of a step finish. An episode's random stream does not depend on the episodes it shares a
+call with (see ``AgentLoop.run``'s ``params``), so its tokens are those it samples alone wherever the
+engine's per-sample seeding is exact (float32).
+
 The rollout engine re-runs the whole prefix each turn unless it declares
 ``RolloutCapabilities.prefix_continuation`` (it then reuses what it cached); the result is the same.
 
@@ -51,12 +61,14 @@ list whose item k is the :class:`TurnInfo` of turn k (the ``turn_ids`` value k).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypedDict
+from typing import Any, Final, Literal, TypedDict, cast
 
 import torch
 
@@ -248,6 +260,36 @@ class _Episode:
         )
 
 
+@dataclass(eq=False)  # compared by identity
+class _Request:
+    """A call's episodes to sample a turn of, waiting for a shared generate call."""
+
+    active: list[_Episode]
+    params: SamplingParams
+    out: TensorBatch | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)  # compared by identity
+class _Run:
+    """One ``run`` call's episodes while its thread runs them."""
+
+    rows: TensorBatch
+    environments: EnvironmentFactory | Sequence[Environment]
+    params: SamplingParams  # the turn's: n=1, the stop ids (EOS included)
+    episodes: list[_Episode]
+    waiting: list[int]  # indices of the episodes not started yet (``max_active``), in order
+    meta: Any = None  # the meta of the last generate call that sampled for this run
+    request: _Request | None = None  # waiting for a generate call
+    state: Literal["busy", "environments", "idle"] = "busy"  # what its thread does between generate calls
+    since: float = 0.0  # when it entered its environments (time.monotonic())
+
+    def started(self) -> list[_Episode]:
+        """The episodes started and not ended."""
+        waiting = set(self.waiting)
+        return [e for e in self.episodes if e.termination is None and e.index not in waiting]
+
+
 class AgentLoop:
     """Runs batches of multi-turn episodes with a rollout engine (see the module docstring).
 
@@ -262,13 +304,15 @@ class AgentLoop:
             0 (default): it continues on the new weights, each turn tagged with its versions.
             n >= 1: it is abandoned and started again from its initial prompt, with a fresh
             environment from the factory, at most n times; after that it continues, tagged.
+        max_active: Most episodes running at once, over every ``run`` call under way (0 = no
+            limit). Episodes start in order as others end; each starts with its environment built.
 
     Raises:
-        ConfigError: an argument of the wrong type, or a negative ``max_restarts``.
+        ConfigError: an argument of the wrong type, or a negative ``max_restarts`` or ``max_active``.
     """
 
     def __init__(self, engine: RolloutEngine, limits: EpisodeLimits | None = None, *,
-                 tokenizer: Tokenizer | None = None, max_restarts: int = 0) -> None:
+                 tokenizer: Tokenizer | None = None, max_restarts: int = 0, max_active: int = 0) -> None:
         if not callable(getattr(engine, "generate", None)):
             raise ConfigError(f"AgentLoop needs a RolloutEngine, got {describe(engine)}")
         if limits is not None and not isinstance(limits, EpisodeLimits):
@@ -277,6 +321,16 @@ class AgentLoop:
         self._limits = limits if limits is not None else EpisodeLimits()
         self._tok = tokenizer if tokenizer is not None else engine.tokenizer
         self._max_restarts = check_int(max_restarts, "AgentLoop max_restarts", low=0)
+        self._max_active = check_int(max_active, "AgentLoop max_active", low=0)
+        self._cond = threading.Condition()  # guards _runs, their waiting/request/state, and _calling
+        self._runs: list[_Run] = []  # the calls under way, in arrival order
+        self._calling = False  # a thread is in a shared generate call
+        self._last_call_s = 0.0  # how long the last generate call took
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine that samples every turn."""
+        return self._engine
 
     @property
     def limits(self) -> EpisodeLimits:
@@ -293,6 +347,9 @@ class AgentLoop:
     ) -> TensorBatch:
         """Run one episode per sample until each ends.
 
+        Safe to call from several threads at once: the calls' episodes share ``generate`` calls
+        (see the module docstring) and each call returns its own episodes' batch.
+
         Args:
             prompts: Left-padded ``prompt_ids``/``prompt_mask`` (each sample's rendered conversation
                 so far, e.g. from :func:`~verl_core.agent.render.render_prompts`), ``group_ids``, and
@@ -305,7 +362,8 @@ class AgentLoop:
             params: Sampling parameters. ``stop_token_ids`` (plus EOS) end a turn: include the
                 chat template's end-of-turn ids. ``max_new_tokens`` is ignored (the budget is
                 ``EpisodeLimits.max_total_tokens``); with a seed, every episode's every turn has
-                its own random stream, fixed by (seed, group id, sample index, generate call).
+                its own random stream, fixed by (seed, group id, sample index, generate call): the
+                engine is called with seed 0 and each row's group id carries the hash of the four.
             prompt_messages: The messages each prompt was rendered from (one list per row of
                 ``prompts``), to begin each episode's recorded conversation.
 
@@ -319,6 +377,25 @@ class AgentLoop:
                 samples not given, or a list of environments with ``max_restarts`` >= 1.
             BatchValidationError: prompts without ``prompt_ids``, ``prompt_mask`` or ``group_ids``.
         """
+        run = self._submit(prompts, environments, params, prompt_messages)
+        with self._cond:
+            self._runs.append(run)
+        try:
+            self._drive(run)
+        finally:
+            with self._cond:
+                self._runs.remove(run)
+                self._cond.notify_all()
+        meta = run.meta
+        if meta is not None:  # the oldest version of a kept turn (every call's, without restarts)
+            kept = [v for e in run.episodes for t in e.turn_infos for v in t["weight_versions"]]
+            meta = dataclasses.replace(meta, weight_version=min(kept, default=meta.weight_version))
+        return self._output(run.rows, run.episodes, run.params, meta)
+
+    # ------------------------------------------------------------------ the steps of a run
+    def _submit(self, prompts: TensorBatch, environments: EnvironmentFactory | Sequence[Environment],
+                params: SamplingParams, prompt_messages: Sequence[Sequence[ChatMessage]] | None) -> _Run:
+        """A checked call's episodes, none started."""
         if not isinstance(prompts, TensorBatch):
             raise ConfigError(f"AgentLoop.run() prompts must be a TensorBatch, got {describe(prompts)}")
         if not isinstance(params, SamplingParams):
@@ -333,8 +410,16 @@ class AgentLoop:
                 f"AgentLoop(max_restarts={self._max_restarts}) builds a fresh environment for each restarted "
                 "episode, which a list of environments cannot give; pass a factory (row -> Environment), or "
                 "max_restarts=0")
+        if not isinstance(environments, (list, tuple)) and not callable(environments):
+            raise ConfigError(f"AgentLoop.run() environments must be a factory (row -> Environment) or a list "
+                              f"of environments, got {describe(environments)}")
         checked = [check_messages(m, f"prompt_messages[{i}]") for i, m in enumerate(prompt_messages or ())]
         rows = prompts.repeat_interleave(repeat) if repeat > 1 or "sample_index" not in prompts else prompts
+        if isinstance(environments, (list, tuple)) and len(environments) != rows.batch_size:
+            raise ConfigError(
+                f"AgentLoop.run(): {len(environments)} environments for {rows.batch_size} episodes (prompts "
+                "times n); give one per episode, or a factory that builds one from a sample's row"
+            )
         episodes = [
             _Episode(
                 index=i, prompt=rows["prompt_ids"][i][rows["prompt_mask"][i]].tolist(),
@@ -344,45 +429,142 @@ class AgentLoop:
             )
             for i in range(rows.batch_size)
         ]
-        self._make_environments(episodes, rows, environments)
         stops = tuple(dict.fromkeys((*params.stop_token_ids, self._tok.eos_token_id)))
-        renderer = ObservationRenderer(self._tok) if episodes else None
-        meta = None
-        while active := self._within_context(episodes):
-            assert renderer is not None
-            out = self._sample_turn(active, params, stops)
-            meta = out.meta
-            ended, restarted = self._take_turn(active, out, set(stops))
-            self._step(ended, renderer)
-            if restarted:  # abandoned at a weight update: fresh episodes, with fresh environments
-                for e in restarted:
-                    episodes[e.index] = e
-                self._make_environments(restarted, rows, environments)
-        if meta is not None:  # the oldest version of a kept turn (every call's, without restarts)
-            kept = [v for e in episodes for t in e.turn_infos for v in t["weight_versions"]]
-            meta = dataclasses.replace(meta, weight_version=min(kept, default=meta.weight_version))
-        return self._output(rows, episodes, params, meta)
+        turn = dataclasses.replace(params, n=1, stop_token_ids=stops)
+        return _Run(rows=rows, environments=environments, params=turn, episodes=episodes,
+                    waiting=list(range(len(episodes))))
 
-    # ------------------------------------------------------------------ the steps of a run
+    def _drive(self, run: _Run) -> None:
+        """Run turns of ``run``'s episodes until each ended."""
+        renderer = ObservationRenderer(self._tok)
+        stops = set(run.params.stop_token_ids)
+        while True:
+            self._start(run)
+            active = self._within_context(run.started())
+            if not active:
+                if not run.waiting:
+                    return
+                with self._cond:  # every started episode ended; the rest wait for room
+                    run.state = "idle"
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: self._room(run) > 0)
+                    run.state = "busy"
+                continue
+            out = self._sample(run, active)
+            run.meta = out.meta
+            ended, restarted = self._take_turn(active, out, stops)
+            with self._away(run):
+                self._step(ended, renderer)
+                if restarted:  # abandoned at a weight update: fresh episodes, with fresh environments
+                    for e in restarted:
+                        run.episodes[e.index] = e
+                    self._make_environments(restarted, run.rows, run.environments)
+
+    def _room(self, run: _Run) -> int:
+        """Episodes ``run`` may start now (under ``self._cond``): none while an earlier call still has
+        episodes waiting, else what ``max_active`` leaves (every waiting one without a limit)."""
+        earlier = self._runs[:self._runs.index(run)]
+        if any(r.waiting for r in earlier):
+            return 0
+        if not self._max_active:
+            return len(run.waiting)
+        return self._max_active - sum(len(r.started()) for r in self._runs)
+
+    def _start(self, run: _Run) -> None:
+        """Start ``run``'s waiting episodes, in order, as far as there is room."""
+        with self._cond:
+            take = run.waiting[:max(0, self._room(run))]
+            run.waiting = run.waiting[len(take):]
+            self._cond.notify_all()  # a later call may start its own once this one waits no more
+        if take:
+            with self._away(run):
+                self._make_environments([run.episodes[i] for i in take], run.rows, run.environments)
+
+    @contextlib.contextmanager
+    def _away(self, run: _Run) -> Iterator[None]:
+        """``run`` is in its environments: shared generate calls do not wait for it."""
+        with self._cond:
+            run.state, run.since = "environments", time.monotonic()
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                run.state = "busy"
+                self._cond.notify_all()  # episodes may have ended: room for others
+
+    def _wait_for_others(self) -> float | None:
+        """How long a request waits before the next shared generate call (under ``self._cond``;
+        None: make it now). It waits while a call is in flight, for every call under way that is
+        busy between calls (it asks next, within moments), and for one in its environments until it
+        has been there half as long as the last generate call took: a wait that short costs less
+        than the call it saves, and environments that take longer (a slow tool, one that waits for
+        the trainer) hold up no one else's turn."""
+        if self._calling:
+            return 10.0
+        longest = 0.0
+        now = time.monotonic()
+        for r in self._runs:
+            if r.request is not None or r.state == "idle":
+                continue
+            if r.state == "busy":
+                return 10.0
+            longest = max(longest, self._last_call_s / 2 - (now - r.since))
+        return longest if longest > 0 else None
+
+    def _sample(self, run: _Run, active: list[_Episode]) -> TensorBatch:
+        """``active``'s next turn, sampled in one generate call with the requests of every other call
+        whose parameters agree but for the seed; the call is made once no call under way is between
+        calls (each has a request in, or is in its environments, or waits for room)."""
+        mine = _Request(active, run.params)
+        with self._cond:
+            run.request = mine
+            self._cond.notify_all()
+            while mine.out is None and mine.error is None:
+                wait = self._wait_for_others()
+                if wait is not None:
+                    self._cond.wait(wait)
+                    continue
+                first = next(r.request for r in self._runs if r.request is not None)
+                key = _merge_key(first.params)
+                group = [r for r in self._runs if r.request is not None and _merge_key(r.request.params) == key]
+                requests = [r.request for r in group if r.request is not None]
+                for r in group:
+                    r.request = None
+                    r.state = "busy"  # its thread takes the output next
+                self._calling = True
+                self._cond.release()
+                started = time.monotonic()
+                try:
+                    outs = self._sample_turn([(q.active, q.params) for q in requests])
+                    for q, out in zip(requests, outs, strict=True):
+                        q.out = out
+                except BaseException as err:  # every call in the generate call fails with it
+                    for q in requests:
+                        q.error = err
+                finally:
+                    self._cond.acquire()
+                    self._last_call_s = time.monotonic() - started
+                    self._calling = False
+                    self._cond.notify_all()
+            run.request = None
+            run.state = "busy"
+        if mine.error is not None:
+            raise mine.error
+        assert mine.out is not None
+        return mine.out
+
     def _make_environments(self, episodes: list[_Episode], rows: TensorBatch,
                            environments: EnvironmentFactory | Sequence[Environment]) -> None:
         if isinstance(environments, (list, tuple)):
-            if len(environments) != len(episodes):
-                raise ConfigError(
-                    f"AgentLoop.run(): {len(environments)} environments for {len(episodes)} episodes (prompts "
-                    "times n); give one per episode, or a factory that builds one from a sample's row"
-                )
-            built: list[Outcome] = [Outcome(value=env, finished=True) for env in environments]
-        elif callable(environments):
+            built: list[Outcome] = [Outcome(value=environments[e.index], finished=True) for e in episodes]
+        else:
             extras = rows.extras
-            factory = environments
+            factory = cast(EnvironmentFactory, environments)  # checked when the call was submitted
             jobs = [functools.partial(factory, {k: v[e.index] for k, v in extras.items()}) for e in episodes]
             started = time.perf_counter()
             built = run_with_deadline(jobs, self._limits.step_timeout_s)
             _share(episodes, time.perf_counter() - started)
-        else:
-            raise ConfigError(f"AgentLoop.run() environments must be a factory (row -> Environment) or a list "
-                              f"of environments, got {describe(environments)}")
         what = f"the environment factory {getattr(environments, '__name__', type(environments).__name__)}"
         for e, out in zip(episodes, built, strict=True):
             if not out.finished:
@@ -425,19 +607,31 @@ class AgentLoop:
                   "to continue longer episodes", truncated=True)
         return active
 
-    def _sample_turn(self, active: list[_Episode], params: SamplingParams, stops: tuple[int, ...]) -> TensorBatch:
-        """Sample the next tokens of every active episode from its exact ids so far."""
+    def _sample_turn(self, calls: list[tuple[list[_Episode], SamplingParams]]) -> list[TensorBatch]:
+        """Sample the next tokens of every active episode of ``calls`` (each a call's episodes and turn
+        parameters, which agree but for the seed) from its exact ids so far, in one generate call;
+        each call's part of the output."""
         limit = self._limits.max_total_tokens
-        spec = self._engine.spec
-        max_new = min(max(limit - len(e.tokens) for e in active), spec.max_response_len)
-        # Each (group, sample, call) gets its own stream: the engine seeds a row by (seed, group id,
-        # sample index), so the row's group id carries the hash of all three.
-        streams = [sample_seed(e.calls, e.group_id, e.sample_index) for e in active]
-        for e in active:
-            e.calls += 1
-        batch = prompts_from_ids([e.prompt + e.tokens for e in active], self._tok.pad_token_id, group_ids=streams)
-        turn = dataclasses.replace(params, n=1, max_new_tokens=max_new, stop_token_ids=stops)
-        return self._engine.generate(batch, turn)
+        everyone = [e for active, _ in calls for e in active]
+        max_new = min(max(limit - len(e.tokens) for e in everyone), self._engine.spec.max_response_len)
+        # Each (seed, group, sample, call) gets its own stream: the engine seeds a row by (seed, group
+        # id, sample index), so with the engine's seed fixed at 0 the row's group id carries the hash
+        # of all four, and episodes of calls with other seeds can share the generate call.
+        streams = []
+        for active, params in calls:
+            for e in active:
+                stream = sample_seed(e.calls, e.group_id, e.sample_index)
+                streams.append(stream if params.seed is None else sample_seed(params.seed, stream, 0))
+                e.calls += 1
+        batch = prompts_from_ids([e.prompt + e.tokens for e in everyone], self._tok.pad_token_id, group_ids=streams)
+        first = calls[0][1]
+        turn = dataclasses.replace(first, max_new_tokens=max_new, seed=None if first.seed is None else 0)
+        out = self._engine.generate(batch, turn)
+        parts, start = [], 0
+        for active, _ in calls:
+            parts.append(out.index(slice(start, start + len(active))) if len(calls) > 1 else out)
+            start += len(active)
+        return parts
 
     def _take_turn(self, active: list[_Episode], out: TensorBatch,
                    stops: set[int]) -> tuple[list[_Episode], list[_Episode]]:
@@ -554,6 +748,12 @@ class AgentLoop:
             truncated=truncated, meta=meta,
             extras={EPISODE_KEY: [e.info() for e in episodes], TURNS_EXTRA: [list(e.turn_infos) for e in episodes]},
         )
+
+
+def _merge_key(params: SamplingParams) -> SamplingParams:
+    """What turns of different calls must agree on to share a generate call (not the seed, which each
+    row's stream carries, nor the length, the longest budget's)."""
+    return dataclasses.replace(params, seed=None if params.seed is None else 0, max_new_tokens=1)
 
 
 def _call_step(env: Environment | None, text: str, ids: list[int]) -> StepResult:

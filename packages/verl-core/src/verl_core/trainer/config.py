@@ -376,7 +376,9 @@ class AsyncTrainingConfig:
             again from its first turn, with a fresh environment, so no episode mixes versions (at
             most ``max_staleness`` restarts an episode, which is as many updates as can land
             while its step is generated); a single-turn rollout behaves as with ``continue``.
-            ``continue`` and ``restart`` need a rollout engine that declares
+            Under ``continue`` and ``restart`` the producer also samples every released step at
+            once (up to ``max_staleness + 1``), and a multi-turn run's steps share the rollout's
+            generate calls. They need a rollout engine that declares
             ``concurrent_weight_update`` and ``max_staleness >= 1``; a run's numbers then depend
             on timing.
     """

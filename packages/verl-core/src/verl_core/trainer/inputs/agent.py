@@ -85,7 +85,8 @@ class AgentConfig:
             ``tool_timeout_s`` when the tools' environment is used); a step still running then
             ends its episode with an error.
         concurrency: Most episodes run at once (each steps its environment on a thread of its
-            own); the step's episodes run in chunks of this many. 0 = all of them at once.
+            own); as one ends the next starts, of the same step or (asynchronous training producing
+            steps side by side) of the next. 0 = no limit: every episode of a step at once.
         stop_tokens: Tokens that end a model turn besides EOS, each one token of the vocabulary
             (e.g. ``"<|im_end|>"``). Empty = the chat template's end-of-turn token (the first
             token the template puts after an assistant message), or EOS alone without a template.

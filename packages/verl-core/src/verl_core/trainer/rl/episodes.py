@@ -1,9 +1,11 @@
 """Multi-turn rollouts of an RL run (``[agent]``): the episode loop in place of one ``generate`` call.
 
 :class:`EpisodeRollout` runs :class:`~verl_core.agent.loop.AgentLoop` on a step's prompts (and on
-evaluation prompts): the prompts are repeated ``rollout.n`` times, run at most
-``agent.concurrency`` episodes at a time, and the episodes' batches are concatenated into one
-batch in the canonical layout, with ``loss_mask`` (the tokens the model sampled) and ``turn_ids``.
+evaluation prompts): the prompts are repeated ``rollout.n`` times and run at most
+``agent.concurrency`` episodes at a time, into one batch in the canonical layout, with ``loss_mask`` (the tokens the model sampled) and ``turn_ids``.
+One loop serves every call, so calls under way at once (an asynchronous run's steps produced side by
+side, an evaluation) share its ``generate`` calls, and ``agent.concurrency`` bounds them together: as
+an episode ends, the next one starts, of the same step or of the next.
 The rest of the step reads it like a single-turn batch: losses, KL, aggregation and counts read
 ``TensorBatch.loss_mask``, forwards run over the whole response (observations included).
 
@@ -15,6 +17,7 @@ a reward model, or nothing) plus, per episode, the sum of the environment's per-
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +57,17 @@ class EpisodeRollout:
         self.engines = engines
         self.max_restarts = max_restarts
         self._stops: tuple[Tokenizer, tuple[int, ...]] | None = None
+        self._loop: AgentLoop | None = None
+        self._guard = threading.Lock()  # guards _loop
+
+    def loop(self, engine: RolloutEngine) -> AgentLoop:
+        """The episode loop of ``engine``: one for every call, so calls under way at once (the
+        asynchronous producer's steps, an evaluation) share its generate calls and ``agent.concurrency``."""
+        with self._guard:
+            if self._loop is None or self._loop.engine is not engine:  # a replaced engine gets a loop of its own
+                self._loop = AgentLoop(engine, self.setup.config.limits(), tokenizer=engine.tokenizer,
+                                       max_restarts=self.max_restarts, max_active=self.setup.config.concurrency)
+            return self._loop
 
     def stop_token_ids(self, engine: RolloutEngine) -> tuple[int, ...]:
         """The ids that end a turn besides EOS, for ``engine``'s tokenizer (computed once per tokenizer)."""
@@ -76,7 +90,6 @@ class EpisodeRollout:
             One batch of every episode (see :mod:`verl_core.agent.loop`).
         """
         engine = self.engines.rollout
-        config = self.setup.config
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.stop_token_ids(engine))))
         turn = dataclasses.replace(params, n=1, stop_token_ids=stops)
         messages: Sequence[Any] | None = prompts.extras.get(PROMPT_MESSAGES)
@@ -84,14 +97,7 @@ class EpisodeRollout:
             prompts = prompts.select(*prompts, extras=[k for k in prompts.extras if k != PROMPT_MESSAGES])
         rows = prompts.repeat_interleave(params.n)  # sample_index 0..n-1: the loop takes them as they are
         row_messages = None if messages is None else [m for m in messages for _ in range(params.n)]
-        loop = AgentLoop(engine, config.limits(), tokenizer=engine.tokenizer, max_restarts=self.max_restarts)
-        size = config.concurrency or rows.batch_size
-        parts = []
-        for start in range(0, rows.batch_size, size):
-            chunk = rows.index(slice(start, start + size))
-            chunk_messages = None if row_messages is None else row_messages[start:start + size]
-            parts.append(loop.run(chunk, self.setup.factory, turn, prompt_messages=chunk_messages))
-        return parts[0] if len(parts) == 1 else TensorBatch.concat(parts)
+        return self.loop(engine).run(rows, self.setup.factory, turn, prompt_messages=row_messages)
 
 
 class EpisodeRewards(RewardEngine):

@@ -54,7 +54,7 @@ from verl_core.trainer.rl.engines import RLEngines
 from verl_core.trainer.rl.episodes import EpisodeRollout
 from verl_core.trainer.rl.evaluation import Evaluator
 from verl_core.trainer.rl.generation import GenerationStage
-from verl_core.trainer.rl.producer import RolloutProducer, release_limit
+from verl_core.trainer.rl.producer import RolloutProducer, producer_slots, release_limit
 from verl_core.trainer.rl.prompt_source import PromptSource
 from verl_core.trainer.rl.stages import stage_backend
 from verl_core.trainer.rl.step_metrics import (
@@ -147,15 +147,16 @@ class Trainer:
         self.schedulers: dict[str, DynamicBatchScheduler] = {}
         self.plan = SchedulerPlanLog(self.out, self.schedulers)
         self._stage_threads = StageThreads()  # every step's pipeline runs on these (per-thread caches)
-        # the producer's samples pipelines (async) run on threads of their own: a StageThreads runs one
-        # pipeline at a time, and the trainer's forwards (other engines) must not wait for a rollout
-        self._producer_threads = StageThreads(name_prefix="verl-producer")
+        # the producer's samples pipelines (async) run on threads of their own, one set per step sampled
+        # at once: a StageThreads runs one pipeline at a time, and the trainer's forwards (other
+        # engines) must not wait for a rollout
+        self._producer_threads = [StageThreads(name_prefix=f"verl-producer{k}") for k in range(producer_slots(config))]
         self._failed: StepFailedError | None = None
         self._built = False
         self.memory_plan: MemoryPlan | None = None  # made at setup, before any engine is built
         self.buffer: HybridReplayBuffer
         self.generation: GenerationStage
-        self._producer_generation: GenerationStage  # the same stages on the producer's threads
+        self._producer_generation: list[GenerationStage]  # the same stages on each producer slot's threads
         self.updater: UpdateStage
         self.weights: WeightSyncStage
         self.evaluator: Evaluator
@@ -282,7 +283,7 @@ class Trainer:
             )
 
         self.generation = generation(self._stage_threads)
-        self._producer_generation = generation(self._producer_threads)  # the samples half, on the producer
+        self._producer_generation = [generation(t) for t in self._producer_threads]  # the samples half
         self.updater = UpdateStage(cfg, e, self.algorithm, self.schedulers, self.buffer, p,
                                    dynamic_sampling=self.dynamic_sampling,
                                    on_policy_old_log_probs=self.on_policy_old_log_probs)
@@ -384,21 +385,24 @@ class Trainer:
         self.plan.append()
         return state.metrics
 
-    def _samples_of(self, step: int) -> StepState:
-        """Step ``step``'s prompts and samples (the producer thread's work in ``async`` mode)."""
+    def _draw(self, step: int) -> StepState:
+        """Step ``step``'s prompts (drawn by the producer in step order in ``async`` mode)."""
         state = StepState(step, self.source.batch(step, self.rollout.tokenizer, weight_version=self.weight_version),
                           self.source.sampling_params(step))
         if self.source.loader is not None:  # read when this step's rows are drawn, not when it trains
             state.metrics["data/epoch"] = self.source.loader.epoch
-        self._producer_generation.run(state, "samples")
         return state
+
+    def _sample(self, state: StepState, slot: int) -> None:
+        """The samples of a drawn step, on producer slot ``slot``'s stage threads."""
+        self._producer_generation[slot].run(state, "samples")
 
     def _produced_state(self) -> StepState:
         """Release the steps the staleness bound allows and take this step's samples from the producer."""
         cfg = self.config
         if self.producer is None:
             loader = self.source.loader
-            self.producer = RolloutProducer(self._samples_of, first=self.step,
+            self.producer = RolloutProducer(self._draw, self._sample, first=self.step, parallel=producer_slots(cfg),
                                             snapshot=lambda: loader.state_dict() if loader is not None else None)
         self.producer.release(release_limit(self.step, max_staleness=cfg.async_training.max_staleness,
                                             checkpoint_every=cfg.checkpoint.every, steps=cfg.steps))
@@ -502,7 +506,8 @@ class Trainer:
                 self.producer.close()  # a rollout under way ends first
                 self.producer = None
             self._stage_threads.close()  # a stage still running (a step abandoned by a signal) ends first
-            self._producer_threads.close()
+            for threads in self._producer_threads:
+                threads.close()
             if self._built:
                 self.engines.close()
                 self.buffer.close()
