@@ -115,7 +115,7 @@ def build_inputs(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     model = out / f"model-{args.size}"
     if not (model / "config.json").is_file():
         spec = TinyModelSpec(arch="llama", tied=False, max_position=task.max_prompt_len() + args.max_new_tokens + 8,
-                             seed=args.seed, **SIZES[args.size])
+                             seed=args.seed, **SIZES[args.size])  # type: ignore[arg-type]
         if args.size in BF16_FOLDERS:
             build_bf16_model(model, spec)
         else:
@@ -288,7 +288,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found,unused-ignore]
 
     from verl_core.trainer.inputs.reward_functions import exact_match
 
@@ -297,7 +297,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     dataset = load_dataset("json", data_files=args.data, split="train")
 
-    class StepTimes(TrainerCallback):  # type: ignore[misc]
+    class StepTimes(TrainerCallback):  # type: ignore[misc,unused-ignore]
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
             self._t = 0.0
@@ -308,7 +308,8 @@ def trl_worker(args: argparse.Namespace) -> None:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.steps.append({"seconds": time.perf_counter() - self._t})
 
-        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict[str, Any] | None = None, **k: Any) -> None:
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+                   **kwargs: Any) -> None:
             if logs and "completions/mean_length" in logs and self.steps:
                 self.steps[-1]["mean_length"] = float(logs["completions/mean_length"])
 

@@ -148,8 +148,8 @@ def test_a_failed_capture_affects_only_its_shape_and_is_retried_once() -> None:
     capture.calls.clear()
     third = _decode(loop, graphs)  # given up on: no capture is tried, no warning
     assert capture.calls == []
-    for got in (second, third):
-        for a, b in zip(got, eager, strict=True):
+    for decoded in (second, third):
+        for a, b in zip(decoded, eager, strict=True):
             assert torch.equal(a, b)
     assert graphs.metrics() == {"graph_captures": 3.0, "graph_capture_failures": 2.0, "graph_eager_shapes": 1.0}
 
