@@ -158,7 +158,8 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path: Path, algorith
 
 
 @pytest.mark.slow
-def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Path) -> None:
+def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     text = RUN + ASYNC.format(k=1)
     whole = cli_run(tmp_path, "whole", text, "steps=4", "checkpoint.every=2")
     # the first step and the first after a checkpoint sample from the newest weights
@@ -177,8 +178,14 @@ def test_staleness_1_samples_one_version_behind_and_resumes_exactly(tmp_path: Pa
     from verl_core.cli import main
 
     out = tmp_path / "resumed"
+    capsys.readouterr()
     assert main(["train", str(tmp_path / "resumed.toml"), f"output_dir={json.dumps(str(out))}", "steps=4",
                  "checkpoint.every=2", "--resume"]) == 0
+    # the summary counts the steps this process ran, not the run's
+    assert "done: 2 steps after resuming at step 2, reward" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "resumed.toml"), f"output_dir={json.dumps(str(out))}", "steps=4",
+                 "checkpoint.every=2", "--resume"]) == 0
+    assert "done: nothing left to run, the checkpoint is at step 4 of steps=4" in capsys.readouterr().err
     resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [_comparable(m) for m in resumed] == [_comparable(m) for m in whole]
     assert _weights(out, 4) == _weights(tmp_path / "whole", 4)

@@ -63,9 +63,14 @@ def _handle(args: argparse.Namespace) -> int:
         history = trainer.train(resume=args.resume)
     if interrupted:
         return interrupted[0]
-    if history:
-        first, last = history[0], history[-1]
-        print(f"done: {len(history)} steps, loss {first['train/loss']:.4f} (step {first['step']}) -> "
+    now = trainer.ctx.steps_run_now()
+    if now:
+        first, last = now[0], now[-1]
+        since = f" after resuming at step {trainer.ctx.resumed_at}" if trainer.ctx.resumed_at else ""
+        print(f"done: {len(now)} steps{since}, loss {first['train/loss']:.4f} (step {first['step']}) -> "
               f"{last['train/loss']:.4f} (step {last['step']}); outputs in {config.output_dir}", file=sys.stderr)
+    elif history:
+        print(f"done: nothing left to run, the checkpoint is at step {trainer.ctx.resumed_at}; outputs in "
+              f"{config.output_dir}", file=sys.stderr)
     print(trainer.model_dir)  # the model.path for `verl train`
     return 0

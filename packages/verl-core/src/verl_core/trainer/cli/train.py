@@ -162,13 +162,17 @@ def _handle(args: argparse.Namespace) -> int:
         train_s = time.perf_counter() - t1
     if interrupted:
         return interrupted[0]
-    if history:
-        last = history[-1]
-        first = history[0]
+    now = trainer.ctx.steps_run_now()
+    if now:
+        first, last = now[0], now[-1]
+        since = f" after resuming at step {trainer.ctx.resumed_at}" if trainer.ctx.resumed_at else ""
         print(
-            f"done: {len(history)} steps, reward {first['reward/mean']:.3f} (step {first['step']}) -> "
+            f"done: {len(now)} steps{since}, reward {first['reward/mean']:.3f} (step {first['step']}) -> "
             f"{last['reward/mean']:.3f} (step {last['step']}); set-up {setup_s:.1f}s, training {train_s:.1f}s; "
             f"outputs in {config.output_dir}",
             file=sys.stderr,
         )
+    elif history:
+        print(f"done: nothing left to run, the checkpoint is at step {trainer.ctx.resumed_at} of steps={config.steps}; "
+              f"outputs in {config.output_dir}", file=sys.stderr)
     return 0

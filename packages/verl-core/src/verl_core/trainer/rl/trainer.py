@@ -466,7 +466,7 @@ class Trainer:
         self.weight_version = int(restored.state["weight_version"])
         self.algorithm.load_state_dict(restored.state["algorithm"])
         self.progress.consecutive_skips = restored.consecutive_skips
-        self.ctx.logs_from = self.step
+        self.ctx.resumed(self.step)
         self.ctx.checkpoints.restore_rng()
         self.weights.resync()
         self.plan.restore(self.step)  # the metrics are cut by the sinks

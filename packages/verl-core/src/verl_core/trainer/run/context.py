@@ -98,6 +98,7 @@ class RunContext:
         self.sinks: MetricSinks | None = None
         self.history: list[dict[str, Any]] = []
         self.logs_from: int | None = None  # the step the metric logs continue from (None: start afresh)
+        self.resumed_at = 0  # the checkpoint step this process resumed from (0: it started afresh)
         self.bar: ProgressBar | None = None
         self.checkpoints = Checkpointer(config, runner=runner, say=self.say)
 
@@ -176,6 +177,15 @@ class RunContext:
         """Give up the claim on the output folder."""
         if self.run_dir is not None:
             self.run_dir.release()
+
+    def resumed(self, step: int) -> None:
+        """A checkpoint of ``step`` was loaded: the logs continue from it."""
+        self.logs_from = self.resumed_at = step
+
+    def steps_run_now(self) -> list[dict[str, Any]]:
+        """The metrics of the steps this process ran (:attr:`history` also holds a resumed run's
+        earlier steps, as logged then)."""
+        return [m for m in self.history if int(m.get("step", 0)) > self.resumed_at]
 
     # ------------------------------------------------------------------ metric logs
     def open_sinks(self) -> MetricSinks:

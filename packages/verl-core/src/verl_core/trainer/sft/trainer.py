@@ -536,7 +536,7 @@ class SFTTrainer:
         )
         self.step = restored.step
         self._consecutive_skips = restored.consecutive_skips
-        self.ctx.logs_from = self.step
+        self.ctx.resumed(self.step)
         self.ctx.checkpoints.restore_rng()
 
     def export(self) -> Path:
