@@ -49,6 +49,9 @@ def test_select_checks_by_area_and_pattern() -> None:
         select_checks(["nope::*"])
     with pytest.raises(ValueError, match="unknown area"):
         select_checks(areas=["speed"])
+    # a pattern that matches checks of other areas only: the message says the two filters intersect
+    with pytest.raises(ValueError, match=r"no check of area\(s\) \['schema'\] matches.*a check must match both"):
+        select_checks(["numerics::log_probs_*"], areas=["schema"])
 
 
 @settings(max_examples=30, deadline=None)

@@ -199,6 +199,19 @@ def test_a_bad_tool_is_refused_before_anything_is_built(tmp_path: Path, code: Pa
     assert not (tmp_path / "run").exists()  # no run folder claimed, no tiny model built
 
 
+def test_tools_with_text_prompts_warn_that_the_model_never_sees_their_schemas(
+        tmp_path: Path, code: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"prompt": "q", "answer": str(i)}) + "\n" for i in range(3)))
+    for data, warned in (("text.jsonl", True), ("train.jsonl", False)):  # text prompts; chat messages
+        cfg = agent_config(tmp_path, f"data.train={json.dumps(str(tmp_path / data))}",
+                           "agent.tools=['usercode.py:add']", "reward.functions=['usercode.py:conversation_length']")
+        caplog.clear()
+        with caplog.at_level("WARNING"), Trainer(cfg, base_dir=tmp_path) as trainer:
+            trainer.source.load()
+        said = "data.train: 3 of 3 prompts are text used as it is, so the model is never shown the schemas"
+        assert (said in caplog.text) is warned, caplog.text
+
+
 # ---------------------------------------------------------------------------- rewards
 def _episode_batch() -> TensorBatch:
     """Two episodes: turn 0 (3 tokens), an observation (2), turn 1 (2); and one turn of 2 tokens."""

@@ -149,6 +149,9 @@ def select_checks(checks: Sequence[str] | None = None, areas: Sequence[str] | No
             continue
         out.append(c)
     if checks and not out:
+        if areas and any(fnmatch.fnmatchcase(c.id, p) or p == c.name for c in CHECKS.values() for p in checks):
+            raise ValueError(f"no check of area(s) {list(areas)} matches {list(checks)}: the areas and the check "
+                             "patterns both select (a check must match both); drop one, or name a check of those areas")
         raise ValueError(f"no check matches {list(checks)}; checks: {', '.join(CHECKS)}")
     return out
 

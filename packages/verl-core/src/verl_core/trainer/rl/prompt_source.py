@@ -157,6 +157,13 @@ class PromptSource:
                     f"data.{split}: {len(ds)} prompts from {', '.join(ds.sources)} (longest {ds.longest_prompt} "
                     f"tokens{left_out})"
                 )
+                plain = sum(m is None for m in ds.messages)
+                if tools and plain:  # the tools' schemas reach the model only through the chat template
+                    self._warn(
+                        f"data.{split}: {plain} of {len(ds)} prompts are text used as it is, so the model is never "
+                        f"shown the schemas of agent.tools; give chat messages in column {d.prompt_key!r}, or set "
+                        "data.chat_template = true (the model folder needs a chat template)"
+                    )
 
     def stats(self) -> dict[str, float]:
         """The datasets' sizes for every step's metrics: ``data/rows`` and ``data/dropped_long_prompts``
