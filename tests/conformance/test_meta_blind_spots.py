@@ -9,6 +9,7 @@ passing the same checks is the last test here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -267,6 +268,49 @@ def test_a_declared_critic_that_is_wrong_still_fails() -> None:
     assert "numerics::values_match_reference" in failed, failed
     # the snippet re-runs the same factories with the same roles
     assert "roles=['actor', 'critic', 'reference']" in str(info.value)
+
+
+class _CriticFailsOnOne:
+    """A critic whose forward refuses a batch of one sample."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.engine = build_training_engine(spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def forward(self, batch: Any, outputs: Any = frozenset({"log_probs"})) -> Any:
+        if batch.batch_size == 1:
+            raise RuntimeError("cannot squeeze a batch of one")
+        return self.engine.forward(batch, outputs)
+
+
+def test_batch_of_one_runs_the_engines_a_critic_only_backend_provides() -> None:
+    """A backend without actor and rollout used to pass ``robustness::batch_of_one`` without running
+    any engine: a critic that fails on one sample now fails it, and a backend providing none of the
+    engines it exercises is skipped."""
+    check = ["robustness::batch_of_one"]
+    report = check_backend("critic-only", make_training_engine=build_training_engine, roles=["critic"], checks=check)
+    assert [(r.status, r.message) for r in report.results] == [("passed", "")]
+    with pytest.raises(ConformanceError, match="cannot squeeze a batch of one"):
+        check_backend("bad-critic-only", make_training_engine=_CriticFailsOnOne, roles=["critic"], checks=check)
+    report = check_backend("reference-only", make_training_engine=build_training_engine, roles=["reference"],
+                           checks=check)
+    assert [(r.status, r.message) for r in report.results] == [
+        ("skipped", "backend 'reference-only' provides no actor, critic, reward or rollout engine")]
+
+
+def _critic_ignoring_dtype(spec: EngineSpec) -> Any:
+    """The tiny backend's training factory, building a critic in float32 whatever dtype it is asked for."""
+    return build_training_engine(dataclasses.replace(spec, dtype="float32") if spec.role == "critic" else spec)
+
+
+def test_a_critic_only_backend_is_held_to_its_declared_dtypes() -> None:
+    check = ["robustness::undeclared_settings_refused"]
+    report = check_backend("critic-only", make_training_engine=build_training_engine, roles=["critic"], checks=check)
+    assert [r.status for r in report.results] == ["passed"]
+    with pytest.raises(ConformanceError, match="the critic engine built with dtype="):
+        check_backend("lax-critic", make_training_engine=_critic_ignoring_dtype, roles=["critic"], checks=check)
 
 
 def test_roles_are_checked_against_the_factories() -> None:

@@ -150,6 +150,17 @@ def test_a_reward_model_of_another_vocabulary_scores_the_text(tmp_path: Path) ->
                      f"takes up to {limits[0] * 10} prompt and {limits[1] * 10 + 1} response tokens of its own)"], lines
 
 
+def test_the_converting_reward_model_is_reported_with_the_progress_bar_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The line about decoding and re-encoding is a warning, so a run without the progress bar shows it too."""
+    folder = _reward_folder(tmp_path, permuted=True)
+    cfg = _config(tmp_path, "quiet", "backends.reward=hf", f"reward_model={json.dumps(str(folder))}",
+                  "logging.progress=false")
+    with caplog.at_level(logging.WARNING, logger="verl_core"), Trainer(cfg) as trainer:
+        trainer.setup()
+    assert [r.levelno for r in caplog.records if LINE in r.getMessage()] == [logging.WARNING]
+
+
 # ---------------------------------------------------------------------------- the reward model alone
 def test_the_reward_model_alone_logs_its_metrics_and_applies_its_weight(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

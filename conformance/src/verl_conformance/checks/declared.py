@@ -30,8 +30,8 @@ def device_available(device: str) -> bool:
     return False
 
 
-def _role_caps(h: Harness, role: str) -> Any:
-    return h.rollout().capabilities if role == "rollout" else h.training().capabilities
+def _role_caps(h: Harness, role: Role) -> Any:
+    return h.rollout().capabilities if role == "rollout" else h.training(role).capabilities
 
 
 @check("numerics", gates=("training.dtypes", "training.devices", "rollout.dtypes", "rollout.devices"))
@@ -195,19 +195,19 @@ def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, An
 
 @check("robustness", gates=("training.dtypes", "rollout.dtypes", "training.gradient_checkpointing"))
 def check_undeclared_settings_refused(h: Harness) -> None:
-    """An engine asked for a dtype or gradient checkpointing it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting."""
+    """An engine (actor, critic, rollout) asked for a dtype or gradient checkpointing it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting."""
     tried = 0
-    roles: tuple[Role, ...] = ("actor", "rollout")
+    roles: tuple[Role, ...] = tuple(r for r in ("actor", "critic", "rollout") if h.provides(h.subject, r))
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides no actor, critic or rollout engine")
     for role in roles:
-        if not h.provides(h.subject, role):
-            continue
         for setting, kw in _undeclared_settings(h, role):
             tried += 1
             try:
                 if role == "rollout":
                     h.rollout(fresh=True, **kw)
                 else:
-                    h.training(fresh=True, **kw)
+                    h.training(role, fresh=True, **kw)
             except ConfigError:
                 continue
             except Exception as e:
@@ -222,4 +222,4 @@ def check_undeclared_settings_refused(h: Harness) -> None:
             finally:
                 h.close_fresh()
     if not tried:
-        h.skip("the backend declares every dtype and gradient checkpointing")
+        h.skip(f"the backend's {', '.join(roles)} engine(s) declare every dtype and gradient checkpointing")

@@ -30,12 +30,12 @@ from verl_core import (
 )
 from verl_core.enginekit.retokenize import CrossTokenizerReward
 
-_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+SCORER_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 def _batch(h: Harness, seed: int = 70) -> TensorBatch:
     """Six ragged samples (one empty response) with the fields a scorer reads."""
-    return h.batch(seed=seed).select(*_INPUTS, "group_ids")
+    return h.batch(seed=seed).select(*SCORER_INPUTS, "group_ids")
 
 
 def _valid_scores(h: Harness, out: TensorBatch, batch: TensorBatch, where: str) -> Tensor:
@@ -124,7 +124,7 @@ def check_score_layout(h: Harness) -> None:
     where = "score"
     out = engine.score(batch)
     h.expect(out.batch_size == batch.batch_size, f"{where} changed the batch size to {out.batch_size}")
-    for name in _INPUTS:
+    for name in SCORER_INPUTS:
         h.expect(name in out and bool(torch.equal(out[name], batch[name])), f"{where}: input field {name} was changed")
     caps = engine.capabilities
     h.expect(caps.scores or caps.token_scores, "the engine declares neither scores nor token_scores")

@@ -8,9 +8,9 @@ import torch
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
-from verl_conformance.errors import CheckSkipped
+from verl_conformance.checks.reward import SCORER_INPUTS
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
-from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE
 from verl_conformance.reference import cached_outputs
 from verl_core import (
     BatchMeta,
@@ -20,7 +20,6 @@ from verl_core import (
     LossOutput,
     SamplingParams,
     TensorBatch,
-    TrainingEngine,
 )
 
 _EOS = 1
@@ -88,23 +87,40 @@ def check_empty_responses_train(h: Harness) -> None:
 
 @check("robustness")
 def check_batch_of_one(h: Harness) -> None:
-    """A batch of one sample works in forward, forward_backward and generate."""
+    """A batch of one sample works in every engine the backend provides: the actor's (or else the critic's) forward and forward_backward, the reward's score and the rollout's generate; skipped when it provides none of them."""
     batch = h.batch(seed=62, batch_size=1, empty=0, rl_fields=True)
-    engine: TrainingEngine | None
-    try:
+    ran = []
+    if h.provides(h.subject, "actor"):
         engine = h.training(fresh=True)
-    except CheckSkipped:
-        engine = None
-    if engine is not None:
         lp = engine.forward(batch)["log_probs"]
         ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
         h.close_to(lp, ref, "log_probs", "log_probs of a batch of one", mask=batch["response_mask"])
         m = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
         h.expect(bool(torch.isfinite(torch.tensor(m["loss"]))), f"batch of one: loss {m['loss']} is not finite")
-    if h.subject.make_rollout is not None and (h.subject.roles is None or "rollout" in h.subject.roles):
+        ran.append("actor")
+    elif h.provides(h.subject, "critic"):
+        critic = h.training("critic", fresh=True)
+        values = critic.forward(batch, ["values"])["values"]
+        h.expect(tuple(values.shape) == tuple(batch["response_ids"].shape) and bool(torch.isfinite(values).all()),
+                 f"critic forward of a batch of one gave values of shape {tuple(values.shape)} (finite: "
+                 f"{bool(torch.isfinite(values).all())}); expected finite values shaped like response_ids")
+        m = critic.forward_backward(batch, VALUE_MSE, GlobalBatchStats.of(batch))
+        h.expect(bool(torch.isfinite(torch.tensor(m["loss"]))), f"critic, batch of one: loss {m['loss']} is not finite")
+        ran.append("critic")
+    if h.provides(h.subject, "reward"):
+        scorer = h.reward()
+        if scorer.capabilities.scores:
+            scores = scorer.score(batch.select(*SCORER_INPUTS, "group_ids"))["scores"]
+            h.expect(tuple(scores.shape) == (1,) and bool(torch.isfinite(scores).all()),
+                     f"reward score of a batch of one gave {scores.tolist()}; expected one finite score")
+            ran.append("reward")
+    if h.provides(h.subject, "rollout"):
         r = h.rollout()
         out = r.generate(batch.select("prompt_ids", "prompt_mask", "group_ids"), SamplingParams(max_new_tokens=4, seed=0))
         h.expect(out.batch_size == 1, f"generate on one prompt returned {out.batch_size} samples")
+        ran.append("rollout")
+    if not ran:
+        h.skip(f"backend {h.subject.name!r} provides no actor, critic, reward or rollout engine")
 
 
 def _bad_training_inputs(batch: TensorBatch) -> dict[str, tuple[Callable[[], TensorBatch], tuple[str, ...]]]:

@@ -258,7 +258,7 @@ class Trainer:
         tokenizer = e.rollout.tokenizer
         self.source.bind(tokenizer)
         e.build_reward(cfg, self._spec("reward", cfg.reward_model or path), self.task, columns=self.source.columns,
-                       base_dir=self.base_dir, say=self.ctx.say)
+                       base_dir=self.base_dir, say=self.ctx.warn)  # shown whatever logging.progress says
         e.sync = ex.weight_sync(b.actor, b.rollout)
         bc = cfg.batch
         # free memory is read once per run (the budget refined once by the first update) and
