@@ -28,9 +28,12 @@ handed to the environment, and an observation that does not fit the budget (with
 least one more model token) or comes after the last allowed turn is not appended.
 
 Several ``run`` calls may be under way at once, from different threads (an asynchronous trainer
-producing the samples of two steps): their episodes then share the loop's ``generate`` calls, one
-call per turn for every active episode of every call whose sampling parameters agree but for the
-seed (and ``max_new_tokens``), and one thread at a time drives them all. ``max_active`` caps the
+producing the samples of two steps): each call's thread runs its own episodes, and their turns
+share the loop's ``generate`` calls, one call for the next turn of every episode of every call that
+asks for one, whose sampling parameters agree but for the seed (and ``max_new_tokens``). A shared
+call waits for the calls busy between two of their calls (they ask within moments), and for a call
+stepping its environments only about half as long as the last ``generate`` took, so a slow tool
+holds up no other call's turns. ``max_active`` caps the
 episodes running at once across every call: as one ends, the next waiting episode (of the same call,
 or of the next call in arrival order) starts, so the engine's batch stays full while the longest
 episodes of a step finish. An episode's random stream does not depend on the episodes it shares a
