@@ -221,14 +221,18 @@ def no_critic(spec: EngineSpec) -> Any:
     return build_training_engine(spec)
 
 
-class _ShiftedValues:
-    """A critic whose values are the tiny critic's plus 0.5 (a declared critic that is wrong)."""
+class _TinyWrapped:
+    """The tiny backend's training engine, every member but those a subclass plants passed through."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.engine = build_training_engine(spec)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+class _ShiftedValues(_TinyWrapped):
+    """A critic whose values are the tiny critic's plus 0.5 (a declared critic that is wrong)."""
 
     def forward(self, batch: Any, outputs: Any = frozenset({"log_probs"})) -> Any:
         out = self.engine.forward(batch, outputs)
@@ -270,14 +274,8 @@ def test_a_declared_critic_that_is_wrong_still_fails() -> None:
     assert "roles=['actor', 'critic', 'reference']" in str(info.value)
 
 
-class _CriticFailsOnOne:
+class _CriticFailsOnOne(_TinyWrapped):
     """A critic whose forward refuses a batch of one sample."""
-
-    def __init__(self, spec: EngineSpec) -> None:
-        self.engine = build_training_engine(spec)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
     def forward(self, batch: Any, outputs: Any = frozenset({"log_probs"})) -> Any:
         if batch.batch_size == 1:
