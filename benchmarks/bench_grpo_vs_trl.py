@@ -533,7 +533,8 @@ def report(args: argparse.Namespace, trl: dict[str, Any] | None, verl: dict[str,
         if vals:
             print(f"  {k:<28} {statistics.median(vals):8.4f}")
     print(f"  {'time/step':<28} {verl_s:8.4f}")
-    for key in ("rollout/slept", "memory_plan/master_weights", "memory_plan/master_weights_dropped"):
+    for key in ("rollout/slept", "memory_plan/master_weights", "memory_plan/master_weights_dropped",
+                "scheduler/actor/budget", "scheduler/actor/micro_batches", "scheduler/actor/ooms"):
         values = [m.get(key) for m in verl_hist]
         if any(x is not None for x in values):
             print(f"  {key} per step: {values}")

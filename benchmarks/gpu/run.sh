@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
-# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long | vs-trl | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|vs-trl|pending [args]   (writes under $OUT)
+# built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
+# profile-update | vs-trl | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-update|vs-trl|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
 set -uo pipefail
@@ -45,6 +46,8 @@ case $step in
     timeout 250 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
       --turn-tokens 340 --max-turns 6 --out "$OUT/async"
     timeout 200 bash "$0" lora --size 14b --modes lora --steps 2 --json "$OUT/lora-14b.json" ;;
+  #   profile-update ARGS: where the hf actor's update goes (benchmarks/gpu/profile_update.py ARGS; model under /tmp)
+  profile-update) python3 benchmarks/gpu/profile_update.py --out /tmp/profile-update "$@" 2>&1 | tee -a "$OUT/profile_update.log" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)
   vs-trl) python3 benchmarks/bench_grpo_vs_trl.py --device cuda "$@" 2>&1 | tee -a "$OUT/vs_trl.log" ;;
 esac

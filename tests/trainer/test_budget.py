@@ -14,8 +14,10 @@ from verl_core.trainer.batching.budget import (
     ModelShape,
     estimate_token_bytes,
     layer_bytes,
+    lora_parameters,
     make_schedulers,
     pending_state_bytes,
+    trained_parameters,
 )
 from verl_core.trainer.batching.scheduler import MemoryInfo, SchedulerConfig
 from verl_core.trainer.config import RunConfig, load_config
@@ -180,3 +182,39 @@ def test_the_reserved_state_follows_each_role_s_master_weights(tmp_path: Path) -
     pure, masters = (pending_state_bytes(shape, "bfloat16", master_weights=m) for m in (False, True))
     assert pure == shape.parameters * 6 and masters == shape.parameters * 10
     assert scheds["actor"].config.reserved_bytes == pure + masters  # the actor in pure bf16, the critic with masters
+
+
+# Qwen2.5-14B's body, the shape of the LoRA benchmark's largest model
+QWEN_14B = {"hidden_size": 5120, "num_hidden_layers": 48, "intermediate_size": 13824, "vocab_size": 32000,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
+
+
+def test_under_lora_only_the_adapter_s_state_is_reserved(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 14B LoRA run on an 80 GB device: the frozen base gets no gradients or moments, so the
+    budget is not cut to one sequence a micro-batch by 135 GB of state that never exists."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN_14B))
+    shape = ModelShape.from_config(QWEN_14B)
+    assert shape is not None
+    free = 24 * GiB  # an 80 GB device holding the base and the rollout's copy (27 GB each)
+    lora = ("model.lora.enabled=true", "model.lora.rank=16")
+    cfg = _run_config(tmp_path, "model.dtype=bfloat16", *lora)
+    with caplog.at_level(logging.INFO, logger="verl_core.trainer.batching.budget"):
+        (s,) = make_schedulers(cfg, ("actor",), model_path=str(model), probe=lambda: MemoryInfo(free, 80 * GiB)).values()
+    adapter = trained_parameters(shape, cfg, "actor")
+    assert adapter == lora_parameters(shape, cfg.model.lora) and 60e6 < adapter < 80e6
+    assert trained_parameters(shape, cfg, "critic") == shape.parameters  # the critic trains fully
+    assert s.config.reserved_bytes == pending_state_bytes(shape, "bfloat16", parameters=adapter) == adapter * 10
+    bpt = estimate_token_bytes(shape, "bfloat16").bytes_per_token
+    assert s.fixed_budget == int((free - adapter * 10) * 0.5) // bpt > 8 * 133  # 8 sequences or more at once
+    assert "smallest budget" not in caplog.text
+    # the same run trained fully reserves 13.5B x 10 B, more than is free: said, not silent
+    caplog.clear()
+    full = _run_config(tmp_path, "model.dtype=bfloat16")
+    with caplog.at_level(logging.INFO, logger="verl_core.trainer.batching.budget"):
+        (s,) = make_schedulers(full, ("actor",), model_path=str(model), probe=lambda: MemoryInfo(free, 80 * GiB)).values()
+    assert s.config.reserved_bytes == shape.parameters * 10 > free
+    assert s.fixed_budget == full.batch.min_tokens
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "smallest budget" in warning.getMessage() and "model.lora.enabled=true" in warning.getMessage()

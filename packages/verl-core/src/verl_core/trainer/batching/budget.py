@@ -32,7 +32,9 @@ packed tokens too.
 :func:`pending_state_bytes` is the memory a trainable engine allocates only at its first update
 and keeps while later updates run their activations (gradients, AdamW's two moments, in the
 dtypes :class:`TrainedState` gives with or without float32 masters), which the free memory read
-at set-up does not show yet. The estimate is corrected once from the allocator's measured peak after the
+at set-up does not show yet; it counts the parameters the engine trains
+(:func:`trained_parameters`: with ``model.lora`` the adapter's, :func:`lora_parameters`, not the
+frozen base's). The estimate is corrected once from the allocator's measured peak after the
 first training call (``DynamicBatchScheduler(peak_probe=...)``). A model folder without a
 ``config.json`` (a third-party backend's own format) falls back to the constant
 ``SchedulerConfig.bytes_per_token``. :func:`make_schedulers` builds a run's schedulers with the
@@ -51,7 +53,7 @@ from typing import Any, Final
 
 from verl_core.trainer.batching.probes import MemoryProbe, PeakProbe, default_peak_probe
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, SchedulerConfig
-from verl_core.trainer.config import RunConfig
+from verl_core.trainer.config import LoraSection, RunConfig
 
 __all__ = [
     "DTYPE_BYTES",
@@ -61,9 +63,11 @@ __all__ = [
     "TrainedState",
     "estimate_token_bytes",
     "layer_bytes",
+    "lora_parameters",
     "make_schedulers",
     "model_estimate",
     "pending_state_bytes",
+    "trained_parameters",
 ]
 
 _log = logging.getLogger(__name__)
@@ -243,18 +247,41 @@ class TrainedState:
         return cls(d, _FLOAT32 if masters else 0, d, stepped, 2 * stepped)
 
 
-def pending_state_bytes(shape: ModelShape, dtype: str, *, master_weights: bool = True) -> int:
+def lora_parameters(shape: ModelShape, lora: LoraSection) -> int:
+    """Parameters a LoRA adapter of ``shape`` trains: ``rank x (in + out)`` per adapted projection
+    of every layer (the attention and MLP projections named in ``lora.targets``; other patterns are
+    not counted), plus the embedding or LM head when ``lora.full`` names them."""
+    h, q, kv, inter = (shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+                       shape.intermediate_size)
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+             "up_proj": (h, inter), "down_proj": (inter, h)}
+    per_layer = sum(lora.rank * (i + o) for name, (i, o) in sizes.items() if name in lora.targets)
+    full = sum(shape.vocab_size * h for name in ("embed_tokens", "lm_head") if name in lora.full)
+    return shape.num_layers * per_layer + full
+
+
+def trained_parameters(shape: ModelShape, config: RunConfig, role: str) -> int:
+    """Parameters ``role``'s engine trains: the actor's LoRA adapter under ``model.lora`` (its base is
+    frozen), else every parameter of ``shape``."""
+    lora = config.model.lora
+    return lora_parameters(shape, lora) if lora.enabled and role == "actor" else shape.parameters
+
+
+def pending_state_bytes(
+    shape: ModelShape, dtype: str, *, master_weights: bool = True, parameters: int | None = None
+) -> int:
     """Bytes a trainable engine allocates at its first update that set-up does not hold yet and that
     are on the device while later updates' activations are.
 
-    Per parameter: its gradient during backward (model dtype) and AdamW's two moments (float32
-    with masters or in float32, else the model dtype; :class:`TrainedState`). The float32 master
-    gradients of the optimizer step are not counted: they exist only in the step, after the
-    activations are freed. An upper bound for engines that allocate their optimizer state up front
-    (they have it in use already).
+    Per trained parameter (``parameters``, default every parameter of ``shape``): its gradient
+    during backward (model dtype) and AdamW's two moments (float32 with masters or in float32, else
+    the model dtype; :class:`TrainedState`). The float32 master gradients of the optimizer step are
+    not counted: they exist only in the step, after the activations are freed. An upper bound for
+    engines that allocate their optimizer state up front (they have it in use already).
     """
     part = TrainedState.of(dtype, master_weights=master_weights)
-    return shape.parameters * (part.grads + part.moments)
+    n = shape.parameters if parameters is None else parameters
+    return n * (part.grads + part.moments)
 
 
 def model_estimate(
@@ -311,7 +338,8 @@ def make_schedulers(
         shape = ModelShape.from_model_folder(model_path)
         assert shape is not None
         reserved = sum(pending_state_bytes(shape, config.model.dtype, master_weights=bool(
-            config.backends.options.get(r, {}).get("master_weights", True))) for r in roles if r in training)
+            config.backends.options.get(r, {}).get("master_weights", True)),
+            parameters=trained_parameters(shape, config, r)) for r in roles if r in training)
         sched_cfg = SchedulerConfig(min_tokens=bc.min_tokens, max_tokens=bc.max_tokens or None,
                                     bytes_per_token=est.bytes_per_token, reserved_bytes=reserved)
         how = est.describe()
@@ -333,4 +361,11 @@ def make_schedulers(
         "; refined once after the first update from the allocator's peak" if any(
             s.refinement_pending for s in schedulers.values()) else "",
     )
+    if available == 0 and sched_cfg.reserved_bytes > 0:  # the slow path is said, never taken silently
+        _log.warning(
+            "micro-batch budget: the free memory is below the %.1f GB reserved for the trained roles' gradients "
+            "and optimizer state, so every micro-batch runs at the smallest budget (%d tokens, at least one "
+            "sequence): the update will be slow. Free device memory (rollout.sleep, a smaller rollout batch), "
+            "set backends.options.actor.master_weights=false or model.lora.enabled=true, or set "
+            "batch.micro_batch_tokens", sched_cfg.reserved_bytes / 1e9, budget)
     return schedulers

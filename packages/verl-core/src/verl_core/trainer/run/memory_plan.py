@@ -48,8 +48,9 @@ from verl_core.trainer.batching.budget import (
     ModelShape,
     TrainedState,
     estimate_token_bytes,
+    lora_parameters,
 )
-from verl_core.trainer.config import LoraSection, RunConfig
+from verl_core.trainer.config import RunConfig
 
 __all__ = ["FILL_LIMIT", "REFUSE_ABOVE", "MemoryPlan", "MemoryTerm", "lora_parameters", "plan_memory",
            "plan_run_memory"]
@@ -215,19 +216,6 @@ class _Trainable:
             out.append(MemoryTerm(f"{role} gradients", n * part.step_grads, f"{p} x {part.step_grads} B", _UPDATE))
         out.append(MemoryTerm(f"{role} AdamW moments", n * part.moments, f"{p} x 2 x {part.moments // 2} B", _BOTH))
         return out
-
-
-def lora_parameters(shape: ModelShape, lora: LoraSection) -> int:
-    """Parameters a LoRA adapter of ``shape`` trains: ``rank x (in + out)`` per adapted projection
-    of every layer (the attention and MLP projections named in ``lora.targets``; other patterns are
-    not counted), plus the embedding or LM head when ``lora.full`` names them."""
-    h, q, kv, inter = (shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
-                       shape.intermediate_size)
-    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-             "up_proj": (h, inter), "down_proj": (inter, h)}
-    per_layer = sum(lora.rank * (i + o) for name, (i, o) in sizes.items() if name in lora.targets)
-    full = sum(shape.vocab_size * h for name in ("embed_tokens", "lm_head") if name in lora.full)
-    return shape.num_layers * per_layer + full
 
 
 def _masters_asked(config: RunConfig, role: str) -> bool:
