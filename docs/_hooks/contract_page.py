@@ -227,13 +227,16 @@ def contract_markdown() -> str:
               "Each role's `BackendSpec.capabilities` entry (and the engine's `capabilities` property) is one",
               "of these dataclasses. Declare only what the engine does: a capability declared `True` is held",
               "to the checks it gates, one declared `False` skips them with the reason in the report. The",
-              "`training.*` gates are read from the role each check builds, the actor for most of them: a",
-              "backend whose only training role is a critic is held to the critic checks",
+              "`training.*` gates are read from the role each check builds: the actor, or, for a backend",
+              "whose only training role is a critic, the critic. Such a backend is held to the critic checks",
               "(`schema::critic_layout`, `numerics::values_match_reference`,",
-              "`numerics::value_loss_matches_reference`), `robustness::batch_of_one` and",
-              "`robustness::undeclared_settings_refused`, not yet to the checkpoint, micro-batch and input checks",
-              "its declared `checkpoint` or `micro_batch_tokens` gate for an actor (test those with a short PPO",
-              "run and `--resume`).", ""]
+              "`numerics::value_loss_matches_reference`) and, built on its critic with the value loss, to the",
+              "checkpoint, offload, micro-batch and input checks (`stateful::checkpoint_round_trip`,",
+              "`stateful::load_drops_pending_gradients`, `stateful::offload_*`,",
+              "`invariance::micro_batch_invariance`, `robustness::empty_responses_train`,",
+              "`robustness::bad_training_input_rejected`, `robustness::failed_call_leaves_no_gradients`),",
+              "`robustness::batch_of_one` and `robustness::undeclared_settings_refused`. The checks of log-probs",
+              "(the reference numerics, padding, positions, LoRA) need an actor and skip without one.", ""]
     for kind, cls in CAPABILITY_CLASSES.items():
         docs = _attribute_docs(cls)
         lines += [f"### {kind}: [`{cls.__name__}`][{cls.__module__}.{cls.__name__}]", "",

@@ -311,6 +311,43 @@ def test_a_critic_only_backend_is_held_to_its_declared_dtypes() -> None:
         check_backend("lax-critic", make_training_engine=_critic_ignoring_dtype, roles=["critic"], checks=check)
 
 
+class _CriticForgettingItsOptimizer(_TinyWrapped):
+    """A critic whose load_checkpoint restores the weights and the step but drops AdamW's moments."""
+
+    def load_checkpoint(self, path: Any) -> None:
+        self.engine.load_checkpoint(path)
+        self.engine.optimizer.state.clear()
+
+
+class _CriticIgnoringTheCallBudget(_TinyWrapped):
+    """A critic whose forward_backward ignores the per-call token budget (max_tokens) a trainer passes."""
+
+    def forward_backward(self, mini_batch: Any, loss_fn: Any, stats: Any, *, max_tokens: int | None = None) -> Any:
+        return self.engine.forward_backward(mini_batch, loss_fn, stats)
+
+
+_TRAINING_CHECKS = ["stateful::checkpoint_round_trip", "stateful::load_drops_pending_gradients",
+                    "invariance::micro_batch_invariance", "robustness::empty_responses_train",
+                    "robustness::bad_training_input_rejected", "robustness::failed_call_leaves_no_gradients"]
+
+
+def test_a_critic_only_backend_is_held_to_the_checkpoint_micro_batch_and_input_checks() -> None:
+    """These checks built only an actor, so a backend whose only training role is a critic skipped
+    them ("provides no training engine for role 'actor'") whatever its checkpoints and micro-batching
+    did. They now build the critic there; its planted faults fail them."""
+    report = check_backend("critic-only", make_training_engine=build_training_engine, roles=["critic"],
+                           checks=_TRAINING_CHECKS)
+    assert {r.id: r.status for r in report.results} == dict.fromkeys(_TRAINING_CHECKS, "passed")
+    with pytest.raises(ConformanceError) as info:
+        check_backend("forgetful-critic", make_training_engine=_CriticForgettingItsOptimizer, roles=["critic"],
+                      checks=["stateful::checkpoint_round_trip"])
+    assert "the second update after it" in str(info.value) or "the first update after it" in str(info.value)
+    assert "the optimizer's moments, its step or the schedule were not restored" in str(info.value)
+    with pytest.raises(ConformanceError, match=r"forward_backward with max_tokens=24 ran 1 micro-batches"):
+        check_backend("budgetless-critic", make_training_engine=_CriticIgnoringTheCallBudget, roles=["critic"],
+                      checks=["invariance::micro_batch_invariance"])
+
+
 def test_roles_are_checked_against_the_factories() -> None:
     with pytest.raises(ValueError, match=r"roles \['critic'\] are declared but no factory builds them: pass "
                                          r"make_training_engine"):

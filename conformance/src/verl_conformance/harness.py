@@ -408,6 +408,14 @@ class Harness:
         f = self._maker(subject, role)
         return f is not None and (subject.roles is None or role in subject.roles)
 
+    def trained_role(self) -> Role:
+        """The training role the checks of training in general build: the actor when the subject
+        provides one, else its critic (a critic-only backend's checkpoints, micro-batching and input
+        checks are held too), else the actor (whose check then skips: no training engine)."""
+        if self.provides(self.subject, "actor") or not self.provides(self.subject, "critic"):
+            return "actor"
+        return "critic"
+
     def require_against(self) -> Subject:
         """The second backend, or skip when none was given."""
         if self.against is None:

@@ -24,6 +24,8 @@ __all__ = [
     "grpo_advantages",
     "registered_critic_loss",
     "registered_policy_losses",
+    "role_loss",
+    "role_output",
     "suite_losses",
 ]
 
@@ -90,6 +92,16 @@ SEQ_MEAN_PG_ENTROPY: Final = SuiteLoss(
 )
 PPO_CLIP: Final = SuiteLoss("ppo_clip", _ppo_clip, inputs=("advantages", "old_log_probs"))
 VALUE_MSE: Final = SuiteLoss("value_mse", _value_mse, frozenset({"values"}), inputs=("returns",))
+
+
+def role_loss(role: str) -> SuiteLoss:
+    """The suite's loss for training ``role``: the value MSE for a critic, else the token-mean policy gradient."""
+    return VALUE_MSE if role == "critic" else TOKEN_MEAN_PG
+
+
+def role_output(role: str) -> ModelOutput:
+    """The model output a forward of ``role`` is compared on: ``values`` for a critic, else ``log_probs``."""
+    return "values" if role == "critic" else "log_probs"
 
 
 @dataclass(frozen=True)

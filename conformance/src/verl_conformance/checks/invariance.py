@@ -7,7 +7,7 @@ import torch
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
 from verl_conformance.harness import Harness
-from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
 from verl_core import ModelOutput, SamplingParams, TensorBatch
 
 
@@ -28,29 +28,31 @@ def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> Tensor
 
 @check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences"))
 def check_micro_batch_invariance(h: Harness) -> None:
-    """log-probs, loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget, each of which the engine applies (its count of micro-batches is the kernel partitioner's)."""
+    """log-probs (a critic-only backend: values), loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget, each of which the engine applies (its count of micro-batches is the kernel partitioner's)."""
     batch = h.batch(seed=20, rl_fields=True)
     variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
-    caps = h.training().capabilities
+    role = h.trained_role()
+    out, loss = role_output(role), role_loss(role)
+    caps = h.training(role).capabilities
     if caps.micro_batch_tokens:
         variants.append({"micro_batch_tokens": 24})
     if caps.packed_sequences:  # the smallest budget a packing engine takes: it packs short samples together
         variants.append({"micro_batch_tokens": int(batch.seq_lengths().max())})
     base_lp = None
     for kw in variants:
-        lp = h.training(**kw).forward(batch)["log_probs"]  # type: ignore[arg-type]
+        lp = h.training(role, **kw).forward(batch, [out])[out]  # type: ignore[arg-type]
         if base_lp is None:
             base_lp = lp
         else:
-            h.close_to(lp, base_lp, "log_probs", f"log_probs with {kw} vs one micro-batch", mask=batch["response_mask"])
+            h.close_to(lp, base_lp, out, f"{role} {out} with {kw} vs one micro-batch", mask=batch["response_mask"])
     base = None
     # the spec's micro-batching, and (forward_backward's max_tokens) the budget a trainer passes per call
     calls: list[tuple[dict[str, int], int | None]] = [(kw, None) for kw in variants]
     if caps.micro_batch_tokens:
         calls.append(({}, 24))
     for kw, budget in calls:
-        engine = h.training(fresh=True, **kw)  # type: ignore[arg-type]
-        metrics, norm, grads = one_update(h, engine, batch, TOKEN_MEAN_PG, max_tokens=budget)
+        engine = h.training(role, fresh=True, **kw)  # type: ignore[arg-type]
+        metrics, norm, grads = one_update(h, engine, batch, loss, max_tokens=budget)
         tokens = budget or kw.get("micro_batch_tokens")
         parts = (batch.micro_batches(max_tokens=tokens, packed=caps.packed_sequences) if tokens
                  else batch.micro_batches(size=kw.get("micro_batch_size") or batch.batch_size))

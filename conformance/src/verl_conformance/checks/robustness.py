@@ -10,7 +10,7 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
 from verl_conformance.checks.reward import SCORER_INPUTS
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
-from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE
+from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE, role_loss, role_output
 from verl_conformance.reference import cached_outputs
 from verl_core import (
     BatchMeta,
@@ -50,6 +50,7 @@ def edge_batch() -> TensorBatch:
     m = response_mask.float()
     fields["old_log_probs"] = (torch.randn(4, r, generator=g2) * 0.5 - 2.0) * m
     fields["advantages"] = torch.randn(4, r, generator=g2) * m
+    fields["returns"] = torch.randn(4, r, generator=g2) * m
     return TensorBatch(fields, meta=BatchMeta(pad_token_id=_PAD))
 
 
@@ -67,19 +68,21 @@ def check_edge_lengths(h: Harness) -> None:
 
 @check("robustness")
 def check_empty_responses_train(h: Harness) -> None:
-    """A mini-batch whose responses are all empty trains to loss 0, grad norm 0, with no NaN."""
-    engine = h.training(fresh=True, micro_batch_size=2)
+    """A mini-batch whose responses are all empty trains to loss 0, grad norm 0, with no NaN (the actor; a critic-only backend: the critic)."""
+    role = h.trained_role()
+    loss = role_loss(role)
+    engine = h.training(role, fresh=True, micro_batch_size=2)
     batch = edge_batch()
     empty = batch.update(response_mask=torch.zeros_like(batch["response_mask"]),
                          response_ids=torch.full_like(batch["response_ids"], _PAD),
                          old_log_probs=torch.zeros_like(batch["old_log_probs"]),
-                         advantages=torch.zeros_like(batch["advantages"]))
-    m = engine.forward_backward(empty, TOKEN_MEAN_PG, GlobalBatchStats.of(empty))
+                         advantages=torch.zeros_like(batch["advantages"]), returns=torch.zeros_like(batch["returns"]))
+    m = engine.forward_backward(empty, loss, GlobalBatchStats.of(empty))
     h.expect(m["loss"] == 0.0, f"an all-empty mini-batch must give loss 0, got {m['loss']} (never divide by zero)")
     s = engine.optimizer_step()
     h.expect(s.grad_norm == 0.0 and not s.skipped,
              f"an all-empty mini-batch must give grad norm 0 and no skip, got {s.grad_norm}, skipped={s.skipped}")
-    m = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    m = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch))
     s = engine.optimizer_step()
     h.expect(bool(torch.isfinite(torch.tensor([m["loss"], s.grad_norm])).all()),
              f"edge-length mini-batch gave loss {m['loss']}, grad norm {s.grad_norm}: must be finite")
@@ -123,19 +126,22 @@ def check_batch_of_one(h: Harness) -> None:
         h.skip(f"backend {h.subject.name!r} provides no actor, critic, reward or rollout engine")
 
 
-def _bad_training_inputs(batch: TensorBatch) -> dict[str, tuple[Callable[[], TensorBatch], tuple[str, ...]]]:
-    """Named bad inputs and the field names a clear error should mention."""
+def _bad_training_inputs(batch: TensorBatch, role: str = "actor") -> dict[str, tuple[Callable[[], TensorBatch],
+                                                                                     tuple[str, ...]]]:
+    """Named bad inputs and the field names a clear error should mention (NaN in what ``role``'s loss reads:
+    a critic's returns, else the advantages)."""
     t = dict(batch.items())
+    target = "returns" if role == "critic" else "advantages"
 
     def raw(**changes: torch.Tensor) -> TensorBatch:
         # Built without validation, as a buggy caller could: the engine must still reject it.
         return TensorBatch._trusted({**t, **changes}, {}, batch.meta, batch.batch_size)
 
-    adv = t["advantages"].clone()
+    adv = t[target].clone()
     adv[2, 0] = float("nan")
     right = t["prompt_mask"].flip(1)
     return {
-        "NaN in advantages": (lambda: batch.update(advantages=adv), ("advantages",)),
+        f"NaN in {target}": (lambda: batch.update({target: adv}), (target,)),
         "token id beyond the vocabulary": (
             lambda: batch.update(response_ids=t["response_ids"].masked_fill(t["response_mask"], 100000)),
             ("response_ids",)),
@@ -178,17 +184,19 @@ def _long_response(batch: TensorBatch) -> TensorBatch:
 
 @check("robustness")
 def check_bad_training_input_rejected(h: Harness) -> None:
-    """forward and forward_backward reject NaN, bad ids, wrong padding, missing fields, wrong dtype, mismatched lengths and prompts or responses over the spec's limits with BatchValidationError, leaving no gradients."""
-    engine = h.training(fresh=True)
+    """forward and forward_backward reject NaN, bad ids, wrong padding, missing fields, wrong dtype, mismatched lengths and prompts or responses over the spec's limits with BatchValidationError, leaving no gradients (the actor; a critic-only backend: the critic)."""
+    role = h.trained_role()
+    loss = role_loss(role)
+    engine = h.training(role, fresh=True)
     batch = h.batch(seed=63, rl_fields=True)
-    for what, (make, names) in _bad_training_inputs(batch).items():
+    for what, (make, names) in _bad_training_inputs(batch, role).items():
         bad = make()
         for call in ("forward", "forward_backward"):
             try:
                 if call == "forward":
-                    engine.forward(bad)
+                    engine.forward(bad, [role_output(role)])
                 else:
-                    engine.forward_backward(bad, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+                    engine.forward_backward(bad, loss, GlobalBatchStats.of(batch))
             except BatchValidationError as e:
                 msg = str(e)
                 h.expect(any(n in msg for n in names),
@@ -196,8 +204,8 @@ def check_bad_training_input_rejected(h: Harness) -> None:
             except Exception as e:
                 h.fail(f"{call}({what}) raised {type(e).__name__}: {e}; expected a BatchValidationError")
             else:
-                if call == "forward" and what == "NaN in advantages":
-                    continue  # forward does not read advantages
+                if call == "forward" and what.startswith("NaN in "):
+                    continue  # forward does not read advantages or returns
                 h.fail(f"{call}({what}) was accepted; bad input must raise BatchValidationError "
                        "before any model code runs")
     step = engine.optimizer_step()
@@ -207,26 +215,29 @@ def check_bad_training_input_rejected(h: Harness) -> None:
 
 
 class _FailOnSecondMicroBatch:
-    """The suite's token-mean policy-gradient loss, raising on the second micro-batch it sees."""
+    """The suite's loss of ``role`` (:func:`~verl_conformance.losses.role_loss`), raising on the second micro-batch it sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
         self.calls = 0
-        self.needs = TOKEN_MEAN_PG.needs
+        self.loss = role_loss(role)
+        self.needs = self.loss.needs
 
     def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
         self.calls += 1
         if self.calls == 2:
             raise RuntimeError("injected failure in the second micro-batch")
-        return TOKEN_MEAN_PG(batch, stats)
+        return self.loss(batch, stats)
 
 
 @check("robustness")
 def check_failed_call_leaves_no_gradients(h: Harness) -> None:
-    """A forward_backward that raises mid-call leaves no gradients (running it again equals a clean update); a second call before optimizer_step is refused."""
+    """A forward_backward that raises mid-call leaves no gradients (running it again equals a clean update); a second call before optimizer_step is refused (the actor; a critic-only backend: the critic)."""
     batch = h.batch(seed=65, rl_fields=True)
     stats = GlobalBatchStats.of(batch)
-    failing = h.training(fresh=True, micro_batch_size=2)
-    loss = _FailOnSecondMicroBatch()
+    role = h.trained_role()
+    clean_loss = role_loss(role)
+    failing = h.training(role, fresh=True, micro_batch_size=2)
+    loss = _FailOnSecondMicroBatch(role)
     try:
         failing.forward_backward(batch, loss, stats)
     except RuntimeError as e:
@@ -234,16 +245,16 @@ def check_failed_call_leaves_no_gradients(h: Harness) -> None:
     else:
         h.fail("forward_backward returned although its loss raised on the second micro-batch")
     h.expect(loss.calls == 2, f"the loss ran {loss.calls} times; the call must stop at the micro-batch that raised")
-    got = one_update(h, failing, batch, TOKEN_MEAN_PG)
-    want = one_update(h, h.training(fresh=True, micro_batch_size=2), batch, TOKEN_MEAN_PG)
+    got = one_update(h, failing, batch, clean_loss)
+    want = one_update(h, h.training(role, fresh=True, micro_batch_size=2), batch, clean_loss)
     label = "after a failed call vs an engine that never failed (the failed call must leave no gradients)"
     h.scalar_close(got[0]["loss"], want[0]["loss"], "loss", f"loss {label}")
     h.scalar_close(got[1], want[1], "loss", f"grad norm {label}")
     for name, g in want[2].items():
         h.close_to(got[2][name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
-    failing.forward_backward(batch, TOKEN_MEAN_PG, stats)
+    failing.forward_backward(batch, clean_loss, stats)
     try:
-        failing.forward_backward(batch, TOKEN_MEAN_PG, stats)
+        failing.forward_backward(batch, clean_loss, stats)
     except ConfigError as e:
         h.expect("optimizer_step" in str(e), f"the refusal of a second call should say to call optimizer_step: {e}")
     except Exception as e:

@@ -23,7 +23,7 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.weight_sync import _serves as serves
 from verl_conformance.checks.weight_sync import folder_stream, folder_weights
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
-from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.losses import role_loss, role_output
 from verl_core import (
     GlobalBatchStats,
     RolloutEngine,
@@ -45,7 +45,8 @@ _FORWARD_SEED = 63
 
 
 def _update(engine: TrainingEngine, batch: TensorBatch) -> tuple[float, StepMetrics]:
-    metrics = engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    """One update with the suite's loss of the engine's role (a critic's value loss, else the policy gradient)."""
+    metrics = engine.forward_backward(batch, role_loss(engine.spec.role), GlobalBatchStats.of(batch))
     return metrics["loss"], engine.optimizer_step()
 
 
@@ -65,8 +66,9 @@ def _same_weights(h: Harness, got: dict[str, Tensor], want: dict[str, Tensor], w
 def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngine, what: str, cause: str) -> None:
     """The same forward, then the same next updates (loss, grad norm, lr, weights after each) on both engines."""
     batch = h.batch(seed=_FORWARD_SEED)
-    h.close_to(restored.forward(batch)["log_probs"], kept.forward(batch)["log_probs"], "log_probs",
-               f"{what}: log_probs vs the engine that kept its state", mask=batch["response_mask"])
+    out = role_output(kept.spec.role)
+    h.close_to(restored.forward(batch, [out])[out], kept.forward(batch, [out])[out], out,
+               f"{what}: {out} vs the engine that kept its state", mask=batch["response_mask"])
     for i, seed in enumerate(_NEXT_SEEDS):
         nth = ("first", "second", "third")[i] if i < 3 else f"#{i + 1}"
         label = f"{what}: the {nth} update after it"
@@ -84,10 +86,11 @@ def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngi
 
 @contextlib.contextmanager
 def _saved(h: Harness) -> Iterator[tuple[TrainingEngine, Path]]:
-    """A warmed engine and the checkpoint it saved (in a folder removed afterwards)."""
-    if not h.training().capabilities.checkpoint:
-        h.skip("backend declares checkpoint=False")
-    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    """A warmed engine of :meth:`Harness.trained_role` and the checkpoint it saved (in a folder removed afterwards)."""
+    role = h.trained_role()
+    if not h.training(role).capabilities.checkpoint:
+        h.skip(f"backend declares checkpoint=False for the {role}")
+    engine = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     _warm(h, engine)
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
         path = Path(tmp) / "checkpoint"
@@ -98,9 +101,9 @@ def _saved(h: Harness) -> Iterator[tuple[TrainingEngine, Path]]:
 
 @check("stateful", gates=("training.checkpoint",))
 def check_checkpoint_round_trip(h: Harness) -> None:
-    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates."""
+    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates (the actor; a critic-only backend: the critic)."""
     with _saved(h) as (engine, path):
-        fresh = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        fresh = h.training(engine.spec.role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
         fresh.load_checkpoint(path)
         what = "after save_checkpoint and load_checkpoint into a fresh engine"
         _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
@@ -109,11 +112,12 @@ def check_checkpoint_round_trip(h: Harness) -> None:
 
 @check("stateful", gates=("training.checkpoint",))
 def check_load_drops_pending_gradients(h: Harness) -> None:
-    """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards."""
+    """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards (the actor; a critic-only backend: the critic)."""
     with _saved(h) as (engine, path):
-        other = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        role = engine.spec.role
+        other = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
         stray = h.batch(seed=_STRAY_SEED, rl_fields=True)
-        other.forward_backward(stray, TOKEN_MEAN_PG, GlobalBatchStats.of(stray))  # never followed by a step
+        other.forward_backward(stray, role_loss(role), GlobalBatchStats.of(stray))  # never followed by a step
         other.load_checkpoint(path)
         compare_next_update(h, other, engine, "after forward_backward, then load_checkpoint with no optimizer_step "
                             "between (load_checkpoint must clear the gradients of the call before it)",
@@ -123,11 +127,12 @@ def check_load_drops_pending_gradients(h: Harness) -> None:
 
 @check("stateful", gates=("training.offload",))
 def check_offload_round_trip(h: Harness) -> None:
-    """offload() then onload() keeps weights and optimizer state: the same forward and next three updates as an engine never offloaded."""
-    if not h.training().capabilities.offload:
-        h.skip("backend declares offload=False")
-    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    kept = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    """offload() then onload() keeps weights and optimizer state: the same forward and next three updates as an engine never offloaded (the actor; a critic-only backend: the critic)."""
+    role = h.trained_role()
+    if not h.training(role).capabilities.offload:
+        h.skip(f"backend declares offload=False for the {role}")
+    engine = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    kept = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     _warm(h, engine)
     _warm(h, kept)
     before = exported_weights(engine)
@@ -164,10 +169,11 @@ def _freed(h: Harness, before: tuple[int, int], weight_bytes: int, what: str) ->
 @check("stateful", gates=("training.offload",))
 def check_offload_frees_memory(h: Harness) -> None:
     """offload() releases the device memory of the weights and optimizer state (measured on CUDA)."""
-    if not h.training().capabilities.offload:
-        h.skip("backend declares offload=False")
+    role = h.trained_role()
+    if not h.training(role).capabilities.offload:
+        h.skip(f"backend declares offload=False for the {role}")
     _memory_measurable(h, "offload()")
-    engine = h.training(fresh=True, optim=STATE_OPTIM)
+    engine = h.training(role, fresh=True, optim=STATE_OPTIM)
     _warm(h, engine)
     weights = exported_weights(engine)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
