@@ -543,3 +543,33 @@ class VersionTakenAtManifest(TinyRolloutEngine):
             for name, tensor in staged.items():
                 params[name].copy_(tensor)
             self._commit_weights(manifest.version)
+
+
+# ---------------------------------------------------------------------------------------- a sync to a sleeping engine
+class SleepingRollout(TinyRolloutEngine):
+    """The tiny rollout with a sleep that frees its weights (``_asleep`` set, ``generate`` refuses):
+    correct, as the facade refuses a weight write while asleep."""
+
+    def sleep(self) -> None:
+        """Mark the engine asleep (as one that frees its weights does)."""
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Serve again."""
+        self._asleep = False
+
+
+class SleepingButTakingWeights(SleepingRollout):
+    """Forwards a sync to its weights whether asleep or not (an out-of-process client that sends the
+    stream to its worker without asking the facade): the sync lands in an engine that holds nothing."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Stage, copy and commit, without the facade's write turn (and so without its asleep check)."""
+        params = dict(self.model.named_parameters())
+        expected = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in params.items()}
+        staged: dict[str, Tensor] = {}
+        manifest = apply_weight_stream(stream, expected, staged.update)
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                params[name].copy_(tensor)
+        self._commit_weights(manifest.version)

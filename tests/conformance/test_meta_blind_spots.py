@@ -142,6 +142,9 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
       "weight_sync::update_during_generate"],
      "weight_sync::update_during_generate",
      ["the version reported is not the one that sampled"]),
+    ("sleeping-but-taking-weights", None, faulty.SleepingButTakingWeights,
+     ["stateful::sleep_wake_round_trip", "weight_sync::rollout_applies_stream", "stateful::update_while_asleep_refused"],
+     "stateful::update_while_asleep_refused", ["update_weights while asleep was accepted", "EngineAsleepError"]),
     ("eos-ignored-with-stop-tokens", None, faulty.EosIgnoredWithStopTokens,
      ["schema::generate_layout", "schema::eos_ends_response", "robustness::generate_edge_cases",
       "schema::stop_tokens_end_response"],
@@ -167,11 +170,24 @@ def test_planted_fault_fails_only_its_check(label: str, training: Factory | None
 
 @pytest.mark.slow
 def test_the_tiny_backend_passes_the_new_checks() -> None:
-    """The unbroken engines the faults start from pass every check the faults fail."""
-    targets = sorted({row[4] for row in BLIND_SPOTS})
+    """The unbroken engines the faults start from pass every check the faults fail (the tiny rollout's
+    sleep keeps it serving, so the asleep check is the sleeping variant's: the next test)."""
+    targets = sorted({row[4] for row in BLIND_SPOTS} - {"stateful::update_while_asleep_refused"})
     report = check_backend("tiny", make_training_engine=build_training_engine,
                            make_rollout_engine=build_rollout_engine, checks=targets)
     assert {r.id: r.status for r in report.results} == dict.fromkeys(targets, "passed")
+
+
+def test_a_sync_to_a_sleeping_engine_is_refused_by_the_facade() -> None:
+    """A facade engine whose sleep marks it asleep refuses update_weights (the facade's write turn
+    checks it) and passes; an engine whose sleep keeps it serving skips the check, saying why."""
+    check = ["stateful::update_while_asleep_refused"]
+    report = check_backend("sleeping", make_rollout_engine=faulty.SleepingRollout, checks=check)
+    assert [r.status for r in report.results] == ["passed"]
+    report = check_backend("tiny", make_rollout_engine=build_rollout_engine, checks=check)
+    assert [(r.status, r.message) for r in report.results] == [
+        ("skipped", "sleep() leaves this engine serving (generate ran while asleep), so there is no asleep state to "
+                    "refuse in")]
 
 
 @pytest.mark.slow

@@ -128,3 +128,29 @@ def test_one_role_sync_skip_names_the_against_flag() -> None:
     [result] = report.results
     assert result.status == "skipped", result
     assert "provides no training engine" in result.message and "--against NAME to `verl conformance`" in result.message
+
+
+def test_a_crash_in_the_backend_names_the_line_that_raised() -> None:
+    """A check that crashes in a backend's code reports where: the type and text alone ("'list'
+    object has no attribute 'items'") do not say which of the backend's functions failed."""
+    from verl_tiny_backend.rollout import build_rollout_engine
+
+    from verl_conformance import ConformanceError, check_backend
+
+    class ChunksAsDict:
+        def __init__(self, spec: object) -> None:
+            self.engine = build_rollout_engine(spec)  # type: ignore[arg-type]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.engine, name)
+
+        def update_weights(self, stream: object) -> None:
+            for msg in stream:  # type: ignore[attr-defined]
+                msg.tensors.items()  # a chunk's tensors are a list of (name, tensor) pairs
+
+    with pytest.raises(ConformanceError) as info:
+        check_backend("dict-chunks", make_rollout_engine=ChunksAsDict, checks=["weight_sync::rollout_applies_stream"])
+    assert info.value.report is not None
+    [result] = info.value.report.results
+    assert result.message.startswith("AttributeError: "), result.message
+    assert f"(raised at {__file__}:" in result.message and "in update_weights)" in result.message, result.message

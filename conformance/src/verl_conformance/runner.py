@@ -6,6 +6,7 @@ import fnmatch
 import json
 import os
 import time
+import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -225,10 +226,25 @@ def run_one(check: Check, harness: Harness) -> tuple[Status, str]:
         return "failed", str(e)
     except Exception as e:
         notes = "".join(f"; {note}" for note in getattr(e, "__notes__", ()))
-        return "failed", f"{type(e).__name__}: {e}{notes}"
+        return "failed", f"{type(e).__name__}: {e}{notes}{raised_at(e)}"
     finally:
         harness.close_fresh()
     return "passed", "; ".join(harness.notes)
+
+
+def raised_at(error: BaseException) -> str:
+    """`` (raised at FILE:LINE in FUNCTION)`` of the innermost frame of ``error``'s traceback that is
+    not the suite's own code (a backend's line, or a library's it called), or "" when there is none.
+
+    A crash's type and text alone ("AttributeError: 'list' object has no attribute 'items'") do not
+    say which of a backend's functions failed; the suite's JSON and table keep only this message.
+    """
+    suite = str(Path(__file__).resolve().parent)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not str(Path(f.filename).resolve()).startswith(suite)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (raised at {f.filename}:{f.lineno} in {f.name})"
 
 
 def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None = None) -> ConformanceReport:

@@ -25,12 +25,14 @@ from verl_conformance.checks.weight_sync import folder_stream, folder_weights
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
 from verl_conformance.losses import role_loss, role_output
 from verl_core import (
+    EngineAsleepError,
     GlobalBatchStats,
     RolloutEngine,
     SamplingParams,
     StepMetrics,
     TensorBatch,
     TrainingEngine,
+    WeightMessage,
 )
 
 STATE_OPTIM = replace(SUITE_OPTIM, warmup_steps=4)
@@ -224,6 +226,47 @@ def check_sleep_wake_round_trip(h: Harness) -> None:
     h.expect(engine.weight_version == 4, f"weight_version is {engine.weight_version} after a sync to version 4 "
              f"that followed sleep() and wake()")
     serves(h, engine, "llama", "after sleep(), wake() and a sync back to llama")
+
+
+@check("stateful", gates=("rollout.weight_update",))
+def check_update_while_asleep_refused(h: Harness) -> None:
+    """A sleeping engine (one whose generate refuses with EngineAsleepError) refuses update_weights with EngineAsleepError before reading the stream, keeping its version and serving its weights after wake(); skipped where sleep() leaves the engine serving."""
+    engine = h.rollout(fresh=True)
+    if not engine.capabilities.weight_update:
+        h.skip("backend declares weight_update=False")
+    engine.update_weights(folder_stream(h.model_path("llama-alt"), 3, dtype=engine.weight_dtype))
+    prompts = h.batch(seed=64, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+    engine.sleep()
+    try:
+        engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=2))
+    except EngineAsleepError:
+        pass
+    else:
+        engine.wake()
+        h.skip("sleep() leaves this engine serving (generate ran while asleep), so there is no asleep state to refuse in")
+    read = []
+
+    def stream() -> Iterator[WeightMessage]:
+        for msg in folder_stream(h.model_path("llama"), 4, dtype=engine.weight_dtype):
+            read.append(msg)
+            yield msg
+
+    try:
+        engine.update_weights(stream())
+    except EngineAsleepError:
+        pass
+    except Exception as e:
+        h.fail(f"update_weights while asleep raised {type(e).__name__}: {e}; expected EngineAsleepError (the trainer "
+               "wakes an engine before it sends weights: a sync to a sleeping one is the caller's error)")
+    else:
+        h.fail("update_weights while asleep was accepted; it must raise EngineAsleepError (a sleeping engine holds "
+               "no weights to write into, and the caller must wake() it first)")
+    h.expect(not read, f"update_weights while asleep read {len(read)} messages of the stream before refusing; "
+             "refuse before reading it")
+    engine.wake()
+    h.expect(engine.weight_version == 3, f"weight_version is {engine.weight_version} after a refused sync to version 4; "
+             "the refusal must keep the version of the weights served (3)")
+    serves(h, engine, "llama-alt", "after a sync refused while asleep, then wake()")
 
 
 @check("stateful", gates=("rollout.sleep_frees_memory",))

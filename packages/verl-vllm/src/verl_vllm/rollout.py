@@ -213,7 +213,7 @@ class VllmRolloutEngine(RolloutEngineBase):
         Raises:
             WeightSyncError: the stream is malformed or incomplete, or vLLM failed to load a chunk.
         """
-        self._check_ready("update_weights")
+        self._check_ready("update_weights")  # before the try: a refusal is not a failed sync
         t0 = time.perf_counter()
         try:
             with self._writing_weights():

@@ -378,8 +378,14 @@ class RolloutEngineBase(RolloutEngine):
         Entering waits for the ``generate`` call in flight to end; ``generate`` calls that arrive
         while the body runs wait for it (:class:`WeightTurns`). The thread inside may enter again
         (a weight path that falls back to another).
+
+        Raises:
+            VerlError: the engine was closed (nothing is marked stale).
+            EngineAsleepError: :meth:`sleep` was called without :meth:`wake`: weights are sent to
+                an engine that is awake (the version and the stale flag stay as they were).
         """
         with self._turns.writing():
+            self._check_ready("update_weights")
             self._mark_stale("a weight sync is in progress")
             try:
                 yield

@@ -202,7 +202,7 @@ class Trainer:
             return
         default = BackendsConfig()
         named = {r for r, n in roles.items() if n != getattr(default, r)}
-        parts = [f"{role} {name}" + (f" (the default of backends.{role})" if named and role not in named else "")
+        parts = [f"{role} {name}" + (f" (backends.{role} at its default)" if named and role not in named else "")
                  for role, name in roles.items()]
         self.ctx.warn("backends: " + ", ".join(parts))
 
