@@ -573,3 +573,18 @@ class SleepingButTakingWeights(SleepingRollout):
             for name, tensor in staged.items():
                 params[name].copy_(tensor)
         self._commit_weights(manifest.version)
+
+
+# ---------------------------------------------------------------------------------------- greedy against another backend
+class _RunnerUpAtThirdToken(TokenSampler):
+    def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.params.greedy and t == 2:  # the third token: the second most likely instead of the most likely
+            logits = logits.scatter(-1, torch.argmax(logits, -1, keepdim=True), -math.inf)
+        return super().step(logits, t, alive)
+
+
+class RunnerUpAtThirdToken(_SamplerRollout):
+    """Greedy decoding that takes the runner-up at the third token (a decided one, no near-tie)."""
+
+    def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
+        return _RunnerUpAtThirdToken(params, self.tokenizer.pad_token_id, stops, uniforms)

@@ -154,3 +154,18 @@ def test_a_crash_in_the_backend_names_the_line_that_raised() -> None:
     [result] = info.value.report.results
     assert result.message.startswith("AttributeError: "), result.message
     assert f"(raised at {__file__}:" in result.message and "in update_weights)" in result.message, result.message
+
+
+def test_against_greedy_fails_a_backend_apart_where_the_reference_has_no_near_tie() -> None:
+    """Two backends may break a near-tie of their dtype apart (bfloat16); a token apart where the
+    float64 reference's choice is decided fails, naming the reference's tokens."""
+    import faulty_engines as faulty
+
+    from verl_conformance import ConformanceError, check_backend
+
+    check = ["differential::against_greedy"]
+    report = check_backend("example-rollout", make_rollout_engine=faulty._SamplerRollout, against="example",
+                           checks=check)
+    assert [r.status for r in report.results] == ["passed"]
+    with pytest.raises(ConformanceError, match=r"apart at token 2, where the float64 reference .* has no near-tie"):
+        check_backend("runner-up", make_rollout_engine=faulty.RunnerUpAtThirdToken, against="example", checks=check)

@@ -239,6 +239,49 @@ def test_adapter_and_merged_syncs_serve_the_trained_policy(dtype: str) -> None:
         assert_close(out_m["rollout_log_probs"], out_a["rollout_log_probs"], dtype=dtype, quantity="log_probs")
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_colocated_adapter_rollout_serves_the_actor_s_base_instead_of_a_copy(tied: bool) -> None:
+    """Item 2 of LoRA: the rollout shares the actor's frozen base (one copy) and samples exactly as
+    a rollout holding its own copy, before and after updates; sleep never moves the actor's base."""
+    import gc
+    import weakref
+
+    path = model_path(tied=tied)
+    lora = LoraSpec(rank=2, targets=("q_proj", "v_proj"), full=("embed_tokens",) if tied else ())
+    engine = HFTrainingEngine(actor_spec(path, lora=lora, optim=OptimConfig(lr=1e-2, grad_clip=0.0)))
+    shared, own = _rollout(path, lora=lora), _rollout(path, lora=lora)
+    frozen = {n: p for n, p in engine.model.named_parameters() if not p.requires_grad}
+    base_bytes = sum(p.numel() * p.element_size() for n, p in frozen.items())
+    old = weakref.ref(dict(shared.model.named_parameters())["model.layers.0.mlp.up_proj.weight"])
+    HFDirectSync().sync(engine, shared, version=0)  # the trainer's first sync, before any rollout
+    StreamWeightSync().sync(engine, own, version=0)
+    assert shared.shares_base and not own.shares_base
+    mine = dict(shared.model.named_parameters())
+    assert all(mine[n] is p for n, p in frozen.items())  # one copy: the actor's tensors themselves
+    assert not any(mine[n] is p for n, p in engine.model.named_parameters() if p.requires_grad)
+    gc.collect()
+    assert old() is None  # the rollout's own copy is gone
+    assert shared.share_base(engine) == 0  # idempotent
+    prompts = _batch(7, size=6).select("prompt_ids", "prompt_mask", "group_ids")
+    params = SamplingParams(max_new_tokens=6, seed=5, n=2)
+    for version in (1, 2):
+        a, b = shared.generate(prompts, params), own.generate(prompts, params)
+        assert torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["rollout_log_probs"],
+                                                                                 b["rollout_log_probs"])
+        _train(engine, version)
+        shared.sleep()
+        shared.wake()
+        HFDirectSync().sync(engine, shared, version=version)
+        StreamWeightSync().sync(engine, own, version=version)
+    assert all(mine[n] is p for n, p in frozen.items()) and base_bytes > 0
+    folder = load_file(f"{path}/model.safetensors")
+    assert torch.equal(frozen["model.layers.0.self_attn.q_proj.base_layer.weight"],
+                       folder["model.layers.0.self_attn.q_proj.weight"])  # the base never changed
+    # another base: nothing is shared
+    other = _rollout(model_path(arch="qwen3"), lora=lora)
+    assert other.share_base(engine) == 0 and not other.shares_base
+
+
 def test_an_adapter_stream_into_a_full_weight_rollout_is_refused_and_leaves_it_stale() -> None:
     from verl_core import StaleWeightsError, WeightSyncError
 

@@ -199,3 +199,18 @@ def test_an_ignored_signal_stays_ignored_and_handlers_are_put_back() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def test_the_resume_line_names_the_command_as_it_was_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started as ``python -m verl_core`` (``verl`` not on the PATH), the line to continue says so."""
+    import argparse
+    import types
+
+    from verl_core.trainer.cli.train import resume_command
+
+    args = argparse.Namespace(config="run.toml", overrides=["steps=4", "overwrite=true"], output_dir=None)
+    assert resume_command(args, "train") == "verl train run.toml steps=4 --resume"
+    module = types.ModuleType("__main__")
+    module.__spec__ = types.SimpleNamespace(name="verl_core.__main__")  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    assert resume_command(args, "sft") == "python -m verl_core sft run.toml steps=4 --resume"

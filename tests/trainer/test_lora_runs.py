@@ -47,6 +47,11 @@ def test_the_reference_is_the_actors_base_and_no_reference_engine_is_built(tmp_p
         history = trainer.train()
         assert isinstance(trainer.reference, BaseModelReference)
         assert trainer.rollout.spec.lora is not None  # the hf rollout takes adapter streams
+        # one copy of the frozen base: the rollout took the actor's at set-up, before any rollout
+        assert trainer.rollout.shares_base  # type: ignore[attr-defined]
+        rollout_params = dict(trainer.rollout.model.named_parameters())  # type: ignore[attr-defined]
+        assert all(rollout_params[n] is p for n, p in trainer.actor.model.named_parameters()  # type: ignore[attr-defined]
+                   if not p.requires_grad)
         batch = prompt_batch(TEXTS, trainer.rollout.tokenizer, group_ids=list(range(len(TEXTS))))
         samples = trainer.rollout.generate(batch, SamplingParams(max_new_tokens=3, seed=1))
         ref = trainer.reference.forward(samples)["log_probs"]

@@ -191,6 +191,12 @@ def test_a_lora_run_keeps_the_frozen_base_and_trains_the_adapter_only(tmp_path: 
     assert term(p, "actor adapter float32 masters") == 4 * a and term(p, "actor adapter AdamW moments") == 8 * a
     assert "reference weights" not in {t.what for t in p.terms}, "the reference is the actor's base"
     assert p.fits and p.master_weights and not p.dropped_masters
+    assert term(p, "rollout weights") == 2 * n  # merged sync: the rollout holds merged weights of its own
+    # adapter sync between hf engines: the rollout serves the actor's base, only its adapter is its own
+    shared = plan(path, "model.lora.enabled=true", "model.lora.sync=adapter", total=80 * GB, reference=True)
+    assert "rollout weights" not in {t.what for t in shared.terms}
+    assert term(shared, "rollout adapter weights") == 4 * a
+    assert shared.peak_bytes < p.peak_bytes - 2 * n + 4 * a + 1
     # refused without LoRA on the same device, the message gives the LoRA figure
     with pytest.raises(ConfigError, match=r"model.lora.enabled=true: train a LoRA adapter of rank 8 .*: "
                                           rf"{p.peak_bytes / GB:,.1f} GB\)"):

@@ -273,7 +273,7 @@ def check_update_while_asleep_refused(h: Harness) -> None:
 def check_sleep_frees_memory(h: Harness) -> None:
     """sleep() releases device memory (measured on CUDA) and wake() serves the same samples again."""
     if not h.rollout().capabilities.sleep_frees_memory:
-        h.skip("backend declares sleep_frees_memory=False (sleep only pauses)")
+        h.skip("backend declares sleep_frees_memory=False (its sleep frees no device memory to measure)")
     _memory_measurable(h, "sleep()")
     engine = h.rollout(fresh=True)
     before = _generations(h, engine)

@@ -79,7 +79,10 @@ class HFRolloutEngine(RolloutEngineBase):
     (peft, injected in place; ``B = 0`` or ``spec.lora.init_path`` until the first sync), and
     ``update_weights`` takes that trainer's adapter stream (``export_adapter``): the base is never
     sent again, and the samples are those of base + adapter without merging. Each layer's
-    projections then run one matmul each (no fused projections).
+    projections then run one matmul each (no fused projections). Colocated with the hf LoRA actor
+    of the same base (one process, one device, one dtype), the engine serves the actor's frozen
+    base tensors instead of its own copy once :meth:`share_base` ran (the trainer's weight sync,
+    :class:`HFDirectSync`, calls it before the first rollout): one copy of the base for both.
 
     Args:
         spec: The engine spec (role rollout; ``parallel`` must be all 1).
@@ -148,6 +151,8 @@ class HFRolloutEngine(RolloutEngineBase):
             if self._options.rollout_fused_projections and self._lora is None else None)
         # Pinned host memory the weight buffer sleeps in (allocated on the first sleep, then reused).
         self._host: Tensor | None = None
+        # Whether the frozen base tensors are a LoRA actor's (share_base): sleep then frees caches only.
+        self._shares_base = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -353,8 +358,15 @@ class HFRolloutEngine(RolloutEngineBase):
 
         The weight buffer goes in one copy into pinned host memory that is kept for the next
         sleep (what a colocated trainer does every step); whatever is not in the buffer moves
-        with ``Module.to``.
+        with ``Module.to``. An engine serving a LoRA actor's base (:meth:`share_base`) frees its
+        caches only: the base stays where the actor trains on it.
         """
+        if self._shares_base:
+            if self._device.type != "cpu" and not self._asleep:
+                self._decoders.clear()
+                torch.cuda.empty_cache()
+            self._asleep = self._device.type != "cpu"
+            return
         if self._device.type != "cpu" and not self._asleep:
             self._weights = None
             self._decoders.clear()
@@ -365,6 +377,8 @@ class HFRolloutEngine(RolloutEngineBase):
 
     def wake(self) -> None:
         """Move the model back to its device (the weight buffer in one copy)."""
+        if self._asleep and self._shares_base:
+            self._asleep = False
         if self._asleep:
             self._weights = None
             self._decoders.clear()
@@ -372,6 +386,52 @@ class HFRolloutEngine(RolloutEngineBase):
             self._model.to(self._device)
             self._flat = flat if flat is not None else FlatParameters.build(self._targets())
             self._asleep = False
+
+    @property
+    def shares_base(self) -> bool:
+        """Whether the engine serves a LoRA actor's frozen base tensors (:meth:`share_base`)."""
+        return self._shares_base
+
+    def share_base(self, actor: Any) -> int:
+        """Serve ``actor``'s frozen base tensors instead of this engine's copy; returns the bytes freed.
+
+        Applies to an engine built with ``spec.lora`` (the adapter sync) when ``actor`` is an hf
+        training engine with a LoRA adapter of the same base (its identity: every base tensor's
+        name and shape and a sample of its values) whose base tensors lie on this engine's device
+        in its dtype. Every frozen parameter of the actor (the base, peft's original copies of the
+        fully trained modules) becomes this engine's parameter of the same name, and this engine's
+        own copies are dropped; its adapter and fully trained copies stay its own (the adapter sync
+        writes them). Neither engine writes a frozen tensor, so both read one copy. The compiled
+        decode step and captured graphs are dropped (they hold the old tensors). Idempotent; 0
+        where it does not apply (nothing changes then).
+        """
+        source = getattr(actor, "lora", None)
+        if (self._lora is None or not isinstance(source, HFLora) or self._shares_base or self._asleep
+                or source.identity != self._lora.identity):
+            return 0
+        theirs = dict(actor.model.named_parameters())
+        swap: dict[int, torch.nn.Parameter] = {}
+        for name, mine in self._model.named_parameters():
+            other = theirs.get(name)
+            if (other is None or other.requires_grad or "lora_" in name or ".modules_to_save." in name
+                    or other.shape != mine.shape or other.dtype != mine.dtype or other.device != mine.device):
+                continue
+            swap[id(mine)] = other
+        if not swap:
+            return 0
+        freed = 0
+        with self._turns.writing():  # no generate call runs while the parameters change
+            for module in self._model.modules():
+                for key, param in list(module._parameters.items()):
+                    if param is not None and id(param) in swap:
+                        freed += param.numel() * param.element_size()
+                        module._parameters[key] = swap[id(param)]
+            self._decoders.clear()
+            self._compiled = None
+            self._first_compiled.clear()
+            self._weights = None
+            self._shares_base = True
+        return freed
 
     def close(self) -> None:
         """Drop the model."""
@@ -392,7 +452,9 @@ class HFDirectSync(WeightSync):
     copy of the buffer and one reduction; otherwise one multi-tensor copy and one fused
     finiteness check (``HFRolloutEngine._load_local``). It applies when the actor holds full
     tensors on the rollout engine's device in its dtype (one process, no FSDP2 sharding, not
-    offloaded); every other case, and every other engine pair, runs the canonical stream.
+    offloaded); every other case, and every other engine pair, runs the canonical stream. Under
+    LoRA the stream runs (merged, or the adapter), and a rollout built with the adapter first takes
+    the actor's frozen base tensors (:meth:`HFRolloutEngine.share_base`).
 
     Args:
         bucket_bytes: Bytes per chunk when falling back to the canonical stream.
@@ -407,6 +469,8 @@ class HFDirectSync(WeightSync):
 
         if not (isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine)) or (
                 source.lora is not None or target.spec.lora is not None):
+            if isinstance(source, HFTrainingEngine) and isinstance(target, HFRolloutEngine):
+                target.share_base(source)  # adapter sync: one copy of the frozen base for both
             # LoRA: the stream merges tensor by tensor (or carries the adapter) with no second copy
             return self._stream.sync(source, target, version=version)
         t0 = time.perf_counter()

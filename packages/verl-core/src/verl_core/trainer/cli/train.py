@@ -89,7 +89,16 @@ def resume_command(args: argparse.Namespace, command: str, *, flag: str = "--res
     tokens = [t for t in tokens if t.partition("=")[0].strip() != "overwrite"]
     if args.output_dir:
         tokens += ["--output-dir", args.output_dir]
-    return shlex.join(["verl", command, *tokens, flag])
+    return shlex.join([*_program(), command, *tokens, flag])
+
+
+def _program() -> list[str]:
+    """How the command was started: ``python -m verl_core`` where that is how (``verl`` off the
+    PATH), else ``verl``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name in ("verl_core", "verl_core.__main__"):
+        return ["python", "-m", "verl_core"]
+    return ["verl"]
 
 
 @contextmanager

@@ -45,7 +45,7 @@ from verl_core.kernel.weights import WeightSync
 from verl_core.trainer.batching.budget import make_schedulers
 from verl_core.trainer.batching.replay import HybridReplayBuffer
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
-from verl_core.trainer.config import BackendsConfig, RunConfig
+from verl_core.trainer.config import RunConfig
 from verl_core.trainer.executor import Executor, make_executor
 from verl_core.trainer.inputs.tasks import get_task
 from verl_core.trainer.pipeline import StageError, StageThreads
@@ -200,11 +200,7 @@ class Trainer:
         roles = self.backend_roles()
         if len(set(roles.values())) < 2:
             return
-        default = BackendsConfig()
-        named = {r for r, n in roles.items() if n != getattr(default, r)}
-        parts = [f"{role} {name}" + (f" (backends.{role} at its default)" if named and role not in named else "")
-                 for role, name in roles.items()]
-        self.ctx.warn("backends: " + ", ".join(parts))
+        self.ctx.warn("backends: " + ", ".join(f"{role} {name}" for role, name in roles.items()))
 
     def _spec(self, role: str, path: str, optim: Any = None) -> EngineSpec:
         config = self.memory_plan.apply(self.config) if self.memory_plan is not None else self.config
@@ -295,9 +291,11 @@ class Trainer:
                 f"way, but the rollout backend {cfg.backends.rollout!r} does not declare "
                 "RolloutCapabilities.concurrent_weight_update (a weight update that waits for the generate call in "
                 "flight); use partial_rollouts='finish' or a rollout backend that declares it (hf, vllm)")
-        if cfg.model.lora.enabled and cfg.model.lora.init_path:
+        if cfg.model.lora.enabled and (cfg.model.lora.init_path or cfg.model.lora.sync == "adapter"):
             # the actor starts from the adapter folder, not from B = 0, while a rollout given merged
-            # weights was built on the base folder alone: send the actor's weights before the first rollout
+            # weights was built on the base folder alone: send the actor's weights before the first
+            # rollout; an adapter sync's first sync also lets a colocated rollout take the actor's
+            # frozen base instead of its own copy (hf), before any generate call holds it
             self.weights.resync()
         self.evaluator = Evaluator(cfg, e, self.source, p, episodes=episodes)
         self._built = True

@@ -12,7 +12,8 @@ and the device's total memory (:func:`verl_core.kernel.memory.device_memory`), t
 * the critic (its own folder's shape) alike, a colocated reference policy (none with
   ``model.lora``: the reference is the actor's base) and reward model (weights; the shape of
   ``reward_model`` when set, else the policy's);
-* the rollout engine's copy of the weights, its KV cache (rows x prompt + new tokens x layers x
+* the rollout engine's copy of the weights (its adapter only where an hf rollout takes an hf LoRA
+  actor's adapter sync: it serves the actor's frozen base), its KV cache (rows x prompt + new tokens x layers x
   keys and values; the vLLM backend's ``kv_cache_bytes``) and its sampling working set;
 * the update's activations for at least one sequence, checkpointed under
   ``model.gradient_checkpointing`` (the micro-batch scheduler fills what is left:
@@ -239,7 +240,15 @@ def _rollout_terms(config: RunConfig, shape: ModelShape, max_prompt_len: int) ->
     # a sleeping rollout is on the host in the update; an asynchronous one samples during it
     awake = _BOTH if _awake_in_update(config) else _ROLLOUT
     n = shape.parameters
-    out = [MemoryTerm("rollout weights", n * d, f"{_count(n)} params x {d} B", awake)]
+    lora = config.model.lora
+    if lora.enabled and lora.sync == "adapter" and config.backends.actor == config.backends.rollout == "hf":
+        # the colocated hf rollout serves the actor's frozen base (HFRolloutEngine.share_base)
+        a = lora_parameters(shape, lora)
+        out = [MemoryTerm("rollout adapter weights", a * _FLOAT32,
+                          f"{_count(a)} adapter params x {_FLOAT32} B (the base is the actor's: adapter sync)",
+                          awake)]
+    else:
+        out = [MemoryTerm("rollout weights", n * d, f"{_count(n)} params x {d} B", awake)]
     opts = config.backends.options.get("rollout", {})
     rows = config.batch.prompts_per_step * config.rollout.n
     if config.backends.rollout == "vllm":
