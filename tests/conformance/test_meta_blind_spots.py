@@ -445,3 +445,21 @@ def test_a_pass_reports_the_rope_scalings_it_compared_and_those_refused() -> Non
     assert (result.status, result.message) == ("passed", expected)
     assert expected in report.table()
     assert json.loads(report.to_json())["results"][0]["message"] == expected
+
+
+def test_a_bfloat16_engine_without_float32_masters_fails_the_small_updates_check() -> None:
+    """Every other check passed a bfloat16 engine that steps its bfloat16 parameters directly (no
+    float32 masters): its few updates at the suite's lr=1 move the weights anyway. Updates below
+    half of bfloat16's spacing show it: the hf engine with its masters passes, without them fails."""
+    from verl_conformance.harness import EngineCache
+
+    check = CHECKS["numerics::bfloat16_small_updates_accumulate"]
+    results = {}
+    for label, options in (("masters", {}), ("pure bfloat16", {"master_weights": False})):
+        h = Harness(Subject.from_registry("hf"), None, EngineCache(), dtype="bfloat16", options=options)
+        results[label] = run_one(check, h)
+    assert results["masters"][0] == "passed", results
+    status, message = results["pure bfloat16"]
+    assert status == "failed" and "keep float32 master weights" in message, message
+    h = Harness(Subject.from_registry("hf"), None, EngineCache(), dtype="float32")
+    assert run_one(check, h)[0] == "skipped"

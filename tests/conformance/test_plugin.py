@@ -142,3 +142,25 @@ def test_verl_options_reach_every_engine_of_the_backend_under_test() -> None:
     assert r.returncode == 0, r.stdout[-3000:]
     r = _pytest("--pyargs", "verl_conformance", "--verl-backend", "hf", "--verl-options", "[1]")
     assert r.returncode == 4 and "--verl-options must be a JSON object, got '[1]'" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_tiny_example_refuses_by_name_what_its_model_leaves_out(tmp_path: Path) -> None:
+    """A folder declaring an MLP bias, a Llama o_proj bias or sliding windows is refused naming the setting."""
+    import json
+    import shutil
+
+    from verl_tiny_backend.model import Cfg
+
+    from verl_conformance.testkit import tiny_model
+    from verl_core import ConfigError
+
+    src = tiny_model()
+    for key, value, named in (("mlp_bias", True, "mlp_bias"), ("attention_bias", True, "attention_bias"),
+                              ("use_sliding_window", True, "sliding-window attention")):
+        folder = tmp_path / key
+        shutil.copytree(src, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ConfigError, match=f"does not implement {named}"):
+            Cfg.load(str(folder))
+    assert Cfg.load(str(src)).model_type == "llama"

@@ -131,3 +131,47 @@ def check_nonfinite_update_skipped(h: Harness) -> None:
              "steps, and a skipped one is not applied")
     compare_next_update(h, engine, clean, what,
                         "the skipped step touched the optimizer's state or advanced its step count or schedule")
+
+
+SMALL_STEPS = 32
+"""Updates of :func:`check_bfloat16_small_updates_accumulate`."""
+SMALL_LR = 1e-5
+"""Its learning rate: AdamW moves each weight by about this much a step, a sixth of half of
+bfloat16's spacing around the test kit's typical weight (|w| ~ 0.02: spacing 1.2e-4), so a
+bfloat16 parameter stepped directly keeps almost none of it, while 32 of them add up to a few
+spacings."""
+
+
+@check("numerics")
+def check_bfloat16_small_updates_accumulate(h: Harness) -> None:
+    """In bfloat16, updates each below half of bfloat16's spacing around a weight still add up: after 32 AdamW steps at lr=1e-5 the exported projection weights moved as the float64 reference's did (float32 master weights keep them), not stayed put (by the size of the displacement); runs in bfloat16 only."""
+    if h.dtype != "bfloat16":
+        h.skip(f"runs in bfloat16 only (--verl-dtype bfloat16); {h.dtype} parameters keep every update")
+    optim = OptimConfig(lr=SMALL_LR, eps=1e-8, weight_decay=0.0, grad_clip=0.0)
+    engine = h.training(fresh=True, optim=optim)
+    ref = ReferenceModel(h.model_path("llama"), optim)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    batch = h.batch(seed=90, rl_fields=True)  # the same batch every step: each weight keeps its direction
+    stats = GlobalBatchStats.of(batch)
+    for _ in range(SMALL_STEPS):
+        engine.forward_backward(batch, TOKEN_MEAN_PG, stats)
+        engine.optimizer_step()
+        ref.step(batch, TOKEN_MEAN_PG, stats)
+    got = exported_weights(engine)
+    want = dict(ref.named_parameters())
+    moved = kept = 0.0
+    for name, w0 in start.items():
+        if w0.dim() != 2 or "embed" in name or name not in got:
+            continue  # the projections: 2-D weights of a typical magnitude (norm weights sit at 1.0)
+        moved += float((want[name].detach() - w0).pow(2).sum())
+        kept += float((got[name].double() - w0.to(torch.bfloat16).double()).pow(2).sum())
+    h.expect(moved > 0, "the float64 reference did not move: no projection weights to compare")
+    # the size of the displacement, not its direction: AdamW moves every weight by about lr a step,
+    # and in bfloat16 the sign of a tiny gradient may differ from float64's
+    rel = math.sqrt(kept / moved)
+    h.expect(rel >= 0.5,
+             f"after {SMALL_STEPS} AdamW steps at lr={SMALL_LR:g} in bfloat16 the projection weights moved "
+             f"{rel:.2f} of the float64 reference's displacement (L2); at least 0.5 keeps the updates. Each "
+             "step is below half of bfloat16's spacing around a weight, so stepping bfloat16 parameters "
+             "directly drops it: keep float32 master weights (backend-training-engine.md, Declaring bfloat16)")
+    h.note(f"the projection weights moved {rel:.3f} of the float64 reference's displacement (L2)")

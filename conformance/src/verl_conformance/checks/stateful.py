@@ -21,7 +21,7 @@ from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.weight_sync import _serves as serves
-from verl_conformance.checks.weight_sync import folder_stream, folder_weights
+from verl_conformance.checks.weight_sync import folder_stream, folder_weights, synced_to_alt
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
 from verl_conformance.losses import role_loss, role_output
 from verl_core import (
@@ -231,10 +231,7 @@ def check_sleep_wake_round_trip(h: Harness) -> None:
 @check("stateful", gates=("rollout.weight_update",))
 def check_update_while_asleep_refused(h: Harness) -> None:
     """A sleeping engine (one whose generate refuses with EngineAsleepError) refuses update_weights with EngineAsleepError before reading the stream, keeping its version and serving its weights after wake(); skipped where sleep() leaves the engine serving."""
-    engine = h.rollout(fresh=True)
-    if not engine.capabilities.weight_update:
-        h.skip("backend declares weight_update=False")
-    engine.update_weights(folder_stream(h.model_path("llama-alt"), 3, dtype=engine.weight_dtype))
+    engine = synced_to_alt(h, 3)
     prompts = h.batch(seed=64, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
     engine.sleep()
     try:

@@ -112,13 +112,20 @@ def check_export_matches_folder(h: Harness) -> None:
                    f"export_weights(dtype=torch.bfloat16): {name} vs the folder's tensor cast to bfloat16")
 
 
-@check("weight_sync", gates=("rollout.weight_update",))
-def check_rollout_applies_stream(h: Harness) -> None:
-    """After update_weights(a complete stream of other weights) the rollout engine serves them, at that version."""
+def synced_to_alt(h: Harness, version: int) -> RolloutEngine:
+    """A fresh rollout engine given a complete stream of ``llama-alt`` as ``version`` (the check is
+    skipped when the engine declares ``weight_update=False``)."""
     engine = h.rollout(fresh=True)
     if not engine.capabilities.weight_update:
         h.skip("backend declares weight_update=False")
-    engine.update_weights(folder_stream(h.model_path("llama-alt"), 5, dtype=engine.weight_dtype))
+    engine.update_weights(folder_stream(h.model_path("llama-alt"), version, dtype=engine.weight_dtype))
+    return engine
+
+
+@check("weight_sync", gates=("rollout.weight_update",))
+def check_rollout_applies_stream(h: Harness) -> None:
+    """After update_weights(a complete stream of other weights) the rollout engine serves them, at that version."""
+    engine = synced_to_alt(h, 5)
     h.expect(engine.weight_version == 5, f"weight_version is {engine.weight_version} after a sync to version 5")
     _serves(h, engine, "llama-alt", "after update_weights(stream of llama-alt, version 5)")
 

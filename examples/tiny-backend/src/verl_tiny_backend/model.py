@@ -103,13 +103,21 @@ class Cfg:
         mt = raw.get("model_type")
         if mt not in ("llama", "qwen2", "qwen3"):
             raise ConfigError(f"the tiny backend runs llama, qwen2 and qwen3 folders; {path} has model_type {mt!r}")
+        # what the model below leaves out is refused by name, not met as tensors that do not match
+        missing = ["mlp_bias"] if raw.get("mlp_bias") else []
+        if mt == "llama" and raw.get("attention_bias"):
+            missing.append("attention_bias (an o_proj bias)")
+        if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or []):
+            missing.append("sliding-window attention")
+        if missing:
+            raise ConfigError(f"the tiny backend does not implement {', '.join(missing)}, which {path} declares")
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []
         return Cfg(mt, int(raw["vocab_size"]), int(raw["hidden_size"]), int(raw["num_hidden_layers"]), heads,
                    int(raw.get("num_key_value_heads", heads)), head_dim, int(raw["intermediate_size"]),
                    float(raw["rms_norm_eps"]), Rope.load(raw, head_dim, path), bool(raw.get("tie_word_embeddings", False)),
-                   mt == "qwen2" or bool(raw.get("attention_bias", False)), mt == "qwen3",
+                   mt == "qwen2", mt == "qwen3",
                    any("TokenClassification" in a for a in archs))
 
 
