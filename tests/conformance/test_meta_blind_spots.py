@@ -447,6 +447,31 @@ def test_a_pass_reports_the_rope_scalings_it_compared_and_those_refused() -> Non
     assert json.loads(report.to_json())["results"][0]["message"] == expected
 
 
+class _CriticHeadUnseeded(_TinyWrapped):
+    """A critic whose value head on a causal-LM folder is drawn from an unseeded generator."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if spec.role == "critic":
+            import secrets
+
+            g = torch.Generator().manual_seed(secrets.randbits(32))
+            with torch.no_grad():
+                w = self.engine.model.score.weight
+                w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+
+
+def test_a_critic_is_held_to_the_policy_s_causal_lm_folder() -> None:
+    """PPO builds its critic on the policy's folder when no critic_model is named; the suite built
+    critics only on the value-head folder, and the tiny example and the megatron backend could not
+    load a causal-LM folder as a critic. A value head that is not a function of the seed fails too."""
+    check = ["schema::critic_on_a_causal_lm_folder"]
+    report = check_backend("tiny", make_training_engine=build_training_engine, checks=check)
+    assert [r.status for r in report.results] == ["passed"]
+    with pytest.raises(ConformanceError, match="two engines of seed 0 give other values"):
+        check_backend("unseeded-critic", make_training_engine=_CriticHeadUnseeded, checks=check)
+
+
 def test_a_bfloat16_engine_without_float32_masters_fails_the_small_updates_check() -> None:
     """Every other check passed a bfloat16 engine that steps its bfloat16 parameters directly (no
     float32 masters): its few updates at the suite's lr=1 move the weights anyway. Updates below

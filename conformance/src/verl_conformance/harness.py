@@ -359,9 +359,13 @@ class Harness:
         return f
 
     def training(self, role: Role = "actor", model: str = "llama", *, fresh: bool = False,
-                 subject: Subject | None = None, **kw: Any) -> TrainingEngine:
-        """A training engine of the subject (``fresh``: built for this check and closed after it)."""
-        if role == "critic" and model == "llama":
+                 subject: Subject | None = None, causal_folder: bool = False, **kw: Any) -> TrainingEngine:
+        """A training engine of the subject (``fresh``: built for this check and closed after it).
+
+        A critic is built on the value-head folder unless ``causal_folder`` (then on ``model``'s
+        causal-LM folder, as the trainer builds PPO's critic on the policy's folder).
+        """
+        if role == "critic" and model == "llama" and not causal_folder:
             model = "value"
         return self._engine(subject or self.subject, self.spec(role, model, **kw), fresh)  # type: ignore[no-any-return]
 

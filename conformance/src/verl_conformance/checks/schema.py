@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from verl_conformance.checks._registry import check
-from verl_conformance.harness import Harness
-from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.checks.weight_sync import folder_weights
+from verl_conformance.harness import Harness, exported_weights
+from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE
 from verl_core import (
     BatchValidationError,
     GlobalBatchStats,
@@ -68,6 +71,42 @@ def check_critic_layout(h: Harness) -> None:
         h.skip("backend declares values=False (no value head)")
     batch = h.batch(seed=2)
     _float_outputs(h, critic.forward(batch, ["values"]), batch, ("values",), "critic forward(values)")
+
+
+@check("schema", gates=("training.values",))
+def check_critic_on_a_causal_lm_folder(h: Harness) -> None:
+    """A critic builds on a causal-LM folder (the policy's, where PPO names no critic_model): the folder's backbone with a value head made from spec.seed, so the same seed gives the same values and another seed others; its values are laid out as on the value-head folder and a value-loss update runs."""
+    if not h.training("critic").capabilities.values:
+        h.skip("backend declares values=False (no value head)")
+    batch = h.batch(seed=3, rl_fields=True)
+    values = []
+    for seed in (0, 0, 1):
+        critic = h.training("critic", fresh=True, causal_folder=True, seed=seed)
+        out = critic.forward(batch, ["values"])
+        _float_outputs(h, out, batch, ("values",), f"critic on the causal-LM folder (seed {seed}) forward(values)")
+        values.append(out["values"])
+    h.expect(bool(torch.isfinite(values[0]).all()), "critic on the causal-LM folder: values are not finite")
+    h.expect(bool(torch.equal(values[0], values[1])),
+             "critic on the causal-LM folder: two engines of seed 0 give other values; the value head must be a "
+             "deterministic function of spec.seed (initialise it under torch.manual_seed(spec.seed) inside "
+             "torch.random.fork_rng)")
+    h.expect(not bool(torch.equal(values[0], values[2])),
+             "critic on the causal-LM folder: seeds 0 and 1 give the same values; the value head must be made from "
+             "spec.seed, not read from the folder or fixed")
+    got = exported_weights(critic)
+    folder = folder_weights(h.model_path("llama"))
+    backbone = [n for n in folder if not n.startswith("lm_head")]
+    missing = [n for n in backbone if n not in got]
+    h.expect(not missing, f"critic on the causal-LM folder exports no {missing[:3]}: the backbone must be the "
+             "folder's, under its names")
+    for name in backbone:
+        h.close_to(got[name].float(), folder[name].float(), "weights",
+                   f"critic on the causal-LM folder: exported {name} vs the folder's (the backbone is the folder's)")
+    m = critic.forward_backward(batch, VALUE_MSE, GlobalBatchStats.of(batch))
+    step = critic.optimizer_step()
+    h.expect(math.isfinite(m["loss"]) and math.isfinite(step.grad_norm) and not step.skipped,
+             f"critic on the causal-LM folder: a value-loss update gave loss {m['loss']}, grad norm "
+             f"{step.grad_norm}, skipped={step.skipped}")
 
 
 @check("schema")

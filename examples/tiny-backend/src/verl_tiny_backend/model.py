@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,13 +227,26 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
 
     @staticmethod
-    def from_folder(path: str, dtype: torch.dtype = torch.float32) -> Model:
-        """Build the model of a folder and load its safetensors weights."""
-        m = Model(Cfg.load(path))
+    def from_folder(path: str, dtype: torch.dtype = torch.float32, *, value_head: bool = False, seed: int = 0) -> Model:
+        """Build the model of a folder and load its safetensors weights.
+
+        ``value_head`` (a critic): on a causal-LM folder, its backbone with a value head drawn from
+        ``seed`` (weight ``normal(0, initializer_range)``, bias 0; the global generator untouched).
+        """
+        cfg = Cfg.load(path)
+        fresh_head = value_head and not cfg.value_head
+        m = Model(replace(cfg, value_head=True) if fresh_head else cfg)
         weights = Path(path) / "model.safetensors"
         if not weights.is_file():
             raise ConfigError(f"{path} has no model.safetensors; the tiny backend reads single-file safetensors folders")
         state = load_file(str(weights))
+        if fresh_head:
+            state.pop("lm_head.weight", None)
+            std = float(json.loads((Path(path) / "config.json").read_text()).get("initializer_range", 0.02))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                state["score.weight"] = torch.empty(1, cfg.hidden).normal_(0.0, std)
+            state["score.bias"] = torch.zeros(1)
         missing, unexpected = m.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "lm_head.weight"]
         if missing or unexpected:

@@ -101,7 +101,8 @@ class TinyTrainingEngine(TrainingEngineBase):
         refuse_undeclared(spec, ACTOR_CAPABILITIES)
         self._spec = spec
         torch.manual_seed(spec.seed)
-        self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
+        self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype], value_head=spec.role == "critic",
+                                       seed=spec.seed)
         self._caps = CRITIC_CAPABILITIES if self.model.cfg.value_head else ACTOR_CAPABILITIES
         self._tok = load_tokenizer(spec.model_path, self.model.cfg.vocab_size)
         o = spec.optim

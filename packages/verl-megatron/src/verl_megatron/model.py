@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
 
-__all__ = ["AttentionKind", "ValueHead", "build_stage", "load_hf_state_dict", "sdpa_attention_class",
+__all__ = ["AttentionKind", "ValueHead", "build_stage", "load_hf_state_dict", "sdpa_attention_class", "seeded_value_head",
            "transformer_config"]
 
 AttentionKind = Literal["local", "sdpa"]
@@ -148,6 +148,20 @@ def load_hf_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def seeded_value_head(path: str | os.PathLike[str], hidden_size: int, seed: int) -> dict[str, Tensor]:
+    """A value head (``score.weight [1, hidden]``, ``score.bias [1]``) for a critic built on a causal-LM
+    folder (the policy's, where a run names no ``critic_model``): the weight from ``normal(0,
+    initializer_range)`` of the folder's config under ``torch.manual_seed(seed)`` (the caller's
+    generator untouched), the bias 0, as the ``hf`` backend initialises transformers' head."""
+    from transformers import AutoConfig
+
+    std = float(getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=False), "initializer_range", 0.02))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        weight = torch.empty(1, hidden_size, dtype=torch.float32).normal_(0.0, std)
+    return {"score.weight": weight, "score.bias": torch.zeros(1, dtype=torch.float32)}
 
 
 def build_stage(

@@ -52,7 +52,13 @@ from verl_megatron.convert import StateDictAdapter
 from verl_megatron.core_optimizer import CoreOptimizer
 from verl_megatron.engine_checkpoint import StageCheckpoint
 from verl_megatron.micro_batches import MicroBatchLoop
-from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
+from verl_megatron.model import (
+    build_stage,
+    load_hf_state_dict,
+    load_stage_weights,
+    model_dims,
+    seeded_value_head,
+)
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import ParallelConfig, init_distributed
 from verl_megatron.stage import Stage
@@ -110,7 +116,12 @@ class MegatronTrainingEngine(TrainingEngineBase):
             self.dims, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank, dtype=self._dtype,
             device=self._device, recompute=spec.gradient_checkpointing, attention=self._options.attention,
         )
-        full = self.adapter.from_hf(load_hf_state_dict(spec.model_path))
+        hf_state = load_hf_state_dict(spec.model_path)
+        if self.dims.head == "value" and "score.weight" not in hf_state:
+            # a critic on a causal-LM folder (the policy's): its backbone, and a value head from the seed
+            hf_state.pop("lm_head.weight", None)  # the causal LM's output layer is not the critic's
+            hf_state.update(seeded_value_head(spec.model_path, self.dims.hidden_size, spec.seed))
+        full = self.adapter.from_hf(hf_state)
         load_stage_weights(
             self.model, self.adapter, full, tp_rank=self.tp_rank, tp=self.tp, pp_rank=self.pp_rank, pp=self.pp
         )
