@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -232,9 +232,18 @@ class DecoderLM(nn.Module):
         return self.score(hidden)[..., 0]  # type: ignore[no-any-return]
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    """Build the model of a transformers folder and load its safetensors weights by name."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, *, value_head: bool = False,
+               seed: int = 0) -> DecoderLM:
+    """Build the model of a transformers folder and load its safetensors weights by name.
+
+    ``value_head`` (a critic) on a causal-LM folder: its backbone with a value head drawn from
+    ``seed`` (weight ``normal(0, initializer_range)``, bias 0; the caller's generator untouched),
+    as PPO builds its critic on the policy's folder.
+    """
     cfg = DecoderConfig.from_folder(path)
+    fresh_head = value_head and not cfg.value_head
+    if fresh_head:
+        cfg = replace(cfg, value_head=True)
     with torch.device("meta"):
         model = DecoderLM(cfg)
     model = model.to_empty(device="cpu")
@@ -246,8 +255,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DecoderL
     state: dict[str, Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    if cfg.tied:
+    if cfg.tied or fresh_head:
         state.pop("lm_head.weight", None)
+    if fresh_head:
+        std = float(json.loads((Path(path) / "config.json").read_text()).get("initializer_range", 0.02))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            state["score.weight"] = torch.empty(1, cfg.hidden_size).normal_(0.0, std)
+        state["score.bias"] = torch.zeros(1)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(

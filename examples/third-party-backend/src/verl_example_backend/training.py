@@ -98,13 +98,9 @@ class ExampleTrainingEngine(TrainingEngine):
             raise ConfigError("the example backend does not implement gradient checkpointing; set "
                               "EngineSpec.gradient_checkpointing=False")
         self._spec = spec
-        self.model = load_model(spec.model_path, spec.torch_dtype)
+        # a critic on a causal-LM folder (PPO's critic on the policy's folder) gets a value head from the seed
+        self.model = load_model(spec.model_path, spec.torch_dtype, value_head=spec.role == "critic", seed=spec.seed)
         cfg = self.model.cfg
-        if spec.role == "critic" and not cfg.value_head:
-            raise ConfigError(
-                f"role 'critic' needs a token-classification folder with a value head; "
-                f"{spec.model_path} is a causal LM"
-            )
         self._tokenizer = FolderTokenizer(
             spec.model_path, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
             vocab_size=cfg.vocab_size,
