@@ -158,7 +158,10 @@ class RolloutEngine(Protocol):
         """Apply a weight stream (see :func:`verl_core.enginekit.weight_stream.apply_weight_stream`).
 
         On success the new version serves and the prefix cache is invalidated; on any failure
-        the engine is stale and ``generate`` raises until a complete sync succeeds.
+        the engine is stale and ``generate`` raises until a complete sync succeeds. An engine
+        asleep (after :meth:`sleep`, whose ``generate`` refuses with ``EngineAsleepError``) refuses
+        the call with ``EngineAsleepError`` before reading the stream, keeping its version and its
+        stale flag: the caller wakes it first (``stateful::update_while_asleep_refused``).
 
         An engine that declares ``RolloutCapabilities.concurrent_weight_update`` may be given this
         call on one thread while ``generate`` calls run on others. It never serves a half-applied
