@@ -8,6 +8,7 @@ then draw other tokens than the eager loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from verl_core import SamplingParams, TensorBatch
 from verl_core.enginekit.sampling import (
+    MAX_CACHE_WINDOWS,
     GraphCaptures,
     StaticDecodeLoop,
     StaticDecoders,
@@ -99,17 +101,22 @@ def _decode(loop: _StepLoop, graphs: GraphCaptures | None = None) -> tuple[Tenso
     return loop.result()
 
 
-def test_cache_windows_double_from_the_smallest_and_end_with_the_whole_cache() -> None:
-    assert cache_windows(32, 2080, 256) == (256, 512, 1024, 2080)  # 2048 is within a tenth of 2080
+def test_cache_windows_are_multiples_of_a_step_and_end_with_the_whole_cache() -> None:
+    assert cache_windows(32, 2080, 256) == (256, 512, 768, 1024, 1280, 1536, 1792, 2080)  # 2048: within a tenth
     assert cache_windows(32, 544, 256) == (256, 544)  # 512 is within a tenth of 544
     assert cache_windows(32, 160, 256) == (160,)
-    assert cache_windows(300, 2400, 256) == (512, 1024, 2048, 2400)  # 256 cannot hold the prompt and a token
+    assert cache_windows(300, 1200, 256) == (512, 768, 1024, 1200)  # 256 cannot hold the prompt and a token
     assert cache_windows(32, 2080, 0) == (2080,)
+    # past MAX_CACHE_WINDOWS steps of the smallest window, the step is the smallest multiple that
+    # keeps to it: a step reads at most one step of unwritten slots, with a bounded count of graphs
+    long = cache_windows(64, 16448, 256)
+    assert len(long) <= MAX_CACHE_WINDOWS and long[:2] == (1280, 2560) and long[-1] == 16448
+    assert all(b - a == 1280 for a, b in itertools.pairwise(long[:-1]))
 
 
 def test_each_step_runs_at_the_smallest_window_holding_what_it_reads() -> None:
     windows = cache_windows(4, 24, 5)
-    assert windows == (5, 10, 20, 24)
+    assert windows == (5, 10, 15, 20, 24)
     loop = _loop(windows, filled=4)
     plain = _decode(loop)
     assert [d for d, _ in loop.seen] == list(range(1, 20))
@@ -121,8 +128,7 @@ def test_each_step_runs_at_the_smallest_window_holding_what_it_reads() -> None:
 
 
 def test_a_failed_capture_affects_only_its_shape_and_is_retried_once() -> None:
-    windows = cache_windows(2, 24, 5)
-    assert windows == (5, 10, 20, 24)
+    windows = (5, 10, 20, 24)
     eager = _decode(_loop(windows, filled=2, max_new=22))
     loop = _loop(windows, filled=2, max_new=22)
     capture = _Capture([loop], fail={10})

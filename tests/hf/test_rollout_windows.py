@@ -187,3 +187,39 @@ def test_a_shape_whose_capture_fails_decodes_eagerly_while_others_replay() -> No
                                           "graph_eager_shapes": 1.0}
     assert "1 shape(s) decode eagerly after failed CUDA graph captures" in e.decode_mode
     assert "operation not permitted" in e.decode_mode
+
+
+def test_a_compiled_windowed_step_compiles_once_below_the_whole_cache_and_once_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """However many windows a decode has, the compiled step is compiled twice: once with the window's
+    width dynamic (every window below the whole cache) and once for the whole cache. The compiler
+    backend is aot_eager here (dynamo and AOT autograd trace as under inductor, without its code
+    generation, which takes minutes on a CPU); the samples are the eager windowed decode's."""
+    import functools
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    eager = engine(rollout_cache="static", rollout_decode_window=8)
+    compiled = engine(rollout_cache="static", rollout_decode_window=8, rollout_compile=True)
+    assert compiled.decode_mode == "static+compile+windows"
+    p, params = prompts(2, seed=3), SamplingParams(n=2, max_new_tokens=64, seed=5)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    got, want = compiled.generate(p, params), eager.generate(p, params)
+    decoder = compiled._decoders.current
+    assert decoder is not None and len(decoder.windows) >= 5, decoder.windows if decoder else None
+    assert got.response_len == 64, "every window must be reached"
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+    for field in ("response_ids", "response_mask", "truncated"):
+        assert torch.equal(got[field], want[field]), (
+            f"{field}: the compiled windowed step differs from the eager one"
+        )
+    assert_close(
+        got["rollout_log_probs"],
+        want["rollout_log_probs"],
+        dtype="float32",
+        quantity="log_probs",
+        what="compiled vs eager windowed decode",
+    )

@@ -228,13 +228,15 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     static_windows = static._decoders.current.windows
     static_mode = static.decode_mode
     static.close()
-    # the same loop with its decode step compiled (torch.compile; inductor on CPU), at TP=2 only
-    # (where the tensor-parallel group lookup inside compiled code matters; each compile costs seconds)
+    # the same loop and windows with its decode step compiled (torch.compile; inductor on CPU), at
+    # TP=2 only (where the tensor-parallel group lookup inside compiled code matters; each compile
+    # costs seconds): the 34-slot window compiles with its width dynamic, the whole cache on its own
     compiled_out: dict[str, Any] | None = None
     if par.tp == 2:
         compiled = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
                                                              options={"rollout_static_cache": True,
-                                                                      "rollout_compile": True}))
+                                                                      "rollout_compile": True,
+                                                                      "rollout_decode_window": 34}))
         got = compiled.generate(prompts, sampled)
         compiled_out = {k: got[k] for k in ("response_ids", "response_mask", "rollout_log_probs")}
         compiled_out["mode"] = compiled.decode_mode

@@ -300,7 +300,7 @@ def test_rollout_compiled_decode_step_samples_what_the_eager_step_samples(
 ) -> None:
     res = runs[layout][0]["rollout"]
     static, compiled = res["static"], res["compiled"]
-    assert compiled is not None and compiled["mode"] == "static+compile"
+    assert compiled is not None and compiled["mode"] == "static+compile+windows"
     assert torch.equal(compiled["response_ids"], static["response_ids"])
     assert torch.equal(compiled["response_mask"], static["response_mask"])
     assert_close(compiled["rollout_log_probs"], static["rollout_log_probs"], dtype="float32", quantity="log_probs",

@@ -76,11 +76,13 @@ class HFOptions:
             backend option: the megatron backend's packed sequences (``PackedSeqParams``) are
             out of scope and it keeps padded micro-batches.
         rollout_decode_window: Smallest attention window (cache slots) of a static-cache decode
-            step. Each step attends over the smallest of ``w, 2w, 4w, ...`` and the whole cache
-            that holds every slot written so far, instead of the whole preallocated cache (prompt
-            plus ``max_new_tokens``), and the prefill over the prompt's slots only (its grouped
-            key/value heads repeated over those slots, not the whole cache); each window is its own
-            CUDA graph and compiled shape. The same samples up to float rounding. 0 reads the whole
+            step. Each step attends over the smallest of ``w, 2w, 3w, ...`` and the whole cache
+            that holds every slot written so far (the step grows past ``w`` to keep a decode to 16
+            windows: :func:`verl_core.enginekit.sampling.cache_windows`), instead of the whole
+            preallocated cache (prompt plus ``max_new_tokens``), and the prefill over the prompt's
+            slots only (its grouped key/value heads repeated over those slots, not the whole cache).
+            Each window is its own CUDA graph; a compiled step compiles once for the windows below
+            the whole cache and once for the whole cache. The same samples up to float rounding. 0 reads the whole
             cache at every step. Needs ``attn_implementation='sdpa'`` (the rollout then runs
             :func:`verl_hf.modeling.grouped_decode_sdpa`, also off CUDA). None (default): 256 for
             static-cache rollouts on CUDA with sdpa, 0 elsewhere.

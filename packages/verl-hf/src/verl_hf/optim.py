@@ -83,8 +83,12 @@ class HFOptimizer:
         return StepMetrics(grad_norm=float(norm), lr=lr, skipped=False)
 
     def zero_grad(self) -> None:
-        """Drop every gradient."""
+        """Drop every gradient: the optimizer's parameters' and, under float32 masters, those the
+        model's own (bfloat16) parameters accumulate until the next step moves them to the masters."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            for p in self._model.parameters():
+                p.grad = None
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -128,7 +132,7 @@ class HFOptimizer:
                 self.optimizer.load_state_dict(trainer["optimizer"])
         if trainer["scheduler"] is not None:
             self.scheduler.load_state_dict(trainer["scheduler"])
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
 
     def verify(self, folder: Path, trainer: dict[str, Any], names: list[str]) -> None:
         """Refuse saved Adam state or schedule that do not fit this optimizer; copies nothing.

@@ -20,6 +20,7 @@ from verl_core.enginekit.sampling import (
     TokenSampler,
     cache_windows,
     eager_decode,
+    mark_window_dynamic,
 )
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
@@ -40,7 +41,7 @@ log = logging.getLogger("verl_hf.rollout")
 
 
 class HFStaticDecoder(StaticDecodeLoop):
-    """The decode loop over a preallocated StaticCache, every step at one shape per cache window.
+    """The decode loop over a preallocated StaticCache, every step of a cache window at one shape.
 
     Besides the loop's state (:class:`~verl_core.enginekit.sampling.StaticDecodeLoop`), the position to
     feed and the cache slot are device tensors updated in place. The attention mask is built here
@@ -50,7 +51,7 @@ class HFStaticDecoder(StaticDecodeLoop):
     With ``window`` > 0 the model's attention must read a mask narrower than the cache as "the
     first mask-width slots only" (:func:`verl_hf.modeling.grouped_decode_sdpa`): the prefill's mask
     then covers the prompt's slots, and each decode step's the smallest cache window holding every
-    written slot (``window``, doubling, then the whole cache:
+    written slot (multiples of ``window``, then the whole cache:
     :func:`~verl_core.enginekit.sampling.cache_windows`), so attention reads what was written
     rather than the whole cache. With ``window`` 0 every mask covers the whole cache (any attention
     implementation).
@@ -63,9 +64,9 @@ class HFStaticDecoder(StaticDecodeLoop):
         length = width + max_new
         super().__init__(rows, max_new, sampler, device, model, "hf rollout",
                          windows=cache_windows(width, length, window), filled=width)
-        # What a decode step calls: the model, or a compiled version of it (one shape per cache
-        # window, so no recompilation while the decoder is reused; the prefill always runs the
-        # model itself).
+        # What a decode step calls: the model, or a compiled version of it (compiled once for the
+        # windows below the whole cache and once for the whole cache, so no recompilation while the
+        # decoder is reused; the prefill always runs the model itself).
         self.step_model = model if step_model is None else step_model
         self.width = width
         self.narrow = window > 0  # masks cover the slots a call reads, not the whole cache
@@ -115,9 +116,9 @@ class HFStaticDecoder(StaticDecodeLoop):
 
     def _advance(self) -> Tensor:
         seen = self.window if self.narrow else self.slots.shape[0]
-        mask = self.valid[:, :seen] & (self.slots[:seen] <= self.slot)
+        mask = self._attention((self.valid[:, :seen] & (self.slots[:seen] <= self.slot))[:, None, None, :])
         out: Any = self.step_model(
-            input_ids=self.tok.unsqueeze(-1), attention_mask=self._attention(mask[:, None, None, :]),
+            input_ids=self.tok.unsqueeze(-1), attention_mask=mark_window_dynamic(mask, 3, seen, self.windows),
             position_ids=self.pos.unsqueeze(-1), use_cache=True, **{self.cache_kw: self.cache},
         )
         self.pos.add_(1)
@@ -175,21 +176,23 @@ def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None) -> str:
 
 RECOMPILE_LIMIT = 64
 """Compiled versions of one function dynamo keeps (``torch._dynamo.config.recompile_limit``) while a
-rollout compiles its decode step: one per (rows, prompt width, cache window), more than dynamo's
-default of 8, past which it would run the step uncompiled."""
+rollout compiles its decode step: two per (rows, prompt width) with cache windows (the windows below
+the whole cache, and the whole cache), more than dynamo's default of 8, past which it would run the
+step uncompiled."""
 
 
 def allow_recompiles() -> None:
     """Raise dynamo's per-function recompile limit to :data:`RECOMPILE_LIMIT` (never lower it).
 
-    A process-wide setting: the compiled decode step is specialised to each shape it sees (rows,
-    prompt width and cache window), and a run meets a few of each.
+    A process-wide setting: the compiled decode step is specialised to each shape it sees (rows
+    and prompt width, a cache window below the whole cache or the whole cache), and a run meets a
+    few of each.
     """
     import torch._dynamo.config as dynamo_config
 
     if dynamo_config.recompile_limit < RECOMPILE_LIMIT:
         log.info("hf rollout: torch._dynamo.config.recompile_limit %d -> %d (a compiled decode step per rows, "
-                 "prompt width and cache window)", dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+                 "prompt width and cache window kind)", dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         dynamo_config.recompile_limit = RECOMPILE_LIMIT
 
 

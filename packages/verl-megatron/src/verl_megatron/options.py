@@ -65,10 +65,11 @@ class MegatronOptions:
         distributed_optimizer: With ``optimizer="megatron"``, megatron's distributed optimizer:
             each data-parallel rank keeps the main parameters and Adam moments of its shard only.
         rollout_decode_window: Smallest attention window (cache slots) of a static-cache decode
-            step: each step attends over the smallest of ``w, 2w, 4w, ...`` and the whole cache
+            step: each step attends over the smallest of ``w, 2w, 3w, ...`` and the whole cache
             that holds every slot written so far, and the prefill over the prompt's slots only
             (:func:`verl_core.enginekit.sampling.cache_windows`); each window is its own CUDA
-            graph and compiled shape. 0 reads the whole cache at every step. None (default): 256
+            graph, and a compiled step compiles once for the windows below the whole cache and once
+            for the whole cache. 0 reads the whole cache at every step. None (default): 256
             where the static cache is used on CUDA, 0 elsewhere.
     """
 

@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verl_core.enginekit.sampling import StaticDecodeLoop, TokenSampler, cache_windows
+from verl_core.enginekit.sampling import (
+    StaticDecodeLoop,
+    TokenSampler,
+    cache_windows,
+    mark_window_dynamic,
+)
 from verl_core.kernel.batch import TensorBatch
 
 __all__ = ["LayerCache", "StaticDecoder", "compiled_last_logits", "last_logits"]
@@ -47,7 +52,9 @@ def last_logits(model: Any, tokens: Tensor, masked: Tensor, rotary: Tensor) -> T
 
 
 def compiled_last_logits() -> StepLogits:
-    """``torch.compile`` of :func:`last_logits` (one shape per decoder, so ``dynamic=False``).
+    """``torch.compile`` of :func:`last_logits` (``dynamic=False``: one shape per decoder, except the
+    cache windows below the whole cache, whose width is marked dynamic: one compile serves them all,
+    :func:`~verl_core.enginekit.sampling.mark_window_dynamic`).
 
     Two megatron-core helpers stop dynamo, so inside compiled code (only there: eager calls keep
     Megatron's functions) they are replaced, once per process, by traceable equivalents:
@@ -200,8 +207,8 @@ class StaticDecoder(StaticDecodeLoop):
 
     def _advance(self) -> Tensor:
         seen = self.window  # the cache window of this step (the whole cache without windows)
-        masked = ~(self.valid[:, :seen] & (self.slots[:seen] <= self.slot))
-        logits = self.step_logits(self.model, self.tok.unsqueeze(-1), masked[:, None, None, :],
+        masked = ~(self.valid[:, :seen] & (self.slots[:seen] <= self.slot))[:, None, None, :]
+        logits = self.step_logits(self.model, self.tok.unsqueeze(-1), mark_window_dynamic(masked, 3, seen, self.windows),
                                   self.freqs.index_select(0, self.slot))
         self.slot.add_(1)
         return logits

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import warnings
 from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from typing import Any, Final, Generic, TypeVar
@@ -36,6 +37,7 @@ __all__ = [
     "GraphCaptures",
     "StaticDecodeLoop",
     "StaticDecoders",
+    "MAX_CACHE_WINDOWS",
     "TokenSampler",
     "cache_windows",
     "cuda_graph_capture",
@@ -43,6 +45,7 @@ __all__ = [
     "expand_prompts",
     "inverse_cdf",
     "kept_probs",
+    "mark_window_dynamic",
     "sample_seed",
     "static_prompt_width",
     "tempered_log_probs",
@@ -335,22 +338,42 @@ def _side_stream(device: torch.device) -> Iterator[None]:
     torch.cuda.current_stream(device).wait_stream(side)
 
 
+MAX_CACHE_WINDOWS: Final = 16
+"""Most cache windows of one static decode (see :func:`cache_windows`): a capture each, and steps of
+more slots past it."""
+
+
 def cache_windows(filled: int, length: int, smallest: int) -> tuple[int, ...]:
     """The attention windows of a static decode over a cache of ``length`` slots, ``filled`` by the prompts.
 
-    ``smallest``, doubling, below ``length``, then ``length`` itself; windows too small for the
-    first decode step (``filled + 1`` slots) are left out, and so is a window within a tenth of
-    ``length`` (one graph more for almost no less reading). ``smallest`` 0: one window, the whole cache.
+    Multiples of a step, below ``length``, then ``length`` itself: the step is ``smallest``, or the
+    smallest multiple of it that keeps the windows to :data:`MAX_CACHE_WINDOWS`. A step therefore
+    reads at most a step's worth of unwritten slots (on average half of one), whatever the length.
+    Windows too small for the first decode step (``filled + 1`` slots) are left out, and so is a
+    window within a tenth of ``length`` (one graph more for almost no less reading). ``smallest``
+    0: one window, the whole cache.
     """
     if smallest <= 0:
         return (length,)
-    windows = []
-    w = smallest
-    while w < length * 0.9:
-        if w > filled:
-            windows.append(w)
-        w *= 2
+    step = smallest * -(-length // (smallest * MAX_CACHE_WINDOWS))
+    windows = [w for w in range(step, math.ceil(length * 0.9), step) if w > filled]
     return (*windows, length)
+
+
+def mark_window_dynamic(tensor: Tensor, dim: int, window: int, windows: Sequence[int]) -> Tensor:
+    """Mark ``tensor``'s ``dim`` (``window`` slots wide) as a dynamic size for ``torch.compile``
+    when ``window`` is narrower than the whole cache (the last of ``windows``); returns ``tensor``.
+
+    A decode step compiled with ``dynamic=False`` then compiles once for every window below the
+    whole cache, with the window a symbolic size, and once for the whole cache (whose read is a
+    contiguous tensor, another graph), instead of once per window. The mark is a hint
+    (``maybe_mark_dynamic``): where the traced code fixes the size (a window as wide as another
+    dimension of the step, say), that window compiles on its own instead of failing. Outside
+    ``torch.compile`` the mark does nothing.
+    """
+    if windows and window < windows[-1]:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return tensor
 
 
 class StaticDecodeLoop:
@@ -368,7 +391,8 @@ class StaticDecodeLoop:
     Each step then runs at the smallest window holding every slot it reads, set in
     :attr:`window` before :meth:`_advance` is called, which attends over the first
     :attr:`window` slots only. The window of a step is known on the host from the step count, so
-    nothing waits for the device; each window is its own shape, with its own CUDA graph.
+    nothing waits for the device; each window is its own shape, with its own CUDA graph (a compiled
+    step compiles once for the windows below the whole cache: :func:`mark_window_dynamic`).
 
     Args:
         rows: Sequences decoded together.
