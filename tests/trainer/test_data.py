@@ -247,6 +247,9 @@ def test_data_config_checks_its_values() -> None:
         DataConfig(train="a.jsonl", long_prompts="cut")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="config key 'data.train' is an empty list"):
         DataConfig(train=[])
+    with pytest.raises(ConfigError, match=r"'data.eval' is an empty list; .* 'data.eval=\"\"' unsets"):
+        DataConfig(train="a.jsonl", eval=[])
+    assert DataConfig(train="a.jsonl", eval="").eval_paths == []  # what data.eval="" gives: no evaluation set
     with pytest.raises(ConfigError, match=r"config key 'data.eval\[1\]' = '' is not valid; allowed: a non-empty path"):
         DataConfig(train="a.jsonl", eval=["a", ""])
     with pytest.raises(ConfigError, match="config key 'data.prompt_key' = '' is not valid; allowed: a non-empty column name"):

@@ -100,7 +100,6 @@ class TinyTrainingEngine(TrainingEngineBase):
     def __init__(self, spec: EngineSpec) -> None:
         refuse_undeclared(spec, ACTOR_CAPABILITIES)
         self._spec = spec
-        torch.manual_seed(spec.seed)
         self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype], value_head=spec.role == "critic",
                                        seed=spec.seed)
         self._caps = CRITIC_CAPABILITIES if self.model.cfg.value_head else ACTOR_CAPABILITIES

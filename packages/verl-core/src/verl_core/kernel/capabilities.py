@@ -1,13 +1,18 @@
 """Capabilities: what a backend declares it supports, per role.
 
 The conformance suite skips checks of what is declared unsupported and fails what is declared
-supported but behaves wrong. One line of docstring per capability.
+supported but behaves wrong. One line of docstring per capability. ``dtypes`` and ``devices`` are
+sets of names, stored as frozensets (a list or tuple is taken and converted, a bare string refused):
+``TrainingCapabilities(dtypes=frozenset({"float32", "bfloat16"}), devices=frozenset({"cpu", "cuda"}))``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import Literal
+
+from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "Capabilities",
@@ -19,6 +24,21 @@ __all__ = [
 
 SeedingMode = Literal["per_sample", "per_batch", "none"]
 """How sampling is seeded: per (seed, group id, sample index), per call, or not reproducibly."""
+
+
+def _name_sets(caps: Capabilities) -> None:
+    """Store the ``dtypes`` and ``devices`` fields of ``caps`` as frozensets: a set, list or tuple of
+    names is taken; a bare string or a name that is not a string is refused."""
+    for f in fields(caps):
+        if f.name not in ("dtypes", "devices"):
+            continue
+        value = getattr(caps, f.name)
+        names = tuple(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            example = "{'float32', 'bfloat16'}" if f.name == "dtypes" else "{'cpu', 'cuda'}"
+            raise ConfigError(f"{type(caps).__name__}.{f.name} is {value!r}; expected a set of names, "
+                              f"for example {f.name}=frozenset({example})")
+        object.__setattr__(caps, f.name, frozenset(names))
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,9 @@ class TrainingCapabilities:
     """Parameter dtypes the engine runs in."""
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
     """Device types the engine runs on (cpu, cuda)."""
+
+    def __post_init__(self) -> None:
+        _name_sets(self)
 
 
 @dataclass(frozen=True)
@@ -92,6 +115,9 @@ class RolloutCapabilities:
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
     """Device types the engine runs on."""
 
+    def __post_init__(self) -> None:
+        _name_sets(self)
+
 
 @dataclass(frozen=True)
 class RewardCapabilities:
@@ -105,6 +131,9 @@ class RewardCapabilities:
     """Scores decoded text (and so needs a tokenizer), not token ids."""
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
     """Device types the engine runs on."""
+
+    def __post_init__(self) -> None:
+        _name_sets(self)
 
 
 Capabilities = TrainingCapabilities | RolloutCapabilities | RewardCapabilities

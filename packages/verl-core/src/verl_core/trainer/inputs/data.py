@@ -105,7 +105,9 @@ class DataConfig:
         check_fields(self, prefix="data.")
         for name in ("train", "eval"):
             if getattr(self, name) == []:
-                raise ConfigError(f"config key 'data.{name}' is an empty list; give at least one path")
+                raise ConfigError(f"config key 'data.{name}' is an empty list; give at least one path, or leave "
+                                  f"the key out for none (on the command line: 'data.{name}=\"\"' unsets a "
+                                  f"config file's value)")
 
     @property
     def train_paths(self) -> list[str]:
