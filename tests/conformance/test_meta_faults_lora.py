@@ -20,7 +20,7 @@ from verl_core.kernel.registry import PLUGINS_ENV, reset_registry
 BROKEN_SRC = Path(__file__).resolve().parents[1] / "plugins" / "verl-broken-backends" / "src"
 ALL = ["numerics::lora_forward_and_grads_match_reference", "numerics::lora_base_forward_is_base_model",
        "stateful::lora_base_unchanged", "weight_sync::lora_sync_serves_merged_weights",
-       "stateful::lora_checkpoint_round_trip"]
+       "stateful::lora_checkpoint_round_trip", "stateful::lora_forwards_on_two_threads"]
 
 FAULTS = [
     # (backend, checks to run, checks that must fail, fragments the message must contain)
@@ -35,6 +35,10 @@ FAULTS = [
      ["base_forward of an engine that trains model.norm fully (LoraSpec.full) changed after two updates"]),
     ("broken-lora-checkpoint", [ALL[2], ALL[4]], ALL[4:5],
      ["after save_checkpoint and load_checkpoint of a LoRA engine", "update 1"]),
+    ("broken-lora-forward-switch", [ALL[1], ALL[5]], ALL[5:6],
+     ["forward called while base_forward ran on another thread", "pass the choice down the call"]),
+    ("broken-lora-sync-full", [ALL[3]], ALL[3:4],
+     ["after a LoRA sync of the adapter (LoraSpec.full=('model.norm',))"]),
 ]
 
 

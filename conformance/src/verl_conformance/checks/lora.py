@@ -3,14 +3,19 @@
 Every check is gated by ``training.lora`` and starts the engine from the test kit's crafted PEFT
 adapter (:func:`~verl_conformance.testkit.lora.lora_adapter`: rank 4, alpha 8, nonzero ``A`` and
 ``B`` on every projection), so a wrong scale, a swapped factor or a disabled adapter shows in
-every output. The float64 references are the suite's own: the base folder with ``W + alpha /
-rank * B A`` merged in float64, and a float64 base model with the suite's LoRA layers for the
-gradients of ``A`` and ``B``.
+every output. The sync check starts from that adapter plus a fully trained ``model.norm``
+(``LoraSpec.full``) far from the base's, and the two-thread check calls ``forward`` and
+``base_forward`` at once, as the trainer does. The float64 references are the suite's own: the base
+folder with ``W + alpha / rank * B A`` merged in float64, and a float64 base model with the suite's
+LoRA layers for the gradients of ``A`` and ``B``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ from verl_conformance.harness import (
 )
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import ReferenceModel, cached_outputs
+from verl_conformance.testkit import tolerance
 from verl_conformance.testkit.crafted import _copy_with_weights
 from verl_conformance.testkit.lora import (
     LORA_ALPHA,
@@ -49,7 +55,7 @@ from verl_core import (
     TrainingEngine,
     WeightSync,
 )
-from verl_core.enginekit.lora import LORA_A, LORA_B
+from verl_core.enginekit.lora import LORA_A, LORA_B, write_adapter_folder
 
 _SCALE = LORA_ALPHA / LORA_RANK
 _TEMPERATURES = (1.0, 0.7)
@@ -196,6 +202,71 @@ def check_lora_base_unchanged(h: Harness) -> None:
                      f"merged export of {name} (no adapter) differs from the folder's tensor: the base was trained")
 
 
+_THREAD_CALLS = 12  # forward calls of each of the two threads
+_THREADS_DEADLINE_S = 180.0  # both threads' calls; past it the engine is taken to hang
+
+
+def _forwards_on_two_threads(engine: TrainingEngine, batch: TensorBatch) -> tuple[dict[str, list[Tensor]], list[str], bool]:
+    """``forward`` on one thread and ``base_forward`` on another, :data:`_THREAD_CALLS` times each,
+    started together; every call's log_probs by method, the errors raised, and whether both ended."""
+    got: dict[str, list[Tensor]] = {"forward": [], "base_forward": []}
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def calls(method: str) -> None:
+        run = engine.forward if method == "forward" else engine.base_forward
+        try:
+            start.wait(timeout=_THREADS_DEADLINE_S)
+            for _ in range(_THREAD_CALLS):
+                got[method].append(run(batch, ["log_probs"])["log_probs"])
+        except Exception as e:
+            other = "base_forward" if method == "forward" else "forward"
+            errors.append(f"{method} raised {type(e).__name__}: {e} while {other} ran on another thread")
+            start.abort()
+
+    threads = [threading.Thread(target=calls, args=(m,), daemon=True, name=f"verl-conformance-{m}") for m in got]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + _THREADS_DEADLINE_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return got, errors, not any(t.is_alive() for t in threads)
+
+
+@check("stateful", gates=("training.lora",))
+def check_lora_forwards_on_two_threads(h: Harness) -> None:
+    """forward and base_forward of a LoRA engine called at once from two threads (as the trainer does for the actor and the reference) each give what they give alone: the adapter's on or off per call, not per engine."""
+    engine = h.training(fresh=True, lora=_lora(h))
+    batch = h.batch(seed=91)
+    mask = batch["response_mask"].cpu()
+    alone = {"forward": engine.forward(batch, ["log_probs"])["log_probs"],
+             "base_forward": engine.base_forward(batch, ["log_probs"])["log_probs"]}
+    apart = float((alone["forward"].double() - alone["base_forward"].double()).abs().cpu()[mask].max())
+    h.expect(apart > 1e-2, f"forward and base_forward of an engine with a nonzero adapter agree (max log-prob "
+             f"difference {apart:.3g}): the adapter is not applied, so a mix-up between them cannot show")
+    got, errors, ended = _forwards_on_two_threads(engine, batch)
+    h.expect(ended, f"forward and base_forward, called at once from two threads, did not return within "
+             f"{_THREADS_DEADLINE_S:g} s: they wait for each other (a deadlock)")
+    h.expect(not errors, errors[0] if errors else "")
+    tol = tolerance(h.dtype, "log_probs")
+    for method, other in (("forward", "base_forward"), ("base_forward", "forward")):
+        want, wrong = alone[method].double().cpu(), alone[other].double().cpu()
+        bad = []
+        for i, out in enumerate(got[method]):
+            lp = out.double().cpu()
+            off = (lp - want).abs()[mask]
+            if not bool((off <= tol.atol + tol.rtol * want.abs()[mask]).all()) or \
+                    float(off.max()) >= float((lp - wrong).abs()[mask].max()):
+                bad.append((i, float(off.max()), float((lp - wrong).abs()[mask].max())))
+        if bad:
+            i, off_max, wrong_max = bad[0]
+            h.fail(f"{method} called while {other} ran on another thread: {len(bad)} of {len(got[method])} calls "
+                   f"give other log_probs than {method} alone (call {i}: max difference {off_max:.3g} from "
+                   f"{method} alone, {wrong_max:.3g} from {other} alone; {h.dtype} tier atol={tol.atol:g}). The "
+                   "adapter was switched on or off for the whole engine by the other thread: pass the choice down "
+                   "the call, or hold one lock over the switch and the forward")
+
+
 def _sync(h: Harness) -> WeightSync:
     if h.subject.registered:
         from verl_core import get_weight_sync
@@ -204,48 +275,72 @@ def _sync(h: Harness) -> WeightSync:
     return StreamWeightSync()
 
 
+def _adapter_with_full(h: Harness, out: Path) -> LoraSpec:
+    """The suite's LoRA spec that also trains :data:`_FULL` fully, starting from an adapter folder written
+    to ``out``: the crafted ``A`` and ``B`` and a :data:`_FULL` far from the base folder's (seeded), so a
+    rollout serving the base's values of the fully trained module samples visibly otherwise."""
+    spec = _lora(h)
+    tensors = {n.removeprefix("base_model.model."): t
+               for n, t in load_file(f"{lora_adapter()}/adapter_model.safetensors").items()}
+    norm = folder_weights(h.model_path("llama"))[_FULL + ".weight"].float()
+    g = torch.Generator().manual_seed(17)
+    tensors[_FULL + ".weight"] = norm * (1.0 + 0.5 * torch.randn(norm.shape, generator=g))
+    out.mkdir()
+    write_adapter_folder(out, spec, tensors, base_model=h.model_path("llama"))
+    return dataclasses.replace(spec, full=(_FULL,), init_path=str(out))
+
+
 @check("weight_sync", gates=("training.lora", "rollout.lora_adapters"))
 def check_lora_sync_serves_merged_weights(h: Harness) -> None:
-    """After a LoRA update and a sync (merged weights; the adapter where the rollout declares lora_adapters) the rollout samples exactly as a rollout loaded with W + alpha/rank * B A."""
-    spec = _lora(h)
-    engine = h.training(fresh=True, lora=spec)
-    _update(engine, h.batch(seed=86, rl_fields=True))
-    adapter = _adapter(engine)
-    folder = dict(folder_weights(h.model_path("llama")))
-    for module in target_weights(Path(h.model_path("llama"))):
-        w = folder[module + ".weight"]
-        folder[module + ".weight"] = w.double() + _SCALE * adapter[module + LORA_B].double() @ adapter[module + LORA_A].double()
-    prompts = h.batch(seed=87, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
-    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=13)
-    modes = ["merged weights"]
-    probe = h.rollout()
-    if probe.capabilities.lora_adapters:
-        modes.append("the adapter")
+    """After a LoRA update (an adapter and a fully trained module, LoraSpec.full) and a sync (merged weights; the adapter where the rollout declares lora_adapters) the rollout samples exactly as a rollout loaded with W + alpha/rank * B A and the trained module."""
     with tempfile.TemporaryDirectory(prefix="verl-conformance-lora-") as tmp:
-        _copy_with_weights(Path(h.model_path("llama")), Path(tmp), folder)
-        loaded = h.rollout(fresh=True, model_path=tmp)
+        spec = _adapter_with_full(h, Path(tmp) / "adapter")
+        engine = h.training(fresh=True, lora=spec)
+        _update(engine, h.batch(seed=86, rl_fields=True))
+        adapter = _adapter(engine)
+        h.expect(_FULL + ".weight" in adapter, f"with LoraSpec(full=({_FULL!r},)) export_adapter streams no "
+                 f"{_FULL}.weight: a fully trained module must be streamed under its name")
+        folder = dict(folder_weights(h.model_path("llama")))
+        for module in target_weights(Path(h.model_path("llama"))):
+            w = folder[module + ".weight"]
+            folder[module + ".weight"] = (w.double() + _SCALE * adapter[module + LORA_B].double()
+                                          @ adapter[module + LORA_A].double())
+        folder[_FULL + ".weight"] = adapter[_FULL + ".weight"]  # the trained values, as the engine exports them
+        prompts = h.batch(seed=87, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=13)
+        modes = ["merged weights"]
+        probe = h.rollout()
+        if probe.capabilities.lora_adapters:
+            modes.append("the adapter")
+        merged = Path(tmp) / "merged"
+        merged.mkdir()
+        _copy_with_weights(Path(h.model_path("llama")), merged, folder)
+        loaded = h.rollout(fresh=True, model_path=str(merged))
         want = loaded.generate(prompts, params)
-        ref = ReferenceModel(tmp).outputs(want)["log_probs"]
+        ref = ReferenceModel(str(merged)).outputs(want)["log_probs"]
         h.close_to(want["rollout_log_probs"], ref, "log_probs",
                    "a rollout loaded with the merged folder vs its float64 reference", mask=want["response_mask"])
         for mode in modes:
-            rollout: RolloutEngine = (h.rollout(fresh=True, lora=spec) if mode == "the adapter"
-                                      else h.rollout(fresh=True))
+            # the adapter rollout starts from B = 0 and the base's values of the full module: the sync
+            # must bring every tensor of the adapter stream, the fully trained ones too
+            rollout: RolloutEngine = (h.rollout(fresh=True, lora=dataclasses.replace(spec, init_path=""))
+                                      if mode == "the adapter" else h.rollout(fresh=True))
             _sync(h).sync(engine, rollout, version=1)
             got = rollout.generate(prompts, params)
-            what = f"after a LoRA sync of {mode}"
+            what = f"after a LoRA sync of {mode} (LoraSpec.full=({_FULL!r},))"
             if h.dtype == "float32":
                 h.expect(torch.equal(got["response_ids"], want["response_ids"]),
                          f"{what}: the rollout samples other tokens than a rollout loaded with the merged weights "
-                         f"W + alpha/rank * B A (first rows {got['response_ids'][:2].tolist()} vs "
-                         f"{want['response_ids'][:2].tolist()})")
+                         f"W + alpha/rank * B A and the trained {_FULL} (first rows "
+                         f"{got['response_ids'][:2].tolist()} vs {want['response_ids'][:2].tolist()}); the sync "
+                         "must apply every tensor of the stream, the fully trained modules' too")
                 h.close_to(got["rollout_log_probs"], want["rollout_log_probs"], "log_probs",
                            f"{what}: rollout_log_probs vs a rollout loaded with the merged weights",
                            mask=want["response_mask"])
-            ref_got = ReferenceModel(tmp).outputs(got)["log_probs"]
+            ref_got = ReferenceModel(str(merged)).outputs(got)["log_probs"]
             h.close_to(got["rollout_log_probs"], ref_got, "log_probs",
-                       f"{what}: rollout_log_probs vs the float64 reference of the merged weights W + alpha/rank * B A",
-                       mask=got["response_mask"])
+                       f"{what}: rollout_log_probs vs the float64 reference of the merged weights W + alpha/rank * "
+                       f"B A and the trained {_FULL}", mask=got["response_mask"])
 
 
 @check("stateful", gates=("training.lora", "training.checkpoint"))

@@ -1,4 +1,4 @@
-"""Broken LoRA backends: the hf backend whose actor trains a LoRA adapter with one fault each.
+"""Broken LoRA backends: the hf backend with one LoRA fault each, in its actor or its rollout.
 
 Registered only by tests/conformance/test_meta_faults_lora.py (``VERL_PLUGINS`` names the plugin
 objects below), so the other meta-tests' backends are unchanged.
@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Iterable
 
 import torch
 
 from verl_broken_backends.plugin import BrokenHFBackend
-from verl_core import EngineSpec, ModelOutput, TensorBatch
+from verl_core import EngineSpec, ModelOutput, TensorBatch, WeightMessage
 from verl_hf import checkpoint as ckpt
 from verl_hf.optim import HFOptimizer
+from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
+    "AdapterSyncDropsFull",
     "BaseForwardKeepsAdapter",
     "BaseForwardKeepsTrainedFull",
+    "BaseForwardSharedSwitch",
     "BaseTrained",
     "CheckpointWithoutAdapterMoments",
     "MergedStreamUnmerged",
@@ -29,7 +33,9 @@ __all__ = [
     "lora_base_forward_full",
     "lora_base_trained",
     "lora_checkpoint",
+    "lora_forward_switch",
     "lora_scale",
+    "lora_sync_drops_full",
     "lora_unmerged_stream",
 ]
 
@@ -108,6 +114,47 @@ class CheckpointWithoutAdapterMoments(HFTrainingEngine):
         torch.save(trainer, state)
 
 
+class BaseForwardSharedSwitch(HFTrainingEngine):
+    """base_forward switches the adapter off for the whole engine (a flag, no lock) while it runs."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._adapter_off = False
+
+    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The adapted forward, or the base's while the engine's switch is off."""
+        if self._lora is None or not self._adapter_off:
+            return super().forward(batch, outputs)
+        with self._lora.disabled():
+            return super().forward(batch, outputs)
+
+    def base_forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The switch off, some work, the forward, the switch on: a forward of another thread meanwhile is the base's."""
+        if self._lora is None:
+            return super().base_forward(batch, outputs)
+        self._adapter_off = True
+        try:
+            time.sleep(0.01)  # work before the forward (the batch's preparation): the switch stays off across it
+            return self.forward(batch, outputs)
+        finally:
+            self._adapter_off = False
+
+
+class AdapterSyncDropsFull(HFRolloutEngine):
+    """The adapter sync applies only the lora_A / lora_B tensors: the fully trained modules keep their values."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply the stream with its tensors other than ``lora_`` ones put back afterwards (the base's values)."""
+        kept = {} if self._lora is None else {
+            n: t.detach().clone() for n, t in self._lora.adapter().items() if ".lora_" not in n}
+        super().update_weights(stream)
+        if self._lora is not None:
+            with torch.no_grad():
+                for name, t in self._lora.adapter().items():
+                    if name in kept:
+                        t.copy_(kept[name])
+
+
 lora_scale = BrokenHFBackend("broken-lora-scale", "the LoRA update is scaled by alpha, not alpha / rank",
                              "actor", f"{_LORA}:ScaleIsAlpha")
 lora_base_trained = BrokenHFBackend("broken-lora-base-trained", "the base weights train beside the adapter",
@@ -121,6 +168,12 @@ lora_base_forward_full = BrokenHFBackend("broken-lora-base-forward-full",
                                         "actor", f"{_LORA}:BaseForwardKeepsTrainedFull")
 lora_checkpoint = BrokenHFBackend("broken-lora-checkpoint", "a LoRA checkpoint leaves the adapter's Adam moments out",
                                   "actor", f"{_LORA}:CheckpointWithoutAdapterMoments")
+
+lora_forward_switch = BrokenHFBackend("broken-lora-forward-switch", "base_forward switches the adapter off for the "
+                                      "whole engine with a flag and no lock", "actor",
+                                      f"{_LORA}:BaseForwardSharedSwitch")
+lora_sync_drops_full = BrokenHFBackend("broken-lora-sync-full", "the adapter sync ignores the fully trained modules' "
+                                       "tensors (LoraSpec.full)", "rollout", f"{_LORA}:AdapterSyncDropsFull")
 
 
 def verl_plugins() -> str:
