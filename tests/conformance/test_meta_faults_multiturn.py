@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from test_meta_faults import test_broken_backend_fails_targeted_checks as fails_targeted_checks
 
+from verl_conformance import check_backend
+
 pytestmark = pytest.mark.usefixtures("broken_backends")
 
 FAULTS = [
@@ -42,6 +44,12 @@ FAULTS = [
      ["invariance::prefix_continuation_matches_rerun"],
      ["then observation B (as long as A)): rollout_log_probs vs the float64 reference of those exact ids",
       "within a call as across calls"]),
+    ("broken-surviving-prefix-cache", ["invariance::prefix_continuation_matches_rerun",
+                                       "invariance::prefix_continuation_after_weight_update"],
+     ["invariance::prefix_continuation_after_weight_update"],
+     ["the turn sampled before update_weights(stream of llama-alt, version 7)",
+      "a cached prefix (KV cache) kept across update_weights serves the old weights' keys and values: drop it "
+      "when weights are written"]),
 ]
 
 
@@ -50,3 +58,22 @@ FAULTS = [
 def test_multi_turn_fault_fails_its_check(backend: str, checks: list[str], must_fail: list[str],
                                           fragments: list[str]) -> None:
     fails_targeted_checks(backend, checks, must_fail, fragments)
+
+
+@pytest.mark.slow
+def test_prefix_cache_dropped_on_weight_update_passes() -> None:
+    """The same cache, dropped when weights are written, passes both prefix-continuation checks."""
+    from collections.abc import Iterable
+
+    from verl_broken_backends.multiturn_engines import SurvivingPrefixCache
+
+    from verl_core import WeightMessage
+
+    class DroppedPrefixCache(SurvivingPrefixCache):
+        def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+            self._cached.clear()
+            super().update_weights(stream)
+
+    checks = ["invariance::prefix_continuation_matches_rerun", "invariance::prefix_continuation_after_weight_update"]
+    report = check_backend("mine", make_rollout_engine=DroppedPrefixCache, checks=checks)
+    assert [(r.id, r.status) for r in report.results] == [(c, "passed") for c in checks]

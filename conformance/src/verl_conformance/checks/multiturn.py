@@ -9,7 +9,8 @@ environment appended; ``loss_mask`` marks the sampled ones and ``turn_ids`` numb
   log-prob, entropy or value, and a loss over such a batch counts only the sampled tokens;
 * rollout engines continue a prompt holding earlier turns and observations (special ids among
   them) as the exact id sequence it is, and end a turn at a stop id, which the turn keeps;
-* an engine declaring ``prefix_continuation`` samples from its cache what it would sample without it.
+* an engine declaring ``prefix_continuation`` samples from its cache what it would sample without it,
+  and drops that cache when weights are written.
 
 Each check runs on the test kit's tiny models: a few short sequences, well under a second of
 model time.
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
+from verl_conformance.checks.weight_sync import folder_stream
 from verl_conformance.harness import SUITE_OPTIM, Harness
 from verl_conformance.losses import SuiteLoss
 from verl_conformance.reference import ReferenceModel, cached_outputs, greedy_reference
@@ -479,3 +481,48 @@ def check_prefix_continuation_matches_rerun(h: Harness) -> None:
                    f"{label}): rollout_log_probs vs the float64 reference of those exact ids; a cached prefix must "
                    "be looked up by the whole id sequence, within a call as across calls (an entry of another "
                    "prompt serves this one)", mask=got["response_mask"])
+
+
+@check("invariance", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.seeding",
+                            "rollout.exact_log_probs"))
+def check_prefix_continuation_after_weight_update(h: Harness) -> None:
+    """An engine declaring prefix_continuation drops its cache when weights are written: a prompt that continues a turn sampled before update_weights (the turn and an observation after it) samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
+    warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
+    caps = warm.capabilities
+    if not caps.prefix_continuation:
+        h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
+    if not caps.weight_update:
+        h.skip("backend declares weight_update=False")
+    g = torch.Generator().manual_seed(160)
+    seeded = caps.seeding == "per_sample"
+    params = (SamplingParams(temperature=1.0, max_new_tokens=4, seed=161) if seeded
+              else SamplingParams(greedy=True, max_new_tokens=4))
+    prompts = [_random_ids(g, n) for n in (150, 133)]  # each spans a whole 128-token KV block
+    groups = [5, 6]
+
+    def call(engine: RolloutEngine, rows: list[list[int]]) -> TensorBatch:
+        return engine.generate(prompts_from_ids(rows, engine.tokenizer.pad_token_id, group_ids=groups), params)
+
+    first = call(warm, prompts)
+    alt = h.model_path("llama-alt")
+    warm.update_weights(folder_stream(alt, 7, dtype=warm.weight_dtype))
+    rows = [p + _real(first, "response_ids", "response_mask", b) + _random_ids(g, 5) for b, p in enumerate(prompts)]
+    got = call(warm, rows)
+    want = call(h.rollout("llama-alt", max_prompt_len=_CONTEXT, fresh=True), rows)
+    hint = ("a cached prefix (KV cache) kept across update_weights serves the old weights' keys and values: drop it "
+            "when weights are written (inside _writing_weights, before _commit_weights)")
+    for b, row in enumerate(rows):
+        g_ids = _real(got, "response_ids", "response_mask", b)
+        w_ids = _real(want, "response_ids", "response_mask", b)
+        where = (f"prefix continuation across a weight update, prompt {b} ({len(row)} ids: a prompt, the turn sampled "
+                 f"before update_weights(stream of llama-alt, version 7), an observation), "
+                 f"{'seeded sampling' if seeded else 'greedy'}")
+        h.expect(g_ids == w_ids, f"{where}: the synced engine sampled {g_ids}, an engine loaded with llama-alt "
+                                 f"samples {w_ids}; {hint}")
+        h.close_to(got["rollout_log_probs"][b, :len(g_ids)], want["rollout_log_probs"][b, :len(w_ids)], "log_probs",
+                   f"{where}: rollout_log_probs of the synced engine vs an engine loaded with llama-alt; {hint}")
+    if warm.log_probs_exact(params):
+        h.close_to(got["rollout_log_probs"], cached_outputs(alt, got)["log_probs"], "log_probs",
+                   f"prefix continuation across a weight update, prompts of {[len(r) for r in rows]} ids (a prompt, "
+                   f"the turn sampled before update_weights, an observation): rollout_log_probs vs the float64 "
+                   f"reference of llama-alt; {hint}", mask=got["response_mask"])

@@ -13,6 +13,7 @@ from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE
 from verl_core import (
     BatchValidationError,
     GlobalBatchStats,
+    Role,
     SamplingParams,
     StepMetrics,
     TensorBatch,
@@ -61,6 +62,30 @@ def check_forward_layout(h: Harness) -> None:
         _float_outputs(h, out, batch, ("log_probs", "entropy"), "forward(log_probs, entropy)")
         ent = out["entropy"][batch["response_mask"]]
         h.expect(bool((ent >= -1e-6).all()), f"forward: entropy must be >= 0, min is {float(ent.min()):.4g}")
+
+
+@check("schema")
+def check_declared_outputs_served(h: Harness) -> None:
+    """Each training role serves the outputs its capabilities declare: forward(log_probs), forward(entropy) and forward(values) each return the output where log_probs, entropy or values is True (an actor or reference on a causal-LM folder has no value head, so it declares values=False; a critic declares values)."""
+    trained: tuple[Role, ...] = ("actor", "reference", "critic")
+    roles = [r for r in trained if h.provides(h.subject, r)]
+    if not roles:
+        h.skip("the backend provides no training role")
+    batch = h.batch(seed=3)
+    for role in roles:
+        engine = h.training(role)
+        caps = engine.capabilities
+        for name in ("log_probs", "entropy", "values"):
+            if not getattr(caps, name):
+                continue
+            where = f"the {role} (capabilities.{name}=True) forward({name})"
+            try:
+                out = engine.forward(batch, [name])
+            except Exception as e:  # any refusal of a declared output is the finding
+                h.fail(f"{where} raised {type(e).__name__}: {e}. Declare only what the role serves: "
+                       f"{name}=False for a role without it (values is declared by the critic alone, whose "
+                       "folder or seeded head gives it one)")
+            _float_outputs(h, out, batch, (name,), where)
 
 
 @check("schema", gates=("training.values",))

@@ -12,7 +12,7 @@ from verl_core import (
     hookimpl,
 )
 
-__all__ = ["ExampleOptions", "TRAINING_CAPABILITIES", "ROLLOUT_CAPABILITIES", "verl_backend"]
+__all__ = ["CRITIC_CAPABILITIES", "ExampleOptions", "TRAINING_CAPABILITIES", "ROLLOUT_CAPABILITIES", "verl_backend"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,13 @@ class ExampleOptions:
 
 
 TRAINING_CAPABILITIES = TrainingCapabilities(
-    log_probs=True, entropy=True, values=True, micro_batch_tokens=True, checkpoint=True
+    log_probs=True, entropy=True, values=False, micro_batch_tokens=True, checkpoint=True
 )
+"""The actor's and the reference's: log-probs and entropy (no value head)."""
+CRITIC_CAPABILITIES = TrainingCapabilities(
+    log_probs=False, entropy=False, values=True, micro_batch_tokens=True, checkpoint=True
+)
+"""The critic's: values only (a value head; a causal-LM folder gets one from the seed)."""
 ROLLOUT_CAPABILITIES = RolloutCapabilities(
     temperature=True, top_p=True, top_k=True, stop_token_ids=True, seeding="per_sample",
     exact_log_probs=True, exact_log_probs_truncated=True, weight_update=True,
@@ -49,7 +54,7 @@ def verl_backend() -> BackendSpec:
         capabilities={
             "actor": TRAINING_CAPABILITIES,
             "reference": TRAINING_CAPABILITIES,
-            "critic": TRAINING_CAPABILITIES,
+            "critic": CRITIC_CAPABILITIES,
             "rollout": ROLLOUT_CAPABILITIES,
         },
         protocol_version=PROTOCOL_VERSION,

@@ -33,7 +33,7 @@ from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_example_backend.inputs import validate
 from verl_example_backend.model import DecoderLM, load_model
-from verl_example_backend.plugin import TRAINING_CAPABILITIES, ExampleOptions
+from verl_example_backend.plugin import CRITIC_CAPABILITIES, TRAINING_CAPABILITIES, ExampleOptions
 from verl_example_backend.tokenizer import FolderTokenizer
 
 __all__ = ["ExampleTrainingEngine", "build_training_engine", "token_outputs"]
@@ -89,7 +89,7 @@ class ExampleTrainingEngine(TrainingEngine):
         if spec.device != "cpu":
             raise ConfigError(f"the example backend runs on cpu only, got device {spec.device!r}")
         # nothing upstream compares a spec with the declared capabilities: refuse what is not declared
-        self._caps = TRAINING_CAPABILITIES
+        self._caps = CRITIC_CAPABILITIES if spec.role == "critic" else TRAINING_CAPABILITIES
         caps = self.capabilities
         if spec.dtype not in caps.dtypes:
             raise ConfigError(f"the example backend trains in {', '.join(sorted(caps.dtypes))}; "

@@ -19,6 +19,7 @@ from verl_broken_backends.capabilities import (
     CHECKPOINTING_TRAINING,
     OFFLOAD_TRAINING,
     TENSOR_PARALLEL_ROLLOUT,
+    VALUES_TRAINING,
 )
 from verl_core import (
     ConfigError,
@@ -200,6 +201,15 @@ class OffloadLosesTensor(ExampleTrainingEngine):
                 st["exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
             self.optimizer.state[p] = st
         self._host = {}
+
+
+class ActorDeclaresValues(ExampleTrainingEngine):
+    """Every role declares values (as an earlier example did), though only a critic on a value-head folder serves them."""
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's actor capabilities with values=True, for every role."""
+        return VALUES_TRAINING
 
 
 class LossScaledFromStep3(ExampleTrainingEngine):

@@ -20,6 +20,7 @@ __all__ = [
     "special_tokens_dropped",
     "stale_prefix_cache",
     "stop_ids_ignored",
+    "surviving_prefix_cache",
     "turn_positions",
 ]
 
@@ -49,3 +50,5 @@ stale_prefix_cache = _rollout("broken-stale-prefix-cache", "prefix_continuation 
 prefix_keyed_cache = _rollout("broken-prefix-keyed-cache", "prefix_continuation looks its cache up by a prompt's "
                               "first half and length, within a call as across calls", "PrefixKeyedCache",
                               PREFIX_CONTINUATION_ROLLOUT)
+surviving_prefix_cache = _rollout("broken-surviving-prefix-cache", "prefix_continuation keeps its cache across "
+                                  "update_weights", "SurvivingPrefixCache", PREFIX_CONTINUATION_ROLLOUT)

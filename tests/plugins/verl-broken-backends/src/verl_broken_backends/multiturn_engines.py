@@ -3,7 +3,8 @@ engines to get observation tokens, long prompts, stop ids or a prefix cache wron
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import copy
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 
 import torch
@@ -22,6 +23,7 @@ from verl_core import (
     RolloutCapabilities,
     SamplingParams,
     TensorBatch,
+    WeightMessage,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "SpecialTokensDropped",
     "StalePrefixCache",
     "StopIdsIgnored",
+    "SurvivingPrefixCache",
     "TurnRestartPositions",
 ]
 
@@ -184,3 +187,36 @@ class PrefixKeyedCache(_PromptRewriter):
     def rewrite(self, ids: list[int]) -> list[int]:
         """The cached prompt of the same first half and length, else ``ids`` (then cached)."""
         return self._entries.setdefault((tuple(ids[: len(ids) // 2]), len(ids)), ids)
+
+
+class SurvivingPrefixCache(ExampleRolloutEngine):
+    """Declares prefix_continuation and caches, for each prompt it sampled, the model that computed it
+    (its keys and values), looked up by the whole id sequence; its weight write no longer drops that
+    cache, so a prompt that continues one sampled before update_weights runs on the old weights."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._cached: dict[tuple[int, ...], DecoderLM] = {}
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The example's capabilities with prefix_continuation=True."""
+        return PREFIX_CONTINUATION_ROLLOUT
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate on the model of a cached prefix of the first prompt, if any; cache every prompt."""
+        rows = [tuple(prompts["prompt_ids"][b][prompts["prompt_mask"][b]].tolist()) for b in range(prompts.batch_size)]
+        current = self.model
+        first = rows[0] if rows else ()
+        hit = next((m for key, m in self._cached.items() if len(key) < len(first) and first[: len(key)] == key), None)
+        self.model = hit if hit is not None else current
+        try:
+            return super().generate(prompts, params)
+        finally:
+            self.model = current
+            self._cached.update(dict.fromkeys(rows, current))
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """The example's update on a copy of the model: the cache keeps (and serves) the old one."""
+        self.model = copy.deepcopy(self.model)
+        super().update_weights(stream)

@@ -3,6 +3,8 @@ example backend, or the hf backend for faults in its reward engine or on GPT-2 f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from verl_example_backend.plugin import ROLLOUT_CAPABILITIES, TRAINING_CAPABILITIES
 
 from verl_broken_backends.capabilities import (
@@ -10,6 +12,7 @@ from verl_broken_backends.capabilities import (
     CHECKPOINTING_TRAINING,
     OFFLOAD_TRAINING,
     TENSOR_PARALLEL_ROLLOUT,
+    VALUES_TRAINING,
 )
 from verl_core import (
     PROTOCOL_VERSION,
@@ -76,7 +79,9 @@ class BrokenBackend:
         return BackendSpec(
             name=self.name,
             roles={"actor": self.training, "critic": self.training, "rollout": self.rollout},
-            capabilities={"actor": self.training_caps, "critic": self.training_caps, "rollout": self.rollout_caps},
+            capabilities={"actor": self.training_caps,
+                          "critic": replace(self.training_caps, log_probs=False, entropy=False, values=True),
+                          "rollout": self.rollout_caps},
             protocol_version=PROTOCOL_VERSION,
             config_class="verl_example_backend.plugin:ExampleOptions",
             description=f"BROKEN on purpose: {self.fault}",
@@ -105,6 +110,8 @@ offload_tensor = BrokenBackend("broken-offload-tensor", "onload() brings one par
                                training=f"{_ENGINES}:OffloadLosesTensor", training_caps=OFFLOAD_TRAINING)
 wake_reload = BrokenBackend("broken-wake-reload", "wake() reloads the folder's weights, losing the synced ones",
                             rollout=f"{_ENGINES}:WakeReloadsFolder")
+actor_values = BrokenBackend("broken-actor-values", "the actor declares values it cannot serve (no value head)",
+                            training=f"{_ENGINES}:ActorDeclaresValues", training_caps=VALUES_TRAINING)
 loss_scale = BrokenBackend("broken-loss-scale", "from the third optimizer step the loss is scaled by 1.01",
                            training=f"{_ENGINES}:LossScaledFromStep3")
 bfloat16 = BrokenBackend("broken-bfloat16", "declares bfloat16 but refuses to build in it",
