@@ -77,3 +77,25 @@ def test_broken_lora_backend_fails_targeted_checks(
 def test_the_unbroken_hf_backend_passes_every_lora_check() -> None:
     report = check_backend("hf", checks=ALL)
     assert sorted(r.id for r in report.results if r.status == "passed") == sorted(ALL)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("broken_lora_backends")
+@pytest.mark.parametrize(("backend", "status"), [("broken-lora-stale-masters", "failed"), ("hf", "passed")])
+def test_a_lora_load_that_leaves_the_masters_stale_fails_the_round_trip_in_bfloat16(backend: str, status: str) -> None:
+    """In bfloat16 the hf engine keeps float32 masters of the fully trained module (adapters are
+    float32 already); a load that restores the weights but not those masters resumes wrong from
+    the first step after it. float32 has no masters, so the fault shows in bfloat16 only."""
+    from verl_conformance.harness import EngineCache, Harness, Subject
+    from verl_conformance.runner import run_checks, select_checks
+
+    harness = Harness(Subject.from_registry(backend), None, EngineCache(), dtype="bfloat16")
+    try:
+        report = run_checks(harness, select_checks(["stateful::lora_checkpoint_round_trip"], None), None)
+    finally:
+        harness.cache.close()
+    (result,) = report.results
+    assert result.status == status, result.message
+    if status == "failed":
+        assert "after save_checkpoint and load_checkpoint of a LoRA engine into a fresh one" in result.message
+        assert "after update 1" in result.message or "of update 1" in result.message, result.message

@@ -59,7 +59,7 @@ from verl_core.enginekit.lora import LORA_A, LORA_B, write_adapter_folder
 
 _SCALE = LORA_ALPHA / LORA_RANK
 _TEMPERATURES = (1.0, 0.7)
-_FULL = "model.norm"  # trained fully in stateful::lora_base_unchanged
+_FULL = "model.norm"  # trained fully by the sync, base and checkpoint checks
 
 
 def _lora(h: Harness) -> LoraSpec:
@@ -345,16 +345,18 @@ def check_lora_sync_serves_merged_weights(h: Harness) -> None:
 
 @check("stateful", gates=("training.lora", "training.checkpoint"))
 def check_lora_checkpoint_round_trip(h: Harness) -> None:
-    """save_checkpoint of a LoRA engine, load_checkpoint into a fresh one: the next two updates give the same loss, grad norm and adapter as the engine that kept its state."""
-    spec = _lora(h)
+    """save_checkpoint of a LoRA engine that also trains model.norm fully (LoraSpec.full, started far from the folder's values), load_checkpoint into a fresh one built from the base (no init_path): the next two updates give the same loss, grad norm, adapter and trained module as the engine that kept its state (in bfloat16 the module's float32 masters must be restored too)."""
+    _lora(h)
     if not h.training().capabilities.checkpoint:
         h.skip("backend declares checkpoint=False")
-    kept = h.training(fresh=True, lora=spec, optim=STATE_OPTIM)
-    _update(kept, h.batch(seed=88, rl_fields=True))
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        spec = _adapter_with_full(h, Path(tmp) / "adapter")
+        kept = h.training(fresh=True, lora=spec, optim=STATE_OPTIM)
+        _update(kept, h.batch(seed=88, rl_fields=True))
         path = Path(tmp) / "checkpoint"
         kept.save_checkpoint(path)
-        restored = h.training(fresh=True, lora=spec, optim=STATE_OPTIM)
+        # from the base: everything the kept engine trains must come from the checkpoint
+        restored = h.training(fresh=True, lora=dataclasses.replace(spec, init_path=""), optim=STATE_OPTIM)
         restored.load_checkpoint(path)
     what = "after save_checkpoint and load_checkpoint of a LoRA engine into a fresh one"
     for i, seed in enumerate((89, 90), start=1):
@@ -368,4 +370,5 @@ def check_lora_checkpoint_round_trip(h: Harness) -> None:
         for name, t in want.items():
             h.close_to(got[name].float(), t.float(), "weights",
                        f"{what}: {name} after update {i} differs from the engine that kept its state "
-                       "(the adapter, its Adam moments or the step were not restored)")
+                       "(the adapter, the fully trained module, their Adam moments, float32 masters or the step "
+                       "were not restored)")

@@ -24,6 +24,9 @@ DataParallelMode = Literal["auto", "fsdp2", "allreduce"]
 class HFOptions:
     """Options of the ``hf`` backend (``EngineSpec.options``).
 
+    One class for every role: a role ignores the options it does not read (the training engines
+    the ``rollout_*`` ones, the rollout the training ones such as ``master_weights``).
+
     Attributes:
         attn_implementation: transformers attention kernel: ``sdpa`` (default) or ``eager``.
         data_parallel: ``fsdp2`` shards parameters, gradients and optimizer state with

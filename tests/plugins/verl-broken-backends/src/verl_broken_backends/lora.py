@@ -27,6 +27,7 @@ __all__ = [
     "BaseForwardSharedSwitch",
     "BaseTrained",
     "CheckpointWithoutAdapterMoments",
+    "LoadKeepsStaleMasters",
     "MergedStreamUnmerged",
     "ScaleIsAlpha",
     "lora_base_forward",
@@ -35,6 +36,7 @@ __all__ = [
     "lora_checkpoint",
     "lora_forward_switch",
     "lora_scale",
+    "lora_stale_masters",
     "lora_sync_drops_full",
     "lora_unmerged_stream",
 ]
@@ -114,6 +116,22 @@ class CheckpointWithoutAdapterMoments(HFTrainingEngine):
         torch.save(trainer, state)
 
 
+class LoadKeepsStaleMasters(HFTrainingEngine):
+    """load_checkpoint restores the weights but leaves the float32 masters (bfloat16: those of the
+    fully trained modules) as they were before the load, so the next step's store() overwrites the
+    resumed weights with values stepped from the stale masters."""
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load, then put the masters back as they were."""
+        master = self._optim.master if self._optim is not None else None
+        before = master.state() if master is not None else None
+        super().load_checkpoint(path)
+        if master is not None and before is not None:
+            with torch.no_grad():
+                for m, s in zip(master.masters, before, strict=True):
+                    m.copy_(s.to(m.device))
+
+
 class BaseForwardSharedSwitch(HFTrainingEngine):
     """base_forward switches the adapter off for the whole engine (a flag, no lock) while it runs."""
 
@@ -169,6 +187,8 @@ lora_base_forward_full = BrokenHFBackend("broken-lora-base-forward-full",
 lora_checkpoint = BrokenHFBackend("broken-lora-checkpoint", "a LoRA checkpoint leaves the adapter's Adam moments out",
                                   "actor", f"{_LORA}:CheckpointWithoutAdapterMoments")
 
+lora_stale_masters = BrokenHFBackend("broken-lora-stale-masters", "a LoRA checkpoint load leaves the float32 masters "
+                                     "of the fully trained modules stale", "actor", f"{_LORA}:LoadKeepsStaleMasters")
 lora_forward_switch = BrokenHFBackend("broken-lora-forward-switch", "base_forward switches the adapter off for the "
                                       "whole engine with a flag and no lock", "actor",
                                       f"{_LORA}:BaseForwardSharedSwitch")
