@@ -222,3 +222,4 @@ def test_broken_buffer_fails_its_check(name: str, target: str, fragments: list[s
     for fragment in fragments:
         assert fragment in message, f"{name}: the error does not point at the fault ({fragment!r}):\n{message}"
     assert f"--verl-buffer verl_broken_backends.buffers:{name}" in message
+    assert message.startswith("replay buffer "), message.splitlines()[0]

@@ -49,7 +49,8 @@ def _raise_failures(report: ConformanceReport, subject: str | Subject | None = N
     failures = report.failures
     if not failures:
         return report
-    parts = [f"backend {report.backend!r} failed {len(failures)} conformance check(s)"
+    what = "replay buffer" if all(r.area == "buffer" for r in report.results) else "backend"
+    parts = [f"{what} {report.backend!r} failed {len(failures)} conformance check(s)"
              + (f" against {report.against!r}" if report.against else "") + ":"]
     for r in failures:
         parts.append(f"\n- {r.id}: {r.message}\n  reproduce:\n    "
