@@ -205,6 +205,8 @@ BUFFER_FAULTS = [
     ("ReorderingBuffer", "buffer::buffer_order", ["drain(): sample ids [5, 6, 7, 8, 3, 4, 0, 1, 2]"]),
     ("LossySpillBuffer", "buffer::buffer_spill", ["across memory and disk", "is not bit-identical"]),
     ("SeedIgnoredBuffer", "buffer::buffer_seeded_sampling", ["sample(6, seed=11) twice"]),
+    ("EpochOrderRepeatedBuffer", "buffer::buffer_seeded_sampling", ["the same order in both epochs",
+                                                                      "each epoch must be reshuffled"]),
 ]
 
 

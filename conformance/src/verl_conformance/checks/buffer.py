@@ -160,7 +160,7 @@ def check_buffer_spill(h: Harness) -> None:
 
 @check("buffer")
 def check_buffer_seeded_sampling(h: Harness) -> None:
-    """sample() and mini_batches() are reproducible under a seed, differ across seeds, and cover every sample once per epoch."""
+    """sample() and mini_batches() are reproducible under a seed, differ across seeds, and cover every sample once per epoch, each epoch in an order of its own (reshuffled, not one order repeated)."""
     parts = batches(h)
     everything = TensorBatch.concat(parts)
     n = everything.batch_size
@@ -188,5 +188,15 @@ def check_buffer_seeded_sampling(h: Harness) -> None:
                  f"mini_batches(4) gave sizes {[len(mb) for mb in epochs]}; every mini-batch but an epoch's last holds 4")
         other = [ids(mb) for mb in buf.mini_batches(4, epochs=2, seed=8)]
         h.expect(other != epochs, "mini_batches with seeds 7 and 8 gave the same order: the seed is ignored")
+        # every epoch a fresh order: a correct shuffle repeats the last epoch's order with
+        # probability 1/n! per pair (n >= 6 here), so 3 seeds all repeating it is a fault
+        per_epoch = len(epochs) // 2
+        repeats = []
+        for seed in (7, 8, 9):
+            run = [i for mb in buf.mini_batches(4, epochs=2, seed=seed) for i in ids(mb)]
+            repeats.append(run[:n] == run[n:])
+        h.expect(not all(repeats), f"mini_batches(4, epochs=2, seed=s) for s in 7, 8, 9 gave the same order in "
+                 f"both epochs (first epoch {epochs[:per_epoch]}): each epoch must be reshuffled, not one order "
+                 "repeated (HybridReplayBuffer seeds epoch e with (seed, e))")
     finally:
         _close(buf)

@@ -21,7 +21,8 @@ class ReplayBuffer(Protocol):
 
     @abstractmethod
     def add(self, batch: TensorBatch) -> None:
-        """Append every sample of ``batch``."""
+        """Append every sample of ``batch`` (an empty batch adds nothing); every batch of one buffer
+        has the same fields and extras."""
 
     @abstractmethod
     def sample(self, n: int, *, replace: bool = False, seed: int | None = None) -> TensorBatch:
@@ -41,4 +42,6 @@ class ReplayBuffer(Protocol):
 
     @abstractmethod
     def mini_batches(self, size: int, *, epochs: int = 1, seed: int = 0) -> Iterator[TensorBatch]:
-        """Shuffled mini-batches of ``size`` over all held samples, for ``epochs`` passes."""
+        """Shuffled mini-batches of ``size`` over all held samples, for ``epochs`` passes, each pass
+        reshuffled (a fresh order per epoch, reproducible under ``seed``); the last mini-batch of a
+        pass holds the remainder."""

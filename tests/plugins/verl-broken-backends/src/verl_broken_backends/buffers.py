@@ -13,7 +13,7 @@ import torch
 from verl_core import TensorBatch
 from verl_core.trainer.batching.replay import HybridReplayBuffer
 
-__all__ = ["DropOldestBuffer", "LossySpillBuffer", "ReorderingBuffer", "SeedIgnoredBuffer"]
+__all__ = ["DropOldestBuffer", "EpochOrderRepeatedBuffer", "LossySpillBuffer", "ReorderingBuffer", "SeedIgnoredBuffer"]
 
 
 class DropOldestBuffer(HybridReplayBuffer):
@@ -48,6 +48,16 @@ class LossySpillBuffer(HybridReplayBuffer):
                     seg.batch = b.update({k: t.to(torch.bfloat16).to(t.dtype) for k, t in b.items()
                                           if t.is_floating_point()})
         super()._spill_excess()
+
+
+class EpochOrderRepeatedBuffer(HybridReplayBuffer):
+    """mini_batches() shuffles once and repeats that order in every epoch."""
+
+    def mini_batches(self, size: int, *, epochs: int = 1, seed: int = 0) -> Iterator[TensorBatch]:
+        """The first epoch's mini-batches, ``epochs`` times."""
+        first = list(super().mini_batches(size, epochs=1, seed=seed))
+        for _ in range(epochs):
+            yield from first
 
 
 class SeedIgnoredBuffer(HybridReplayBuffer):
