@@ -487,12 +487,12 @@ def check_prefix_continuation_matches_rerun(h: Harness) -> None:
                             "rollout.exact_log_probs"))
 def check_prefix_continuation_after_weight_update(h: Harness) -> None:
     """An engine declaring prefix_continuation drops its cache when weights are written: a prompt that continues a turn sampled before update_weights (the turn and an observation after it) samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
-    warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
-    caps = warm.capabilities
+    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities  # the cached engine: no build just to skip
     if not caps.prefix_continuation:
         h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
     if not caps.weight_update:
         h.skip("backend declares weight_update=False")
+    warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
     g = torch.Generator().manual_seed(160)
     seeded = caps.seeding == "per_sample"
     params = (SamplingParams(temperature=1.0, max_new_tokens=4, seed=161) if seeded

@@ -87,7 +87,7 @@ class HFOptimizer:
         model's own (bfloat16) parameters accumulate until the next step moves them to the masters."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
-            for p in self._model.parameters():
+            for p in self.master.params:
                 p.grad = None
 
     # ------------------------------------------------------------------ checkpoints

@@ -9,7 +9,7 @@ sets of names, stored as frozensets (a list or tuple is taken and converted, a b
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 from verl_core.kernel.errors import ConfigError
@@ -29,16 +29,15 @@ SeedingMode = Literal["per_sample", "per_batch", "none"]
 def _name_sets(caps: Capabilities) -> None:
     """Store the ``dtypes`` and ``devices`` fields of ``caps`` as frozensets: a set, list or tuple of
     names is taken; a bare string or a name that is not a string is refused."""
-    for f in fields(caps):
-        if f.name not in ("dtypes", "devices"):
+    for name, example in (("dtypes", "{'float32', 'bfloat16'}"), ("devices", "{'cpu', 'cuda'}")):
+        if not hasattr(caps, name):  # RewardCapabilities declares no dtypes
             continue
-        value = getattr(caps, f.name)
+        value = getattr(caps, name)
         names = tuple(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
         if names is None or not all(isinstance(n, str) for n in names):
-            example = "{'float32', 'bfloat16'}" if f.name == "dtypes" else "{'cpu', 'cuda'}"
-            raise ConfigError(f"{type(caps).__name__}.{f.name} is {value!r}; expected a set of names, "
-                              f"for example {f.name}=frozenset({example})")
-        object.__setattr__(caps, f.name, frozenset(names))
+            raise ConfigError(f"{type(caps).__name__}.{name} is {value!r}; expected a set of names, "
+                              f"for example {name}=frozenset({example})")
+        object.__setattr__(caps, name, frozenset(names))
 
 
 @dataclass(frozen=True)
