@@ -66,20 +66,35 @@ def test_values_equal_the_reference_bit_for_bit_and_gradients_match(
 
 @pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
 def test_gradients_stay_float32_accurate_for_peaked_distributions(scale: float) -> None:
-    """Logits in the thousands: the backward must not lose the log-sum-exp's low bits."""
+    """Logits in the thousands: the backward must not lose the log-sum-exp's low bits.
+
+    The yardstick is float32 autograd through the whole log-softmax: against the float64 gradient,
+    the chunked backward may err at most twice as much as it (plus 1e-6), at every scale.
+    """
     logits, targets = inputs((8, 4), 200, torch.float64)
     logits = logits * scale
-    w_lp, w_ent = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    x64 = logits.clone().requires_grad_(True)
-    logp = torch.log_softmax(x64 / 0.5, -1)
-    lp64, ent64 = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
-    ((lp64 * w_lp).sum() + (ent64 * w_ent).sum()).backward()
+    g = torch.Generator().manual_seed(1)
+    w_lp = torch.randn(8, 4, dtype=torch.float64, generator=g)
+    w_ent = torch.randn(8, 4, dtype=torch.float64, generator=g)
+
+    def objective(lp: Tensor, ent: Tensor) -> Tensor:
+        return (lp * w_lp.to(lp.dtype)).sum() + (ent * w_ent.to(ent.dtype)).sum()
+
+    def whole(x: Tensor) -> Tensor:
+        logp = torch.log_softmax(x / 0.5, -1)
+        objective(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)).backward()
+        assert x.grad is not None
+        return x.grad.double()
+
+    exact = whole(logits.clone().requires_grad_(True))
+    plain32 = whole(logits.float().requires_grad_(True))
     x = logits.float().requires_grad_(True)
     lp, ent = token_log_probs(x, targets, temperature=0.5, entropy=True, chunk_tokens=5)
     assert ent is not None
-    ((lp * w_lp.float()).sum() + (ent * w_ent.float()).sum()).backward()
-    assert x.grad is not None and x64.grad is not None
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=0)
+    objective(lp, ent).backward()
+    assert x.grad is not None
+    err, err32 = (x.grad.double() - exact).abs().max().item(), (plain32 - exact).abs().max().item()
+    assert err <= 2 * err32 + 1e-6, (err, err32)
 
 
 @pytest.mark.parametrize("which", ["log_probs", "entropy"])
