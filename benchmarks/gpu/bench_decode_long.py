@@ -15,7 +15,8 @@ are not in the bound, so a ratio near 1 is out of reach at short lengths.
 Variants (``--variant NAME=JSON``, repeatable; JSON is the hf engine's options): by default the
 engine's defaults (on CUDA: static cache, torch.compile, CUDA graphs and attention over cache
 windows) and ``whole-cache`` (``rollout_decode_window=0``: every step attends over the whole
-preallocated cache, as before the windows). ``--size tiny --device cpu`` is a smoke run of the
+preallocated cache, as before the windows), plus on CUDA ``fused-kernel``
+(``rollout_decode_kernel=True``: the windows' attention in one fused Triton kernel). ``--size tiny --device cpu`` is a smoke run of the
 script on a CPU (float32), not a measurement.
 """
 
@@ -89,6 +90,8 @@ def main() -> None:
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if cuda else "float32"
     dtype_bytes = 2 if cuda else 4
     variants = dict(DEFAULT_VARIANTS)
+    if cuda:
+        variants["fused-kernel"] = {"rollout_decode_kernel": True}
     if args.variant:
         variants = {name: json.loads(text) for name, _, text in (v.partition("=") for v in args.variant)}
     size = SIZES[args.size]

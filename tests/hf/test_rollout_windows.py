@@ -8,6 +8,7 @@ the same attention function, and must sample what the full-cache and the dynamic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from verl_core.enginekit.sampling import GraphCaptures
 from verl_hf.config import DEFAULT_DECODE_WINDOW, HFOptions
 from verl_hf.modeling import GROUPED_SDPA, grouped_decode_sdpa
 from verl_hf.rollout import HFRolloutEngine
+from verl_hf.rollout_decode import decode_mode
 
 
 def engine(arch: str = "llama", tied: bool = False, **options: Any) -> HFRolloutEngine:
@@ -146,6 +148,30 @@ def test_window_options_are_resolved_per_device_and_validated() -> None:
         HFOptions(rollout_decode_window=-1)
     # on CPU the default keeps transformers' own sdpa: a CPU engine decodes like a user's model object
     assert engine(rollout_cache="static").model.config._attn_implementation == "sdpa"
+
+
+def test_the_fused_decode_kernel_option_is_validated_per_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl_core.enginekit.decode_attention as decode_attention
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert not HFOptions().fused_decode(cuda, bf16)  # off unless asked for
+    with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device .* runs on cpu in bfloat16"):
+        HFOptions(rollout_decode_kernel=True).fused_decode(cpu, bf16)
+    with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device .* in float32"):
+        HFOptions(rollout_decode_kernel=True).fused_decode(cuda, torch.float32)
+    with pytest.raises(ConfigError, match="rollout_decode_kernel replaces sdpa's decode-step attention"):
+        HFOptions(attn_implementation="eager", rollout_decode_kernel=True)
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: None)
+    with pytest.raises(ConfigError, match="needs Triton, which is not installed"):
+        HFOptions(rollout_decode_kernel=True).fused_decode(cuda, bf16)
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: object())
+    assert HFOptions(rollout_decode_kernel=True).fused_decode(cuda, bf16)
+    # an engine that runs no kernel says so in its decode mode; one that does says that
+    e = engine(rollout_cache="static", rollout_decode_window=36)
+    assert e.decode_mode == "static+windows" and e.model.config._attn_implementation == GROUPED_SDPA
+    assert decode_mode(dataclasses.replace(e._options, rollout_decode_kernel=True)) == "static+windows+fused-attention"
+    with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device"):
+        engine(rollout_decode_kernel=True)
 
 
 def test_a_shape_whose_capture_fails_decodes_eagerly_while_others_replay() -> None:

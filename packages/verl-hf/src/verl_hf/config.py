@@ -89,6 +89,14 @@ class HFOptions:
             cache at every step. Needs ``attn_implementation='sdpa'`` (the rollout then runs
             :func:`verl_hf.modeling.grouped_decode_sdpa`, also off CUDA). None (default): 256 for
             static-cache rollouts on CUDA with sdpa, 0 elsewhere.
+        rollout_decode_kernel: Run each decode step's attention through the fused Triton kernel
+            (:func:`verl_core.enginekit.decode_attention.grouped_decode_attention`: flash decoding,
+            each written key and value read once, a float32 online softmax, slots not yet written
+            not read) instead of two matrix products around a softmax. The same samples up to float
+            rounding. Needs ``attn_implementation='sdpa'``, a CUDA device, a bfloat16 rollout and
+            Triton (it comes with PyTorch's CUDA wheels). Off by default: its correctness is
+            tested in Triton's interpreter, its speed on a GPU is not measured yet
+            (``benchmarks/gpu/bench_decode_long.py`` compares the two).
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -103,6 +111,7 @@ class HFOptions:
     master_weights: bool = True
     pack_sequences: bool | None = None
     rollout_decode_window: Annotated[int, Ge(0)] | None = None
+    rollout_decode_kernel: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="HFOptions.", label="option")  # types, choices and bounds, from the fields
@@ -125,11 +134,35 @@ class HFOptions:
                 f"HFOptions.rollout_decode_window needs attn_implementation='sdpa' (its attention reads the "
                 f"window's slots only), got {self.attn_implementation!r}; set rollout_decode_window=0 for eager attention"
             )
+        if self.rollout_decode_kernel and self.attn_implementation != "sdpa":
+            raise ConfigError(
+                f"HFOptions.rollout_decode_kernel replaces sdpa's decode-step attention, but attn_implementation is "
+                f"{self.attn_implementation!r}; set attn_implementation='sdpa' or rollout_decode_kernel=False"
+            )
         if self.pack_sequences and self.attn_implementation != "sdpa":
             raise ConfigError(
                 f"HFOptions.pack_sequences=True runs sdpa-based packed attention, but attn_implementation is "
                 f"{self.attn_implementation!r}; set attn_implementation='sdpa' or pack_sequences=False"
             )
+
+    def fused_decode(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a rollout on ``device`` in ``dtype`` runs the fused decode-attention kernel
+        (``rollout_decode_kernel``); refuses it where the kernel cannot run."""
+        from verl_core.enginekit.decode_attention import fused_decode_kernel
+
+        if not self.rollout_decode_kernel:
+            return False
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            raise ConfigError(
+                f"HFOptions.rollout_decode_kernel=True needs a CUDA device and a bfloat16 rollout, the engine "
+                f"runs on {device} in {str(dtype).removeprefix('torch.')}; set rollout_decode_kernel=False"
+            )
+        if fused_decode_kernel() is None:
+            raise ConfigError(
+                "HFOptions.rollout_decode_kernel=True needs Triton, which is not installed (it comes with "
+                "PyTorch's CUDA wheels); set rollout_decode_kernel=False"
+            )
+        return True
 
     def resolve_rollout(self, device: torch.device, *, static_ok: bool = True) -> HFOptions:
         """These options with the rollout's ``auto`` choices made for ``device``.

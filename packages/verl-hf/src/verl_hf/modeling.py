@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from verl_core.enginekit.decode_attention import grouped_decode_attention
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
@@ -29,6 +30,7 @@ from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import BatchValidationError, ConfigError
 
 __all__ = [
+    "FUSED_SDPA",
     "GROUPED_SDPA",
     "PACKED_SDPA",
     "FlatParameters",
@@ -36,6 +38,7 @@ __all__ = [
     "cache_keyword",
     "disable_dropout",
     "export_order",
+    "fused_decode_sdpa",
     "grouped_decode_sdpa",
     "load_model",
     "packed_attention_counts",
@@ -205,6 +208,9 @@ class FlatParameters:
 GROUPED_SDPA = "verl_grouped_sdpa"
 """Name of :func:`grouped_decode_sdpa` in transformers' attention registry."""
 
+FUSED_SDPA = "verl_fused_decode_sdpa"
+"""Name of :func:`fused_decode_sdpa` in transformers' attention registry."""
+
 
 def grouped_decode_sdpa(
     module: nn.Module,
@@ -215,6 +221,8 @@ def grouped_decode_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    *,
+    fused: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' ``sdpa`` attention, reading only the part of a static KV cache a call needs,
@@ -236,7 +244,9 @@ def grouped_decode_sdpa(
     bandwidth of reading the cache (on an H200, 68 against 33 microseconds per layer at 128 rows
     and 160 slots once compiled: benchmarks/gpu/bench_decode_attention.py). Every other call
     (prefill, dropout, masks of another shape) is transformers' own function, over the slots the
-    mask covers.
+    mask covers. With ``fused`` (:func:`fused_decode_sdpa`, ``HFOptions.rollout_decode_kernel``)
+    a bfloat16 decode step on CUDA runs the fused Triton kernel instead
+    (:func:`verl_core.enginekit.decode_attention.grouped_decode_attention`).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -244,30 +254,34 @@ def grouped_decode_sdpa(
         slots = attention_mask.shape[-1]  # views: the slots past the mask are not read
         key, value = key[:, :, :slots], value[:, :, :slots]
     groups = int(getattr(module, "num_key_value_groups", 1))
-    b, heads, q_len, dim = query.shape
+    _, heads, q_len, dim = query.shape
     if (q_len != 1 or dropout != 0.0 or attention_mask is None or attention_mask.dim() != 4
             or attention_mask.shape[1:3] != (1, 1) or key.shape[1] * groups != heads):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    folded = query.reshape(b, key.shape[1], groups, dim)
     scale = dim**-0.5 if scaling is None else scaling
-    scores = torch.matmul(folded, key.transpose(-1, -2)).float() * scale  # [b, kv heads, groups, slots]
-    if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-    else:  # an additive mask
-        scores = scores + attention_mask.float()
-    out = torch.matmul(torch.softmax(scores, -1).to(value.dtype), value)
-    return out.reshape(b, 1, heads, dim), None
+    return grouped_decode_attention(query, key, value, attention_mask, scale, fused=fused), None
 
 
-def register_grouped_sdpa() -> str:
-    """Register :func:`grouped_decode_sdpa` (and sdpa's mask format) with transformers; returns its name."""
+def fused_decode_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      **kwargs: Any) -> tuple[Tensor, None]:
+    """:func:`grouped_decode_sdpa` with decode steps through the fused Triton kernel where it takes
+    them (:func:`verl_core.enginekit.decode_attention.grouped_decode_attention`)."""
+    return grouped_decode_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                               fused=True, **kwargs)
+
+
+def register_grouped_sdpa(fused: bool = False) -> str:
+    """Register :func:`grouped_decode_sdpa`, or :func:`fused_decode_sdpa` with ``fused``, (and sdpa's
+    mask format) with transformers; returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)
-    return GROUPED_SDPA
+    name = FUSED_SDPA if fused else GROUPED_SDPA
+    AttentionInterface.register(name, fused_decode_sdpa if fused else grouped_decode_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
 
 
 PACKED_SDPA = "verl_packed_sdpa"

@@ -15,6 +15,7 @@ cache) so every detail of the contract is under its control:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -49,7 +50,13 @@ from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
 from verl_hf.fused_projections import FusedProjections
 from verl_hf.lora import HFLora
-from verl_hf.modeling import GROUPED_SDPA, FlatParameters, load_model, register_grouped_sdpa
+from verl_hf.modeling import (
+    FUSED_SDPA,
+    GROUPED_SDPA,
+    FlatParameters,
+    load_model,
+    register_grouped_sdpa,
+)
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
     allow_recompiles,
@@ -115,8 +122,9 @@ class HFRolloutEngine(RolloutEngineBase):
         # slots written so far (the same math; elsewhere transformers' own sdpa, so a CPU engine
         # decodes like a user's model object, unless rollout_decode_window asks for windows).
         attn: str = self._options.attn_implementation
+        fused = self._options.fused_decode(self._device, spec.torch_dtype)
         if attn == "sdpa" and (self._device.type == "cuda" or self._options.rollout_decode_window):
-            attn = register_grouped_sdpa()
+            attn = register_grouped_sdpa(fused)
         self._model: Any = load_model(
             spec.model_path, "causal_lm", dtype=spec.torch_dtype, device=self._device,
             attn_implementation=attn, seed=spec.seed,
@@ -125,7 +133,9 @@ class HFRolloutEngine(RolloutEngineBase):
         self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None
         self._model.requires_grad_(False)
         # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
-        self._options = self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config))
+        self._options = dataclasses.replace(
+            self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config)),
+            rollout_decode_kernel=fused)
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
         self._weights: dict[str, Tensor] | None = None
@@ -274,7 +284,7 @@ class HFRolloutEngine(RolloutEngineBase):
 
         # windows need the attention that reads a narrower mask as "the first slots only" (a
         # user's own model object keeps its attention, and the whole cache)
-        windowed = getattr(self._model.config, "_attn_implementation", None) == GROUPED_SDPA
+        windowed = getattr(self._model.config, "_attn_implementation", None) in (GROUPED_SDPA, FUSED_SDPA)
         window = (self._options.rollout_decode_window or 0) if windowed else 0
 
         def build(sampler: TokenSampler) -> HFStaticDecoder:

@@ -159,14 +159,16 @@ def _dynamic_logits(model: Any, chunk: TensorBatch) -> Generator[Tensor, Tensor,
 def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None) -> str:
     """How the engine decodes under ``options``: ``dynamic``, ``static``, ``static+cuda-graphs``,
     ``static+compile`` or ``static+compile+cuda-graphs``, with ``+windows`` where steps attend
-    over cache windows, and the shapes that decode eagerly after their CUDA-graph captures failed."""
+    over cache windows, ``+fused-attention`` where they run the fused decode-attention kernel, and the shapes that decode eagerly after their CUDA-graph captures failed."""
     if options.rollout_cache == "dynamic":
-        return "dynamic"
+        return "dynamic+fused-attention" if options.rollout_decode_kernel else "dynamic"
     mode = "static+compile" if options.rollout_compile else "static"
     if options.rollout_cuda_graphs:
         mode += "+cuda-graphs"
     if options.rollout_decode_window:
         mode += "+windows"
+    if options.rollout_decode_kernel:
+        mode += "+fused-attention"
     eager = graphs.eager_shapes if graphs is not None and options.rollout_cuda_graphs else {}
     if eager:
         last = next(reversed(eager.values()))
