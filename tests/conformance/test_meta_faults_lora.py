@@ -20,7 +20,8 @@ from verl_core.kernel.registry import PLUGINS_ENV, reset_registry
 BROKEN_SRC = Path(__file__).resolve().parents[1] / "plugins" / "verl-broken-backends" / "src"
 ALL = ["numerics::lora_forward_and_grads_match_reference", "numerics::lora_base_forward_is_base_model",
        "stateful::lora_base_unchanged", "weight_sync::lora_sync_serves_merged_weights",
-       "stateful::lora_checkpoint_round_trip", "stateful::lora_forwards_on_two_threads"]
+       "stateful::lora_checkpoint_round_trip", "stateful::lora_forwards_on_two_threads",
+       "numerics::lora_dropout_only_while_training"]
 
 FAULTS = [
     # (backend, checks to run, checks that must fail, fragments the message must contain)
@@ -39,6 +40,10 @@ FAULTS = [
      ["forward called while base_forward ran on another thread", "pass the choice down the call"]),
     ("broken-lora-sync-full", [ALL[3]], ALL[3:4],
      ["after a LoRA sync of the adapter (LoraSpec.full=('model.norm',))"]),
+    ("broken-lora-dropout-always-on", [ALL[0], ALL[6]], ALL[6:7],
+     ["forward of an engine with LoraSpec.dropout=0.5 gave different log_probs on two calls"]),
+    ("broken-lora-dropout-ignored", [ALL[0], ALL[6]], ALL[6:7],
+     ["the adapter's dropout is not applied while training"]),
 ]
 
 

@@ -372,3 +372,39 @@ def check_lora_checkpoint_round_trip(h: Harness) -> None:
                        f"{what}: {name} after update {i} differs from the engine that kept its state "
                        "(the adapter, the fully trained module, their Adam moments, float32 masters or the step "
                        "were not restored)")
+
+
+_DROPOUT = 0.5  # LoraSpec.dropout of the dropout check
+
+
+def _squared_drift(batch: TensorBatch, stats: GlobalBatchStats) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean over response tokens of (log_probs - old_log_probs)^2: 0 exactly when the update's
+    forward gives the log-probs of ``old_log_probs``."""
+    mask = batch["response_mask"].to(batch["log_probs"].dtype)
+    drift = (batch["log_probs"] - batch["old_log_probs"]).pow(2) * mask
+    loss = drift.sum() / max(stats.num_tokens, 1)
+    return loss, {"drift": loss.detach()}
+
+
+@check("numerics", gates=("training.lora",))
+def check_lora_dropout_only_while_training(h: Harness) -> None:
+    """With LoraSpec.dropout=0.5 and a nonzero adapter, forward is the float64 reference of W + alpha/rank * B A and gives the same bits twice (no dropout outside an update), while the update's own forward drops adapter inputs (its log-probs move away from forward's)."""
+    from verl_conformance.losses import SuiteLoss
+
+    engine = h.training(fresh=True, lora=dataclasses.replace(_lora(h), dropout=_DROPOUT))
+    batch = h.batch(seed=92, rl_fields=True)
+    first = engine.forward(batch, ["log_probs"])["log_probs"]
+    again = engine.forward(batch, ["log_probs"])["log_probs"]
+    what = f"forward of an engine with LoraSpec.dropout={_DROPOUT}"
+    h.expect(torch.equal(first, again), f"{what} gave different log_probs on two calls of the same batch: dropout "
+             "(or other randomness) runs outside an update, where log-probs must be a function of the weights")
+    ref = cached_outputs(str(merged_model()), batch, ("log_probs",))
+    h.close_to(first, ref["log_probs"], "log_probs", f"{what} vs the float64 reference of W + alpha/rank * B A "
+               "(dropout applies to the update's forward only)", mask=batch["response_mask"])
+    drift = SuiteLoss("lora_dropout_drift", _squared_drift)
+    probe = batch.update({"old_log_probs": first})
+    metrics = engine.forward_backward(probe, drift, GlobalBatchStats.of(probe))
+    h.expect(metrics["loss"] > 1e-6,
+             f"the update's forward of an engine with LoraSpec.dropout={_DROPOUT} gave forward's log-probs (mean "
+             f"squared difference {metrics['loss']:.2e} over response tokens): the adapter's dropout is not applied "
+             "while training")

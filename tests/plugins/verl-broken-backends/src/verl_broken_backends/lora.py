@@ -27,6 +27,8 @@ __all__ = [
     "BaseForwardSharedSwitch",
     "BaseTrained",
     "CheckpointWithoutAdapterMoments",
+    "DropoutAlwaysOn",
+    "DropoutIgnored",
     "LoadKeepsStaleMasters",
     "MergedStreamUnmerged",
     "ScaleIsAlpha",
@@ -34,6 +36,8 @@ __all__ = [
     "lora_base_forward_full",
     "lora_base_trained",
     "lora_checkpoint",
+    "lora_dropout_always_on",
+    "lora_dropout_ignored",
     "lora_forward_switch",
     "lora_scale",
     "lora_stale_masters",
@@ -173,6 +177,40 @@ class AdapterSyncDropsFull(HFRolloutEngine):
                         t.copy_(kept[name])
 
 
+class _AlwaysDrop(torch.nn.Dropout):
+    """Dropout that drops in eval mode too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, self.p, training=True)
+
+
+def _lora_dropouts(model: torch.nn.Module) -> list[tuple[torch.nn.ModuleDict, str]]:
+    """(the ModuleDict, key) of every adapter's dropout module (PEFT's ``lora_dropout``)."""
+    return [(module.lora_dropout, key) for module in model.modules()
+            if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
+            for key in module.lora_dropout]
+
+
+class DropoutAlwaysOn(HFTrainingEngine):
+    """The adapter's dropout also runs outside the update (forward, log-probs): the module stays in training mode."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None and spec.lora is not None and spec.lora.dropout > 0:
+            for dropouts, key in _lora_dropouts(self.model):
+                dropouts[key] = _AlwaysDrop(spec.lora.dropout)
+
+
+class DropoutIgnored(HFTrainingEngine):
+    """LoraSpec.dropout is ignored: the adapters are built without dropout."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None:
+            for dropouts, key in _lora_dropouts(self.model):
+                dropouts[key] = torch.nn.Identity()
+
+
 lora_scale = BrokenHFBackend("broken-lora-scale", "the LoRA update is scaled by alpha, not alpha / rank",
                              "actor", f"{_LORA}:ScaleIsAlpha")
 lora_base_trained = BrokenHFBackend("broken-lora-base-trained", "the base weights train beside the adapter",
@@ -192,6 +230,10 @@ lora_stale_masters = BrokenHFBackend("broken-lora-stale-masters", "a LoRA checkp
 lora_forward_switch = BrokenHFBackend("broken-lora-forward-switch", "base_forward switches the adapter off for the "
                                       "whole engine with a flag and no lock", "actor",
                                       f"{_LORA}:BaseForwardSharedSwitch")
+lora_dropout_always_on = BrokenHFBackend("broken-lora-dropout-always-on", "the adapter's dropout runs outside the "
+                                        "update too", "actor", f"{_LORA}:DropoutAlwaysOn")
+lora_dropout_ignored = BrokenHFBackend("broken-lora-dropout-ignored", "LoraSpec.dropout is ignored", "actor",
+                                      f"{_LORA}:DropoutIgnored")
 lora_sync_drops_full = BrokenHFBackend("broken-lora-sync-full", "the adapter sync ignores the fully trained modules' "
                                        "tensors (LoraSpec.full)", "rollout", f"{_LORA}:AdapterSyncDropsFull")
 
