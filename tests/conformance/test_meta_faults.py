@@ -60,6 +60,13 @@ FAULTS = [
     # position ids, on a GPT-2 with absolute position embeddings
     ("broken-positions", ["invariance::padding_invariance", "invariance::positions_under_left_padding"],
      ["invariance::positions_under_left_padding"], ["absolute-position model", "not arange over the padded row"]),
+    # a GPT-2 folder trained and synced: faults in what only its layout has
+    ("broken-gpt2-position-grad", ["numerics::loss_and_grads_match_reference", "numerics::absolute_position_model_update"],
+     ["numerics::absolute_position_model_update"], ["gradient of transformer.wpe.weight", "on gpt2"]),
+    ("broken-gpt2-sync", ["weight_sync::rollout_applies_stream", "weight_sync::absolute_position_model_sync"],
+     ["weight_sync::absolute_position_model_sync"], ["GPT-2 folder with every tensor changed"]),
+    ("broken-gpt2-position-limit", ["robustness::position_table_limit_refused"],
+     ["robustness::position_table_limit_refused"], ["the actor engine built on the GPT-2 folder (n_positions=512)"]),
     # the same fault in a rotary-only backend (it refuses GPT-2), on a Llama with LongRoPE
     ("broken-rotary-positions", ["invariance::positions_under_left_padding",
                                  "invariance::rotary_positions_under_left_padding"],

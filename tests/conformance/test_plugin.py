@@ -53,6 +53,34 @@ def test_no_backend_selected_skips_with_the_reason() -> None:
 
 
 @pytest.mark.slow
+def test_a_dtype_no_role_declares_is_refused_once_before_any_check() -> None:
+    r = _pytest("--pyargs", "verl_conformance", "--verl-backend", "example", "--verl-dtype", "bfloat16")
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.count("--verl-dtype bfloat16: backend 'example' declares bfloat16 for none of its roles") == 1
+    assert "actor float32" in r.stderr and "run with --verl-dtype float32" in r.stderr
+    assert "passed" not in r.stdout and "failed" not in r.stdout
+
+
+def test_a_role_that_does_not_declare_the_runs_dtype_skips_its_checks_with_the_reason() -> None:
+    """A backend declaring bfloat16 for its rollout only: in a bfloat16 run its training checks skip, naming the dtypes."""
+    from verl_conformance.errors import CheckSkipped
+    from verl_conformance.harness import EngineCache, Harness, Subject
+
+    def unreachable(spec: object) -> object:
+        raise AssertionError("an engine of an undeclared dtype was built")
+
+    subject = Subject("partial", unreachable, unreachable, roles=frozenset({"actor", "rollout"}),  # type: ignore[arg-type]
+                      dtypes={"actor": frozenset({"float32"}), "rollout": frozenset({"float32", "bfloat16"})})
+    harness = Harness(subject, None, EngineCache(), dtype="bfloat16")
+    with pytest.raises(CheckSkipped, match=r"declares dtypes \['float32'\] for its actor engine .* in bfloat16"):
+        harness.training()
+    with pytest.raises(AssertionError, match="an engine of an undeclared dtype was built"):
+        harness.rollout()  # declared: built (here the factory's error shows it was reached)
+    with pytest.raises(AssertionError, match="an engine of an undeclared dtype was built"):
+        harness.training(dtype="float32")  # another dtype than the run's is the check's own choice
+
+
+@pytest.mark.slow
 def test_third_party_subclass_with_own_fixtures(tmp_path: Path) -> None:
     """A backend that is not installed as a plugin runs the suite by overriding the engine fixtures."""
     (tmp_path / "test_mine.py").write_text(

@@ -19,6 +19,7 @@ from verl_conformance.testkit import (
     eos_model,
     long_rope_model,
     nan_reward_model,
+    perturbed_absolute_position_model,
     perturbed_model,
     random_batch,
     rope_scaled_model,
@@ -104,6 +105,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     **{f"llama-rope-{kind}": partial(rope_scaled_model, kind) for kind in ROPE_SCALINGS},
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),
+    "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
 }
 """The test kit's crafted folders (:mod:`verl_conformance.testkit.crafted`) by short name."""
 
@@ -124,6 +126,8 @@ class Subject:
         version: Distribution and version, for reports.
         registered: True when built through verl_core's registry (so ``verl_*`` hooks apply).
         make_reward: Builds reward engines (None: the backend has none).
+        dtypes: The dtypes each role declares (``capabilities.dtypes``), known before an engine is
+            built for an installed backend (None: learnt from each engine).
     """
 
     name: str
@@ -133,6 +137,7 @@ class Subject:
     version: str = ""
     registered: bool = False
     make_reward: EngineFactory | None = None
+    dtypes: Mapping[str, frozenset[str]] | None = None
 
     @classmethod
     def from_registry(cls, name: str) -> Subject:
@@ -165,6 +170,8 @@ class Subject:
             version=f"{backend.distribution} {backend.version}",
             registered=True,
             make_reward=make_reward if "reward" in roles else None,
+            dtypes={role: frozenset(dtypes) for role in roles
+                    if (dtypes := getattr(backend.capabilities(role), "dtypes", None)) is not None},  # type: ignore[arg-type]
         )
 
     @classmethod
@@ -381,6 +388,10 @@ class Harness:
 
     def _engine(self, subject: Subject, spec: EngineSpec, fresh: bool) -> Any:
         factory = self._factory(subject, spec.role)
+        declared = None if subject.dtypes is None else subject.dtypes.get(spec.role)
+        if spec.dtype == self.dtype and declared is not None and self.dtype not in declared:
+            self.skip(f"backend {subject.name!r} declares dtypes {sorted(declared)} for its {spec.role} engine "
+                      f"(capabilities.dtypes); this run builds engines in {self.dtype} (--verl-dtype)")
         if self.options and subject is self.subject:
             spec = replace(spec, options={**self.options, **spec.options})
         try:

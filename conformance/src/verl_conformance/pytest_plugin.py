@@ -52,11 +52,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the suite's markers; check ``--verl-options``."""
+    """Register the suite's markers; check ``--verl-options`` and that the backend declares ``--verl-dtype``."""
     _options(config)
+    _check_dtype_declared(config)
     config.addinivalue_line("markers", "verl_check(id): a verl conformance check (id = area::name)")
     for area in _AREAS:
         config.addinivalue_line("markers", f"verl_{area}: verl conformance checks of the {area} area")
+
+
+def _check_dtype_declared(config: pytest.Config) -> None:
+    """Refuse a ``--verl-dtype`` that no role of the ``--verl-backend`` declares, in one message."""
+    name, dtype = _backend_name(config), config.getoption("--verl-dtype", None)
+    if not name or not dtype or dtype == "float32":
+        return
+    from verl_conformance.harness import declared_roles
+    from verl_core import VerlError, get_backend
+
+    try:
+        backend = get_backend(name)
+    except VerlError:
+        return  # the backend fixture reports it
+    declared = {role: sorted(dtypes) for role in sorted(declared_roles(backend))
+                if (dtypes := getattr(backend.capabilities(role), "dtypes", None)) is not None}  # type: ignore[arg-type]
+    if not declared:
+        return
+    if not any(dtype in d for d in declared.values()):
+        listed = ", ".join(f"{role} {'/'.join(d)}" for role, d in declared.items())
+        raise pytest.UsageError(
+            f"--verl-dtype {dtype}: backend {name!r} declares {dtype} for none of its roles (capabilities.dtypes: "
+            f"{listed}); run with --verl-dtype {'/'.join(sorted({t for d in declared.values() for t in d}))}, or "
+            f"declare {dtype} on the roles that build in it")
 
 
 def _backend_name(config: pytest.Config) -> str | None:

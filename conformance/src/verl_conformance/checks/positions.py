@@ -172,3 +172,77 @@ def check_rotary_positions_under_left_padding(h: Harness) -> None:
     """On a rotary (LongRoPE) Llama whose frequencies change past position 24, forward log-probs and generated tokens and log-probs of sequences of at most 24 tokens, left-padded beyond it, equal the float64 reference: position ids count real tokens only."""
     _positions_match_reference(h, "llama-longrope", "rotary LongRoPE", _ROTARY_WIDTH, _ROTARY_PROMPTS, seed=92,
                                forward_lengths=_ROTARY_FORWARD, calibrate=True)
+
+
+def _absolute_position_engine(h: Harness, role: str) -> Any:
+    """A fresh engine of ``role`` on the GPT-2 folder; skips where the role is missing or the backend refuses GPT-2."""
+    if not h.provides(h.subject, role):  # type: ignore[arg-type]
+        h.skip(f"backend {h.subject.name!r} provides no {'training' if role == 'actor' else role} engine")
+    try:
+        if role == "actor":
+            return h.training(model="gpt2", fresh=True)
+        return h.rollout("gpt2", fresh=True)
+    except ConfigError as e:
+        h.skip(f"the backend refuses the GPT-2 folder (learned absolute positions, Conv1D layout, tied head), "
+               f"which this check needs: {e}")
+
+
+@check("numerics")
+def check_absolute_position_model_update(h: Harness) -> None:
+    """On the GPT-2 folder (learned absolute positions, fused q/k/v, tied head), one update's loss, grad norm and every gradient (position table included) equal the float64 reference; a backend that refuses GPT-2 skips."""
+    from verl_conformance.checks.numerics import compare_update
+    from verl_conformance.losses import suite_losses
+
+    _absolute_position_engine(h, "actor")
+    compare_update(h, suite_losses()[0], "gpt2", h.batch(seed=94, rl_fields=True))
+
+
+@check("weight_sync", gates=("rollout.weight_update",))
+def check_absolute_position_model_sync(h: Harness) -> None:
+    """A rollout engine on the GPT-2 folder, synced with a stream of the same model with every tensor changed, serves the sent weights (rollout_log_probs equal the float64 reference of the sent folder); a backend that refuses GPT-2 skips."""
+    from verl_conformance.checks.weight_sync import folder_stream
+
+    engine = _absolute_position_engine(h, "rollout")
+    if not engine.capabilities.weight_update:
+        h.skip("backend declares weight_update=False")
+    params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=7)
+    if not engine.log_probs_exact(params):
+        h.skip("rollout_log_probs are declared inexact at temperature 1; cannot tell which weights serve")
+    engine.update_weights(folder_stream(h.model_path("gpt2-perturbed"), 3, dtype=engine.weight_dtype))
+    prompts = left_padded_batch(95, 10, (10, 3, 7, 1)).select("prompt_ids", "prompt_mask", "group_ids")
+    out = engine.generate(prompts, params)
+    ref = cached_outputs(h.model_path("gpt2-perturbed"), out)["log_probs"]
+    h.close_to(out["rollout_log_probs"], ref, "log_probs",
+               "after update_weights(a stream of the GPT-2 folder with every tensor changed): rollout_log_probs vs "
+               "the float64 reference of the sent weights (a tensor of the stream not applied leaves the old one "
+               "serving)", mask=out["response_mask"])
+
+
+_TABLE = 512  # n_positions of the test kit's GPT-2 folder
+
+
+@check("robustness")
+def check_position_table_limit_refused(h: Harness) -> None:
+    """An engine on the GPT-2 folder (a learned table of 512 positions) asked for max_prompt_len + max_response_len = 600 + 8 refuses at build with ConfigError, instead of indexing past the table on its first long batch; a backend that refuses GPT-2 skips."""
+    tested = []
+    for role in ("actor", "rollout"):
+        if not h.provides(h.subject, role):
+            continue
+        try:
+            h.training(model="gpt2") if role == "actor" else h.rollout("gpt2")
+        except ConfigError:
+            continue  # GPT-2 refused at any length
+        tested.append(role)
+        try:
+            if role == "actor":
+                h.training(model="gpt2", fresh=True, max_prompt_len=600, max_response_len=8)
+            else:
+                h.rollout("gpt2", fresh=True, max_prompt_len=600, max_response_len=8)
+        except ConfigError:
+            continue
+        h.expect(False, f"the {role} engine built on the GPT-2 folder (n_positions={_TABLE}) with max_prompt_len + "
+                 "max_response_len = 608: a spec whose sequences cannot fit the model's learned position table must "
+                 "be refused at build with ConfigError")
+    if not tested:
+        h.skip("the backend refuses the GPT-2 folder (learned absolute positions), or provides neither a training "
+               "nor a rollout engine")

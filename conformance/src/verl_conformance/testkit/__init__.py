@@ -25,6 +25,7 @@ from verl_conformance.testkit.crafted import (
     eos_model_continuation,
     long_rope_model,
     nan_reward_model,
+    perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "long_rope_model",
     "nan_reward_model",
     "near_tie_margin",
+    "perturbed_absolute_position_model",
     "perturbed_model",
     "random_batch",
     "reference_forward",

@@ -59,6 +59,7 @@ __all__ = [
     "eos_model_continuation",
     "long_rope_model",
     "nan_reward_model",
+    "perturbed_absolute_position_model",
     "perturbed_model",
     "rope_scaled_model",
 ]
@@ -287,6 +288,17 @@ def rope_scaled_model(kind: str) -> Path:
                                      "max_positions": ROPE_SCALED_MAX_POSITIONS}, build)
 
 
+def _perturb(base: Path, out: Path, seed: int) -> None:
+    """``base``'s folder written to ``out`` with every tensor moved by its own seeded delta (see :func:`perturbed_model`)."""
+    w = _weights(base)
+    for name, t in w.items():
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        spread = float(t.float().std()) if t.numel() > 1 else 0.0
+        scale = spread if spread > 1e-6 else 0.3
+        w[name] = t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    _copy_with_weights(base, out, w)
+
+
 def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:
     """``tiny_model(spec)`` with every tensor moved by its own seeded delta.
 
@@ -294,18 +306,14 @@ def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:
     tensor keeps its value and two seeds differ everywhere: a receiver that leaves any one tensor
     out serves visibly different outputs.
     """
+    return _crafted("perturbed", {"base": asdict(spec), "seed": seed},
+                    lambda out: _perturb(tiny_model(spec), out, seed))
 
-    def build(out: Path) -> None:
-        base = tiny_model(spec)
-        w = _weights(base)
-        for name, t in w.items():
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            spread = float(t.float().std()) if t.numel() > 1 else 0.0
-            scale = spread if spread > 1e-6 else 0.3
-            w[name] = t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
-        _copy_with_weights(base, out, w)
 
-    return _crafted("perturbed", {"base": asdict(spec), "seed": seed}, build)
+def perturbed_absolute_position_model(seed: int) -> Path:
+    """:func:`absolute_position_model` (the GPT-2 folder) with every tensor moved like :func:`perturbed_model`'s."""
+    return _crafted("perturbed-gpt2", {"base": "gpt2", "seed": seed},
+                    lambda out: _perturb(absolute_position_model(), out, seed))
 
 
 def nan_reward_model() -> Path:

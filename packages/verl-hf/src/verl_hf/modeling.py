@@ -455,6 +455,18 @@ def _architectures(path: str) -> list[str]:
     return list(getattr(config, "architectures", None) or [])
 
 
+def _learned_positions(path: str) -> int | None:
+    """The size of the folder's learned position table (GPT-2's ``n_positions``; None: none, or unreadable)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError):
+        return None
+    size = getattr(config, "n_positions", None)
+    return size if isinstance(size, int) else None
+
+
 def load_model(
     path: str | os.PathLike[str],
     kind: ModelKind,
@@ -463,6 +475,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_implementation: str = "sdpa",
     seed: int = 0,
+    sequence_len: int | None = None,
 ) -> Any:
     """Load the transformers model of ``path`` with the head of ``kind``, dropout off.
 
@@ -473,14 +486,25 @@ def load_model(
     weights: a folder that names another architecture (a causal LM) or lacks those weights is
     refused rather than given a random head, whose scores would be noise that trains nothing.
 
+    ``sequence_len``, the longest sequence the engine runs (``max_prompt_len + max_response_len``),
+    is refused before the weights load when the model's learned position table is shorter (GPT-2's
+    ``n_positions``): a longer sequence would index past the table. Rotary models have no table.
+
     Raises:
         ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label;
             for ``reward``, the folder names a non-classification architecture or holds no
-            weights for the score head.
+            weights for the score head; ``sequence_len`` longer than the position table.
     """
     import transformers
 
     path = str(path)
+    table = _learned_positions(path) if sequence_len is not None else None
+    if table is not None and sequence_len is not None and sequence_len > table:
+        raise ConfigError(
+            f"model {path!r} has a learned position table of n_positions={table}, but the engine's sequences reach "
+            f"max_prompt_len + max_response_len = {sequence_len} positions; lower them in the EngineSpec to at most "
+            f"{table} in total"
+        )
     auto: Any = {
         "causal_lm": transformers.AutoModelForCausalLM,
         "value": transformers.AutoModelForTokenClassification,

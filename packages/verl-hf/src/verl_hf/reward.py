@@ -55,6 +55,7 @@ class HFRewardEngine(RewardEngine):
         self._model: Any = load_model(
             spec.model_path, "reward", dtype=spec.torch_dtype, device=self._device,
             attn_implementation=self._options.attn_implementation, seed=spec.seed,
+            sequence_len=spec.max_prompt_len + spec.max_response_len,
         )
         self._model.requires_grad_(False)
         head = getattr(self._model, "score", None)

@@ -127,7 +127,7 @@ class HFRolloutEngine(RolloutEngineBase):
             attn = register_grouped_sdpa(fused)
         self._model: Any = load_model(
             spec.model_path, "causal_lm", dtype=spec.torch_dtype, device=self._device,
-            attn_implementation=attn, seed=spec.seed,
+            attn_implementation=attn, seed=spec.seed, sequence_len=spec.max_prompt_len + spec.max_response_len,
         )
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None

@@ -128,6 +128,7 @@ class HFTrainingEngine(TrainingEngineBase):
         model = load_model(
             spec.model_path, self._kind, dtype=spec.torch_dtype, device=self._device,
             attn_implementation=self._options.attn_implementation, seed=spec.seed,
+            sequence_len=spec.max_prompt_len + spec.max_response_len,
         )
         self._packed = _resolve_packing(self._options.pack_sequences, model, self._device, spec.torch_dtype)
         if self._packed:

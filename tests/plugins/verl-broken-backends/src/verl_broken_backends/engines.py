@@ -41,6 +41,7 @@ from verl_core import (
 from verl_core.trainer.inputs.tiny_model import load_tokenizer
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
+from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
@@ -76,6 +77,9 @@ __all__ = [
     "TokenScoresAtLastColumn",
     "TokenScoresOnly",
     "UnknownDeviceDeclared",
+    "FinalNormNotSynced",
+    "FrozenPositionTable",
+    "PositionTableUnchecked",
 ]
 
 
@@ -358,6 +362,47 @@ class ArangePositions(HFTrainingEngine):
             return forward(*args, **kwargs)
 
         model.forward = arange_forward
+
+
+class FrozenPositionTable(HFTrainingEngine):
+    """On a GPT-2 folder the learned position table gets no gradient (it never trains)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        wpe = getattr(getattr(self.model, "transformer", None), "wpe", None)
+        if wpe is not None:
+            wpe.weight.requires_grad_(False)
+
+
+class PositionTableUnchecked(HFTrainingEngine):
+    """Builds on a learned-position folder whatever the spec's lengths (the position table is never compared)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        import verl_hf.training as training
+
+        original = training.load_model
+
+        def unchecked(*args: Any, sequence_len: int | None = None, **kwargs: Any) -> Any:
+            return original(*args, **kwargs)
+
+        training.load_model = unchecked  # type: ignore[assignment]
+        try:
+            super().__init__(spec)
+        finally:
+            training.load_model = original
+
+
+class FinalNormNotSynced(HFRolloutEngine):
+    """On a GPT-2 folder a weight sync skips the final layer norm (``transformer.ln_f``): the old one keeps serving."""
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Apply the stream, then put ``transformer.ln_f``'s tensors back to what they were."""
+        kept = {n: p.detach().clone() for n, p in self.model.named_parameters() if n.startswith("transformer.ln_f.")}
+        super().update_weights(stream)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in kept:
+                    p.copy_(kept[n])
 
 
 class NaNScoresZeroed(HFRewardEngine):

@@ -169,6 +169,12 @@ class BrokenHFBackend:
 
 arange_positions = BrokenHFBackend("broken-positions", "position ids are arange over the left-padded row",
                                    "actor", f"{_ENGINES}:ArangePositions")
+frozen_position_table = BrokenHFBackend("broken-gpt2-position-grad", "on a GPT-2 folder the position table gets no "
+                                        "gradient", "actor", f"{_ENGINES}:FrozenPositionTable")
+position_table_unchecked = BrokenHFBackend("broken-gpt2-position-limit", "builds on GPT-2 with sequences longer "
+                                           "than its position table", "actor", f"{_ENGINES}:PositionTableUnchecked")
+final_norm_not_synced = BrokenHFBackend("broken-gpt2-sync", "on a GPT-2 folder a weight sync skips transformer.ln_f",
+                                        "rollout", f"{_ENGINES}:FinalNormNotSynced")
 reward_nan_zeroed = BrokenHFBackend("broken-reward-nan", "NaN scores are replaced by 0 instead of refused",
                                     "reward", f"{_ENGINES}:NaNScoresZeroed")
 reward_order = BrokenHFBackend("broken-reward-order", "scores come back sorted by sample length, not in input order",
