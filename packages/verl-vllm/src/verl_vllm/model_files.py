@@ -29,7 +29,7 @@ class ModelFiles:
             safetensors files (transformers naming).
         optional: Names a stream may leave out (the lm_head of a model with tied embeddings).
         tied_embeddings: Whether lm_head shares the input embedding.
-        max_positions: ``max_position_embeddings`` of the config, or None when absent.
+        max_positions: ``max_position_embeddings`` of the config (GPT-2: ``n_positions``), or None when absent.
         vocab_size: Rows of the input embedding.
     """
 
@@ -76,6 +76,7 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
         embed = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
         if embed is not None:
             tensors[_LM_HEAD] = tensors[embed]
-    max_pos = text_config.get("max_position_embeddings")
+    # GPT-2 folders name their learned position table n_positions
+    max_pos = text_config.get("max_position_embeddings") or text_config.get("n_positions")
     vocab = int(text_config.get("vocab_size", 0))
     return ModelFiles(tensors, optional, tied, int(max_pos) if max_pos else None, vocab)
