@@ -78,7 +78,8 @@ def test_two_rank_group_matches_one_process_and_syncs_two_replicas(ray_cluster: 
             actor.forward(batch.drop("response_mask"))
         assert any("of role 'actor'" in note for note in getattr(info.value, "__notes__", []))
         remote = _one_step(actor, batch)
-        torch.testing.assert_close(remote["log_probs"], local["log_probs"], rtol=0, atol=1e-6)
+        # the shards (4 and 3 samples, their own padding widths) round in float32 on their own: a few ulps
+        torch.testing.assert_close(remote["log_probs"], local["log_probs"], rtol=1e-6, atol=1e-6)
         for key, value in local["metrics"].items():
             if key != "num_micro_batches":
                 assert remote["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
