@@ -67,7 +67,7 @@ def test_fused_falls_back_where_the_kernel_does_not_take_the_tensors() -> None:
 INTERPRETER = Path(sys.prefix) / "triton-interpreter"  # scripts/setup.sh installs Triton there on CPU machines
 
 
-@pytest.mark.skipif(not (INTERPRETER / "triton").is_dir(), reason=f"Triton's interpreter is not in {INTERPRETER}")
+@pytest.mark.skipif(not (INTERPRETER / "triton").is_dir(), reason=f"Triton's interpreter is not in {INTERPRETER}: scripts/setup.sh installs it there on machines without a GPU")
 def test_the_fused_kernel_in_tritons_interpreter_matches_float64_and_reads_no_hidden_slot() -> None:
     """The kernel itself, on CPU: Triton's interpreter runs it on CPU tensors (float32 and float16)."""
     here = Path(__file__).parent

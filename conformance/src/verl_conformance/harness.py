@@ -170,8 +170,7 @@ class Subject:
             version=f"{backend.distribution} {backend.version}",
             registered=True,
             make_reward=make_reward if "reward" in roles else None,
-            dtypes={role: frozenset(dtypes) for role in roles
-                    if (dtypes := getattr(backend.capabilities(role), "dtypes", None)) is not None},  # type: ignore[arg-type]
+            dtypes=declared_dtypes(backend),
         )
 
     @classmethod
@@ -242,6 +241,13 @@ def declared_roles(backend: InstalledBackend) -> frozenset[str]:
     """The roles an installed backend provides: those its ``BackendSpec.roles`` declares (the one
     source of both routes: the installed backend, and factories checked under its name)."""
     return frozenset(backend.spec.roles)
+
+
+def declared_dtypes(backend: InstalledBackend) -> dict[str, frozenset[str]]:
+    """The dtypes each role of an installed backend declares (``capabilities.dtypes``; a role
+    whose capabilities have no dtypes, a reward engine's, is left out)."""
+    return {role: frozenset(dtypes) for role in sorted(declared_roles(backend))
+            if (dtypes := getattr(backend.capabilities(role), "dtypes", None)) is not None}  # type: ignore[arg-type]
 
 
 def _installed(name: str) -> InstalledBackend | None:

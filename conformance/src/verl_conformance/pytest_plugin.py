@@ -65,19 +65,16 @@ def _check_dtype_declared(config: pytest.Config) -> None:
     name, dtype = _backend_name(config), config.getoption("--verl-dtype", None)
     if not name or not dtype or dtype == "float32":
         return
-    from verl_conformance.harness import declared_roles
+    from verl_conformance.harness import declared_dtypes
     from verl_core import VerlError, get_backend
 
     try:
         backend = get_backend(name)
     except VerlError:
         return  # the backend fixture reports it
-    declared = {role: sorted(dtypes) for role in sorted(declared_roles(backend))
-                if (dtypes := getattr(backend.capabilities(role), "dtypes", None)) is not None}  # type: ignore[arg-type]
-    if not declared:
-        return
-    if not any(dtype in d for d in declared.values()):
-        listed = ", ".join(f"{role} {'/'.join(d)}" for role, d in declared.items())
+    declared = declared_dtypes(backend)
+    if declared and not any(dtype in d for d in declared.values()):
+        listed = ", ".join(f"{role} {'/'.join(sorted(d))}" for role, d in declared.items())
         raise pytest.UsageError(
             f"--verl-dtype {dtype}: backend {name!r} declares {dtype} for none of its roles (capabilities.dtypes: "
             f"{listed}); run with --verl-dtype {'/'.join(sorted({t for d in declared.values() for t in d}))}, or "

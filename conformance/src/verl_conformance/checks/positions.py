@@ -174,14 +174,14 @@ def check_rotary_positions_under_left_padding(h: Harness) -> None:
                                forward_lengths=_ROTARY_FORWARD, calibrate=True)
 
 
-def _absolute_position_engine(h: Harness, role: str) -> Any:
-    """A fresh engine of ``role`` on the GPT-2 folder; skips where the role is missing or the backend refuses GPT-2."""
+def _absolute_position_engine(h: Harness, role: str, *, fresh: bool = False) -> Any:
+    """An engine of ``role`` on the GPT-2 folder; skips where the role is missing or the backend refuses GPT-2."""
     if not h.provides(h.subject, role):  # type: ignore[arg-type]
         h.skip(f"backend {h.subject.name!r} provides no {'training' if role == 'actor' else role} engine")
     try:
         if role == "actor":
-            return h.training(model="gpt2", fresh=True)
-        return h.rollout("gpt2", fresh=True)
+            return h.training(model="gpt2", fresh=fresh)
+        return h.rollout("gpt2", fresh=fresh)
     except ConfigError as e:
         h.skip(f"the backend refuses the GPT-2 folder (learned absolute positions, Conv1D layout, tied head), "
                f"which this check needs: {e}")
@@ -193,7 +193,7 @@ def check_absolute_position_model_update(h: Harness) -> None:
     from verl_conformance.checks.numerics import compare_update
     from verl_conformance.losses import suite_losses
 
-    _absolute_position_engine(h, "actor")
+    _absolute_position_engine(h, "actor")  # the cached engine: does the backend take GPT-2 at all
     compare_update(h, suite_losses()[0], "gpt2", h.batch(seed=94, rl_fields=True))
 
 
@@ -202,7 +202,7 @@ def check_absolute_position_model_sync(h: Harness) -> None:
     """A rollout engine on the GPT-2 folder, synced with a stream of the same model with every tensor changed, serves the sent weights (rollout_log_probs equal the float64 reference of the sent folder); a backend that refuses GPT-2 skips."""
     from verl_conformance.checks.weight_sync import folder_stream
 
-    engine = _absolute_position_engine(h, "rollout")
+    engine = _absolute_position_engine(h, "rollout", fresh=True)  # its weights are overwritten
     if not engine.capabilities.weight_update:
         h.skip("backend declares weight_update=False")
     params = SamplingParams(temperature=1.0, max_new_tokens=_RESPONSE, seed=7)
@@ -225,7 +225,7 @@ _TABLE = 512  # n_positions of the test kit's GPT-2 folder
 @check("robustness")
 def check_position_table_limit_refused(h: Harness) -> None:
     """An engine on the GPT-2 folder (a learned table of 512 positions) asked for max_prompt_len + max_response_len = 600 + 8 refuses at build with ConfigError, instead of indexing past the table on its first long batch; a backend that refuses GPT-2 skips."""
-    tested = []
+    tested = False
     for role in ("actor", "rollout"):
         if not h.provides(h.subject, role):
             continue
@@ -233,7 +233,7 @@ def check_position_table_limit_refused(h: Harness) -> None:
             h.training(model="gpt2") if role == "actor" else h.rollout("gpt2")
         except ConfigError:
             continue  # GPT-2 refused at any length
-        tested.append(role)
+        tested = True
         try:
             if role == "actor":
                 h.training(model="gpt2", fresh=True, max_prompt_len=600, max_response_len=8)

@@ -444,27 +444,14 @@ _REWARD_MODEL_KEY: Final = (
 )
 
 
-def _architectures(path: str) -> list[str]:
-    """The ``architectures`` of the folder's config (empty when it names none or cannot be read: loading says why)."""
+def _folder_config(path: str) -> Any:
+    """The folder's transformers config, or None when it cannot be read (loading then says why)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError):
-        return []
-    return list(getattr(config, "architectures", None) or [])
-
-
-def _learned_positions(path: str) -> int | None:
-    """The size of the folder's learned position table (GPT-2's ``n_positions``; None: none, or unreadable)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError):
         return None
-    size = getattr(config, "n_positions", None)
-    return size if isinstance(size, int) else None
 
 
 def load_model(
@@ -498,8 +485,9 @@ def load_model(
     import transformers
 
     path = str(path)
-    table = _learned_positions(path) if sequence_len is not None else None
-    if table is not None and sequence_len is not None and sequence_len > table:
+    config = _folder_config(path) if sequence_len is not None or kind == "reward" else None
+    table = getattr(config, "n_positions", None)  # a learned position table (GPT-2); rotary models have none
+    if isinstance(table, int) and sequence_len is not None and sequence_len > table:
         raise ConfigError(
             f"model {path!r} has a learned position table of n_positions={table}, but the engine's sequences reach "
             f"max_prompt_len + max_response_len = {sequence_len} positions; lower them in the EngineSpec to at most "
@@ -515,7 +503,7 @@ def load_model(
     if kind != "causal_lm":
         kwargs["num_labels"] = 1
     if kind == "reward":  # before the weights load: a causal LM's folder is refused at once
-        archs = _architectures(path)
+        archs = list(getattr(config, "architectures", None) or [])
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
             raise ConfigError(
                 f"reward model {path!r} has architectures {archs}; expected a "
