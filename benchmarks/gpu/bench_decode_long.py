@@ -13,10 +13,12 @@ over the sum of those reads, and the ratio is what the engine reached of it. Pre
 are not in the bound, so a ratio near 1 is out of reach at short lengths.
 
 Variants (``--variant NAME=JSON``, repeatable; JSON is the hf engine's options): by default the
-engine's defaults (on CUDA: static cache, torch.compile, CUDA graphs and attention over cache
-windows) and ``whole-cache`` (``rollout_decode_window=0``: every step attends over the whole
-preallocated cache, as before the windows), plus on CUDA ``fused-kernel``
-(``rollout_decode_kernel=True``: the windows' attention in one fused Triton kernel). ``--size tiny --device cpu`` is a smoke run of the
+engine's defaults (on CUDA: static cache, torch.compile, CUDA graphs, attention over cache
+windows in the fused kernel) and ``whole-cache`` (``rollout_decode_window=0`` and
+``rollout_decode_kernel=False``: every step attends over the whole preallocated cache through
+matrix products, as before the windows and the kernel), plus on CUDA ``matmul-attention``
+(``rollout_decode_kernel=False``: the windows' attention as two matrix products around a softmax
+instead of the default's fused Triton kernel). ``--size tiny --device cpu`` is a smoke run of the
 script on a CPU (float32), not a measurement.
 """
 
@@ -42,7 +44,7 @@ SIZES = {
     "tiny": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
              "intermediate_size": 256, "vocab_size": 512},
 }
-DEFAULT_VARIANTS = {"default": {}, "whole-cache": {"rollout_decode_window": 0}}
+DEFAULT_VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "whole-cache": {"rollout_decode_window": 0, "rollout_decode_kernel": False}}
 
 
 def bound(spec: TinyModelSpec, rows: int, width: int, steps: int, dtype_bytes: int, bandwidth: float) -> dict[str, float]:
@@ -91,7 +93,7 @@ def main() -> None:
     dtype_bytes = 2 if cuda else 4
     variants = dict(DEFAULT_VARIANTS)
     if cuda:
-        variants["fused-kernel"] = {"rollout_decode_kernel": True}
+        variants["matmul-attention"] = {"rollout_decode_kernel": False}
     if args.variant:
         variants = {name: json.loads(text) for name, _, text in (v.partition("=") for v in args.variant)}
     size = SIZES[args.size]

@@ -4,9 +4,9 @@
 # metrics (wall time per step, reward, evaluation) and saves it with the run's files under $OUT.
 # With --tool: an SFT warm start on conversations that call the Python tool, then GRPO with the tool.
 #
-# Here, on the CPU machine, once: the project's wheels and annotated-types (benchmarks/gpu/prepare.sh),
-# then the wheels of the `datasets` library (4.8.5, as carried before), which the GPU image lacks:
-#   bash benchmarks/gpu/prepare.sh && bash benchmarks/gpu/run_math_example.sh --wheels
+# Here, on the CPU machine, once: the project's wheels, annotated-types and the `datasets` library's
+# wheels (4.8.5), which the GPU image lacks:
+#   bash benchmarks/gpu/prepare.sh
 # On the GPU machine, from the repository root with .whl carried (or with the project installed):
 #   bash benchmarks/gpu/run_math_example.sh [STEPS (default 5)] [key=value overrides of verl train...]
 # Writes under $OUT (default /tmp/out): math-summary.md, math-summary.json, math-metrics.jsonl,
@@ -31,12 +31,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-if [ "${1:-}" = "--wheels" ]; then  # CPU side: what the GPU image lacks (datasets and two packages of its)
-  mkdir -p .whl
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "datasets==4.8.5" "dill==0.4.1" "multiprocess==0.70.19"
-  ls -la .whl
+if [ "${1:-}" = "--wheels" ]; then  # CPU side: what the GPU image lacks (datasets and two packages of its, with this project's wheels)
+  bash benchmarks/gpu/prepare.sh
   exit 0
 fi
 

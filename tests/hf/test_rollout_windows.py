@@ -154,7 +154,15 @@ def test_the_fused_decode_kernel_option_is_validated_per_device_and_dtype(monkey
     import verl_core.enginekit.decode_attention as decode_attention
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
-    assert not HFOptions().fused_decode(cuda, bf16)  # off unless asked for
+    # unset: on exactly where it can run, never an error
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: object())
+    assert HFOptions().fused_decode(cuda, bf16) and HFOptions().fused_decode(cuda, torch.float16)
+    assert not HFOptions().fused_decode(cpu, bf16) and not HFOptions().fused_decode(cuda, torch.float32)
+    assert not HFOptions(attn_implementation="eager").fused_decode(cuda, bf16)
+    assert not HFOptions(rollout_decode_kernel=False).fused_decode(cuda, bf16)
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: None)
+    assert not HFOptions().fused_decode(cuda, bf16)
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device .* runs on cpu in bfloat16"):
         HFOptions(rollout_decode_kernel=True).fused_decode(cpu, bf16)
     with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device .* in float32"):
@@ -169,6 +177,7 @@ def test_the_fused_decode_kernel_option_is_validated_per_device_and_dtype(monkey
     # an engine that runs no kernel says so in its decode mode; one that does says that
     e = engine(rollout_cache="static", rollout_decode_window=36)
     assert e.decode_mode == "static+windows" and e.model.config._attn_implementation == GROUPED_SDPA
+    assert e._options.rollout_decode_kernel is False  # resolved: the CPU engine runs no kernel
     assert decode_mode(dataclasses.replace(e._options, rollout_decode_kernel=True)) == "static+windows+fused-attention"
     with pytest.raises(ConfigError, match="rollout_decode_kernel=True needs a CUDA device"):
         engine(rollout_decode_kernel=True)

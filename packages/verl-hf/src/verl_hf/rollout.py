@@ -15,6 +15,7 @@ cache) so every detail of the contract is under its control:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -132,7 +133,9 @@ class HFRolloutEngine(RolloutEngineBase):
         self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None
         self._model.requires_grad_(False)
         # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
-        self._options = self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config))
+        self._options = dataclasses.replace(
+            self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config)),
+            rollout_decode_kernel=fused)
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._tokenizer = load_tokenizer(spec.model_path, self._vocab_size)
         self._weights: dict[str, Tensor] | None = None

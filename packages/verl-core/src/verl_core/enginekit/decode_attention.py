@@ -10,7 +10,6 @@ float32 softmax.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -21,16 +20,22 @@ __all__ = ["fused_decode_kernel", "fused_decode_takes", "grouped_decode_attentio
 FusedKernel = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
 
-@functools.cache
+_KERNEL: list[FusedKernel | None] = []
+"""The kernel once looked up (a plain list rather than ``functools.cache``: dynamo traces a list read
+inside a compiled decode step without a warning)."""
+
+
 def fused_decode_kernel() -> FusedKernel | None:
     """The fused Triton decode-attention kernel, or None where Triton is not installed."""
-    try:
-        from verl_core.enginekit import _triton_decode
-    except ImportError:
-        return None
-    kernel: FusedKernel = torch.ops.verl_core.decode_attention
-    del _triton_decode
-    return kernel
+    if not _KERNEL:
+        try:
+            from verl_core.enginekit import _triton_decode
+        except ImportError:
+            _KERNEL.append(None)
+        else:
+            del _triton_decode
+            _KERNEL.append(torch.ops.verl_core.decode_attention)
+    return _KERNEL[0]
 
 
 def fused_decode_takes(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> bool:
