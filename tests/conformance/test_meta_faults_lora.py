@@ -21,7 +21,8 @@ BROKEN_SRC = Path(__file__).resolve().parents[1] / "plugins" / "verl-broken-back
 ALL = ["numerics::lora_forward_and_grads_match_reference", "numerics::lora_base_forward_is_base_model",
        "stateful::lora_base_unchanged", "weight_sync::lora_sync_serves_merged_weights",
        "stateful::lora_checkpoint_round_trip", "stateful::lora_forwards_on_two_threads",
-       "numerics::lora_dropout_only_while_training"]
+       "numerics::lora_dropout_only_while_training", "numerics::lora_fresh_adapter_is_seeded",
+       "weight_sync::lora_adapter_stream_version"]
 
 FAULTS = [
     # (backend, checks to run, checks that must fail, fragments the message must contain)
@@ -44,6 +45,10 @@ FAULTS = [
      ["forward of an engine with LoraSpec.dropout=0.5 gave different log_probs on two calls"]),
     ("broken-lora-dropout-ignored", [ALL[0], ALL[6]], ALL[6:7],
      ["the adapter's dropout is not applied while training"]),
+    ("broken-lora-unseeded-init", [ALL[0], ALL[7]], ALL[7:8],
+     ["differs between two engines built from the same spec: A must be a deterministic function of spec.seed"]),
+    ("broken-lora-adapter-version", [ALL[0], ALL[8]], ALL[8:9],
+     ["export_adapter after 1 optimizer step(s) streams version 0 (commit 0)"]),
 ]
 
 

@@ -53,6 +53,8 @@ from verl_core import (
     StreamWeightSync,
     TensorBatch,
     TrainingEngine,
+    WeightCommit,
+    WeightManifest,
     WeightSync,
 )
 from verl_core.enginekit.lora import LORA_A, LORA_B, write_adapter_folder
@@ -408,3 +410,48 @@ def check_lora_dropout_only_while_training(h: Harness) -> None:
              f"the update's forward of an engine with LoraSpec.dropout={_DROPOUT} gave forward's log-probs (mean "
              f"squared difference {metrics['loss']:.2e} over response tokens): the adapter's dropout is not applied "
              "while training")
+
+
+@check("numerics", gates=("training.lora",))
+def check_lora_fresh_adapter_is_seeded(h: Harness) -> None:
+    """An adapter started without LoraSpec.init_path has B = 0 and a nonzero A that is a deterministic function of EngineSpec.seed: two engines built from the same spec export the same adapter, bit for bit, and one update of each gives the same loss and adapter (two runs with one seed train alike)."""
+    spec = dataclasses.replace(_lora(h), init_path="")
+    engines = [h.training(fresh=True, lora=spec, seed=7) for _ in range(2)]
+    first, second = (_adapter(e) for e in engines)
+    what = "export_adapter of a fresh LoRA engine (LoraSpec.init_path empty, EngineSpec.seed=7)"
+    h.expect(bool(first) and set(first) == set(second), f"{what}: two engines built from one spec stream different "
+             f"names ({sorted(set(first) ^ set(second))[:3]})")
+    for name, t in first.items():
+        if name.endswith(LORA_B):
+            h.expect(not t.any(), f"{what}: {name} is not zero; B starts at zero so step 0 is the base model")
+        if name.endswith(LORA_A):
+            h.expect(bool(t.any()), f"{what}: {name} is all zeros; with B = 0 too no gradient would reach the adapter")
+        h.expect(torch.equal(t, second[name]), f"{what}: {name} differs between two engines built from the same spec: "
+                 "A must be a deterministic function of spec.seed (draw it from a generator seeded with it, not the "
+                 "global generator's state or the clock), or two runs with one seed train differently")
+    batch = h.batch(seed=93, rl_fields=True)
+    (loss_a, _), (loss_b, _) = (_update(e, batch) for e in engines)
+    h.scalar_close(loss_a, loss_b, "loss", f"{what}: the loss of the first update of two engines built from one spec")
+    updated = _adapter(engines[1])
+    for name, t in _adapter(engines[0]).items():
+        h.close_to(t.float(), updated[name].float(), "weights",
+                   f"{what}: {name} after one update of two engines built from one spec")
+
+
+@check("weight_sync", gates=("training.lora",))
+def check_lora_adapter_stream_version(h: Harness) -> None:
+    """export_adapter streams manifest, chunks, commit, whose version (manifest and commit) is the count of applied optimizer steps: 0 as built, then 1 and 2 after two updates, as export_weights'."""
+    engine = h.training(fresh=True, lora=_lora(h))
+    for steps in range(3):
+        if steps:
+            _update(engine, h.batch(seed=93 + steps, rl_fields=True))
+        msgs, _ = collect_stream(engine.export_adapter())
+        manifest, commit = msgs[0], msgs[-1]
+        h.expect(isinstance(manifest, WeightManifest) and isinstance(commit, WeightCommit),
+                 f"export_adapter must stream manifest, chunks, commit; got {type(manifest).__name__} first and "
+                 f"{type(commit).__name__} last")
+        assert isinstance(manifest, WeightManifest) and isinstance(commit, WeightCommit)
+        h.expect(manifest.version == commit.version == steps,
+                 f"export_adapter after {steps} optimizer step(s) streams version {manifest.version} (commit "
+                 f"{commit.version}); the version is the count of applied optimizer steps ({steps}), as in "
+                 "export_weights: a rollout served the adapter reports it as its weight_version")

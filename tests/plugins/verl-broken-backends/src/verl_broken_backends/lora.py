@@ -9,12 +9,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
 from verl_broken_backends.plugin import BrokenHFBackend
-from verl_core import EngineSpec, ModelOutput, TensorBatch, WeightMessage
+from verl_core import (
+    EngineSpec,
+    ModelOutput,
+    TensorBatch,
+    WeightCommit,
+    WeightManifest,
+    WeightMessage,
+)
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_hf import checkpoint as ckpt
 from verl_hf.optim import HFOptimizer
 from verl_hf.rollout import HFRolloutEngine
@@ -22,6 +30,7 @@ from verl_hf.training import HFTrainingEngine
 
 __all__ = [
     "AdapterSyncDropsFull",
+    "AdapterVersionZero",
     "BaseForwardKeepsAdapter",
     "BaseForwardKeepsTrainedFull",
     "BaseForwardSharedSwitch",
@@ -32,6 +41,7 @@ __all__ = [
     "LoadKeepsStaleMasters",
     "MergedStreamUnmerged",
     "ScaleIsAlpha",
+    "UnseededAdapterInit",
     "lora_base_forward",
     "lora_base_forward_full",
     "lora_base_trained",
@@ -43,6 +53,8 @@ __all__ = [
     "lora_stale_masters",
     "lora_sync_drops_full",
     "lora_unmerged_stream",
+    "lora_unseeded_init",
+    "lora_version_zero",
 ]
 
 _LORA = "verl_broken_backends.lora"
@@ -211,6 +223,32 @@ class DropoutIgnored(HFTrainingEngine):
                 dropouts[key] = torch.nn.Identity()
 
 
+class UnseededAdapterInit(HFTrainingEngine):
+    """A fresh adapter's A is drawn from the operating system's entropy, not from spec.seed."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if self.lora is not None and spec.lora is not None and not spec.lora.init_path:
+            g = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    if "lora_A" in name:
+                        param.copy_(0.1 * torch.randn(param.shape, generator=g))
+
+
+class AdapterVersionZero(HFTrainingEngine):
+    """export_adapter streams version 0 whatever the step count."""
+
+    def export_adapter(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
+        for msg in super().export_adapter(bucket_bytes=bucket_bytes):
+            if isinstance(msg, WeightManifest):
+                yield dataclasses.replace(msg, version=0)
+            elif isinstance(msg, WeightCommit):
+                yield WeightCommit(0)
+            else:
+                yield msg
+
+
 lora_scale = BrokenHFBackend("broken-lora-scale", "the LoRA update is scaled by alpha, not alpha / rank",
                              "actor", f"{_LORA}:ScaleIsAlpha")
 lora_base_trained = BrokenHFBackend("broken-lora-base-trained", "the base weights train beside the adapter",
@@ -236,6 +274,11 @@ lora_dropout_ignored = BrokenHFBackend("broken-lora-dropout-ignored", "LoraSpec.
                                       f"{_LORA}:DropoutIgnored")
 lora_sync_drops_full = BrokenHFBackend("broken-lora-sync-full", "the adapter sync ignores the fully trained modules' "
                                        "tensors (LoraSpec.full)", "rollout", f"{_LORA}:AdapterSyncDropsFull")
+
+lora_unseeded_init = BrokenHFBackend("broken-lora-unseeded-init", "a fresh adapter's A comes from the OS's entropy, not "
+                                     "spec.seed", "actor", f"{_LORA}:UnseededAdapterInit")
+lora_version_zero = BrokenHFBackend("broken-lora-adapter-version", "export_adapter streams version 0 after steps",
+                                    "actor", f"{_LORA}:AdapterVersionZero")
 
 
 def verl_plugins() -> str:
