@@ -84,6 +84,8 @@ FAULTS = [
      ["reward::scores_independent_of_batch"], ["each sample scored alone"]),
     ("broken-reward-last-column", ["reward::scores_follow_input_order", "reward::scores_independent_of_batch"],
      ["reward::scores_independent_of_batch"], ["each sample scored alone"]),
+    ("broken-reward-one-token-early", ["reward::scores_independent_of_batch", "reward::scores_match_reference"],
+     ["reward::scores_match_reference"], ["vs the float64 reference of the reward folder", "last real token"]),
     ("broken-reward-noisy", ["reward::scores_deterministic"], ["reward::scores_deterministic"],
      ["two score() calls on one batch differ"]),
     ("broken-reward-tokenizer", ["reward::scores_independent_of_batch", "reward::cross_tokenizer_scores"],
@@ -181,6 +183,7 @@ def test_reward_checks_pass_on_reward_functions() -> None:
         status = {r.id: (r.status, r.message) for r in report.results}
         assert status.pop("reward::cross_tokenizer_scores")[0] == "skipped"  # they expose no `tokenizer`
         assert status.pop("reward::declared_devices")[0] == "skipped"  # they declare only the CPU
+        assert status.pop("reward::scores_match_reference")[0] == "skipped"  # not a classification head
         assert {s for s, _ in status.values()} == {"passed"}, status
 
 

@@ -190,6 +190,36 @@ def check_scores_independent_of_batch(h: Harness) -> None:
         _same(h, got, base, f"with micro_batch_size={size} vs one micro-batch")
 
 
+def _reference_scores(folder: str, batch: TensorBatch) -> Tensor:
+    """The float64 scores of the sequence-classification folder: each sample's real prompt and response
+    tokens alone, through the backbone, the head read at the last of them (never located by the pad id)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float64).eval()
+    scores = []
+    with torch.no_grad():
+        for i in range(batch.batch_size):
+            ids = torch.cat([batch["prompt_ids"][i][batch["prompt_mask"][i].bool()],
+                             batch["response_ids"][i][batch["response_mask"][i].bool()]]).cpu()
+            hidden = model.base_model(input_ids=ids[None]).last_hidden_state
+            scores.append(model.score(hidden[0, -1])[0])
+    return torch.stack(scores)
+
+
+@check("reward", gates=("reward.sequence_classifier",))
+def check_scores_match_reference(h: Harness) -> None:
+    """An engine that declares sequence_classifier scores each sample as the float64 reference of the folder's sequence-classification model: the head read at the last real token of prompt + response (EOS included, an empty response at the prompt's last token)."""
+    engine = h.reward()
+    if not engine.capabilities.sequence_classifier:
+        h.skip("the engine declares sequence_classifier=False (its scores are not a folder's classification head)")
+    batch = _batch(h, seed=74)
+    got = _scores(h, engine, batch, "reward::scores_match_reference")
+    want = _reference_scores(h.model_path("reward"), batch)
+    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+    h.close_to(got, want, "values", f"scores of {batch.batch_size} samples of {lengths} real tokens vs the float64 "
+               "reference of the reward folder (the head at the last real token of prompt + response)")
+
+
 @check("reward", gates=("reward.scores",))
 def check_scores_deterministic(h: Harness) -> None:
     """Scoring a batch twice, or with a second engine of the same spec, gives identical scores."""

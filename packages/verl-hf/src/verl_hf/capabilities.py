@@ -52,6 +52,6 @@ ROLLOUT_CAPABILITIES = RolloutCapabilities(
 """Capabilities of the rollout engine (its own sampling loop over the model with a KV cache)."""
 
 REWARD_CAPABILITIES = RewardCapabilities(
-    scores=True, token_scores=False, needs_text=False, devices=frozenset({"cpu", "cuda"})
+    scores=True, token_scores=False, needs_text=False, sequence_classifier=True, devices=frozenset({"cpu", "cuda"})
 )
 """Capabilities of the reward-model engine."""

@@ -128,6 +128,11 @@ class RewardCapabilities:
     """Produces per-token scores."""
     needs_text: bool = False
     """Scores decoded text (and so needs a tokenizer), not token ids."""
+    sequence_classifier: bool = False
+    """Its ``scores`` are the sequence-classification head of the model folder it was built on
+    (``EngineSpec.model_path``) read at the last real token of prompt + response, as transformers'
+    ``...ForSequenceClassification`` reads it: a reward model. The suite then compares them with a
+    float64 reference (``reward::scores_match_reference``); reward functions and other scorers leave it False."""
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
     """Device types the engine runs on."""
 

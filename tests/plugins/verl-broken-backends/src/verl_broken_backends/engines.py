@@ -61,6 +61,7 @@ __all__ = [
     "OffloadLosesTensor",
     "LengthSortedScores",
     "NaNScoresZeroed",
+    "ScoreOneTokenEarly",
     "NoisyScores",
     "OptimizerStateDropped",
     "RankSeededRollout",
@@ -439,6 +440,19 @@ class LastColumnScores(HFRewardEngine):
         ids, mask, pos = sequence_inputs(chunk)
         out = self._model.base_model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
         scores: Tensor = self._head(out.last_hidden_state[:, -1])[:, 0].float()
+        return scores
+
+
+class ScoreOneTokenEarly(HFRewardEngine):
+    """Reads the score one real token early (the token before the last of prompt + response)."""
+
+    def _score(self, chunk: TensorBatch) -> Tensor:
+        ids, mask, pos = sequence_inputs(chunk)
+        out = self._model.base_model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
+        last = (mask.long() * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
+        early = torch.clamp(last - 1, min=0)
+        hidden = out.last_hidden_state
+        scores: Tensor = self._head(hidden[torch.arange(hidden.shape[0], device=hidden.device), early])[:, 0].float()
         return scores
 
 

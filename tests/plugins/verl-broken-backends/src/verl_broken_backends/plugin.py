@@ -41,6 +41,7 @@ __all__ = [
     "reward_last_column",
     "reward_nan_zeroed",
     "reward_noisy",
+    "reward_one_token_early",
     "reward_order",
     "reward_scores_missing",
     "reward_special_tokens_text",
@@ -183,6 +184,8 @@ reward_batch_centered = BrokenHFBackend("broken-reward-centered", "scores are ce
                                         "reward", f"{_ENGINES}:BatchCenteredScores")
 reward_last_column = BrokenHFBackend("broken-reward-last-column", "the score is read at the last column, not the "
                                      "last real token", "reward", f"{_ENGINES}:LastColumnScores")
+reward_one_token_early = BrokenHFBackend("broken-reward-one-token-early", "the score is read one real token "
+                                         "early", "reward", f"{_ENGINES}:ScoreOneTokenEarly")
 reward_noisy = BrokenHFBackend("broken-reward-noisy", "scores carry unseeded noise", "reward", f"{_ENGINES}:NoisyScores")
 reward_bos_tokenizer = BrokenHFBackend("broken-reward-tokenizer", "the engine's tokenizer prepends BOS on encode",
                                        "reward", f"{_ENGINES}:BosAddingRewardTokenizer")
