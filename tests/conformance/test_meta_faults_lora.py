@@ -22,7 +22,7 @@ ALL = ["numerics::lora_forward_and_grads_match_reference", "numerics::lora_base_
        "stateful::lora_base_unchanged", "weight_sync::lora_sync_serves_merged_weights",
        "stateful::lora_checkpoint_round_trip", "stateful::lora_forwards_on_two_threads",
        "numerics::lora_dropout_only_while_training", "numerics::lora_fresh_adapter_is_seeded",
-       "weight_sync::lora_adapter_stream_version"]
+       "weight_sync::lora_adapter_stream_version", "numerics::lora_lm_head_target"]
 
 FAULTS = [
     # (backend, checks to run, checks that must fail, fragments the message must contain)
@@ -49,6 +49,8 @@ FAULTS = [
      ["differs between two engines built from the same spec: A must be a deterministic function of spec.seed"]),
     ("broken-lora-adapter-version", [ALL[0], ALL[8]], ALL[8:9],
      ["export_adapter after 1 optimizer step(s) streams version 0 (commit 0)"]),
+    ("broken-lora-lm-head", [ALL[0], ALL[9]], ALL[9:10],
+     ["log_probs vs the float64 reference with every target merged, lm_head included"]),
 ]
 
 

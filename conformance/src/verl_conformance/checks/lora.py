@@ -58,6 +58,7 @@ from verl_core import (
     WeightSync,
 )
 from verl_core.enginekit.lora import LORA_A, LORA_B, write_adapter_folder
+from verl_core.kernel.engine import DEFAULT_LORA_TARGETS
 
 _SCALE = LORA_ALPHA / LORA_RANK
 _TEMPERATURES = (1.0, 0.7)
@@ -455,3 +456,29 @@ def check_lora_adapter_stream_version(h: Harness) -> None:
                  f"export_adapter after {steps} optimizer step(s) streams version {manifest.version} (commit "
                  f"{commit.version}); the version is the count of applied optimizer steps ({steps}), as in "
                  "export_weights: a rollout served the adapter reports it as its weight_version")
+
+
+_LM_HEAD_TARGETS = (*DEFAULT_LORA_TARGETS, "lm_head")  # the seven projections and the untied LM head
+
+
+@check("numerics", gates=("training.lora",))
+def check_lora_lm_head_target(h: Harness) -> None:
+    """With lm_head among LoraSpec.targets on the untied Llama (the crafted nonzero adapter on it and on the seven projections), log_probs equal the float64 reference of every W + alpha/rank * B A, the LM head's included, and export_weights streams lm_head.weight merged."""
+    spec = lora_spec(targets=_LM_HEAD_TARGETS)
+    if not h.training().capabilities.lora:
+        h.skip("backend declares lora=False (it trains no LoRA adapters)")
+    engine = h.training(fresh=True, lora=spec)
+    what = f"an engine with LoraSpec.targets={list(_LM_HEAD_TARGETS)} on the untied Llama"
+    adapter = _adapter(engine)
+    h.expect("lm_head" + LORA_A in adapter and "lm_head" + LORA_B in adapter,
+             f"{what}: export_adapter streams no lm_head.lora_A/B.weight; an untied lm_head is a linear module "
+             "a target pattern may name, so it gets an adapter like the projections")
+    batch = h.batch(seed=95, rl_fields=True)
+    merged = merged_model(targets=_LM_HEAD_TARGETS)
+    got = engine.forward(batch, ["log_probs"])["log_probs"]
+    ref = cached_outputs(str(merged), batch, ("log_probs",))["log_probs"]
+    h.close_to(got, ref, "log_probs", f"{what}: log_probs vs the float64 reference with every target merged, lm_head "
+               "included (logits computed from lm_head.weight alone leave its adapter out)", mask=batch["response_mask"])
+    exported = exported_weights(engine)
+    h.close_to(exported["lm_head.weight"].float(), folder_weights(str(merged))["lm_head.weight"].float(), "weights",
+               f"{what}: lm_head.weight of export_weights vs W + alpha/rank * B A")

@@ -39,42 +39,54 @@ def target_weights(base: Path, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) 
     return out
 
 
-def lora_adapter(spec: TinyModelSpec = _LLAMA, seed: int = 0, *, spread: float = 0.05) -> Path:
-    """A PEFT adapter folder for ``tiny_model(spec)`` on every attention and MLP projection, with
-    rank :data:`LORA_RANK`, alpha :data:`LORA_ALPHA` and seeded nonzero ``A`` and ``B`` of ``spread``."""
+def _recipe(targets: tuple[str, ...]) -> dict[str, object]:
+    """The targets' part of a folder's recipe (none for the default targets, so their folders keep their names)."""
+    return {} if targets == DEFAULT_LORA_TARGETS else {"targets": list(targets)}
+
+
+def lora_adapter(spec: TinyModelSpec = _LLAMA, seed: int = 0, *, spread: float = 0.05,
+                 targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> Path:
+    """A PEFT adapter folder for ``tiny_model(spec)`` on every linear module ``targets`` match (by default
+    every attention and MLP projection), with rank :data:`LORA_RANK`, alpha :data:`LORA_ALPHA` and
+    seeded nonzero ``A`` and ``B`` of ``spread``."""
 
     def build(out: Path) -> None:
         base = tiny_model(spec)
         tensors: dict[str, torch.Tensor] = {}
-        for module, (n_out, n_in) in sorted(target_weights(base).items()):
+        for module, (n_out, n_in) in sorted(target_weights(base, targets).items()):
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(module.encode()))
             tensors[module + LORA_A] = spread * torch.randn(LORA_RANK, n_in, generator=g)
             tensors[module + LORA_B] = spread * torch.randn(n_out, LORA_RANK, generator=g)
-        write_adapter_folder(out, LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA), tensors, base_model=str(base),
-                             tied=spec.tied)
+        write_adapter_folder(out, LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, targets=targets), tensors,
+                             base_model=str(base), tied=spec.tied)
 
     return _crafted("lora-adapter", {"base": asdict(spec), "seed": seed, "spread": spread,
-                                     "rank": LORA_RANK, "alpha": LORA_ALPHA}, build)
+                                     "rank": LORA_RANK, "alpha": LORA_ALPHA, **_recipe(targets)}, build)
 
 
-def lora_spec(spec: TinyModelSpec = _LLAMA, seed: int = 0) -> LoraSpec:
+def lora_spec(spec: TinyModelSpec = _LLAMA, seed: int = 0, *,
+              targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> LoraSpec:
     """The LoraSpec of :func:`lora_adapter`, starting from it (``init_path``)."""
-    return LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, init_path=str(lora_adapter(spec, seed)))
+    return LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, targets=targets,
+                    init_path=str(lora_adapter(spec, seed, targets=targets)))
 
 
-def merged_model(spec: TinyModelSpec = _LLAMA, seed: int = 0) -> Path:
+def merged_model(spec: TinyModelSpec = _LLAMA, seed: int = 0, *,
+                 targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> Path:
     """``tiny_model(spec)`` with each target weight ``W + alpha / rank * B A`` of :func:`lora_adapter`,
     computed and saved in float64 (other tensors as they are)."""
 
     def build(out: Path) -> None:
         base = tiny_model(spec)
-        adapter = read_adapter_folder(lora_adapter(spec, seed), LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA))
+        adapter = read_adapter_folder(lora_adapter(spec, seed, targets=targets),
+                                      LoraSpec(rank=LORA_RANK, alpha=LORA_ALPHA, targets=targets))
         w = _weights(base)
         scale = LORA_ALPHA / LORA_RANK
-        for module in target_weights(base):
+        for module in target_weights(base, targets):
             a, b = adapter[module + LORA_A].double(), adapter[module + LORA_B].double()
             w[module + ".weight"] = w[module + ".weight"].double() + scale * (b @ a)
         _copy_with_weights(base, out, w)
 
     # keyed by the adapter's folder, whose name carries its own recipe's hash
-    return _crafted("lora-merged", {"base": asdict(spec), "adapter": lora_adapter(spec, seed).name}, build)
+    return _crafted("lora-merged", {"base": asdict(spec), "adapter": lora_adapter(spec, seed, targets=targets).name},
+                    build)

@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointWithoutAdapterMoments",
     "DropoutAlwaysOn",
     "DropoutIgnored",
+    "LmHeadAdapterBypassed",
     "LoadKeepsStaleMasters",
     "MergedStreamUnmerged",
     "ScaleIsAlpha",
@@ -49,6 +50,7 @@ __all__ = [
     "lora_dropout_always_on",
     "lora_dropout_ignored",
     "lora_forward_switch",
+    "lora_lm_head_bypassed",
     "lora_scale",
     "lora_stale_masters",
     "lora_sync_drops_full",
@@ -223,6 +225,17 @@ class DropoutIgnored(HFTrainingEngine):
                 dropouts[key] = torch.nn.Identity()
 
 
+class LmHeadAdapterBypassed(HFTrainingEngine):
+    """The logits come from lm_head's base weight alone: its adapter is left out of forward (the merged
+    export still includes it)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        for name, module in self.model.named_modules():
+            if name.endswith("lm_head") and hasattr(module, "base_layer"):
+                module.forward = module.base_layer.forward
+
+
 class UnseededAdapterInit(HFTrainingEngine):
     """A fresh adapter's A is drawn from the operating system's entropy, not from spec.seed."""
 
@@ -279,6 +292,9 @@ lora_unseeded_init = BrokenHFBackend("broken-lora-unseeded-init", "a fresh adapt
                                      "spec.seed", "actor", f"{_LORA}:UnseededAdapterInit")
 lora_version_zero = BrokenHFBackend("broken-lora-adapter-version", "export_adapter streams version 0 after steps",
                                     "actor", f"{_LORA}:AdapterVersionZero")
+
+lora_lm_head_bypassed = BrokenHFBackend("broken-lora-lm-head", "the LM head's adapter is left out of the logits",
+                                        "actor", f"{_LORA}:LmHeadAdapterBypassed")
 
 
 def verl_plugins() -> str:
