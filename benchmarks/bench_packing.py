@@ -42,8 +42,8 @@ import torch
 
 from verl_core import BatchMeta, EngineSpec, GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
+from verl_core.enginekit.packed_attention import packed_attention_counts, varlen_attn_available
 from verl_core.trainer.inputs.tiny_model import TinyModelSpec, tiny_model
-from verl_hf.modeling import packed_attention_counts, varlen_attn_available
 from verl_hf.training import HFTrainingEngine
 
 # The 0.89B Llama shape of benchmarks/gpu/bench_gpu.py (SPEC) and its tiny CPU shape (TINY_SPEC).

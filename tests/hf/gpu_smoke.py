@@ -35,7 +35,7 @@ from verl_core import (  # noqa: E402
     StreamWeightSync,
 )
 from verl_core.algorithms import Algorithm  # noqa: E402
-from verl_hf.modeling import packed_attention_counts  # noqa: E402
+from verl_core.enginekit.packed_attention import packed_attention_counts  # noqa: E402
 from verl_hf.rollout import HFRolloutEngine  # noqa: E402
 from verl_hf.training import HFTrainingEngine  # noqa: E402
 

@@ -13,6 +13,7 @@ from hf_helpers import actor_spec, flat_grads, model_path
 from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, tiny_model
 from verl_core import ConfigError, GlobalBatchStats, OptimConfig, TensorBatch
 from verl_core.algorithms import Algorithm
+from verl_core.enginekit.packed_attention import packed_attention_counts
 from verl_core.kernel.batch import partition_by_token_budget
 from verl_core.trainer.batching.scheduler import (
     DynamicBatchScheduler,
@@ -20,7 +21,6 @@ from verl_core.trainer.batching.scheduler import (
     train_mini_batch,
 )
 from verl_hf.config import HFOptions
-from verl_hf.modeling import packed_attention_counts
 from verl_hf.training import HFTrainingEngine
 
 PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)

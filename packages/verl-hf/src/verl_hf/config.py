@@ -75,9 +75,9 @@ class HFOptions:
             False keeps padded micro-batches. A packing engine declares
             ``capabilities.packed_sequences`` and its micro-batch token budget counts real tokens
             (the sum of the sequences' lengths, not size x longest), so a packed micro-batch holds
-            more sequences of a ragged batch under the same budget. An hf
-            backend option: the megatron backend's packed sequences (``PackedSeqParams``) are
-            out of scope and it keeps padded micro-batches.
+            more sequences of a ragged batch under the same budget. The megatron backend has
+            its own ``pack_sequences`` option (megatron-core's ``thd`` format, the same attention:
+            :mod:`verl_core.enginekit.packed_attention`).
         rollout_decode_window: Smallest attention window (cache slots) of a static-cache decode
             step. Each step attends over the smallest of ``w, 2w, 3w, ...`` and the whole cache
             that holds every slot written so far (the step grows past ``w`` to keep a decode to 16

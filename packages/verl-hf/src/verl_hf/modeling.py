@@ -9,7 +9,6 @@ tokens at a time (``verl_core.enginekit.token_stats``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import math
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from verl_core.enginekit.decode_attention import grouped_decode_attention
+from verl_core.enginekit.packed_attention import packed_causal_attention
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
@@ -41,7 +41,6 @@ __all__ = [
     "fused_decode_sdpa",
     "grouped_decode_sdpa",
     "load_model",
-    "packed_attention_counts",
     "packed_sdpa",
     "packing_unsupported",
     "position_ids",
@@ -51,7 +50,6 @@ __all__ = [
     "sequence_inputs",
     "token_outputs",
     "validate_inputs",
-    "varlen_attn_available",
 ]
 
 ModelKind = Literal["causal_lm", "value", "reward"]
@@ -292,65 +290,6 @@ PACKED_SDPA = "verl_packed_sdpa"
 _PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 # How many packed attention calls ran on each kernel (what benchmarks report as the path taken).
-_PACKED_COUNTS = {"varlen_attn": 0, "sdpa_loop": 0}
-
-
-def packed_attention_counts() -> dict[str, int]:
-    """How many packed attention calls ran the flash ``varlen_attn`` kernel or the per-sequence
-    SDPA loop since the process started (per layer and micro-batch)."""
-    return dict(_PACKED_COUNTS)
-
-
-def _varlen_fn() -> Any:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9
-        return None
-    return varlen_attn
-
-
-@functools.cache
-def _varlen_params() -> frozenset[str]:
-    return frozenset(inspect.signature(_varlen_fn()).parameters)
-
-
-def varlen_attn_available(device: torch.device) -> bool:
-    """Whether ``torch.nn.attention.varlen.varlen_attn`` (a CUDA flash kernel, torch >= 2.9) can run on ``device``."""
-    return device.type == "cuda" and _varlen_fn() is not None and torch.cuda.is_available()
-
-
-def _varlen_causal(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int,
-                   scale: float) -> Tensor | None:
-    """Causal flash attention over one packed row (``[1, heads, tokens, dim]`` in, ``[tokens, heads,
-    dim]`` out), or None where the installed ``varlen_attn`` cannot run this call (CPU, float32, an
-    older signature)."""
-    fn = _varlen_fn()
-    if fn is None or query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    # [1, heads, tokens, dim] -> [tokens, heads, dim], the kernel's layout (the projections' own)
-    query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    params = _varlen_params()
-    kw: dict[str, Any] = {}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal: every key up to the query, none after
-    elif "is_causal" in params:  # torch 2.9
-        kw["is_causal"] = True
-    else:
-        return None
-    if "scale" in params:
-        kw["scale"] = scale
-    elif scale != query.shape[-1] ** -0.5:
-        return None
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:  # query head h reads key/value head h // groups, as transformers' repeat_kv lays them out
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    out: Tensor = fn(query, key, value, cu, cu, max_len, max_len, **kw)
-    return out
-
-
 def packed_sdpa(
     module: nn.Module,
     query: Tensor,
@@ -382,20 +321,10 @@ def packed_sdpa(
         raise ValueError("packed attention takes one packed row, no dropout and no sliding window; got "
                          f"{query.shape[0]} rows, dropout {dropout}, sliding_window {kwargs.get('sliding_window')}")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    max_len = int(kwargs.get("max_length_q") or 0)
-    out = _varlen_causal(query, key, value, cu, max_len, scale) if max_len > 0 else None
-    if out is not None:
-        _PACKED_COUNTS["varlen_attn"] += 1
-        return out.unsqueeze(0), None
-    _PACKED_COUNTS["sdpa_loop"] += 1
-    gqa = key.shape[1] != query.shape[1]
-    bounds = [int(b) for b in cu.tolist()]
-    parts = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                       scale=scale, enable_gqa=gqa)
-        for a, b in itertools.pairwise(bounds) if b > a
-    ]
-    return torch.cat(parts, 2).transpose(1, 2), None
+    # [1, heads, tokens, dim] -> [tokens, heads, dim], the packed layout (the projections' own)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = packed_causal_attention(q, k, v, cu, int(kwargs.get("max_length_q") or 0) or None, scale)
+    return out.unsqueeze(0), None
 
 
 def _packed_mask(*args: Any, **kwargs: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.packed_attention import varlen_attn_available
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.enginekit.training_base import TrainingEngineBase
 from verl_core.kernel.batch import TensorBatch
@@ -54,7 +55,6 @@ from verl_hf.modeling import (
     packing_unsupported,
     register_packed_sdpa,
     validate_inputs,
-    varlen_attn_available,
 )
 from verl_hf.offload import Offloader
 from verl_hf.optim import HFOptimizer

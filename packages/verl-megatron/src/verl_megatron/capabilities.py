@@ -27,8 +27,12 @@ def rollout_capabilities() -> RolloutCapabilities:
     )
 
 
-def training_capabilities(role: str) -> TrainingCapabilities:
-    """Capabilities of the Megatron training engine for ``role`` (actor, reference or critic)."""
+def training_capabilities(role: str, *, packed: bool = False) -> TrainingCapabilities:
+    """Capabilities of the Megatron training engine for ``role`` (actor, reference or critic).
+
+    ``packed``: the engine runs its micro-batches packed (``MegatronOptions.pack_sequences``
+    resolved on), so its token budget counts real tokens.
+    """
     critic = role == "critic"
     return TrainingCapabilities(
         log_probs=not critic,
@@ -38,7 +42,7 @@ def training_capabilities(role: str) -> TrainingCapabilities:
         pipeline_parallel=True,
         data_parallel=True,
         micro_batch_tokens=True,
-        packed_sequences=False,
+        packed_sequences=packed,
         gradient_checkpointing=False,
         offload=False,
         checkpoint=True,

@@ -6,6 +6,12 @@ contiguous (prompts are left-padded, responses right-padded), so their positions
 ``0..L-1``, which is exactly ``cumsum(attention_mask) - 1`` of the padded layout, and the padding
 now trails every real token, so a causal mask alone keeps it out of every real token's attention.
 
+Packed (``MegatronOptions.pack_sequences``, pipeline parallel size 1): the real tokens of a
+micro-batch's samples (an empty sample keeps one pad token) are laid end to end in one row and
+run in megatron-core's ``thd`` format with ``PackedSeqParams`` (rotary positions restart per
+sequence; the core attention keeps each sequence to itself, :mod:`verl_megatron.packed`), and
+the partitioner's budget counts real tokens (``packed=True``).
+
 A call's batch is cut by the kernel partitioner under the call's token budget (else the spec's
 budget or size) and handed to ``get_forward_backward_func`` as ``num_microbatches`` (1F1B under
 PP). The loss function's scalar is already normalised by the global counts, so the schedules run
@@ -39,10 +45,12 @@ class _Prepared:
     """A micro-batch in the model's layout."""
 
     batch: TensorBatch
-    tokens: Tensor  # [b, s] shifted left, padding trailing
+    tokens: Tensor  # [b, s] shifted left, padding trailing; packed: [1, total] sequences end to end
     gather_idx: Tensor  # [b, R] column of the logits that predicts response token t
     loss_mask: Tensor  # [b, R] where outputs are kept (TensorBatch.loss_mask: no observation tokens)
     real: int  # samples that are not padding added for uniform pipeline shapes
+    cu_seqlens: Tensor | None = None  # packed: int32 [b + 1] sequence boundaries in ``tokens``
+    max_seqlen: int = 0  # packed: the longest sequence
 
 
 class MicroBatchLoop:
@@ -52,12 +60,17 @@ class MicroBatchLoop:
         stage: The model stage.
         spec: The engine spec (``micro_batch_tokens``, ``micro_batch_size``).
         optimizer: The stage's optimizer (None for a frozen reference): where gradients live.
+        packed: Run each micro-batch without padding (needs pipeline parallel size 1); a token
+            budget then counts the real tokens.
     """
 
-    def __init__(self, stage: Stage, spec: EngineSpec, optimizer: StageOptimizer | None) -> None:
+    def __init__(self, stage: Stage, spec: EngineSpec, optimizer: StageOptimizer | None, *,
+                 packed: bool = False) -> None:
+        assert not packed or stage.pp == 1, "packed micro-batches need pipeline parallel size 1"
         self._s = stage
         self._spec = spec
         self._opt = optimizer
+        self._packed = packed
 
     def _prepare(self, mb: TensorBatch, real: int) -> _Prepared:
         prompt_mask, response_mask = mb["prompt_mask"], mb["response_mask"]
@@ -72,6 +85,8 @@ class MicroBatchLoop:
         r = response_mask.shape[1]
         prompt_len = prompt_mask.sum(1)
         gather_idx = (prompt_len.unsqueeze(1) + torch.arange(r, device=ids.device) - 1).clamp(0, s - 1)
+        if self._packed:
+            return self._pack(mb, tokens, lengths, gather_idx, real)
         if self._s.pp == 1 and b:
             # Without pipeline stages shapes may vary per micro-batch: drop trailing padding.
             width = max(int(lengths.max()), 1)
@@ -80,13 +95,26 @@ class MicroBatchLoop:
         dev = self._s.device
         return _Prepared(mb, tokens.to(dev), gather_idx.to(dev), mb.loss_mask.to(dev), real)
 
+    def _pack(self, mb: TensorBatch, tokens: Tensor, lengths: Tensor, gather_idx: Tensor, real: int) -> _Prepared:
+        """The left-shifted rows' real tokens end to end in one row (an empty sample keeps one pad token)."""
+        n = lengths.clamp(min=1)
+        keep = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0) < n.unsqueeze(1)
+        packed = tokens[keep].unsqueeze(0)  # row-major: sample by sample
+        cu = torch.zeros(n.numel() + 1, dtype=torch.int32, device=tokens.device)
+        cu[1:] = n.cumsum(0)
+        # column of sample i's token j in the packed row: cu[i] + j, kept inside the sample
+        idx = cu[:-1].unsqueeze(1).long() + torch.minimum(gather_idx, (n - 1).unsqueeze(1))
+        dev = self._s.device
+        return _Prepared(mb, packed.to(dev), idx.to(dev), mb.loss_mask.to(dev), real, cu.to(dev),
+                         int(n.max()) if n.numel() else 0)
+
     def _micro_batches(self, batch: TensorBatch, max_tokens: int | None = None) -> tuple[list[_Prepared], Any]:
         """Micro-batches by the kernel partitioner: the call's budget, else the spec's budget or size."""
         spec = self._spec
         pp = self._s.pp
         budget = max_tokens if max_tokens is not None else spec.micro_batch_tokens
         if budget is not None:
-            mbs = batch.micro_batches(max_tokens=budget, trim=pp == 1)
+            mbs = batch.micro_batches(max_tokens=budget, trim=pp == 1, packed=self._packed)
         else:
             mbs = batch.micro_batches(size=spec.micro_batch_size or max(batch.batch_size, 1), trim=pp == 1)
         parts = list(mbs.batches)
@@ -101,6 +129,22 @@ class MicroBatchLoop:
     def _causal_mask(self, s: int) -> Tensor:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self._s.device), 1).view(1, 1, s, s)
 
+    @staticmethod
+    def _packed_positions(prep: _Prepared) -> Tensor:
+        """Positions restarting at 0 for every packed sequence ([1, total])."""
+        cu = prep.cu_seqlens
+        assert cu is not None
+        total = prep.tokens.shape[1]
+        starts = torch.repeat_interleave(cu[:-1].long(), (cu[1:] - cu[:-1]).long(), output_size=total)
+        return (torch.arange(total, device=cu.device) - starts).unsqueeze(0)
+
+    @staticmethod
+    def _packed_params(prep: _Prepared) -> Any:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=prep.cu_seqlens, cu_seqlens_kv=prep.cu_seqlens,
+                               max_seqlen_q=prep.max_seqlen, max_seqlen_kv=prep.max_seqlen)
+
     def _outputs(self, out: Tensor, prep: _Prepared, needed: Collection[str], temperature: float) -> dict[str, Tensor]:
         """Model outputs at the response positions ([b, R] float32, 0 where the loss mask is False)."""
         s = self._s
@@ -108,11 +152,17 @@ class MicroBatchLoop:
         idx = prep.gather_idx
         rmask = prep.loss_mask
         zero = torch.zeros((), dtype=torch.float32, device=out.device)
+
+        def pick(x: Tensor) -> Tensor:
+            """``x``'s [b, R, ...] entries at the response positions ([b, s, ...], or packed [1, total, ...])."""
+            if prep.cu_seqlens is not None:  # one row of every sample's tokens: index it, never expand it
+                return x[0].index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[2:])
+            return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
         if "values" in needed:
-            vals = out[..., 0].float().gather(1, idx)
-            result["values"] = torch.where(rmask, vals, zero)
+            result["values"] = torch.where(rmask, pick(out[..., 0].float()), zero)
         if {"log_probs", "entropy"} & set(needed):
-            logits = out.gather(1, idx.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+            logits = pick(out)
             n_local = out.shape[-1]
             lp, ent = vocab_parallel_log_probs(
                 logits,
@@ -139,6 +189,9 @@ class MicroBatchLoop:
         def forward_step(data_iterator: Iterator[_Prepared], model: Any) -> tuple[Tensor, Any]:
             prep = next(data_iterator)
             b, s = prep.tokens.shape
+            if prep.cu_seqlens is not None:
+                return model(prep.tokens, self._packed_positions(prep), None,
+                             packed_seq_params=self._packed_params(prep)), partial(loss_of, prep)
             positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
             out = model(prep.tokens, positions, self._causal_mask(s))
             return out, partial(loss_of, prep)

@@ -28,6 +28,11 @@ def sdpa_attention_class() -> type:
     is True (the rollout engine's KV-cached decoding sets it): then ``attention_mask``
     ([batch or 1, 1, queries, keys], True = masked) is the mask. Query groups are expanded to heads
     the same way as Megatron's DotProductAttention (head h uses group h // heads-per-group).
+
+    With ``packed_seq_params`` (``qkv_format="thd"``: the training engine's packed micro-batches,
+    :mod:`verl_megatron.packed`, :mod:`verl_core.enginekit.packed_attention`) queries are ``[tokens, heads, d]``, keys/values ``[tokens,
+    groups, d]``, and each sequence between consecutive ``cu_seqlens_q`` attends causally to itself
+    only; the result is ``[tokens, heads * d]``.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -45,8 +50,10 @@ def sdpa_attention_class() -> type:
             packed_seq_params: Any = None,
         ) -> Tensor:
             """[sq, b, heads, d] queries and [sk, b, groups, d] keys/values -> [sq, b, heads * d]."""
-            if attention_bias is not None or packed_seq_params is not None:
-                raise NotImplementedError("SDPAttention supports neither attention_bias nor packed sequences")
+            if attention_bias is not None:
+                raise NotImplementedError("SDPAttention does not support attention_bias")
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params)
             cache = getattr(self, "static_cache", None)
             if cache is not None:  # the rollout's static decode loop (verl_megatron.static_decode)
                 assert attention_mask is not None
@@ -64,6 +71,22 @@ def sdpa_attention_class() -> type:
                 scale=self.softmax_scale, dropout_p=self.attention_dropout.p if self.training else 0.0,
             )
             return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+        def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: Any) -> Tensor:
+            from verl_core.enginekit.packed_attention import packed_causal_attention
+
+            cu = params.cu_seqlens_q
+            kv = params.cu_seqlens_kv
+            if (params.qkv_format != "thd" or query.dim() != 3 or kv is None
+                    or (kv is not cu and not torch.equal(kv, cu))
+                    or params.cu_seqlens_q_padded is not None
+                    or (self.training and self.attention_dropout.p > 0)):
+                raise NotImplementedError(
+                    "SDPAttention's packed sequences take qkv_format='thd' self-attention with the same "
+                    "unpadded cu_seqlens for queries and keys, and no attention dropout"
+                )
+            out = packed_causal_attention(query, key, value, cu, params.max_seqlen_q, self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
 
     return SDPAttention
 

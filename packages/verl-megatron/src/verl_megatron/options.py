@@ -71,6 +71,19 @@ class MegatronOptions:
             graph, and a compiled step compiles once for the windows below the whole cache and once
             for the whole cache. 0 reads the whole cache at every step. None (default): 256
             where the static cache is used on CUDA, 0 elsewhere.
+        pack_sequences: Run the training engine's micro-batches (``forward`` and
+            ``forward_backward``) without padding: the real tokens of a micro-batch are laid end to
+            end in one row (megatron-core's ``thd`` format, ``PackedSeqParams``), rotary positions
+            restart at 0 for each sequence and attention never crosses sequences
+            (``torch.nn.attention.varlen.varlen_attn``, a CUDA flash kernel, in bfloat16/float16;
+            elsewhere an exact per-sequence SDPA loop; :mod:`verl_core.enginekit.packed_attention`). The outputs
+            equal the padded path's up to float rounding. Needs ``attention="sdpa"`` and pipeline
+            parallel size 1 (tensor and data parallelism are fine). None (default): off for now,
+            since this engine's packed path has run on CPU only (float32, the per-sequence loop; its
+            CUDA kernel is the hf engine's, but not yet run here); True turns it on (a ConfigError
+            naming what does not qualify); False keeps padded micro-batches. A
+            packing engine declares ``capabilities.packed_sequences`` and its micro-batch token
+            budget counts real tokens (the sum of the sequences' lengths, not size x longest).
     """
 
     attention: Literal["sdpa", "local"] = "sdpa"
@@ -84,6 +97,7 @@ class MegatronOptions:
     optimizer: Literal["torch", "megatron"] = "torch"
     distributed_optimizer: bool = False
     rollout_decode_window: Annotated[int, Ge(0)] | None = None
+    pack_sequences: bool | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="megatron.", label="option")  # types and choices, from the fields
@@ -104,6 +118,11 @@ class MegatronOptions:
             )
         if self.rollout_static_cache and self.attention != "sdpa":
             raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")
+        if self.pack_sequences and self.attention != "sdpa":
+            raise ConfigError(
+                "megatron option pack_sequences=True needs attention='sdpa' (megatron-core's DotProductAttention "
+                "takes no packed sequences without TransformerEngine); set attention='sdpa' or pack_sequences=False"
+            )
         if self.distributed_optimizer and self.optimizer != "megatron":
             raise ConfigError("megatron option distributed_optimizer=True needs optimizer='megatron'")
         if self.optimizer == "megatron" and self.during_rollout == "offload":

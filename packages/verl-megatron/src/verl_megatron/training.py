@@ -60,6 +60,7 @@ from verl_megatron.model import (
     seeded_value_head,
 )
 from verl_megatron.options import MegatronOptions
+from verl_megatron.packed import packing_unsupported
 from verl_megatron.parallel import ParallelConfig, init_distributed
 from verl_megatron.stage import Stage
 from verl_megatron.stage_optimizer import StageOptimizer
@@ -98,6 +99,7 @@ class MegatronTrainingEngine(TrainingEngineBase):
                 "gradient_checkpointing needs a CUDA device here: megatron-core's activation recompute "
                 "saves and restores the CUDA RNG state; set EngineSpec.gradient_checkpointing=False on CPU"
             )
+        self._packed = _resolve_packing(self._options, pp=spec.parallel.pp)
         self._state = init_distributed(
             ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed
         )
@@ -136,7 +138,7 @@ class MegatronTrainingEngine(TrainingEngineBase):
         else:
             for p in self.model.parameters():
                 p.requires_grad_(False)
-        self._loop = MicroBatchLoop(stage, spec, self._opt)
+        self._loop = MicroBatchLoop(stage, spec, self._opt, packed=self._packed)
         self._weights = StageWeights(stage, self._opt, self._options.export_ranks)
         self._checkpoint = StageCheckpoint(stage, self._weights, self._opt, spec.role)
         self._switch = TrainingStateSwitch(self._opt, self._device)
@@ -149,8 +151,13 @@ class MegatronTrainingEngine(TrainingEngineBase):
 
     @property
     def capabilities(self) -> TrainingCapabilities:
-        """What this engine supports."""
-        return training_capabilities(self._spec.role)
+        """What this engine supports (``packed_sequences`` when its micro-batches run packed)."""
+        return training_capabilities(self._spec.role, packed=self._packed)
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether micro-batches run packed, without padding (``MegatronOptions.pack_sequences`` resolved)."""
+        return self._packed
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -341,6 +348,18 @@ class MegatronTrainingEngine(TrainingEngineBase):
         self.model = None
         for part in ("_loop", "_weights", "_checkpoint", "_switch"):  # idempotent: close() may come twice
             self.__dict__.pop(part, None)
+
+
+def _resolve_packing(options: MegatronOptions, *, pp: int) -> bool:
+    """``MegatronOptions.pack_sequences`` decided for this layout: True where asked for and possible
+    (a ConfigError naming why not otherwise); None (auto) is off until the path has run on a GPU."""
+    if not options.pack_sequences:
+        return False
+    reason = packing_unsupported(attention=options.attention, pp=pp)
+    if reason is not None:
+        raise ConfigError(f"megatron option pack_sequences=True cannot run here: {reason}; "
+                          "set pack_sequences to false or leave it unset")
+    return True
 
 
 def _resolve_device(device: str) -> torch.device:
