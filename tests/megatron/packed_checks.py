@@ -14,12 +14,12 @@ import sys
 from typing import Any
 
 import torch.distributed as dist
+from engine_checks import TokenMeanPG, TokenMeanValue
 
 from verl_conformance.testkit import TinyModelSpec, random_batch, tiny_model, write_rank_result
 from verl_core import (
     EngineSpec,
     GlobalBatchStats,
-    LossOutput,
     OptimConfig,
     ParallelSizes,
     TensorBatch,
@@ -28,30 +28,6 @@ from verl_core.enginekit.packed_attention import packed_attention_counts
 from verl_megatron.training import MegatronTrainingEngine
 
 BUDGET = 40
-
-
-class TokenMeanPG:
-    """-mean(log_prob * advantage) - 0.01 * mean(entropy) over the global response tokens."""
-
-    needs = frozenset({"log_probs", "entropy"})
-
-    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
-        m = batch["response_mask"].float()
-        n = max(stats.num_tokens, 1)
-        pg = -(batch["log_probs"] * batch["advantages"] * m).sum() / n
-        ent = (batch["entropy"] * m).sum() / n
-        return LossOutput(pg - 0.01 * ent, {"pg": pg.detach()})
-
-
-class TokenMeanValue:
-    """0.5 * mean((value - return)^2) over the global response tokens."""
-
-    needs = frozenset({"values"})
-
-    def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
-        m = batch["response_mask"].float()
-        err = (batch["values"] - batch["returns"]) * m
-        return LossOutput(0.5 * err.pow(2).sum() / max(stats.num_tokens, 1))
 
 
 def ragged_batch() -> TensorBatch:
