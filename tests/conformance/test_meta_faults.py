@@ -235,3 +235,24 @@ def test_broken_buffer_fails_its_check(name: str, target: str, fragments: list[s
         assert fragment in message, f"{name}: the error does not point at the fault ({fragment!r}):\n{message}"
     assert f"--verl-buffer verl_broken_backends.buffers:{name}" in message
     assert message.startswith("replay buffer "), message.splitlines()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "status"), [("broken-export-masters", "failed"), ("hf", "passed")])
+def test_a_bfloat16_engine_that_exports_its_float32_masters_fails_the_export_check(backend: str, status: str) -> None:
+    """The rollout serves what the actor exports: a bfloat16 engine must stream its bfloat16 weights, not the
+    optimizer's float32 masters (which differ from them after an update). float32 has no masters, so the
+    check runs in bfloat16 only."""
+    from verl_conformance.harness import EngineCache, Harness, Subject
+    from verl_conformance.runner import run_checks, select_checks
+
+    harness = Harness(Subject.from_registry(backend), None, EngineCache(), dtype="bfloat16")
+    try:
+        report = run_checks(harness, select_checks(
+            ["weight_sync::bfloat16_export_after_update_is_the_rounded_model"], None), None)
+    finally:
+        harness.cache.close()
+    (result,) = report.results
+    assert result.status == status, result.message
+    if status == "failed":
+        assert "not in bfloat16" in result.message and "float32 masters" in result.message, result.message

@@ -14,6 +14,7 @@ from agent_helpers import RecordingRollout, chat_model_path, ids_of
 
 from verl_conformance.testkit import TinyModelSpec, assert_close, tiny_model
 from verl_core import (
+    BatchValidationError,
     ConfigError,
     EngineSpec,
     RolloutEngine,
@@ -204,6 +205,24 @@ class VersionPerCall(RecordingRollout):
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         out = super().generate(prompts, params)
         return out.with_meta(weight_version=self.VERSIONS[len(self.calls) - 1])
+
+
+class EmptyResponses(RecordingRollout):
+    """Drops every sampled token from its responses (a stop id taken out instead of kept, say)."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        out = super().generate(prompts, params)
+        return out.update(response_mask=torch.zeros_like(out["response_mask"]))
+
+
+def test_an_engine_that_returns_empty_responses_is_refused_not_asked_again_forever() -> None:
+    engine = EmptyResponses(rollout())
+    batch, _ = prompts(engine, 2)
+    with pytest.raises(BatchValidationError, match="returned an empty response .* for episode 0, so the episode "
+                                                   "cannot advance"):
+        AgentLoop(engine, EpisodeLimits(max_turns=3, max_total_tokens=200)).run(
+            batch, lambda row: Counting({"turns": 3}), SamplingParams(seed=3, stop_token_ids=stops(engine)))
+    assert len(engine.calls) == 1
 
 
 def test_an_episode_sampled_from_several_weight_versions_reports_the_oldest() -> None:

@@ -62,6 +62,32 @@ def _serves(h: Harness, engine: RolloutEngine, model: str, what: str) -> None:
                mask=out["response_mask"])
 
 
+@check("weight_sync", gates=("training.dtypes",))
+def check_bfloat16_export_after_update_is_the_rounded_model(h: Harness) -> None:
+    """In bfloat16, after an update (float32 masters where the engine keeps them), export_weights() streams the model's bfloat16 tensors and export_weights(dtype=float32) the same values: what the rollout serves, never the float32 masters."""
+    if h.dtype != "bfloat16":
+        h.skip(f"a check of bfloat16 engines (their float32 masters must not be exported); the suite runs {h.dtype}")
+    engine = h.training(fresh=True)
+    batch = h.batch(seed=96, rl_fields=True)
+    engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    engine.optimizer_step()
+    _, plain = collect_stream(engine.export_weights())
+    _, wide = collect_stream(engine.export_weights(dtype=torch.float32))
+    what = "export_weights of a bfloat16 engine after one update"
+    wrong = sorted(n for n, t in plain.items() if t.dtype != torch.bfloat16)
+    h.expect(not wrong, f"{what}, no dtype asked: {len(wrong)} tensors not in bfloat16 (e.g. {wrong[:1]} in "
+             f"{plain[wrong[0]].dtype if wrong else ''}); stream the model's bfloat16 parameters (the masters as "
+             "store() rounded them), not the optimizer's float32 masters")
+    for name, t in wide.items():
+        rounded = t.to(torch.bfloat16).float()
+        h.expect(torch.equal(rounded, t.float()), f"{what}, dtype=float32: {name} holds values bfloat16 cannot "
+                 f"represent (largest gap {float((rounded - t.float()).abs().max()):.3g}): the float32 masters were "
+                 "streamed instead of the bfloat16 weights the model runs and the rollout serves")
+        if name in plain:
+            h.expect(torch.equal(plain[name].float(), t.float()),
+                     f"{what}: {name} differs between export_weights() and export_weights(dtype=float32)")
+
+
 @check("weight_sync")
 def check_export_matches_folder(h: Harness) -> None:
     """export_weights streams manifest, chunks, commit in transformers naming, equal to the folder's tensors; export_weights(dtype=bfloat16) casts every tensor."""

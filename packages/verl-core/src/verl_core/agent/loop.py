@@ -80,7 +80,13 @@ from verl_core.agent.render import ObservationRenderer, prompts_from_ids
 from verl_core.enginekit.sampling import sample_seed
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.environment import Environment, EnvironmentFactory, StepResult, check_messages
-from verl_core.kernel.errors import ConfigError, check_int, check_number, describe
+from verl_core.kernel.errors import (
+    BatchValidationError,
+    ConfigError,
+    check_int,
+    check_number,
+    describe,
+)
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.schema import FIELDS, TURNS_EXTRA
 from verl_core.kernel.tokenizer import ChatMessage, Tokenizer
@@ -652,6 +658,12 @@ class AgentLoop:
             elif version != e.version and e.restarts < self._max_restarts:
                 restarted.append(e.restarted(len(ids)))
                 continue
+            if not ids:  # a response holds at least one token: the loop would ask again forever
+                raise BatchValidationError(
+                    f"AgentLoop: {type(self._engine).__name__}.generate returned an empty response (no token "
+                    f"under response_mask) for episode {e.index}, so the episode cannot advance; a response "
+                    "holds at least one sampled token, and a turn that ends at a stop id or EOS keeps it "
+                    "(docs/backend-rollout-engine.md)")
             e.turn_versions.append(version)
             lps = lps_all[r][mask].tolist()
             room = limit - len(e.tokens)

@@ -210,7 +210,10 @@ class EngineSpec:
         dtype: Parameter dtype.
         device: ``cpu``, ``cuda`` or ``cuda:N`` (a ``torch.device`` is turned into its string);
             under torchrun each rank uses its local device.
-        seed: Seed of initialisation (value heads) and sampling, in [0, 2**32 - 1].
+        seed: Seed of what the engine initialises itself (a value head, a fresh LoRA adapter's
+            ``A``), in [0, 2**32 - 1]. Sampling does not read it: a rollout seeds each sample from
+            ``SamplingParams.seed`` (``sample_seed(seed, group id, sample index)``), and a call
+            without one draws from torch's generator.
         max_prompt_len: Longest prompt the engine must accept (>= 1).
         max_response_len: Longest response the engine must accept or generate (>= 1).
         parallel: Tensor, pipeline and data parallel sizes.

@@ -4,7 +4,7 @@ backend's, where the fault needs what only hf has: a reward role, GPT-2 folders)
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from verl_core import (
     TensorInfo,
     Tokenizer,
     TrainingCapabilities,
+    WeightChunk,
     WeightMessage,
     apply_weight_stream,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "TokenScoresOnly",
     "UnknownDeviceDeclared",
     "FinalNormNotSynced",
+    "ExportsMasters",
     "FrozenPositionTable",
     "PositionTableUnchecked",
 ]
@@ -363,6 +365,24 @@ class ArangePositions(HFTrainingEngine):
             return forward(*args, **kwargs)
 
         model.forward = arange_forward
+
+
+class ExportsMasters(HFTrainingEngine):
+    """export_weights streams a bfloat16 engine's float32 masters instead of the bfloat16 weights the model runs."""
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 64 * 1024 * 1024) -> Iterator[WeightMessage]:
+        master = self._optim.master if self._optim is not None else None
+        if master is None:
+            yield from super().export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
+            return
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        by_param = {id(p): m for p, m in zip(trained, master.masters, strict=True)}
+        wide = {name: by_param[id(p)].detach() for name, p in self.model.named_parameters() if id(p) in by_param}
+        for msg in super().export_weights(dtype=torch.float32, bucket_bytes=bucket_bytes):
+            if isinstance(msg, WeightChunk):
+                msg = WeightChunk(tuple((n, wide.get(n, t)) for n, t in msg.tensors))
+            yield msg
 
 
 class FrozenPositionTable(HFTrainingEngine):

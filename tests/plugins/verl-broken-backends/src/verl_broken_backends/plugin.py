@@ -30,6 +30,7 @@ __all__ = [
     "loss_scale",
     "arange_positions",
     "eos_out_of_mask",
+    "exports_masters",
     "last_chunk_dropped",
     "micro_batch_loss",
     "offload_tensor",
@@ -170,6 +171,8 @@ class BrokenHFBackend:
 
 arange_positions = BrokenHFBackend("broken-positions", "position ids are arange over the left-padded row",
                                    "actor", f"{_ENGINES}:ArangePositions")
+exports_masters = BrokenHFBackend("broken-export-masters", "a bfloat16 engine exports its float32 masters", "actor",
+                                  f"{_ENGINES}:ExportsMasters")
 frozen_position_table = BrokenHFBackend("broken-gpt2-position-grad", "on a GPT-2 folder the position table gets no "
                                         "gradient", "actor", f"{_ENGINES}:FrozenPositionTable")
 position_table_unchecked = BrokenHFBackend("broken-gpt2-position-limit", "builds on GPT-2 with sequences longer "
