@@ -103,6 +103,24 @@ class RopeScalingIgnoredRollout(TinyRolloutEngine):
         self.model.cfg = replace(self.model.cfg, rope=_plain_rope(spec.model_path, self.model.cfg.head_dim))
 
 
+class HardCodedThetaTraining(TinyTrainingEngine):
+    """Uses the RoPE base 10000 whatever ``rope_theta`` the folder's config sets (the usual default)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.model.cfg = replace(self.model.cfg, rope=Rope.load({"rope_theta": 10000.0}, self.model.cfg.head_dim,
+                                                                spec.model_path))
+
+
+class HardCodedThetaRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.model.cfg = replace(self.model.cfg, rope=Rope.load({"rope_theta": 10000.0}, self.model.cfg.head_dim,
+                                                                spec.model_path))
+
+
 # ---------------------------------------------------------------------------------------- sampling
 class _SamplerRollout(TinyRolloutEngine):
     """The tiny rollout's decode loop with the stop ids and the sampler as hooks a fault overrides."""

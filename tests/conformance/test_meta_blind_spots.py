@@ -45,6 +45,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      ["invariance::rotary_positions_under_left_padding", "numerics::rope_scaling_matches_reference"],
      "numerics::rope_scaling_matches_reference",
      ["forward log_probs on llama-rope-linear", "rope_type 'linear', factor 4.0", "or refuse the folder"]),
+    # a backend that reads no rope_theta passes on folders that all use the usual 10000
+    ("rope-theta-hard-coded", faulty.HardCodedThetaTraining, faulty.HardCodedThetaRollout,
+     ["numerics::log_probs_match_reference", "numerics::config_constants_match_reference"],
+     "numerics::config_constants_match_reference",
+     ["forward log_probs on llama-constants", "rope_theta 500.0"]),
     ("sampled-at-t1", None, faulty.SampledAtTemperatureOne,
      ["numerics::rollout_log_probs_match_reference", "invariance::seeded_sampling_reproducible",
       "numerics::sampled_tokens_follow_log_probs"],

@@ -23,7 +23,12 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.positions import left_padded_batch
 from verl_conformance.harness import Harness
 from verl_conformance.reference import cached_outputs
-from verl_conformance.testkit import LONG_ROPE_TRAINED, ROPE_SCALINGS, near_tie_margin
+from verl_conformance.testkit import (
+    CONFIG_CONSTANTS,
+    LONG_ROPE_TRAINED,
+    ROPE_SCALINGS,
+    near_tie_margin,
+)
 from verl_core import ConfigError, SamplingParams, TensorBatch
 
 _PROMPTS = (30, 26, 33)
@@ -157,3 +162,34 @@ def _summary(outcome: dict[str, dict[str, list[str]]]) -> str:
     if len(set(lines.values())) == 1:
         return f"{' and '.join(lines)}: {next(iter(lines.values()))}"
     return "; ".join(f"{role}: {text}" for role, text in lines.items())
+
+
+@check("numerics")
+def check_config_constants_match_reference(h: Harness) -> None:
+    """On a Llama whose config sets rope_theta 500 and rms_norm_eps 0.05 (every other folder has the usual 10000 and 1e-6), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference: the engine reads both from the folder's config, never a hard-coded default."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    model = "llama-constants"
+    advice = (f"the folder's config sets {', '.join(f'{k} {v}' for k, v in CONFIG_CONSTANTS.items())}: read them "
+              "from the config (rope_theta inside rope_parameters in transformers 5 configs), not the usual defaults")
+    for role in roles:
+        if role == "actor":
+            engine: Any = h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT)
+            batch = left_padded_batch(97, _WIDTH, _PROMPTS, _RESPONSES)
+            got = engine.forward(batch, ["log_probs"])["log_probs"]
+            ref = cached_outputs(h.model_path(model), batch)["log_probs"]
+            h.close_to(got, ref, "log_probs", f"forward log_probs on {model} vs the float64 reference ({advice})",
+                       mask=batch["response_mask"])
+        else:
+            engine = h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
+            prompts = left_padded_batch(98, _WIDTH, _PROMPTS).select("prompt_ids", "prompt_mask", "group_ids")
+            params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=_NEW_TOKENS)
+            out = engine.generate(prompts, params)
+            ref_out = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
+            greedy_tokens_match(h, out, ref_out, f"greedy tokens on {model} ({advice})")
+            if engine.log_probs_exact(params):
+                h.close_to(out["rollout_log_probs"], ref_out["log_probs"], "log_probs",
+                           f"rollout_log_probs of greedy samples on {model} vs the float64 reference ({advice})",
+                           mask=out["response_mask"])
+        h.close_fresh()

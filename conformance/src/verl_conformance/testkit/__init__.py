@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
+    CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
     ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
+    config_constants_model,
     eos_model,
     eos_model_continuation,
     long_rope_model,
@@ -52,6 +54,7 @@ from verl_conformance.testkit.tolerances import (
 __all__ = [
     "ARCHS",
     "LONG_ROPE_TRAINED",
+    "CONFIG_CONSTANTS",
     "ROPE_SCALINGS",
     "TOLERANCES",
     "Arch",
@@ -75,6 +78,7 @@ __all__ = [
     "perturbed_model",
     "random_batch",
     "reference_forward",
+    "config_constants_model",
     "rope_scaled_model",
     "tiny_model",
     "tolerance",

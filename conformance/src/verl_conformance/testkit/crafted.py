@@ -45,6 +45,7 @@ from verl_core.trainer.inputs.tiny_model import (
 )
 
 __all__ = [
+    "CONFIG_CONSTANTS",
     "EOS_AFTER_3",
     "EOS_FIRST",
     "EOS_LADDER_END",
@@ -55,6 +56,7 @@ __all__ = [
     "ROPE_SCALINGS",
     "ShuffledTokenizer",
     "absolute_position_model",
+    "config_constants_model",
     "eos_model",
     "eos_model_continuation",
     "long_rope_model",
@@ -253,6 +255,32 @@ ROPE_SCALINGS: Final[dict[str, dict[str, object]]] = {
                                                      for i in range(_HALF_HEAD)]}},
 }
 """The RoPE scalings of :func:`rope_scaled_model`, as the ``config.json`` entries that declare them."""
+
+
+CONFIG_CONSTANTS: Final = {"rope_theta": 500.0, "rms_norm_eps": 0.05}
+"""What :func:`config_constants_model` sets, far from the values engines tend to hard-code (10000, 1e-6)."""
+
+
+def config_constants_model() -> Path:
+    """The test kit's tiny Llama whose ``config.json`` sets ``rope_theta`` 500 (in ``rope_parameters``, as
+    transformers 5 writes it) and ``rms_norm_eps`` 0.05: every other folder uses the usual 10000 and 1e-6,
+    so a backend that hard-codes them computes those folders right and real checkpoints (Llama 3's 5e5,
+    Qwen2's 1e6) wrong. Either change moves the log-probs well past the float32 tier."""
+    spec = TinyModelSpec()
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        config["rms_norm_eps"] = CONFIG_CONSTANTS["rms_norm_eps"]
+        rope = config.get("rope_parameters")
+        if isinstance(rope, dict):
+            rope["rope_theta"] = CONFIG_CONSTANTS["rope_theta"]
+        else:
+            config["rope_theta"] = CONFIG_CONSTANTS["rope_theta"]
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted("config-constants", {"base": asdict(spec), "config": CONFIG_CONSTANTS}, build)
 
 
 def rope_scaled_model(kind: str) -> Path:
