@@ -195,7 +195,7 @@ def _reference_scores(folder: str, batch: TensorBatch) -> Tensor:
     tokens alone, through the backbone, the head read at the last of them (never located by the pad id)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float64).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float64, trust_remote_code=False).eval()
     scores = []
     with torch.no_grad():
         for i in range(batch.batch_size):
