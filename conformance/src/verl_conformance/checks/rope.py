@@ -80,27 +80,28 @@ def _advice(kind: str) -> str:
             "ConfigError when the engine is built")
 
 
-def _forward(h: Harness, engine: Any, model: str, kind: str) -> None:
-    batch = left_padded_batch(95, _WIDTH, _PROMPTS, _RESPONSES)
+def _forward(h: Harness, engine: Any, model: str, advice: str, seed: int = 95) -> None:
+    """Forward log-probs of a left-padded batch past position 24 against the float64 reference."""
+    batch = left_padded_batch(seed, _WIDTH, _PROMPTS, _RESPONSES)
     got = engine.forward(batch, ["log_probs"])["log_probs"]
     ref = cached_outputs(h.model_path(model), batch)["log_probs"]
     h.close_to(got, ref, "log_probs",
                f"forward log_probs on {model}, sequences of {min(_PROMPTS)} to {_WIDTH + max(_RESPONSES)} tokens, vs "
-               f"the float64 reference ({_advice(kind)})", mask=batch["response_mask"])
+               f"the float64 reference ({advice})", mask=batch["response_mask"])
 
 
-def _generate(h: Harness, engine: Any, model: str, kind: str) -> None:
+def _generate(h: Harness, engine: Any, model: str, advice: str, seed: int = 96) -> None:
     """Greedy tokens that are the reference's argmax after their own prefix, and (where exact) their log-probs."""
-    prompts = left_padded_batch(96, _WIDTH, _PROMPTS).select("prompt_ids", "prompt_mask", "group_ids")
+    prompts = left_padded_batch(seed, _WIDTH, _PROMPTS).select("prompt_ids", "prompt_mask", "group_ids")
     params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=_NEW_TOKENS)
     out = engine.generate(prompts, params)
     ref = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
     greedy_tokens_match(h, out, ref, f"greedy tokens on {model}, prompts of {min(_PROMPTS)} to {_WIDTH} tokens "
-                        f"({_advice(kind)})")
+                        f"({advice})")
     if engine.log_probs_exact(params):
         h.close_to(out["rollout_log_probs"], ref["log_probs"], "log_probs",
                    f"rollout_log_probs of greedy samples on {model}, prompts of {min(_PROMPTS)} to {_WIDTH} tokens, "
-                   f"vs the float64 reference ({_advice(kind)})", mask=out["response_mask"])
+                   f"vs the float64 reference ({advice})", mask=out["response_mask"])
 
 
 def greedy_tokens_match(h: Harness, out: TensorBatch, ref: dict[str, Tensor], what: str) -> None:
@@ -137,9 +138,9 @@ def check_rope_scaling_matches_reference(h: Harness) -> None:
                 outcome[role]["refused"].append(kind)
                 continue
             if role == "actor":
-                _forward(h, engine, model, kind)
+                _forward(h, engine, model, _advice(kind))
             else:
-                _generate(h, engine, model, kind)
+                _generate(h, engine, model, _advice(kind))
             outcome[role]["compared"].append(kind)
             h.close_fresh()  # one engine at a time (a rollout engine may hold a KV cache)
     if sum(map(len, refused.values())) == len(roles) * len(ROPE_SCALINGS):
@@ -175,21 +176,7 @@ def check_config_constants_match_reference(h: Harness) -> None:
               "from the config (rope_theta inside rope_parameters in transformers 5 configs), not the usual defaults")
     for role in roles:
         if role == "actor":
-            engine: Any = h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT)
-            batch = left_padded_batch(97, _WIDTH, _PROMPTS, _RESPONSES)
-            got = engine.forward(batch, ["log_probs"])["log_probs"]
-            ref = cached_outputs(h.model_path(model), batch)["log_probs"]
-            h.close_to(got, ref, "log_probs", f"forward log_probs on {model} vs the float64 reference ({advice})",
-                       mask=batch["response_mask"])
+            _forward(h, h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=97)
         else:
-            engine = h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
-            prompts = left_padded_batch(98, _WIDTH, _PROMPTS).select("prompt_ids", "prompt_mask", "group_ids")
-            params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=_NEW_TOKENS)
-            out = engine.generate(prompts, params)
-            ref_out = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
-            greedy_tokens_match(h, out, ref_out, f"greedy tokens on {model} ({advice})")
-            if engine.log_probs_exact(params):
-                h.close_to(out["rollout_log_probs"], ref_out["log_probs"], "log_probs",
-                           f"rollout_log_probs of greedy samples on {model} vs the float64 reference ({advice})",
-                           mask=out["response_mask"])
+            _generate(h, h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=98)
         h.close_fresh()
