@@ -41,6 +41,11 @@ FAULTS = [
      ["stateful::offload_round_trip"], ["after offload() and onload()", "optimizer state was lost"]),
     ("broken-wake-reload", ["stateful::sleep_wake_round_trip"], ["stateful::sleep_wake_round_trip"],
      ["after sleep() and wake()", "gave other tokens than before"]),
+    # a sleep free to drop the weights (sleep_until_sync): refuse until the sync, and lose nothing it does not restore
+    ("broken-sleep-drop-unmarked", ["stateful::sleep_until_sync_then_sync"], ["stateful::sleep_until_sync_then_sync"],
+     ["after sleep_until_sync() and wake() with no StaleWeightsError", "gave other tokens than before"]),
+    ("broken-sleep-drop-rotary", ["stateful::sleep_until_sync_then_sync"], ["stateful::sleep_until_sync_then_sync"],
+     ["after sleep_until_sync() and wake() and a complete sync to llama", "float64 reference"]),
     ("broken-actor-values", ["schema::declared_outputs_served", "schema::forward_layout"],
      ["schema::declared_outputs_served"], ["the actor (capabilities.values=True) forward(values) raised",
                                            "values is declared by the critic alone"]),

@@ -182,3 +182,23 @@ def test_a_weight_buffer_moves_in_one_copy_and_the_parameters_follow(monkeypatch
     HFDirectSync().sync(actor, engine, version=1)
     for name, p in actor.model.named_parameters():
         assert torch.equal(dict(engine.model.named_parameters())[name], p), name
+
+
+def test_a_weight_buffer_moved_without_its_values_is_refilled_by_one_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the rollout's sleep_until_sync and wake do on CUDA (a no-op on a CPU-only machine): the
+    layout moves with copy=False, the parameters become views of a buffer whose values are not
+    theirs, and the direct sync's one copy writes every weight again."""
+    path = model_path("llama")
+    actor, engine = nudged_actor(path), rollout(path)
+    old = engine._flat
+    assert old is not None
+    into = torch.full_like(old.buffer, float("nan"))
+    moved = old.moved(engine._targets(), into, copy=False)
+    assert moved.buffer is into and moved.intact(engine._targets()) and moved.same_layout(old)
+    assert all(bool(p.isnan().all()) for p in engine.model.parameters()), "copy=False copied values"
+    engine._flat = moved
+    monkeypatch.setattr(HFRolloutEngine, "_load_local", lambda *a, **k: pytest.fail("took the per-tensor path"))
+    HFDirectSync().sync(actor, engine, version=1)
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(dict(engine.model.named_parameters())[name], p), name
+

@@ -113,6 +113,34 @@ def test_dynamic_sampling_drops_all_equal_groups(tmp_path: Path) -> None:
     assert hist[-1]["weight_version"] == 0
 
 
+def test_a_step_that_trains_nothing_resends_the_weights_a_sleeping_rollout_dropped(tmp_path: Path) -> None:
+    """The trainer sleeps its rollout with sleep_until_sync (what hf does on CUDA: drop the weights,
+    stale until the next complete sync); a step whose dynamic sampling keeps no group trains nothing
+    and bumps no version, yet the next step's rollout must serve the actor's weights again."""
+    import torch
+
+    cfg = config(tmp_path, "steps=2", "algorithm.name=dapo", "task.reward=exact", "rollout.sleep=always")
+    with Trainer(cfg) as trainer:
+        trainer.setup()
+        rollout: Any = trainer.engines.rollout
+        drops = []
+
+        def drop() -> None:
+            with torch.no_grad():
+                for p in rollout.model.parameters():
+                    p.zero_()
+            rollout._mark_stale("the test dropped the weights")
+            drops.append(1)
+
+        rollout.sleep_until_sync = drop
+        hist = trainer.train()
+        served = dict(rollout.model.named_parameters())
+        trained = dict(trainer.actor.model.named_parameters())  # type: ignore[attr-defined]
+    assert len(hist) == 2 and len(drops) == 2 and all(m.get("update/skipped") == 1 for m in hist)
+    assert not rollout.stale and rollout.weight_version == 0
+    assert all(torch.equal(p, trained[n]) for n, p in served.items())
+
+
 def test_micro_batching_under_memory_pressure_gives_the_same_update(tmp_path: Path) -> None:
     from verl_core.trainer.batching.scheduler import MemoryInfo
 

@@ -134,7 +134,7 @@ def test_a_run_that_never_sleeps_trains_exactly_like_one_that_always_does(tmp_pa
         cfg = load_config(None, [*base, f"output_dir={json.dumps(str(tmp_path / mode))}", f"rollout.sleep={mode}"])
         with Trainer(cfg) as trainer:
             trainer.setup()
-            calls = {"sleep": 0, "wake": 0}
+            calls = {"sleep_until_sync": 0, "wake": 0}
             rollout = trainer.engines.rollout
             for name in calls:
                 method = getattr(rollout, name)
@@ -148,7 +148,7 @@ def test_a_run_that_never_sleeps_trains_exactly_like_one_that_always_does(tmp_pa
             weights = [t.detach().clone() for t in trainer.actor.model.parameters()]  # type: ignore[attr-defined]
         runs[mode] = (history, weights, calls)
     (h_always, w_always, c_always), (h_never, w_never, c_never) = runs["always"], runs["never"]
-    assert c_always["sleep"] == 3 and c_never["sleep"] == 0
+    assert c_always["sleep_until_sync"] == 3 and c_never["sleep_until_sync"] == 0
     assert [m["rollout/slept"] for m in h_always] == [1, 1, 1] and [m["rollout/slept"] for m in h_never] == [0, 0, 0]
     for a, b in zip(h_always, h_never, strict=True):
         for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean"):

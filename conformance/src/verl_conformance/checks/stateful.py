@@ -29,6 +29,7 @@ from verl_core import (
     GlobalBatchStats,
     RolloutEngine,
     SamplingParams,
+    StaleWeightsError,
     StepMetrics,
     TensorBatch,
     TrainingEngine,
@@ -264,6 +265,27 @@ def check_update_while_asleep_refused(h: Harness) -> None:
     h.expect(engine.weight_version == 3, f"weight_version is {engine.weight_version} after a refused sync to version 4; "
              "the refusal must keep the version of the weights served (3)")
     serves(h, engine, "llama-alt", "after a sync refused while asleep, then wake()")
+
+
+@check("stateful", gates=("rollout.weight_update",))
+def check_sleep_until_sync_then_sync(h: Harness) -> None:
+    """sleep_until_sync() then wake(): the engine either refuses generate with StaleWeightsError or serves the weights synced before it (same samples), and the complete sync that follows serves what it sent, its version included (nothing outside the stream, such as rotary frequencies, may be lost)."""
+    engine = synced_to_alt(h, 3)
+    before = _generations(h, engine)
+    engine.sleep_until_sync()
+    engine.wake()
+    what = "after sleep_until_sync() and wake()"
+    try:
+        got = _generations(h, engine)
+    except StaleWeightsError:
+        pass  # it dropped its weights and says so: the sync below must restore them
+    else:
+        _same_generations(h, got, before, f"{what} with no StaleWeightsError (an engine that drops its weights "
+                          "must refuse generate until the next complete sync)")
+    engine.update_weights(folder_stream(h.model_path("llama"), 4, dtype=engine.weight_dtype))
+    h.expect(engine.weight_version == 4, f"weight_version is {engine.weight_version} after a sync to version 4 "
+             "that followed sleep_until_sync() and wake()")
+    serves(h, engine, "llama", f"{what} and a complete sync to llama")
 
 
 @check("stateful", gates=("rollout.sleep_frees_memory",))

@@ -90,6 +90,7 @@ class HFModelRollout(HFRolloutEngine):
         self._fused = None  # and the user's modules keep their own forwards
         self._lora = None  # a user's model object takes merged weights, never an adapter
         self._host = None
+        self._dropped = False  # no weight buffer to drop: sleep_until_sync() sleeps as sleep() does
         self._shares_base = False  # no LoRA actor's base: the user's model is its own
         if not callable(getattr(HFRolloutEngine, "_expected", None)):
             setattr(self, "_expected", {})  # noqa: B010

@@ -176,17 +176,20 @@ class FlatParameters:
         return (self.buffer.dtype == other.buffer.dtype and self.buffer.numel() == other.buffer.numel()
                 and self.names == other.names and self.shapes == other.shapes)
 
-    def moved(self, tensors: Mapping[str, Tensor], into: Tensor) -> FlatParameters:
+    def moved(self, tensors: Mapping[str, Tensor], into: Tensor, *, copy: bool = True) -> FlatParameters:
         """This layout in ``into`` (a buffer of the same size and dtype, e.g. on another device):
         the buffer is copied there in one copy and every tensor of ``tensors`` (name -> tensor,
         :meth:`intact` with this layout) becomes its view there. The old buffer is no longer
-        referenced by the tensors, so its memory is freed once this layout is dropped.
+        referenced by the tensors, so its memory is freed once this layout is dropped. With
+        ``copy=False`` the values are not copied: the views hold whatever ``into`` holds (for a
+        caller that writes every tensor before reading one).
         """
         if into.dtype != self.buffer.dtype or into.numel() != self.buffer.numel() or into.dim() != 1:
             raise ValueError(f"FlatParameters.moved needs a 1-D {self.buffer.dtype} buffer of {self.buffer.numel()} "
                              f"elements, got {tuple(into.shape)} {into.dtype}")
         with torch.no_grad():
-            into.copy_(self.buffer)
+            if copy:
+                into.copy_(self.buffer)
             for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
                 tensors[name].data = into[off : off + math.prod(shape)].view(shape)
         return FlatParameters(into, self.names, self.shapes, tuple(tensors[n].data_ptr() for n in self.names),

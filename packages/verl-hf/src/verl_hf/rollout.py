@@ -147,6 +147,7 @@ class HFRolloutEngine(RolloutEngineBase):
                 "leave it False off CUDA (rollout_cache='static' alone works on every device)"
             )
         self._expected: dict[str, TensorInfo] = {}
+        self._dropped = False  # sleep_until_sync() dropped the weight buffer's values
         # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use.
         self._compiled: Any = None
         # Seconds of the first decode of each (rows, prompt width) with a compiled step (it compiles).
@@ -371,6 +372,22 @@ class HFRolloutEngine(RolloutEngineBase):
         with ``Module.to``. An engine serving a LoRA actor's base (:meth:`share_base`) frees its
         caches only: the base stays where the actor trains on it.
         """
+        self._sleep(keep=True)
+
+    def sleep_until_sync(self) -> None:
+        """:meth:`sleep` that drops the weight buffer instead of copying it to the host and back.
+
+        The buffer's layout moves to the host without its values, and :meth:`wake` gives it new
+        device memory without copying anything, so the engine is stale (``generate`` raises
+        ``StaleWeightsError``) until the complete weight sync the caller sends after waking. At a
+        6.7B model that saves two copies of 13.5 GB over PCIe a step. What does not lie in the
+        buffer (non-persistent buffers such as rotary frequencies) moves as in :meth:`sleep`. An
+        engine whose weights are not in one buffer, one on CPU, and one serving a LoRA adapter
+        stream (the stream does not carry the base) sleep as :meth:`sleep` does.
+        """
+        self._sleep(keep=self._lora is not None or self._shares_base)
+
+    def _sleep(self, *, keep: bool) -> None:
         if self._shares_base:
             if self._device.type != "cpu" and not self._asleep:
                 self._decoders.clear()
@@ -378,23 +395,30 @@ class HFRolloutEngine(RolloutEngineBase):
             self._asleep = self._device.type != "cpu"
             return
         if self._device.type != "cpu" and not self._asleep:
+            targets = self._targets()
             self._weights = None
             self._decoders.clear()
-            self._flat, self._host = flat_to_host(self._flat, self._targets(), self._host)
+            drop = not keep and self._flat is not None and self._flat.intact(targets)
+            if drop:
+                self._mark_stale("sleep_until_sync() dropped the weights; a complete weight sync restores them")
+            self._flat, self._host = flat_to_host(self._flat, targets, self._host, copy=not drop)
+            self._dropped = drop
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = self._device.type != "cpu"
 
     def wake(self) -> None:
-        """Move the model back to its device (the weight buffer in one copy)."""
+        """Move the model back to its device (the weight buffer in one copy, or none after
+        :meth:`sleep_until_sync`, whose weights come with the next sync)."""
         if self._asleep and self._shares_base:
             self._asleep = False
         if self._asleep:
             self._weights = None
             self._decoders.clear()
-            flat = flat_to_device(self._flat, self._targets(), self._device)
+            flat = flat_to_device(self._flat, self._targets(), self._device, copy=not self._dropped)
             self._model.to(self._device)
             self._flat = flat if flat is not None else FlatParameters.build(self._targets())
+            self._dropped = False
             self._asleep = False
 
     @property

@@ -155,8 +155,11 @@ def copy_flat(source: FlatParameters, flat: FlatParameters, source_state: Mappin
 
 
 def flat_to_host(flat: FlatParameters | None, targets: Mapping[str, Tensor],
-                 host: Tensor | None) -> tuple[FlatParameters | None, Tensor | None]:
+                 host: Tensor | None, *, copy: bool = True) -> tuple[FlatParameters | None, Tensor | None]:
     """Move the weight buffer in one copy into pinned host memory (``host``, reused when it fits).
+
+    With ``copy=False`` the values are dropped instead: the tensors become views of ``host``
+    holding whatever it holds (a sleep whose wake is followed by a complete weight sync).
 
     Returns:
         The moved buffer's layout (None when the weights no longer lie in it) and the host buffer.
@@ -165,12 +168,13 @@ def flat_to_host(flat: FlatParameters | None, targets: Mapping[str, Tensor],
         return None, host
     if host is None or host.numel() != flat.buffer.numel() or host.dtype != flat.buffer.dtype:
         host = torch.empty_like(flat.buffer, device="cpu", pin_memory=True)
-    return flat.moved(targets, host), host
+    return flat.moved(targets, host, copy=copy), host
 
 
 def flat_to_device(flat: FlatParameters | None, targets: Mapping[str, Tensor],
-                   device: torch.device) -> FlatParameters | None:
-    """Move the weight buffer in one copy to ``device`` (None when the weights no longer lie in it)."""
+                   device: torch.device, *, copy: bool = True) -> FlatParameters | None:
+    """Move the weight buffer in one copy to ``device`` (None when the weights no longer lie in it);
+    with ``copy=False`` only the layout moves (the values are left to a complete weight sync)."""
     if flat is None or not flat.intact(targets):
         return None
-    return flat.moved(targets, torch.empty_like(flat.buffer, device=device))
+    return flat.moved(targets, torch.empty_like(flat.buffer, device=device), copy=copy)

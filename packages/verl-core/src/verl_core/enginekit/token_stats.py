@@ -68,7 +68,9 @@ def token_log_probs(
 
     Returns:
         ``(log_probs, entropy)``, both of shape ``logits.shape[:-1]`` in float32 (float64 for
-        float64 logits); ``entropy`` is None unless asked for.
+        float64 logits); ``entropy`` is None unless asked for. Zero-size shapes pass through:
+        ``[B, 0, vocab]`` logits (empty responses) give ``[B, 0]`` outputs and a gradient of
+        zeros, so an engine needs no special case for them.
 
     Raises:
         BatchValidationError: ``logits`` is not a floating tensor with a non-empty last dimension,

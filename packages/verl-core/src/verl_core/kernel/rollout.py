@@ -187,8 +187,21 @@ class RolloutEngine(Protocol):
         return None
 
     def wake(self) -> None:
-        """Restore what :meth:`sleep` released."""
+        """Restore what :meth:`sleep` (or :meth:`sleep_until_sync`) released."""
         return None
+
+    def sleep_until_sync(self) -> None:
+        """Release device memory while training runs, where the weights need not survive it.
+
+        The caller promises to :meth:`wake` the engine and send it a complete weight sync
+        (:meth:`update_weights` or a :class:`WeightSync`) before the next ``generate``, which is
+        what a colocated trainer does after every update. The engine may therefore drop its
+        weights instead of saving them (vLLM's sleep level 2): nothing is copied to the host and
+        back. An engine that dropped them is stale after :meth:`wake` (``generate`` raises
+        ``StaleWeightsError``) until that sync; one that kept them serves them as after
+        :meth:`sleep` (``stateful::sleep_until_sync_then_sync``). The default is :meth:`sleep`.
+        """
+        self.sleep()
 
     def close(self) -> None:
         """Release resources; the engine is unusable afterwards."""

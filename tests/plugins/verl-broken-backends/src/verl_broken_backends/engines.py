@@ -73,6 +73,8 @@ __all__ = [
     "TruncatedAtLimit",
     "UnseededSampling",
     "WakeReloadsFolder",
+    "DropUnmarked",
+    "DropRotaryFrequencies",
     "LastTokenScores",
     "RotaryOnlyArangePositions",
     "SpecialTokensInText",
@@ -260,6 +262,27 @@ class WakeReloadsFolder(ExampleRolloutEngine):
     def wake(self) -> None:
         """Reload from the folder."""
         self.model = load_model(self.spec.model_path, self.spec.torch_dtype).eval()
+
+
+class DropUnmarked(ExampleRolloutEngine):
+    """sleep_until_sync() drops the weights (zeros them) but keeps serving, where it must refuse until the next sync."""
+
+    def sleep_until_sync(self) -> None:
+        """Zero every parameter."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+
+
+class DropRotaryFrequencies(ExampleRolloutEngine):
+    """sleep_until_sync() drops every tensor of the model, its rotary frequencies too, which no weight stream carries."""
+
+    def sleep_until_sync(self) -> None:
+        """Zero every parameter and buffer, and refuse generate until the next sync."""
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                t.zero_()
+        self._stale = True
 
 
 class TopKIgnored(ExampleRolloutEngine):

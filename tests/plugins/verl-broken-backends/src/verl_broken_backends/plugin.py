@@ -24,14 +24,16 @@ from verl_core import (
 )
 
 __all__ = [
+    "arange_positions",
     "bfloat16",
     "checkpoint_optimizer",
     "checkpointing_grads",
-    "loss_scale",
-    "arange_positions",
+    "drop_rotary",
+    "drop_unmarked",
     "eos_out_of_mask",
     "exports_masters",
     "last_chunk_dropped",
+    "loss_scale",
     "micro_batch_loss",
     "offload_tensor",
     "optimizer_state",
@@ -112,6 +114,11 @@ offload_tensor = BrokenBackend("broken-offload-tensor", "onload() brings one par
                                training=f"{_ENGINES}:OffloadLosesTensor", training_caps=OFFLOAD_TRAINING)
 wake_reload = BrokenBackend("broken-wake-reload", "wake() reloads the folder's weights, losing the synced ones",
                             rollout=f"{_ENGINES}:WakeReloadsFolder")
+drop_unmarked = BrokenBackend("broken-sleep-drop-unmarked",
+                              "sleep_until_sync() zeroes the weights but generate still serves after wake()",
+                              rollout=f"{_ENGINES}:DropUnmarked")
+drop_rotary = BrokenBackend("broken-sleep-drop-rotary", "sleep_until_sync() zeroes the rotary frequencies too, "
+                            "which the weight sync does not restore", rollout=f"{_ENGINES}:DropRotaryFrequencies")
 actor_values = BrokenBackend("broken-actor-values", "the actor declares values it cannot serve (no value head)",
                             training=f"{_ENGINES}:ActorDeclaresValues", training_caps=VALUES_TRAINING)
 loss_scale = BrokenBackend("broken-loss-scale", "from the third optimizer step the loss is scaled by 1.01",

@@ -592,6 +592,10 @@ class RayRolloutEngine(RolloutEngine):
         """Every replica sleeps."""
         self._call("sleep", lambda: self._place.call_all("sleep"), served=False)
 
+    def sleep_until_sync(self) -> None:
+        """Every replica sleeps, free to drop its weights (a complete sync follows the wake)."""
+        self._call("sleep_until_sync", lambda: self._place.call_all("sleep_until_sync"), served=False)
+
     def wake(self) -> None:
         """Every replica wakes."""
         self._call("wake", lambda: self._place.call_all("wake"), served=False)

@@ -373,6 +373,8 @@ class Trainer:
             self.producer.wait_idle()
         if state.batch.batch_size:
             self.weights.sync(state)  # the next step samples from the new policy
+        else:
+            self.weights.restore(state)  # the same policy, in a rollout that may have dropped its weights
         finish_metrics(state, started, self.schedulers, weight_version=self.weight_version)
         state.metrics.update(self.executor.metrics())  # the Ray executor's ray/rollout_restarts
         if self.memory_plan is not None:

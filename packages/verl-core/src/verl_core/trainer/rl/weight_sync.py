@@ -2,7 +2,9 @@
 
 :class:`WeightSyncStage` frees the rollout's device memory once a step's samples are scored and
 forwarded (the update needs it), and after the update wakes the rollout engine and sends it the
-actor's weights as the next weight version, so the next step samples from the new policy.
+actor's weights as the next weight version, so the next step samples from the new policy. Since a
+complete sync always follows, the engine sleeps with ``sleep_until_sync`` and may drop its weights
+instead of copying them to the host and back.
 Whether a step sleeps at all is :class:`SleepPolicy`'s call (``rollout.sleep``): sleeping costs a
 copy of the weights to the host and back, and a rollout that kept its memory keeps its compiled
 decode state too, so a device with room for both engines skips it.
@@ -140,8 +142,8 @@ class WeightSyncStage:
         """
         t = time.perf_counter()
         self._asleep = self.policy.sleeps()
-        if self._asleep:
-            self.engines.rollout.sleep()
+        if self._asleep:  # a sync always follows (sync or restore), so the weights need not survive
+            self.engines.rollout.sleep_until_sync()
         self.policy.after_sleep()
         state.metrics["rollout/slept"] = int(self._asleep)
         state.timings["time/rollout_sleep"] = time.perf_counter() - t
@@ -168,6 +170,17 @@ class WeightSyncStage:
         self.progress.stage = "logging"
         state.timings["time/weight_sync"] = time.perf_counter() - t
         state.metrics["weight_sync/bytes"] = report.bytes
+
+    def restore(self, state: StepState) -> None:
+        """After a step that trained nothing: wake a rollout engine that slept and send it the
+        actor's weights at the current version (its sleep may have dropped its own).
+
+        Sets ``time/weight_sync`` (the wake and the sync; 0 when the rollout stayed awake).
+        """
+        t = time.perf_counter()
+        if self._asleep:
+            self.resync()
+        state.timings["time/weight_sync"] = time.perf_counter() - t
 
     def resync(self) -> None:
         """Wake the rollout engine and send it the actor's weights at the current version (after a load)."""
