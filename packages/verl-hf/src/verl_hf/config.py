@@ -98,6 +98,11 @@ class HFOptions:
             elsewhere; True asks for it (a ConfigError where it cannot run); False keeps the matrix
             products. On an H100 at 0.89B x 128 rows it decodes 1.04x (2048 new tokens) to 1.07x
             (128) the tokens/s of the matrix products (``benchmarks/gpu/bench_decode_long.py``).
+        rollout_sleep_keeps_weights: Keep the rollout's weights through the trainer's sleep
+            (``sleep_until_sync``: copied to pinned host memory and back, as ``sleep()`` does)
+            instead of dropping them and taking them from the weight sync that follows the wake.
+            False (default) drops them on CUDA: no host round trip (two copies of the weights
+            over PCIe a step), the same weights served after the sync.
     """
 
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -113,6 +118,7 @@ class HFOptions:
     pack_sequences: bool | None = None
     rollout_decode_window: Annotated[int, Ge(0)] | None = None
     rollout_decode_kernel: bool | None = None
+    rollout_sleep_keeps_weights: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="HFOptions.", label="option")  # types, choices and bounds, from the fields

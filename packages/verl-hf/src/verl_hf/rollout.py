@@ -383,9 +383,10 @@ class HFRolloutEngine(RolloutEngineBase):
         6.7B model that saves two copies of 13.5 GB over PCIe a step. What does not lie in the
         buffer (non-persistent buffers such as rotary frequencies) moves as in :meth:`sleep`. An
         engine whose weights are not in one buffer, one on CPU, and one serving a LoRA adapter
-        stream (the stream does not carry the base) sleep as :meth:`sleep` does.
+        stream (the stream does not carry the base) sleep as :meth:`sleep` does, and so does
+        every engine under ``HFOptions.rollout_sleep_keeps_weights``.
         """
-        self._sleep(keep=self._lora is not None or self._shares_base)
+        self._sleep(keep=self._lora is not None or self._shares_base or self._options.rollout_sleep_keeps_weights)
 
     def _sleep(self, *, keep: bool) -> None:
         if self._shares_base:
