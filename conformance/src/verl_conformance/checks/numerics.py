@@ -33,6 +33,22 @@ def check_log_probs_match_reference(h: Harness) -> None:
                        mask=batch["response_mask"])
 
 
+@check("numerics", gates=("training.log_probs",))
+def check_reference_role_log_probs_match_reference(h: Harness) -> None:
+    """The reference role's log_probs equal the float64 reference at T=1 and T=0.7, as the actor's do (the KL penalty and kl_loss read them, at the batch's temperature); skipped where the backend provides no reference engine."""
+    if not h.provides(h.subject, "reference"):
+        h.skip(f"backend {h.subject.name!r} provides no reference engine")
+    engine = h.training("reference")
+    if not engine.capabilities.log_probs:
+        h.skip("the reference engine declares log_probs=False")
+    for temp in _TEMPERATURES:
+        batch = h.batch(seed=13, temperature=temp)
+        got = engine.forward(batch, ["log_probs"])["log_probs"]
+        ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
+        h.close_to(got, ref, "log_probs", f"the reference role's log_probs of llama at temperature {temp} vs the "
+                   "float64 reference", mask=batch["response_mask"])
+
+
 @check("numerics", gates=("training.entropy",))
 def check_entropy_matches_reference(h: Harness) -> None:
     """entropy equals the float64 reference (same tempered distribution as the log-probs)."""

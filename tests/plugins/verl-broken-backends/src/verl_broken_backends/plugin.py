@@ -38,6 +38,7 @@ __all__ = [
     "offload_tensor",
     "optimizer_state",
     "padding_side",
+    "reference_temperature",
     "response_mask",
     "reward_batch_centered",
     "reward_bos_tokenizer",
@@ -69,23 +70,26 @@ class BrokenBackend:
 
     def __init__(self, name: str, fault: str, training: str = "", rollout: str = "",
                  training_caps: TrainingCapabilities = TRAINING_CAPABILITIES,
-                 rollout_caps: RolloutCapabilities = ROLLOUT_CAPABILITIES) -> None:
+                 rollout_caps: RolloutCapabilities = ROLLOUT_CAPABILITIES, reference: str = "") -> None:
         self.name = name
         self.fault = fault
         self.training = training or "verl_example_backend.training:build_training_engine"
         self.rollout = rollout or "verl_example_backend.rollout:build_rollout_engine"
+        self.reference = reference  # a reference role of its own (none unless given)
         self.training_caps = training_caps
         self.rollout_caps = rollout_caps
 
     @hookimpl
     def verl_backend(self) -> BackendSpec:
         """The backend with its fault."""
+        extra = {"reference": self.reference} if self.reference else {}
         return BackendSpec(
             name=self.name,
-            roles={"actor": self.training, "critic": self.training, "rollout": self.rollout},
+            roles={"actor": self.training, "critic": self.training, "rollout": self.rollout, **extra},
             capabilities={"actor": self.training_caps,
                           "critic": replace(self.training_caps, log_probs=False, entropy=False, values=True),
-                          "rollout": self.rollout_caps},
+                          "rollout": self.rollout_caps,
+                          **({"reference": self.training_caps} if self.reference else {})},
             protocol_version=PROTOCOL_VERSION,
             config_class="verl_example_backend.plugin:ExampleOptions",
             description=f"BROKEN on purpose: {self.fault}",
@@ -114,6 +118,9 @@ offload_tensor = BrokenBackend("broken-offload-tensor", "onload() brings one par
                                training=f"{_ENGINES}:OffloadLosesTensor", training_caps=OFFLOAD_TRAINING)
 wake_reload = BrokenBackend("broken-wake-reload", "wake() reloads the folder's weights, losing the synced ones",
                             rollout=f"{_ENGINES}:WakeReloadsFolder")
+reference_temperature = BrokenBackend("broken-reference-temperature",
+                                      "the reference role computes log-probs at temperature 1 (the actor is right)",
+                                      reference=f"{_ENGINES}:TemperatureIgnored")
 drop_unmarked = BrokenBackend("broken-sleep-drop-unmarked",
                               "sleep_until_sync() zeroes the weights but generate still serves after wake()",
                               rollout=f"{_ENGINES}:DropUnmarked")
