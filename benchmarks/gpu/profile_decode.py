@@ -32,6 +32,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--options", default="{}", help="hf engine options, a JSON object")
+    parser.add_argument("--calls", type=int, default=4, help="generate calls before the parts are timed")
+    parser.add_argument("--whole-generate", action="store_true",
+                        help="profile one whole generate call (every cache window) instead of the parts of "
+                             "one step: its kernel table, grouped by kernel, with each group's share")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.out.parent / "model-0.89b"
@@ -48,7 +52,7 @@ def main() -> None:
     engine: Any = get_rollout_engine("hf", EngineSpec(
         model_path=str(model_dir), role="rollout", dtype="bfloat16", device="cuda",
         max_prompt_len=args.prompt_len, max_response_len=args.new, options=json.loads(args.options)))
-    for i in range(4):
+    for i in range(args.calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = engine.generate(prompts, params)
@@ -59,6 +63,9 @@ def main() -> None:
         if i >= 1:
             rows.append((f"generate call {i} (whole, {tokens} tokens)", t))
     print("decode mode:", getattr(engine, "decode_mode", "?"), flush=True)
+    if args.whole_generate:
+        _profile_whole(engine, prompts, params, args)
+        return
     dec = engine._decoders.current
     chunk = prompts.repeat_interleave(args.n).to("cuda")
     steps = args.new - 2
@@ -117,6 +124,32 @@ def main() -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     (args.out / "profile_decode.md").write_text(text + "\n")
+
+
+def _profile_whole(engine: Any, prompts: TensorBatch, params: SamplingParams, args: argparse.Namespace) -> None:
+    """The profiler's kernel table of one whole ``generate`` call, and each kernel's share of the device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = int(out["response_mask"].sum())
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"# hf generate profile, batch {prompts.batch_size * args.n}, {args.prompt_len}-token prompts, "
+             f"{args.new} new, options {args.options}, mode {getattr(engine, 'decode_mode', '?')}",
+             f"wall {wall:.3f} s under the profiler, {tokens} tokens; device kernels {total / 1e6:.3f} s in all "
+             f"({total / 1e3 / max(args.new - 1, 1):.3f} ms a step)", "", "| kernel | calls | ms | share |",
+             "|---|---|---|---|"]
+    lines += [f"| {e.key[:110]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | "
+              f"{e.self_device_time_total / total:.3f} |" for e in events[:40]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (args.out / "profile_generate.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

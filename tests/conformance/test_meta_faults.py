@@ -24,6 +24,8 @@ FAULTS = [
     ("broken-reference-temperature", ["numerics::log_probs_match_reference",
                                       "numerics::reference_role_log_probs_match_reference"],
      ["numerics::reference_role_log_probs_match_reference"], ["the reference role's log_probs", "temperature 0.7"]),
+    ("broken-padding-idx", ["numerics::loss_and_grads_match_reference", "numerics::pad_token_as_real_token_update"],
+     ["numerics::pad_token_as_real_token_update"], ["gradient of model.embed_tokens.weight", "float64 reference"]),
     ("broken-response-mask", ["schema::forward_layout"], ["schema::forward_layout"],
      ["not 0 where response_mask is False"]),
     ("broken-padding-side", ["schema::generate_layout"], ["schema::generate_layout"],

@@ -115,6 +115,20 @@ def check_loss_and_grads_match_reference(h: Harness) -> None:
     compare_update(h, suite_losses()[0], "qwen3-tied", batch)
 
 
+@check("numerics")
+def check_pad_token_as_real_token_update(h: Harness) -> None:
+    """One update on a batch whose responses hold the pad id as a real token (a sampled pad, or a pad id equal to EOS) equals the float64 reference: transformers' embedding has padding_idx=pad_token_id, so the pad row gets no gradient from the lookup (a tied model's lm_head share of the row stays)."""
+    batch = h.batch(seed=17, rl_fields=True)
+    pad = batch.meta.pad_token_id
+    ids, mask = batch["response_ids"].clone(), batch["response_mask"]
+    lengths = mask.sum(1)
+    rows = (lengths >= 3).nonzero().squeeze(1)
+    ids[rows, 1] = pad  # a real token, inside the response
+    batch = batch.update(response_ids=ids)
+    for model in ("llama", "qwen3-tied"):
+        compare_update(h, suite_losses()[0], model, batch)
+
+
 @check("numerics", gates=("training.values",))
 def check_value_loss_matches_reference(h: Harness) -> None:
     """A critic's value loss, grad norm and gradients equal the float64 reference."""

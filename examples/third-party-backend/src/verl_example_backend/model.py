@@ -43,6 +43,7 @@ class DecoderConfig:
     value_head: bool
     eos_token_id: int
     pad_token_id: int
+    padding_idx: int | None = None  # the config's own pad id (None when it has none), as transformers reads it
 
     @classmethod
     def from_folder(cls, path: str | Path) -> DecoderConfig:
@@ -80,6 +81,7 @@ class DecoderConfig:
             value_head=any(a.endswith("ForTokenClassification") for a in archs),
             eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
             pad_token_id=int(raw.get("pad_token_id") or 0),
+            padding_idx=raw.get("pad_token_id"),
         )
 
 
@@ -180,7 +182,8 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # padding_idx: the pad row gets no gradient from the lookup, where the id occurs as a real token too
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.padding_idx)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

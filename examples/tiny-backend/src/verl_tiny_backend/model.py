@@ -91,6 +91,7 @@ class Cfg:
     qkv_bias: bool
     qk_norm: bool
     value_head: bool
+    pad_token_id: int | None = None  # the embedding's padding_idx, as transformers builds it
 
     @staticmethod
     def load(path: str) -> Cfg:
@@ -118,7 +119,7 @@ class Cfg:
                    int(raw.get("num_key_value_heads", heads)), head_dim, int(raw["intermediate_size"]),
                    float(raw["rms_norm_eps"]), Rope.load(raw, head_dim, path), bool(raw.get("tie_word_embeddings", False)),
                    mt == "qwen2", mt == "qwen3",
-                   any("TokenClassification" in a for a in archs))
+                   any("TokenClassification" in a for a in archs), raw.get("pad_token_id"))
 
 
 class RMSNorm(nn.Module):
@@ -209,7 +210,8 @@ class Body(nn.Module):
 
     def __init__(self, c: Cfg) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
+        # padding_idx: the pad row gets no gradient from the lookup, where the id occurs as a real token too
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden, padding_idx=c.pad_token_id)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.hidden, c.eps)
 

@@ -66,6 +66,8 @@ class ModelDims:
         rms_norm_eps: Epsilon of every RMS norm.
         rope_theta: RoPE base.
         max_position: Longest sequence.
+        pad_token_id: The config's pad id (None where it has none): the embedding row that gets no
+            gradient from the lookup, as transformers' ``nn.Embedding(..., padding_idx=...)``.
     """
 
     num_layers: int
@@ -82,6 +84,7 @@ class ModelDims:
     rms_norm_eps: float
     rope_theta: float
     max_position: int
+    pad_token_id: int | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any, head: HeadKind = "lm") -> ModelDims:
@@ -130,6 +133,7 @@ class ModelDims:
             rms_norm_eps=float(config.rms_norm_eps),
             rope_theta=float(theta),
             max_position=int(config.max_position_embeddings),
+            pad_token_id=_pad_id(getattr(config, "pad_token_id", None), int(config.vocab_size)),
         )
 
     def check_parallel(self, tp: int, pp: int) -> None:
@@ -407,3 +411,8 @@ class StateDictAdapter:
         """Layer number of a transformers tensor name (None outside the decoder layers)."""
         m = _HF_LAYER_RE.match(hf_name)
         return int(m.group(1)) if m else None
+
+
+def _pad_id(pad: Any, vocab: int) -> int | None:
+    """The config's pad id as the embedding's padding index (None: none, or not a row of the table)."""
+    return int(pad) if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None

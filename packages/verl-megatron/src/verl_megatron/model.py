@@ -226,6 +226,8 @@ def build_stage(
     )
     if dims.head == "value" and pp_rank == pp - 1:
         model.output_layer = ValueHead(dims.hidden_size, dtype)
+    if pp_rank == 0 and dims.pad_token_id is not None:
+        model.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(dims.pad_token_id))
     # The local spec's torch norms are built in float32 whatever params_dtype says; a float32
     # norm weight under bfloat16 activations misses the fused kernel. Parameters only: buffers
     # (e.g. rotary frequencies) keep their precision.
@@ -234,6 +236,21 @@ def build_stage(
             p.data = p.data.to(dtype)
     _mark_tensor_parallel(model)
     return model.to(device)
+
+
+def _padding_idx_hook(pad: int) -> Any:
+    """A forward hook on the word embedding that gives its pad row no gradient from the lookup
+    (transformers' ``padding_idx``): the outputs at the pad id's positions, a real token's too,
+    are detached. The values are unchanged; on a tied model the output layer's share of the row's
+    gradient stays."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        ids = args[0]
+        if ids.shape != output.shape[:-1]:
+            return output  # not the [batch, seq] lookup this hook knows (left as megatron computes it)
+        return torch.where((ids == pad).unsqueeze(-1), output.detach(), output)
+
+    return hook
 
 
 def _mark_tensor_parallel(model: nn.Module) -> None:

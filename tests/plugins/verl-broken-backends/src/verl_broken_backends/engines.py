@@ -73,6 +73,7 @@ __all__ = [
     "TruncatedAtLimit",
     "UnseededSampling",
     "WakeReloadsFolder",
+    "PaddingIdxDropped",
     "DropUnmarked",
     "DropRotaryFrequencies",
     "LastTokenScores",
@@ -111,6 +112,14 @@ class TemperatureIgnored(ExampleTrainingEngine):
     def compute(self, batch: TensorBatch, outputs: Collection[ModelOutput]) -> dict[str, Tensor]:
         """Outputs at T = 1."""
         return token_outputs(self.model, batch.with_meta(temperature=1.0), outputs)
+
+
+class PaddingIdxDropped(ExampleTrainingEngine):
+    """An embedding without padding_idx: the pad row gets gradients where the pad id is a real token."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.model.model.embed_tokens.padding_idx = None
 
 
 class ResponseMaskIgnored(ExampleTrainingEngine):

@@ -37,6 +37,7 @@ __all__ = [
     "micro_batch_loss",
     "offload_tensor",
     "optimizer_state",
+    "padding_idx",
     "padding_side",
     "reference_temperature",
     "response_mask",
@@ -118,6 +119,8 @@ offload_tensor = BrokenBackend("broken-offload-tensor", "onload() brings one par
                                training=f"{_ENGINES}:OffloadLosesTensor", training_caps=OFFLOAD_TRAINING)
 wake_reload = BrokenBackend("broken-wake-reload", "wake() reloads the folder's weights, losing the synced ones",
                             rollout=f"{_ENGINES}:WakeReloadsFolder")
+padding_idx = BrokenBackend("broken-padding-idx", "the embedding has no padding_idx (the pad row trains)",
+                            training=f"{_ENGINES}:PaddingIdxDropped")
 reference_temperature = BrokenBackend("broken-reference-temperature",
                                       "the reference role computes log-probs at temperature 1 (the actor is right)",
                                       reference=f"{_ENGINES}:TemperatureIgnored")
