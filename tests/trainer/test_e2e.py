@@ -141,6 +141,30 @@ def test_a_step_that_trains_nothing_resends_the_weights_a_sleeping_rollout_dropp
     assert all(torch.equal(p, trained[n]) for n, p in served.items())
 
 
+def test_the_actor_budget_is_read_again_once_the_rollout_slept_before_the_first_update(tmp_path: Path) -> None:
+    """The budget fixed at setup saw the rollout's weights on the device; the rollout sleeps through
+    the update, so the free memory is read again before the first one (and never after)."""
+    from verl_core.trainer.batching.scheduler import MemoryInfo
+
+    free = {"bytes": 0}
+    cfg = config(tmp_path, "steps=2", "algorithm.name=grpo", "algorithm.options.kl_loss_coef=0.0",
+                 "batch.min_tokens=16", "rollout.sleep=always")
+    with Trainer(cfg, memory_probe=lambda: MemoryInfo(free["bytes"], 1 << 34)) as trainer:
+        trainer.setup()
+        assert trainer.schedulers["actor"].fixed_budget == 16  # no free memory at setup: the minimum
+        rollout: Any = trainer.engines.rollout
+        sleep = rollout.sleep_until_sync
+
+        def sleep_and_free() -> None:
+            sleep()
+            free["bytes"] = 1 << 30  # what the sleeping rollout released
+
+        rollout.sleep_until_sync = sleep_and_free
+        hist = trainer.train()
+    assert hist[0]["scheduler/actor/budget_reread"] > 16
+    assert hist[0]["scheduler/actor/budget"] > 16 and "scheduler/actor/budget_reread" not in hist[1]
+
+
 def test_micro_batching_under_memory_pressure_gives_the_same_update(tmp_path: Path) -> None:
     from verl_core.trainer.batching.scheduler import MemoryInfo
 

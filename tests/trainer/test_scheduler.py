@@ -316,6 +316,28 @@ def test_the_first_training_call_refines_the_budget_once() -> None:
     assert state["budget"] == 59 and state["refine_from"] is None
 
 
+def test_the_budget_is_read_again_before_the_first_update_and_never_after() -> None:
+    """The trainer reads the free memory again once the rollout slept (its weights left the device
+    after the budget was fixed at setup); the refinement then starts from that reading."""
+    cfg = SchedulerConfig(min_tokens=4, bytes_per_token=100, memory_fraction=0.5, reserved_bytes=1000)
+    free = {"bytes": 3000}
+    peak = FixedPeak(PeakReading(before=500, peak=500 + 40 * 60 + 7, after=520))
+    sched = DynamicBatchScheduler(cfg, probe=lambda: probe_of(free["bytes"]), peak_probe=peak)
+    assert sched.fix_budget() == (3000 - 1000) // 2 // 100 == 10
+    free["bytes"] = 9000  # the rollout slept
+    assert sched.reread_budget() == (9000 - 1000) // 2 // 100 == 40
+    assert sched.available_bytes == 8000 and sched.refinement_pending
+    batch = make_batch([4] * 10)
+    sched.run(batch, DeviceWithLimit(1000).caller(batch), key="train0", training=True)
+    assert sched.plan[-1].budget == 40 and sched.fixed_budget == 8000 // 2 // 67 == 59  # refined from the new reading
+    free["bytes"] = 100  # later readings change nothing: the budget is the run's
+    assert sched.reread_budget() == 59 and sched.fixed_budget == 59
+    restored = DynamicBatchScheduler(cfg, probe=lambda: probe_of(free["bytes"]), peak_probe=peak)
+    restored.fix_budget(48)  # a resumed run's budget, from its checkpoint
+    free["bytes"] = 9000
+    assert restored.reread_budget() == 48
+
+
 def test_no_reading_keeps_the_estimate_and_a_given_budget_is_never_refined() -> None:
     cfg = SchedulerConfig(min_tokens=4, bytes_per_token=100, memory_fraction=1.0)
     batch = make_batch([4] * 4)

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from verl_core.kernel.memory import device_memory
+from verl_core.kernel.memory import available_memory, device_memory
 
 __all__ = [
     "MemoryInfo",
@@ -49,8 +49,11 @@ def host_memory_probe() -> MemoryInfo:
 
 
 def cuda_memory_probe(device: str | torch.device = "cuda") -> MemoryProbe:
-    """A probe reading ``torch.cuda.mem_get_info`` of ``device``."""
-    return lambda: MemoryInfo(*device_memory(device))
+    """A probe of ``device``: ``torch.cuda.mem_get_info``'s free memory plus what PyTorch's caching
+    allocator holds unused (it reuses those blocks before asking the device:
+    :func:`~verl_core.kernel.memory.available_memory`). Engines that re-home their weights (one
+    buffer per engine) leave the old storage cached, which the device alone reports as used."""
+    return lambda: MemoryInfo(available_memory(device), device_memory(device)[1])
 
 
 def default_memory_probe(device: str | torch.device = "cpu") -> MemoryProbe:

@@ -207,6 +207,7 @@ class DynamicBatchScheduler:
         self._bytes_per_token = self.config.bytes_per_token
         self._available: int | None = None  # memory the fixed budget was computed from
         self._refine_from: int | None = None  # that memory, while the one-time refinement is pending
+        self._rereadable = False  # the budget was read from the probe and no training call ran since
         self._replay = {d.key: d for d in replay}
         self._plan: list[Decision] = []
         self._stats = _Stats()
@@ -248,9 +249,27 @@ class DynamicBatchScheduler:
             self._available = self._read_available()
             self._fixed = self._budget_for(self._available)
             self._refine_from = self._available if self._peak_probe is not None else None
+            self._rereadable = True
         else:
             self._available = self._refine_from = None
+            self._rereadable = False
             self._fixed = max(self.config.min_tokens, min(budget, self._cap))
+        return self._fixed
+
+    def reread_budget(self) -> int:
+        """Read the probe again and fix the budget from that reading, where :meth:`fix_budget` read
+        it and no training call ran since (a budget given or restored stays); otherwise change nothing.
+
+        For a run whose memory at the first update differs from the memory at :meth:`fix_budget`:
+        a rollout engine that sleeps through the update frees its weights then, which the reading
+        at setup counted as used. Returns the fixed budget.
+        """
+        if not self._rereadable or self._fixed is None:
+            return self._fixed or 0
+        self._available = self._read_available()
+        if self._refine_from is not None:
+            self._refine_from = self._available
+        self._fixed = self._budget_for(self._available)
         return self._fixed
 
     @property
@@ -334,6 +353,8 @@ class DynamicBatchScheduler:
         whole = max(micro_batch_cost(lengths, packed=packed), longest)
         budget = min(budget, whole)  # more than the whole batch changes nothing
         measure = self._peak_probe if training and recorded is None and self._refine_from is not None else None
+        if training:
+            self._rereadable = False
         reading: PeakReading | None = None
         ooms = 0
         while True:
@@ -462,6 +483,7 @@ class DynamicBatchScheduler:
             self._fixed = None if state["budget"] is None else int(state["budget"])
         refine_from = state.get("refine_from")
         self._refine_from = None if refine_from is None or self._peak_probe is None else int(refine_from)
+        self._rereadable = False
 
 
 def train_mini_batch(engine: TrainingEngine, scheduler: DynamicBatchScheduler, mini_batch: TensorBatch,

@@ -30,10 +30,13 @@ The run folder, metric sinks (``logging.sinks``), checkpoints and the loop are t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 from typing import IO, Any
+
+import torch
 
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
@@ -88,6 +91,8 @@ def _delegate(owner: str, name: str, doc: str, *, settable: bool = True) -> Any:
 
     return property(get, put if settable else None, doc=doc)
 
+
+log = logging.getLogger(__name__)
 
 class Trainer:
     """Runs an RL training loop from a :class:`RunConfig`.
@@ -354,6 +359,9 @@ class Trainer:
             self.generation.run(state)  # rollout -> reward -> select -> reference / actor / critic forwards
         if self.config.async_training.lookahead == 0:
             self.weights.sleep(state)  # the update needs the rollout's device memory
+            if state.metrics["rollout/slept"] and (self._probe is not None
+                                                   or torch.device(self.config.model.device).type == "cuda"):
+                self._reread_budgets(state)  # the probe sees what the sleep freed
         else:
             state.metrics["rollout/slept"] = 0  # the producer samples the next steps during the update
         rollout_metrics(state, eos_token_id=self.rollout.tokenizer.eos_token_id, reward=self.reward,
@@ -384,6 +392,21 @@ class Trainer:
         self.ctx.log_step(self.step, state.metrics)
         self.plan.append()
         return state.metrics
+
+    def _reread_budgets(self, state: StepState) -> None:
+        """Before the run's first update, with the rollout asleep: read the free memory again for
+        the training roles' micro-batch budgets (fixed at setup, while the rollout's weights were
+        still on the device; a no-op once a role trained, or where its budget came from a checkpoint
+        or ``batch.micro_batch_tokens``). Sets ``scheduler/<role>/budget_reread`` where it changed."""
+        for role, scheduler in self.schedulers.items():
+            if role in ("actor", "critic"):
+                before = scheduler.fixed_budget
+                after = scheduler.reread_budget()
+                if after == before:
+                    continue
+                log.info("micro-batch budget of the %s: %s -> %d tokens, read again with the rollout asleep "
+                         "(%s bytes available)", role, before, after, f"{scheduler.available_bytes:,}")
+                state.metrics[f"scheduler/{role}/budget_reread"] = after
 
     def _draw(self, step: int) -> StepState:
         """Step ``step``'s prompts (drawn by the producer in step order in ``async`` mode)."""
