@@ -87,7 +87,15 @@ def main() -> None:
                         help="an engine variant: hf options as a JSON object (default: default and whole-cache)")
     parser.add_argument("--model-dir", type=Path, help="where the model folder is built (default: a temp folder)")
     parser.add_argument("--out", type=Path, help="append the table to OUT/bench_decode_long.md")
+    parser.add_argument("--kernel-launch", metavar="BLOCK,WARPS,STAGES",
+                        help="the fused decode-attention kernel's launch for every call (default: the kernel's own "
+                             "choice, verl_core.enginekit._triton_decode.default_launch); see sweep_decode_kernel.py")
     args = parser.parse_args()
+    if args.kernel_launch:
+        from verl_core.enginekit import _triton_decode
+
+        fixed = _triton_decode.Launch(*(int(x) for x in args.kernel_launch.split(",")))
+        _triton_decode.default_launch = lambda rows, kv_heads, device: fixed  # type: ignore[assignment]
     cuda = args.device.startswith("cuda")
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if cuda else "float32"
     dtype_bytes = 2 if cuda else 4
@@ -113,7 +121,8 @@ def main() -> None:
     rows = args.prompts * args.n
     width = static_prompt_width(args.prompt_len)
     lines = [f"# hf rollout decode as responses grow: {args.size} ({dtype}) on {args.device}, {rows} rows, "
-             f"{args.prompt_len}-token prompts, bound at {args.bandwidth / 1e12:.1f} TB/s, torch {torch.__version__}",
+             f"{args.prompt_len}-token prompts, bound at {args.bandwidth / 1e12:.1f} TB/s, torch {torch.__version__}"
+             + (f", kernel launch {args.kernel_launch}" if args.kernel_launch else ""),
              "| variant | mode | new tokens | tokens | mean length | s | tok/s | bound tok/s | of bound | weights GB "
              "| KV at end GB | first call s | graphs (captured/failed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -69,14 +69,16 @@ INTERPRETER = Path(sys.prefix) / "triton-interpreter"  # scripts/setup.sh instal
 
 @pytest.mark.skipif(not (INTERPRETER / "triton").is_dir(), reason=f"Triton's interpreter is not in {INTERPRETER}: scripts/setup.sh installs it there on machines without a GPU")
 def test_the_fused_kernel_in_tritons_interpreter_matches_float64_and_reads_no_hidden_slot() -> None:
-    """The kernel itself, on CPU: Triton's interpreter runs it on CPU tensors (float32 and float16)."""
+    """The kernel itself, on CPU: Triton's interpreter runs it on CPU tensors (float32 and float16),
+    with the default launch and two others."""
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(INTERPRETER), str(here), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(here / "decode_kernel_interpreted.py")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("hidden slots unread: True") == 12, done.stdout
+    assert done.stdout.count("hidden slots unread: True") == 36, done.stdout
+    assert done.stdout.count("a row attending nothing gives zeros: True") == 3, done.stdout
 
 
 needs_kernel = pytest.mark.skipif(not CUDA_TRITON, reason="the fused decode-attention kernel needs CUDA and Triton")
