@@ -1,11 +1,13 @@
 """The in-process ``vllm.LLM`` of the vLLM rollout engine: starting it with the process
-environment it needs (and without what it would leak), the tied lm_head's refresh after a reload,
-and shutting it down while other engines of the process keep the shared state."""
+environment it needs (and without what it would leak) and the folder's LongRoPE attention factor
+as transformers reads it, the tied lm_head's refresh after a reload, and shutting it down while
+other engines of the process keep the shared state."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any, Final
@@ -18,7 +20,15 @@ import_vllm()
 
 from vllm import LLM  # noqa: E402  (after the import check, which explains a missing vLLM)
 
-__all__ = ["LEAKED_ENV", "check_platform", "refresh_tied_lm_head", "restored_environ", "shutdown_llm", "start_llm"]
+__all__ = [
+    "LEAKED_ENV",
+    "check_platform",
+    "long_rope_attention_factor",
+    "refresh_tied_lm_head",
+    "restored_environ",
+    "shutdown_llm",
+    "start_llm",
+]
 
 # What LLM() writes into os.environ; it only matters for child processes, which must not inherit it.
 LEAKED_ENV: Final = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
@@ -59,6 +69,35 @@ def check_platform(device: str) -> bool:
     return platform == "cuda"
 
 
+def long_rope_attention_factor(config: Any) -> Any:
+    """``config`` (a transformers config, as vLLM loaded it) with a LongRoPE scaling's attention
+    factor written as vLLM reads it: ``short_mscale`` and ``long_mscale`` of ``rope_parameters``.
+
+    transformers scales cos and sin by ``attention_factor`` when the config sets it, else by
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` with the config's ``factor``
+    (``max_position_embeddings / original_max_position_embeddings`` when it has none). vLLM's
+    LongRoPE reads neither: without ``short_mscale``/``long_mscale`` it computes the default from
+    ``max_position_embeddings``, so a folder that sets ``attention_factor`` (or a ``factor`` other
+    than that ratio) ran with other cos and sin at every position. A ``rope_parameters`` that
+    names either mscale itself, per-layer-type parameters and other rope types are left as they are.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if (not isinstance(params, dict) or params.get("rope_type") != "longrope"
+            or "short_mscale" in params or "long_mscale" in params):
+        return config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    config.rope_parameters = {**config.rope_parameters, "short_mscale": float(factor), "long_mscale": float(factor)}
+    return config
+
+
+def _own_mscale_keys(record: logging.LogRecord) -> bool:
+    """False for transformers' warning about exactly the keys :func:`long_rope_attention_factor` writes."""
+    ours = ("{'long_mscale', 'short_mscale'}", "{'short_mscale', 'long_mscale'}")
+    return not record.getMessage().endswith(ours)
+
+
 def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_model_len: int) -> Any:
     """Start the in-process ``vllm.LLM`` of ``spec`` with ``cfg``'s options."""
     # In-process engine: weight chunks reach the model by reference, no copies over IPC.
@@ -87,14 +126,21 @@ def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_mod
         # Sampling follows the request exactly, never the folder's generation_config defaults.
         "generation_config": "vllm",
         "tensor_parallel_size": 1,
+        # LongRoPE's attention factor as transformers computes it (vLLM ignores attention_factor)
+        "hf_overrides": long_rope_attention_factor,
     }
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if on_gpu:
         kwargs["enable_sleep_mode"] = True
-    with restored_environ((*LEAKED_ENV, _KV_ENV)):
-        os.environ.pop(_KV_ENV, None)
-        return LLM(**kwargs)
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    rope_log.addFilter(_own_mscale_keys)  # vLLM validates the config after the override
+    try:
+        with restored_environ((*LEAKED_ENV, _KV_ENV)):
+            os.environ.pop(_KV_ENV, None)
+            return LLM(**kwargs)
+    finally:
+        rope_log.removeFilter(_own_mscale_keys)
 
 
 def refresh_tied_lm_head(worker: Any) -> None:
