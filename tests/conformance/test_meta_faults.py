@@ -81,6 +81,12 @@ FAULTS = [
     ("broken-rotary-positions", ["invariance::positions_under_left_padding",
                                  "invariance::rotary_positions_under_left_padding"],
      ["invariance::rotary_positions_under_left_padding"], ["rotary LongRoPE model", "not arange over the padded row"]),
+    # a prefix cache (hf rollout, KV per row), right under plain RoPE, reused across the LongRoPE threshold
+    ("broken-long-rope-prefix-cache", ["invariance::prefix_continuation_matches_rerun",
+                                       "invariance::rotary_positions_under_left_padding",
+                                       "invariance::long_rope_continuation_across_threshold"],
+     ["invariance::long_rope_continuation_across_threshold"],
+     ["continuing an earlier call's prompt and turn", "keys cached while the sequence was short"]),
     # every tensor of a weight stream applied
     ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
                            "weight_sync::every_tensor_applied"],

@@ -10,7 +10,10 @@ environment appended; ``loss_mask`` marks the sampled ones and ``turn_ids`` numb
 * rollout engines continue a prompt holding earlier turns and observations (special ids among
   them) as the exact id sequence it is, and end a turn at a stop id, which the turn keeps;
 * an engine declaring ``prefix_continuation`` samples from its cache what it would sample without it,
-  and drops that cache when weights are written.
+  and drops that cache when weights are written;
+* on the LongRoPE folder, whose rotation depends on the whole sequence's length, a turn sampled
+  within the trained range and continued past it is continued with the long factors at every
+  position: keys a cache kept from the short turn must not serve it.
 
 Each check runs on the test kit's tiny models: a few short sequences, well under a second of
 model time.
@@ -27,13 +30,20 @@ from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
+from verl_conformance.checks.rope import greedy_tokens_match
 from verl_conformance.checks.weight_sync import folder_stream
 from verl_conformance.harness import SUITE_OPTIM, Harness
 from verl_conformance.losses import SuiteLoss
 from verl_conformance.reference import ReferenceModel, cached_outputs, greedy_reference
-from verl_conformance.testkit import eos_model_continuation, load_tokenizer, near_tie_margin
+from verl_conformance.testkit import (
+    LONG_ROPE_TRAINED,
+    eos_model_continuation,
+    load_tokenizer,
+    near_tie_margin,
+)
 from verl_core import (
     BatchMeta,
+    ConfigError,
     GlobalBatchStats,
     ModelOutput,
     RolloutEngine,
@@ -526,3 +536,45 @@ def check_prefix_continuation_after_weight_update(h: Harness) -> None:
                    f"prefix continuation across a weight update, prompts of {[len(r) for r in rows]} ids (a prompt, "
                    f"the turn sampled before update_weights, an observation): rollout_log_probs vs the float64 "
                    f"reference of llama-alt; {hint}", mask=got["response_mask"])
+
+
+# --------------------------------------------------------------------------- LongRoPE: a short turn continued long
+_FIRST_TURN: Final = 4
+"""Tokens :func:`_episode_prefixes` samples for the first turn."""
+_LONG_ROPE_PROMPTS: Final = (20, 12, 17)
+"""First-turn prompts on the LongRoPE folder: with their turn, every sequence stays within the trained range."""
+_LONG_ROPE_OBSERVATIONS: Final = (9, 14, 8)
+"""Observations after each first turn: every continuing prompt is past the trained range, even after a
+one-token turn (EOS at once)."""
+assert max(_LONG_ROPE_PROMPTS) + _FIRST_TURN <= LONG_ROPE_TRAINED
+assert min(p + 1 + o for p, o in zip(_LONG_ROPE_PROMPTS, _LONG_ROPE_OBSERVATIONS, strict=True)) > LONG_ROPE_TRAINED
+
+
+@check("invariance", gates=("rollout.exact_log_probs",))
+def check_long_rope_continuation_across_threshold(h: Harness) -> None:
+    """On the LongRoPE Llama (short factors up to 24 tokens, long past them), a prompt that continues an earlier call's prompt and turn (at most 24 tokens) with an observation that takes it past 24 gives the float64 reference's greedy tokens and log-probs of that exact id sequence, with the long factors at every position: keys cached while the sequence was short (a prefix cache) must not serve it; a backend that refuses the folder skips."""
+    if not h.provides(h.subject, "rollout"):
+        h.skip(f"backend {h.subject.name!r} provides no rollout engine")
+    model = "llama-longrope"
+    try:
+        engine = h.rollout(model, max_prompt_len=_CONTEXT)
+    except ConfigError as e:
+        h.skip(f"the backend refuses the LongRoPE folder ({model}), which this check needs: {e}")
+    # the first turn: each prompt and its sampled turn within the trained range (short factors)
+    prefixes = _episode_prefixes(engine, 170, _LONG_ROPE_PROMPTS, _LONG_ROPE_OBSERVATIONS)
+    batch = prompts_from_ids(prefixes, engine.tokenizer.pad_token_id, group_ids=[8, 9, 10])
+    params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=6)
+    out = engine.generate(batch, params)
+    ref = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
+    what = (f"on the LongRoPE folder ({model}: short factors up to {LONG_ROPE_TRAINED} tokens, long factors past "
+            f"them), prompts of {[len(p) for p in prefixes]} ids continuing an earlier call's prompt and turn "
+            f"(at most {LONG_ROPE_TRAINED} tokens) with an observation")
+    rule = (f"past {LONG_ROPE_TRAINED} tokens every position is rotated with the long factors, the prefix's too, so "
+            "keys cached while the sequence was short (a prefix cache of the earlier call) must not serve a "
+            "continuation past the threshold: recompute the prefix when the factor set changes, or do not cache on "
+            "LongRoPE folders")
+    greedy_tokens_match(h, out, ref, f"greedy tokens {what}; {rule}")
+    if engine.log_probs_exact(params):
+        h.close_to(out["rollout_log_probs"], ref["log_probs"], "log_probs",
+                   f"rollout_log_probs of greedy samples {what}, vs the float64 reference of those exact ids; {rule}",
+                   mask=out["response_mask"])

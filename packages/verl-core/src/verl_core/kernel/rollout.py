@@ -137,6 +137,14 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
         """Sample ``params.n`` responses per prompt.
 
+        Each prompt is sampled as the exact id sequence it is, whatever earlier calls computed: a
+        cache of an earlier call's prompt and response (a prefix cache, see
+        ``RolloutCapabilities.prefix_continuation``) serves only what a run without it computes.
+        Under LongRoPE the rotation of every position depends on the whole sequence's length
+        (short factors up to ``original_max_position_embeddings``, long past it), so keys cached
+        while a sequence was short never serve its continuation past the threshold
+        (``invariance::long_rope_continuation_across_threshold``).
+
         Returns:
             ``prompts.repeat_interleave(n)`` (samples of one prompt adjacent, same ``group_ids``,
             ``sample_index`` 0..n-1) updated with ``response_ids`` (right-padded with the pad id),

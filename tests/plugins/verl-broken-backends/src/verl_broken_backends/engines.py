@@ -3,8 +3,9 @@ backend's, where the fault needs what only hf has: a reward role, GPT-2 folders)
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -39,10 +40,13 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.enginekit.sampling import TokenSampler, eager_decode
 from verl_core.trainer.inputs.tiny_model import load_tokenizer
-from verl_hf.modeling import sequence_inputs
+from verl_hf.capabilities import ROLLOUT_CAPABILITIES as HF_ROLLOUT_CAPABILITIES
+from verl_hf.modeling import cache_keyword, sequence_inputs
 from verl_hf.reward import HFRewardEngine
 from verl_hf.rollout import HFRolloutEngine
+from verl_hf.rollout_request import concat_responses
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "LastChunkDropped",
     "LastColumnScores",
     "LeftPaddedResponses",
+    "LongRopeStalePrefixCache",
     "LossScaledFromStep3",
     "MicroBatchAveragedLoss",
     "OffloadLosesTensor",
@@ -635,3 +640,55 @@ class _SpecialsKept:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._inner.decode(ids, skip_special_tokens=False)
+
+
+class LongRopeStalePrefixCache(HFRolloutEngine):
+    """Declares prefix_continuation and keeps the keys and values (transformers' DynamicCache) of each
+    sequence it sampled, looked up by the whole id sequence (the longest cached prefix of a prompt, each
+    row alone): right under plain RoPE, but it serves them whatever the continuation's length, so on a
+    LongRoPE folder keys rotated with the short factors serve a continuation past the threshold."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._entries: dict[tuple[int, ...], Any] = {}
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The hf rollout's capabilities with prefix_continuation=True."""
+        return replace(HF_ROLLOUT_CAPABILITIES, prefix_continuation=True)
+
+    @torch.no_grad()
+    def _decode(self, chunk: TensorBatch, seeds: list[int], params: SamplingParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decode each row alone over its cached prefix."""
+        device = torch.device(self.spec.device)
+        stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids}), dtype=torch.int64,
+                             device=device)
+        parts = []
+        for b in range(chunk.batch_size):
+            ids = chunk["prompt_ids"][b][chunk["prompt_mask"][b]].tolist()
+            sampler = TokenSampler(params, self.tokenizer.pad_token_id, stops, self._uniforms(seeds[b : b + 1], params))
+            parts.append(eager_decode(self._steps(ids, device), sampler, 1, params.max_new_tokens, device))
+        return concat_responses(parts, self.tokenizer.pad_token_id, device)
+
+    def _steps(self, ids: list[int], device: torch.device) -> Generator[Tensor, Tensor, None]:
+        """Next-token logits of one row: the prompt's (after the longest cached prefix), then one per token sent."""
+        hit = max((k for k in self._entries if len(k) < len(ids) and tuple(ids[: len(k)]) == k), key=len, default=())
+        cache = copy.deepcopy(self._entries[hit]) if hit else None
+        kw = cache_keyword(self.model)
+        seen = list(ids)
+        new = torch.tensor([ids[len(hit):]], device=device)
+        at = torch.arange(len(hit), len(ids), device=device).unsqueeze(0)
+        out = self.model(input_ids=new, position_ids=at, use_cache=True, logits_to_keep=1, **{kw: cache})
+        try:
+            while True:
+                tok = yield out.logits[:, -1].float()
+                at = torch.tensor([[len(seen)]], device=device)
+                out = self.model(input_ids=tok.view(1, 1), position_ids=at, use_cache=True, **{kw: getattr(out, kw)})
+                seen.append(int(tok))
+        finally:
+            self._entries[tuple(seen)] = getattr(out, kw)
+
+    def update_weights(self, stream: Iterable[WeightMessage]) -> None:
+        """Drop the cache, then apply the stream."""
+        self._entries.clear()
+        super().update_weights(stream)

@@ -33,6 +33,7 @@ __all__ = [
     "eos_out_of_mask",
     "exports_masters",
     "last_chunk_dropped",
+    "long_rope_prefix_cache",
     "loss_scale",
     "micro_batch_loss",
     "offload_tensor",
@@ -153,11 +154,12 @@ last_chunk_dropped = BrokenBackend("broken-last-chunk", "the last chunk of a mul
 class BrokenHFBackend:
     """A plugin declaring the hf backend with the engine of one role replaced by a faulty one."""
 
-    def __init__(self, name: str, fault: str, role: Role, factory: str) -> None:
+    def __init__(self, name: str, fault: str, role: Role, factory: str, *, prefix_continuation: bool = False) -> None:
         self.name = name
         self.fault = fault
         self.role = role
         self.factory = factory
+        self.prefix_continuation = prefix_continuation  # declared by the rollout engine
 
     @hookimpl
     def verl_backend(self) -> BackendSpec:
@@ -178,7 +180,8 @@ class BrokenHFBackend:
             name=self.name,
             roles=roles,
             capabilities={"actor": training_capabilities("actor"), "reference": training_capabilities("reference"),
-                          "critic": training_capabilities("critic"), "rollout": ROLLOUT_CAPABILITIES,
+                          "critic": training_capabilities("critic"),
+                          "rollout": replace(ROLLOUT_CAPABILITIES, prefix_continuation=self.prefix_continuation),
                           "reward": REWARD_CAPABILITIES},
             protocol_version=PROTOCOL_VERSION,
             config_class="verl_hf.config:HFOptions",
@@ -212,6 +215,10 @@ reward_bos_tokenizer = BrokenHFBackend("broken-reward-tokenizer", "the engine's 
 rotary_arange_positions = BrokenHFBackend("broken-rotary-positions", "a rotary-only backend (GPT-2 refused) whose "
                                           "position ids are arange over the left-padded row", "actor",
                                           f"{_ENGINES}:RotaryOnlyArangePositions")
+long_rope_prefix_cache = BrokenHFBackend("broken-long-rope-prefix-cache", "a prefix cache (KV) reused when a "
+                                         "continuation crosses the LongRoPE threshold: keys rotated with the short "
+                                         "factors serve it", "rollout", f"{_ENGINES}:LongRopeStalePrefixCache",
+                                         prefix_continuation=True)
 reward_token_scores_last_column = BrokenHFBackend("broken-reward-token-scores", "token scores placed at the last "
                                                   "column, not the last real token", "reward",
                                                   f"{_ENGINES}:TokenScoresAtLastColumn")
