@@ -16,6 +16,7 @@ against anchors measured in the same run:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -70,6 +71,8 @@ def main() -> None:
     p.add_argument("--size", choices=list(SIZES), default="7b")
     p.add_argument("--lora", action="store_true", help="rank 16 (alpha 32) on the 7 projections, as bench_lora")
     p.add_argument("--master-weights", choices=["true", "false"], default="true")
+    p.add_argument("--options", default="{}", help="more hf engine options, a JSON object (e.g. "
+                   "'{\"fused_elementwise\": false}'); the anchor's forward is the engine's model, as routed")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--response", type=int, default=128)
@@ -89,7 +92,7 @@ def main() -> None:
     engine = HFTrainingEngine(EngineSpec(
         model_path=str(model), role="actor", dtype="bfloat16", device=args.device, lora=lora,
         optim=OptimConfig(lr=1e-6, grad_clip=1.0), max_prompt_len=args.prompt, max_response_len=args.response,
-        options={"master_weights": args.master_weights == "true"}))
+        options={"master_weights": args.master_weights == "true", **json.loads(args.options)}))
     batch = random_batch(batch_size=args.rows, max_prompt=args.prompt, max_response=args.response,
                          vocab_size=vocab, seed=0, with_rl_fields=True)
     # every response full length, as the benchmark's runs generate
@@ -131,6 +134,7 @@ def main() -> None:
     row(f"forward_backward + optimizer_step, budget {args.budgets[0] or 'all'}", timed(step, args.reps))
     anchor = rows[0][1]
     print(f"\n{args.size}, {'LoRA r16' if args.lora else 'full'}, master_weights={args.master_weights}, "
+          f"options {args.options}, fused element-wise modules {engine.fused_elementwise_modules}, "
           f"{args.rows} rows x {args.prompt}+{args.response} tokens = {tokens} tokens, "
           f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}")
     print(f"{'what':<60} {'s':>8} {'x anchor':>9}")

@@ -98,6 +98,16 @@ class HFOptions:
             elsewhere; True asks for it (a ConfigError where it cannot run); False keeps the matrix
             products. On an H100 at 0.89B x 128 rows it decodes 1.04x (2048 new tokens) to 1.07x
             (128) the tokens/s of the matrix products (``benchmarks/gpu/bench_decode_long.py``).
+        fused_elementwise: In the training engines, run each RMSNorm and each SiLU-gated MLP's
+            ``silu(gate) * up`` through one ``torch.compile``d function each (inductor fuses each
+            chain of element-wise kernels into one kernel forward and one backward:
+            :mod:`verl_hf.fused_elementwise`), for the llama, mistral, qwen2 and qwen3 families;
+            other modules keep their forward. transformers' arithmetic in the same dtypes, up to
+            the order of the float32 mean's additions. None (default): on for CUDA engines in
+            bfloat16, where those chains took about half of ``forward_backward``'s kernel time
+            (0.89B x 18k tokens on an H100); True also elsewhere (on CPU inductor compiles C++,
+            slowly); False keeps transformers' modules. The first micro-batch of each kind
+            (with and without gradients) compiles.
         rollout_sleep_keeps_weights: Keep the rollout's weights through the trainer's sleep
             (``sleep_until_sync``: copied to pinned host memory and back, as ``sleep()`` does)
             instead of dropping them and taking them from the weight sync that follows the wake.
@@ -119,6 +129,7 @@ class HFOptions:
     rollout_decode_window: Annotated[int, Ge(0)] | None = None
     rollout_decode_kernel: bool | None = None
     rollout_sleep_keeps_weights: bool = False
+    fused_elementwise: bool | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="HFOptions.", label="option")  # types, choices and bounds, from the fields

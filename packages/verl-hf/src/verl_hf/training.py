@@ -46,6 +46,7 @@ from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
 from verl_hf.engine_checkpoint import EngineCheckpoint
+from verl_hf.fused_elementwise import fuse_elementwise
 from verl_hf.lora import HFLora
 from verl_hf.micro_batches import MicroBatchLoop
 from verl_hf.modeling import (
@@ -149,6 +150,11 @@ class HFTrainingEngine(TrainingEngineBase):
             self._lora = HFLora(model, spec.lora, tied=tied, seed=spec.seed)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        fused = self._options.fused_elementwise
+        if fused or (fused is None and self._device.type == "cuda" and spec.torch_dtype == torch.bfloat16):
+            self.fused_elementwise_modules = fuse_elementwise(model)
+        else:
+            self.fused_elementwise_modules = 0
         if not self._trainable:
             model.requires_grad_(False)
         if fsdp:

@@ -1,0 +1,65 @@
+"""HFOptions.fused_elementwise: RMSNorms and SiLU-gated MLPs routed through compiled functions, with
+transformers' arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_helpers import actor_spec, flat_grads, model_path
+
+from verl_conformance.testkit import assert_close, random_batch
+from verl_core import GlobalBatchStats
+from verl_core.algorithms import Algorithm
+from verl_hf.config import HFOptions
+from verl_hf.fused_elementwise import fuse_elementwise, fused_modules
+from verl_hf.training import HFTrainingEngine
+
+PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)
+
+
+def _step(engine: HFTrainingEngine) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Log-probs of a ragged batch, then one forward_backward: (log-probs, flat gradients, loss)."""
+    batch = random_batch(batch_size=4, max_prompt=6, max_response=5, temperature=0.8, seed=5, with_rl_fields=True)
+    old = engine.forward(batch, ["log_probs"])["log_probs"]
+    batch = batch.update(old_log_probs=old + 0.05, ref_log_probs=old)
+    loss = engine.forward_backward(batch, PPO.actor_loss, GlobalBatchStats.of(batch))["loss"]
+    return old, flat_grads(engine.model), float(loss)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_routed_modules_compute_transformers_arithmetic_bit_for_bit(arch: str) -> None:
+    """Uncompiled, the routed forwards are transformers' own operations: identical log-probs,
+    loss and gradients; every RMSNorm (Qwen3's q/k norms too) and every MLP is routed."""
+    spec = actor_spec(model_path(arch), options={"fused_elementwise": False})
+    plain, routed = HFTrainingEngine(spec), HFTrainingEngine(spec)
+    assert plain.fused_elementwise_modules == routed.fused_elementwise_modules == 0
+    config = routed.model.config
+    layers = config.num_hidden_layers
+    norms = 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)
+    assert fuse_elementwise(routed.model, compile=False) == norms + layers
+    assert fuse_elementwise(routed.model, compile=False) == 0  # already routed: left as it is
+    assert fused_modules(routed.model) == norms + layers
+    a, b = _step(plain), _step(routed)
+    assert torch.equal(b[0], a[0]) and float(a[0].abs().max()) > 0
+    assert b[2] == a[2]
+    assert torch.equal(b[1], a[1]) and float(a[1].norm()) > 0
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_trains_like_the_plain_one() -> None:
+    """``fused_elementwise=True`` on CPU (inductor's C++ backend): log-probs, loss and gradients of
+    the float32 engine within the float32 tier of the plain engine's."""
+    path = model_path("llama")
+    plain = HFTrainingEngine(actor_spec(path, options={"fused_elementwise": False}))
+    fused = HFTrainingEngine(actor_spec(path, options={"fused_elementwise": True}))
+    assert fused.fused_elementwise_modules == fused_modules(fused.model) > 0
+    a, b = _step(plain), _step(fused)
+    assert_close(b[0], a[0], dtype="float32", quantity="log_probs")
+    assert b[2] == pytest.approx(a[2], abs=1e-5)
+    assert_close(b[1], a[1], dtype="float32", quantity="grad")
+
+
+def test_auto_leaves_cpu_engines_unfused() -> None:
+    assert HFOptions().fused_elementwise is None
+    engine = HFTrainingEngine(actor_spec(model_path()))
+    assert engine.fused_elementwise_modules == 0 and fused_modules(engine.model) == 0
