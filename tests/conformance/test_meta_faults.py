@@ -118,6 +118,17 @@ FAULTS = [
      ["reward::text_scores_ignore_special_tokens"], ["BOS (id 2) before each prompt", "skip_special_tokens=True"]),
     ("broken-reward-devices", ["reward::score_layout", "reward::declared_devices"], ["reward::declared_devices"],
      ["declares devices ['cpu', 'gpu']", "name no torch device type"]),
+    # a reward model on the Qwen families (every tensor perturbed), and what it must refuse
+    ("broken-reward-qwen2-biases", ["reward::scores_match_reference"], ["reward::scores_match_reference"],
+     ["scores on reward-qwen2 (qwen2: biases on q, k and v)", "vs the float64 reference"]),
+    ("broken-reward-qwen3-qk-norms", ["reward::scores_match_reference"], ["reward::scores_match_reference"],
+     ["scores on reward-qwen3 (qwen3: an RMSNorm on each head of q and k before RoPE)", "vs the float64 reference"]),
+    ("broken-reward-dtype-ignored", ["reward::unsupported_settings_refused"], ["reward::unsupported_settings_refused"],
+     ["built with dtype='bfloat16' scores 6 samples exactly as in float32", "it ignored the dtype"]),
+    ("broken-reward-parallel-ignored", ["reward::unsupported_settings_refused"],
+     ["reward::unsupported_settings_refused"], ["built with parallel=ParallelSizes(tp=2, pp=1, dp=1)"]),
+    ("broken-reward-random-head", ["reward::unsupported_settings_refused"], ["reward::unsupported_settings_refused"],
+     ["the reward engine built on the causal-LM Llama folder", "a head initialised at random scores noise"]),
 ]
 
 

@@ -12,7 +12,7 @@ import transformers
 from hf_helpers import model_path
 
 from verl_conformance.testkit import nan_reward_model, random_batch
-from verl_core import ConfigError, EngineSpec, RewardError
+from verl_core import ConfigError, EngineSpec, ParallelSizes, RewardError
 from verl_hf.reward import HFRewardEngine
 
 
@@ -86,3 +86,11 @@ def test_a_folder_without_the_score_head_s_weights_is_refused(tmp_path: Path) ->
     (reward / "config.json").write_text(json.dumps(config))
     assert HFRewardEngine(EngineSpec(model_path=str(reward), role="reward")).score(random_batch(batch_size=2))[
         "scores"].shape == (2,)
+
+
+@pytest.mark.parametrize("parallel", [ParallelSizes(tp=2), ParallelSizes(pp=2), ParallelSizes(dp=2)])
+def test_parallel_sizes_are_refused(parallel: ParallelSizes) -> None:
+    """One engine scores on one device: a spec asking for tensor, pipeline or data parallelism is
+    refused before the weights load, not built as one process that ignores it."""
+    with pytest.raises(ConfigError, match=r"the hf reward engine runs on one device, got parallel=ParallelSizes"):
+        HFRewardEngine(EngineSpec(model_path=model_path("llama", head="reward"), role="reward", parallel=parallel))

@@ -18,6 +18,7 @@ from verl_conformance.testkit import (
     absolute_position_model,
     config_constants_model,
     eos_model,
+    headless_reward_model,
     long_rope_model,
     nan_reward_model,
     perturbed_absolute_position_model,
@@ -104,6 +105,11 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "llama-longrope": long_rope_model,
     "llama-constants": config_constants_model,
     "reward-nan": nan_reward_model,
+    "reward-headless": headless_reward_model,
+    # the Qwen reward folders with every tensor moved: in a random folder Qwen2's q/k/v biases are zeros
+    # and every norm weight (Qwen3's q/k norms too) is one, which an engine that leaves them out computes
+    "reward-qwen2": lambda: perturbed_model(TinyModelSpec(arch="qwen2", head="reward"), 1),
+    "reward-qwen3": lambda: perturbed_model(TinyModelSpec(arch="qwen3", head="reward"), 1),
     **{f"llama-rope-{kind}": partial(rope_scaled_model, kind) for kind in ROPE_SCALINGS},
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),

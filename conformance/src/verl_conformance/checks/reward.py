@@ -3,12 +3,16 @@
 A score must depend on its sample only: not on the order of the batch, its size, how the engine
 splits it into micro-batches, how much padding surrounds the sample or where it sits; scoring is
 deterministic; samples in another tokenizer's ids score as their text; non-finite scores are refused.
+A reward model (``sequence_classifier``) scores as the float64 reference on the Llama, Qwen2 and Qwen3
+reward folders, and refuses what it does not compute: a folder without a trained head, parallel
+sizes, a dtype it would ignore.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -23,6 +27,7 @@ from verl_core import (
     BatchMeta,
     ConfigError,
     NonFiniteError,
+    ParallelSizes,
     RewardEngine,
     RewardError,
     TensorBatch,
@@ -206,18 +211,46 @@ def _reference_scores(folder: str, batch: TensorBatch) -> Tensor:
     return torch.stack(scores)
 
 
+_FAMILIES: Final = (  # (suite folder, model_type, what the family adds to Llama's layers)
+    ("reward", "llama", "the Llama layers"),
+    ("reward-qwen2", "qwen2", "biases on q, k and v"),
+    ("reward-qwen3", "qwen3", "an RMSNorm on each head of q and k before RoPE"),
+)
+
+
 @check("reward", gates=("reward.sequence_classifier",))
 def check_scores_match_reference(h: Harness) -> None:
-    """An engine that declares sequence_classifier scores each sample as the float64 reference of the folder's sequence-classification model: the head read at the last real token of prompt + response (EOS included, an empty response at the prompt's last token)."""
+    """An engine that declares sequence_classifier scores each sample as the float64 reference of the folder's sequence-classification model (the head read at the last real token of prompt + response, EOS included, an empty response at the prompt's last token) on the Llama, Qwen2 and Qwen3 reward folders (the Qwen ones with every tensor perturbed, so q/k/v biases and norm weights count); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
     engine = h.reward()
     if not engine.capabilities.sequence_classifier:
         h.skip("the engine declares sequence_classifier=False (its scores are not a folder's classification head)")
     batch = _batch(h, seed=74)
-    got = _scores(h, engine, batch, "reward::scores_match_reference")
-    want = _reference_scores(h.model_path("reward"), batch)
     lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
-    h.close_to(got, want, "values", f"scores of {batch.batch_size} samples of {lengths} real tokens vs the float64 "
-               "reference of the reward folder (the head at the last real token of prompt + response)")
+    compared, refused = [], []
+    for model, model_type, layers in _FAMILIES:
+        if model != "reward":
+            try:
+                engine = h.reward(model, fresh=True)
+            except ConfigError as e:
+                h.expect(model_type in str(e).lower(),
+                         f"the reward engine refused the {model_type} reward folder {model} with a ConfigError that "
+                         f"does not name the model_type {model_type!r}: {e}; accept the folder ({layers} over the "
+                         "Llama layers) or say which model_type is not supported")
+                refused.append(model_type)
+                continue
+            except Exception as e:
+                h.fail(f"building the reward engine on the {model_type} reward folder {model} raised "
+                       f"{type(e).__name__}: {e}; accept the folder or refuse its model_type with verl_core.ConfigError")
+        got = _scores(h, engine, batch, f"score on {model}")
+        want = _reference_scores(h.model_path(model), batch)
+        h.close_to(got, want, "values",
+                   f"scores on {model} ({model_type}: {layers}) of {batch.batch_size} samples of {lengths} real tokens "
+                   "vs the float64 reference of the reward folder (the head at the last real token of prompt + "
+                   "response)")
+        compared.append(model_type)
+        h.close_fresh()
+    h.note(f"compared: {', '.join(compared)}"
+           + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))
 
 
 @check("reward", gates=("reward.scores",))
@@ -347,3 +380,65 @@ def check_declared_devices(h: Harness) -> None:
                 h.expect(out[name].device.type == device,
                          f"{where}: {name} is on {out[name].device}, expected the batch's device ({device})")
         _same(h, _scored(h, other, moved, where, out), base, f"{where} vs on {h.device}")
+
+
+_NO_HEAD: Final = (  # (suite folder, what it is)
+    ("llama", "the causal-LM Llama folder (architectures LlamaForCausalLM, an lm_head and no score.* weights)"),
+    ("reward-headless", "a reward folder whose config names LlamaForSequenceClassification but whose weights hold "
+                        "no score.weight"),
+)
+
+
+def _refused(h: Harness, setting: str, advice: str, **kw: Any) -> RewardEngine | None:
+    """A fresh reward engine built with ``kw``, or None where the build raised ConfigError; fails on
+    another exception."""
+    try:
+        return h.reward(fresh=True, **kw)
+    except ConfigError:
+        return None
+    except Exception as e:
+        h.fail(f"the reward engine asked for {setting} raised {type(e).__name__}: {e}; {advice}")
+
+
+@check("reward", gates=("reward.sequence_classifier",))
+def check_unsupported_settings_refused(h: Harness) -> None:
+    """An engine that declares sequence_classifier refuses with a ConfigError a folder without a trained score head (the causal-LM Llama, a classifier folder without score.weight) and parallel sizes above 1; a dtype it builds in it computes in (its scores are not the suite dtype's and match the float64 reference in that dtype's tier), else refuses it with a ConfigError: RewardCapabilities declares no dtypes."""
+    engine = h.reward()
+    if not engine.capabilities.sequence_classifier:
+        h.skip("the engine declares sequence_classifier=False (its scores need not read a folder's head or dtype)")
+    for model, what in _NO_HEAD:
+        advice = ("refuse a folder without a trained score head with verl_core.ConfigError naming the folder and "
+                  "saying to set reward_model: a head initialised at random scores noise")
+        built = _refused(h, f"the folder {model}, {what}", advice, model=model)
+        h.expect(built is None, f"the reward engine built on {what}: {advice}")
+        h.close_fresh()
+    for parallel in (ParallelSizes(tp=2), ParallelSizes(pp=2), ParallelSizes(dp=2)):
+        advice = ("RewardCapabilities declares no parallelism and the suite runs one process: refuse parallel sizes "
+                  "other than 1 with verl_core.ConfigError naming them")
+        built = _refused(h, f"parallel={parallel}", advice, parallel=parallel)
+        h.expect(built is None, f"the reward engine built with parallel={parallel}: {advice}")
+        h.close_fresh()
+    batch = _batch(h, seed=76)
+    suite = _scores(h, engine, batch, f"score in {h.dtype}")
+    want = _reference_scores(h.model_path("reward"), batch)
+    ran, refused = [], []
+    for dtype in ("float32", "bfloat16", "float16"):
+        if dtype == h.dtype:
+            continue
+        advice = ("compute in the dtype asked for, or refuse it with verl_core.ConfigError naming it (RewardCapabilities "
+                  "declares no dtypes, so nothing upstream compares the spec's dtype with what the engine supports)")
+        other = _refused(h, f"dtype={dtype!r}", advice, dtype=dtype)
+        if other is None:
+            refused.append(dtype)
+            continue
+        got = _scores(h, other, batch, f"score with dtype={dtype!r}")
+        h.expect(not bool(torch.equal(got, suite)),
+                 f"the reward engine built with dtype={dtype!r} scores {batch.batch_size} samples exactly as in "
+                 f"{h.dtype} ({got.tolist()}): it ignored the dtype; {advice}")
+        replace(h, dtype=dtype).close_to(got, want, "values",
+                                         f"scores with dtype={dtype!r} vs the float64 reference of the reward folder "
+                                         f"(in the {dtype} tier; {advice})")
+        ran.append(dtype)
+        h.close_fresh()
+    h.note(f"refused: the causal-LM and headless folders, tp/pp/dp=2; dtypes computed in: {', '.join(ran) or 'none'}; "
+           f"dtypes refused: {', '.join(refused) or 'none'}")

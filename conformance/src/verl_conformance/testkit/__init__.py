@@ -10,7 +10,7 @@
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
-  NaN reward model) and a shuffled tokenizer.
+  NaN reward model, a reward model without its head's weights) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from verl_conformance.testkit.crafted import (
     config_constants_model,
     eos_model,
     eos_model_continuation,
+    headless_reward_model,
     long_rope_model,
     nan_reward_model,
     perturbed_absolute_position_model,
@@ -69,6 +70,7 @@ __all__ = [
     "build_tiny_model",
     "eos_model",
     "eos_model_continuation",
+    "headless_reward_model",
     "launch_torchrun",
     "load_tokenizer",
     "long_rope_model",

@@ -17,6 +17,7 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   every output by nats when the scaling is ignored.
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
+* :func:`headless_reward_model`: a reward model's folder without the score head's weights.
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
   differs from the reward model's).
 """
@@ -59,6 +60,7 @@ __all__ = [
     "config_constants_model",
     "eos_model",
     "eos_model_continuation",
+    "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
     "perturbed_absolute_position_model",
@@ -355,6 +357,20 @@ def nan_reward_model() -> Path:
         _copy_with_weights(base, out, w)
 
     return _crafted("reward-nan", {"base": asdict(spec)}, build)
+
+
+def headless_reward_model() -> Path:
+    """The test kit's reward-model folder without ``score.weight``: its config still names
+    ``LlamaForSequenceClassification``, but transformers would initialise the head at random."""
+    spec = TinyModelSpec(head="reward")
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        del w["score.weight"]
+        _copy_with_weights(base, out, w)
+
+    return _crafted("reward-headless", {"base": asdict(spec)}, build)
 
 
 class ShuffledTokenizer:

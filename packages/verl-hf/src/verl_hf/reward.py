@@ -37,16 +37,22 @@ class HFRewardEngine(RewardEngine):
     (:class:`~verl_core.enginekit.retokenize.CrossTokenizerReward`).
 
     Args:
-        spec: The engine spec (role reward).
+        spec: The engine spec (role reward; ``parallel`` must be all 1).
         options: Backend options (default: parsed from ``spec.options``).
 
     Raises:
-        ConfigError: the role is not ``reward``, or the folder is not a trained reward model.
+        ConfigError: the role is not ``reward``, parallel sizes other than 1, or the folder is not a
+            trained reward model.
     """
 
     def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
         if spec.role != "reward":
             raise ConfigError(f"HFRewardEngine needs role 'reward', got {spec.role!r}")
+        if spec.parallel.world_size != 1:
+            raise ConfigError(
+                f"the hf reward engine runs on one device, got parallel={spec.parallel}; build one engine per "
+                "process with tp, pp and dp all 1"
+            )
         self._spec = spec
         self._options = options if options is not None else parse_options(
             HFOptions, spec.options, where="hf backend options"

@@ -132,7 +132,10 @@ class RewardCapabilities:
     """Its ``scores`` are the sequence-classification head of the model folder it was built on
     (``EngineSpec.model_path``) read at the last real token of prompt + response, as transformers'
     ``...ForSequenceClassification`` reads it: a reward model. The suite then compares them with a
-    float64 reference (``reward::scores_match_reference``); reward functions and other scorers leave it False."""
+    float64 reference on Llama, Qwen2 and Qwen3 folders (``reward::scores_match_reference``) and expects
+    a ``ConfigError`` for a folder without a trained head, parallel sizes above 1 and a dtype the engine
+    would not compute in (``reward::unsupported_settings_refused``); reward functions and other scorers
+    leave it False."""
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
     """Device types the engine runs on."""
 

@@ -91,6 +91,11 @@ __all__ = [
     "ExportsMasters",
     "FrozenPositionTable",
     "PositionTableUnchecked",
+    "DtypeIgnored",
+    "ParallelIgnored",
+    "QKNormsDropped",
+    "QKVBiasesDropped",
+    "RandomHeadAccepted",
 ]
 
 
@@ -692,3 +697,66 @@ class LongRopeStalePrefixCache(HFRolloutEngine):
         """Drop the cache, then apply the stream."""
         self._entries.clear()
         super().update_weights(stream)
+
+
+class QKVBiasesDropped(HFRewardEngine):
+    """Leaves the q, k and v projections' biases out (zeroes them after loading): right on Llama, wrong on Qwen2."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        with torch.no_grad():
+            for name, module in self._model.named_modules():
+                bias = getattr(module, "bias", None)
+                if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") and isinstance(bias, Tensor):
+                    bias.zero_()
+
+
+class QKNormsDropped(HFRewardEngine):
+    """Leaves Qwen3's per-head RMSNorm of q and k out (each replaced by the identity): right on Llama and Qwen2."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        for module in list(self._model.modules()):
+            for norm in ("q_norm", "k_norm"):
+                if isinstance(getattr(module, norm, None), torch.nn.Module):
+                    setattr(module, norm, torch.nn.Identity())
+
+
+class DtypeIgnored(HFRewardEngine):
+    """Builds in float32 whatever dtype the spec asks for (no error, no warning)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32"))
+
+
+class ParallelIgnored(HFRewardEngine):
+    """Builds one single-device engine whatever parallel sizes the spec asks for."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, parallel=ParallelSizes()))
+
+
+class RandomHeadAccepted(HFRewardEngine):
+    """Loads any folder as a sequence classifier: a causal LM's, or one without ``score.weight``, gets a head
+    initialised at random (the checks of ``verl_hf.modeling.load_model`` left out)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        import verl_hf.reward as reward
+
+        namespace = vars(reward)  # the name the engine's module looks load_model up under
+        original = namespace["load_model"]
+
+        def unchecked(path: str, kind: str, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                      seed: int = 0, **kwargs: Any) -> Any:
+            import transformers
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, num_labels=1)
+            return model.to(device).eval()
+
+        namespace["load_model"] = unchecked
+        try:
+            super().__init__(spec)
+        finally:
+            namespace["load_model"] = original

@@ -44,11 +44,16 @@ __all__ = [
     "response_mask",
     "reward_batch_centered",
     "reward_bos_tokenizer",
+    "reward_dtype_ignored",
     "reward_last_column",
     "reward_nan_zeroed",
     "reward_noisy",
     "reward_one_token_early",
     "reward_order",
+    "reward_parallel_ignored",
+    "reward_qk_norms",
+    "reward_qkv_biases",
+    "reward_random_head",
     "reward_scores_missing",
     "reward_special_tokens_text",
     "reward_token_scores_last_column",
@@ -229,3 +234,15 @@ reward_unknown_device = BrokenHFBackend("broken-reward-devices", "declares the d
 reward_special_tokens_text = BrokenHFBackend("broken-reward-special-tokens", "a text reward whose decoding keeps "
                                              "special tokens (<bos>) in the text", "reward",
                                              f"{_ENGINES}:SpecialTokensInText")
+reward_qkv_biases = BrokenHFBackend("broken-reward-qwen2-biases", "the reward model leaves the q, k and v biases out "
+                                    "(Qwen2's)", "reward", f"{_ENGINES}:QKVBiasesDropped")
+reward_qk_norms = BrokenHFBackend("broken-reward-qwen3-qk-norms", "the reward model leaves Qwen3's RMSNorm of q and k "
+                                  "out", "reward", f"{_ENGINES}:QKNormsDropped")
+reward_dtype_ignored = BrokenHFBackend("broken-reward-dtype-ignored", "the reward model builds in float32 whatever "
+                                       "dtype it is asked for", "reward", f"{_ENGINES}:DtypeIgnored")
+reward_parallel_ignored = BrokenHFBackend("broken-reward-parallel-ignored", "the reward model builds one device's "
+                                          "engine whatever parallel sizes it is asked for", "reward",
+                                          f"{_ENGINES}:ParallelIgnored")
+reward_random_head = BrokenHFBackend("broken-reward-random-head", "the reward model loads a folder without score "
+                                     "weights (a causal LM) with a head initialised at random", "reward",
+                                     f"{_ENGINES}:RandomHeadAccepted")
