@@ -10,7 +10,7 @@
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
-  NaN reward model) and a shuffled tokenizer.
+  NaN reward model, folders whose special token ids lie outside the vocabulary) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
+    OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
@@ -27,6 +28,7 @@ from verl_conformance.testkit.crafted import (
     eos_model_continuation,
     long_rope_model,
     nan_reward_model,
+    out_of_vocab_model,
     perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
@@ -55,6 +57,7 @@ __all__ = [
     "ARCHS",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
+    "OUT_OF_VOCAB_IDS",
     "ROPE_SCALINGS",
     "TOLERANCES",
     "Arch",
@@ -74,6 +77,7 @@ __all__ = [
     "long_rope_model",
     "nan_reward_model",
     "near_tie_margin",
+    "out_of_vocab_model",
     "perturbed_absolute_position_model",
     "perturbed_model",
     "random_batch",
