@@ -87,6 +87,11 @@ FAULTS = [
                                        "invariance::long_rope_continuation_across_threshold"],
      ["invariance::long_rope_continuation_across_threshold"],
      ["continuing an earlier call's prompt and turn", "keys cached while the sequence was short"]),
+    # a folder whose special token ids lie outside the vocabulary, built without checking config.json
+    ("broken-special-ids", ["robustness::special_token_ids_outside_vocab_refused"],
+     ["robustness::special_token_ids_outside_vocab_refused"],
+     ["the actor engine on the folder llama-oov-pad_token_id (config.json pad_token_id = 128, vocab_size 128) "
+      "raised AssertionError", "the rollout engine on the folder llama-oov-eos_token_id", "built"]),
     # every tensor of a weight stream applied
     ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
                            "weight_sync::every_tensor_applied"],

@@ -10,8 +10,17 @@ from hf_helpers import actor_spec, model_path, unpadded_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_conformance.testkit import TinyModelSpec, assert_close, random_batch, tiny_model
+from verl_conformance.testkit import (
+    OUT_OF_VOCAB_IDS,
+    TinyModelSpec,
+    assert_close,
+    out_of_vocab_model,
+    random_batch,
+    tiny_model,
+)
 from verl_core import BatchValidationError, ConfigError, EngineSpec, NonFiniteError, ParallelSizes
+from verl_hf.reward import HFRewardEngine
+from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
 
@@ -97,6 +106,19 @@ def test_wrong_role_and_parallel_are_config_errors() -> None:
         HFTrainingEngine(EngineSpec(model_path=path, role="actor", parallel=ParallelSizes(tp=2)))
     with pytest.raises(ConfigError, match="roles actor"):
         HFTrainingEngine(EngineSpec(model_path=path, role="rollout"))
+
+
+@pytest.mark.parametrize("key", OUT_OF_VOCAB_IDS)
+def test_special_token_ids_outside_the_vocabulary_are_refused_at_build(key: str) -> None:
+    # transformers' nn.Embedding(padding_idx=...) would raise a bare AssertionError for the pad id,
+    # and build the others; every engine refuses them all by name before any weight loads
+    causal, reward = str(out_of_vocab_model(key)), str(out_of_vocab_model(key, "reward"))
+    for build in (lambda: HFTrainingEngine(actor_spec(causal)),
+                  lambda: HFTrainingEngine(actor_spec(causal, role="critic")),
+                  lambda: HFRolloutEngine(actor_spec(causal, role="rollout")),
+                  lambda: HFRewardEngine(EngineSpec(model_path=reward, role="reward"))):
+        with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
+            build()
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_conformance.testkit import TinyModelSpec, tiny_model
+from verl_conformance.testkit import OUT_OF_VOCAB_IDS, TinyModelSpec, out_of_vocab_model, tiny_model
 from verl_core import ConfigError
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.model import load_hf_state_dict, model_dims
@@ -120,6 +120,14 @@ def test_unsupported_architecture_is_named() -> None:
 
     with pytest.raises(ConfigError, match="model_type='gpt2'"):
         ModelDims.from_hf_config(Cfg())
+
+
+@pytest.mark.parametrize("key", OUT_OF_VOCAB_IDS)
+def test_special_token_ids_outside_the_vocabulary_are_refused(key: str) -> None:
+    # before: the pad id was dropped silently (no padding_idx) and the others built; both engines read model_dims
+    for head in ("lm", "value"):
+        with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
+            model_dims(out_of_vocab_model(key), head)  # type: ignore[arg-type]
 
 
 def test_plugin_is_import_light_and_cpu_shims_do_nothing_with_cuda() -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_testing import KV_CACHE_BYTES, MAX_PROMPT, MAX_RESPONSE, make_prompts, reference_log_probs
 
-from verl_conformance.testkit import assert_close
+from verl_conformance.testkit import OUT_OF_VOCAB_IDS, assert_close, out_of_vocab_model
 from verl_core import (
     BatchValidationError,
     ConfigError,
@@ -281,6 +281,14 @@ def test_engine_options_outside_the_model_are_rejected(llama_path: Path) -> None
     with pytest.raises(ConfigError, match="device"):
         VllmRolloutEngine(EngineSpec(str(llama_path), "rollout", device="cuda", max_prompt_len=8,
                                      max_response_len=8))
+
+
+@pytest.mark.parametrize("key", OUT_OF_VOCAB_IDS)
+def test_special_token_ids_outside_the_vocabulary_are_refused_before_vllm_starts(key: str) -> None:
+    # vLLM would build each of these folders (its embedding has no padding_idx)
+    path = str(out_of_vocab_model(key))
+    with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
+        VllmRolloutEngine(EngineSpec(path, "rollout", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE))
 
 
 def test_default_cpu_engine_runs_the_compiled_model(engine: VllmRolloutEngine) -> None:

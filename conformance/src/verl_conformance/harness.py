@@ -13,6 +13,7 @@ from torch import Tensor
 
 from verl_conformance.errors import CheckFailed, CheckSkipped
 from verl_conformance.testkit import (
+    OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
     TinyModelSpec,
     absolute_position_model,
@@ -21,6 +22,7 @@ from verl_conformance.testkit import (
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
+    out_of_vocab_model,
     perturbed_absolute_position_model,
     perturbed_model,
     random_batch,
@@ -114,6 +116,8 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),
     "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
+    **{f"llama-oov-{key}": partial(out_of_vocab_model, key) for key in OUT_OF_VOCAB_IDS},
+    **{f"reward-oov-{key}": partial(out_of_vocab_model, key, "reward") for key in OUT_OF_VOCAB_IDS},
 }
 """The test kit's crafted folders (:mod:`verl_conformance.testkit.crafted`) by short name."""
 

@@ -1,4 +1,5 @@
-"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input, a failed call."""
+"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input, a failed call,
+model folders whose special token ids lie outside the vocabulary."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from verl_conformance.checks.reward import SCORER_INPUTS
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
 from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE, role_loss, role_output
 from verl_conformance.reference import cached_outputs
+from verl_conformance.testkit import OUT_OF_VOCAB_IDS, TinyModelSpec
 from verl_core import (
     BatchMeta,
     BatchValidationError,
@@ -21,6 +23,7 @@ from verl_core import (
     SamplingParams,
     TensorBatch,
 )
+from verl_core.kernel.engine import ROLES
 
 _EOS = 1
 _PAD = 0
@@ -308,3 +311,38 @@ def check_bad_prompts_rejected(h: Harness) -> None:
             h.fail(f"generate({what}) raised {type(e).__name__}: {e}; expected a BatchValidationError")
         else:
             h.fail(f"generate({what}) was accepted; bad prompts must raise BatchValidationError")
+
+
+@check("robustness")
+def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
+    """An engine of each role the backend provides (actor, reference, critic, rollout, reward), built on a folder whose config.json sets pad_token_id (= vocab_size), eos_token_id (a list with one id past the vocabulary) or bos_token_id (-1) outside [0, vocab_size), refuses at build with a ConfigError naming the key, instead of a bare AssertionError from nn.Embedding(padding_idx=...), a negative padding_idx read as the last row, or a rollout whose EOS can never be sampled."""
+    roles = [r for r in ROLES if h.provides(h.subject, r)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides no engine")
+    vocab = TinyModelSpec().vocab_size
+    problems: list[str] = []
+    for role in roles:
+        for key, value in OUT_OF_VOCAB_IDS.items():
+            model = f"{'reward' if role == 'reward' else 'llama'}-oov-{key}"
+            what = f"the {role} engine on the folder {model} (config.json {key} = {value!r}, vocab_size {vocab})"
+            try:
+                if role == "rollout":
+                    h.rollout(model, fresh=True)
+                elif role == "reward":
+                    h.reward(model, fresh=True)
+                else:
+                    h.training(role, model, fresh=True, causal_folder=True)
+            except ConfigError as e:
+                if key not in str(e):
+                    problems.append(f"{what} raised a ConfigError that does not name {key}: {str(e)[:300]}")
+            except Exception as e:
+                problems.append(f"{what} raised {type(e).__name__}: {str(e)[:300]}")
+            else:
+                problems.append(f"{what} built (no ConfigError)")
+            finally:
+                h.close_fresh()
+    if problems:
+        h.fail("; ".join(problems) + ". A folder whose pad, EOS or BOS id (an int or each id of a list) is not in "
+               "[0, vocab_size) must be refused when the engine is built, with verl_core.ConfigError naming the key, "
+               "its value, the vocabulary size and the folder (verl_core.enginekit.model_folder."
+               "check_special_token_ids does it)")

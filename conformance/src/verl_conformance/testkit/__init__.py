@@ -10,7 +10,8 @@
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
-  NaN reward model, a reward model without its head's weights) and a shuffled tokenizer.
+  NaN reward model, a reward model without its head's weights, folders whose special token ids lie
+  outside the vocabulary) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
+    OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
@@ -28,6 +30,7 @@ from verl_conformance.testkit.crafted import (
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
+    out_of_vocab_model,
     perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
@@ -56,6 +59,7 @@ __all__ = [
     "ARCHS",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
+    "OUT_OF_VOCAB_IDS",
     "ROPE_SCALINGS",
     "TOLERANCES",
     "Arch",
@@ -76,6 +80,7 @@ __all__ = [
     "long_rope_model",
     "nan_reward_model",
     "near_tie_margin",
+    "out_of_vocab_model",
     "perturbed_absolute_position_model",
     "perturbed_model",
     "random_batch",

@@ -18,6 +18,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
+* :func:`out_of_vocab_model`: the tiny Llama (or reward model) whose ``config.json`` sets one special
+  token id outside the vocabulary (:data:`OUT_OF_VOCAB_IDS`), which an engine must refuse.
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
   differs from the reward model's).
 """
@@ -39,6 +41,7 @@ import torch
 
 from verl_core.trainer.inputs.tiny_model import (
     CharTokenizer,
+    ModelHead,
     TinyModelSpec,
     load_tokenizer,
     no_progress_bars,
@@ -53,6 +56,7 @@ __all__ = [
     "EOS_LADDER_START",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
+    "OUT_OF_VOCAB_IDS",
     "ROPE_SCALED_MAX_POSITIONS",
     "ROPE_SCALINGS",
     "ShuffledTokenizer",
@@ -63,6 +67,7 @@ __all__ = [
     "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
+    "out_of_vocab_model",
     "perturbed_absolute_position_model",
     "perturbed_model",
     "rope_scaled_model",
@@ -371,6 +376,45 @@ def headless_reward_model() -> Path:
         _copy_with_weights(base, out, w)
 
     return _crafted("reward-headless", {"base": asdict(spec)}, build)
+
+
+_VOCAB: Final = TinyModelSpec().vocab_size
+
+OUT_OF_VOCAB_IDS: Final[dict[str, object]] = {
+    "pad_token_id": _VOCAB,  # the first id past the table: nn.Embedding's padding_idx assertion
+    "eos_token_id": [_EOS, _VOCAB + 3],  # a list, the real EOS first: one id the model can never emit
+    "bos_token_id": -1,  # negative: no row either (-1 does not mean none)
+}
+"""What :func:`out_of_vocab_model` sets, by key: each id (or one id of a list) outside ``[0, vocab_size)``."""
+
+
+def out_of_vocab_model(key: str, head: ModelHead = "causal_lm") -> Path:
+    """The test kit's tiny Llama with head ``head`` whose ``config.json`` sets ``key`` to
+    ``OUT_OF_VOCAB_IDS[key]`` (every other key, the weights and the tokenizer as in the folder).
+
+    transformers builds ``nn.Embedding(..., padding_idx=pad_token_id)``, which asserts for a pad
+    id past the table (a bare ``AssertionError``) and takes a negative one as a row counted from the
+    end; an EOS the model cannot emit lets a rollout that stops on the config's EOS run to its
+    limit. An engine must refuse each folder when it is built, with a ConfigError naming ``key``.
+
+    Raises:
+        KeyError: ``key`` is not a key of :data:`OUT_OF_VOCAB_IDS`.
+    """
+    if key not in OUT_OF_VOCAB_IDS:
+        raise KeyError(f"no out-of-vocabulary folder for {key!r}; keys: {', '.join(OUT_OF_VOCAB_IDS)}")
+    spec = TinyModelSpec(head=head)
+    value = OUT_OF_VOCAB_IDS[key]
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        for f in base.iterdir():
+            if f.is_file() and f.name != "verl_tiny_model.json":
+                shutil.copy(f, out / f.name)
+        config = json.loads((base / "config.json").read_text())
+        config[key] = value
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted(f"oov-{head}-{key}", {"base": asdict(spec), "config": {key: value}}, build)
 
 
 class ShuffledTokenizer:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from verl_core import ConfigError
+from verl_core.enginekit.model_folder import check_special_token_ids
 
 __all__ = ["DecoderConfig", "DecoderLM", "load_model", "position_ids"]
 
@@ -47,7 +48,9 @@ class DecoderConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> DecoderConfig:
-        """Read ``config.json`` of a transformers folder; unsupported architectures raise ConfigError."""
+        """Read ``config.json`` of a transformers folder; unsupported architectures raise ConfigError,
+        and so does a pad, EOS or BOS id outside ``[0, vocab_size)`` (the embedding's ``padding_idx``
+        must be a row, and the rollout stops on the config's EOS)."""
         raw: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
         model_type = raw.get("model_type", "")
         if model_type not in ("llama", "qwen2", "qwen3"):
@@ -55,6 +58,7 @@ class DecoderConfig:
                 f"the example backend runs llama, qwen2 and qwen3 folders; {path} has model_type "
                 f"{model_type!r}"
             )
+        check_special_token_ids(path, raw)
         # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))

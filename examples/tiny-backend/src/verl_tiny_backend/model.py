@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from verl_core import ConfigError
+from verl_core.enginekit.model_folder import check_special_token_ids
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class Cfg:
 
     @staticmethod
     def load(path: str) -> Cfg:
-        """Read ``config.json``; an unsupported architecture raises ConfigError naming it."""
+        """Read ``config.json``; an unsupported architecture raises ConfigError naming it, and so
+        does a pad, EOS or BOS id outside ``[0, vocab_size)``."""
         file = Path(path) / "config.json"
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
@@ -112,6 +114,7 @@ class Cfg:
             missing.append("sliding-window attention")
         if missing:
             raise ConfigError(f"the tiny backend does not implement {', '.join(missing)}, which {path} declares")
+        check_special_token_ids(path, raw)  # pad is the embedding's padding_idx; eos/bos must be rows too
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []

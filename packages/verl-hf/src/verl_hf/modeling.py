@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from verl_core.enginekit.decode_attention import grouped_decode_attention
+from verl_core.enginekit.model_folder import check_special_token_ids
 from verl_core.enginekit.packed_attention import packed_causal_attention
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
@@ -408,15 +409,20 @@ def load_model(
     ``sequence_len``, the longest sequence the engine runs (``max_prompt_len + max_response_len``),
     is refused before the weights load when the model's learned position table is shorter (GPT-2's
     ``n_positions``): a longer sequence would index past the table. Rotary models have no table.
+    So is a config whose pad, EOS or BOS id is not a row of the vocabulary
+    (:func:`verl_core.enginekit.model_folder.check_special_token_ids`), which transformers would
+    meet with a bare ``AssertionError`` (pad) or a warning.
 
     Raises:
         ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label;
             for ``reward``, the folder names a non-classification architecture or holds no
-            weights for the score head; ``sequence_len`` longer than the position table.
+            weights for the score head; ``sequence_len`` longer than the position table; a
+            ``pad_token_id``, ``eos_token_id`` or ``bos_token_id`` outside ``[0, vocab_size)``.
     """
     import transformers
 
     path = str(path)
+    check_special_token_ids(path)
     config = _folder_config(path) if sequence_len is not None or kind == "reward" else None
     table = getattr(config, "n_positions", None)  # a learned position table (GPT-2); rotary models have none
     if isinstance(table, int) and sequence_len is not None and sequence_len > table:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from verl_core.enginekit.model_folder import check_special_token_ids
 from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
 
 __all__ = ["AttentionKind", "ValueHead", "build_stage", "load_hf_state_dict", "sdpa_attention_class", "seeded_value_head",
@@ -320,7 +321,15 @@ def _partition_name(global_name: str, local: str) -> str:
 
 
 def model_dims(path: str | os.PathLike[str], head: HeadKind) -> ModelDims:
-    """The dims of the transformers folder ``path``."""
+    """The dims of the transformers folder ``path``.
+
+    Raises:
+        ConfigError: an architecture or feature the converter does not handle
+            (:meth:`ModelDims.from_hf_config`), or a ``pad_token_id``, ``eos_token_id`` or
+            ``bos_token_id`` outside ``[0, vocab_size)``
+            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`).
+    """
     from transformers import AutoConfig
 
+    check_special_token_ids(path)
     return ModelDims.from_hf_config(AutoConfig.from_pretrained(str(path), trust_remote_code=False), head)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from verl_core import ConfigError, TensorInfo
+from verl_core.enginekit.model_folder import check_special_token_ids
 
 __all__ = ["ModelFiles", "read_model_files"]
 
@@ -55,7 +56,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelFiles:
-    """Read tensor names and shapes (headers only) and the config of the folder ``path``."""
+    """Read tensor names and shapes (headers only) and the config of the folder ``path``.
+
+    Raises:
+        ConfigError: no ``config.json`` or no safetensors files; a ``pad_token_id``,
+            ``eos_token_id`` or ``bos_token_id`` outside ``[0, vocab_size)``
+            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`, the rule every
+            backend applies; vLLM itself would build the model).
+    """
     from safetensors import safe_open
 
     folder = Path(path)
@@ -63,6 +71,7 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
     if not config_path.exists():
         raise ConfigError(f"model folder {str(folder)!r} has no config.json; expected a transformers folder")
     config = json.loads(config_path.read_text())
+    check_special_token_ids(folder, config)
     text_config = config.get("text_config", config)
     tied = bool(text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     tensors: dict[str, TensorInfo] = {}

@@ -205,7 +205,12 @@ class EngineSpec:
 
     Attributes:
         model_path: A transformers-format folder (config, safetensors weights, tokenizer); a
-            ``pathlib.Path`` is turned into a string.
+            ``pathlib.Path`` is turned into a string. An engine refuses, when it is built, a
+            folder it cannot run with a ConfigError naming what it found: an architecture or
+            RoPE type it does not implement, or a ``pad_token_id``, ``eos_token_id`` or
+            ``bos_token_id`` (an id or a list of ids) outside ``[0, vocab_size)``
+            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`;
+            ``robustness::special_token_ids_outside_vocab_refused``).
         role: The part the engine plays.
         dtype: Parameter dtype.
         device: ``cpu``, ``cuda`` or ``cuda:N`` (a ``torch.device`` is turned into its string);

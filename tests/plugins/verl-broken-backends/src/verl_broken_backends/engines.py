@@ -3,6 +3,7 @@ backend's, where the fault needs what only hf has: a reward role, GPT-2 folders)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
@@ -73,6 +74,8 @@ __all__ = [
     "RankSeededRollout",
     "ResponseMaskIgnored",
     "ShiftedLogProbs",
+    "SpecialIdsUncheckedRollout",
+    "SpecialIdsUncheckedTraining",
     "TemperatureIgnored",
     "TopKIgnored",
     "TruncatedAtLimit",
@@ -390,6 +393,36 @@ class LastChunkDropped(ExampleRolloutEngine):
             copy(held.pop())
         self._version = manifest.version
         self._stale = False
+
+
+@contextlib.contextmanager
+def _special_ids_unchecked() -> Iterator[None]:
+    """The example backend's config reader without its special-token-id check, while the engine is built."""
+    import verl_example_backend.model as model
+
+    original = model.check_special_token_ids
+    model.check_special_token_ids = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        model.check_special_token_ids = original
+
+
+class SpecialIdsUncheckedTraining(ExampleTrainingEngine):
+    """Builds on a folder whose pad, EOS or BOS id lies outside the vocabulary: nn.Embedding's
+    padding_idx assertion escapes as a bare AssertionError, other ids build."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        with _special_ids_unchecked():
+            super().__init__(spec)
+
+
+class SpecialIdsUncheckedRollout(ExampleRolloutEngine):
+    """The rollout engine of :class:`SpecialIdsUncheckedTraining`'s fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        with _special_ids_unchecked():
+            super().__init__(spec)
 
 
 class ArangePositions(HFTrainingEngine):

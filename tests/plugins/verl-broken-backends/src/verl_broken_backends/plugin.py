@@ -61,6 +61,7 @@ __all__ = [
     "rollout_tp",
     "rotary_arange_positions",
     "shifted_log_probs",
+    "special_ids_unchecked",
     "temperature",
     "top_k",
     "truncated_at_limit",
@@ -154,6 +155,10 @@ truncated_at_limit = BrokenBackend("broken-truncated", "truncated is set at max_
                                    rollout=f"{_ENGINES}:TruncatedAtLimit")
 last_chunk_dropped = BrokenBackend("broken-last-chunk", "the last chunk of a multi-chunk weight stream is not applied",
                                    rollout=f"{_ENGINES}:LastChunkDropped")
+special_ids_unchecked = BrokenBackend("broken-special-ids", "builds on a folder whose pad, EOS or BOS id lies "
+                                      "outside the vocabulary (config.json never checked: nn.Embedding's padding_idx "
+                                      "assertion escapes)", training=f"{_ENGINES}:SpecialIdsUncheckedTraining",
+                                      rollout=f"{_ENGINES}:SpecialIdsUncheckedRollout")
 
 
 class BrokenHFBackend:
