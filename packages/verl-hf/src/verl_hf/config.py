@@ -96,8 +96,10 @@ class HFOptions:
             rounding. None (default): on where it can run (``attn_implementation='sdpa'``, a CUDA
             device, a bfloat16 rollout and Triton, which comes with PyTorch's CUDA wheels), off
             elsewhere; True asks for it (a ConfigError where it cannot run); False keeps the matrix
-            products. On an H100 at 0.89B x 128 rows it decodes 1.04x (2048 new tokens) to 1.07x
-            (128) the tokens/s of the matrix products (``benchmarks/gpu/bench_decode_long.py``).
+            products. On an H100 at 0.89B x 128 rows x 2048 new tokens the default decode (windows and
+            this kernel) runs 1.77x the tokens/s of the whole-cache matrix-product decode, 0.70 of the
+            bandwidth bound (``benchmarks/gpu/bench_decode_long.py``,
+            benchmarks/results/gpu-2026-12-06-kernel.md).
         fused_elementwise: In the training engines, run each RMSNorm and each SiLU-gated MLP's
             ``silu(gate) * up`` through one ``torch.compile``d function each (inductor fuses each
             chain of element-wise kernels into one kernel forward and one backward:
