@@ -223,7 +223,10 @@ class EngineSpec:
         max_response_len: Longest response the engine must accept or generate (>= 1).
         parallel: Tensor, pipeline and data parallel sizes.
         optim: Optimizer settings (trainable roles: actor and critic).
-        micro_batch_tokens: Token budget per micro-batch (padded tokens, >= 1); None uses micro_batch_size.
+        micro_batch_tokens: Token budget per micro-batch (>= 1): padded tokens (rows x the longest
+            sequence), or real tokens (the sum of the sequences' lengths) for an engine declaring
+            ``TrainingCapabilities.packed_sequences``, as for ``forward_backward``'s ``max_tokens``
+            (``partition_by_token_budget(..., packed=True)``); None uses micro_batch_size.
         micro_batch_size: Samples per micro-batch (>= 1) when no token budget is set (None = whole batch).
         gradient_checkpointing: Recompute activations in backward to save memory.
         options: Backend-specific options (a mapping with string keys), validated by the backend's
