@@ -291,7 +291,8 @@ def _terms(config: RunConfig, shape: ModelShape, critic: ModelShape | None, *, m
     fixed = config.batch.micro_batch_tokens
     tokens = fixed or (max_prompt_len + config.rollout.max_new_tokens)
     what = (f"batch.micro_batch_tokens {tokens}" if fixed
-            else f"one sequence of {tokens} tokens (the scheduler's micro-batches fill what is left)")
+            else f"at least one sequence of {tokens} tokens (the floor; the scheduler sizes micro-batches to "
+                 "the memory left once the run has started)")
     terms.append(MemoryTerm("update activations", tokens * est.bytes_per_token,
                             f"{what} x {est.bytes_per_token:,} B/token", _UPDATE))
     return terms
