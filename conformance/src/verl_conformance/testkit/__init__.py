@@ -10,18 +10,20 @@
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
-  NaN reward model) and a shuffled tokenizer.
+  NaN reward model, a Llama that shows an RMSNorm computed in bfloat16) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
 
 from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
+    BFLOAT16_NORM_ROPE_THETA,
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
     ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
+    bfloat16_norm_model,
     config_constants_model,
     eos_model,
     eos_model_continuation,
@@ -53,6 +55,7 @@ from verl_conformance.testkit.tolerances import (
 
 __all__ = [
     "ARCHS",
+    "BFLOAT16_NORM_ROPE_THETA",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
     "ROPE_SCALINGS",
@@ -66,6 +69,7 @@ __all__ = [
     "Tolerance",
     "absolute_position_model",
     "assert_close",
+    "bfloat16_norm_model",
     "build_tiny_model",
     "eos_model",
     "eos_model_continuation",
