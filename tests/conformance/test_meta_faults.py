@@ -56,6 +56,10 @@ FAULTS = [
                                            "values is declared by the critic alone"]),
     ("broken-bfloat16", ["numerics::declared_dtypes_and_devices"], ["numerics::declared_dtypes_and_devices"],
      ["declares dtype bfloat16 on device cpu but building it raised"]),
+    # a bfloat16 RMSNorm without the float32 upcast stays within the tier on the tiny Llama (declared_dtypes passes)
+    ("broken-bfloat16-norm", ["numerics::declared_dtypes_and_devices", "numerics::bfloat16_rms_norm_in_float32"],
+     ["numerics::bfloat16_rms_norm_in_float32"], ["forward log_probs in bfloat16 on llama-bf16-norm",
+                                                   "as transformers' LlamaRMSNorm does"]),
     ("broken-checkpointing-grads", ["invariance::gradient_checkpointing_invariance"],
      ["invariance::gradient_checkpointing_invariance"], ["with gradient_checkpointing=True vs without"]),
     ("broken-top-k", ["invariance::truncated_sampling_keeps_top_token"],

@@ -17,6 +17,7 @@ from verl_conformance.testkit import (
     ROPE_SCALINGS,
     TinyModelSpec,
     absolute_position_model,
+    bfloat16_norm_model,
     config_constants_model,
     eos_model,
     headless_reward_model,
@@ -106,6 +107,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "gpt2": absolute_position_model,
     "llama-longrope": long_rope_model,
     "llama-constants": config_constants_model,
+    "llama-bf16-norm": bfloat16_norm_model,
     "reward-nan": nan_reward_model,
     "reward-headless": headless_reward_model,
     # the Qwen reward folders with every tensor moved: in a random folder Qwen2's q/k/v biases are zeros

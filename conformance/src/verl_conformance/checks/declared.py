@@ -1,5 +1,6 @@
 """Declared capabilities the other areas leave alone: dtypes and devices (and refusing the
-undeclared ones), gradient checkpointing, top-k/top-p sampling, and tensor/pipeline parallel rollout.
+undeclared ones), bfloat16's float32 norms, gradient checkpointing, top-k/top-p sampling, and
+tensor/pipeline parallel rollout.
 
 A backend that declares one of these is held to it here; one that does not is skipped with the reason.
 """
@@ -14,6 +15,7 @@ import torch
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
+from verl_conformance.checks.rope import greedy_tokens_match
 from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
@@ -74,6 +76,51 @@ def _declared_combination(h: Harness, role: str) -> None:
         got = engine.forward(batch)["log_probs"]
     ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
     h.close_to(got, ref, "log_probs", f"{role} log-probs with {where} vs float64 reference", mask=batch["response_mask"])
+
+
+_NORM_MODEL = "llama-bf16-norm"
+_NORM_ADVICE = ("on this folder the normalised rows sit just beside bfloat16 rounding points: compute RMSNorm's mean "
+                "of squares, rsqrt and x * rsqrt in float32 and round once to bfloat16, as transformers' LlamaRMSNorm "
+                "does (hidden_states.to(torch.float32)); a norm computed in bfloat16 tips them and moves this "
+                "folder's attention by nats")
+
+
+def _declared_dtypes(h: Harness, role: Role) -> frozenset[str]:
+    """The dtypes the subject's ``role`` declares: its BackendSpec's, else those of an engine built in the suite's dtype."""
+    declared = None if h.subject.dtypes is None else h.subject.dtypes.get(role)
+    return frozenset(declared) if declared is not None else frozenset(_role_caps(h, role).dtypes)
+
+
+@check("numerics", gates=("training.dtypes", "rollout.dtypes"))
+def check_bfloat16_rms_norm_in_float32(h: Harness) -> None:
+    """In bfloat16, RMSNorm normalises in float32 and rounds once, as transformers does: on a Llama whose normalised rows sit just beside bfloat16 rounding points (the test kit's llama-bf16-norm), forward log-probs, greedy tokens and their rollout log-probs equal the float64 reference in the bfloat16 tier, which a norm computed in bfloat16 misses by nats; runs the actor and rollout engines that declare bfloat16, whatever --verl-dtype says."""
+    roles: list[Role] = [role for role in ("actor", "rollout")
+                         if h.provides(h.subject, role) and "bfloat16" in _declared_dtypes(h, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} declares no actor or rollout engine in bfloat16 (capabilities.dtypes): "
+               "the float32 norms of a bfloat16 engine are what this check proves")
+    bf = replace(h, dtype="bfloat16")
+    path = bf.model_path(_NORM_MODEL)
+    for role in roles:
+        if role == "actor":
+            batch = bf.batch(seed=67, batch_size=6, max_prompt=12, max_response=12, empty=0)
+            got = bf.training(model=_NORM_MODEL, fresh=True).forward(batch, ["log_probs"])["log_probs"]
+            ref = cached_outputs(path, batch)["log_probs"]
+            bf.close_to(got, ref, "log_probs", f"forward log_probs in bfloat16 on {_NORM_MODEL} vs the float64 "
+                        f"reference ({_NORM_ADVICE})", mask=batch["response_mask"])
+        else:
+            prompts = bf.batch(seed=68, batch_size=4, max_prompt=12).select("prompt_ids", "prompt_mask", "group_ids")
+            params = SamplingParams(greedy=True, temperature=1.0, max_new_tokens=8)
+            engine = bf.rollout(_NORM_MODEL, fresh=True)
+            out = engine.generate(prompts, params)
+            expected = cached_outputs(path, out, ("log_probs", "max_log_probs"))
+            greedy_tokens_match(bf, out, expected, f"greedy tokens in bfloat16 on {_NORM_MODEL} ({_NORM_ADVICE})")
+            if engine.log_probs_exact(params):
+                bf.close_to(out["rollout_log_probs"], expected["log_probs"], "log_probs",
+                            f"rollout_log_probs of greedy samples in bfloat16 on {_NORM_MODEL} vs the float64 "
+                            f"reference ({_NORM_ADVICE})", mask=out["response_mask"])
+        bf.close_fresh()
+    h.note(f"{' and '.join(roles)} in bfloat16 on {_NORM_MODEL}")
 
 
 @check("invariance", gates=("training.gradient_checkpointing",))

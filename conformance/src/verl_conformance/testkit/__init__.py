@@ -11,19 +11,21 @@
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
   NaN reward model, a reward model without its head's weights, folders whose special token ids lie
-  outside the vocabulary) and a shuffled tokenizer.
+  outside the vocabulary, a Llama that shows an RMSNorm computed in bfloat16) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
 
 from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
+    BFLOAT16_NORM_ROPE_THETA,
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
     OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
     ShuffledTokenizer,
     absolute_position_model,
+    bfloat16_norm_model,
     config_constants_model,
     eos_model,
     eos_model_continuation,
@@ -57,6 +59,7 @@ from verl_conformance.testkit.tolerances import (
 
 __all__ = [
     "ARCHS",
+    "BFLOAT16_NORM_ROPE_THETA",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
     "OUT_OF_VOCAB_IDS",
@@ -71,6 +74,7 @@ __all__ = [
     "Tolerance",
     "absolute_position_model",
     "assert_close",
+    "bfloat16_norm_model",
     "build_tiny_model",
     "eos_model",
     "eos_model_continuation",

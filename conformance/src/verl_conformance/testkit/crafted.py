@@ -16,6 +16,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   transformers 4 format, YaRN, Llama 3, LongRoPE): positions past :data:`LONG_ROPE_TRAINED` move
   every output by nats when the scaling is ignored.
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
+* :func:`bfloat16_norm_model`: a Llama whose normalised rows sit just beside bfloat16 rounding
+  points: an RMSNorm computed in bfloat16 (no float32 upcast) moves its log-probs by nats.
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
 * :func:`out_of_vocab_model`: the tiny Llama (or reward model) whose ``config.json`` sets one special
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -49,6 +52,7 @@ from verl_core.trainer.inputs.tiny_model import (
 )
 
 __all__ = [
+    "BFLOAT16_NORM_ROPE_THETA",
     "CONFIG_CONSTANTS",
     "EOS_AFTER_3",
     "EOS_FIRST",
@@ -61,6 +65,7 @@ __all__ = [
     "ROPE_SCALINGS",
     "ShuffledTokenizer",
     "absolute_position_model",
+    "bfloat16_norm_model",
     "config_constants_model",
     "eos_model",
     "eos_model_continuation",
@@ -288,6 +293,130 @@ def config_constants_model() -> Path:
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
     return _crafted("config-constants", {"base": asdict(spec), "config": CONFIG_CONSTANTS}, build)
+
+
+BFLOAT16_NORM_ROPE_THETA: Final = 1e8
+"""``rope_theta`` of :func:`bfloat16_norm_model`: its attention reads RoPE pairs 10 to 15 only, which
+turn by less than 5e-4 rad over 48 positions (1e-5 rad per position at most), far below bfloat16's
+resolution, so every key of a correct bfloat16 engine is the same whatever its position."""
+
+# bfloat16_norm_model's layout: every token's embedding row is a_t * _NORM_PATTERN with the value
+# columns' signs drawn per token (so every row has the same normalised magnitudes)
+_NORM_UP: Final = (0, 1, 2, 3)  # normalise to just below a bfloat16 rounding midpoint
+_NORM_DOWN: Final = (4, 5, 6, 7)  # normalise to just above one
+_NORM_BALANCE: Final = (8, 9, 10, 11)  # read by the query with a negative weight: keeps scores small
+_NORM_VALUES: Final = tuple(range(12, 28))  # the token's signs: what attention averages
+_NORM_FILL: Final = (28, 29)  # set the row's RMS that puts the columns above beside the midpoints
+_NORM_OUTPUT: Final = tuple(range(32, 48))  # written by o_proj, read by the lm_head
+_NORM_PATTERN: Final = {_NORM_UP: 1.5, _NORM_DOWN: 1.375, _NORM_BALANCE: 1.875, _NORM_VALUES: 4.0,
+                        (_NORM_FILL[0],): 1.125, (_NORM_FILL[1],): 3.25}
+_NORM_SCALES: Final = tuple(1 + i / 8 for i in range(8))  # a_t = _NORM_SCALES[t % 8]
+_NORM_MIDPOINT_GAP: Final = (2e-5, 1e-4)  # relative distance of the up/down columns to their midpoint
+_NORM_SLOTS: Final = ((10, 11, 12, 13, 14, 15), (26, 27, 28, 29, 30, 31))  # head 0's RoPE pairs (i, i + 16)
+_NORM_QK_SCALE: Final = (32.0, 64.0)  # q and k = these times the normalised columns: one tipped column ~5 nats
+_NORM_HEAD_STD: Final = 0.15
+
+
+def _bfloat16_midpoint_gap(x: float) -> float:
+    """(x - m) / x for the bfloat16 rounding midpoint m nearest above the grid point below ``x`` (> 0):
+    negative below the midpoint (rounds down), positive above it (rounds up)."""
+    step = 2.0 ** (math.floor(math.log2(x)) - 7)
+    return (x - (math.floor(x / step) * step + step / 2)) / x
+
+
+def bfloat16_norm_model() -> Path:
+    """A Llama on which an RMSNorm computed in bfloat16 (no float32 upcast) moves the log-probs by nats,
+    while an engine that normalises in float32 and rounds once, as transformers' ``LlamaRMSNorm`` does,
+    stays within about a tenth of the bfloat16 tier.
+
+    A bfloat16 norm rounds the mean of squares and its reciprocal square root to bfloat16 (~1e-3
+    relative each): the normalised row comes out scaled by 1 + d with d a function of the row. On
+    random weights that is one more bfloat16 rounding and hides in the tier, so here:
+
+    * every token's embedding row is ``a_t`` (1 to 1.875 by eighths, ``t % 8``) times one pattern
+      whose 16 value columns carry the token's signs; rows are exact in bfloat16 and all normalise
+      to the same magnitudes (float32 normalisation: equal to ~1e-7), but ``d`` differs with ``a_t``;
+    * four key columns normalise to 2e-5 to 1e-4 (relative) below a bfloat16 rounding midpoint and
+      four to as far above one: float32 normalisation rounds them alike for every token, while a
+      bfloat16 norm's ``d`` tips them, up or down by token, to the neighbouring bfloat16 value;
+    * layer 0's head 0 reads those columns (and four that keep the score small) as query and key
+      through RoPE pairs of negligible frequency (``rope_theta`` 1e8): a correct engine gives every
+      key the same score, so attention averages the previous tokens' value columns evenly; one
+      tipped column moves a key's score by ~5 nats, and attention then leans to some tokens by e^5;
+    * the MLPs and layer 1 are zero; the lm_head reads the attention output.
+
+    Seen with transformers (200 batches of 6 x 24 random ids): bfloat16 with float32 norms at most
+    0.1 of the bfloat16 log-prob tolerance, norms in bfloat16 (five ways of writing them) at least
+    6.8 times it. The folder loads with transformers, vLLM and the Megatron converter like any test-kit
+    folder; its config is the tiny Llama's with ``rope_theta`` :data:`BFLOAT16_NORM_ROPE_THETA`.
+    """
+    spec = TinyModelSpec()
+    recipe: dict[str, object] = {
+        "base": asdict(spec), "pattern": {str(k): v for k, v in _NORM_PATTERN.items()}, "scales": _NORM_SCALES,
+        "slots": _NORM_SLOTS, "qk": _NORM_QK_SCALE, "head_std": _NORM_HEAD_STD, "theta": BFLOAT16_NORM_ROPE_THETA,
+    }
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        vocab, hidden = w["model.embed_tokens.weight"].shape
+        pattern = torch.zeros(hidden)
+        for columns, value in _NORM_PATTERN.items():
+            pattern[list(columns)] = value
+        rms = float(pattern.double().pow(2).mean().sqrt())
+        for columns, side in ((_NORM_UP, -1), (_NORM_DOWN, 1)):
+            gap = _bfloat16_midpoint_gap(float(pattern[columns[0]]) / rms)
+            assert _NORM_MIDPOINT_GAP[0] <= side * gap <= _NORM_MIDPOINT_GAP[1], (columns, gap)
+        g = torch.Generator().manual_seed(0)
+        emb = torch.zeros(vocab, hidden)  # the pad row stays zero
+        values = list(_NORM_VALUES)
+        for token in range(1, vocab):
+            row = _NORM_SCALES[token % len(_NORM_SCALES)] * pattern
+            row[values] *= torch.where(torch.rand(len(values), generator=g) < 0.5, -1.0, 1.0)
+            emb[token] = row
+        normed = (emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        keyed = list(_NORM_UP + _NORM_DOWN + _NORM_BALANCE)
+        assert torch.equal(emb.to(torch.bfloat16).float(), emb) and bool((normed[1:, keyed] == normed[1, keyed]).all())
+        q = torch.zeros_like(w["model.layers.0.self_attn.q_proj.weight"])
+        k = torch.zeros_like(w["model.layers.0.self_attn.k_proj.weight"])
+        v = torch.zeros_like(k)
+        o = torch.zeros_like(w["model.layers.0.self_attn.o_proj.weight"])
+        up, down, bal = (float(normed[1, c[0]]) for c in (_NORM_UP, _NORM_DOWN, _NORM_BALANCE))
+        # the balance columns' query weight: the score of every key near 0, so bfloat16 scores keep a 5-nat step
+        balance = float(torch.tensor(-(len(_NORM_UP) * up * up + len(_NORM_DOWN) * down * down)
+                                     / (len(_NORM_BALANCE) * bal * bal)).to(torch.bfloat16))
+        first, second = _NORM_SLOTS
+        read = list(_NORM_UP) + list(_NORM_BALANCE[:2]) + list(_NORM_DOWN) + list(_NORM_BALANCE[2:])
+        for slot, col in zip(first + second, read, strict=True):
+            q[slot, col] = _NORM_QK_SCALE[0] * (balance if col in _NORM_BALANCE else 1.0)
+            k[slot, col] = _NORM_QK_SCALE[1]
+        for i, col in enumerate(_NORM_VALUES):
+            v[i, col] = 4.0
+            o[_NORM_OUTPUT[i], i] = 4.0
+        head = torch.zeros(vocab, hidden)
+        head[:, list(_NORM_OUTPUT)] = (torch.randn(vocab, len(_NORM_OUTPUT), generator=g) * _NORM_HEAD_STD
+                                       ).to(torch.bfloat16).float()
+        for name, tensor in w.items():
+            w[name] = torch.zeros_like(tensor)
+        w["model.embed_tokens.weight"] = emb
+        w["lm_head.weight"] = head
+        w["model.layers.0.self_attn.q_proj.weight"] = q.to(torch.bfloat16).float()
+        w["model.layers.0.self_attn.k_proj.weight"] = k
+        w["model.layers.0.self_attn.v_proj.weight"] = v
+        w["model.layers.0.self_attn.o_proj.weight"] = o
+        for name in w:
+            if name.endswith("norm.weight"):
+                w[name] = torch.ones(hidden)
+        _copy_with_weights(base, out, w)
+        config = json.loads((base / "config.json").read_text())
+        rope = config.get("rope_parameters")
+        if isinstance(rope, dict):
+            rope["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
+        else:
+            config["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted("bfloat16-norm", recipe, build)
 
 
 def rope_scaled_model(kind: str) -> Path:

@@ -173,6 +173,8 @@ class TrainingEngine(Protocol):
         ``batch.meta.temperature``. Position ids are ``cumsum(attention_mask) - 1`` clipped at 0.
         Log-probs and entropy are computed in float32 from float32-upcast logits, with the
         semantics of the schema's ``log_probs`` field; values are read at the same positions.
+        A bfloat16 model keeps transformers' float32 islands: RMSNorm normalises in float32 and
+        rounds once, the attention softmax runs in float32.
 
         Returns:
             The input batch updated with the requested fields (float32, 0 where ``batch.loss_mask`` is False).

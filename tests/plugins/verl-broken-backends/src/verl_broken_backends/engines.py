@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from verl_example_backend.model import load_model
+from verl_example_backend.model import DecoderLM, RMSNorm, load_model
 from verl_example_backend.rollout import ExampleRolloutEngine, sample_seed
 from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 
 from verl_broken_backends.capabilities import (
+    BFLOAT16_ROLLOUT,
     BFLOAT16_TRAINING,
     CHECKPOINTING_TRAINING,
     OFFLOAD_TRAINING,
@@ -51,6 +52,8 @@ from verl_hf.rollout_request import concat_responses
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
+    "Bfloat16NormRollout",
+    "Bfloat16NormTraining",
     "Bfloat16Refused",
     "CheckpointWithoutOptimizerState",
     "CheckpointingDoublesGradients",
@@ -263,6 +266,52 @@ class Bfloat16Refused(ExampleTrainingEngine):
     def capabilities(self) -> TrainingCapabilities:
         """The example's capabilities with dtypes float32 and bfloat16."""
         return BFLOAT16_TRAINING
+
+
+class _RMSNormInDtype(RMSNorm):
+    """RMSNorm computed in the activations' dtype: in bfloat16 the variance and its reciprocal
+    square root are rounded to bfloat16 (no float32 island)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dim without upcasting."""
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _norms_in_dtype(model: DecoderLM) -> None:
+    """Make every RMSNorm of ``model`` compute in the activations' dtype (the one fault: the rotary
+    frequencies, which ``load_model`` casts to the model's dtype with the rest, are float32 again)."""
+    for module in model.modules():
+        if type(module) is RMSNorm:
+            module.__class__ = _RMSNormInDtype
+    cfg = model.cfg
+    model.inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+                      ).float()
+
+
+class Bfloat16NormTraining(ExampleTrainingEngine):
+    """Declares bfloat16; its RMSNorms compute in bfloat16, without transformers' float32 upcast."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _norms_in_dtype(self.model)
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's capabilities for the role, with dtypes float32 and bfloat16."""
+        return replace(super().capabilities, dtypes=BFLOAT16_TRAINING.dtypes)
+
+
+class Bfloat16NormRollout(ExampleRolloutEngine):
+    """Declares bfloat16; its RMSNorms compute in bfloat16, without transformers' float32 upcast."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _norms_in_dtype(self.model)
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The example's capabilities with dtypes float32 and bfloat16."""
+        return BFLOAT16_ROLLOUT
 
 
 class CheckpointingDoublesGradients(ExampleTrainingEngine):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from verl_example_backend.plugin import ROLLOUT_CAPABILITIES, TRAINING_CAPABILITIES
 
 from verl_broken_backends.capabilities import (
+    BFLOAT16_ROLLOUT,
     BFLOAT16_TRAINING,
     CHECKPOINTING_TRAINING,
     OFFLOAD_TRAINING,
@@ -26,6 +27,7 @@ from verl_core import (
 __all__ = [
     "arange_positions",
     "bfloat16",
+    "bfloat16_norm",
     "checkpoint_optimizer",
     "checkpointing_grads",
     "drop_rotary",
@@ -142,6 +144,9 @@ loss_scale = BrokenBackend("broken-loss-scale", "from the third optimizer step t
                            training=f"{_ENGINES}:LossScaledFromStep3")
 bfloat16 = BrokenBackend("broken-bfloat16", "declares bfloat16 but refuses to build in it",
                          training=f"{_ENGINES}:Bfloat16Refused", training_caps=BFLOAT16_TRAINING)
+bfloat16_norm = BrokenBackend("broken-bfloat16-norm", "in bfloat16 the RMSNorms compute without the float32 upcast",
+                              training=f"{_ENGINES}:Bfloat16NormTraining", rollout=f"{_ENGINES}:Bfloat16NormRollout",
+                              training_caps=BFLOAT16_TRAINING, rollout_caps=BFLOAT16_ROLLOUT)
 checkpointing_grads = BrokenBackend("broken-checkpointing-grads", "gradient checkpointing doubles the gradients",
                                     training=f"{_ENGINES}:CheckpointingDoublesGradients",
                                     training_caps=CHECKPOINTING_TRAINING)
