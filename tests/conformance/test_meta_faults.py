@@ -220,6 +220,7 @@ def test_reward_checks_pass_on_reward_functions() -> None:
         assert status.pop("reward::cross_tokenizer_scores")[0] == "skipped"  # they expose no `tokenizer`
         assert status.pop("reward::declared_devices")[0] == "skipped"  # they declare only the CPU
         assert status.pop("reward::scores_match_reference")[0] == "skipped"  # not a classification head
+        assert status.pop("reward::unsupported_settings_refused")[0] == "skipped"  # no folder or head to refuse
         assert {s for s, _ in status.values()} == {"passed"}, status
 
 
