@@ -117,6 +117,10 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     **{f"llama-rope-{kind}": partial(rope_scaled_model, kind) for kind in ROPE_SCALINGS},
     "llama-perturbed-a": lambda: perturbed_model(MODELS["llama"], 1),
     "llama-perturbed-b": lambda: perturbed_model(MODELS["llama"], 2),
+    # the causal-LM Qwen folders with every tensor moved, for the same reason as the reward ones: the forward
+    # checks of each family (llama-perturbed-a is the Llama one)
+    "qwen2-perturbed": lambda: perturbed_model(MODELS["qwen2"], 1),
+    "qwen3-tied-perturbed": lambda: perturbed_model(MODELS["qwen3-tied"], 1),
     "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
     **{f"llama-oov-{key}": partial(out_of_vocab_model, key) for key in OUT_OF_VOCAB_IDS},
     **{f"reward-oov-{key}": partial(out_of_vocab_model, key, "reward") for key in OUT_OF_VOCAB_IDS},

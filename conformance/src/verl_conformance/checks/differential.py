@@ -8,12 +8,13 @@ import torch
 from torch import Tensor
 
 from verl_conformance.checks._registry import check
-from verl_conformance.checks.numerics import one_update
+from verl_conformance.checks.numerics import family_rollouts, one_update
+from verl_conformance.checks.rope import greedy_tokens_match
 from verl_conformance.harness import SUITE_OPTIM, Harness, Subject, exported_weights
 from verl_conformance.losses import PPO_CLIP, TOKEN_MEAN_PG, grpo_advantages
-from verl_conformance.reference import ReferenceModel, greedy_reference
+from verl_conformance.reference import ReferenceModel, cached_outputs, greedy_reference
 from verl_conformance.testkit import near_tie_margin, tolerance
-from verl_core import GlobalBatchStats, SamplingParams, TensorBatch, TrainingEngine
+from verl_core import GlobalBatchStats, RolloutEngine, SamplingParams, TensorBatch, TrainingEngine
 
 TRAJECTORY_STEPS = 3
 
@@ -111,15 +112,15 @@ def check_trajectory_matches_reference(h: Harness) -> None:
                          f"{TRAJECTORY_STEPS}-step GRPO trajectory vs float64 reference")
 
 
-def _greedy(h: Harness, subject: Subject | None = None) -> TensorBatch:
-    engine = h.rollout(subject=subject)
+def _greedy(h: Harness, subject: Subject | None = None, engine: RolloutEngine | None = None) -> TensorBatch:
+    engine = engine or h.rollout(subject=subject)
     prompts = h.batch(seed=30, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
     return engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
 
 
 @check("differential")
 def check_greedy_matches_reference(h: Harness) -> None:
-    """Greedy decoding gives the float64 reference's tokens (up to the first near-tie)."""
+    """Greedy decoding gives the float64 reference's tokens (up to the first near-tie); on a Qwen2 and a tied Qwen3 folder with every tensor moved (q/k/v biases and norm weights other than zeros and ones), each greedy token is the reference's most likely after its prefix (a near tie either way); a Qwen folder refused with a ConfigError naming its model_type is listed as refused (where both are, the perturbed Llama is compared instead: its norm weights)."""
     out = _greedy(h)
     eos = h.rollout().tokenizer.eos_token_id
     # A near tie is a top-2 logit gap the engine's dtype may break either way.
@@ -132,6 +133,13 @@ def check_greedy_matches_reference(h: Harness) -> None:
         h.expect(toks[:n] == want[:n],
                  f"greedy sample {b}: got tokens {toks}, the float64 reference gives {want} "
                  f"(first {n} decided without near-ties)")
+    engines, refused = family_rollouts(h)
+    for model, what, engine in engines:
+        out = _greedy(h, engine=engine)
+        ref = cached_outputs(h.model_path(model), out, ("log_probs", "max_log_probs"))
+        greedy_tokens_match(h, out, ref, f"greedy tokens on {what} vs the float64 reference")
+    h.note(f"compared on llama and {', '.join(m for m, _, _ in engines)}"
+           + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))
 
 
 @check("differential")

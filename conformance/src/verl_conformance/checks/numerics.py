@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from verl_conformance.checks._registry import check
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights, recover_grads
 from verl_conformance.losses import (
@@ -12,15 +14,68 @@ from verl_conformance.losses import (
     suite_losses,
 )
 from verl_conformance.reference import ReferenceModel, cached_outputs
-from verl_core import GlobalBatchStats, LossFn, SamplingParams, TensorBatch, TrainingEngine
+from verl_core import (
+    ConfigError,
+    GlobalBatchStats,
+    LossFn,
+    RolloutEngine,
+    SamplingParams,
+    TensorBatch,
+    TrainingEngine,
+)
 
-_ARCH_MODELS = ("llama", "llama-tied", "qwen2", "qwen3-tied")
+PERTURBED_FAMILIES: Final = (  # (suite folder, model_type, the tensors that a random folder holds at their initial value)
+    ("qwen2-perturbed", "qwen2", "its q/k/v biases no longer zeros, its RMSNorm weights no longer ones"),
+    ("qwen3-tied-perturbed", "qwen3", "its RMSNorm weights, the q/k norms' too, no longer ones"),
+    ("llama-perturbed-a", "llama", "its RMSNorm weights no longer ones"),
+)
+"""A causal-LM folder of each family with every tensor moved (``testkit.perturbed_model``). The test
+kit's random folders keep transformers' initialisation, where Qwen2's q/k/v biases are zeros and
+every RMSNorm weight (Qwen3's q/k norms too) is one, so a forward that leaves them out computes
+those folders exactly. The Qwen folders move every norm weight too, so the Llama one is needed only
+where both Qwen families are refused (it costs a rollout engine)."""
+
+_ARCH_MODELS = ("llama", "llama-tied", "qwen2-perturbed", "qwen3-tied-perturbed")
 _TEMPERATURES = (1.0, 0.7)
+
+
+def _folder(model: str) -> str:
+    """``model`` for messages, with what its tensors hold where it is one of :data:`PERTURBED_FAMILIES`."""
+    moved = {m: f"{m} ({t} with every tensor moved: {d})" for m, t, d in PERTURBED_FAMILIES}
+    return moved.get(model, model)
+
+
+def family_rollouts(h: Harness) -> tuple[list[tuple[str, str, RolloutEngine]], list[str]]:
+    """The subject's (cached) rollout engines on :data:`PERTURBED_FAMILIES` as ``(folder, description,
+    engine)``, and the Qwen model_types it refuses with a ConfigError naming them: the perturbed Qwen2
+    and Qwen3 folders, and the perturbed Llama where both are refused (the norm weights are then
+    compared nowhere else).
+
+    Fails on a refusal that does not name the model_type (any of the Llama), or another error."""
+    engines: list[tuple[str, str, RolloutEngine]] = []
+    refused: list[str] = []
+    for model, model_type, _ in PERTURBED_FAMILIES:
+        if model_type == "llama" and engines:
+            continue
+        what = _folder(model)
+        try:
+            engines.append((model, what, h.rollout(model)))
+        except ConfigError as e:
+            if model_type == "llama":
+                h.fail(f"the rollout engine refused the folder {what}, a Llama like the suite's: {e}")
+            h.expect(model_type in str(e).lower(),
+                     f"the rollout engine refused the folder {what} with a ConfigError that does not name the "
+                     f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
+            refused.append(model_type)
+        except Exception as e:
+            h.fail(f"building the rollout engine on the folder {what} raised {type(e).__name__}: {e}; load it, or "
+                   "refuse its model_type with verl_core.ConfigError")
+    return engines, refused
 
 
 @check("numerics", gates=("training.log_probs",))
 def check_log_probs_match_reference(h: Harness) -> None:
-    """log_probs equal the float64 reference for Llama, Qwen2 and Qwen3 (tied and untied) at T=1 and T=0.7."""
+    """log_probs equal the float64 reference for Llama (tied and untied), Qwen2 and tied Qwen3 at T=1 and T=0.7, the Qwen folders with every tensor moved (q/k/v biases and norm weights other than zeros and ones)."""
     if not h.training().capabilities.log_probs:
         h.skip("backend declares log_probs=False")
     for model in _ARCH_MODELS:
@@ -29,7 +84,7 @@ def check_log_probs_match_reference(h: Harness) -> None:
             batch = h.batch(seed=10, temperature=temp)
             got = engine.forward(batch, ["log_probs"])["log_probs"]
             ref = cached_outputs(h.model_path(model), batch)["log_probs"]
-            h.close_to(got, ref, "log_probs", f"log_probs of {model} at temperature {temp} vs float64 reference",
+            h.close_to(got, ref, "log_probs", f"log_probs of {_folder(model)} at temperature {temp} vs float64 reference",
                        mask=batch["response_mask"])
 
 
@@ -155,7 +210,7 @@ def check_value_loss_matches_reference(h: Harness) -> None:
 @check("numerics", gates=("rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.exact_log_probs",
                            "rollout.exact_log_probs_truncated"))
 def check_rollout_log_probs_match_reference(h: Harness) -> None:
-    """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact, greedy decoding's too."""
+    """rollout_log_probs equal the float64 reference of log softmax(logits / T) where the engine declares them exact, greedy decoding's too; on a Qwen2 and a tied Qwen3 folder with every tensor moved (q/k/v biases and norm weights other than zeros and ones), those of the first configuration declared exact; a Qwen folder refused with a ConfigError naming its model_type is listed as refused (where both are, the perturbed Llama is compared instead: its norm weights)."""
     engine = h.rollout()
     prompts = h.batch(seed=15, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
     caps = engine.capabilities
@@ -179,3 +234,15 @@ def check_rollout_log_probs_match_reference(h: Harness) -> None:
         checked += 1
     if not checked:
         h.skip("the engine declares its rollout_log_probs inexact for every sampling configuration")
+    engines, refused = family_rollouts(h)
+    for model, what, engine in engines:
+        exact = next((p for p in cases if engine.log_probs_exact(p)), None)
+        if exact is None:
+            continue
+        out = engine.generate(prompts, exact)
+        ref = cached_outputs(h.model_path(model), out.with_meta(temperature=exact.temperature))["log_probs"]
+        h.close_to(out["rollout_log_probs"], ref, "log_probs",
+                   f"rollout_log_probs on {what}, {'greedy' if exact.greedy else 'sampled'} at temperature "
+                   f"{exact.temperature}, vs float64 reference of log softmax(logits/T)", mask=out["response_mask"])
+    h.note(f"compared on llama and {', '.join(m for m, _, _ in engines)}"
+           + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))

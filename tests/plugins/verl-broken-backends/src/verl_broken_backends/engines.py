@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from verl_example_backend.model import DecoderLM, RMSNorm, load_model
+from verl_example_backend.model import DecoderConfig, DecoderLM, RMSNorm, load_model
 from verl_example_backend.rollout import ExampleRolloutEngine, sample_seed
 from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 
@@ -76,11 +76,15 @@ __all__ = [
     "OptimizerStateDropped",
     "RankSeededRollout",
     "ResponseMaskIgnored",
+    "RolloutNormWeightsIgnored",
+    "RolloutQKNormsSkipped",
+    "RolloutQKVBiasesIgnored",
     "ShiftedLogProbs",
     "SpecialIdsUncheckedRollout",
     "SpecialIdsUncheckedTraining",
     "TemperatureIgnored",
     "TopKIgnored",
+    "TrainingQKVBiasesIgnored",
     "TruncatedAtLimit",
     "UnseededSampling",
     "WakeReloadsFolder",
@@ -88,6 +92,7 @@ __all__ = [
     "DropUnmarked",
     "DropRotaryFrequencies",
     "LastTokenScores",
+    "LlamaOnlyRolloutNormWeightsIgnored",
     "RotaryOnlyArangePositions",
     "SpecialTokensInText",
     "TokenScoresAtLastColumn",
@@ -472,6 +477,86 @@ class SpecialIdsUncheckedRollout(ExampleRolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         with _special_ids_unchecked():
             super().__init__(spec)
+
+
+class _LinearBiasIgnored(torch.nn.Linear):
+    """A linear layer that keeps (loads, syncs, exports) its bias but never adds it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight.T``, the bias left out."""
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class _RMSNormWeightIgnored(RMSNorm):
+    """An RMSNorm that keeps (loads, syncs) its weight but computes as if every entry were one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dim in float32, unscaled."""
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _RMSNormSkipped(RMSNorm):
+    """An RMSNorm that keeps (loads, syncs) its weight but passes its input through."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The input, unchanged."""
+        return x
+
+
+def _qkv_biases_ignored(model: DecoderLM) -> None:
+    """Make the q, k and v projections of ``model`` leave their biases out."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") and type(module) is torch.nn.Linear:
+            module.__class__ = _LinearBiasIgnored
+
+
+class RolloutQKVBiasesIgnored(ExampleRolloutEngine):
+    """Loads and syncs the q, k and v biases but leaves them out of the forward: right on Llama, wrong on Qwen2."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _qkv_biases_ignored(self.model)
+
+
+class TrainingQKVBiasesIgnored(ExampleTrainingEngine):
+    """Loads, trains (a zero gradient) and exports the q, k and v biases but leaves them out of the forward."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _qkv_biases_ignored(self.model)
+
+
+class RolloutNormWeightsIgnored(ExampleRolloutEngine):
+    """Computes every RMSNorm as if its weight were ones (the weights loaded and synced, never read): right on
+    a random folder, whose norm weights are all one."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        for module in self.model.modules():
+            if type(module) is RMSNorm:
+                module.__class__ = _RMSNormWeightIgnored
+
+
+class LlamaOnlyRolloutNormWeightsIgnored(RolloutNormWeightsIgnored):
+    """:class:`RolloutNormWeightsIgnored` in a rollout that runs Llama folders only (Qwen2 and Qwen3 refused with a
+    ConfigError naming the model_type, as a backend may): a Qwen folder cannot show its norms."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        model_type = DecoderConfig.from_folder(spec.model_path).model_type
+        if model_type != "llama":
+            raise ConfigError(f"this rollout runs llama folders; {spec.model_path} has model_type {model_type!r}")
+        super().__init__(spec)
+
+
+class RolloutQKNormsSkipped(ExampleRolloutEngine):
+    """Skips Qwen3's per-head RMSNorm of q and k (loaded and synced, never applied): right on Llama and Qwen2."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        for name, module in self.model.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and type(module) is RMSNorm:
+                module.__class__ = _RMSNormSkipped
 
 
 class ArangePositions(HFTrainingEngine):

@@ -42,6 +42,7 @@ __all__ = [
     "optimizer_state",
     "padding_idx",
     "padding_side",
+    "qkv_biases",
     "reference_temperature",
     "response_mask",
     "reward_batch_centered",
@@ -60,6 +61,10 @@ __all__ = [
     "reward_special_tokens_text",
     "reward_token_scores_last_column",
     "reward_unknown_device",
+    "rollout_llama_norm_weights",
+    "rollout_norm_weights",
+    "rollout_qk_norms",
+    "rollout_qkv_biases",
     "rollout_tp",
     "rotary_arange_positions",
     "shifted_log_probs",
@@ -164,6 +169,19 @@ special_ids_unchecked = BrokenBackend("broken-special-ids", "builds on a folder 
                                       "outside the vocabulary (config.json never checked: nn.Embedding's padding_idx "
                                       "assertion escapes)", training=f"{_ENGINES}:SpecialIdsUncheckedTraining",
                                       rollout=f"{_ENGINES}:SpecialIdsUncheckedRollout")
+
+# a rollout that computes another model where a random folder's tensors hold their defaults (training is right)
+rollout_qkv_biases = BrokenBackend("broken-rollout-qwen2-biases", "the rollout leaves the q, k and v biases out "
+                                   "(Qwen2's)", rollout=f"{_ENGINES}:RolloutQKVBiasesIgnored")
+rollout_norm_weights = BrokenBackend("broken-rollout-norm-weights", "the rollout computes every RMSNorm as if its "
+                                     "weight were ones", rollout=f"{_ENGINES}:RolloutNormWeightsIgnored")
+rollout_llama_norm_weights = BrokenBackend("broken-rollout-llama-norm-weights", "a Llama-only rollout (Qwen2 and "
+                                           "Qwen3 refused) computes every RMSNorm as if its weight were ones",
+                                           rollout=f"{_ENGINES}:LlamaOnlyRolloutNormWeightsIgnored")
+rollout_qk_norms = BrokenBackend("broken-rollout-qwen3-qk-norms", "the rollout skips Qwen3's RMSNorm of q and k",
+                                 rollout=f"{_ENGINES}:RolloutQKNormsSkipped")
+qkv_biases = BrokenBackend("broken-qwen2-biases", "training leaves the q, k and v biases out of the forward (Qwen2's): "
+                          "the rollout is right", training=f"{_ENGINES}:TrainingQKVBiasesIgnored")
 
 
 class BrokenHFBackend:
