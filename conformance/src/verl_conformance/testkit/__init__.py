@@ -22,6 +22,7 @@ from verl_conformance.testkit.crafted import (
     LONG_ROPE_TRAINED,
     OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
+    VALUE_HEAD_BIAS,
     ShuffledTokenizer,
     absolute_position_model,
     config_constants_model,
@@ -34,6 +35,7 @@ from verl_conformance.testkit.crafted import (
     perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
+    value_bias_model,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
 from verl_conformance.testkit.models import (
@@ -62,6 +64,7 @@ __all__ = [
     "OUT_OF_VOCAB_IDS",
     "ROPE_SCALINGS",
     "TOLERANCES",
+    "VALUE_HEAD_BIAS",
     "Arch",
     "CharTokenizer",
     "LaunchError",
@@ -89,5 +92,6 @@ __all__ = [
     "rope_scaled_model",
     "tiny_model",
     "tolerance",
+    "value_bias_model",
     "write_rank_result",
 ]

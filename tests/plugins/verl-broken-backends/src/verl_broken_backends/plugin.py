@@ -28,6 +28,13 @@ __all__ = [
     "bfloat16",
     "checkpoint_optimizer",
     "checkpointing_grads",
+    "critic_checkpoint_head",
+    "critic_checkpoint_optimizer",
+    "critic_grad_clip",
+    "critic_head_bias",
+    "critic_offload_tensor",
+    "critic_temperature",
+    "critic_token_budget",
     "drop_rotary",
     "drop_unmarked",
     "eos_out_of_mask",
@@ -159,6 +166,26 @@ special_ids_unchecked = BrokenBackend("broken-special-ids", "builds on a folder 
                                       "outside the vocabulary (config.json never checked: nn.Embedding's padding_idx "
                                       "assertion escapes)", training=f"{_ENGINES}:SpecialIdsUncheckedTraining",
                                       rollout=f"{_ENGINES}:SpecialIdsUncheckedRollout")
+
+# the critic's faults (the actor beside it is right): state, temperature, micro-batching, clipping, its folder's head
+critic_checkpoint_head = BrokenBackend("broken-critic-checkpoint-head", "the critic's checkpoint leaves the value "
+                                       "head (score.*) out; a load keeps the folder's head",
+                                       training=f"{_ENGINES}:CriticCheckpointWithoutHead")
+critic_checkpoint_optimizer = BrokenBackend("broken-critic-checkpoint-optimizer", "the critic's save_checkpoint "
+                                            "leaves AdamW's moments out",
+                                            training=f"{_ENGINES}:CriticCheckpointWithoutOptimizerState")
+critic_offload_tensor = BrokenBackend("broken-critic-offload-tensor", "the critic's onload() brings one parameter's "
+                                      "second moments back as zeros", training=f"{_ENGINES}:CriticOffloadLosesTensor",
+                                      training_caps=OFFLOAD_TRAINING)
+critic_temperature = BrokenBackend("broken-critic-temperature", "the critic's values are divided by the batch's "
+                                   "temperature", training=f"{_ENGINES}:CriticValuesTempered")
+critic_token_budget = BrokenBackend("broken-critic-token-budget", "the critic ignores the micro-batch token budget "
+                                    "(max_tokens, micro_batch_tokens): one micro-batch",
+                                    training=f"{_ENGINES}:CriticTokenBudgetIgnored")
+critic_grad_clip = BrokenBackend("broken-critic-grad-clip", "the critic ignores OptimConfig.grad_clip",
+                                 training=f"{_ENGINES}:CriticGradClipIgnored")
+critic_head_bias = BrokenBackend("broken-critic-head-bias", "the critic never loads the folder's score.bias (0)",
+                                 training=f"{_ENGINES}:CriticHeadBiasNotLoaded")
 
 
 class BrokenHFBackend:
