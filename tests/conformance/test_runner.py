@@ -71,6 +71,23 @@ def test_report_counts_and_json_round_trip(statuses: list[str]) -> None:
     assert f"{statuses.count('passed')} passed" in table or not statuses.count("passed")
 
 
+def test_report_names_the_suite_that_made_it() -> None:
+    """Two reports from different suites are told apart: the suite's distribution version and its number of checks."""
+    import json
+    from importlib.metadata import version
+
+    from verl_conformance.runner import suite_version
+
+    data = json.loads(ConformanceReport("b", "dist 1", None).to_json())
+    assert data["suite_version"] == suite_version() == version("verl-conformance")
+    assert data["checks_registered"] == len(CHECKS)
+    assert list(data) == ["backend", "version", "against", "suite_version", "checks_registered", "results", "seconds"]
+    result = CheckResult("schema::forward_layout", "schema", "passed", "", 0.1)
+    report = ConformanceReport("b", "dist 1", None, results=[result])
+    assert json.loads(report.to_json())["results"] == [
+        {"id": "schema::forward_layout", "area": "schema", "status": "passed", "message": "", "seconds": 0.1}]
+
+
 def test_table_shows_whole_skip_reasons() -> None:
     """A skip reason of any length is shown whole under its check; a failure's first line likewise."""
     reason = "the backend refuses every RoPE-scaled folder: " + "; ".join(f"actor on folder {i}: refused" for i in range(12))

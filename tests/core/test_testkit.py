@@ -9,12 +9,14 @@ import torch
 
 from verl_conformance.testkit import (
     ARCHS,
+    VALUE_HEAD_BIAS,
     TinyModelSpec,
     assert_close,
     load_tokenizer,
     random_batch,
     reference_forward,
     tiny_model,
+    value_bias_model,
 )
 
 
@@ -76,3 +78,20 @@ def test_building_a_tiny_model_prints_no_progress_bar(tmp_path: Path, capfd: pyt
     out, err = capfd.readouterr()
     assert (tmp_path / "m" / "model.safetensors").is_file()
     assert "Writing model shards" not in err + out, err
+
+
+def test_value_bias_model_moves_every_value_by_its_bias() -> None:
+    """The value-head folder's score.bias is transformers' initial 0; value_bias_model's is VALUE_HEAD_BIAS,
+    and nothing else differs, so each value of the float64 reference moves by exactly that."""
+    from safetensors.torch import load_file
+
+    from verl_conformance.reference import reference_outputs
+
+    base, biased = tiny_model(TinyModelSpec(head="value")), value_bias_model()
+    a, b = load_file(str(base / "model.safetensors")), load_file(str(biased / "model.safetensors"))
+    assert float(a["score.bias"]) == 0.0 and float(b["score.bias"]) == VALUE_HEAD_BIAS != 0.0
+    assert {n for n in a if not torch.equal(a[n], b[n])} == {"score.bias"}
+    batch = random_batch(batch_size=3, empty_responses=1)
+    got = reference_outputs(biased, batch, ("values",))["values"]
+    want = reference_outputs(base, batch, ("values",))["values"]
+    torch.testing.assert_close(got, (want + VALUE_HEAD_BIAS) * batch["response_mask"])

@@ -30,6 +30,7 @@ from verl_conformance.testkit import (
     rope_scaled_model,
     tiny_model,
     tolerance,
+    value_bias_model,
 )
 from verl_core import (
     ConfigError,
@@ -122,6 +123,8 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "qwen2-perturbed": lambda: perturbed_model(MODELS["qwen2"], 1),
     "qwen3-tied-perturbed": lambda: perturbed_model(MODELS["qwen3-tied"], 1),
     "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
+    # the value-head folder with score.bias 0.5: a random folder's is 0, which a critic that never loads it computes
+    "value-biased": value_bias_model,
     **{f"llama-oov-{key}": partial(out_of_vocab_model, key) for key in OUT_OF_VOCAB_IDS},
     **{f"reward-oov-{key}": partial(out_of_vocab_model, key, "reward") for key in OUT_OF_VOCAB_IDS},
 }
@@ -454,6 +457,24 @@ class Harness:
         if self.provides(self.subject, "actor") or not self.provides(self.subject, "critic"):
             return "actor"
         return "critic"
+
+    def trained_roles(self) -> list[Role]:
+        """The training roles the checks of training state, micro-batching and the optimizer hold:
+        :meth:`trained_role`, and beside an actor the critic where the subject provides one whose
+        engine declares ``values`` (a critic that this run cannot build, as one that does not
+        declare the suite's dtype, is left out with a note on the check's pass)."""
+        role = self.trained_role()
+        if role != "actor" or not self.provides(self.subject, "critic"):
+            return [role]
+        try:
+            values = self.training("critic").capabilities.values
+        except CheckSkipped as e:
+            self.note(f"the critic is not checked here: {e}")
+            return [role]
+        if not values:
+            self.note("the critic declares values=False (no value head): the actor alone is checked")
+            return [role]
+        return [role, "critic"]
 
     def require_against(self) -> Subject:
         """The second backend, or skip when none was given."""

@@ -25,6 +25,7 @@ __all__ = [
     "reproduction",
     "run_checks",
     "select_checks",
+    "suite_version",
 ]
 
 Status = Literal["passed", "failed", "skipped", "xfailed", "xpassed"]
@@ -32,7 +33,17 @@ Status = Literal["passed", "failed", "skipped", "xfailed", "xpassed"]
 
 @dataclass(frozen=True)
 class CheckResult:
-    """The outcome of one check."""
+    """The outcome of one check.
+
+    Attributes:
+        id: The check's id, ``area::name``.
+        area: Its area (``schema``, ``numerics``, ...).
+        status: ``passed``, ``failed``, ``skipped``, ``xfailed`` (a failure declared a known gap) or
+            ``xpassed`` (a declared known gap that passed).
+        message: A failure's message, a skip's reason, what a pass compared or refused (often
+            empty), or a known gap's reason.
+        seconds: Wall time of the check.
+    """
 
     id: str
     area: str
@@ -41,13 +52,39 @@ class CheckResult:
     seconds: float = 0.0
 
 
+def suite_version() -> str:
+    """The version of the suite: the installed ``verl-conformance`` distribution's (the package's
+    ``__version__`` where it runs without being installed, from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl-conformance")
+    except PackageNotFoundError:
+        from verl_conformance import __version__
+
+        return __version__
+
+
 @dataclass
 class ConformanceReport:
-    """Every check's result for one backend (and the optional second backend)."""
+    """Every check's result for one backend (and the optional second backend).
+
+    Attributes:
+        backend: The backend under test: its registry name, or the label given with factories.
+        version: The backend's distribution and version (``"verl-hf 0.1.0"``; empty for factories).
+        against: The second backend of the differential checks, or None.
+        suite_version: The version of the suite that ran (the ``verl-conformance`` distribution's).
+        checks_registered: How many checks that suite registers (all of them, run or not): with
+            ``suite_version`` it tells reports of different suites apart.
+        results: One result per check run, in suite order.
+        seconds: Wall time of the whole run.
+    """
 
     backend: str
     version: str
     against: str | None
+    suite_version: str = field(default_factory=suite_version)
+    checks_registered: int = field(default_factory=lambda: len(CHECKS))
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
 

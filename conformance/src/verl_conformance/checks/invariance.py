@@ -8,7 +8,7 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
 from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
-from verl_core import ModelOutput, SamplingParams, TensorBatch
+from verl_core import ModelOutput, Role, SamplingParams, TensorBatch
 
 
 def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> TensorBatch:
@@ -26,13 +26,20 @@ def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> Tensor
     return batch.update(fields)
 
 
-@check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences"))
+@check("invariance", gates=("training.micro_batch_tokens", "training.packed_sequences", "training.values"))
 def check_micro_batch_invariance(h: Harness) -> None:
-    """log-probs (a critic-only backend: values), loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget, each of which the engine applies (its count of micro-batches is the kernel partitioner's)."""
+    """log-probs, loss and gradients do not depend on micro_batch_size, micro_batch_tokens or a per-call budget, each of which the engine applies (its count of micro-batches is the kernel partitioner's); the same for the critic's values and value loss where the backend provides a critic declaring values (a critic-only backend: the critic alone)."""
     batch = h.batch(seed=20, rl_fields=True)
+    for role in h.trained_roles():
+        _micro_batch_invariance(h, role, batch)
+        h.close_fresh()  # the role's engines, before the next role's are built
+
+
+def _micro_batch_invariance(h: Harness, role: Role, batch: TensorBatch) -> None:
+    """:func:`check_micro_batch_invariance` on the engines of ``role`` (an actor's messages unprefixed)."""
     variants = [{}, {"micro_batch_size": 1}, {"micro_batch_size": 4}]
-    role = h.trained_role()
     out, loss = role_output(role), role_loss(role)
+    who = "" if role == "actor" else f"the {role}: "
     caps = h.training(role).capabilities
     if caps.micro_batch_tokens:
         variants.append({"micro_batch_tokens": 24})
@@ -58,19 +65,20 @@ def check_micro_batch_invariance(h: Harness) -> None:
                  else batch.micro_batches(size=kw.get("micro_batch_size") or batch.batch_size))
         setting = f"max_tokens={budget}" if budget is not None else str(kw or "one micro-batch")
         h.expect(metrics["num_micro_batches"] == len(parts),
-                 f"forward_backward with {setting} ran {metrics['num_micro_batches']:g} micro-batches; the kernel's "
-                 f"partitioner (batch.micro_batches) makes {len(parts)}: a budget or size that is not applied "
-                 "leaves the memory it bounds unbounded (the trainer halves max_tokens after an out-of-memory error)")
+                 f"{who}forward_backward with {setting} ran {metrics['num_micro_batches']:g} micro-batches; the "
+                 f"kernel's partitioner (batch.micro_batches) makes {len(parts)}: a budget or size that is not "
+                 "applied leaves the memory it bounds unbounded (the trainer halves max_tokens after an out-of-memory "
+                 "error)")
         if base is None:
             base = (metrics, norm, grads)
             continue
         label = f"with {kw} vs one micro-batch" if budget is None else f"with max_tokens={budget} vs one micro-batch"
         h.scalar_close(metrics["loss"], base[0]["loss"], "loss",
-                       f"loss {label} (the loss is normalised by global counts: an engine that averages "
+                       f"{who}loss {label} (the loss is normalised by global counts: an engine that averages "
                        "per micro-batch or over micro-batches changes it)")
-        h.scalar_close(norm, base[1], "loss", f"grad norm {label}")
+        h.scalar_close(norm, base[1], "loss", f"{who}grad norm {label}")
         for name, g in base[2].items():
-            h.close_to(grads[name], g, "grad", f"gradient of {name} {label}")  # type: ignore[arg-type]
+            h.close_to(grads[name], g, "grad", f"{who}gradient of {name} {label}")  # type: ignore[arg-type]
 
 
 @check("invariance", gates=("training.entropy",))

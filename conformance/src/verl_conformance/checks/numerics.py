@@ -14,6 +14,7 @@ from verl_conformance.losses import (
     suite_losses,
 )
 from verl_conformance.reference import ReferenceModel, cached_outputs
+from verl_conformance.testkit import VALUE_HEAD_BIAS
 from verl_core import (
     ConfigError,
     GlobalBatchStats,
@@ -119,14 +120,18 @@ def check_entropy_matches_reference(h: Harness) -> None:
 
 @check("numerics", gates=("training.values",))
 def check_values_match_reference(h: Harness) -> None:
-    """A critic's values equal the float64 reference of the value-head folder."""
-    critic = h.training("critic")
+    """A critic's values equal the float64 reference of the value-head folder with a nonzero score.bias (0.5; a random folder's is 0), at T=1 and T=0.7: values do not depend on the sampling temperature."""
+    # on the value-head folder (score.bias 0) a critic that never loads the bias computes its values
+    critic = h.training("critic", "value-biased")
     if not critic.capabilities.values:
         h.skip("backend declares values=False (no value head)")
-    batch = h.batch(seed=12)
-    got = critic.forward(batch, ["values"])["values"]
-    ref = cached_outputs(h.model_path("value"), batch, ("values",))["values"]
-    h.close_to(got, ref, "values", "critic values vs float64 reference", mask=batch["response_mask"])
+    for temp in _TEMPERATURES:
+        batch = h.batch(seed=12, temperature=temp)
+        got = critic.forward(batch, ["values"])["values"]
+        ref = cached_outputs(h.model_path("value-biased"), batch, ("values",))["values"]
+        h.close_to(got, ref, "values", f"critic values vs float64 reference of value-biased (the value-head folder "
+                   f"with score.bias {VALUE_HEAD_BIAS}) at temperature {temp} (values do not depend on the sampling "
+                   "temperature in the batch's meta)", mask=batch["response_mask"])
 
 
 def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: LossFn, *,

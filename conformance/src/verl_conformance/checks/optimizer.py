@@ -17,12 +17,13 @@ import torch
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
 from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
-from verl_conformance.losses import TOKEN_MEAN_PG
+from verl_conformance.losses import TOKEN_MEAN_PG, role_loss
 from verl_conformance.reference import ReferenceModel
 from verl_core import (
     GlobalBatchStats,
     LossOutput,
     OptimConfig,
+    Role,
     TensorBatch,
     TrainingEngine,
     WeightCommit,
@@ -44,26 +45,35 @@ def _batches(h: Harness) -> list[TensorBatch]:
     return [h.batch(seed=70 + k, rl_fields=True) for k in range(OPTIM_STEPS)]
 
 
-@check("numerics")
+@check("numerics", gates=("training.values",))
 def check_optimizer_matches_reference(h: Harness) -> None:
-    """Four updates under AdamW with weight decay, betas (0.8, 0.95), gradient clipping and a warmup-then-cosine schedule equal torch AdamW in float64: each step's lr and grad norm (before clipping), the weights after, and the stream's version (4)."""
+    """Four updates under AdamW with weight decay, betas (0.8, 0.95), gradient clipping and a warmup-then-cosine schedule equal torch AdamW in float64: each step's lr and grad norm (before clipping), the weights after, and the stream's version (4); for the actor, and for the critic under the value loss where the backend provides one declaring values (a critic-only backend: the critic)."""
     batches = _batches(h)
-    path = h.model_path("llama")
+    for role in h.trained_roles():
+        _optimizer_matches_reference(h, role, batches)
+        h.close_fresh()  # the role's engine, before the next role's is built
+
+
+def _optimizer_matches_reference(h: Harness, role: Role, batches: list[TensorBatch]) -> None:
+    """:func:`check_optimizer_matches_reference` on an engine of ``role`` (an actor's messages unprefixed)."""
+    path = h.model_path("value" if role == "critic" else "llama")
+    loss = role_loss(role)
+    who = "" if role == "actor" else f"the {role}: "
     # clip at half the first step's gradient norm, so clipping acts
-    first = ReferenceModel(path, SUITE_OPTIM).loss_and_grads(batches[0], TOKEN_MEAN_PG, GlobalBatchStats.of(batches[0]))
+    first = ReferenceModel(path, SUITE_OPTIM).loss_and_grads(batches[0], loss, GlobalBatchStats.of(batches[0]))
     optim = every_setting(round(0.5 * first.grad_norm, 4))
     settings = (f"lr {optim.lr}, betas {optim.betas}, weight_decay {optim.weight_decay}, grad_clip {optim.grad_clip}, "
                 f"warmup_steps {optim.warmup_steps}, cosine over {optim.total_steps} steps")
-    engine = h.training(fresh=True, optim=optim, micro_batch_size=2)
+    engine = h.training(role, fresh=True, optim=optim, micro_batch_size=2)
     ref = ReferenceModel(path, optim)
     before = exported_weights(engine)
     ref_before = ref.state()
     for k, batch in enumerate(batches):
         stats = GlobalBatchStats.of(batch)
-        metrics = engine.forward_backward(batch, TOKEN_MEAN_PG, stats)
+        metrics = engine.forward_backward(batch, loss, stats)
         step = engine.optimizer_step()
-        want = ref.step(batch, TOKEN_MEAN_PG, stats)
-        at = f"update {k} under AdamW ({settings})"
+        want = ref.step(batch, loss, stats)
+        at = f"{who}update {k} under AdamW ({settings})"
         h.expect(not step.skipped, f"{at}: optimizer_step skipped a finite update")
         h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
                  f"{at}: optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) is {optim.lr_at(k):.6g} "
@@ -73,15 +83,16 @@ def check_optimizer_matches_reference(h: Harness) -> None:
                        f"{at}: grad norm vs float64 reference (the global norm before clipping, "
                        f"{'clipped to' if want.grad_norm > optim.grad_clip else 'under'} {optim.grad_clip:g})")
     version = export_version(engine)
-    h.expect(version == OPTIM_STEPS, f"after {OPTIM_STEPS} applied updates export_weights streams version {version}; "
-             f"the version is the count of applied optimizer steps, {OPTIM_STEPS}")
+    h.expect(version == OPTIM_STEPS, f"{who}after {OPTIM_STEPS} applied updates export_weights streams version "
+             f"{version}; the version is the count of applied optimizer steps, {OPTIM_STEPS}")
     after = exported_weights(engine)
     ref_after = ref.state()
     for name, w in ref_after.items():
-        h.expect(name in after, f"export_weights lacks {name} after {OPTIM_STEPS} updates")
+        h.expect(name in after, f"{who}export_weights lacks {name} after {OPTIM_STEPS} updates")
         h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
-                   f"{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 (weight "
-                   "decay decoupled and on every parameter, betas, clipping by the global norm, lr of the schedule)")
+                   f"{who}{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 "
+                   "(weight decay decoupled and on every parameter, betas, clipping by the global norm, lr of the "
+                   "schedule)")
 
 
 def export_version(engine: TrainingEngine) -> int:

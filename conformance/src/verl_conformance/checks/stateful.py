@@ -5,7 +5,10 @@ under a warmup schedule (so Adam's moments and the step counter matter), then co
 restored engine with one that never left that state: the same exported weights and forward, and
 the same *next three* updates (loss, grad norm, learning rate and the weights after each). State
 that decides only a later update (a learning-rate scheduler whose position was not saved, while
-the optimizer's saved learning rate serves the first update) shows from the second one on.
+the optimizer's saved learning rate serves the first update) shows from the second one on. The
+round trips of training engines hold the actor and, beside it, a critic that declares values (under
+the suite's value loss): a checkpoint without the value head or its optimizer state fails as the
+actor's would.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from verl_conformance.losses import role_loss, role_output
 from verl_core import (
     EngineAsleepError,
     GlobalBatchStats,
+    Role,
     RolloutEngine,
     SamplingParams,
     StaleWeightsError,
@@ -87,63 +91,83 @@ def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngi
                       f"{label}: weights differ from the engine that kept its state ({cause})")
 
 
+def _roles(h: Harness, capability: str) -> list[Role]:
+    """:meth:`Harness.trained_roles` whose engines declare ``capability`` (``checkpoint``, ``offload``):
+    the actor, and beside it a critic that declares values (its value head and the optimizer state of
+    it are state a round trip must keep too); skip when none declares it."""
+    roles: list[Role] = []
+    refused: list[Role] = []
+    for role in h.trained_roles():
+        (roles if getattr(h.training(role).capabilities, capability) else refused).append(role)
+    if not roles:
+        h.skip(f"backend declares {capability}=False for the {' and the '.join(refused)}")
+    if refused:
+        h.note(f"the {' and the '.join(refused)} declares {capability}=False: not checked")
+    return roles
+
+
+def _of(role: Role, what: str) -> str:
+    """``what`` of the role's engine: the actor's messages unprefixed, another role's named."""
+    return what if role == "actor" else f"the {role}: {what}"
+
+
 @contextlib.contextmanager
-def _saved(h: Harness) -> Iterator[tuple[TrainingEngine, Path]]:
-    """A warmed engine of :meth:`Harness.trained_role` and the checkpoint it saved (in a folder removed afterwards)."""
-    role = h.trained_role()
-    if not h.training(role).capabilities.checkpoint:
-        h.skip(f"backend declares checkpoint=False for the {role}")
+def _saved(h: Harness, role: Role) -> Iterator[tuple[TrainingEngine, Path]]:
+    """A warmed engine of ``role`` and the checkpoint it saved (in a folder removed afterwards)."""
     engine = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
     _warm(h, engine)
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
         path = Path(tmp) / "checkpoint"
         engine.save_checkpoint(path)
-        h.expect(path.exists(), f"save_checkpoint({str(path)!r}) wrote nothing at that path")
+        h.expect(path.exists(), _of(role, f"save_checkpoint({str(path)!r}) wrote nothing at that path"))
         yield engine, path
 
 
-@check("stateful", gates=("training.checkpoint",))
+@check("stateful", gates=("training.checkpoint", "training.values"))
 def check_checkpoint_round_trip(h: Harness) -> None:
-    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates (the actor; a critic-only backend: the critic)."""
-    with _saved(h) as (engine, path):
-        fresh = h.training(engine.spec.role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-        fresh.load_checkpoint(path)
-        what = "after save_checkpoint and load_checkpoint into a fresh engine"
-        _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
-        compare_next_update(h, fresh, engine, what, "the optimizer's moments, its step or the schedule were not restored")
+    """save_checkpoint, then load_checkpoint into a fresh engine: the same weights, forward and next three updates, for the actor and for the critic where the backend provides one declaring values (under the value loss: its value head and the optimizer state of it are restored too); a critic-only backend: the critic."""
+    for role in _roles(h, "checkpoint"):
+        with _saved(h, role) as (engine, path):
+            fresh = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+            fresh.load_checkpoint(path)
+            what = _of(role, "after save_checkpoint and load_checkpoint into a fresh engine")
+            _same_weights(h, exported_weights(fresh), exported_weights(engine), f"{what}: weights")
+            compare_next_update(h, fresh, engine, what,
+                                "the optimizer's moments, its step or the schedule were not restored")
+        h.close_fresh()  # the role's engines, before the next role's are built
 
 
-@check("stateful", gates=("training.checkpoint",))
+@check("stateful", gates=("training.checkpoint", "training.values"))
 def check_load_drops_pending_gradients(h: Harness) -> None:
-    """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards (the actor; a critic-only backend: the critic)."""
-    with _saved(h) as (engine, path):
-        role = engine.spec.role
-        other = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-        stray = h.batch(seed=_STRAY_SEED, rl_fields=True)
-        other.forward_backward(stray, role_loss(role), GlobalBatchStats.of(stray))  # never followed by a step
-        other.load_checkpoint(path)
-        compare_next_update(h, other, engine, "after forward_backward, then load_checkpoint with no optimizer_step "
-                            "between (load_checkpoint must clear the gradients of the call before it)",
-                            "the gradients of the forward_backward before the load were kept and added to the next "
-                            "update's")
+    """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards (the actor, and the critic where the backend provides one declaring values; a critic-only backend: the critic)."""
+    for role in _roles(h, "checkpoint"):
+        with _saved(h, role) as (engine, path):
+            other = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+            stray = h.batch(seed=_STRAY_SEED, rl_fields=True)
+            other.forward_backward(stray, role_loss(role), GlobalBatchStats.of(stray))  # never followed by a step
+            other.load_checkpoint(path)
+            compare_next_update(h, other, engine, _of(role, "after forward_backward, then load_checkpoint with no "
+                                "optimizer_step between (load_checkpoint must clear the gradients of the call before "
+                                "it)"), "the gradients of the forward_backward before the load were kept and added to "
+                                "the next update's")
+        h.close_fresh()
 
 
-@check("stateful", gates=("training.offload",))
+@check("stateful", gates=("training.offload", "training.values"))
 def check_offload_round_trip(h: Harness) -> None:
-    """offload() then onload() keeps weights and optimizer state: the same forward and next three updates as an engine never offloaded (the actor; a critic-only backend: the critic)."""
-    role = h.trained_role()
-    if not h.training(role).capabilities.offload:
-        h.skip(f"backend declares offload=False for the {role}")
-    engine = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    kept = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
-    _warm(h, engine)
-    _warm(h, kept)
-    before = exported_weights(engine)
-    engine.offload()
-    engine.onload()
-    what = "after offload() and onload()"
-    _same_weights(h, exported_weights(engine), before, f"{what}: weights")
-    compare_next_update(h, engine, kept, what, "optimizer state was lost or changed by the offload")
+    """offload() then onload() keeps weights and optimizer state: the same forward and next three updates as an engine never offloaded (the actor, and the critic where the backend provides one declaring values; a critic-only backend: the critic)."""
+    for role in _roles(h, "offload"):
+        engine = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        kept = h.training(role, fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+        _warm(h, engine)
+        _warm(h, kept)
+        before = exported_weights(engine)
+        engine.offload()
+        engine.onload()
+        what = _of(role, "after offload() and onload()")
+        _same_weights(h, exported_weights(engine), before, f"{what}: weights")
+        compare_next_update(h, engine, kept, what, "optimizer state was lost or changed by the offload")
+        h.close_fresh()
 
 
 def _device_memory(device: str) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from verl_conformance.testkit.crafted import (
     LONG_ROPE_TRAINED,
     OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
+    VALUE_HEAD_BIAS,
     ShuffledTokenizer,
     absolute_position_model,
     bfloat16_norm_model,
@@ -36,6 +37,7 @@ from verl_conformance.testkit.crafted import (
     perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
+    value_bias_model,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
 from verl_conformance.testkit.models import (
@@ -65,6 +67,7 @@ __all__ = [
     "OUT_OF_VOCAB_IDS",
     "ROPE_SCALINGS",
     "TOLERANCES",
+    "VALUE_HEAD_BIAS",
     "Arch",
     "CharTokenizer",
     "LaunchError",
@@ -93,5 +96,6 @@ __all__ = [
     "rope_scaled_model",
     "tiny_model",
     "tolerance",
+    "value_bias_model",
     "write_rank_result",
 ]

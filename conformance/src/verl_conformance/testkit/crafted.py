@@ -18,6 +18,7 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`bfloat16_norm_model`: a Llama whose normalised rows sit just beside bfloat16 rounding
   points: an RMSNorm computed in bfloat16 (no float32 upcast) moves its log-probs by nats.
+* :func:`value_bias_model`: the value-head folder with a nonzero ``score.bias`` (a random folder's is 0).
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
 * :func:`out_of_vocab_model`: the tiny Llama (or reward model) whose ``config.json`` sets one special
@@ -63,6 +64,7 @@ __all__ = [
     "OUT_OF_VOCAB_IDS",
     "ROPE_SCALED_MAX_POSITIONS",
     "ROPE_SCALINGS",
+    "VALUE_HEAD_BIAS",
     "ShuffledTokenizer",
     "absolute_position_model",
     "bfloat16_norm_model",
@@ -76,6 +78,7 @@ __all__ = [
     "perturbed_absolute_position_model",
     "perturbed_model",
     "rope_scaled_model",
+    "value_bias_model",
 ]
 
 _RECIPE: Final = 1  # bump when a recipe changes: the cache key includes it
@@ -478,6 +481,30 @@ def perturbed_absolute_position_model(seed: int) -> Path:
     """:func:`absolute_position_model` (the GPT-2 folder) with every tensor moved like :func:`perturbed_model`'s."""
     return _crafted("perturbed-gpt2", {"base": "gpt2", "seed": seed},
                     lambda out: _perturb(absolute_position_model(), out, seed))
+
+
+VALUE_HEAD_BIAS: Final = 0.5
+"""The ``score.bias`` of :func:`value_bias_model` (exact in bfloat16 and float16)."""
+
+
+def value_bias_model() -> Path:
+    """The test kit's value-head folder with ``score.bias`` = :data:`VALUE_HEAD_BIAS`.
+
+    transformers initialises a token-classification head's bias to 0, so on the value-head folder a
+    critic that never loads ``score.bias`` computes the folder's values; here every value moves by
+    the bias. Nothing else changes, so the values keep the value-head folder's magnitude and each
+    dtype's rounding error (a folder with every tensor perturbed gives values whose bfloat16 error
+    exceeds that dtype's tier).
+    """
+    spec = TinyModelSpec(head="value")
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        w["score.bias"] = torch.full_like(w["score.bias"], VALUE_HEAD_BIAS)
+        _copy_with_weights(base, out, w)
+
+    return _crafted("value-bias", {"base": asdict(spec), "bias": VALUE_HEAD_BIAS}, build)
 
 
 def nan_reward_model() -> Path:

@@ -172,7 +172,9 @@ class TrainingEngine(Protocol):
         Needs ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``; the temperature is
         ``batch.meta.temperature``. Position ids are ``cumsum(attention_mask) - 1`` clipped at 0.
         Log-probs and entropy are computed in float32 from float32-upcast logits, with the
-        semantics of the schema's ``log_probs`` field; values are read at the same positions.
+        semantics of the schema's ``log_probs`` field; values are read at the same positions and do
+        not depend on the temperature (the value head's output as it is: the trainer's critic
+        forward receives the rollout's batch, whose meta holds the sampling temperature).
         A bfloat16 model keeps transformers' float32 islands: RMSNorm normalises in float32 and
         rounds once, the attention softmax runs in float32.
 
@@ -189,7 +191,8 @@ class TrainingEngine(Protocol):
         The engine owns the micro-batch loop: it partitions ``mini_batch`` with
         ``mini_batch.micro_batches(max_tokens=...)`` (the kernel's one partitioner) under the budget
         ``max_tokens`` (tokens per micro-batch; ``micro_batch_cost``), else ``spec.micro_batch_tokens``, else into
-        ``spec.micro_batch_size`` samples (the whole share when neither is set). It fills the outputs
+        ``spec.micro_batch_size`` samples (the whole share when neither is set), whatever the role (a
+        critic's micro-batches are bounded as an actor's). It fills the outputs
         ``loss_fn.needs`` with autograd, calls ``loss_fn`` with the global ``stats`` and
         backpropagates each micro-batch. Every data-parallel rank runs the same number of
         micro-batches (padded with empty ones); the gradients are summed over ranks once, at the end
@@ -221,6 +224,9 @@ class TrainingEngine(Protocol):
     @abstractmethod
     def optimizer_step(self) -> StepMetrics:
         """Clip gradients, step the optimizer and schedule, and zero the gradients.
+
+        Every role follows ``spec.optim`` alike (a critic clips at ``grad_clip`` as an actor does);
+        the grad norm reported is the global one before clipping.
 
         If the global grad norm is not finite on any rank, every rank skips the update (agreed by
         all-reduce), the weights and optimizer state are untouched, and ``skipped`` is True.
@@ -281,6 +287,10 @@ class TrainingEngine(Protocol):
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Save model, optimizer, scheduler, RNG states and step atomically to the folder ``path``.
 
+        The model is every trained tensor (a critic's value head, ``score.*``, with its backbone), and
+        the optimizer state is that of each of them: an engine loaded from the folder gives the same
+        forward and the same next updates as the engine that saved it.
+
         The folder is created when missing (parents included). A crash at any point leaves a
         previous checkpoint at ``path`` loadable: write each file with
         :func:`~verl_core.enginekit.checkpoint.write_atomic`, or a temporary folder renamed into place.
@@ -292,7 +302,11 @@ class TrainingEngine(Protocol):
 
     @abstractmethod
     def offload(self) -> None:
-        """Move parameters, gradients and optimizer state off the accelerator (no-op on CPU)."""
+        """Move parameters, gradients and optimizer state off the accelerator (no-op on CPU).
+
+        :meth:`onload` brings every one of them back unchanged, a critic's value head and its
+        optimizer state included: the next updates are those of an engine never offloaded.
+        """
 
     @abstractmethod
     def onload(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from verl_example_backend.model import DecoderConfig, DecoderLM, RMSNorm, load_model
+from verl_example_backend.plugin import CRITIC_CAPABILITIES
 from verl_example_backend.rollout import ExampleRolloutEngine, sample_seed
 from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 
@@ -57,6 +58,13 @@ __all__ = [
     "Bfloat16Refused",
     "CheckpointWithoutOptimizerState",
     "CheckpointingDoublesGradients",
+    "CriticCheckpointWithoutHead",
+    "CriticCheckpointWithoutOptimizerState",
+    "CriticGradClipIgnored",
+    "CriticHeadBiasNotLoaded",
+    "CriticOffloadLosesTensor",
+    "CriticTokenBudgetIgnored",
+    "CriticValuesTempered",
     "ArangePositions",
     "BatchCenteredScores",
     "BosAddingRewardTokenizer",
@@ -557,6 +565,116 @@ class RolloutQKNormsSkipped(ExampleRolloutEngine):
         for name, module in self.model.named_modules():
             if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and type(module) is RMSNorm:
                 module.__class__ = _RMSNormSkipped
+
+
+class CriticCheckpointWithoutHead(ExampleTrainingEngine):
+    """The critic's save_checkpoint writes the backbone without the value head (``score.*``), and its
+    load_checkpoint loads what is there (non-strict): a loaded critic keeps the head of its folder."""
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save; for the critic, with ``score.*`` left out of the model's state."""
+        if self.spec.role != "critic":
+            super().save_checkpoint(path)
+            return
+        head = self.model.score
+        del self.model.score  # state_dict() walks the modules: the backbone alone
+        try:
+            super().save_checkpoint(path)
+        finally:
+            self.model.score = head
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load, tolerating tensors the checkpoint lacks."""
+        strict = self.model.load_state_dict
+
+        def lenient(state: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+            return strict(state, strict=False)
+
+        self.model.load_state_dict = lenient  # type: ignore[method-assign,assignment]
+        try:
+            super().load_checkpoint(path)
+        finally:
+            del self.model.load_state_dict
+
+
+class CriticCheckpointWithoutOptimizerState(CheckpointWithoutOptimizerState):
+    """The critic's save_checkpoint leaves AdamW's moments out (the actor's keeps them)."""
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save; for the critic, without the optimizer's per-parameter state."""
+        if self.spec.role == "critic":
+            super().save_checkpoint(path)
+        else:
+            ExampleTrainingEngine.save_checkpoint(self, path)
+
+
+class CriticOffloadLosesTensor(OffloadLosesTensor):
+    """Both roles declare offload; the critic's onload() brings one parameter's second moments back as zeros
+    (the actor's offload keeps everything)."""
+
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """The example's capabilities of the role with offload=True."""
+        if self._caps.values:  # the critic's (read while the engine is built, before its spec is set)
+            return replace(CRITIC_CAPABILITIES, offload=True)
+        return OFFLOAD_TRAINING
+
+    def offload(self) -> None:
+        """The critic's faulty offload; nothing to move for the actor (CPU)."""
+        if self.spec.role == "critic":
+            super().offload()
+
+    def onload(self) -> None:
+        """The critic's faulty onload; nothing to move for the actor (CPU)."""
+        if self.spec.role == "critic":
+            super().onload()
+
+
+class CriticValuesTempered(ExampleTrainingEngine):
+    """The critic divides its values by the batch's temperature (``batch.meta.temperature``), as log-probs divide the logits."""
+
+    def compute(self, batch: TensorBatch, outputs: Collection[ModelOutput]) -> dict[str, Tensor]:
+        """Outputs, values over T."""
+        out = super().compute(batch, outputs)
+        if "values" in out:
+            out["values"] = out["values"] / batch.meta.temperature
+        return out
+
+
+class CriticTokenBudgetIgnored(ExampleTrainingEngine):
+    """The critic ignores the token budget (``max_tokens``, ``spec.micro_batch_tokens``): it splits by
+    ``micro_batch_size`` alone, one micro-batch when that is unset (the actor applies it)."""
+
+    def _split(self, batch: TensorBatch, max_tokens: int | None = None) -> tuple[list[TensorBatch], object]:
+        if self.spec.role != "critic":
+            return super()._split(batch, max_tokens)
+        mbs = batch.micro_batches(size=self.spec.micro_batch_size or max(batch.batch_size, 1))
+        return list(mbs), mbs
+
+
+class CriticGradClipIgnored(ExampleTrainingEngine):
+    """The critic never clips its gradients, whatever ``OptimConfig.grad_clip`` says (the actor clips)."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """Step; for the critic, with grad_clip taken as 0."""
+        if self.spec.role != "critic":
+            return super().optimizer_step()
+        spec = self._spec
+        self._spec = replace(spec, optim=replace(spec.optim, grad_clip=0.0))
+        try:
+            return super().optimizer_step()
+        finally:
+            self._spec = spec
+
+
+class CriticHeadBiasNotLoaded(ExampleTrainingEngine):
+    """The critic never loads the folder's ``score.bias`` (it stays 0, as transformers initialises it)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if spec.role == "critic":
+            with torch.no_grad():
+                self.model.score.bias.zero_()
 
 
 class ArangePositions(HFTrainingEngine):

@@ -30,6 +30,13 @@ __all__ = [
     "bfloat16_norm",
     "checkpoint_optimizer",
     "checkpointing_grads",
+    "critic_checkpoint_head",
+    "critic_checkpoint_optimizer",
+    "critic_grad_clip",
+    "critic_head_bias",
+    "critic_offload_tensor",
+    "critic_temperature",
+    "critic_token_budget",
     "drop_rotary",
     "drop_unmarked",
     "eos_out_of_mask",
@@ -182,6 +189,25 @@ rollout_qk_norms = BrokenBackend("broken-rollout-qwen3-qk-norms", "the rollout s
                                  rollout=f"{_ENGINES}:RolloutQKNormsSkipped")
 qkv_biases = BrokenBackend("broken-qwen2-biases", "training leaves the q, k and v biases out of the forward (Qwen2's): "
                           "the rollout is right", training=f"{_ENGINES}:TrainingQKVBiasesIgnored")
+# the critic's faults (the actor beside it is right): state, temperature, micro-batching, clipping, its folder's head
+critic_checkpoint_head = BrokenBackend("broken-critic-checkpoint-head", "the critic's checkpoint leaves the value "
+                                       "head (score.*) out; a load keeps the folder's head",
+                                       training=f"{_ENGINES}:CriticCheckpointWithoutHead")
+critic_checkpoint_optimizer = BrokenBackend("broken-critic-checkpoint-optimizer", "the critic's save_checkpoint "
+                                            "leaves AdamW's moments out",
+                                            training=f"{_ENGINES}:CriticCheckpointWithoutOptimizerState")
+critic_offload_tensor = BrokenBackend("broken-critic-offload-tensor", "the critic's onload() brings one parameter's "
+                                      "second moments back as zeros", training=f"{_ENGINES}:CriticOffloadLosesTensor",
+                                      training_caps=OFFLOAD_TRAINING)
+critic_temperature = BrokenBackend("broken-critic-temperature", "the critic's values are divided by the batch's "
+                                   "temperature", training=f"{_ENGINES}:CriticValuesTempered")
+critic_token_budget = BrokenBackend("broken-critic-token-budget", "the critic ignores the micro-batch token budget "
+                                    "(max_tokens, micro_batch_tokens): one micro-batch",
+                                    training=f"{_ENGINES}:CriticTokenBudgetIgnored")
+critic_grad_clip = BrokenBackend("broken-critic-grad-clip", "the critic ignores OptimConfig.grad_clip",
+                                 training=f"{_ENGINES}:CriticGradClipIgnored")
+critic_head_bias = BrokenBackend("broken-critic-head-bias", "the critic never loads the folder's score.bias (0)",
+                                 training=f"{_ENGINES}:CriticHeadBiasNotLoaded")
 
 
 class BrokenHFBackend:
