@@ -46,7 +46,7 @@ from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
 from verl_hf.engine_checkpoint import EngineCheckpoint
-from verl_hf.fused_elementwise import fuse_elementwise
+from verl_hf.fused_elementwise import fuse_elementwise, fused_modules
 from verl_hf.lora import HFLora
 from verl_hf.micro_batches import MicroBatchLoop
 from verl_hf.modeling import (
@@ -152,9 +152,7 @@ class HFTrainingEngine(TrainingEngineBase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         fused = self._options.fused_elementwise
         if fused or (fused is None and self._device.type == "cuda" and spec.torch_dtype == torch.bfloat16):
-            self.fused_elementwise_modules = fuse_elementwise(model)
-        else:
-            self.fused_elementwise_modules = 0
+            fuse_elementwise(model)
         if not self._trainable:
             model.requires_grad_(False)
         if fsdp:
@@ -176,6 +174,11 @@ class HFTrainingEngine(TrainingEngineBase):
         self._offloader = Offloader(model, self._device, self._weights, self._optim)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def fused_elementwise_modules(self) -> int:
+        """How many modules run through the compiled element-wise functions (``HFOptions.fused_elementwise``)."""
+        return fused_modules(self._model)
+
     @property
     def spec(self) -> EngineSpec:
         """The spec the engine was built from."""
