@@ -10,7 +10,8 @@ against anchors measured in the same run:
 * the engine's ``forward`` (log-probs), its ``forward_backward`` with the GRPO loss, and its
   ``optimizer_step``, at each micro-batch token budget of ``--budgets`` (0 = the whole batch in one);
 * the profiler's kernel table of one ``forward_backward`` at the first budget (top ``--top`` by
-  device time), and its CPU-side total, so launch-bound and kernel-bound time can be told apart.
+  device time), and its CPU-side total, so launch-bound and kernel-bound time can be told apart;
+  with ``--shapes N`` also the top N operators grouped by their input shapes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 4096, 1024])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--shapes", type=int, default=0, help="also print the top N aten operators by device time "
+                   "grouped by input shapes (which tensors the copies and element-wise kernels touch)")
     p.add_argument("--device", default="cuda", help="cpu with --size tiny: a smoke run of the script")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,11 +145,14 @@ def main() -> None:
         print(f"{name:<60} {s:8.4f} {s / anchor:9.2f}")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.shapes > 0) as prof:
         engine.forward_backward(batch, LOSS, stats, max_tokens=args.budgets[0] or None)
         _sync()
     _drop_grads(engine)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
+    if args.shapes:
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=args.shapes, max_name_column_width=40, max_shapes_column_width=90))
     print(f"peak {_peak():.1f} GiB")
 
 
