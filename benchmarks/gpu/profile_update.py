@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 4096, 1024])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--compile-layers", action="store_true", help="an experiment: torch.compile each decoder "
+                   "layer of the engine's model in place (dynamic shapes) before timing")
     p.add_argument("--shapes", type=int, default=0, help="also print the top N aten operators by device time "
                    "grouped by input shapes (which tensors the copies and element-wise kernels touch)")
     p.add_argument("--device", default="cuda", help="cpu with --size tiny: a smoke run of the script")
@@ -101,6 +103,9 @@ def main() -> None:
     # every response full length, as the benchmark's runs generate
     batch = batch.update(response_mask=torch.ones_like(batch["response_mask"]))
     tokens = int(batch.seq_lengths().sum())
+    if args.compile_layers:
+        for layer in engine.model.model.layers:
+            layer.compile(dynamic=True)
     rows: list[tuple[str, float]] = []
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).to(args.device)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1).to(args.device)
@@ -137,7 +142,7 @@ def main() -> None:
     row(f"forward_backward + optimizer_step, budget {args.budgets[0] or 'all'}", timed(step, args.reps))
     anchor = rows[0][1]
     print(f"\n{args.size}, {'LoRA r16' if args.lora else 'full'}, master_weights={args.master_weights}, "
-          f"options {args.options}, fused element-wise modules {engine.fused_elementwise_modules}, "
+          f"options {args.options}{', decoder layers compiled' if args.compile_layers else ''}, fused element-wise modules {engine.fused_elementwise_modules}, "
           f"{args.rows} rows x {args.prompt}+{args.response} tokens = {tokens} tokens, "
           f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}")
     print(f"{'what':<60} {'s':>8} {'x anchor':>9}")
