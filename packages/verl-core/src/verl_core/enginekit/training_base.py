@@ -46,7 +46,8 @@ class TrainingEngineBase(TrainingEngine):
     @property
     @abstractmethod
     def spec(self) -> EngineSpec:
-        """The spec this engine was built from."""
+        """The spec this engine was built from. Abstract: a backend implements it (usually
+        ``return self._spec``); the base class does not store the spec."""
 
     @property
     def step(self) -> int:
