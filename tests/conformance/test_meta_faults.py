@@ -114,6 +114,12 @@ FAULTS = [
      ["robustness::special_token_ids_outside_vocab_refused"],
      ["the actor engine on the folder llama-oov-pad_token_id (config.json pad_token_id = 128, vocab_size 128) "
       "raised AssertionError", "the rollout engine on the folder llama-oov-eos_token_id", "built"]),
+    # config.json's ids checked, the tokenizer's EOS and generation_config.json's EOS not
+    ("broken-tokenizer-eos", ["robustness::special_token_ids_outside_vocab_refused"],
+     ["robustness::special_token_ids_outside_vocab_refused"],
+     ["the rollout engine on the folder llama-oov-tokenizer-eos (tokenizer_config.json eos_token = '<|end|>', "
+      "vocab_size 128) built (no ConfigError)", "the actor engine on the folder llama-oov-generation-eos "
+      "(generation_config.json eos_token_id = [1, 131], vocab_size 128) built"]),
     # every tensor of a weight stream applied
     ("broken-last-chunk", ["weight_sync::rollout_applies_stream", "weight_sync::trainer_to_rollout_sync",
                            "weight_sync::every_tensor_applied"],

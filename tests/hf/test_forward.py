@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_conformance.testkit import (
+    OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
     TinyModelSpec,
     assert_close,
+    out_of_vocab_file_model,
     out_of_vocab_model,
     random_batch,
     tiny_model,
@@ -118,6 +120,19 @@ def test_special_token_ids_outside_the_vocabulary_are_refused_at_build(key: str)
                   lambda: HFRolloutEngine(actor_spec(causal, role="rollout")),
                   lambda: HFRewardEngine(EngineSpec(model_path=reward, role="reward"))):
         with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
+            build()
+
+
+@pytest.mark.parametrize("name", OUT_OF_VOCAB_FILES)
+def test_tokenizer_and_generation_config_ids_outside_the_vocabulary_are_refused_at_build(name: str) -> None:
+    # config.json is right: the tokenizer's EOS (id 128, which HFTokenizer took as is) or generation_config.json's
+    # EOS list lies past the vocabulary, and every engine built
+    file, key, _ = OUT_OF_VOCAB_FILES[name]
+    causal, reward = str(out_of_vocab_file_model(name)), str(out_of_vocab_file_model(name, "reward"))
+    for build in (lambda: HFTrainingEngine(actor_spec(causal)),
+                  lambda: HFRolloutEngine(actor_spec(causal, role="rollout")),
+                  lambda: HFRewardEngine(EngineSpec(model_path=reward, role="reward"))):
+        with pytest.raises(ConfigError, match=rf"{file} sets {key} = .*not in \[0, 128\)"):
             build()
 
 

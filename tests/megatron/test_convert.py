@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_conformance.testkit import OUT_OF_VOCAB_IDS, TinyModelSpec, out_of_vocab_model, tiny_model
-from verl_core import ConfigError
+from verl_conformance.testkit import (
+    OUT_OF_VOCAB_FILES,
+    OUT_OF_VOCAB_IDS,
+    TinyModelSpec,
+    absolute_position_model,
+    out_of_vocab_file_model,
+    out_of_vocab_model,
+    rope_scaled_model,
+    tiny_model,
+)
+from verl_core import ConfigError, EngineSpec
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.model import load_hf_state_dict, model_dims
 from verl_megatron.parallel import ParallelConfig
@@ -128,6 +140,61 @@ def test_special_token_ids_outside_the_vocabulary_are_refused(key: str) -> None:
     for head in ("lm", "value"):
         with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
             model_dims(out_of_vocab_model(key), head)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", OUT_OF_VOCAB_FILES)
+def test_tokenizer_and_generation_config_ids_outside_the_vocabulary_are_refused(name: str) -> None:
+    # config.json is right; the tokenizer's EOS (id 128) or generation_config.json's EOS list is not
+    file, key, _ = OUT_OF_VOCAB_FILES[name]
+    for head in ("lm", "value"):
+        with pytest.raises(ConfigError, match=rf"{file} sets {key} = .*not in \[0, 128\)"):
+            model_dims(out_of_vocab_file_model(name), head)  # type: ignore[arg-type]
+
+
+def _missing_config(tmp: Path) -> Path:
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return tmp
+
+
+def _unreadable_config(tmp: Path) -> Path:
+    (tmp / "config.json").write_text("{not json")
+    return tmp
+
+
+# each folder a megatron engine refuses, and the fragment its refusal names
+_BAD_FOLDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "config-pad-id": (lambda _: out_of_vocab_model("pad_token_id"), "config.json sets pad_token_id = 128"),
+    "tokenizer-eos": (lambda _: out_of_vocab_file_model("tokenizer-eos"), "tokenizer_config.json sets eos_token"),
+    "generation-eos": (lambda _: out_of_vocab_file_model("generation-eos"), "generation_config.json sets eos_token_id"),
+    "family": (lambda _: absolute_position_model(), "model_type='gpt2'"),
+    "rope-scaling": (lambda _: rope_scaled_model("linear"), "only default RoPE is supported"),
+    "no-config": (_missing_config, "cannot read the config of model folder"),
+    "bad-json": (_unreadable_config, "cannot read the config of model folder"),
+}
+
+
+@pytest.mark.parametrize("role", ["actor", "critic", "rollout"])
+@pytest.mark.parametrize("folder", _BAD_FOLDERS)
+def test_bad_folders_are_refused_before_any_process_group(
+    role: str, folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every refusal of a folder comes before init_distributed / rollout_groups: no process group is set up
+    import verl_megatron.rollout as rollout
+    import verl_megatron.training as training
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the process group was set up before the model folder was refused")
+
+    monkeypatch.setattr(training, "init_distributed", never)
+    monkeypatch.setattr(rollout, "rollout_groups", never)
+    make, fragment = _BAD_FOLDERS[folder]
+    path = make(tmp_path)
+    assert not torch.distributed.is_initialized()
+    build = rollout.MegatronRolloutEngine if role == "rollout" else training.MegatronTrainingEngine
+    with pytest.raises(ConfigError, match=fragment) as info:
+        build(EngineSpec(str(path), role, device="cpu"))  # type: ignore[arg-type]
+    assert str(path) in str(info.value)
+    assert not torch.distributed.is_initialized()
 
 
 def test_plugin_is_import_light_and_cpu_shims_do_nothing_with_cuda() -> None:

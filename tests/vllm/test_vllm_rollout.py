@@ -15,7 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_testing import KV_CACHE_BYTES, MAX_PROMPT, MAX_RESPONSE, make_prompts, reference_log_probs
 
-from verl_conformance.testkit import OUT_OF_VOCAB_IDS, assert_close, out_of_vocab_model
+from verl_conformance.testkit import (
+    OUT_OF_VOCAB_FILES,
+    OUT_OF_VOCAB_IDS,
+    assert_close,
+    out_of_vocab_file_model,
+    out_of_vocab_model,
+)
 from verl_core import (
     BatchValidationError,
     ConfigError,
@@ -288,6 +294,15 @@ def test_special_token_ids_outside_the_vocabulary_are_refused_before_vllm_starts
     # vLLM would build each of these folders (its embedding has no padding_idx)
     path = str(out_of_vocab_model(key))
     with pytest.raises(ConfigError, match=rf"config.json sets {key} = .*not in \[0, 128\)"):
+        VllmRolloutEngine(EngineSpec(path, "rollout", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE))
+
+
+@pytest.mark.parametrize("name", OUT_OF_VOCAB_FILES)
+def test_tokenizer_and_generation_config_ids_outside_the_vocabulary_are_refused_before_vllm_starts(name: str) -> None:
+    # vLLM would stop on the tokenizer's EOS (id 128) and generation_config.json's EOS ids, which it cannot sample
+    file, key, _ = OUT_OF_VOCAB_FILES[name]
+    path = str(out_of_vocab_file_model(name))
+    with pytest.raises(ConfigError, match=rf"{file} sets {key} = .*not in \[0, 128\)"):
         VllmRolloutEngine(EngineSpec(path, "rollout", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE))
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from verl_conformance.errors import CheckFailed, CheckSkipped
 from verl_conformance.testkit import (
+    OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
     ROPE_SCALINGS,
     TinyModelSpec,
@@ -23,6 +24,7 @@ from verl_conformance.testkit import (
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
+    out_of_vocab_file_model,
     out_of_vocab_model,
     perturbed_absolute_position_model,
     perturbed_model,
@@ -127,6 +129,9 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "value-biased": value_bias_model,
     **{f"llama-oov-{key}": partial(out_of_vocab_model, key) for key in OUT_OF_VOCAB_IDS},
     **{f"reward-oov-{key}": partial(out_of_vocab_model, key, "reward") for key in OUT_OF_VOCAB_IDS},
+    # config.json right, the tokenizer's EOS or generation_config.json's EOS past the vocabulary
+    **{f"llama-oov-{name}": partial(out_of_vocab_file_model, name) for name in OUT_OF_VOCAB_FILES},
+    **{f"reward-oov-{name}": partial(out_of_vocab_file_model, name, "reward") for name in OUT_OF_VOCAB_FILES},
 }
 """The test kit's crafted folders (:mod:`verl_conformance.testkit.crafted`) by short name."""
 

@@ -1,5 +1,5 @@
 """Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input, a failed call,
-model folders whose special token ids lie outside the vocabulary."""
+model folders whose special token ids (config.json, the tokenizer, generation_config.json) lie outside the vocabulary."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from verl_conformance.checks.reward import SCORER_INPUTS
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
 from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE, role_loss, role_output
 from verl_conformance.reference import cached_outputs
-from verl_conformance.testkit import OUT_OF_VOCAB_IDS, TinyModelSpec
+from verl_conformance.testkit import OUT_OF_VOCAB_FILES, OUT_OF_VOCAB_IDS, TinyModelSpec
 from verl_core import (
     BatchMeta,
     BatchValidationError,
@@ -315,16 +315,21 @@ def check_bad_prompts_rejected(h: Harness) -> None:
 
 @check("robustness")
 def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
-    """An engine of each role the backend provides (actor, reference, critic, rollout, reward), built on a folder whose config.json sets pad_token_id (= vocab_size), eos_token_id (a list with one id past the vocabulary) or bos_token_id (-1) outside [0, vocab_size), refuses at build with a ConfigError naming the key, instead of a bare AssertionError from nn.Embedding(padding_idx=...), a negative padding_idx read as the last row, or a rollout whose EOS can never be sampled."""
+    """An engine of each role the backend provides (actor, reference, critic, rollout, reward), built on a folder that sets a pad, EOS or BOS id outside [0, vocab_size) where a run reads it (config.json's pad_token_id = vocab_size, eos_token_id a list with one id past the vocabulary, or bos_token_id -1; the tokenizer's EOS, tokenizer_config.json's eos_token naming an added token with id vocab_size; generation_config.json's eos_token_id, a list with one id past the vocabulary), refuses at build with a ConfigError naming the file's key, instead of a bare AssertionError from nn.Embedding(padding_idx=...), a negative padding_idx read as the last row, or a rollout whose EOS can never be sampled."""
     roles = [r for r in ROLES if h.provides(h.subject, r)]
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides no engine")
     vocab = TinyModelSpec().vocab_size
+    # folder suffix -> (what it sets, the fragments a refusal names)
+    folders: dict[str, tuple[str, list[str]]] = {
+        **{key: (f"config.json {key} = {value!r}", [key]) for key, value in OUT_OF_VOCAB_IDS.items()},
+        **{name: (f"{file} {key} = {value!r}", [file, key]) for name, (file, key, value) in OUT_OF_VOCAB_FILES.items()},
+    }
     problems: list[str] = []
     for role in roles:
-        for key, value in OUT_OF_VOCAB_IDS.items():
-            model = f"{'reward' if role == 'reward' else 'llama'}-oov-{key}"
-            what = f"the {role} engine on the folder {model} (config.json {key} = {value!r}, vocab_size {vocab})"
+        for suffix, (sets, names) in folders.items():
+            model = f"{'reward' if role == 'reward' else 'llama'}-oov-{suffix}"
+            what = f"the {role} engine on the folder {model} ({sets}, vocab_size {vocab})"
             try:
                 if role == "rollout":
                     h.rollout(model, fresh=True)
@@ -333,8 +338,10 @@ def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
                 else:
                     h.training(role, model, fresh=True, causal_folder=True)
             except ConfigError as e:
-                if key not in str(e):
-                    problems.append(f"{what} raised a ConfigError that does not name {key}: {str(e)[:300]}")
+                missing = [n for n in names if n not in str(e)]
+                if missing:
+                    problems.append(f"{what} raised a ConfigError that does not name {' and '.join(missing)}: "
+                                    f"{str(e)[:300]}")
             except Exception as e:
                 problems.append(f"{what} raised {type(e).__name__}: {str(e)[:300]}")
             else:
@@ -343,6 +350,7 @@ def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
                 h.close_fresh()
     if problems:
         h.fail("; ".join(problems) + ". A folder whose pad, EOS or BOS id (an int or each id of a list) is not in "
-               "[0, vocab_size) must be refused when the engine is built, with verl_core.ConfigError naming the key, "
-               "its value, the vocabulary size and the folder (verl_core.enginekit.model_folder."
-               "check_special_token_ids does it)")
+               "[0, vocab_size) in config.json, generation_config.json or the tokenizer's files "
+               "(tokenizer_config.json / special_tokens_map.json, the id from tokenizer.json) must be refused when "
+               "the engine is built, with verl_core.ConfigError naming the file, the key, its value, the vocabulary "
+               "size and the folder (verl_core.enginekit.model_folder.check_special_token_ids does it)")

@@ -10,8 +10,9 @@
 * :func:`launch_torchrun`: multi-rank runs that return results through files.
 * :mod:`~verl_conformance.testkit.crafted`: folders with edited weights (an EOS-biased model, a GPT-2
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
-  NaN reward model, a reward model without its head's weights, folders whose special token ids lie
-  outside the vocabulary, a Llama that shows an RMSNorm computed in bfloat16) and a shuffled tokenizer.
+  NaN reward model, a reward model without its head's weights, folders whose special token ids (in
+  ``config.json``, the tokenizer or ``generation_config.json``) lie outside the vocabulary, a Llama
+  that shows an RMSNorm computed in bfloat16) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from verl_conformance.testkit.crafted import (
     BFLOAT16_NORM_ROPE_THETA,
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
+    OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
+    OUT_OF_VOCAB_TOKEN,
     ROPE_SCALINGS,
     VALUE_HEAD_BIAS,
     ShuffledTokenizer,
@@ -33,6 +36,7 @@ from verl_conformance.testkit.crafted import (
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
+    out_of_vocab_file_model,
     out_of_vocab_model,
     perturbed_absolute_position_model,
     perturbed_model,
@@ -64,7 +68,9 @@ __all__ = [
     "BFLOAT16_NORM_ROPE_THETA",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
+    "OUT_OF_VOCAB_FILES",
     "OUT_OF_VOCAB_IDS",
+    "OUT_OF_VOCAB_TOKEN",
     "ROPE_SCALINGS",
     "TOLERANCES",
     "VALUE_HEAD_BIAS",
@@ -87,6 +93,7 @@ __all__ = [
     "long_rope_model",
     "nan_reward_model",
     "near_tie_margin",
+    "out_of_vocab_file_model",
     "out_of_vocab_model",
     "perturbed_absolute_position_model",
     "perturbed_model",

@@ -23,6 +23,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
 * :func:`out_of_vocab_model`: the tiny Llama (or reward model) whose ``config.json`` sets one special
   token id outside the vocabulary (:data:`OUT_OF_VOCAB_IDS`), which an engine must refuse.
+* :func:`out_of_vocab_file_model`: the same folders with the config right but the tokenizer's EOS or
+  ``generation_config.json``'s EOS outside the vocabulary (:data:`OUT_OF_VOCAB_FILES`).
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
   differs from the reward model's).
 """
@@ -61,7 +63,9 @@ __all__ = [
     "EOS_LADDER_START",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
+    "OUT_OF_VOCAB_FILES",
     "OUT_OF_VOCAB_IDS",
+    "OUT_OF_VOCAB_TOKEN",
     "ROPE_SCALED_MAX_POSITIONS",
     "ROPE_SCALINGS",
     "VALUE_HEAD_BIAS",
@@ -74,6 +78,7 @@ __all__ = [
     "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
+    "out_of_vocab_file_model",
     "out_of_vocab_model",
     "perturbed_absolute_position_model",
     "perturbed_model",
@@ -571,6 +576,59 @@ def out_of_vocab_model(key: str, head: ModelHead = "causal_lm") -> Path:
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
     return _crafted(f"oov-{head}-{key}", {"base": asdict(spec), "config": {key: value}}, build)
+
+
+OUT_OF_VOCAB_TOKEN: Final = "<|end|>"
+"""The EOS token of the ``tokenizer-eos`` folder: ``tokenizer.json`` holds it as an added special token
+with id ``vocab_size`` (a token added to the tokenizer without resizing the model's embedding)."""
+
+OUT_OF_VOCAB_FILES: Final[dict[str, tuple[str, str, object]]] = {
+    # the tokenizer's EOS is an added token past the embedding: transformers gives eos_token_id 128
+    "tokenizer-eos": ("tokenizer_config.json", "eos_token", OUT_OF_VOCAB_TOKEN),
+    # a list, the real EOS first: generation also stops on one id the model can never emit
+    "generation-eos": ("generation_config.json", "eos_token_id", [_EOS, _VOCAB + 3]),
+}
+"""What :func:`out_of_vocab_file_model` sets, by folder name: ``(file, key, value)``, ``config.json``
+untouched (its ids are all rows of the vocabulary)."""
+
+
+def out_of_vocab_file_model(name: str, head: ModelHead = "causal_lm") -> Path:
+    """The test kit's tiny Llama with head ``head`` whose ``config.json`` is right but whose tokenizer
+    or ``generation_config.json`` sets a special token outside the vocabulary
+    (``OUT_OF_VOCAB_FILES[name]``; the weights and every other file as in the folder).
+
+    ``tokenizer-eos``: ``tokenizer.json`` gains :data:`OUT_OF_VOCAB_TOKEN` as a special token with id
+    ``vocab_size`` and ``tokenizer_config.json`` names it ``eos_token`` (transformers loads a
+    tokenizer whose ``eos_token_id`` is 128 with a 128-row model). ``generation-eos``:
+    ``generation_config.json`` (written when the folder has none, as a reward model's) sets
+    ``eos_token_id`` to a list holding an id past the vocabulary. A rollout stopping on either EOS
+    never stops; an engine must refuse each folder when it is built, with a ConfigError naming the
+    file and the key.
+
+    Raises:
+        KeyError: ``name`` is not a key of :data:`OUT_OF_VOCAB_FILES`.
+    """
+    if name not in OUT_OF_VOCAB_FILES:
+        raise KeyError(f"no out-of-vocabulary folder {name!r}; names: {', '.join(OUT_OF_VOCAB_FILES)}")
+    spec = TinyModelSpec(head=head)
+    file, key, value = OUT_OF_VOCAB_FILES[name]
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        for f in base.iterdir():
+            if f.is_file() and f.name != "verl_tiny_model.json":
+                shutil.copy(f, out / f.name)
+        if name == "tokenizer-eos":
+            tok = json.loads((out / "tokenizer.json").read_text())
+            tok["added_tokens"].append({"id": spec.vocab_size, "content": value, "single_word": False,
+                                        "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+            (out / "tokenizer.json").write_text(json.dumps(tok, indent=1))
+        target = out / file
+        data = json.loads(target.read_text()) if target.exists() else {}
+        data[key] = value
+        target.write_text(json.dumps(data, indent=1))
+
+    return _crafted(f"oov-{head}-{name}", {"base": asdict(spec), "file": [file, key, value]}, build)
 
 
 class ShuffledTokenizer:

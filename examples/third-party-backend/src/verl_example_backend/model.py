@@ -49,8 +49,9 @@ class DecoderConfig:
     @classmethod
     def from_folder(cls, path: str | Path) -> DecoderConfig:
         """Read ``config.json`` of a transformers folder; unsupported architectures raise ConfigError,
-        and so does a pad, EOS or BOS id outside ``[0, vocab_size)`` (the embedding's ``padding_idx``
-        must be a row, and the rollout stops on the config's EOS)."""
+        and so does a pad, EOS or BOS id outside ``[0, vocab_size)`` in ``config.json``,
+        ``generation_config.json`` or the tokenizer's files (the embedding's ``padding_idx`` must be
+        a row, and a rollout stops on EOS)."""
         raw: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
         model_type = raw.get("model_type", "")
         if model_type not in ("llama", "qwen2", "qwen3"):

@@ -97,7 +97,8 @@ class Cfg:
     @staticmethod
     def load(path: str) -> Cfg:
         """Read ``config.json``; an unsupported architecture raises ConfigError naming it, and so
-        does a pad, EOS or BOS id outside ``[0, vocab_size)``."""
+        does a pad, EOS or BOS id outside ``[0, vocab_size)`` (``config.json``, ``generation_config.json``
+        or the tokenizer's files)."""
         file = Path(path) / "config.json"
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
@@ -114,7 +115,7 @@ class Cfg:
             missing.append("sliding-window attention")
         if missing:
             raise ConfigError(f"the tiny backend does not implement {', '.join(missing)}, which {path} declares")
-        check_special_token_ids(path, raw)  # pad is the embedding's padding_idx; eos/bos must be rows too
+        check_special_token_ids(path, raw)  # pad is the embedding's padding_idx; eos/bos (the tokenizer's too) rows
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []

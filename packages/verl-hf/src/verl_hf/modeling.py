@@ -409,15 +409,17 @@ def load_model(
     ``sequence_len``, the longest sequence the engine runs (``max_prompt_len + max_response_len``),
     is refused before the weights load when the model's learned position table is shorter (GPT-2's
     ``n_positions``): a longer sequence would index past the table. Rotary models have no table.
-    So is a config whose pad, EOS or BOS id is not a row of the vocabulary
+    So is a folder whose pad, EOS or BOS id is not a row of the vocabulary, in ``config.json``,
+    ``generation_config.json`` or the tokenizer's files
     (:func:`verl_core.enginekit.model_folder.check_special_token_ids`), which transformers would
-    meet with a bare ``AssertionError`` (pad) or a warning.
+    meet with a bare ``AssertionError`` (the config's pad) or build (a rollout stopping on the
+    tokenizer's EOS then never stops).
 
     Raises:
         ConfigError: the folder cannot be loaded as ``kind``, or its head has more than one label;
             for ``reward``, the folder names a non-classification architecture or holds no
             weights for the score head; ``sequence_len`` longer than the position table; a
-            ``pad_token_id``, ``eos_token_id`` or ``bos_token_id`` outside ``[0, vocab_size)``.
+            pad, EOS or BOS id outside ``[0, vocab_size)`` (the message names the file and key).
     """
     import transformers
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verl_core.enginekit.model_folder import check_special_token_ids
+from verl_core.kernel.errors import ConfigError
 from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
 
 __all__ = ["AttentionKind", "ValueHead", "build_stage", "load_hf_state_dict", "sdpa_attention_class", "seeded_value_head",
@@ -321,15 +322,30 @@ def _partition_name(global_name: str, local: str) -> str:
 
 
 def model_dims(path: str | os.PathLike[str], head: HeadKind) -> ModelDims:
-    """The dims of the transformers folder ``path``.
+    """The dims of the transformers folder ``path``: every refusal of a model folder the engines make.
+
+    It reads only the folder's files (no process group, no weights), so the engines call it before
+    any distributed set-up: a folder they cannot run costs no ``torch.distributed`` initialisation.
 
     Raises:
-        ConfigError: an architecture or feature the converter does not handle
-            (:meth:`ModelDims.from_hf_config`), or a ``pad_token_id``, ``eos_token_id`` or
-            ``bos_token_id`` outside ``[0, vocab_size)``
-            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`).
+        ConfigError: ``config.json`` cannot be read as a transformers config; an architecture or
+            feature the converter does not handle (:meth:`ModelDims.from_hf_config`: the family,
+            a RoPE scaling, biases, sliding windows); a pad, EOS or BOS id outside
+            ``[0, vocab_size)`` in ``config.json``, ``generation_config.json`` or the tokenizer's
+            files (:func:`verl_core.enginekit.model_folder.check_special_token_ids`). The message
+            names the folder.
     """
     from transformers import AutoConfig
 
     check_special_token_ids(path)
-    return ModelDims.from_hf_config(AutoConfig.from_pretrained(str(path), trust_remote_code=False), head)
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(
+            f"cannot read the config of model folder {str(path)!r} with transformers ({type(e).__name__}: {e}); "
+            "expected a transformers folder whose config.json names a llama, qwen2 or qwen3 model"
+        ) from e
+    try:
+        return ModelDims.from_hf_config(config, head)
+    except ConfigError as e:
+        raise ConfigError(f"model folder {str(path)!r}: {e}") from e

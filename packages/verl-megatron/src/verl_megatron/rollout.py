@@ -91,11 +91,12 @@ class MegatronRolloutEngine(RolloutEngineBase):
             self._device = torch.device("cpu")
         else:
             raise ConfigError(f"EngineSpec.device must be 'cpu' or an available 'cuda[:N]', got {spec.device!r}")
+        # the folder is refused (unreadable config, family, RoPE, special ids) before any process group exists
+        self.dims = model_dims(spec.model_path, "lm")
         groups = rollout_groups(spec.parallel, device=self._device.type, seed=spec.seed)
         self.tp = groups.tp
         self.tp_rank = groups.tp_rank
         self._tp_group = groups.tp_group
-        self.dims = model_dims(spec.model_path, "lm")
         self.dims.check_parallel(self.tp, 1)
         self.adapter = StateDictAdapter(self.dims)
         self._dtype: torch.dtype = spec.torch_dtype

@@ -100,6 +100,8 @@ class MegatronTrainingEngine(TrainingEngineBase):
                 "saves and restores the CUDA RNG state; set EngineSpec.gradient_checkpointing=False on CPU"
             )
         self._packed = _resolve_packing(self._options, pp=spec.parallel.pp)
+        # the folder is refused (unreadable config, family, RoPE, special ids) before any process group exists
+        self.dims = model_dims(spec.model_path, "value" if spec.role == "critic" else "lm")
         self._state = init_distributed(
             ParallelConfig.from_sizes(spec.parallel), device=self._device.type, seed=spec.seed
         )
@@ -110,7 +112,6 @@ class MegatronTrainingEngine(TrainingEngineBase):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
-        self.dims = model_dims(spec.model_path, "value" if spec.role == "critic" else "lm")
         self.dims.check_parallel(self.tp, self.pp)
         self.adapter = StateDictAdapter(self.dims)
         self._dtype: torch.dtype = spec.torch_dtype

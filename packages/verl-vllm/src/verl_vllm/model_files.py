@@ -60,9 +60,11 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
 
     Raises:
         ConfigError: no ``config.json`` or no safetensors files; a ``pad_token_id``,
-            ``eos_token_id`` or ``bos_token_id`` outside ``[0, vocab_size)``
-            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`, the rule every
-            backend applies; vLLM itself would build the model).
+            ``eos_token_id`` or ``bos_token_id`` outside ``[0, vocab_size)`` in ``config.json``
+            or ``generation_config.json``, or a tokenizer pad, EOS or BOS token whose id lies
+            there (:func:`verl_core.enginekit.model_folder.check_special_token_ids`, the rule
+            every backend applies; vLLM itself would build the model and stop on ids it cannot
+            sample).
     """
     from safetensors import safe_open
 

@@ -1,13 +1,16 @@
-"""Rules every engine applies to a transformers model folder's ``config.json`` when it is built.
+"""Rules every engine applies to a transformers model folder's special token ids when it is built.
 
-:func:`check_special_token_ids` refuses a config whose pad, EOS or BOS id is not a row of the
-vocabulary: transformers' embedding asserts ``padding_idx < num_embeddings`` (a bare
+:func:`check_special_token_ids` refuses a folder whose pad, EOS or BOS id is not a row of the
+vocabulary, wherever the folder sets it: ``config.json``, ``generation_config.json`` and the
+tokenizer's files (``tokenizer_config.json`` / ``special_tokens_map.json``, the token's id read from
+``tokenizer.json``). transformers' embedding asserts ``padding_idx < num_embeddings`` (a bare
 ``AssertionError`` from deep inside ``nn.Embedding``), takes a negative ``padding_idx`` as a row
-counted from the end (``-1``: the last token's row silently gets no gradient), and a rollout that
-stops on an EOS the model cannot emit runs every response to ``max_new_tokens``. Each backend calls
-it where it reads the folder's config, before any weights load, so the user learns it as a
-:class:`~verl_core.kernel.errors.ConfigError` naming the key, its value, the vocabulary size and
-the folder.
+counted from the end (``-1``: the last token's row silently gets no gradient); a rollout that stops
+on an EOS the model cannot emit (the tokenizer's, or the generation config's) runs every response to
+``max_new_tokens``, and padding with a pad id past the table indexes outside the embedding. Each
+backend calls it where it reads the folder's config, before any weights load, so the user learns it
+as a :class:`~verl_core.kernel.errors.ConfigError` naming the file, the key, its value, the
+vocabulary size and the folder.
 """
 
 from __future__ import annotations
@@ -20,17 +23,26 @@ from typing import Any, Final
 
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["SPECIAL_TOKEN_KEYS", "check_special_token_ids"]
+__all__ = ["SPECIAL_TOKEN_FILES", "SPECIAL_TOKEN_KEYS", "TOKENIZER_TOKEN_KEYS", "check_special_token_ids"]
 
 SPECIAL_TOKEN_KEYS: Final = ("pad_token_id", "eos_token_id", "bos_token_id")
-"""The ``config.json`` keys of special token ids that must be rows of the vocabulary (each an
-integer, a list of integers, or absent / ``null``)."""
+"""The ``config.json`` and ``generation_config.json`` keys of special token ids that must be rows of
+the vocabulary (each an integer, a list of integers, or absent / ``null``)."""
+
+TOKENIZER_TOKEN_KEYS: Final = ("pad_token", "eos_token", "bos_token")
+"""The tokenizer files' keys of special tokens (a token's text, or an ``AddedToken`` mapping with
+``content``) whose ids must be rows of the vocabulary."""
+
+SPECIAL_TOKEN_FILES: Final = ("config.json", "generation_config.json", "tokenizer_config.json",
+                              "special_tokens_map.json")
+"""The files of a model folder :func:`check_special_token_ids` reads (``tokenizer.json`` too, for ids)."""
 
 _WHY: Final = {
-    "pad_token_id": "the embedding's padding_idx must be one of its rows (transformers refuses to build the model)",
-    "eos_token_id": "a rollout that stops on an id the model cannot emit never stops before max_new_tokens",
-    "bos_token_id": "a prompt that begins with it would index outside the embedding",
+    "pad": "the embedding's padding_idx must be one of its rows (transformers refuses to build the model)",
+    "eos": "a rollout that stops on an id the model cannot emit never stops before max_new_tokens",
+    "bos": "a prompt that begins with it would index outside the embedding",
 }
+_WHY_PADDING: Final = "batches are padded with it, and every id of a batch is looked up in the embedding"
 
 
 def _ids(value: Any) -> list[Any] | None:
@@ -41,59 +53,180 @@ def _ids(value: Any) -> list[Any] | None:
     return None
 
 
-def _read_config(folder: str | os.PathLike[str]) -> Mapping[str, Any] | None:
-    """The folder's parsed ``config.json``, or None when there is none to read (the loader says why)."""
+def _read_json(file: Path) -> Mapping[str, Any] | None:
+    """The parsed JSON object in ``file``, or None when there is none to read (the loader says why)."""
     try:
-        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        raw = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return raw if isinstance(raw, dict) else None
 
 
+def _vocab_size(config: Mapping[str, Any]) -> int | None:
+    """The language model's ``vocab_size`` (a multimodal config's ``text_config`` holds it), or None."""
+    text = config.get("text_config")
+    vocab = (text if isinstance(text, Mapping) and "vocab_size" in text else config).get("vocab_size")
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _check_id_keys(folder: str | os.PathLike[str], file: str, scope: Mapping[str, Any], prefix: str,
+                   vocab: int, why_pad: str) -> None:
+    """Refuse the first of :data:`SPECIAL_TOKEN_KEYS` in ``scope`` (read from ``file``) outside ``[0, vocab)``."""
+    for key in SPECIAL_TOKEN_KEYS:
+        value = scope.get(key)
+        if value is None:
+            continue
+        ids = _ids(value)
+        where = f"model folder {str(folder)!r}: {file} sets {prefix}{key} = {value!r}"
+        if ids is None:
+            raise ConfigError(f"{where}; expected a token id (an integer in [0, {vocab}), vocab_size {vocab}), "
+                              "a list of them, or null")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if not bad:
+            continue
+        listed = f": {', '.join(map(str, bad))} {'is' if len(bad) == 1 else 'are'}" if isinstance(value, list) else ","
+        none = " (a negative id does not mean none)" if any(i < 0 for i in bad) else ""
+        why = why_pad if key == "pad_token_id" else _WHY[key[:3]]
+        raise ConfigError(
+            f"{where}{listed} not in [0, {vocab}), the vocabulary (vocab_size {vocab}); {why}. Set it to "
+            f"an id below {vocab}, or to null where the model has no such token{none}"
+        )
+
+
+def _check_config_json(folder: str | os.PathLike[str], config: Mapping[str, Any]) -> None:
+    """The rule on ``config.json`` alone (and its ``text_config``)."""
+    vocab = _vocab_size(config)
+    if vocab is None:
+        return
+    _check_id_keys(folder, "config.json", config, "", vocab, _WHY["pad"])
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        _check_id_keys(folder, "config.json", text, "text_config.", vocab, _WHY["pad"])
+
+
+def _check_generation_config(folder: str | os.PathLike[str], vocab: int) -> None:
+    """The rule on ``generation_config.json`` (absent or unreadable: nothing to check)."""
+    gen = _read_json(Path(folder) / "generation_config.json")
+    if gen is not None:
+        _check_id_keys(folder, "generation_config.json", gen, "", vocab, _WHY_PADDING)
+
+
+class _TokenIds:
+    """Ids of token texts as a folder's tokenizer files give them (``tokenizer.json`` read on first need)."""
+
+    def __init__(self, folder: Path, tokenizer_config: Mapping[str, Any] | None) -> None:
+        self._folder = folder
+        self._ids: dict[str, tuple[int, str]] = {}  # text -> (id, the file that gives it)
+        decoder = (tokenizer_config or {}).get("added_tokens_decoder")
+        if isinstance(decoder, Mapping):
+            for key, token in decoder.items():
+                content = token.get("content") if isinstance(token, Mapping) else None
+                if isinstance(content, str) and str(key).isdigit():
+                    self._ids.setdefault(content, (int(key), "tokenizer_config.json's added_tokens_decoder"))
+        self._loaded = False
+        self.has_table = False  # tokenizer.json was read: a token it lacks is one transformers adds
+        self.size = 0  # one past the largest id tokenizer.json holds
+
+    def _load(self) -> None:
+        self._loaded = True
+        tok = _read_json(self._folder / "tokenizer.json")
+        if tok is None:
+            return
+        model = tok.get("model")
+        vocab = model.get("vocab") if isinstance(model, Mapping) else None
+        known: dict[str, int] = {}
+        if isinstance(vocab, Mapping):  # BPE, WordPiece, WordLevel: text -> id
+            known.update((t, i) for t, i in vocab.items() if isinstance(i, int))
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+            known.update((p[0], i) for i, p in enumerate(vocab) if isinstance(p, list) and p and isinstance(p[0], str))
+        for token in tok.get("added_tokens") or []:
+            if isinstance(token, Mapping) and isinstance(token.get("content"), str) and isinstance(token.get("id"), int):
+                known[token["content"]] = token["id"]
+        self.has_table = bool(known)
+        self.size = max(known.values(), default=-1) + 1
+        for text, i in known.items():
+            self._ids.setdefault(text, (i, "tokenizer.json"))
+
+    def id_of(self, text: str) -> tuple[int, str] | None:
+        """The id of ``text`` and the file that gives it, or None when no file holds it."""
+        if text not in self._ids and not self._loaded:
+            self._load()
+        return self._ids.get(text)
+
+
+def _check_tokenizer(folder: str | os.PathLike[str], vocab: int) -> None:
+    """The rule on the tokenizer's special tokens (absent files, or a token whose id no file gives: nothing to check)."""
+    config = _read_json(Path(folder) / "tokenizer_config.json")
+    ids = _TokenIds(Path(folder), config)
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        scope = config if file == "tokenizer_config.json" else _read_json(Path(folder) / file)
+        if scope is None:
+            continue
+        for key in TOKENIZER_TOKEN_KEYS:
+            value = scope.get(key)
+            text = value.get("content") if isinstance(value, Mapping) else value
+            if not isinstance(text, str):
+                continue
+            found = ids.id_of(text)
+            if found is not None:
+                i, source = found
+                if 0 <= i < vocab:
+                    continue
+                how = f"id {i} in {source}"
+            elif ids.has_table and ids.size >= vocab:
+                i = ids.size
+                how = (f"a token tokenizer.json does not hold, which transformers adds after every id the tokenizer "
+                       f"has: id {i}")
+            else:
+                continue
+            kind = key[:3]
+            why = _WHY_PADDING if kind == "pad" else _WHY[kind]
+            raise ConfigError(
+                f"model folder {str(folder)!r}: {file} sets {key} = {text!r}, {how} (the tokenizer's {key}_id), not "
+                f"in [0, {vocab}), the vocabulary (vocab_size {vocab}); {why}. Name a token whose id is below "
+                f"{vocab} (a row of the model's embedding), or resize the model's embedding to the tokenizer"
+            )
+
+
 def check_special_token_ids(folder: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
     """Refuse a model folder whose pad, EOS or BOS token id is not in ``[0, vocab_size)``.
 
-    Each of :data:`SPECIAL_TOKEN_KEYS` may be absent or ``null`` (no such token), an integer, or a
-    list of integers (several EOS ids); every id must be a row of the vocabulary. A multimodal
-    config's ``text_config`` (which holds the language model's ``vocab_size``) is checked too. A
-    config without an integer ``vocab_size`` has nothing to compare with and passes (the loader
-    refuses what it cannot read).
+    ``vocab_size`` is ``config.json``'s (a multimodal config's ``text_config``'s, which holds the
+    language model's). Every place a run reads those ids from is checked:
+
+    * ``config.json`` (and its ``text_config``): each of :data:`SPECIAL_TOKEN_KEYS` may be absent
+      or ``null`` (no such token), an integer, or a list of integers (several EOS ids).
+    * ``generation_config.json``: the same keys, the same forms (its EOS list is where generation
+      stops).
+    * The tokenizer: each of :data:`TOKENIZER_TOKEN_KEYS` in ``tokenizer_config.json`` and
+      ``special_tokens_map.json`` names a token (its text, or a mapping with ``content``), whose id
+      comes from ``tokenizer_config.json``'s ``added_tokens_decoder`` or ``tokenizer.json`` (its
+      ``added_tokens`` and its model's vocabulary). A token ``tokenizer.json`` does not hold is one
+      transformers adds after every id the tokenizer has, so it is refused when that id is past the
+      vocabulary. A tokenizer with fewer ids than ``vocab_size`` is fine (the embedding's extra
+      rows are padding); one with more ids is too, as long as its special tokens are rows.
+
+    A config without an integer ``vocab_size`` has nothing to compare with and passes, and so does a
+    file that is absent or unreadable, or a token whose id no file gives (a SentencePiece
+    ``tokenizer.model`` alone): the loader refuses what it cannot read.
 
     Args:
-        folder: The model folder (named in the error).
+        folder: The model folder (named in the error; its generation config and tokenizer files
+            are read from it).
         config: Its parsed ``config.json``; None reads it from ``folder`` (a folder without a
             readable ``config.json`` passes: the engine's loader says what is missing).
 
     Raises:
         ConfigError: an id outside ``[0, vocab_size)``, or a value that is not an integer or a
-            list of them; the message names the key, its value, the vocabulary size and the folder.
+            list of them; the message names the file, the key, its value, the vocabulary size and
+            the folder.
     """
-    raw = _read_config(folder) if config is None else config
+    raw = _read_json(Path(folder) / "config.json") if config is None else config
     if raw is None:
         return
-    text = raw.get("text_config")
-    scopes: list[tuple[str, Mapping[str, Any]]] = [("", raw)]
-    if isinstance(text, Mapping):
-        scopes.append(("text_config.", text))
-    vocab = (text if isinstance(text, Mapping) and "vocab_size" in text else raw).get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool):
+    vocab = _vocab_size(raw)
+    if vocab is None:
         return
-    for prefix, scope in scopes:
-        for key in SPECIAL_TOKEN_KEYS:
-            value = scope.get(key)
-            if value is None:
-                continue
-            ids = _ids(value)
-            where = f"model folder {str(folder)!r}: config.json sets {prefix}{key} = {value!r}"
-            if ids is None:
-                raise ConfigError(f"{where}; expected a token id (an integer in [0, {vocab}), vocab_size {vocab}), "
-                                  "a list of them, or null")
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if not bad:
-                continue
-            listed = f": {', '.join(map(str, bad))} {'is' if len(bad) == 1 else 'are'}" if isinstance(value, list) else ","
-            none = " (a negative id does not mean none)" if any(i < 0 for i in bad) else ""
-            raise ConfigError(
-                f"{where}{listed} not in [0, {vocab}), the vocabulary (vocab_size {vocab}); {_WHY[key]}. Set it to "
-                f"an id below {vocab}, or to null where the model has no such token{none}"
-            )
+    _check_config_json(folder, raw)
+    _check_generation_config(folder, vocab)
+    _check_tokenizer(folder, vocab)

@@ -208,8 +208,9 @@ class EngineSpec:
             ``pathlib.Path`` is turned into a string. An engine refuses, when it is built, a
             folder it cannot run with a ConfigError naming what it found: an architecture or
             RoPE type it does not implement, or a ``pad_token_id``, ``eos_token_id`` or
-            ``bos_token_id`` (an id or a list of ids) outside ``[0, vocab_size)``
-            (:func:`verl_core.enginekit.model_folder.check_special_token_ids`;
+            ``bos_token_id`` (an id or a list of ids) outside ``[0, vocab_size)`` in
+            ``config.json`` or ``generation_config.json``, or a tokenizer pad, EOS or BOS token
+            whose id lies there (:func:`verl_core.enginekit.model_folder.check_special_token_ids`;
             ``robustness::special_token_ids_outside_vocab_refused``).
         role: The part the engine plays.
         dtype: Parameter dtype.

@@ -91,6 +91,8 @@ __all__ = [
     "SpecialIdsUncheckedRollout",
     "SpecialIdsUncheckedTraining",
     "TemperatureIgnored",
+    "TokenizerIdsUncheckedRollout",
+    "TokenizerIdsUncheckedTraining",
     "TopKIgnored",
     "TrainingQKVBiasesIgnored",
     "TruncatedAtLimit",
@@ -484,6 +486,42 @@ class SpecialIdsUncheckedRollout(ExampleRolloutEngine):
 
     def __init__(self, spec: EngineSpec) -> None:
         with _special_ids_unchecked():
+            super().__init__(spec)
+
+
+@contextlib.contextmanager
+def _config_json_ids_only() -> Iterator[None]:
+    """The example backend's config reader checking ``config.json``'s special ids only, while the engine
+    is built: the tokenizer's and ``generation_config.json``'s ids are never compared with the vocabulary."""
+    import verl_example_backend.model as model
+
+    from verl_core.enginekit import model_folder
+
+    def config_json_only(folder: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
+        model_folder._check_config_json(folder, config or {})  # the example's reader passes its config.json
+
+    original = model.check_special_token_ids
+    model.check_special_token_ids = config_json_only
+    try:
+        yield
+    finally:
+        model.check_special_token_ids = original
+
+
+class TokenizerIdsUncheckedTraining(ExampleTrainingEngine):
+    """Refuses config.json's out-of-vocabulary ids but builds on a folder whose tokenizer EOS (an added token
+    past the embedding) or generation_config.json EOS lies outside the vocabulary."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        with _config_json_ids_only():
+            super().__init__(spec)
+
+
+class TokenizerIdsUncheckedRollout(ExampleRolloutEngine):
+    """The rollout engine of :class:`TokenizerIdsUncheckedTraining`'s fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        with _config_json_ids_only():
             super().__init__(spec)
 
 

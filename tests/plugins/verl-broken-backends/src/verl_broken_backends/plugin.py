@@ -77,6 +77,7 @@ __all__ = [
     "shifted_log_probs",
     "special_ids_unchecked",
     "temperature",
+    "tokenizer_ids_unchecked",
     "top_k",
     "truncated_at_limit",
     "unseeded",
@@ -176,6 +177,10 @@ special_ids_unchecked = BrokenBackend("broken-special-ids", "builds on a folder 
                                       "outside the vocabulary (config.json never checked: nn.Embedding's padding_idx "
                                       "assertion escapes)", training=f"{_ENGINES}:SpecialIdsUncheckedTraining",
                                       rollout=f"{_ENGINES}:SpecialIdsUncheckedRollout")
+tokenizer_ids_unchecked = BrokenBackend("broken-tokenizer-eos", "checks config.json's special ids only: builds on "
+                                        "a folder whose tokenizer EOS or generation_config.json EOS lies outside the "
+                                        "vocabulary", training=f"{_ENGINES}:TokenizerIdsUncheckedTraining",
+                                        rollout=f"{_ENGINES}:TokenizerIdsUncheckedRollout")
 
 # a rollout that computes another model where a random folder's tensors hold their defaults (training is right)
 rollout_qkv_biases = BrokenBackend("broken-rollout-qwen2-biases", "the rollout leaves the q, k and v biases out "
