@@ -24,6 +24,12 @@ FAULTS = [
     ("broken-reference-temperature", ["numerics::log_probs_match_reference",
                                       "numerics::reference_role_log_probs_match_reference"],
      ["numerics::reference_role_log_probs_match_reference"], ["the reference role's log_probs", "temperature 0.7"]),
+    # a reference engine of its own that leaves out what a random folder holds at its default (Qwen2's q/k/v biases)
+    ("broken-reference-qwen2-biases", ["numerics::log_probs_match_reference",
+                                       "numerics::reference_role_log_probs_match_reference"],
+     ["numerics::reference_role_log_probs_match_reference"],
+     ["the reference role's log_probs of qwen2-perturbed (qwen2 with every tensor moved: its q/k/v biases no longer "
+      "zeros", "vs the float64 reference"]),
     ("broken-padding-idx", ["numerics::loss_and_grads_match_reference", "numerics::pad_token_as_real_token_update"],
      ["numerics::pad_token_as_real_token_update"], ["gradient of model.embed_tokens.weight", "float64 reference"]),
     ("broken-response-mask", ["schema::forward_layout"], ["schema::forward_layout"],
@@ -59,6 +65,8 @@ FAULTS = [
      ["the critic: forward_backward with {'micro_batch_tokens': 24} ran 1 micro-batches"]),
     ("broken-critic-grad-clip", ["numerics::optimizer_matches_reference"], ["numerics::optimizer_matches_reference"],
      ["the critic: update 1 under AdamW", "grad_clip"]),
+    ("broken-critic-nonfinite", ["robustness::nonfinite_update_skipped"], ["robustness::nonfinite_update_skipped"],
+     ["the critic: optimizer_step after a NaN loss returned skipped=False"]),
     # the value-head folder's score.bias is 0: the critic's numerics pass on it, and fail on value-biased
     ("broken-critic-head-bias", ["numerics::values_match_reference", "numerics::value_loss_matches_reference"],
      ["numerics::values_match_reference"], ["critic values vs float64 reference of value-biased", "temperature 1.0"]),

@@ -89,20 +89,31 @@ def check_log_probs_match_reference(h: Harness) -> None:
                        mask=batch["response_mask"])
 
 
+_REFERENCE_MODELS = ("llama", "qwen2-perturbed", "qwen3-tied-perturbed")
+"""Folders of :func:`check_reference_role_log_probs_match_reference`: the Llama, and the Qwen folders with every
+tensor moved (a reference engine of its own that leaves out Qwen2's q/k/v biases or the norm weights computes
+the random Qwen folders exactly)."""
+
+
 @check("numerics", gates=("training.log_probs",))
 def check_reference_role_log_probs_match_reference(h: Harness) -> None:
-    """The reference role's log_probs equal the float64 reference at T=1 and T=0.7, as the actor's do (the KL penalty and kl_loss read them, at the batch's temperature); skipped where the backend provides no reference engine."""
+    """The reference role's log_probs equal the float64 reference at T=1 and T=0.7, as the actor's do (the KL penalty and kl_loss read them, at the batch's temperature), on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (q/k/v biases and norm weights other than zeros and ones); skipped where the backend provides no reference engine."""
     if not h.provides(h.subject, "reference"):
         h.skip(f"backend {h.subject.name!r} provides no reference engine")
-    engine = h.training("reference")
-    if not engine.capabilities.log_probs:
+    if not h.training("reference").capabilities.log_probs:
         h.skip("the reference engine declares log_probs=False")
-    for temp in _TEMPERATURES:
-        batch = h.batch(seed=13, temperature=temp)
-        got = engine.forward(batch, ["log_probs"])["log_probs"]
-        ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
-        h.close_to(got, ref, "log_probs", f"the reference role's log_probs of llama at temperature {temp} vs the "
-                   "float64 reference", mask=batch["response_mask"])
+    for model in _REFERENCE_MODELS:
+        try:
+            engine = h.training("reference", model)
+        except ConfigError as e:
+            h.fail(f"the reference engine refused the folder {_folder(model)}: {e}; the reference role computes "
+                   "the log-probs of the actor's folder, and the actor loads this one (log_probs_match_reference)")
+        for temp in _TEMPERATURES:
+            batch = h.batch(seed=13, temperature=temp)
+            got = engine.forward(batch, ["log_probs"])["log_probs"]
+            ref = cached_outputs(h.model_path(model), batch)["log_probs"]
+            h.close_to(got, ref, "log_probs", f"the reference role's log_probs of {_folder(model)} at temperature "
+                       f"{temp} vs the float64 reference", mask=batch["response_mask"])
 
 
 @check("numerics", gates=("training.entropy",))

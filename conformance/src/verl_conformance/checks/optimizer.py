@@ -5,7 +5,8 @@ decay, no clipping, a constant schedule) or compare an engine only with itself, 
 ignores weight decay, betas, clipping or the learning-rate schedule, or reports the grad norm after
 clipping, passes them. Here a few updates under an optimizer that uses every setting are compared
 with torch's AdamW in float64; and a non-finite loss must skip its update without touching the
-weights, the optimizer's state or the schedule.
+weights, the optimizer's state or the schedule. Both hold the actor and, beside it, a critic that
+declares values (under the suite's value loss).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
 from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
-from verl_conformance.losses import TOKEN_MEAN_PG, role_loss
+from verl_conformance.losses import TOKEN_MEAN_PG, SuiteLoss, role_loss
 from verl_conformance.reference import ReferenceModel
 from verl_core import (
     GlobalBatchStats,
@@ -104,36 +105,45 @@ def export_version(engine: TrainingEngine) -> int:
 
 
 class _NonFiniteLoss:
-    """The suite's token-mean policy-gradient loss times NaN: every gradient is NaN."""
+    """A suite loss times NaN (the role's: the token-mean policy gradient, a critic's value MSE): every gradient is NaN."""
 
-    def __init__(self) -> None:
-        self.needs = TOKEN_MEAN_PG.needs
+    def __init__(self, loss: SuiteLoss) -> None:
+        self.loss = loss
+        self.needs = loss.needs
 
     def __call__(self, batch: TensorBatch, stats: GlobalBatchStats) -> LossOutput:
-        out = TOKEN_MEAN_PG(batch, stats)
+        out = self.loss(batch, stats)
         return LossOutput(out.loss * float("nan"), dict(out.metrics))
 
 
-@check("robustness")
+@check("robustness", gates=("training.values",))
 def check_nonfinite_update_skipped(h: Harness) -> None:
-    """A NaN loss makes optimizer_step skip (skipped=True, a non-finite grad norm) and leaves weights, weight version, optimizer state and schedule as they were: the next three updates equal an engine's that never saw it."""
+    """A NaN loss makes optimizer_step skip (skipped=True, a non-finite grad norm) and leaves weights, weight version, optimizer state and schedule as they were: the next three updates equal an engine's that never saw it; for the actor, and for the critic under the value loss where the backend provides one declaring values (a critic-only backend: the critic)."""
+    for role in h.trained_roles():
+        _nonfinite_update_skipped(h, role)
+        h.close_fresh()  # the role's engines, before the next role's are built
+
+
+def _nonfinite_update_skipped(h: Harness, role: Role) -> None:
+    """:func:`check_nonfinite_update_skipped` on engines of ``role`` (an actor's messages unprefixed)."""
     optim = STATE_OPTIM
-    engine = h.training(fresh=True, optim=optim, micro_batch_size=2)
-    clean = h.training(fresh=True, optim=optim, micro_batch_size=2)
+    who = "" if role == "actor" else f"the {role}: "
+    engine = h.training(role, fresh=True, optim=optim, micro_batch_size=2)
+    clean = h.training(role, fresh=True, optim=optim, micro_batch_size=2)
     batch = h.batch(seed=68, rl_fields=True)
     before = exported_weights(engine)
-    what = "after a forward_backward whose loss is NaN and its optimizer_step"
+    what = f"{who}after a forward_backward whose loss is NaN and its optimizer_step"
     try:
-        engine.forward_backward(batch, _NonFiniteLoss(), GlobalBatchStats.of(batch))
+        engine.forward_backward(batch, _NonFiniteLoss(role_loss(role)), GlobalBatchStats.of(batch))
     except Exception as e:
-        h.fail(f"forward_backward raised {type(e).__name__} on a NaN loss: {e}; it must return (the loss and "
+        h.fail(f"{who}forward_backward raised {type(e).__name__} on a NaN loss: {e}; it must return (the loss and "
                "metrics are NaN) so that optimizer_step sees the non-finite grad norm and skips the update")
     step = engine.optimizer_step()
     h.expect(step.skipped and not math.isfinite(step.grad_norm),
-             f"optimizer_step after a NaN loss returned skipped={step.skipped}, grad_norm={step.grad_norm}: a "
+             f"{who}optimizer_step after a NaN loss returned skipped={step.skipped}, grad_norm={step.grad_norm}: a "
              "non-finite global grad norm must skip the update (skipped=True, the non-finite norm reported)")
     h.expect(abs(step.lr - optim.lr_at(0)) <= 1e-9 * optim.lr,
-             f"the skipped step reports lr {step.lr:.6g}; it is the lr the update would have run at, lr_at(0) = "
+             f"{who}the skipped step reports lr {step.lr:.6g}; it is the lr the update would have run at, lr_at(0) = "
              f"{optim.lr_at(0):.6g}")
     changed = sorted(n for n, w in exported_weights(engine).items() if not torch.equal(w, before[n]))
     h.expect(not changed, f"{what}: the weights changed ({changed[:3]}); a skipped update leaves them untouched")

@@ -8,7 +8,7 @@ that decides only a later update (a learning-rate scheduler whose position was n
 the optimizer's saved learning rate serves the first update) shows from the second one on. The
 round trips of training engines hold the actor and, beside it, a critic that declares values (under
 the suite's value loss): a checkpoint without the value head or its optimizer state fails as the
-actor's would.
+actor's would. The same roles are held to offload's release of device memory (on CUDA).
 """
 
 from __future__ import annotations
@@ -193,22 +193,22 @@ def _freed(h: Harness, before: tuple[int, int], weight_bytes: int, what: str) ->
              f"device in use {before[1]} -> {after[1]}); the weights alone take {weight_bytes} bytes")
 
 
-@check("stateful", gates=("training.offload",))
+@check("stateful", gates=("training.offload", "training.values"))
 def check_offload_frees_memory(h: Harness) -> None:
-    """offload() releases the device memory of the weights and optimizer state (measured on CUDA)."""
-    role = h.trained_role()
-    if not h.training(role).capabilities.offload:
-        h.skip(f"backend declares offload=False for the {role}")
+    """offload() releases the device memory of the weights and optimizer state (measured on CUDA), and onload() brings the same weights back; for the actor, and for the critic where the backend provides one declaring values (its value head and the optimizer state of it too; a critic-only backend: the critic)."""
+    roles = _roles(h, "offload")
     _memory_measurable(h, "offload()")
-    engine = h.training(role, fresh=True, optim=STATE_OPTIM)
-    _warm(h, engine)
-    weights = exported_weights(engine)
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    memory = _device_memory(h.device)
-    engine.offload()
-    _freed(h, memory, weight_bytes, "offload()")
-    engine.onload()
-    _same_weights(h, exported_weights(engine), weights, "after offload() and onload()")
+    for role in roles:
+        engine = h.training(role, fresh=True, optim=STATE_OPTIM)
+        _warm(h, engine)
+        weights = exported_weights(engine)
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        memory = _device_memory(h.device)
+        engine.offload()
+        _freed(h, memory, weight_bytes, _of(role, "offload()"))
+        engine.onload()
+        _same_weights(h, exported_weights(engine), weights, _of(role, "after offload() and onload()"))
+        h.close_fresh()  # the role's engine, before the next role's is built
 
 
 def _generations(h: Harness, engine: RolloutEngine) -> list[tuple[str, TensorBatch]]:

@@ -229,7 +229,8 @@ class TrainingEngine(Protocol):
         the grad norm reported is the global one before clipping.
 
         If the global grad norm is not finite on any rank, every rank skips the update (agreed by
-        all-reduce), the weights and optimizer state are untouched, and ``skipped`` is True.
+        all-reduce), the weights and optimizer state are untouched, and ``skipped`` is True (a
+        critic's non-finite value loss as an actor's policy loss).
         """
 
     @abstractmethod
@@ -302,7 +303,8 @@ class TrainingEngine(Protocol):
 
     @abstractmethod
     def offload(self) -> None:
-        """Move parameters, gradients and optimizer state off the accelerator (no-op on CPU).
+        """Move parameters, gradients and optimizer state off the accelerator (no-op on CPU),
+        releasing their device memory (a critic's value head and its optimizer state too).
 
         :meth:`onload` brings every one of them back unchanged, a critic's value head and its
         optimizer state included: the next updates are those of an engine never offloaded.

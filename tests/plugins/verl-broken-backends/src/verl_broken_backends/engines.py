@@ -62,6 +62,7 @@ __all__ = [
     "CriticCheckpointWithoutOptimizerState",
     "CriticGradClipIgnored",
     "CriticHeadBiasNotLoaded",
+    "CriticNonFiniteUpdateApplied",
     "CriticOffloadLosesTensor",
     "CriticTokenBudgetIgnored",
     "CriticValuesTempered",
@@ -713,6 +714,27 @@ class CriticHeadBiasNotLoaded(ExampleTrainingEngine):
         if spec.role == "critic":
             with torch.no_grad():
                 self.model.score.bias.zero_()
+
+
+class CriticNonFiniteUpdateApplied(ExampleTrainingEngine):
+    """The critic's optimizer_step never looks at the grad norm: a NaN loss's gradients are applied (its weights
+    turn NaN, its step and version advance, ``skipped=False``); the actor skips the update."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """Step; for the critic, AdamW on whatever gradients there are, finite or not."""
+        if self.spec.role != "critic":
+            return super().optimizer_step()
+        self._pending = False
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.sqrt(sum((p.grad.double().pow(2).sum() for p in params),  # type: ignore[union-attr]
+                                         torch.zeros((), dtype=torch.float64))))
+        lr = self._spec.optim.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepMetrics(grad_norm=grad_norm, lr=lr, skipped=False)
 
 
 class ArangePositions(HFTrainingEngine):

@@ -34,6 +34,7 @@ __all__ = [
     "critic_checkpoint_optimizer",
     "critic_grad_clip",
     "critic_head_bias",
+    "critic_nonfinite",
     "critic_offload_tensor",
     "critic_temperature",
     "critic_token_budget",
@@ -50,6 +51,7 @@ __all__ = [
     "padding_idx",
     "padding_side",
     "qkv_biases",
+    "reference_qkv_biases",
     "reference_temperature",
     "response_mask",
     "reward_batch_centered",
@@ -194,6 +196,9 @@ rollout_qk_norms = BrokenBackend("broken-rollout-qwen3-qk-norms", "the rollout s
                                  rollout=f"{_ENGINES}:RolloutQKNormsSkipped")
 qkv_biases = BrokenBackend("broken-qwen2-biases", "training leaves the q, k and v biases out of the forward (Qwen2's): "
                           "the rollout is right", training=f"{_ENGINES}:TrainingQKVBiasesIgnored")
+reference_qkv_biases = BrokenBackend("broken-reference-qwen2-biases", "the reference engine leaves the q, k and v "
+                                     "biases out of the forward (Qwen2's): the actor is right",
+                                     reference=f"{_ENGINES}:TrainingQKVBiasesIgnored")
 # the critic's faults (the actor beside it is right): state, temperature, micro-batching, clipping, its folder's head
 critic_checkpoint_head = BrokenBackend("broken-critic-checkpoint-head", "the critic's checkpoint leaves the value "
                                        "head (score.*) out; a load keeps the folder's head",
@@ -214,6 +219,8 @@ critic_grad_clip = BrokenBackend("broken-critic-grad-clip", "the critic ignores 
 critic_head_bias = BrokenBackend("broken-critic-head-bias", "the critic never loads the folder's score.bias (0)",
                                  training=f"{_ENGINES}:CriticHeadBiasNotLoaded")
 
+critic_nonfinite = BrokenBackend("broken-critic-nonfinite", "the critic applies a non-finite update (a NaN loss's "
+                                 "gradients stepped, skipped=False)", training=f"{_ENGINES}:CriticNonFiniteUpdateApplied")
 
 class BrokenHFBackend:
     """A plugin declaring the hf backend with the engine of one role replaced by a faulty one."""
