@@ -50,7 +50,31 @@ FAULTS = [
      ["the turn sampled before update_weights(stream of llama-alt, version 7)",
       "a cached prefix (KV cache) kept across update_weights serves the old weights' keys and values: drop it "
       "when weights are written"]),
+    # the tiny backend with a prefix cache (tests/plugins/verl-broken-backends, prefix_cache): the drop on
+    # one weight path too few; each passes the checks listed before the one that fails
+    ("broken-prefix-cache-early-drop", ["invariance::prefix_continuation_after_weight_update",
+                                        "weight_sync::update_during_generate",
+                                        "invariance::prefix_continuation_across_concurrent_update"],
+     ["invariance::prefix_continuation_across_concurrent_update"],
+     ["in flight when update_weights(stream of", "not when update_weights is called"]),
+    ("broken-prefix-cache-direct-sync", ["invariance::prefix_continuation_after_weight_update",
+                                         "weight_sync::trainer_to_rollout_sync",
+                                         "weight_sync::prefix_continuation_after_trainer_sync"],
+     ["weight_sync::prefix_continuation_after_trainer_sync"],
+     ["PrefixCacheDirectSync.sync(actor, rollout, version=1)", "a direct sync that bypasses update_weights too"]),
+    ("broken-prefix-cache-wake", ["stateful::sleep_until_sync_then_sync",
+                                  "invariance::prefix_continuation_after_weight_update"],
+     ["invariance::prefix_continuation_after_weight_update"],
+     ["before sleep_until_sync(), wake() and update_weights(stream of llama, version 8)",
+      "a cache kept through sleep_until_sync()"]),
 ]
+
+PREFIX_CACHE_CHECKS = ["invariance::prefix_continuation_matches_rerun",
+                       "invariance::prefix_continuation_after_weight_update",
+                       "invariance::prefix_continuation_across_concurrent_update",
+                       "weight_sync::prefix_continuation_after_trainer_sync", "weight_sync::update_during_generate",
+                       "weight_sync::bad_streams_rejected", "weight_sync::trainer_to_rollout_sync",
+                       "stateful::sleep_until_sync_then_sync", "stateful::update_while_asleep_refused"]
 
 
 @pytest.mark.slow
@@ -77,3 +101,12 @@ def test_prefix_cache_dropped_on_weight_update_passes() -> None:
     checks = ["invariance::prefix_continuation_matches_rerun", "invariance::prefix_continuation_after_weight_update"]
     report = check_backend("mine", make_rollout_engine=DroppedPrefixCache, checks=checks)
     assert [(r.id, r.status) for r in report.results] == [(c, "passed") for c in checks]
+
+
+@pytest.mark.slow
+def test_prefix_cache_dropped_at_every_commit_passes() -> None:
+    """The tiny backend's prefix cache dropped at the commit of every weight path (stream, direct sync,
+    sleep_until_sync) passes every prefix-continuation and weight-write check, the concurrent one included."""
+    report = check_backend("prefix-cache-ok", checks=PREFIX_CACHE_CHECKS)
+    assert sorted((r.id, r.status) for r in report.results) == sorted((c, "passed") for c in PREFIX_CACHE_CHECKS), \
+        [(r.id, r.status, r.message) for r in report.results if r.status != "passed"]

@@ -10,7 +10,9 @@ environment appended; ``loss_mask`` marks the sampled ones and ``turn_ids`` numb
 * rollout engines continue a prompt holding earlier turns and observations (special ids among
   them) as the exact id sequence it is, and end a turn at a stop id, which the turn keeps;
 * an engine declaring ``prefix_continuation`` samples from its cache what it would sample without it,
-  and drops that cache when weights are written;
+  and drops that cache at the commit of every path that changes the weights it serves (a stream, a
+  direct sync, a sync after ``sleep_until_sync``), so neither a ``generate`` call in flight when a
+  write is called nor a cache kept through a sleep serves keys of other weights;
 * on the LongRoPE folder, whose rotation depends on the whole sequence's length, a turn sampled
   within the trained range and continued past it is continued with the long factors at every
   position: keys a cache kept from the short turn must not serve it.
@@ -21,9 +23,11 @@ model time.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, replace
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -33,7 +37,7 @@ from verl_conformance.checks.numerics import one_update
 from verl_conformance.checks.rope import greedy_tokens_match
 from verl_conformance.checks.weight_sync import folder_stream
 from verl_conformance.harness import SUITE_OPTIM, Harness
-from verl_conformance.losses import SuiteLoss
+from verl_conformance.losses import TOKEN_MEAN_PG, SuiteLoss
 from verl_conformance.reference import ReferenceModel, cached_outputs, greedy_reference
 from verl_conformance.testkit import (
     LONG_ROPE_TRAINED,
@@ -48,6 +52,7 @@ from verl_core import (
     ModelOutput,
     RolloutEngine,
     SamplingParams,
+    StreamWeightSync,
     TensorBatch,
 )
 from verl_core.agent import EPISODE_KEY, AgentLoop, EpisodeLimits, StepResult, prompts_from_ids
@@ -493,10 +498,50 @@ def check_prefix_continuation_matches_rerun(h: Harness) -> None:
                    "prompt serves this one)", mask=got["response_mask"])
 
 
+_WRITE_HINT: Final = (
+    "a cached prefix (KV cache) kept across update_weights serves the old weights' keys and values: drop it when "
+    "weights are written (inside _writing_weights, before _commit_weights)")
+
+
+def _continuation_params(seeded: bool, seed: int) -> SamplingParams:
+    return (SamplingParams(temperature=1.0, max_new_tokens=4, seed=seed) if seeded
+            else SamplingParams(greedy=True, max_new_tokens=4))
+
+
+def _generate_rows(engine: RolloutEngine, rows: list[list[int]], groups: list[int],
+                   params: SamplingParams) -> TensorBatch:
+    return engine.generate(prompts_from_ids(rows, engine.tokenizer.pad_token_id, group_ids=groups), params)
+
+
+def _continued(first: TensorBatch, prompts: list[list[int]], g: torch.Generator) -> list[list[int]]:
+    """Each prompt, its turn in ``first`` and a 5-token observation."""
+    return [p + _real(first, "response_ids", "response_mask", b) + _random_ids(g, 5) for b, p in enumerate(prompts)]
+
+
+def _continuation_served(h: Harness, got: TensorBatch, want: TensorBatch, rows: list[list[int]], *, weights: str,
+                         before: str, exact: bool, hint: str) -> None:
+    """Fail unless ``got`` (the engine that cached the turns) equals ``want`` (an engine loaded with
+    ``weights``) and, where ``exact``, the float64 reference of ``weights``."""
+    for b, row in enumerate(rows):
+        g_ids = _real(got, "response_ids", "response_mask", b)
+        w_ids = _real(want, "response_ids", "response_mask", b)
+        where = (f"prefix continuation, prompt {b} ({len(row)} ids: a prompt, the turn sampled {before}, an "
+                 "observation)")
+        h.expect(g_ids == w_ids, f"{where}: the engine sampled {g_ids}, an engine loaded with {weights} samples "
+                                 f"{w_ids}; {hint}")
+        h.close_to(got["rollout_log_probs"][b, :len(g_ids)], want["rollout_log_probs"][b, :len(w_ids)], "log_probs",
+                   f"{where}: rollout_log_probs vs an engine loaded with {weights}; {hint}")
+    if exact:
+        h.close_to(got["rollout_log_probs"], cached_outputs(h.model_path(weights), got)["log_probs"], "log_probs",
+                   f"prefix continuation, prompts of {[len(r) for r in rows]} ids (a prompt, the turn sampled {before}, "
+                   f"an observation): rollout_log_probs vs the float64 reference of {weights}; {hint}",
+                   mask=got["response_mask"])
+
+
 @check("invariance", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.seeding",
                             "rollout.exact_log_probs"))
 def check_prefix_continuation_after_weight_update(h: Harness) -> None:
-    """An engine declaring prefix_continuation drops its cache when weights are written: a prompt that continues a turn sampled before update_weights (the turn and an observation after it) samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
+    """An engine declaring prefix_continuation drops its cache whenever the weights it serves change: a prompt that continues a turn sampled before update_weights (the turn and an observation after it), and one that continues a turn sampled before sleep_until_sync(), wake() and the sync after them, samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
     caps = h.rollout(max_prompt_len=_CONTEXT).capabilities  # the cached engine: no build just to skip
     if not caps.prefix_continuation:
         h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
@@ -504,38 +549,143 @@ def check_prefix_continuation_after_weight_update(h: Harness) -> None:
         h.skip("backend declares weight_update=False")
     warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
     g = torch.Generator().manual_seed(160)
-    seeded = caps.seeding == "per_sample"
-    params = (SamplingParams(temperature=1.0, max_new_tokens=4, seed=161) if seeded
-              else SamplingParams(greedy=True, max_new_tokens=4))
+    params = _continuation_params(caps.seeding == "per_sample", 161)
+    exact = warm.log_probs_exact(params)
     prompts = [_random_ids(g, n) for n in (150, 133)]  # each spans a whole 128-token KV block
     groups = [5, 6]
+    first = _generate_rows(warm, prompts, groups, params)
+    warm.update_weights(folder_stream(h.model_path("llama-alt"), 7, dtype=warm.weight_dtype))
+    rows = _continued(first, prompts, g)
+    _continuation_served(h, _generate_rows(warm, rows, groups, params),
+                         _generate_rows(h.rollout("llama-alt", max_prompt_len=_CONTEXT, fresh=True), rows, groups,
+                                        params),
+                         rows, weights="llama-alt", before="before update_weights(stream of llama-alt, version 7)",
+                         exact=exact, hint=_WRITE_HINT)
+    # the trainer's colocated step: a turn under llama-alt, sleep_until_sync, wake, a sync back to llama
+    prompts = [_random_ids(g, n) for n in (141, 137)]
+    first = _generate_rows(warm, prompts, groups, params)
+    warm.sleep_until_sync()
+    warm.wake()
+    warm.update_weights(folder_stream(h.model_path("llama"), 8, dtype=warm.weight_dtype))
+    rows = _continued(first, prompts, g)
+    _continuation_served(h, _generate_rows(warm, rows, groups, params),
+                         _generate_rows(h.rollout(max_prompt_len=_CONTEXT), rows, groups, params),
+                         rows, weights="llama", before="under llama-alt before sleep_until_sync(), wake() and "
+                         "update_weights(stream of llama, version 8)", exact=exact,
+                         hint="a cache kept through sleep_until_sync() (on the host, or paged back in on the first "
+                         "generate after wake()) serves the weights it had before the sync: drop it when the "
+                         "weights are dropped, or at the commit of the sync, whatever copy of it exists")
 
-    def call(engine: RolloutEngine, rows: list[list[int]]) -> TensorBatch:
-        return engine.generate(prompts_from_ids(rows, engine.tokenizer.pad_token_id, group_ids=groups), params)
 
-    first = call(warm, prompts)
-    alt = h.model_path("llama-alt")
-    warm.update_weights(folder_stream(alt, 7, dtype=warm.weight_dtype))
-    rows = [p + _real(first, "response_ids", "response_mask", b) + _random_ids(g, 5) for b, p in enumerate(prompts)]
-    got = call(warm, rows)
-    want = call(h.rollout("llama-alt", max_prompt_len=_CONTEXT, fresh=True), rows)
-    hint = ("a cached prefix (KV cache) kept across update_weights serves the old weights' keys and values: drop it "
-            "when weights are written (inside _writing_weights, before _commit_weights)")
-    for b, row in enumerate(rows):
-        g_ids = _real(got, "response_ids", "response_mask", b)
-        w_ids = _real(want, "response_ids", "response_mask", b)
-        where = (f"prefix continuation across a weight update, prompt {b} ({len(row)} ids: a prompt, the turn sampled "
-                 f"before update_weights(stream of llama-alt, version 7), an observation), "
-                 f"{'seeded sampling' if seeded else 'greedy'}")
-        h.expect(g_ids == w_ids, f"{where}: the synced engine sampled {g_ids}, an engine loaded with llama-alt "
-                                 f"samples {w_ids}; {hint}")
-        h.close_to(got["rollout_log_probs"][b, :len(g_ids)], want["rollout_log_probs"][b, :len(w_ids)], "log_probs",
-                   f"{where}: rollout_log_probs of the synced engine vs an engine loaded with llama-alt; {hint}")
-    if warm.log_probs_exact(params):
-        h.close_to(got["rollout_log_probs"], cached_outputs(alt, got)["log_probs"], "log_probs",
-                   f"prefix continuation across a weight update, prompts of {[len(r) for r in rows]} ids (a prompt, "
-                   f"the turn sampled before update_weights, an observation): rollout_log_probs vs the float64 "
-                   f"reference of llama-alt; {hint}", mask=got["response_mask"])
+_OVERLAP_TRIES: Final = 6
+"""Attempts at calling update_weights while a generate call is in flight."""
+
+
+@check("invariance", gates=("rollout.prefix_continuation", "rollout.concurrent_weight_update",
+                            "rollout.weight_update", "rollout.seeding", "rollout.exact_log_probs"))
+def check_prefix_continuation_across_concurrent_update(h: Harness) -> None:
+    """An engine declaring prefix_continuation and concurrent_weight_update drops its cache at the commit of a weight write, not when update_weights is called: a turn whose generate call was in flight when update_weights(other weights) was called on another thread (it reports the old version), continued with an observation after the update returned, samples what an engine loaded with the new weights samples."""
+    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities
+    if not caps.prefix_continuation:
+        h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
+    if not caps.weight_update:
+        h.skip("backend declares weight_update=False")
+    if not caps.concurrent_weight_update:
+        h.skip("backend declares concurrent_weight_update=False: update_weights never meets a generate call in flight")
+    warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
+    g = torch.Generator().manual_seed(180)
+    params = _continuation_params(caps.seeding == "per_sample", 181)
+    long_turn = replace(params, max_new_tokens=min(12, warm.spec.max_response_len))  # a call that lasts
+    groups = [7, 8]
+    names = ("llama-alt", "llama")
+    for attempt in range(_OVERLAP_TRIES):
+        old_version, version, name = warm.weight_version, 20 + attempt, names[attempt % 2]
+        prompts = [_random_ids(g, n) for n in (146, 139)]
+        started = threading.Event()
+        box: dict[str, Any] = {}
+
+        def turn(prompts: list[list[int]] = prompts, box: dict[str, Any] = box, started: threading.Event = started
+                 ) -> None:
+            started.set()
+            try:
+                box["out"] = _generate_rows(warm, prompts, groups, long_turn)
+            except Exception as e:  # reported below
+                box["error"] = e
+            box["returned"] = time.monotonic()
+
+        thread = threading.Thread(target=turn, daemon=True, name="verl-conformance-turn")
+        thread.start()
+        started.wait()
+        time.sleep(0.002 * (attempt + 1))
+        called = time.monotonic()
+        warm.update_weights(folder_stream(h.model_path(name), version, dtype=warm.weight_dtype))
+        thread.join(60.0)
+        h.expect(not thread.is_alive(), "a generate call in flight did not return within 60 s of update_weights "
+                 "(called on another thread) returning")
+        if "error" in box:
+            err = box["error"]
+            h.fail(f"a generate call in flight when update_weights was called on another thread raised "
+                   f"{type(err).__name__}: {err}; an engine declaring concurrent_weight_update completes it")
+        first: TensorBatch = box["out"]
+        if first.meta.weight_version != old_version or box["returned"] <= called:
+            continue  # it ran after the update, or ended before it was called: no overlap, try again
+        rows = _continued(first, prompts, g)
+        want = h.rollout(name, max_prompt_len=_CONTEXT)
+        _continuation_served(
+            h, _generate_rows(warm, rows, groups, params), _generate_rows(want, rows, groups, params), rows,
+            weights=name, before=(f"by a generate call (version {old_version}) that was in flight when "
+                                  f"update_weights(stream of {name}, version {version}) was called on another thread"),
+            exact=warm.log_probs_exact(params),
+            hint=("the generate call in flight stored its keys and values after the cache was dropped: drop the cache "
+                  "inside the write window (after the turn is taken, before _commit_weights), not when "
+                  "update_weights is called"))
+        return
+    h.skip(f"no generate call was still in flight when update_weights was called, in {_OVERLAP_TRIES} attempts "
+           "(the machine is too fast or too loaded to overlap them)")
+
+
+@check("weight_sync", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.exact_log_probs"))
+def check_prefix_continuation_after_trainer_sync(h: Harness) -> None:
+    """An engine declaring prefix_continuation drops its cache on every weight path, the backend's own direct sync (verl_weight_sync) included: a turn sampled before a training step and the sync of its actor, continued with an observation, gets the actor's log-probs of those samples."""
+    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities
+    if not caps.prefix_continuation:
+        h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
+    if not caps.weight_update:
+        h.skip("backend declares weight_update=False")
+    if not h.provides(h.subject, "actor"):
+        h.skip(f"backend {h.subject.name!r} provides no actor, so it has no sync of its own to a rollout engine")
+    rollout = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
+    actor = h.training(fresh=True, max_prompt_len=_CONTEXT)
+    g = torch.Generator().manual_seed(190)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=191)
+    if not rollout.log_probs_exact(params):
+        h.skip("rollout_log_probs are declared inexact at temperature 1")
+    prompts = [_random_ids(g, n) for n in (144, 135)]
+    groups = [11, 12]
+    first = _generate_rows(rollout, prompts, groups, params)
+    batch = h.batch(seed=51, rl_fields=True)
+    actor.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    actor.optimizer_step()
+    if h.subject.registered:
+        from verl_core import get_weight_sync
+
+        sync = get_weight_sync(h.subject.name, h.subject.name)
+    else:
+        sync = StreamWeightSync()
+    sync.sync(actor, rollout, version=1)
+    rows = _continued(first, prompts, g)
+    out = _generate_rows(rollout, rows, groups, params)
+    trainer = actor.forward(out)["log_probs"]
+    m = out["response_mask"]
+    before = cached_outputs(h.model_path("llama"), out)["log_probs"]
+    h.expect(float((trainer.double() - before).abs()[m].max()) > 1e-3,
+             "the training step did not change the trainer's log-probs; cannot test the sync")
+    h.close_to(out["rollout_log_probs"], trainer, "log_probs",
+               f"prefix continuation, prompts of {[len(r) for r in rows]} ids (a prompt, the turn sampled before a "
+               f"training step and {type(sync).__name__}.sync(actor, rollout, version=1), an observation): "
+               "rollout_log_probs vs the actor's log_probs of the same samples; every path that writes weights (a "
+               "direct sync that bypasses update_weights too) must drop the prefix cache before _commit_weights",
+               mask=m)
 
 
 # --------------------------------------------------------------------------- LongRoPE: a short turn continued long

@@ -16,8 +16,8 @@ SRC = Path(__file__).resolve().parent.parent
 
 def verl_plugins() -> str:
     """The ``VERL_PLUGINS`` value registering every broken backend: ``name=module:attr``, comma-separated."""
-    from verl_broken_backends import multiturn, plugin
+    from verl_broken_backends import multiturn, plugin, prefix_cache
 
-    backends = (plugin.BrokenBackend, plugin.BrokenHFBackend)
-    return ",".join(f"{obj.name}={module.__name__}:{attr}" for module in (plugin, multiturn)
+    backends = (plugin.BrokenBackend, plugin.BrokenHFBackend, prefix_cache.PrefixCacheBackend)
+    return ",".join(f"{obj.name}={module.__name__}:{attr}" for module in (plugin, multiturn, prefix_cache)
                     for attr, obj in vars(module).items() if isinstance(obj, backends))
