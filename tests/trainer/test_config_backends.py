@@ -195,3 +195,20 @@ def test_gradient_checkpointing_reaches_the_actor_and_trains_as_without(tmp_path
             runs[on] = trainer.train()[-1]
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_run_whose_built_roles_name_another_backend_needs_no_hf(tmp_path: Path) -> None:
+    """GRPO builds no critic: its ``backends.critic`` (``hf`` by default) is never imported, so a run
+    whose actor, rollout and reference are another backend trains with ``verl_hf`` unimportable."""
+    import subprocess
+    import sys
+
+    argv = [*TINY, *ALL_TINY, f"output_dir={json.dumps(str(tmp_path / 'run'))}"]
+    code = ("import sys; sys.modules['verl_hf'] = None\n"  # every `import verl_hf` now raises ImportError
+            "from verl_core.cli import main\n"
+            f"rc = main(['train', *{argv!r}])\n"
+            "assert 'verl_hf' in sys.modules and sys.modules['verl_hf'] is None, 'verl_hf was imported'\n"
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file(), done.stderr[-3000:]
