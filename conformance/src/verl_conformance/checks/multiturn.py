@@ -50,6 +50,7 @@ from verl_core import (
     ConfigError,
     GlobalBatchStats,
     ModelOutput,
+    RolloutCapabilities,
     RolloutEngine,
     SamplingParams,
     StreamWeightSync,
@@ -538,15 +539,22 @@ def _continuation_served(h: Harness, got: TensorBatch, want: TensorBatch, rows: 
                    mask=got["response_mask"])
 
 
-@check("invariance", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.seeding",
-                            "rollout.exact_log_probs"))
-def check_prefix_continuation_after_weight_update(h: Harness) -> None:
-    """An engine declaring prefix_continuation drops its cache whenever the weights it serves change: a prompt that continues a turn sampled before update_weights (the turn and an observation after it), and one that continues a turn sampled before sleep_until_sync(), wake() and the sync after them, samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
-    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities  # the cached engine: no build just to skip
+def _updatable_prefix_cache(h: Harness) -> RolloutCapabilities:
+    """The rollout's capabilities (from the cached engine: no build just to skip); skips unless it
+    declares both a prefix cache and weight updates."""
+    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities
     if not caps.prefix_continuation:
         h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
     if not caps.weight_update:
         h.skip("backend declares weight_update=False")
+    return caps
+
+
+@check("invariance", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.seeding",
+                            "rollout.exact_log_probs"))
+def check_prefix_continuation_after_weight_update(h: Harness) -> None:
+    """An engine declaring prefix_continuation drops its cache whenever the weights it serves change: a prompt that continues a turn sampled before update_weights (the turn and an observation after it), and one that continues a turn sampled before sleep_until_sync(), wake() and the sync after them, samples what an engine loaded with the new weights samples, with the float64 reference's log-probs of the new weights where exact."""
+    caps = _updatable_prefix_cache(h)
     warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
     g = torch.Generator().manual_seed(160)
     params = _continuation_params(caps.seeding == "per_sample", 161)
@@ -585,11 +593,7 @@ _OVERLAP_TRIES: Final = 6
                             "rollout.weight_update", "rollout.seeding", "rollout.exact_log_probs"))
 def check_prefix_continuation_across_concurrent_update(h: Harness) -> None:
     """An engine declaring prefix_continuation and concurrent_weight_update drops its cache at the commit of a weight write, not when update_weights is called: a turn whose generate call was in flight when update_weights(other weights) was called on another thread (it reports the old version), continued with an observation after the update returned, samples what an engine loaded with the new weights samples."""
-    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities
-    if not caps.prefix_continuation:
-        h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
-    if not caps.weight_update:
-        h.skip("backend declares weight_update=False")
+    caps = _updatable_prefix_cache(h)
     if not caps.concurrent_weight_update:
         h.skip("backend declares concurrent_weight_update=False: update_weights never meets a generate call in flight")
     warm = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
@@ -647,11 +651,7 @@ def check_prefix_continuation_across_concurrent_update(h: Harness) -> None:
 @check("weight_sync", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.exact_log_probs"))
 def check_prefix_continuation_after_trainer_sync(h: Harness) -> None:
     """An engine declaring prefix_continuation drops its cache on every weight path, the backend's own direct sync (verl_weight_sync) included: a turn sampled before a training step and the sync of its actor, continued with an observation, gets the actor's log-probs of those samples."""
-    caps = h.rollout(max_prompt_len=_CONTEXT).capabilities
-    if not caps.prefix_continuation:
-        h.skip("the rollout engine declares prefix_continuation=False (each prompt runs from scratch)")
-    if not caps.weight_update:
-        h.skip("backend declares weight_update=False")
+    _updatable_prefix_cache(h)
     if not h.provides(h.subject, "actor"):
         h.skip(f"backend {h.subject.name!r} provides no actor, so it has no sync of its own to a rollout engine")
     rollout = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
