@@ -97,6 +97,20 @@ FAULTS = [
      ["schema::eos_ends_response"], ["the EOS that ends the response is left out", "[11, 12, 1]"]),
     ("broken-truncated", ["schema::eos_ends_response", "schema::truncated_flag"], ["schema::truncated_flag"],
      ["truncated=True, expected False", "its last allowed token is EOS"]),
+    # a folder's further EOS ids and generation_config.json's sampling defaults: not stops, not sampling settings
+    ("broken-folder-eos-list-stops", ["schema::eos_ends_response", "schema::truncated_flag",
+                                      "schema::stop_tokens_end_response",
+                                      "robustness::folder_eos_list_and_generation_defaults_ignored"],
+     ["robustness::folder_eos_list_and_generation_defaults_ignored"],
+     ["on eos-folder-defaults (config.json eos_token_id [1, 31]", "the response ended at token 31, an EOS id the "
+      "folder lists but not the tokenizer's EOS (1)"]),
+    ("broken-generation-config-defaults", ["numerics::rollout_log_probs_match_reference",
+                                           "invariance::seeded_sampling_reproducible",
+                                           "invariance::truncated_sampling_keeps_top_token",
+                                           "robustness::folder_eos_list_and_generation_defaults_ignored"],
+     ["robustness::folder_eos_list_and_generation_defaults_ignored"],
+     ["generate (sampling at T=1, n=2, seed 5, max_new_tokens 8) on llama-folder-defaults (generation_config.json "
+      "sets do_sample True, temperature 0.05, top_k 1", "other response_ids"]),
     # position ids, on a GPT-2 with absolute position embeddings
     ("broken-positions", ["invariance::padding_invariance", "invariance::positions_under_left_padding"],
      ["invariance::positions_under_left_padding"], ["absolute-position model", "not arange over the padded row"]),

@@ -19,9 +19,12 @@ from verl_conformance.testkit import (
     OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
     assert_close,
+    eos_model_continuation,
+    folder_defaults_model,
     out_of_vocab_file_model,
     out_of_vocab_model,
 )
+from verl_conformance.testkit.crafted import EOS_AFTER_3, EOS_LADDER_START, NEVER_EOS
 from verl_core import (
     BatchValidationError,
     ConfigError,
@@ -30,6 +33,7 @@ from verl_core import (
     TensorBatch,
 )
 from verl_vllm.config import VllmRolloutConfig
+from verl_vllm.requests import vllm_params
 from verl_vllm.rollout import EngineAsleepError, VllmRolloutEngine, sample_seed
 
 PROMPTS = [[4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18], [20, 30, 40]]
@@ -233,6 +237,34 @@ def test_stop_token_ends_the_response_and_is_part_of_it(
     assert not bool(out["truncated"][0])
     assert bool(out["response_mask"][0, k]) and int(out["response_ids"][0, k]) == stop
     _check_layout(out, prompts, params, engine.tokenizer.eos_token_id)
+
+
+def test_requests_stop_on_the_tokenizer_eos_and_the_stop_tokens_only() -> None:
+    """vLLM adds a folder's EOS list to a request's stops unless ignore_eos: each request sets it
+    and names the tokenizer's EOS as a stop token itself."""
+    sampled = vllm_params(SamplingParams(max_new_tokens=4, stop_token_ids=(9, 1)), n=2, seed=None, eos_token_id=1)
+    greedy = vllm_params(SamplingParams(greedy=True, max_new_tokens=4), n=1, seed=3, eos_token_id=1)
+    assert sampled.ignore_eos and sampled.stop_token_ids == [1, 9]
+    assert greedy.ignore_eos and greedy.stop_token_ids == [1]
+
+
+def test_a_folder_eos_list_and_sampling_defaults_are_ignored() -> None:
+    """On the EOS model whose config.json and generation_config.json list EOS ids 31 and 43 (and whose
+    generation_config.json sets temperature 0.05, top_k 1, max_new_tokens 2, ...), responses run past
+    31 and 43 to the tokenizer's EOS or max_new_tokens."""
+    path = folder_defaults_model("eos")
+    spec = EngineSpec(str(path), "rollout", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE)
+    eng = VllmRolloutEngine(spec, VllmRolloutConfig(kv_cache_bytes=KV_CACHE_BYTES, max_num_seqs=8))
+    try:
+        lasts = [NEVER_EOS, EOS_LADDER_START, EOS_AFTER_3]
+        prompts = make_prompts([[5, 6, t] for t in lasts], [0, 1, 2])
+        for params in (SamplingParams(greedy=True, max_new_tokens=6),
+                       SamplingParams(temperature=1.0, max_new_tokens=6, seed=2)):
+            out = eng.generate(prompts, params)
+            for toks, truncated, last in zip(_responses(out), out["truncated"].tolist(), lasts, strict=True):
+                assert (toks, truncated) == eos_model_continuation(last, 6), (params, last)
+    finally:
+        eng.close()
 
 
 def test_max_new_tokens_truncates(engine: VllmRolloutEngine, prompts: TensorBatch) -> None:

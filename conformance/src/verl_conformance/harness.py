@@ -21,6 +21,7 @@ from verl_conformance.testkit import (
     bfloat16_norm_model,
     config_constants_model,
     eos_model,
+    folder_defaults_model,
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
@@ -131,6 +132,10 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     **{f"reward-oov-{key}": partial(out_of_vocab_model, key, "reward") for key in OUT_OF_VOCAB_IDS},
     # config.json right, the tokenizer's EOS or generation_config.json's EOS past the vocabulary
     **{f"llama-oov-{name}": partial(out_of_vocab_file_model, name) for name in OUT_OF_VOCAB_FILES},
+    # further EOS ids listed in config.json and generation_config.json, and generation_config.json's sampling
+    # defaults: not stops, not sampling settings (a rollout follows the tokenizer's EOS and SamplingParams)
+    "eos-folder-defaults": partial(folder_defaults_model, "eos"),
+    "llama-folder-defaults": partial(folder_defaults_model, "llama"),
     **{f"reward-oov-{name}": partial(out_of_vocab_file_model, name, "reward") for name in OUT_OF_VOCAB_FILES},
 }
 """The test kit's crafted folders (:mod:`verl_conformance.testkit.crafted`) by short name."""

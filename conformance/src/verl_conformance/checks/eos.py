@@ -3,7 +3,9 @@
 A random tiny model almost never emits EOS, so these checks generate with the test kit's EOS model
 (:func:`verl_conformance.testkit.eos_model`), whose continuation of each prompt is known: EOS after
 three tokens, EOS first, never EOS, EOS exactly as the last allowed token, and the limit one token
-before EOS; with stop tokens, a stop token first, mid-response and as the last allowed token.
+before EOS; with stop tokens, a stop token first, mid-response and as the last allowed token. On a
+copy of it (and of the tiny Llama) whose ``config.json`` and ``generation_config.json`` list further
+EOS ids and set sampling defaults, a rollout follows the tokenizer's EOS and ``SamplingParams`` alone.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import torch
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.schema import _valid
 from verl_conformance.harness import Harness
+from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import eos_model_continuation
 from verl_conformance.testkit.crafted import (
     EOS_AFTER_3,
     EOS_FIRST,
     EOS_LADDER_END,
     EOS_LADDER_START,
+    FOLDER_EOS_LISTS,
+    GENERATION_DEFAULTS,
     NEVER_EOS,
 )
 from verl_core import BatchMeta, SamplingParams, TensorBatch
@@ -150,3 +155,90 @@ def check_stop_tokens_end_response(h: Harness) -> None:
                      f"{at}: truncated={bool(out['truncated'][b])}, expected {want_trunc} ("
                      + ("max_new_tokens reached without EOS or a stop token" if want_trunc else
                         "it ended with a stop token or EOS, the last allowed one included") + f"); got {_row(out, b)}")
+
+
+_LISTED_LAST_TOKENS = (
+    NEVER_EOS,                      # 31, 30, 31, ...: config.json's listed 31 as token 1; truncated
+    EOS_LADDER_START,               # 41 .. 46: generation_config.json's listed 43 as token 3; truncated
+    EOS_LADDER_START + 2,           # 43 .. 48: the listed 43 as token 1
+    EOS_AFTER_3,                    # 11, 12, EOS: the tokenizer's EOS still ends the response
+)
+
+
+def _first_apart(a: TensorBatch, b: TensorBatch, name: str) -> str:
+    """Where ``a[name]`` and ``b[name]`` differ: their shapes, or the first differing row of each."""
+    x, y = a[name].cpu(), b[name].cpu()
+    if x.shape != y.shape:
+        return f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
+    row = next(i for i in range(x.shape[0]) if not torch.equal(x[i], y[i]))
+    return f"sample {row}: {x[row].int().tolist()} vs {y[row].int().tolist()}"
+
+
+@check("robustness", gates=("rollout.seeding",))
+def check_folder_eos_list_and_generation_defaults_ignored(h: Harness) -> None:
+    """A folder whose config.json and generation_config.json list further EOS ids (eos_token_id [1, 31] and [1, 43], ids the EOS model emits early) and whose generation_config.json sets sampling defaults (temperature 0.05, top_k 1, top_p 0.5, repetition_penalty 1.5, max_new_tokens 2) rolls out as if it had neither: on the EOS model, greedy and seeded sampling continue past 31 and 43 to EOS or max_new_tokens; on the tiny Llama, greedy and seeded sampling give the plain folder's tokens, masks, truncated flags and rollout_log_probs (an engine that declares seeding='none': its sampled rollout_log_probs equal the float64 reference at the temperature asked for). A rollout stops on the tokenizer's EOS and stop_token_ids only, and samples as SamplingParams say."""
+    files = "; ".join(f"{f} eos_token_id {ids}" for f, ids in FOLDER_EOS_LISTS.items())
+    listed = {i for ids in FOLDER_EOS_LISTS.values() for i in ids}
+    defaults = ", ".join(f"{k} {v}" for k, v in GENERATION_DEFAULTS.items())
+    short = int(str(GENERATION_DEFAULTS["max_new_tokens"]))
+    engine = h.rollout("eos-folder-defaults")
+    eos = engine.tokenizer.eos_token_id
+    if eos != 1:
+        h.fail(f"the folder eos-folder-defaults ({files}) has a tokenizer whose EOS id is 1 (tokenizer_config.json); "
+               f"the engine's tokenizer says {eos}: the tokenizer's EOS is its own, not the first id a config lists")
+    listed.discard(eos)
+    prompts = _prompts(_LISTED_LAST_TOKENS)
+    runs = [("greedy", SamplingParams(greedy=True, max_new_tokens=_LIMIT), 1),
+            ("sampling at T=1, n=2", SamplingParams(temperature=1.0, max_new_tokens=_LIMIT, n=2, seed=3), 2)]
+    for label, params, n in runs:
+        out = engine.generate(prompts, params)
+        where = f"generate ({label}, max_new_tokens {_LIMIT}, no stop_token_ids) on eos-folder-defaults ({files})"
+        _valid(h, out, where)
+        ids, mask = out["response_ids"], out["response_mask"]
+        for i in range(out.batch_size):
+            want, want_trunc = eos_model_continuation(_LISTED_LAST_TOKENS[i // n], _LIMIT)
+            real = ids[i][mask[i]].tolist()
+            got_trunc = bool(out["truncated"][i])
+            if real == want and got_trunc == want_trunc:
+                continue
+            at = f"{where}, sample {i} (the model continues its prompt with {want})"
+            if real and len(real) < len(want) and real == want[: len(real)] and real[-1] in listed:
+                h.fail(f"{at}: the response ended at token {real[-1]}, an EOS id the folder lists but not the "
+                       f"tokenizer's EOS ({eos}); a rollout stops on the tokenizer's EOS and stop_token_ids only "
+                       f"(a caller who wants the folder's list passes it in stop_token_ids). Got {_row(out, i)}")
+            if len(real) == short < len(want) and real == want[:short]:
+                h.fail(f"{at}: the response was cut at {short} tokens, generation_config.json's max_new_tokens; "
+                       f"SamplingParams.max_new_tokens ({_LIMIT}) is the limit, never the folder's defaults. "
+                       f"Got {_row(out, i)}")
+            h.fail(f"{at}: expected exactly those tokens as the real response, truncated {want_trunc}; got {_row(out, i)}")
+
+    plain, crafted = h.rollout("llama"), h.rollout("llama-folder-defaults")
+    prompts = h.batch(seed=34, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=5)
+    seeded = crafted.capabilities.seeding != "none"
+    cases = [("greedy", SamplingParams(greedy=True, max_new_tokens=8))]
+    if seeded:
+        cases.append(("sampling at T=1, n=2, seed 5", sampled))
+    for label, params in cases:
+        a, b = crafted.generate(prompts, params), plain.generate(prompts, params)
+        what = (f"generate ({label}, max_new_tokens 8) on llama-folder-defaults (generation_config.json sets {defaults}) "
+                f"vs on llama (the same weights and tokenizer, no such defaults)")
+        for name in ("response_ids", "response_mask", "truncated"):
+            if not torch.equal(a[name].cpu(), b[name].cpu()):
+                h.fail(f"{what}: other {name} ({_first_apart(a, b, name)}); sampling follows SamplingParams alone, "
+                       f"never the folder's generation_config.json")
+        h.close_to(a["rollout_log_probs"], b["rollout_log_probs"], "log_probs",
+                   f"{what}: rollout_log_probs (sampling follows SamplingParams alone, never the folder's "
+                   f"generation_config.json)", mask=b["response_mask"])
+    if seeded:
+        return
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
+    if not crafted.log_probs_exact(unseeded):
+        h.note("seeding='none' and inexact rollout_log_probs at T=1: only greedy decoding was compared")
+        return
+    out = crafted.generate(prompts, unseeded)
+    ref = cached_outputs(h.model_path("llama"), out.with_meta(temperature=1.0))["log_probs"]
+    h.close_to(out["rollout_log_probs"], ref, "log_probs",
+               f"rollout_log_probs of sampling at T=1 on llama-folder-defaults (generation_config.json sets {defaults}) "
+               f"vs the float64 reference of log softmax(logits / 1) (sampling follows SamplingParams alone)",
+               mask=out["response_mask"])

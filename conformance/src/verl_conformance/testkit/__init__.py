@@ -12,7 +12,8 @@
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
   NaN reward model, a reward model without its head's weights, folders whose special token ids (in
   ``config.json``, the tokenizer or ``generation_config.json``) lie outside the vocabulary, a Llama
-  that shows an RMSNorm computed in bfloat16) and a shuffled tokenizer.
+  that shows an RMSNorm computed in bfloat16, folders that list further EOS ids and set sampling defaults
+  in ``generation_config.json``) and a shuffled tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from verl_conformance.testkit.batches import random_batch
 from verl_conformance.testkit.crafted import (
     BFLOAT16_NORM_ROPE_THETA,
     CONFIG_CONSTANTS,
+    FOLDER_EOS_LISTS,
+    GENERATION_DEFAULTS,
     LONG_ROPE_TRAINED,
     OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
@@ -33,6 +36,7 @@ from verl_conformance.testkit.crafted import (
     config_constants_model,
     eos_model,
     eos_model_continuation,
+    folder_defaults_model,
     headless_reward_model,
     long_rope_model,
     nan_reward_model,
@@ -68,6 +72,8 @@ __all__ = [
     "BFLOAT16_NORM_ROPE_THETA",
     "LONG_ROPE_TRAINED",
     "CONFIG_CONSTANTS",
+    "FOLDER_EOS_LISTS",
+    "GENERATION_DEFAULTS",
     "OUT_OF_VOCAB_FILES",
     "OUT_OF_VOCAB_IDS",
     "OUT_OF_VOCAB_TOKEN",
@@ -87,6 +93,7 @@ __all__ = [
     "build_tiny_model",
     "eos_model",
     "eos_model_continuation",
+    "folder_defaults_model",
     "headless_reward_model",
     "launch_torchrun",
     "load_tokenizer",

@@ -25,6 +25,10 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   token id outside the vocabulary (:data:`OUT_OF_VOCAB_IDS`), which an engine must refuse.
 * :func:`out_of_vocab_file_model`: the same folders with the config right but the tokenizer's EOS or
   ``generation_config.json``'s EOS outside the vocabulary (:data:`OUT_OF_VOCAB_FILES`).
+* :func:`folder_defaults_model`: the EOS model or the tiny Llama whose ``config.json`` and
+  ``generation_config.json`` list further EOS ids (:data:`FOLDER_EOS_LISTS`) that its greedy
+  continuations emit, and whose ``generation_config.json`` sets sampling defaults
+  (:data:`GENERATION_DEFAULTS`): a rollout follows the tokenizer's EOS and ``SamplingParams`` alone.
 * :class:`ShuffledTokenizer`: the same characters under other ids (a policy whose tokenizer
   differs from the reward model's).
 """
@@ -41,7 +45,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
@@ -61,6 +65,8 @@ __all__ = [
     "EOS_FIRST",
     "EOS_LADDER_END",
     "EOS_LADDER_START",
+    "FOLDER_EOS_LISTS",
+    "GENERATION_DEFAULTS",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
     "OUT_OF_VOCAB_FILES",
@@ -75,6 +81,7 @@ __all__ = [
     "config_constants_model",
     "eos_model",
     "eos_model_continuation",
+    "folder_defaults_model",
     "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
@@ -629,6 +636,64 @@ def out_of_vocab_file_model(name: str, head: ModelHead = "causal_lm") -> Path:
         target.write_text(json.dumps(data, indent=1))
 
     return _crafted(f"oov-{head}-{name}", {"base": asdict(spec), "file": [file, key, value]}, build)
+
+
+FOLDER_EOS_LISTS: Final[dict[str, list[int]]] = {
+    # the tokenizer's EOS first (as Llama 3 folders list theirs), then an id the EOS model emits at once
+    # after a prompt ending in NEVER_EOS (31, 30, 31, ...)
+    "config.json": [_EOS, NEVER_EOS + 1],
+    # and one it emits as the third token after a prompt ending in EOS_LADDER_START (41, 42, 43, ...)
+    "generation_config.json": [_EOS, EOS_LADDER_START + 3],
+}
+"""The ``eos_token_id`` lists of :func:`folder_defaults_model`, by file: the tokenizer's EOS (1) and one more
+id each, ids the EOS model's greedy continuations emit early. Neither further id is a stop of a rollout."""
+
+GENERATION_DEFAULTS: Final[dict[str, object]] = {
+    "do_sample": True, "temperature": 0.05, "top_k": 1, "top_p": 0.5, "repetition_penalty": 1.5,
+    "max_new_tokens": 2,
+}
+"""The sampling defaults :func:`folder_defaults_model` writes in ``generation_config.json``: each changes
+what a rollout samples, or how long it runs, when honoured instead of ``SamplingParams``."""
+
+
+def folder_defaults_model(base: Literal["eos", "llama"]) -> Path:
+    """The EOS model (``base="eos"``, :func:`eos_model`) or the test kit's tiny Llama (``"llama"``) whose
+    ``config.json`` and ``generation_config.json`` set ``eos_token_id`` to the lists of
+    :data:`FOLDER_EOS_LISTS` and whose ``generation_config.json`` also sets :data:`GENERATION_DEFAULTS`;
+    the weights, the tokenizer (EOS id 1) and every other key as in the base folder.
+
+    A rollout stops on the tokenizer's EOS and ``SamplingParams.stop_token_ids`` alone and samples as
+    ``SamplingParams`` says: on these folders it gives the base folder's tokens and log-probs. On the
+    EOS model, a rollout that stops on a folder's EOS list ends the response after a prompt ending in
+    :data:`NEVER_EOS` at its first token, and after one ending in :data:`EOS_LADDER_START` at its third;
+    one that honours ``max_new_tokens`` 2 cuts every response at 2 tokens. On the tiny Llama (whose
+    log-probs are not one-hot), one that honours the temperature, top-k, top-p or repetition penalty
+    samples, or reports log-probs, other than on the base folder.
+
+    Raises:
+        KeyError: ``base`` is neither ``"eos"`` nor ``"llama"``.
+    """
+    bases: dict[str, Callable[[], Path]] = {"eos": eos_model, "llama": lambda: tiny_model(TinyModelSpec())}
+    if base not in bases:
+        raise KeyError(f"no folder-defaults folder on {base!r}; bases: {', '.join(bases)}")
+
+    def build(out: Path) -> None:
+        src = bases[base]()
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("verl_tiny_model.json", "verl_crafted_model.json"):
+                shutil.copy(f, out / f.name)
+        for file, eos in FOLDER_EOS_LISTS.items():
+            target = out / file
+            data = json.loads(target.read_text()) if target.exists() else {}
+            data["eos_token_id"] = eos
+            if file == "generation_config.json":
+                data.pop("_from_model_config", None)  # a checkpoint's own file, as a Llama 3 folder ships it
+                data.update(GENERATION_DEFAULTS)
+            target.write_text(json.dumps(data, indent=1))
+
+    recipe: dict[str, object] = {"base": base, "spec": asdict(TinyModelSpec()), "eos": FOLDER_EOS_LISTS,
+                                 "defaults": GENERATION_DEFAULTS}
+    return _crafted(f"folder-defaults-{base}", recipe, build)
 
 
 class ShuffledTokenizer:

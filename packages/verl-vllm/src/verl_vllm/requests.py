@@ -31,12 +31,21 @@ def sample_seed(seed: int, group_id: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def vllm_params(params: SamplingParams, *, n: int, seed: int | None) -> Any:
-    """vLLM's sampling parameters for ``n`` samples of one request (greedy: temperature 0)."""
+def vllm_params(params: SamplingParams, *, n: int, seed: int | None, eos_token_id: int) -> Any:
+    """vLLM's sampling parameters for ``n`` samples of one request (greedy: temperature 0).
+
+    A response stops on ``eos_token_id`` (the tokenizer's EOS) and ``params.stop_token_ids`` only.
+    vLLM itself would also stop on every EOS id the folder lists (``generation_config.json``'s
+    ``eos_token_id`` list, or ``config.json``'s where the folder has no generation config), even
+    with ``generation_config="vllm"``: it adds them to each request's stop ids unless the request
+    sets ``ignore_eos``. So the request sets ``ignore_eos`` and names the tokenizer's EOS as a stop
+    id itself, which ends the response on the same token, kept in it, as vLLM's EOS does.
+    """
     common: dict[str, Any] = {
         "n": n,
         "max_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
+        "stop_token_ids": sorted({eos_token_id, *params.stop_token_ids}),
+        "ignore_eos": True,
         "logprobs": 0,  # the sampled token's log-prob only
         "detokenize": False,
         "seed": seed,
@@ -57,21 +66,24 @@ def prompt_token_lists(rows: TensorBatch) -> list[list[int]]:
     return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
 
 
-def build_requests(rows: TensorBatch, params: SamplingParams, seeds: Sequence[int]) -> tuple[list[Any], list[Any]]:
+def build_requests(rows: TensorBatch, params: SamplingParams, seeds: Sequence[int],
+                   eos_token_id: int) -> tuple[list[Any], list[Any]]:
     """The vLLM prompts and their sampling parameters for the rows of a generate call.
 
     One request per sample when seeded (seeded by ``seeds``, one per row) or greedy; otherwise one
-    request per prompt (the first of each run of ``n`` adjacent rows) with ``n`` samples.
+    request per prompt (the first of each run of ``n`` adjacent rows) with ``n`` samples. Every
+    request stops on ``eos_token_id`` (the tokenizer's EOS) and ``params.stop_token_ids`` only (see
+    :func:`vllm_params`).
     """
     # vLLM refuses n > 1 for greedy requests, and a seeded sample needs its own request.
     if seeds or params.greedy:
         row_seeds: Sequence[int | None] = seeds if seeds else [None] * rows.batch_size
         lists = prompt_token_lists(rows)
         return ([TokensPrompt(prompt_token_ids=ids) for ids in lists],
-                [vllm_params(params, n=1, seed=seed) for seed in row_seeds])
+                [vllm_params(params, n=1, seed=seed, eos_token_id=eos_token_id) for seed in row_seeds])
     firsts = prompt_token_lists(rows.index(torch.arange(0, rows.batch_size, params.n)))
     return ([TokensPrompt(prompt_token_ids=ids) for ids in firsts],
-            [vllm_params(params, n=params.n, seed=None) for _ in firsts])
+            [vllm_params(params, n=params.n, seed=None, eos_token_id=eos_token_id) for _ in firsts])
 
 
 def responses(completions: list[Any], *, pad: int) -> Responses:

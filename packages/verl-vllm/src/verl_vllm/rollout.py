@@ -177,7 +177,7 @@ class VllmRolloutEngine(RolloutEngineBase):
         not depend on batch order; without one, vLLM samples the ``n`` responses of a prompt in one
         request (greedy: one request per sample, as vLLM refuses n > 1 for greedy requests).
         """
-        requests, sampling = build_requests(rows, params, seeds)
+        requests, sampling = build_requests(rows, params, seeds, self._tokenizer.eos_token_id)
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         completions: list[Any] = []
         for out in outputs:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +72,8 @@ __all__ = [
     "BatchCenteredScores",
     "BosAddingRewardTokenizer",
     "EosOutOfMask",
+    "FolderEosListStops",
+    "GenerationConfigDefaults",
     "IgnoredWeightSync",
     "LastChunkDropped",
     "LastColumnScores",
@@ -413,6 +417,36 @@ class EosOutOfMask(ExampleRolloutEngine):
             "rollout_log_probs": out["rollout_log_probs"].masked_fill(eos, 0.0),
         }
         return out.update(fields)
+
+
+def _folder_json(path: str | os.PathLike[str], file: str) -> dict[str, Any]:
+    """The folder's ``file`` as a dict (absent: empty)."""
+    target = Path(path) / file
+    return dict(json.loads(target.read_text())) if target.exists() else {}
+
+
+class FolderEosListStops(ExampleRolloutEngine):
+    """Stops on every EOS id ``config.json`` lists (``eos_token_id: [1, 31]``), not only on the tokenizer's."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate with config.json's EOS list added to the stop ids."""
+        eos = _folder_json(self.spec.model_path, "config.json").get("eos_token_id")
+        listed = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        stops = tuple(sorted({*params.stop_token_ids, *(int(i) for i in listed)}))
+        return super().generate(prompts, replace(params, stop_token_ids=stops))
+
+
+class GenerationConfigDefaults(ExampleRolloutEngine):
+    """Samples at ``generation_config.json``'s temperature and top_k where the folder sets them, not at
+    the request's (greedy decoding untouched)."""
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """Generate with the folder's sampling defaults over the request's."""
+        gen = _folder_json(self.spec.model_path, "generation_config.json")
+        if params.greedy:
+            return super().generate(prompts, params)
+        return super().generate(prompts, replace(params, temperature=float(gen.get("temperature", params.temperature)),
+                                                 top_k=int(gen.get("top_k", params.top_k))))
 
 
 class TruncatedAtLimit(ExampleRolloutEngine):

@@ -42,6 +42,8 @@ __all__ = [
     "drop_unmarked",
     "eos_out_of_mask",
     "exports_masters",
+    "folder_eos_list_stops",
+    "generation_config_defaults",
     "last_chunk_dropped",
     "long_rope_prefix_cache",
     "loss_scale",
@@ -171,6 +173,12 @@ rollout_tp = BrokenBackend("broken-rollout-tp", "each tensor-parallel rank sampl
 
 eos_out_of_mask = BrokenBackend("broken-eos-mask", "the terminating EOS is left out of response_mask",
                                 rollout=f"{_ENGINES}:EosOutOfMask")
+folder_eos_list_stops = BrokenBackend("broken-folder-eos-list-stops", "the rollout also stops on every EOS id "
+                                      "config.json lists, not only on the tokenizer's EOS",
+                                      rollout=f"{_ENGINES}:FolderEosListStops")
+generation_config_defaults = BrokenBackend("broken-generation-config-defaults", "sampling follows "
+                                           "generation_config.json's temperature and top_k over the request's",
+                                           rollout=f"{_ENGINES}:GenerationConfigDefaults")
 truncated_at_limit = BrokenBackend("broken-truncated", "truncated is set at max_new_tokens even after EOS",
                                    rollout=f"{_ENGINES}:TruncatedAtLimit")
 last_chunk_dropped = BrokenBackend("broken-last-chunk", "the last chunk of a multi-chunk weight stream is not applied",
