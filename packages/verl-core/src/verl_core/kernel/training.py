@@ -170,7 +170,8 @@ class TrainingEngine(Protocol):
         """Compute ``outputs`` for the response tokens, without gradients.
 
         Needs ``prompt_ids``, ``prompt_mask``, ``response_ids``, ``response_mask``; the temperature is
-        ``batch.meta.temperature``. Position ids are ``cumsum(attention_mask) - 1`` clipped at 0.
+        ``batch.meta.temperature`` (always a float: a batch always has a ``meta``, whose temperature
+        defaults to 1.0). Position ids are ``cumsum(attention_mask) - 1`` clipped at 0.
         Log-probs and entropy are computed in float32 from float32-upcast logits, with the
         semantics of the schema's ``log_probs`` field; values are read at the same positions and do
         not depend on the temperature (the value head's output as it is: the trainer's critic
