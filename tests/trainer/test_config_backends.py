@@ -212,3 +212,41 @@ def test_a_run_whose_built_roles_name_another_backend_needs_no_hf(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file(), done.stderr[-3000:]
+
+
+def test_rollout_stop_token_ids_reach_every_rollout_call_and_are_checked(tmp_path: Path) -> None:
+    """``rollout.stop_token_ids`` goes into the training rollout's and evaluation's SamplingParams;
+    an id past the vocabulary, or a rollout backend that declares no stop ids, is refused by name
+    before the output folder is claimed."""
+    import dataclasses
+
+    from verl_core.kernel.capabilities import RolloutCapabilities
+    from verl_core.trainer.run import backends as run_backends
+    from verl_core.trainer.run.model import check_model_folders
+
+    cfg = load_config(None, [*TINY, "rollout.stop_token_ids=[5, 7]", f"output_dir={json.dumps(str(tmp_path / 'a'))}"])
+    assert cfg.rollout.stop_token_ids == (5, 7)
+    assert cfg.rollout.sampling_params(seed=3).stop_token_ids == (5, 7)
+    assert cfg.rollout.sampling_params(seed=0, n=1, greedy=True).stop_token_ids == (5, 7)
+    with Trainer(cfg, stream=io.StringIO()) as trainer:
+        assert trainer.sampling_params().stop_token_ids == (5, 7)
+
+    far = load_config(None, [*TINY, "rollout.stop_token_ids=[5, 96]", f"output_dir={json.dumps(str(tmp_path / 'b'))}"])
+    with pytest.raises(ConfigError, match=r"config key 'rollout.stop_token_ids' = \[5, 96\]: 96 not in \[0, 96\), "
+                                          r"the vocabulary \(model.vocab_size\)"):
+        check_model_folders(far, use_critic=False)
+    assert not (tmp_path / "b").exists()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 50}))
+    on_path = load_config(None, [*TINY, "rollout.stop_token_ids=[49, 60]", f"model.path={json.dumps(str(folder))}"])
+    with pytest.raises(ConfigError, match=r"60 not in \[0, 50\), the vocabulary \(model.path .*config.json\)"):
+        check_model_folders(on_path, use_critic=False)
+    with pytest.raises(ConfigError, match=r"config key 'rollout.stop_token_ids'.* -1"):
+        load_config(None, [*TINY, "rollout.stop_token_ids=[-1]"])
+
+    no_stops = dataclasses.replace(RolloutCapabilities(), stop_token_ids=False)
+    with pytest.raises(ConfigError, match=r"'rollout.stop_token_ids' = \[5, 7\], but backend 'tiny' .* does not "
+                                          r"declare stop token ids"):
+        run_backends._check_declared(cfg, "rollout", "tiny", no_stops)
+    run_backends._check_declared(cfg, "rollout", "tiny", RolloutCapabilities())  # declared: accepted

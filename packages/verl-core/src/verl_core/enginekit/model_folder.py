@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["SPECIAL_TOKEN_FILES", "SPECIAL_TOKEN_KEYS", "TOKENIZER_TOKEN_KEYS", "check_special_token_ids"]
+__all__ = ["SPECIAL_TOKEN_FILES", "SPECIAL_TOKEN_KEYS", "TOKENIZER_TOKEN_KEYS", "check_special_token_ids", "vocab_size"]
 
 SPECIAL_TOKEN_KEYS: Final = ("pad_token_id", "eos_token_id", "bos_token_id")
 """The ``config.json`` and ``generation_config.json`` keys of special token ids that must be rows of
@@ -67,6 +67,13 @@ def _vocab_size(config: Mapping[str, Any]) -> int | None:
     text = config.get("text_config")
     vocab = (text if isinstance(text, Mapping) and "vocab_size" in text else config).get("vocab_size")
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def vocab_size(folder: str | os.PathLike[str]) -> int | None:
+    """The ``vocab_size`` of the folder's ``config.json`` (a multimodal config's ``text_config``'s),
+    or None when the file is absent, unreadable or sets no integer ``vocab_size``."""
+    raw = _read_json(Path(folder) / "config.json")
+    return None if raw is None else _vocab_size(raw)
 
 
 def _check_id_keys(folder: str | os.PathLike[str], file: str, scope: Mapping[str, Any], prefix: str,

@@ -261,6 +261,12 @@ class RolloutConfig:
         top_p: Nucleus threshold.
         top_k: Top-k (0 = off).
         max_new_tokens: Longest response.
+        stop_token_ids: Token ids that end a response besides the tokenizer's EOS (kept in the
+            response, as EOS is), passed to every rollout call, evaluation included, as
+            ``SamplingParams.stop_token_ids``: for example the further EOS ids a folder's
+            ``generation_config.json`` lists (Llama 3's), which no rollout stops on by itself.
+            Each must be below the model's ``vocab_size``; the rollout backend must declare
+            ``stop_token_ids``. Empty (default): responses end at EOS or ``max_new_tokens``.
         sleep: When the rollout engine sleeps during the update (freeing its device memory):
             ``always`` every step; ``never``; ``auto`` (default) every step unless the run is in
             one process on a CUDA device with room for both: then the first step sleeps and
@@ -276,12 +282,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = ()
     sleep: Literal["auto", "always", "never"] = "auto"
 
-    def sampling_params(self, *, seed: int | None = None) -> SamplingParams:
-        """The training rollout's :class:`~verl_core.kernel.rollout.SamplingParams` (``seed``: each step's)."""
+    def sampling_params(self, *, seed: int | None = None, n: int | None = None, greedy: bool = False) -> SamplingParams:
+        """The rollout's :class:`~verl_core.kernel.rollout.SamplingParams`: ``seed`` each step's,
+        ``n`` samples per prompt (default ``self.n``), ``greedy`` for evaluation."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, n=self.n, seed=seed)
+                              max_new_tokens=self.max_new_tokens, n=self.n if n is None else n, seed=seed,
+                              greedy=greedy, stop_token_ids=self.stop_token_ids)
 
 
 @dataclass(frozen=True)

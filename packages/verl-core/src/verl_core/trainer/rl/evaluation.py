@@ -88,8 +88,7 @@ class Evaluator:
     def _dataset(self, ds: PromptDataset) -> dict[str, float]:
         r, n = self.config.rollout, self.config.data.eval_n
         e = self.engines
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, n=n, greedy=n == 1, seed=0)
+        params = r.sampling_params(seed=0, n=n, greedy=n == 1)
         meta = BatchMeta(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, pad_token_id=ds.tokenizer.pad_token_id,
                          weight_version=self.progress.weight_version, step=self.progress.step)
         sums: dict[str, float] = {}
@@ -126,7 +125,8 @@ class Evaluator:
             extras={"answer": [a for _, a in examples]},
             meta=BatchMeta(temperature=r.temperature, pad_token_id=tok.pad_token_id, step=self.progress.step),
         )
-        params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0)
+        params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0,
+                                stop_token_ids=r.stop_token_ids)
         e.rollout.wake()
         out = e.reward.score(e.rollout.generate(prompts, params))
         metrics = {"eval/reward_mean": float(out["scores"].mean())}

@@ -95,6 +95,12 @@ def _check_declared(config: RunConfig, role: Role, name: str, caps: Capabilities
             "engine; set async_training.partial_rollouts='finish', or choose a rollout backend that declares it "
             "(e.g. hf, vllm)"
         )
+    if isinstance(caps, RolloutCapabilities) and config.rollout.stop_token_ids and not caps.stop_token_ids:
+        raise ConfigError(
+            f"config key 'rollout.stop_token_ids' = {list(config.rollout.stop_token_ids)}, but {which} does not "
+            "declare stop token ids for its rollout engine (RolloutCapabilities.stop_token_ids is false); "
+            "leave rollout.stop_token_ids empty, or choose a rollout backend that declares it (e.g. hf, vllm)"
+        )
     if lora_of(config, role) is None:
         return
     if isinstance(caps, TrainingCapabilities) and not caps.lora:

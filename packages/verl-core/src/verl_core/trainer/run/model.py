@@ -33,9 +33,14 @@ def check_model_folders(config: RunConfig, *, use_critic: bool) -> None:
         config: The run.
         use_critic: The run builds a critic (its folder is ``critic_model`` when set).
 
+    Also refuses a ``rollout.stop_token_ids`` entry outside the model's vocabulary (``model.path``'s
+    ``config.json``, or ``model.vocab_size`` for the run's tiny model).
+
     Raises:
-        ConfigError: naming the key, its value and whether the path is missing or a file.
+        ConfigError: naming the key, its value and whether the path is missing or a file (or the
+            stop id and the vocabulary).
     """
+    _check_stop_ids(config)
     if config.executor != "local":
         return
     keys = (("critic_model", config.critic_model if use_critic else ""), ("reward_model", config.reward_model))
@@ -52,6 +57,24 @@ def check_model_folders(config: RunConfig, *, use_critic: bool) -> None:
                 f"config key {key!r} = {value!r} {what}; expected the folder of the {key.partition('_')[0]} model "
                 "(for the hf backend a transformers folder with config.json and its weights)"
             )
+
+
+def _check_stop_ids(config: RunConfig) -> None:
+    """Every ``rollout.stop_token_ids`` entry is a row of the model's vocabulary (when it is known)."""
+    from verl_core.enginekit.model_folder import vocab_size
+
+    stops = config.rollout.stop_token_ids
+    if not stops:
+        return
+    path = config.model.path
+    vocab = vocab_size(path) if path else config.model.vocab_size
+    where = f"model.path {path!r}'s config.json" if path else "model.vocab_size"
+    bad = [t for t in stops if vocab is not None and t >= vocab]
+    if bad:
+        raise ConfigError(
+            f"config key 'rollout.stop_token_ids' = {list(stops)}: {', '.join(map(str, bad))} not in [0, {vocab}), "
+            f"the vocabulary ({where}); a rollout can never sample such an id, so it would never stop on it"
+        )
 
 
 def build_run_model(config: RunConfig, run: RunDir, *, max_position: int) -> str:
