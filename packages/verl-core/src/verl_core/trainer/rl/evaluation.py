@@ -11,7 +11,6 @@ import time
 
 from verl_core.agent.loop import episode_metrics
 from verl_core.kernel.batch import BatchMeta
-from verl_core.kernel.rollout import SamplingParams
 from verl_core.trainer.config import RunConfig
 from verl_core.trainer.inputs.data import PromptDataset
 from verl_core.trainer.inputs.rewards import RewardFunctions
@@ -125,8 +124,7 @@ class Evaluator:
             extras={"answer": [a for _, a in examples]},
             meta=BatchMeta(temperature=r.temperature, pad_token_id=tok.pad_token_id, step=self.progress.step),
         )
-        params = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, greedy=True, seed=0,
-                                stop_token_ids=r.stop_token_ids)
+        params = r.sampling_params(seed=0, n=1, greedy=True)
         e.rollout.wake()
         out = e.reward.score(e.rollout.generate(prompts, params))
         metrics = {"eval/reward_mean": float(out["scores"].mean())}
