@@ -30,6 +30,18 @@ FAULTS = [
      ["numerics::reference_role_log_probs_match_reference"],
      ["the reference role's log_probs of qwen2-perturbed (qwen2 with every tensor moved: its q/k/v biases no longer "
       "zeros", "vs the float64 reference"]),
+    # and one that loads every tensor but sets the norm weights a random folder holds at one back to ones: all of
+    # them (the Llama folder passes, qwen2-perturbed fails), or Qwen3's q/k norms only (qwen2-perturbed passes too)
+    ("broken-reference-norms", ["numerics::log_probs_match_reference",
+                                "numerics::reference_role_log_probs_match_reference"],
+     ["numerics::reference_role_log_probs_match_reference"],
+     ["the reference role's log_probs of qwen2-perturbed (qwen2 with every tensor moved:", "its RMSNorm weights no "
+      "longer ones) at temperature 1.0 vs the float64 reference"]),
+    ("broken-reference-qk-norms", ["numerics::log_probs_match_reference",
+                                   "numerics::reference_role_log_probs_match_reference"],
+     ["numerics::reference_role_log_probs_match_reference"],
+     ["the reference role's log_probs of qwen3-tied-perturbed (qwen3 with every tensor moved: its RMSNorm weights, "
+      "the q/k norms' too, no longer ones) at temperature 1.0 vs the float64 reference"]),
     ("broken-padding-idx", ["numerics::loss_and_grads_match_reference", "numerics::pad_token_as_real_token_update"],
      ["numerics::pad_token_as_real_token_update"], ["gradient of model.embed_tokens.weight", "float64 reference"]),
     ("broken-response-mask", ["schema::forward_layout"], ["schema::forward_layout"],

@@ -88,6 +88,8 @@ __all__ = [
     "NoisyScores",
     "OptimizerStateDropped",
     "RankSeededRollout",
+    "ReferenceNormWeightsReset",
+    "ReferenceQKNormWeightsReset",
     "ResponseMaskIgnored",
     "RolloutNormWeightsIgnored",
     "RolloutQKNormsSkipped",
@@ -606,6 +608,33 @@ class TrainingQKVBiasesIgnored(ExampleTrainingEngine):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         _qkv_biases_ignored(self.model)
+
+
+def _norm_weights_reset(model: DecoderLM, names: Collection[str] = ()) -> None:
+    """Set the weight of every RMSNorm of ``model`` to ones (only those whose attribute name is in ``names``,
+    where given): the folder's values are loaded, then lost."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module) is RMSNorm and (not names or name.rsplit(".", 1)[-1] in names):
+                module.weight.fill_(1.0)
+
+
+class ReferenceNormWeightsReset(ExampleTrainingEngine):
+    """Loads the folder, then sets every RMSNorm weight (input_layernorm, post_attention_layernorm, the final
+    norm, Qwen3's q/k norms) to ones: right on a folder whose norm weights are all one."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _norm_weights_reset(self.model)
+
+
+class ReferenceQKNormWeightsReset(ExampleTrainingEngine):
+    """Loads the folder, then sets Qwen3's q_norm and k_norm weights to ones: right on Llama and Qwen2 (which
+    have none) and on a Qwen3 folder whose q/k norm weights are all one."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _norm_weights_reset(self.model, ("q_norm", "k_norm"))
 
 
 class RolloutNormWeightsIgnored(ExampleRolloutEngine):

@@ -53,6 +53,8 @@ __all__ = [
     "padding_idx",
     "padding_side",
     "qkv_biases",
+    "reference_norm_weights",
+    "reference_qk_norm_weights",
     "reference_qkv_biases",
     "reference_temperature",
     "response_mask",
@@ -207,6 +209,12 @@ qkv_biases = BrokenBackend("broken-qwen2-biases", "training leaves the q, k and 
 reference_qkv_biases = BrokenBackend("broken-reference-qwen2-biases", "the reference engine leaves the q, k and v "
                                      "biases out of the forward (Qwen2's): the actor is right",
                                      reference=f"{_ENGINES}:TrainingQKVBiasesIgnored")
+reference_norm_weights = BrokenBackend("broken-reference-norms", "the reference engine sets every RMSNorm weight "
+                                       "to ones after loading the folder: the actor is right",
+                                       reference=f"{_ENGINES}:ReferenceNormWeightsReset")
+reference_qk_norm_weights = BrokenBackend("broken-reference-qk-norms", "the reference engine sets Qwen3's q_norm and "
+                                          "k_norm weights to ones after loading the folder: the actor is right",
+                                          reference=f"{_ENGINES}:ReferenceQKNormWeightsReset")
 # the critic's faults (the actor beside it is right): state, temperature, micro-batching, clipping, its folder's head
 critic_checkpoint_head = BrokenBackend("broken-critic-checkpoint-head", "the critic's checkpoint leaves the value "
                                        "head (score.*) out; a load keeps the folder's head",
