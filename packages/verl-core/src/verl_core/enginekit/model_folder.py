@@ -11,6 +11,9 @@ on an EOS the model cannot emit (the tokenizer's, or the generation config's) ru
 backend calls it where it reads the folder's config, before any weights load, so the user learns it
 as a :class:`~verl_core.kernel.errors.ConfigError` naming the file, the key, its value, the
 vocabulary size and the folder.
+
+:func:`check_tokenizer_ids` applies the same rule to a tokenizer object given with a model built in
+memory (``rollout_from_model`` of each backend), against the rows of the model's input embedding.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["SPECIAL_TOKEN_FILES", "SPECIAL_TOKEN_KEYS", "TOKENIZER_TOKEN_KEYS", "check_special_token_ids", "vocab_size"]
+__all__ = [
+    "SPECIAL_TOKEN_FILES",
+    "SPECIAL_TOKEN_KEYS",
+    "TOKENIZER_TOKEN_KEYS",
+    "check_special_token_ids",
+    "check_tokenizer_ids",
+    "vocab_size",
+]
 
 SPECIAL_TOKEN_KEYS: Final = ("pad_token_id", "eos_token_id", "bos_token_id")
 """The ``config.json`` and ``generation_config.json`` keys of special token ids that must be rows of
@@ -237,3 +248,45 @@ def check_special_token_ids(folder: str | os.PathLike[str], config: Mapping[str,
     _check_config_json(folder, raw)
     _check_generation_config(folder, vocab)
     _check_tokenizer(folder, vocab)
+
+
+def check_tokenizer_ids(tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a tokenizer object whose pad, EOS or BOS id is not a row of a model's embedding.
+
+    The rule of :func:`check_special_token_ids` for a model built in memory, which has no folder to
+    read: ``rollout_from_model`` calls it with the rows of the model's input embedding (all tensor
+    parallel ranks' together), so a tokenizer that is not the model's fails at build rather than
+    deep in generation (padding indexes outside the embedding; a rollout stopping on an EOS the
+    model cannot emit runs every response to ``max_new_tokens``).
+
+    Args:
+        tokenizer: A transformers tokenizer, an :class:`~verl_core.enginekit.hf_tokenizer.HFTokenizer`
+            (its wrapped tokenizer is read) or a :class:`~verl_core.kernel.tokenizer.Tokenizer`. Its
+            ``pad_token_id``, ``eos_token_id`` and ``bos_token_id`` are checked where it has them
+            (None, or no such attribute, is no such token).
+        vocab_size: The model's embedding rows.
+
+    Raises:
+        ConfigError: an id outside ``[0, vocab_size)``, or one that is not an integer; the message
+            names the token, its id, the vocabulary size and what to do.
+    """
+    raw = tokenizer.wrapped if isinstance(tokenizer, HFTokenizer) else tokenizer
+    for key in SPECIAL_TOKEN_KEYS:
+        value = getattr(raw, key, None)
+        if value is None:
+            continue
+        kind = key[:3]
+        text = getattr(raw, f"{kind}_token", None)
+        named = f" ({text!r})" if isinstance(text, str) else ""
+        where = f"tokenizer {type(raw).__name__}: its {key} = {value!r}{named}"
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} is not a token id (an integer in [0, {vocab_size}), the model's vocabulary)")
+        if 0 <= value < vocab_size:
+            continue
+        none = " (a negative id does not mean none)" if value < 0 else ""
+        why = _WHY_PADDING if kind == "pad" else _WHY[kind]
+        raise ConfigError(
+            f"{where} is not in [0, {vocab_size}), the model's vocabulary ({vocab_size} rows of its input "
+            f"embedding){none}; {why}. Pass the tokenizer the model was built for, give it a {kind}_token whose id "
+            f"is below {vocab_size}, or resize the model's embedding to the tokenizer"
+        )
