@@ -182,6 +182,33 @@ def test_the_id_transformers_gives_a_token_the_tokenizer_lacks_is_the_one_refuse
         check_special_token_ids(tmp_path)
 
 
+def test_tokenizer_json_is_parsed_once_per_version_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl_core.enginekit.model_folder as model_folder
+
+    reads: list[Path] = []
+    read_json = model_folder._read_json
+
+    def counting(file: Path) -> Any:
+        if file.name == "tokenizer.json":
+            reads.append(file)
+        return read_json(file)
+
+    monkeypatch.setattr(model_folder, "_read_json", counting)
+    (tmp_path / "m").mkdir()
+    folder = _folder(tmp_path / "m", tokenizer_json=_tokenizer_json(), tokenizer_config_json=_TOKENIZER_CONFIG)
+    (tmp_path / "link").symlink_to(folder)
+    for path in (folder, folder, tmp_path / "link"):  # each engine of a run checks the folder; a link is the file
+        check_special_token_ids(path)
+    assert len(reads) == 1
+    # the file is written again: the next check reads the new ids (an EOS now past the vocabulary)
+    (folder / "tokenizer.json").write_text(json.dumps(_tokenizer_json(128, {"<|end|>": 128})))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**_TOKENIZER_CONFIG, "eos_token": "<|end|>"}))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"eos_token = '<\|end\|>', id 128 in tokenizer.json"):
+            check_special_token_ids(folder)
+    assert len(reads) == 2
+
+
 # ------------------------------------------------------------------ a tokenizer object (a model built in memory)
 class _Tok:
     """Special ids as a transformers tokenizer gives them (None: no such token)."""
