@@ -17,8 +17,8 @@ from verl_conformance.testkit import (
     out_of_vocab_model,
     tiny_model,
 )
-from verl_core import ConfigError
-from verl_core.enginekit.model_folder import check_special_token_ids
+from verl_core import ConfigError, HFTokenizer
+from verl_core.enginekit.model_folder import check_special_token_ids, check_tokenizer_ids
 
 _OK: dict[str, Any] = {"vocab_size": 128, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 
@@ -180,3 +180,66 @@ def test_the_id_transformers_gives_a_token_the_tokenizer_lacks_is_the_one_refuse
     assert AutoTokenizer.from_pretrained(str(tmp_path)).eos_token_id == 128
     with pytest.raises(ConfigError, match="eos_token = '<end>', a token tokenizer.json does not hold.*id 128"):
         check_special_token_ids(tmp_path)
+
+
+def test_tokenizer_json_is_parsed_once_per_version_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl_core.enginekit.model_folder as model_folder
+
+    reads: list[Path] = []
+    read_json = model_folder._read_json
+
+    def counting(file: Path) -> Any:
+        if file.name == "tokenizer.json":
+            reads.append(file)
+        return read_json(file)
+
+    monkeypatch.setattr(model_folder, "_read_json", counting)
+    (tmp_path / "m").mkdir()
+    folder = _folder(tmp_path / "m", tokenizer_json=_tokenizer_json(), tokenizer_config_json=_TOKENIZER_CONFIG)
+    (tmp_path / "link").symlink_to(folder)
+    for path in (folder, folder, tmp_path / "link"):  # each engine of a run checks the folder; a link is the file
+        check_special_token_ids(path)
+    assert len(reads) == 1
+    # the file is written again: the next check reads the new ids (an EOS now past the vocabulary)
+    (folder / "tokenizer.json").write_text(json.dumps(_tokenizer_json(128, {"<|end|>": 128})))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**_TOKENIZER_CONFIG, "eos_token": "<|end|>"}))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"eos_token = '<\|end\|>', id 128 in tokenizer.json"):
+            check_special_token_ids(folder)
+    assert len(reads) == 2
+
+
+# ------------------------------------------------------------------ a tokenizer object (a model built in memory)
+class _Tok:
+    """Special ids as a transformers tokenizer gives them (None: no such token)."""
+
+    def __init__(self, pad: Any = 0, eos: Any = 1, bos: Any = None, eos_text: str | None = None) -> None:
+        self.pad_token_id, self.eos_token_id, self.bos_token_id, self.eos_token = pad, eos, bos, eos_text
+
+    def __len__(self) -> int:
+        return 200
+
+
+@pytest.mark.parametrize("tok", [_Tok(), _Tok(pad=None), _Tok(eos=127, bos=2), HFTokenizer(_Tok(pad=None), 500)])
+def test_tokenizer_ids_among_the_embedding_rows_pass(tok: Any) -> None:
+    check_tokenizer_ids(tok, 128)
+
+
+@pytest.mark.parametrize(("tok", "fragments"), [
+    (_Tok(eos=128, eos_text="<|end|>"), ["tokenizer _Tok: its eos_token_id = 128 ('<|end|>') is not in [0, 128)",
+                                         "the model's vocabulary (128 rows of its input embedding)", "never stops"]),
+    (_Tok(pad=130), ["its pad_token_id = 130 is not in [0, 128)", "batches are padded with it"]),
+    (_Tok(pad=-1), ["its pad_token_id = -1 is not in [0, 128)", "a negative id does not mean none"]),
+    (_Tok(bos=128), ["its bos_token_id = 128 is not in [0, 128)", "index outside the embedding"]),
+    (_Tok(eos="1"), ["its eos_token_id = '1' is not a token id (an integer in [0, 128)"]),
+    # the wrapped tokenizer's ids are checked whatever vocab_size the adapter was given
+    (HFTokenizer(_Tok(eos=150), 200), ["tokenizer _Tok: its eos_token_id = 150 is not in [0, 128)"]),
+])
+def test_tokenizer_ids_past_the_embedding_are_refused_by_name(tok: Any, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_tokenizer_ids(tok, 128)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    if "not a token id" not in message:
+        assert "give it a" in message and "resize the model's embedding to the tokenizer" in message

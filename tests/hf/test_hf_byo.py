@@ -121,3 +121,26 @@ def test_weight_stream_into_a_model_object_matches_the_folder_engine() -> None:
     a, b = folder.generate(_prompts(folder), params), mine.generate(_prompts(mine), params)
     assert torch.equal(a["response_ids"], b["response_ids"])
     torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("token", "fragments"), [
+    ("eos", ["its eos_token_id = 128 ('<|end|>') is not in [0, 128)", "never stops before max_new_tokens"]),
+    ("pad", ["its pad_token_id = 128 ('<|pad|>') is not in [0, 128)", "batches are padded with it"]),
+])
+def test_a_tokenizer_whose_special_id_is_past_the_embedding_is_refused(token: str, fragments: list[str]) -> None:
+    tok = AutoTokenizer.from_pretrained(model_path())
+    model = _model()
+    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    assert len(tok) == rows == 128  # the tokenizer fits the model until a token is added without resizing
+    tok.add_special_tokens({f"{token}_token": f"<|{'end' if token == 'eos' else token}|>"})
+    with pytest.raises(ConfigError) as info:
+        rollout_from_model(model, tok)
+    message = str(info.value)
+    for fragment in [*fragments, "the model's vocabulary (128 rows of its input embedding)",
+                     "resize the model's embedding to the tokenizer"]:
+        assert fragment in message, message
+    # resizing the embedding to the tokenizer makes it a row: the same tokenizer is accepted and generates
+    model.resize_token_embeddings(len(tok))  # type: ignore[operator]
+    engine = rollout_from_model(model, tok, max_response_len=4)
+    out = engine.generate(_prompts(engine), SamplingParams(max_new_tokens=3, seed=1))
+    assert out["response_ids"].shape == (4, 3) and int(out["response_ids"].max()) < 129

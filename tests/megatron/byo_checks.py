@@ -114,6 +114,18 @@ def main() -> None:
         except ConfigError as e:
             errors.append(str(e))
     out["errors"] = errors
+    # a tokenizer given a special token past the embedding's rows (128 over all ranks) is refused at build
+    from transformers import AutoTokenizer
+
+    refusals = []
+    for token in ("eos", "pad"):
+        grown = AutoTokenizer.from_pretrained(str(path))
+        grown.add_special_tokens({f"{token}_token": f"<|{token}|>"})
+        try:
+            rollout_from_model(builder(GPTModel), grown, parallel=ParallelConfig(tp=tp))
+        except ConfigError as e:
+            refusals.append(str(e))
+    out["refusals"] = refusals
     write_rank_result(out)
 
 

@@ -49,3 +49,15 @@ def test_unsupported_layouts_are_rejected(ranks: list[dict[str, Any]]) -> None:
     assert len(errors) == 2
     assert "pp=1" in errors[0]
     assert "parallel_output=True" in errors[1]
+
+
+def test_a_tokenizer_whose_special_id_is_past_the_embedding_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        eos, pad = r["refusals"]
+        assert "its eos_token_id = 128 ('<|eos|>') is not in [0, 128)" in eos, eos
+        assert "never stops before max_new_tokens" in eos
+        assert "its pad_token_id = 128 ('<|pad|>') is not in [0, 128)" in pad, pad
+        assert "batches are padded with it" in pad
+        for message in (eos, pad):
+            assert "the model's vocabulary (128 rows of its input embedding)" in message
+            assert "resize the model's embedding to the tokenizer" in message

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from verl_core.enginekit.byo import GeneratesTokens, generate_with_model, in_memory_spec
+from verl_core.enginekit.model_folder import check_tokenizer_ids
 from verl_core.enginekit.sampling import GraphCaptures, StaticDecoders
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.kernel.batch import TensorBatch
@@ -44,7 +45,9 @@ class HFModelRollout(HFRolloutEngine):
         options: Backend options (``rollout_batch_size``).
 
     Raises:
-        ConfigError: the model is not a module with an input embedding, or the tokenizer has no EOS.
+        ConfigError: the model is not a module with an input embedding, or the tokenizer has no EOS,
+            or its pad, EOS or BOS id is not a row of the model's input embedding
+            (:func:`verl_core.enginekit.model_folder.check_tokenizer_ids`).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class HFModelRollout(HFRolloutEngine):
         device = param.device
         lm: Any = model
         vocab = int(lm.get_input_embeddings().num_embeddings)
+        check_tokenizer_ids(tokenizer, vocab)
         # No super().__init__: it loads a folder; this sets the state the engine's methods use.
         self._spec = in_memory_spec(
             dtype=param.dtype, device=str(device), seed=seed,

@@ -28,6 +28,7 @@ from verl_core.enginekit.byo import (
     generate_with_model,
     in_memory_spec,
 )
+from verl_core.enginekit.model_folder import check_tokenizer_ids
 from verl_core.enginekit.sampling import GraphCaptures, StaticDecoders
 from verl_megatron.convert import ModelDims, StateDictAdapter
 from verl_megatron.logprobs import vocab_parallel_log_probs
@@ -76,7 +77,9 @@ class MegatronModelRollout(MegatronRolloutEngine):
 
     Raises:
         ConfigError: pp > 1, a model without ``parallel_output`` under TP, or a layout that does not
-            fit the launched processes.
+            fit the launched processes; a tokenizer whose pad, EOS or BOS id is not a row of the
+            model's word embedding, all ranks' rows together
+            (:func:`verl_core.enginekit.model_folder.check_tokenizer_ids`).
     """
 
     def __init__(
@@ -120,7 +123,8 @@ class MegatronModelRollout(MegatronRolloutEngine):
                 "gathers the vocabulary slices itself: build it with parallel_output=True"
             )
         local_vocab = self._local_vocab(built)
-        vocab = local_vocab * self.tp
+        vocab = local_vocab * self.tp  # the embedding's rows over all ranks (a padded vocabulary counts its padding)
+        check_tokenizer_ids(tokenizer, vocab)
         param = next(built.parameters())
         self._dtype = param.dtype
         self._spec = in_memory_spec(

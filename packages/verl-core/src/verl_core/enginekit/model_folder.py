@@ -11,19 +11,32 @@ on an EOS the model cannot emit (the tokenizer's, or the generation config's) ru
 backend calls it where it reads the folder's config, before any weights load, so the user learns it
 as a :class:`~verl_core.kernel.errors.ConfigError` naming the file, the key, its value, the
 vocabulary size and the folder.
+
+:func:`check_tokenizer_ids` applies the same rule to a tokenizer object given with a model built in
+memory (``rollout_from_model`` of each backend), against the rows of the model's input embedding.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from types import MappingProxyType
+from typing import Any, Final, NamedTuple
 
+from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.kernel.errors import ConfigError
 
-__all__ = ["SPECIAL_TOKEN_FILES", "SPECIAL_TOKEN_KEYS", "TOKENIZER_TOKEN_KEYS", "check_special_token_ids", "vocab_size"]
+__all__ = [
+    "SPECIAL_TOKEN_FILES",
+    "SPECIAL_TOKEN_KEYS",
+    "TOKENIZER_TOKEN_KEYS",
+    "check_special_token_ids",
+    "check_tokenizer_ids",
+    "vocab_size",
+]
 
 SPECIAL_TOKEN_KEYS: Final = ("pad_token_id", "eos_token_id", "bos_token_id")
 """The ``config.json`` and ``generation_config.json`` keys of special token ids that must be rows of
@@ -118,6 +131,50 @@ def _check_generation_config(folder: str | os.PathLike[str], vocab: int) -> None
         _check_id_keys(folder, "generation_config.json", gen, "", vocab, _WHY_PADDING)
 
 
+class _TokenTable(NamedTuple):
+    """The ids ``tokenizer.json`` gives token texts."""
+
+    ids: Mapping[str, int]  # read-only: the cached table is shared by every check of the file
+    size: int  # one past the largest id
+
+
+def _tokenizer_table(file: Path) -> _TokenTable | None:
+    """The token table of ``file`` (a ``tokenizer.json``), parsed once per version of the file.
+
+    Every engine of a run checks its model folder when it is built (actor, rollout and reference
+    build one after another on the policy's folder), and a tokenizer.json is megabytes of JSON
+    (about 0.3 s to read for a 150k-token BPE); the parse is cached per resolved path,
+    modification time and size, so a file written again is read again. The cache keeps the two
+    latest files (a 150k-token table holds about 20 MB). None when the file is absent, unreadable
+    or holds no JSON object.
+    """
+    try:
+        resolved = file.resolve()
+        stat = resolved.stat()
+    except (OSError, ValueError):
+        return None
+    return _parse_tokenizer_table(str(resolved), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_tokenizer_table(file: str, mtime_ns: int, size: int) -> _TokenTable | None:
+    """The token table of ``file``; ``mtime_ns`` and ``size`` only key the cache."""
+    tok = _read_json(Path(file))
+    if tok is None:
+        return None
+    model = tok.get("model")
+    vocab = model.get("vocab") if isinstance(model, Mapping) else None
+    known: dict[str, int] = {}
+    if isinstance(vocab, Mapping):  # BPE, WordPiece, WordLevel: text -> id
+        known.update((t, i) for t, i in vocab.items() if isinstance(i, int))
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+        known.update((p[0], i) for i, p in enumerate(vocab) if isinstance(p, list) and p and isinstance(p[0], str))
+    for token in tok.get("added_tokens") or []:
+        if isinstance(token, Mapping) and isinstance(token.get("content"), str) and isinstance(token.get("id"), int):
+            known[token["content"]] = token["id"]
+    return _TokenTable(MappingProxyType(known), max(known.values(), default=-1) + 1)
+
+
 class _TokenIds:
     """Ids of token texts as a folder's tokenizer files give them (``tokenizer.json`` read on first need)."""
 
@@ -130,35 +187,24 @@ class _TokenIds:
                 content = token.get("content") if isinstance(token, Mapping) else None
                 if isinstance(content, str) and str(key).isdigit():
                     self._ids.setdefault(content, (int(key), "tokenizer_config.json's added_tokens_decoder"))
-        self._loaded = False
+        self._table: Mapping[str, int] | None = None  # tokenizer.json's ids, once read
         self.has_table = False  # tokenizer.json was read: a token it lacks is one transformers adds
         self.size = 0  # one past the largest id tokenizer.json holds
 
-    def _load(self) -> None:
-        self._loaded = True
-        tok = _read_json(self._folder / "tokenizer.json")
-        if tok is None:
-            return
-        model = tok.get("model")
-        vocab = model.get("vocab") if isinstance(model, Mapping) else None
-        known: dict[str, int] = {}
-        if isinstance(vocab, Mapping):  # BPE, WordPiece, WordLevel: text -> id
-            known.update((t, i) for t, i in vocab.items() if isinstance(i, int))
-        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
-            known.update((p[0], i) for i, p in enumerate(vocab) if isinstance(p, list) and p and isinstance(p[0], str))
-        for token in tok.get("added_tokens") or []:
-            if isinstance(token, Mapping) and isinstance(token.get("content"), str) and isinstance(token.get("id"), int):
-                known[token["content"]] = token["id"]
-        self.has_table = bool(known)
-        self.size = max(known.values(), default=-1) + 1
-        for text, i in known.items():
-            self._ids.setdefault(text, (i, "tokenizer.json"))
+    def _load(self) -> Mapping[str, int]:
+        table = _tokenizer_table(self._folder / "tokenizer.json")
+        self._table = {} if table is None else table.ids
+        if table is not None:
+            self.has_table = bool(table.ids)
+            self.size = table.size
+        return self._table
 
     def id_of(self, text: str) -> tuple[int, str] | None:
         """The id of ``text`` and the file that gives it, or None when no file holds it."""
-        if text not in self._ids and not self._loaded:
-            self._load()
-        return self._ids.get(text)
+        if text in self._ids:  # tokenizer_config.json's added_tokens_decoder goes before tokenizer.json
+            return self._ids[text]
+        i = (self._load() if self._table is None else self._table).get(text)
+        return None if i is None else (i, "tokenizer.json")
 
 
 def _check_tokenizer(folder: str | os.PathLike[str], vocab: int) -> None:
@@ -215,7 +261,9 @@ def check_special_token_ids(folder: str | os.PathLike[str], config: Mapping[str,
 
     A config without an integer ``vocab_size`` has nothing to compare with and passes, and so does a
     file that is absent or unreadable, or a token whose id no file gives (a SentencePiece
-    ``tokenizer.model`` alone): the loader refuses what it cannot read.
+    ``tokenizer.model`` alone): the loader refuses what it cannot read. ``tokenizer.json`` is read
+    only for a token ``added_tokens_decoder`` lacks, and parsed once per version of the file in a
+    process (each engine of a run checks the folder it is built on).
 
     Args:
         folder: The model folder (named in the error; its generation config and tokenizer files
@@ -237,3 +285,45 @@ def check_special_token_ids(folder: str | os.PathLike[str], config: Mapping[str,
     _check_config_json(folder, raw)
     _check_generation_config(folder, vocab)
     _check_tokenizer(folder, vocab)
+
+
+def check_tokenizer_ids(tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a tokenizer object whose pad, EOS or BOS id is not a row of a model's embedding.
+
+    The rule of :func:`check_special_token_ids` for a model built in memory, which has no folder to
+    read: ``rollout_from_model`` calls it with the rows of the model's input embedding (all tensor
+    parallel ranks' together), so a tokenizer that is not the model's fails at build rather than
+    deep in generation (padding indexes outside the embedding; a rollout stopping on an EOS the
+    model cannot emit runs every response to ``max_new_tokens``).
+
+    Args:
+        tokenizer: A transformers tokenizer, an :class:`~verl_core.enginekit.hf_tokenizer.HFTokenizer`
+            (its wrapped tokenizer is read) or a :class:`~verl_core.kernel.tokenizer.Tokenizer`. Its
+            ``pad_token_id``, ``eos_token_id`` and ``bos_token_id`` are checked where it has them
+            (None, or no such attribute, is no such token).
+        vocab_size: The model's embedding rows.
+
+    Raises:
+        ConfigError: an id outside ``[0, vocab_size)``, or one that is not an integer; the message
+            names the token, its id, the vocabulary size and what to do.
+    """
+    raw = tokenizer.wrapped if isinstance(tokenizer, HFTokenizer) else tokenizer
+    for key in SPECIAL_TOKEN_KEYS:
+        value = getattr(raw, key, None)
+        if value is None:
+            continue
+        kind = key[:3]
+        text = getattr(raw, f"{kind}_token", None)
+        named = f" ({text!r})" if isinstance(text, str) else ""
+        where = f"tokenizer {type(raw).__name__}: its {key} = {value!r}{named}"
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} is not a token id (an integer in [0, {vocab_size}), the model's vocabulary)")
+        if 0 <= value < vocab_size:
+            continue
+        none = " (a negative id does not mean none)" if value < 0 else ""
+        why = _WHY_PADDING if kind == "pad" else _WHY[kind]
+        raise ConfigError(
+            f"{where} is not in [0, {vocab_size}), the model's vocabulary ({vocab_size} rows of its input "
+            f"embedding){none}; {why}. Pass the tokenizer the model was built for, give it a {kind}_token whose id "
+            f"is below {vocab_size}, or resize the model's embedding to the tokenizer"
+        )
