@@ -27,8 +27,15 @@ _COUNTS = {"varlen_attn": 0, "sdpa_loop": 0}
 
 def packed_attention_counts() -> dict[str, int]:
     """How many packed attention calls ran the flash ``varlen_attn`` kernel or the per-sequence SDPA
-    loop since the process started (per layer and micro-batch)."""
+    loop since the process started (per layer and micro-batch), counted in eager calls only: a
+    call traced by ``torch.compile`` is not counted (a counter read while tracing would be a guard
+    on its value, and every later call would recompile)."""
     return dict(_COUNTS)
+
+
+def _count(kernel: str) -> None:
+    if not torch.compiler.is_compiling():
+        _COUNTS[kernel] += 1
 
 
 def _varlen_fn() -> Any:
@@ -98,9 +105,9 @@ def packed_causal_attention(
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     out = _varlen(query, key, value, cu_seqlens, longest, scale) if longest > 0 else None
     if out is not None:
-        _COUNTS["varlen_attn"] += 1
+        _count("varlen_attn")
         return out
-    _COUNTS["sdpa_loop"] += 1
+    _count("sdpa_loop")
     bounds = [int(b) for b in cu_seqlens.tolist()]
     rep = query.shape[1] // key.shape[1]
     parts = []
