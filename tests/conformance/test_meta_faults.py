@@ -221,6 +221,33 @@ FAULTS = [
      ["reward::unsupported_settings_refused"], ["built with parallel=ParallelSizes(tp=2, pp=1, dp=1)"]),
     ("broken-reward-random-head", ["reward::unsupported_settings_refused"], ["reward::unsupported_settings_refused"],
      ["the reward engine built on the causal-LM Llama folder", "a head initialised at random scores noise"]),
+    # the optimizer as OptimConfig says: clipping of the accumulated gradient, weight decay on every parameter
+    ("broken-micro-batch-grad-clip", ["numerics::optimizer_matches_reference"],
+     ["numerics::optimizer_matches_reference"], ["update 0 under AdamW", "grad norm vs float64 reference"]),
+    ("broken-norms-not-decayed", ["numerics::optimizer_matches_reference"], ["numerics::optimizer_matches_reference"],
+     ["weight_decay 0.1", "vs float64 reference"]),
+    ("broken-warmup-from-zero", ["numerics::optimizer_matches_reference"], ["numerics::optimizer_matches_reference"],
+     ["optimizer_step ran at lr 0, OptimConfig.lr_at(0) is 0.25"]),
+    # the schedule past the four steps optimizer_matches_reference runs (a cosine over exactly them): both pass it
+    ("broken-cosine-past-total", ["numerics::optimizer_matches_reference",
+                                  "numerics::lr_schedule_past_warmup_and_decay"],
+     ["numerics::lr_schedule_past_warmup_and_decay"],
+     ["update 3 (schedule='cosine'", "optimizer_step ran at lr 0.5, OptimConfig.lr_at(3) is 0.05",
+      "a cosine stays at its floor past total_steps"]),
+    ("broken-constant-schedule-decays", ["numerics::optimizer_matches_reference",
+                                         "numerics::lr_schedule_past_warmup_and_decay"],
+     ["numerics::lr_schedule_past_warmup_and_decay"],
+     ["update 2 (schedule='constant'", "optimizer_step ran at lr 0.05, OptimConfig.lr_at(2) is 0.5"]),
+    # the lr reported right, the peak applied: the weights show it
+    ("broken-schedule-ignored", ["numerics::lr_schedule_past_warmup_and_decay"],
+     ["numerics::lr_schedule_past_warmup_and_decay"],
+     ["moved by 4 updates (schedule='cosine'", "the lr applied, not only the one reported"]),
+    # entropy at the batch's temperature; rollout_log_probs before truncation where declared exact
+    ("broken-entropy-temperature", ["numerics::log_probs_match_reference", "numerics::entropy_matches_reference"],
+     ["numerics::entropy_matches_reference"], ["entropy at temperature 0.7 vs float64 reference"]),
+    ("broken-truncated-log-probs", ["numerics::rollout_log_probs_match_reference"],
+     ["numerics::rollout_log_probs_match_reference"],
+     ["rollout_log_probs at temperature 0.8, top_k 20, top_p 0.9 vs float64 reference of log softmax(logits/T)"]),
 ]
 
 

@@ -12,6 +12,7 @@ declares values (under the suite's value loss).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -94,6 +95,56 @@ def _optimizer_matches_reference(h: Harness, role: Role, batches: list[TensorBat
                    f"{who}{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 "
                    "(weight decay decoupled and on every parameter, betas, clipping by the global norm, lr of the "
                    "schedule)")
+
+
+SCHEDULE_STEPS = 4
+"""Updates of :func:`check_lr_schedule_past_warmup_and_decay` under each schedule: one of warmup, the
+cosine's peak and its floor at ``total_steps`` (2), then one past it."""
+
+
+def past_the_schedule(schedule: Literal["constant", "cosine"]) -> OptimConfig:
+    """AdamW (no weight decay or clipping) with a 1-step warmup and ``total_steps=2``: the cosine's
+    learning rates are 0.5, 0.5, 0.05, 0.05 (held at ``min_lr_ratio * lr`` past ``total_steps``), the
+    constant schedule's 0.5 at every step (``total_steps`` set, but it does not decay)."""
+    return OptimConfig(lr=0.5, eps=1.0, betas=(0.8, 0.95), weight_decay=0.0, warmup_steps=1, schedule=schedule,
+                       total_steps=2, min_lr_ratio=0.1, grad_clip=0.0)
+
+
+@check("numerics")
+def check_lr_schedule_past_warmup_and_decay(h: Harness) -> None:
+    """The learning rate is OptimConfig.lr_at(k) where numerics::optimizer_matches_reference does not look: with total_steps=2, a cosine schedule holds min_lr_ratio * lr at its floor and past it (it does not climb back as torch's CosineAnnealingLR does), and schedule='constant' stays at lr after the warmup (total_steps set, no decay); four updates under each, each step's reported lr and the weights after vs torch AdamW in float64 at lr_at(k); for the actor (a critic-only backend: the critic)."""
+    role = h.trained_role()
+    who = "" if role == "actor" else f"the {role}: "
+    path = h.model_path("value" if role == "critic" else "llama")
+    loss = role_loss(role)
+    batches = [h.batch(seed=70 + k, rl_fields=True) for k in range(SCHEDULE_STEPS)]
+    for schedule in ("cosine", "constant"):
+        optim = past_the_schedule(schedule)
+        lrs = ", ".join(f"{optim.lr_at(k):g}" for k in range(SCHEDULE_STEPS))
+        settings = (f"schedule={schedule!r}, lr {optim.lr}, warmup_steps {optim.warmup_steps}, total_steps "
+                    f"{optim.total_steps}, min_lr_ratio {optim.min_lr_ratio}: lr_at(0..{SCHEDULE_STEPS - 1}) = {lrs}")
+        engine = h.training(role, fresh=True, optim=optim)
+        ref = ReferenceModel(path, optim)
+        before = exported_weights(engine)
+        ref_before = ref.state()
+        for k, batch in enumerate(batches):
+            stats = GlobalBatchStats.of(batch)
+            engine.forward_backward(batch, loss, stats)
+            step = engine.optimizer_step()
+            ref.step(batch, loss, stats)
+            h.expect(not step.skipped, f"{who}update {k} ({settings}): optimizer_step skipped a finite update")
+            h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
+                     f"{who}update {k} ({settings}): optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) "
+                     f"is {optim.lr_at(k):.6g}" + (" (a cosine stays at its floor past total_steps)"
+                                                   if schedule == "cosine" else
+                                                   " (a constant schedule does not decay, total_steps or not)"))
+        after = exported_weights(engine)
+        for name, w in ref.state().items():
+            h.expect(name in after, f"{who}export_weights lacks {name} after {SCHEDULE_STEPS} updates")
+            h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
+                       f"{who}{name} moved by {SCHEDULE_STEPS} updates ({settings}) vs torch AdamW in float64 at "
+                       "lr_at(k) (the lr applied, not only the one reported)")
+        h.close_fresh()
 
 
 def export_version(engine: TrainingEngine) -> int:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 from verl_example_backend.model import DecoderConfig, DecoderLM, RMSNorm, load_model
 from verl_example_backend.plugin import CRITIC_CAPABILITIES
-from verl_example_backend.rollout import ExampleRolloutEngine, sample_seed
+from verl_example_backend.rollout import ExampleRolloutEngine, _truncate, sample_seed
 from verl_example_backend.training import ExampleTrainingEngine, token_outputs
 
 from verl_broken_backends.capabilities import (
@@ -32,6 +33,7 @@ from verl_core import (
     EngineSpec,
     FunctionReward,
     ModelOutput,
+    OptimConfig,
     ParallelSizes,
     RewardCapabilities,
     RolloutCapabilities,
@@ -124,6 +126,14 @@ __all__ = [
     "QKNormsDropped",
     "QKVBiasesDropped",
     "RandomHeadAccepted",
+    "ConstantScheduleDecays",
+    "CosineClimbsPastTotal",
+    "EntropyAtTemperatureOne",
+    "NormsAndBiasesNotDecayed",
+    "PerMicroBatchGradClip",
+    "ScheduleIgnoredReported",
+    "TruncatedRolloutLogProbs",
+    "WarmupFromZero",
 ]
 
 
@@ -1168,3 +1178,154 @@ class RandomHeadAccepted(HFRewardEngine):
             super().__init__(spec)
         finally:
             namespace["load_model"] = original
+
+
+class _PeriodicCosine(OptimConfig):
+    """``lr_at`` as torch's CosineAnnealingLR computes it: the cosine is not held at its floor after
+    ``total_steps`` but climbs back (its period is twice the decay)."""
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "cosine" and self.total_steps > self.warmup_steps:
+            progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+            return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return self.lr
+
+
+class _CosineAlways(OptimConfig):
+    """``lr_at`` that decays along the cosine whenever ``total_steps`` is set, ``schedule='constant'`` or not."""
+
+    def lr_at(self, step: int) -> float:
+        if not self.total_steps:
+            return super().lr_at(step)
+        return OptimConfig(**{f.name: getattr(self, f.name) for f in fields(OptimConfig)} | {"schedule": "cosine"}).lr_at(step)
+
+
+class _WarmupFromZero(OptimConfig):
+    """``lr_at`` whose warmup counts the first step as 0 (``lr * step / warmup_steps``: the first update at lr 0)."""
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        return super().lr_at(step)
+
+
+class _OwnSchedule(ExampleTrainingEngine):
+    """Steps (and reports) at the learning rate of its own schedule, ``SCHEDULE``'s ``lr_at``."""
+
+    SCHEDULE: type[OptimConfig] = OptimConfig
+
+    def optimizer_step(self) -> StepMetrics:
+        """Step at ``SCHEDULE(**spec.optim).lr_at(step)``."""
+        spec = self._spec
+        o = spec.optim
+        own = self.SCHEDULE(**{f.name: getattr(o, f.name) for f in fields(OptimConfig)})
+        self._spec = replace(spec, optim=own)
+        try:
+            return super().optimizer_step()
+        finally:
+            self._spec = spec
+
+
+class CosineClimbsPastTotal(_OwnSchedule):
+    """After ``total_steps`` the cosine climbs back up (torch's CosineAnnealingLR) instead of staying at
+    ``min_lr_ratio * lr``."""
+
+    SCHEDULE = _PeriodicCosine
+
+
+class ConstantScheduleDecays(_OwnSchedule):
+    """``schedule='constant'`` with ``total_steps`` set decays along the cosine all the same."""
+
+    SCHEDULE = _CosineAlways
+
+
+class WarmupFromZero(_OwnSchedule):
+    """The warmup counts the first step as 0: the first update runs at lr 0."""
+
+    SCHEDULE = _WarmupFromZero
+
+
+class ScheduleIgnoredReported(ExampleTrainingEngine):
+    """Steps at the peak ``lr`` every time (no warmup, no decay) but reports ``lr_at(step)``."""
+
+    def optimizer_step(self) -> StepMetrics:
+        """Step at ``spec.optim.lr``; report the scheduled lr."""
+        spec = self._spec
+        k = self.step
+        self._spec = replace(spec, optim=replace(spec.optim, warmup_steps=0, schedule="constant"))
+        try:
+            out = super().optimizer_step()
+        finally:
+            self._spec = spec
+        return replace(out, lr=spec.optim.lr_at(k))
+
+
+class NormsAndBiasesNotDecayed(ExampleTrainingEngine):
+    """Weight decay on the matrices only: 1-D parameters (norm weights, biases) in a group without it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        o = spec.optim
+        params = list(self.model.parameters())
+        groups: list[dict[str, Any]] = [{"params": [p for p in params if p.dim() > 1]},
+                                        {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+class PerMicroBatchGradClip(ExampleTrainingEngine):
+    """Clips each micro-batch's gradient to ``grad_clip`` as it accumulates (then the sum once more in
+    optimizer_step), instead of the accumulated gradient once."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._clipped: dict[torch.nn.Parameter, Tensor] = {}
+
+    def _clip_contribution(self) -> None:
+        clip = self._spec.optim.grad_clip
+        raw: dict[torch.nn.Parameter, Tensor] = {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                raw[p] = p.grad - self._clipped[p] if p in self._clipped else p.grad.clone()
+        norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in raw.values()),
+                                    torch.zeros((), dtype=torch.float64))))
+        scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+        for p, g in raw.items():
+            total = g * scale + self._clipped[p] if p in self._clipped else g * scale
+            p.grad.copy_(total)  # type: ignore[union-attr]
+            self._clipped[p] = total.clone()
+
+    def compute(self, batch: TensorBatch, outputs: Collection[ModelOutput]) -> dict[str, Tensor]:
+        if self.model.training:  # a micro-batch of forward_backward: the previous one's gradient is complete
+            self._clip_contribution()
+        return super().compute(batch, outputs)
+
+    def forward_backward(self, mini_batch: TensorBatch, loss_fn: Any, stats: Any, *,
+                         max_tokens: int | None = None) -> Any:
+        """The example's loop, each micro-batch's gradient clipped (the last one's after it)."""
+        self._clipped = {}
+        out = super().forward_backward(mini_batch, loss_fn, stats, max_tokens=max_tokens)
+        self._clip_contribution()
+        return out
+
+
+class EntropyAtTemperatureOne(ExampleTrainingEngine):
+    """log_probs at the batch's temperature, entropy of the untempered distribution (temperature 1)."""
+
+    def compute(self, batch: TensorBatch, outputs: Collection[ModelOutput]) -> dict[str, Tensor]:
+        out = super().compute(batch, outputs)
+        if "entropy" in outputs:
+            plain = batch.update(meta=replace(batch.meta, temperature=1.0))
+            out["entropy"] = super().compute(plain, ["entropy"])["entropy"]
+        return out
+
+
+class TruncatedRolloutLogProbs(ExampleRolloutEngine):
+    """rollout_log_probs of the truncated distribution (renormalised over the top-k/top-p tokens) while
+    declaring exact_log_probs_truncated (log softmax(logits / T) before truncation)."""
+
+    def tempered_log_probs(self, logits: Tensor, params: SamplingParams) -> Tensor:
+        return torch.log_softmax(_truncate(logits / params.temperature, params.top_k, params.top_p), -1)

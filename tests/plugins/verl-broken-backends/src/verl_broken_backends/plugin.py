@@ -30,6 +30,8 @@ __all__ = [
     "bfloat16_norm",
     "checkpoint_optimizer",
     "checkpointing_grads",
+    "constant_schedule_decays",
+    "cosine_past_total",
     "critic_checkpoint_head",
     "critic_checkpoint_optimizer",
     "critic_grad_clip",
@@ -40,6 +42,7 @@ __all__ = [
     "critic_token_budget",
     "drop_rotary",
     "drop_unmarked",
+    "entropy_temperature",
     "eos_out_of_mask",
     "exports_masters",
     "folder_eos_list_stops",
@@ -47,7 +50,9 @@ __all__ = [
     "last_chunk_dropped",
     "long_rope_prefix_cache",
     "loss_scale",
+    "micro_batch_grad_clip",
     "micro_batch_loss",
+    "norms_not_decayed",
     "offload_tensor",
     "optimizer_state",
     "padding_idx",
@@ -80,14 +85,17 @@ __all__ = [
     "rollout_qkv_biases",
     "rollout_tp",
     "rotary_arange_positions",
+    "schedule_ignored",
     "shifted_log_probs",
     "special_ids_unchecked",
     "temperature",
     "tokenizer_ids_unchecked",
     "top_k",
     "truncated_at_limit",
+    "truncated_log_probs",
     "unseeded",
     "wake_reload",
+    "warmup_from_zero",
     "weight_sync",
 ]
 
@@ -328,3 +336,23 @@ reward_parallel_ignored = BrokenHFBackend("broken-reward-parallel-ignored", "the
 reward_random_head = BrokenHFBackend("broken-reward-random-head", "the reward model loads a folder without score "
                                      "weights (a causal LM) with a head initialised at random", "reward",
                                      f"{_ENGINES}:RandomHeadAccepted")
+
+# the optimizer and its schedule as OptimConfig describes them
+warmup_from_zero = BrokenBackend("broken-warmup-from-zero", "the warmup counts the first step as 0 (its lr is 0)",
+                                 training=f"{_ENGINES}:WarmupFromZero")
+schedule_ignored = BrokenBackend("broken-schedule-ignored", "every update runs at the peak lr (no warmup or decay) "
+                                 "while lr_at(step) is reported", training=f"{_ENGINES}:ScheduleIgnoredReported")
+cosine_past_total = BrokenBackend("broken-cosine-past-total", "after total_steps the cosine climbs back up "
+                                  "(torch's CosineAnnealingLR) instead of holding min_lr_ratio * lr",
+                                  training=f"{_ENGINES}:CosineClimbsPastTotal")
+constant_schedule_decays = BrokenBackend("broken-constant-schedule-decays", "schedule='constant' with total_steps "
+                                         "set decays along the cosine", training=f"{_ENGINES}:ConstantScheduleDecays")
+norms_not_decayed = BrokenBackend("broken-norms-not-decayed", "no weight decay on 1-D parameters (norm weights, "
+                                  "biases)", training=f"{_ENGINES}:NormsAndBiasesNotDecayed")
+micro_batch_grad_clip = BrokenBackend("broken-micro-batch-grad-clip", "each micro-batch's gradient clipped as it "
+                                      "accumulates", training=f"{_ENGINES}:PerMicroBatchGradClip")
+entropy_temperature = BrokenBackend("broken-entropy-temperature", "entropy at temperature 1 (log_probs at the "
+                                    "batch's)", training=f"{_ENGINES}:EntropyAtTemperatureOne")
+truncated_log_probs = BrokenBackend("broken-truncated-log-probs", "rollout_log_probs of the truncated (top-k/top-p) "
+                                    "distribution while declaring exact_log_probs_truncated",
+                                    rollout=f"{_ENGINES}:TruncatedRolloutLogProbs")
