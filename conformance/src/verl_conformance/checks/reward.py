@@ -113,12 +113,12 @@ def _scored(h: Harness, engine: RewardEngine, batch: TensorBatch, where: str,
 
 
 def _same(h: Harness, got: _Scored, want: _Scored, what: str) -> None:
-    """``got`` equals ``want`` in the values tier: scores, and token scores on real tokens."""
+    """``got`` equals ``want`` in the scores tier: scores, and token scores on real tokens."""
     if want.scores is not None and got.scores is not None:
-        h.close_to(got.scores, want.scores, "values", f"scores {what}")
+        h.close_to(got.scores, want.scores, "scores", f"scores {what}")
     if want.tokens is not None and got.tokens is not None:
         for i, (g, w) in enumerate(zip(got.tokens, want.tokens, strict=True)):
-            h.close_to(g, w, "values", f"token_scores of sample {i} {what}")
+            h.close_to(g, w, "scores", f"token_scores of sample {i} {what}")
 
 
 @check("reward", gates=("reward.scores", "reward.token_scores"))
@@ -243,7 +243,7 @@ def check_scores_match_reference(h: Harness) -> None:
                        f"{type(e).__name__}: {e}; accept the folder or refuse its model_type with verl_core.ConfigError")
         got = _scores(h, engine, batch, f"score on {model}")
         want = _reference_scores(h.model_path(model), batch)
-        h.close_to(got, want, "values",
+        h.close_to(got, want, "scores",
                    f"scores on {model} ({model_type}: {layers}) of {batch.batch_size} samples of {lengths} real tokens "
                    "vs the float64 reference of the reward folder (the head at the last real token of prompt + "
                    "response)")
@@ -435,7 +435,7 @@ def check_unsupported_settings_refused(h: Harness) -> None:
         h.expect(not bool(torch.equal(got, suite)),
                  f"the reward engine built with dtype={dtype!r} scores {batch.batch_size} samples exactly as in "
                  f"{h.dtype} ({got.tolist()}): it ignored the dtype; {advice}")
-        replace(h, dtype=dtype).close_to(got, want, "values",
+        replace(h, dtype=dtype).close_to(got, want, "scores",
                                          f"scores with dtype={dtype!r} vs the float64 reference of the reward folder "
                                          f"(in the {dtype} tier; {advice})")
         ran.append(dtype)
