@@ -250,3 +250,35 @@ def test_rollout_stop_token_ids_reach_every_rollout_call_and_are_checked(tmp_pat
                                           r"declare stop token ids"):
         run_backends._check_declared(cfg, "rollout", "tiny", no_stops)
     run_backends._check_declared(cfg, "rollout", "tiny", RolloutCapabilities())  # declared: accepted
+
+
+@pytest.mark.parametrize(("rollout", "path"), [("hf", "HFDirectSync"), ("tiny", "the weight stream (StreamWeightSync)")])
+def test_the_weight_sync_path_is_logged_at_setup(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, rollout: str, path: str
+) -> None:
+    """Which sync moves the weights (a plugin's direct path or the canonical stream) is named once at setup:
+    the step's metrics are the same on both paths."""
+    cfg = load_config(None, [*TINY, f"backends.rollout={rollout}", f"output_dir={json.dumps(str(tmp_path / rollout))}"])
+    with caplog.at_level(logging.INFO, logger="verl_core"), Trainer(cfg) as trainer:
+        trainer.setup()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight sync from")]
+    assert lines == [f"weight sync from the actor (hf) to the rollout ({rollout}): {path}"]
+
+
+def test_a_sync_reports_details_become_weight_sync_metrics() -> None:
+    """SyncReport.details reach the step's metrics as weight_sync/<key>, beside weight_sync/bytes."""
+    from types import SimpleNamespace
+
+    from verl_core.kernel.weights import SyncReport
+    from verl_core.trainer.rl.weight_sync import WeightSyncStage
+
+    class Direct:
+        def sync(self, source: object, target: object, *, version: int) -> SyncReport:
+            return SyncReport(version, 3, 120, 0.01, {"buckets": 2, "direct": 1.0})
+
+    engines = SimpleNamespace(actor=object(), rollout=object(), sync=Direct())
+    progress = SimpleNamespace(weight_version=4, stage="update")
+    state = SimpleNamespace(metrics={}, timings={})
+    WeightSyncStage(engines, progress).sync(state)  # type: ignore[arg-type]
+    assert state.metrics == {"weight_sync/bytes": 120, "weight_sync/buckets": 2.0, "weight_sync/direct": 1.0}
+    assert progress.weight_version == 5

@@ -44,7 +44,7 @@ from verl_core.kernel.errors import ConfigError
 from verl_core.kernel.reward import RewardEngine
 from verl_core.kernel.rollout import RolloutEngine, SamplingParams
 from verl_core.kernel.training import TrainingEngine
-from verl_core.kernel.weights import WeightSync
+from verl_core.kernel.weights import StreamWeightSync, WeightSync
 from verl_core.trainer.batching.budget import make_schedulers
 from verl_core.trainer.batching.replay import HybridReplayBuffer
 from verl_core.trainer.batching.scheduler import DynamicBatchScheduler, MemoryProbe, PeakProbe
@@ -261,6 +261,9 @@ class Trainer:
         e.build_reward(cfg, self._spec("reward", cfg.reward_model or path), self.task, columns=self.source.columns,
                        base_dir=self.base_dir, say=self.ctx.warn)  # shown whatever logging.progress says
         e.sync = ex.weight_sync(b.actor, b.rollout)
+        log.info("weight sync from the actor (%s) to the rollout (%s): %s", b.actor, b.rollout,
+                 "the weight stream (StreamWeightSync)" if isinstance(e.sync, StreamWeightSync)
+                 else f"{type(e.sync).__name__}")
         bc = cfg.batch
         # free memory is read once per run (the budget refined once by the first update) and
         # checkpoints carry the budget, so a resumed run splits its steps (and sums their

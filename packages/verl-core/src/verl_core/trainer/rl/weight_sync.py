@@ -151,7 +151,8 @@ class WeightSyncStage:
     def sync(self, state: StepState) -> None:
         """Wake the rollout engine and send it the actor's weights as the next version.
 
-        Adds ``weight_sync/bytes`` (the bytes sent) to the step's metrics.
+        Adds ``weight_sync/bytes`` (the bytes sent) to the step's metrics, and each entry of the
+        sync's :attr:`~verl_core.kernel.weights.SyncReport.details` as ``weight_sync/<key>``.
 
         Sets ``time/rollout_wake`` (0 when the rollout stayed awake) and ``time/weight_sync`` (the
         sync alone).
@@ -170,6 +171,8 @@ class WeightSyncStage:
         self.progress.stage = "logging"
         state.timings["time/weight_sync"] = time.perf_counter() - t
         state.metrics["weight_sync/bytes"] = report.bytes
+        for key, value in report.details.items():
+            state.metrics[f"weight_sync/{key}"] = float(value)
 
     def restore(self, state: StepState) -> None:
         """After a step that trained nothing: wake a rollout engine that slept and send it the
