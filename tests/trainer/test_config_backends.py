@@ -266,7 +266,8 @@ def test_the_weight_sync_path_is_logged_at_setup(
 
 
 def test_a_sync_reports_details_become_weight_sync_metrics() -> None:
-    """SyncReport.details reach the step's metrics as weight_sync/<key>, beside weight_sync/bytes."""
+    """SyncReport.details reach the step's metrics as weight_sync/<key>, beside weight_sync/bytes (durations
+    under time/, which a resumed run need not repeat)."""
     from types import SimpleNamespace
 
     from verl_core.kernel.weights import SyncReport
@@ -274,11 +275,12 @@ def test_a_sync_reports_details_become_weight_sync_metrics() -> None:
 
     class Direct:
         def sync(self, source: object, target: object, *, version: int) -> SyncReport:
-            return SyncReport(version, 3, 120, 0.01, {"buckets": 2, "direct": 1.0})
+            return SyncReport(version, 3, 120, 0.01, {"buckets": 2, "direct": 1.0, "reshard_s": 0.25})
 
     engines = SimpleNamespace(actor=object(), rollout=object(), sync=Direct())
     progress = SimpleNamespace(weight_version=4, stage="update")
     state = SimpleNamespace(metrics={}, timings={})
     WeightSyncStage(engines, progress).sync(state)  # type: ignore[arg-type]
     assert state.metrics == {"weight_sync/bytes": 120, "weight_sync/buckets": 2.0, "weight_sync/direct": 1.0}
+    assert state.timings["time/weight_sync/reshard_s"] == 0.25  # a duration: with the time/* metrics
     assert progress.weight_version == 5

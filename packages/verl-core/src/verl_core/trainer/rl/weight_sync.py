@@ -152,7 +152,9 @@ class WeightSyncStage:
         """Wake the rollout engine and send it the actor's weights as the next version.
 
         Adds ``weight_sync/bytes`` (the bytes sent) to the step's metrics, and each entry of the
-        sync's :attr:`~verl_core.kernel.weights.SyncReport.details` as ``weight_sync/<key>``.
+        sync's :attr:`~verl_core.kernel.weights.SyncReport.details` as ``weight_sync/<key>`` (a
+        duration, a key ending in ``_s``, as ``time/weight_sync/<key>``: like every ``time/*``
+        metric it is not expected to repeat in a resumed run).
 
         Sets ``time/rollout_wake`` (0 when the rollout stayed awake) and ``time/weight_sync`` (the
         sync alone).
@@ -172,7 +174,10 @@ class WeightSyncStage:
         state.timings["time/weight_sync"] = time.perf_counter() - t
         state.metrics["weight_sync/bytes"] = report.bytes
         for key, value in report.details.items():
-            state.metrics[f"weight_sync/{key}"] = float(value)
+            if key.endswith("_s"):
+                state.timings[f"time/weight_sync/{key}"] = float(value)
+            else:
+                state.metrics[f"weight_sync/{key}"] = float(value)
 
     def restore(self, state: StepState) -> None:
         """After a step that trained nothing: wake a rollout engine that slept and send it the
