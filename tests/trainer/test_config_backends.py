@@ -252,17 +252,22 @@ def test_rollout_stop_token_ids_reach_every_rollout_call_and_are_checked(tmp_pat
     run_backends._check_declared(cfg, "rollout", "tiny", RolloutCapabilities())  # declared: accepted
 
 
-@pytest.mark.parametrize(("rollout", "path"), [("hf", "HFDirectSync"), ("tiny", "the weight stream (StreamWeightSync)")])
-def test_the_weight_sync_path_is_logged_at_setup(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, rollout: str, path: str
+@pytest.mark.parametrize(("rollout", "path", "direct"),
+                         [("hf", "HFDirectSync", 1.0), ("tiny", "the weight stream (StreamWeightSync)", 0.0)])
+def test_the_weight_sync_path_is_logged_and_in_the_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str], rollout: str, path: str,
+    direct: float
 ) -> None:
-    """Which sync moves the weights (a plugin's direct path or the canonical stream) is named once at setup:
-    the step's metrics are the same on both paths."""
-    cfg = load_config(None, [*TINY, f"backends.rollout={rollout}", f"output_dir={json.dumps(str(tmp_path / rollout))}"])
-    with caplog.at_level(logging.INFO, logger="verl_core"), Trainer(cfg) as trainer:
-        trainer.setup()
+    """Which sync moves the weights (a plugin's direct path or the canonical stream) is named once at setup,
+    and each step's weight_sync/direct says which path moved them (the other metrics look the same)."""
+    out = tmp_path / rollout
+    with caplog.at_level(logging.INFO, logger="verl_core"):
+        code, err = _train([*TINY, f"backends.rollout={rollout}", "--output-dir", str(out)], capsys)
+    assert code == 0, err
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight sync from")]
     assert lines == [f"weight sync from the actor (hf) to the rollout ({rollout}): {path}"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["weight_sync/direct"] for m in metrics] == [direct]
 
 
 def test_a_sync_reports_details_become_weight_sync_metrics() -> None:

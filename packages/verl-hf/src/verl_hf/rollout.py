@@ -514,7 +514,7 @@ class HFDirectSync(WeightSync):
         with target._writing_weights():
             moved = target._load_flat(source, version=version)
             if moved is not None:
-                return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
+                return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0, {"direct": 1.0})
             state = source._live_state()
             tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
             # Sharded (DTensor), offloaded (another device), other-dtype or other-architecture
@@ -526,7 +526,7 @@ class HFDirectSync(WeightSync):
             ):
                 return self._stream.sync(source, target, version=version)
             moved = target._load_local(state, version=version)
-            return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0)
+            return SyncReport(version, len(target._expected), moved, time.perf_counter() - t0, {"direct": 1.0})
 
 
 def build_rollout_engine(spec: EngineSpec) -> HFRolloutEngine:

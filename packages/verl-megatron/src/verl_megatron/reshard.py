@@ -432,6 +432,7 @@ class MegatronDirectSync(WeightSync):
         self.last_stats = stats
         t2 = time.perf_counter()
         details = {
+            "direct": 1.0,
             "switch_to_rollout_s": switch_s,
             "reshard_s": t2 - t1,
             "buckets": float(stats.buckets),

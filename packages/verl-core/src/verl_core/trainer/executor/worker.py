@@ -268,7 +268,7 @@ class EngineWorker:
         t0 = time.perf_counter()
         counted = [0, 0, 0]
         self._engine(role).update_weights(_as_version(stream, version, counted))
-        return SyncReport(counted[2], counted[0], counted[1], time.perf_counter() - t0)
+        return SyncReport(counted[2], counted[0], counted[1], time.perf_counter() - t0, {"direct": 0.0})
 
     def sync_local(
         self, actor_role: str, rollout_role: str, actor_backend: str, rollout_backend: str, version: int
