@@ -15,6 +15,7 @@ import math
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
@@ -26,6 +27,7 @@ from verl_core import (
     LossOutput,
     OptimConfig,
     Role,
+    StepMetrics,
     TensorBatch,
     TrainingEngine,
     WeightCommit,
@@ -33,7 +35,9 @@ from verl_core import (
 )
 
 OPTIM_STEPS = 4
-"""Updates of :func:`check_optimizer_matches_reference`: two of warmup, the peak, then cosine decay."""
+"""Updates of :func:`check_optimizer_matches_reference` (two of warmup, the peak, then cosine decay) and of
+:func:`check_lr_schedule_past_warmup_and_decay` under each schedule (one of warmup, the cosine's peak, its floor
+at ``total_steps`` (2), then one past it)."""
 
 
 def every_setting(grad_clip: float) -> OptimConfig:
@@ -76,10 +80,7 @@ def _optimizer_matches_reference(h: Harness, role: Role, batches: list[TensorBat
         step = engine.optimizer_step()
         want = ref.step(batch, loss, stats)
         at = f"{who}update {k} under AdamW ({settings})"
-        h.expect(not step.skipped, f"{at}: optimizer_step skipped a finite update")
-        h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
-                 f"{at}: optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) is {optim.lr_at(k):.6g} "
-                 "(the warmup and cosine schedule of spec.optim)")
+        _applied_at_schedule(h, at, step, optim, k, "the warmup and cosine schedule of spec.optim")
         h.scalar_close(metrics["loss"], want.loss, "loss", f"{at}: loss vs float64 reference")
         h.scalar_close(step.grad_norm, want.grad_norm, "loss",
                        f"{at}: grad norm vs float64 reference (the global norm before clipping, "
@@ -87,19 +88,27 @@ def _optimizer_matches_reference(h: Harness, role: Role, batches: list[TensorBat
     version = export_version(engine)
     h.expect(version == OPTIM_STEPS, f"{who}after {OPTIM_STEPS} applied updates export_weights streams version "
              f"{version}; the version is the count of applied optimizer steps, {OPTIM_STEPS}")
+    _moved_as_reference(h, engine, before, ref, ref_before, who,
+                        f"{OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 (weight decay "
+                        "decoupled and on every parameter, betas, clipping by the global norm, lr of the schedule)")
+
+
+def _applied_at_schedule(h: Harness, at: str, step: StepMetrics, optim: OptimConfig, k: int, why: str) -> None:
+    """Update ``k`` was applied (not skipped) at ``optim.lr_at(k)``; ``why`` names the rule in the message."""
+    h.expect(not step.skipped, f"{at}: optimizer_step skipped a finite update")
+    h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
+             f"{at}: optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) is {optim.lr_at(k):.6g} ({why})")
+
+
+def _moved_as_reference(h: Harness, engine: TrainingEngine, before: dict[str, Tensor], ref: ReferenceModel,
+                        ref_before: dict[str, Tensor], who: str, updates: str) -> None:
+    """Each exported parameter moved from ``before`` as the float64 reference's did from ``ref_before``
+    (the gradient tier); ``updates`` says which updates, after "moved by"."""
     after = exported_weights(engine)
-    ref_after = ref.state()
-    for name, w in ref_after.items():
+    for name, w in ref.state().items():
         h.expect(name in after, f"{who}export_weights lacks {name} after {OPTIM_STEPS} updates")
         h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
-                   f"{who}{name} moved by {OPTIM_STEPS} updates under AdamW ({settings}) vs torch AdamW in float64 "
-                   "(weight decay decoupled and on every parameter, betas, clipping by the global norm, lr of the "
-                   "schedule)")
-
-
-SCHEDULE_STEPS = 4
-"""Updates of :func:`check_lr_schedule_past_warmup_and_decay` under each schedule: one of warmup, the
-cosine's peak and its floor at ``total_steps`` (2), then one past it."""
+                   f"{who}{name} moved by {updates}")
 
 
 def past_the_schedule(schedule: Literal["constant", "cosine"]) -> OptimConfig:
@@ -117,12 +126,12 @@ def check_lr_schedule_past_warmup_and_decay(h: Harness) -> None:
     who = "" if role == "actor" else f"the {role}: "
     path = h.model_path("value" if role == "critic" else "llama")
     loss = role_loss(role)
-    batches = [h.batch(seed=70 + k, rl_fields=True) for k in range(SCHEDULE_STEPS)]
+    batches = _batches(h)
     for schedule in ("cosine", "constant"):
         optim = past_the_schedule(schedule)
-        lrs = ", ".join(f"{optim.lr_at(k):g}" for k in range(SCHEDULE_STEPS))
+        lrs = ", ".join(f"{optim.lr_at(k):g}" for k in range(OPTIM_STEPS))
         settings = (f"schedule={schedule!r}, lr {optim.lr}, warmup_steps {optim.warmup_steps}, total_steps "
-                    f"{optim.total_steps}, min_lr_ratio {optim.min_lr_ratio}: lr_at(0..{SCHEDULE_STEPS - 1}) = {lrs}")
+                    f"{optim.total_steps}, min_lr_ratio {optim.min_lr_ratio}: lr_at(0..{OPTIM_STEPS - 1}) = {lrs}")
         engine = h.training(role, fresh=True, optim=optim)
         ref = ReferenceModel(path, optim)
         before = exported_weights(engine)
@@ -132,18 +141,12 @@ def check_lr_schedule_past_warmup_and_decay(h: Harness) -> None:
             engine.forward_backward(batch, loss, stats)
             step = engine.optimizer_step()
             ref.step(batch, loss, stats)
-            h.expect(not step.skipped, f"{who}update {k} ({settings}): optimizer_step skipped a finite update")
-            h.expect(abs(step.lr - optim.lr_at(k)) <= 1e-9 * optim.lr,
-                     f"{who}update {k} ({settings}): optimizer_step ran at lr {step.lr:.6g}, OptimConfig.lr_at({k}) "
-                     f"is {optim.lr_at(k):.6g}" + (" (a cosine stays at its floor past total_steps)"
-                                                   if schedule == "cosine" else
-                                                   " (a constant schedule does not decay, total_steps or not)"))
-        after = exported_weights(engine)
-        for name, w in ref.state().items():
-            h.expect(name in after, f"{who}export_weights lacks {name} after {SCHEDULE_STEPS} updates")
-            h.close_to(after[name].double() - before[name].double(), w - ref_before[name], "grad",
-                       f"{who}{name} moved by {SCHEDULE_STEPS} updates ({settings}) vs torch AdamW in float64 at "
-                       "lr_at(k) (the lr applied, not only the one reported)")
+            _applied_at_schedule(h, f"{who}update {k} ({settings})", step, optim, k,
+                                 "a cosine stays at its floor past total_steps" if schedule == "cosine"
+                                 else "a constant schedule does not decay, total_steps or not")
+        _moved_as_reference(h, engine, before, ref, ref_before, who,
+                            f"{OPTIM_STEPS} updates ({settings}) vs torch AdamW in float64 at lr_at(k) (the lr "
+                            "applied, not only the one reported)")
         h.close_fresh()
 
 

@@ -138,6 +138,10 @@ class _TokenTable(NamedTuple):
     size: int  # one past the largest id
 
 
+_NO_TABLE: Final = _TokenTable(MappingProxyType({}), 0)
+"""What a folder without a readable ``tokenizer.json`` gives."""
+
+
 def _tokenizer_table(file: Path) -> _TokenTable | None:
     """The token table of ``file`` (a ``tokenizer.json``), parsed once per version of the file.
 
@@ -187,23 +191,25 @@ class _TokenIds:
                 content = token.get("content") if isinstance(token, Mapping) else None
                 if isinstance(content, str) and str(key).isdigit():
                     self._ids.setdefault(content, (int(key), "tokenizer_config.json's added_tokens_decoder"))
-        self._table: Mapping[str, int] | None = None  # tokenizer.json's ids, once read
-        self.has_table = False  # tokenizer.json was read: a token it lacks is one transformers adds
-        self.size = 0  # one past the largest id tokenizer.json holds
+        self._table: _TokenTable | None = None  # tokenizer.json's ids, once read
 
-    def _load(self) -> Mapping[str, int]:
-        table = _tokenizer_table(self._folder / "tokenizer.json")
-        self._table = {} if table is None else table.ids
-        if table is not None:
-            self.has_table = bool(table.ids)
-            self.size = table.size
-        return self._table
+    @property
+    def has_table(self) -> bool:
+        """tokenizer.json was read and holds ids: a token it lacks is one transformers adds."""
+        return self._table is not None and bool(self._table.ids)
+
+    @property
+    def size(self) -> int:
+        """One past the largest id tokenizer.json holds (0 before it is read)."""
+        return 0 if self._table is None else self._table.size
 
     def id_of(self, text: str) -> tuple[int, str] | None:
         """The id of ``text`` and the file that gives it, or None when no file holds it."""
         if text in self._ids:  # tokenizer_config.json's added_tokens_decoder goes before tokenizer.json
             return self._ids[text]
-        i = (self._load() if self._table is None else self._table).get(text)
+        if self._table is None:
+            self._table = _tokenizer_table(self._folder / "tokenizer.json") or _NO_TABLE
+        i = self._table.ids.get(text)
         return None if i is None else (i, "tokenizer.json")
 
 

@@ -263,7 +263,7 @@ class Trainer:
         e.sync = ex.weight_sync(b.actor, b.rollout)
         log.info("weight sync from the actor (%s) to the rollout (%s): %s", b.actor, b.rollout,
                  "the weight stream (StreamWeightSync)" if isinstance(e.sync, StreamWeightSync)
-                 else f"{type(e.sync).__name__}")
+                 else type(e.sync).__name__)
         bc = cfg.batch
         # free memory is read once per run (the budget refined once by the first update) and
         # checkpoints carry the budget, so a resumed run splits its steps (and sums their
