@@ -20,10 +20,12 @@ from verl_core import (
     StreamWeightSync,
     TensorBatch,
     TensorInfo,
+    TrainingEngine,
     WeightChunk,
     WeightCommit,
     WeightManifest,
     WeightMessage,
+    WeightSync,
     WeightSyncError,
     stream_weights,
 )
@@ -227,7 +229,7 @@ def check_bad_streams_rejected(h: Harness) -> None:
 
 @check("weight_sync")
 def check_trainer_to_rollout_sync(h: Harness) -> None:
-    """After a training step and a sync, rollout log-probs equal the trainer's log-probs of the same samples (pairs with --verl-against for a missing role)."""
+    """After a training step and a sync, rollout log-probs equal the trainer's log-probs of the same samples, through the stream and, where the pair registers one, through its direct sync (pairs with --verl-against for a missing role)."""
     # A backend with one of the two roles is paired with the --verl-against backend's other role.
     src = dst = h.subject
     if not h.provides(src, "actor") and h.against is not None and h.provides(h.against, "actor"):
@@ -240,28 +242,38 @@ def check_trainer_to_rollout_sync(h: Harness) -> None:
                    f"--against NAME to `verl conformance` (--verl-against NAME to pytest, against= to check_backend) "
                    f"to pair it with another backend's {kind} engine")
     actor = h.training(fresh=True, subject=src)
-    rollout = h.rollout(fresh=True, subject=dst)
     batch = h.batch(seed=51, rl_fields=True)
     actor.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     actor.optimizer_step()
+    syncs: list[WeightSync] = [StreamWeightSync()]
     if src.registered and dst.registered:
         from verl_core import get_weight_sync
 
-        sync = get_weight_sync(src.name, dst.name)
-    else:
-        sync = StreamWeightSync()
+        direct = get_weight_sync(src.name, dst.name)
+        if type(direct) is not StreamWeightSync:  # the trainer's path first; the stream is the fallback's
+            syncs.insert(0, direct)
+    for sync in syncs:
+        rollout = h.rollout(fresh=True, subject=dst)
+        _synced_rollout_serves_trainer(h, actor, rollout, sync)
+
+
+def _synced_rollout_serves_trainer(h: Harness, actor: TrainingEngine, rollout: RolloutEngine, sync: WeightSync) -> None:
+    """:func:`check_trainer_to_rollout_sync` through ``sync``: version 1 sent, then the log-probs compared."""
+    via = f"through {type(sync).__name__}"
     sync.sync(actor, rollout, version=1)
-    h.expect(rollout.weight_version == 1, f"rollout weight_version is {rollout.weight_version} after sync(version=1)")
+    h.expect(rollout.weight_version == 1,
+             f"rollout weight_version is {rollout.weight_version} after sync(version=1) {via}")
     params = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=11)
     if not rollout.log_probs_exact(params):
         h.skip("rollout_log_probs are declared inexact at temperature 0.8")
     out = rollout.generate(_prompts(h), params)
-    h.expect(out.meta.weight_version == 1, f"generated batch carries weight_version {out.meta.weight_version}, expected 1")
+    h.expect(out.meta.weight_version == 1,
+             f"generated batch carries weight_version {out.meta.weight_version}, expected 1 ({via})")
     trainer = actor.forward(out)["log_probs"]
     before = cached_outputs(h.model_path("llama"), out)["log_probs"]
     m = out["response_mask"]
     h.expect(float((trainer.double() - before).abs()[m].max()) > 1e-3,
              "the training step did not change the trainer's log-probs; cannot test the sync")
     h.close_to(out["rollout_log_probs"], trainer, "log_probs",
-               "rollout_log_probs after sync vs the trainer's log_probs of the same samples "
+               f"rollout_log_probs after a sync {via} vs the trainer's log_probs of the same samples "
                "(a sync that does not apply the weights leaves the old ones serving)", mask=m)
