@@ -80,8 +80,9 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 4096, 1024])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--compile-layers", action="store_true", help="an experiment: torch.compile each decoder "
-                   "layer of the engine's model in place (dynamic shapes) before timing")
+    p.add_argument("--compile-layers", choices=["auto", "true", "false"], default="auto",
+                   help="HFOptions.compile_layers: each decoder layer torch.compile'd whole (auto: the engine's "
+                   "default, on for CUDA in bfloat16)")
     p.add_argument("--shapes", type=int, default=0, help="also print the top N aten operators by device time "
                    "grouped by input shapes (which tensors the copies and element-wise kernels touch)")
     p.add_argument("--device", default="cuda", help="cpu with --size tiny: a smoke run of the script")
@@ -97,15 +98,14 @@ def main() -> None:
     engine = HFTrainingEngine(EngineSpec(
         model_path=str(model), role="actor", dtype="bfloat16", device=args.device, lora=lora,
         optim=OptimConfig(lr=1e-6, grad_clip=1.0), max_prompt_len=args.prompt, max_response_len=args.response,
-        options={"master_weights": args.master_weights == "true", **json.loads(args.options)}))
+        options={"master_weights": args.master_weights == "true",
+                 **({} if args.compile_layers == "auto" else {"compile_layers": args.compile_layers == "true"}),
+                 **json.loads(args.options)}))
     batch = random_batch(batch_size=args.rows, max_prompt=args.prompt, max_response=args.response,
                          vocab_size=vocab, seed=0, with_rl_fields=True)
     # every response full length, as the benchmark's runs generate
     batch = batch.update(response_mask=torch.ones_like(batch["response_mask"]))
     tokens = int(batch.seq_lengths().sum())
-    if args.compile_layers:
-        for layer in engine.model.model.layers:
-            layer.compile(dynamic=True)
     rows: list[tuple[str, float]] = []
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1).to(args.device)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1).to(args.device)
@@ -142,7 +142,7 @@ def main() -> None:
     row(f"forward_backward + optimizer_step, budget {args.budgets[0] or 'all'}", timed(step, args.reps))
     anchor = rows[0][1]
     print(f"\n{args.size}, {'LoRA r16' if args.lora else 'full'}, master_weights={args.master_weights}, "
-          f"options {args.options}{', decoder layers compiled' if args.compile_layers else ''}, fused element-wise modules {engine.fused_elementwise_modules}, "
+          f"options {args.options}, decoder layers compiled {engine.compiled_layers}, fused element-wise modules {engine.fused_elementwise_modules}, "
           f"{args.rows} rows x {args.prompt}+{args.response} tokens = {tokens} tokens, "
           f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}")
     print(f"{'what':<60} {'s':>8} {'x anchor':>9}")

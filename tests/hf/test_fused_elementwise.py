@@ -11,7 +11,7 @@ from verl_conformance.testkit import assert_close, random_batch
 from verl_core import GlobalBatchStats
 from verl_core.algorithms import Algorithm
 from verl_hf.config import HFOptions
-from verl_hf.fused_elementwise import fuse_elementwise, fused_modules
+from verl_hf.fused_elementwise import compile_decoder_layers, compiled_layers, fuse_elementwise, fused_modules
 from verl_hf.training import HFTrainingEngine
 
 PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)
@@ -63,3 +63,35 @@ def test_auto_leaves_cpu_engines_unfused() -> None:
     assert HFOptions().fused_elementwise is None
     engine = HFTrainingEngine(actor_spec(model_path()))
     assert engine.fused_elementwise_modules == 0 and fused_modules(engine.model) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_layers_train_like_eager_ones(arch: str) -> None:
+    """Each decoder layer compiled whole (traced by dynamo and split by AOT autograd; the
+    ``aot_eager`` backend, so CPU tests skip inductor's C++ builds, whose kernels the fused
+    element-wise test covers): log-probs, loss and gradients within the float32 tier of the eager
+    engine's; every decoder layer compiled, the parameter names unchanged."""
+    path = model_path(arch)
+    eager = HFTrainingEngine(actor_spec(path, options={"compile_layers": False}))
+    whole = HFTrainingEngine(actor_spec(path, options={"compile_layers": False}))
+    assert eager.compiled_layers == whole.compiled_layers == 0
+    layers = whole.model.config.num_hidden_layers
+    assert compile_decoder_layers(whole.model, backend="aot_eager") == layers
+    assert compile_decoder_layers(whole.model) == 0  # already compiled: left as it is
+    assert whole.compiled_layers == compiled_layers(whole.model) == layers
+    a, b = _step(eager), _step(whole)
+    assert_close(b[0], a[0], dtype="float32", quantity="log_probs")
+    assert b[2] == pytest.approx(a[2], abs=1e-5)
+    assert_close(b[1], a[1], dtype="float32", quantity="grad")
+    assert [n for n, _ in whole.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
+
+
+def test_compile_layers_option_compiles_every_layer() -> None:
+    engine = HFTrainingEngine(actor_spec(model_path(), options={"compile_layers": True}))
+    assert engine.compiled_layers == engine.model.config.num_hidden_layers > 0
+
+
+def test_auto_leaves_cpu_engines_uncompiled() -> None:
+    assert HFOptions().compile_layers is None
+    engine = HFTrainingEngine(actor_spec(model_path()))
+    assert engine.compiled_layers == 0 and compiled_layers(engine.model) == 0

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FUSABLE_MLPS", "FUSABLE_NORMS", "fuse_elementwise", "fused_modules"]
+__all__ = ["FUSABLE_MLPS", "FUSABLE_NORMS", "compile_decoder_layers", "compiled_layers", "fuse_elementwise", "fused_modules"]
 
 FUSABLE_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 """RMSNorm classes whose forward is ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``."""
@@ -104,3 +104,29 @@ def fuse_elementwise(model: nn.Module, *, compile: bool = True) -> int:
 def fused_modules(model: Any) -> int:
     """How many modules of ``model`` :func:`fuse_elementwise` routed."""
     return sum(bool(getattr(m, _ATTR, False)) for m in model.modules())
+
+
+_LAYER_ATTR = "_verl_compiled_layer"
+
+
+def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``, dynamic
+    shapes), so inductor fuses the element-wise work between the projections (rotary, residual
+    adds, casts, the norms) across the whole layer, forward and backward. A decoder layer is a
+    module whose class name ends in ``DecoderLayer`` (transformers' naming); parameter names and
+    the module tree are unchanged. Layers of one class share their compiled graphs (dynamo treats
+    the parameters as inputs). ``backend`` is ``torch.compile``'s (tests trace with ``aot_eager``:
+    dynamo's graphs and autograd's split without inductor's code generation). Returns how many layers
+    were compiled; one already compiled is left as it is."""
+    compiled = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer") and not getattr(module, _LAYER_ATTR, False):
+            module.compile(dynamic=True, backend=backend)
+            setattr(module, _LAYER_ATTR, True)
+            compiled += 1
+    return compiled
+
+
+def compiled_layers(model: Any) -> int:
+    """How many decoder layers of ``model`` :func:`compile_decoder_layers` compiled."""
+    return sum(bool(getattr(m, _LAYER_ATTR, False)) for m in model.modules())

@@ -46,7 +46,12 @@ from verl_hf.capabilities import training_capabilities
 from verl_hf.config import HFOptions
 from verl_hf.distributed import DataParallel, init_data_parallel
 from verl_hf.engine_checkpoint import EngineCheckpoint
-from verl_hf.fused_elementwise import fuse_elementwise, fused_modules
+from verl_hf.fused_elementwise import (
+    compile_decoder_layers,
+    compiled_layers,
+    fuse_elementwise,
+    fused_modules,
+)
 from verl_hf.lora import HFLora
 from verl_hf.micro_batches import MicroBatchLoop
 from verl_hf.modeling import (
@@ -150,13 +155,17 @@ class HFTrainingEngine(TrainingEngineBase):
             self._lora = HFLora(model, spec.lora, tied=tied, seed=spec.seed)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cuda_bf16 = self._device.type == "cuda" and spec.torch_dtype == torch.bfloat16
         fused = self._options.fused_elementwise
-        if fused or (fused is None and self._device.type == "cuda" and spec.torch_dtype == torch.bfloat16):
+        if fused or (fused is None and cuda_bf16):
             fuse_elementwise(model)
         if not self._trainable:
             model.requires_grad_(False)
         if fsdp:
             _apply_fsdp2(model)
+        whole = self._options.compile_layers
+        if whole or (whole is None and cuda_bf16):
+            compile_decoder_layers(model)  # after FSDP2's wrapping, as torch recommends
         self._model: Any = model
         self._weights = (LoraWeightExport(self._lora) if self._lora is not None
                          else WeightExport(model, tied=tied, fsdp=fsdp, flat=spec.role == "actor" and not fsdp))
@@ -178,6 +187,11 @@ class HFTrainingEngine(TrainingEngineBase):
     def fused_elementwise_modules(self) -> int:
         """How many modules run through the compiled element-wise functions (``HFOptions.fused_elementwise``)."""
         return fused_modules(self._model)
+
+    @property
+    def compiled_layers(self) -> int:
+        """How many decoder layers run ``torch.compile``d whole (``HFOptions.compile_layers``)."""
+        return compiled_layers(self._model)
 
     @property
     def spec(self) -> EngineSpec:
