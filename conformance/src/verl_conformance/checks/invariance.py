@@ -149,11 +149,14 @@ def check_seeded_sampling_reproducible(h: Harness) -> None:
              "(group_id, sample_index); each sample's stream must depend only on (seed, group id, index)")
 
 
-TENSOR_PARALLEL_FOLDERS: Final = ("llama", *(m for m, t, _ in PERTURBED_FAMILIES if t != "llama"))
-"""Folders of :func:`check_tensor_parallel_invariance`: the Llama, and the Qwen2 and tied Qwen3 folders
-with every tensor moved. Under tp the heads are split across ranks, and with them Qwen2's q/k/v biases;
-Qwen3's q/k norm weights are replicated but act on each rank's heads only, so their gradients are
-partial sums until the tensor-parallel ranks add them up; the Llama folder has neither."""
+MODEL_PARALLEL_FOLDERS: Final = ("llama", *(m for m, t, _ in PERTURBED_FAMILIES if t != "llama"))
+"""Folders of :func:`check_tensor_parallel_invariance` and :func:`check_pipeline_parallel_invariance`: the
+Llama, and the Qwen2 and tied Qwen3 folders with every tensor moved. Under tp the heads are split across
+ranks, and with them Qwen2's q/k/v biases; Qwen3's q/k norm weights are replicated but act on each rank's
+heads only, so their gradients are partial sums until the tensor-parallel ranks add them up. Under pp the
+tied Qwen3's embedding lives on the first and the last stage, whose two gradients must be added up. The
+Llama folder (untied) has none of these. The data-parallel check keeps the Llama only: every parameter is
+replicated and summed over the replicas alike, whatever the family."""
 
 
 def _layout_invariance(h: Harness, layout: dict[str, int], capability: str,
@@ -248,10 +251,10 @@ def check_data_parallel_invariance(h: Harness) -> None:
 @check("invariance", gates=("training.tensor_parallel",))
 def check_tensor_parallel_invariance(h: Harness) -> None:
     """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the q/k/v biases split with the heads, the replicated q/k norm weights whose gradients each rank computes on its own heads only); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
-    _layout_invariance(h, {"tp": 2}, "tensor_parallel", TENSOR_PARALLEL_FOLDERS)
+    _layout_invariance(h, {"tp": 2}, "tensor_parallel", MODEL_PARALLEL_FOLDERS)
 
 
 @check("invariance", gates=("training.pipeline_parallel",))
 def check_pipeline_parallel_invariance(h: Harness) -> None:
-    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
-    _layout_invariance(h, {"pp": 2}, "pipeline_parallel")
+    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the tied embedding on the first and the last stage); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    _layout_invariance(h, {"pp": 2}, "pipeline_parallel", MODEL_PARALLEL_FOLDERS)
