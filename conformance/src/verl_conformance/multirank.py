@@ -1,12 +1,14 @@
 """A data-parallel rank of the conformance suite, run under torchrun by the invariance checks.
 
-Usage: ``python -m torch.distributed.run --nproc_per_node N multirank.py BACKEND MODEL_PATH SPEC_JSON``
-where SPEC_JSON holds ``parallel`` (tp, pp, dp; their product is N) and other EngineSpec fields.
-Each rank builds the backend's actor through the registry, takes its :func:`~verl_core.dp_shard`
-of the suite's batch (the whole batch when dp = 1), runs forward, one forward_backward with the
-global batch counts and one optimizer step, exports the weights and writes its result. With
-``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine instead and writes what it
-generates for :func:`rollout_cases`.
+Usage: ``python -m torch.distributed.run --nproc_per_node N multirank.py BACKEND MODEL_PATH SPEC_JSON
+[MODEL_PATH ...]`` where SPEC_JSON holds ``parallel`` (tp, pp, dp; their product is N) and other
+EngineSpec fields. For each model folder in turn (MODEL_PATH, then the ones after SPEC_JSON: one
+launch serves several folders), each rank builds the backend's actor through the registry, takes
+its :func:`~verl_core.dp_shard` of the suite's batch (the whole batch when dp = 1), runs forward,
+one forward_backward with the global batch counts and one optimizer step, exports the weights and
+closes the engine; it writes the list of those results, one per folder in order. With
+``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine on MODEL_PATH instead and
+writes what it generates for :func:`rollout_cases`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from verl_core import ParallelSizes
 
 __all__ = ["dp_batch", "main", "rollout_cases", "rollout_generations"]
 
@@ -50,10 +55,8 @@ def rollout_generations(engine: Any) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str]) -> None:
     """Run one rank (see the module docstring)."""
-    from verl_conformance.harness import SUITE_OPTIM, collect_stream
-    from verl_conformance.losses import TOKEN_MEAN_PG
     from verl_conformance.testkit import write_rank_result
-    from verl_core import EngineSpec, GlobalBatchStats, ParallelSizes, dp_shard, get_training_engine
+    from verl_core import EngineSpec, ParallelSizes
 
     backend, model_path, extra = argv[0], argv[1], json.loads(argv[2])
     rank = int(os.environ["RANK"])
@@ -66,6 +69,15 @@ def main(argv: list[str]) -> None:
         write_rank_result(rollout_generations(rollout))
         rollout.close()
         return
+    write_rank_result([_actor_update(backend, path, parallel, rank, extra) for path in [model_path, *argv[3:]]])
+
+
+def _actor_update(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """One rank's forward, update and exported weights of the actor on ``model_path`` (closed after)."""
+    from verl_conformance.harness import SUITE_OPTIM, collect_stream
+    from verl_conformance.losses import TOKEN_MEAN_PG
+    from verl_core import EngineSpec, GlobalBatchStats, dp_shard, get_training_engine
+
     spec = EngineSpec(model_path=model_path, role="actor", optim=SUITE_OPTIM, max_prompt_len=12,
                       max_response_len=12, parallel=parallel, **extra)
     engine = get_training_engine(backend, spec)
@@ -76,9 +88,8 @@ def main(argv: list[str]) -> None:
     metrics = engine.forward_backward(shard, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     step = engine.optimizer_step()
     weights = collect_stream(engine.export_weights())[1]
-    write_rank_result({"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm,
-                       "weights": weights})
     engine.close()
+    return {"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights}
 
 
 if __name__ == "__main__":

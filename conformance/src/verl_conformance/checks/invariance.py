@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
+from torch import Tensor
 
 from verl_conformance.checks._registry import check
-from verl_conformance.checks.numerics import one_update
-from verl_conformance.harness import Harness
+from verl_conformance.checks.numerics import PERTURBED_FAMILIES, _folder, one_update
+from verl_conformance.harness import Harness, exported_weights, recover_grads
 from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
-from verl_core import ModelOutput, Role, SamplingParams, TensorBatch
+from verl_core import ConfigError, ModelOutput, Role, SamplingParams, TensorBatch, TrainingEngine
 
 
 def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> TensorBatch:
@@ -146,8 +149,21 @@ def check_seeded_sampling_reproducible(h: Harness) -> None:
              "(group_id, sample_index); each sample's stream must depend only on (seed, group id, index)")
 
 
-def _layout_invariance(h: Harness, layout: dict[str, int], capability: str) -> None:
-    """One process vs ``layout`` under torchrun: log-probs, loss, grad norm and every gradient."""
+MODEL_PARALLEL_FOLDERS: Final = ("llama", *(m for m, t, _ in PERTURBED_FAMILIES if t != "llama"))
+"""Folders of :func:`check_tensor_parallel_invariance` and :func:`check_pipeline_parallel_invariance`: the
+Llama, and the Qwen2 and tied Qwen3 folders with every tensor moved. Under tp the heads are split across
+ranks, and with them Qwen2's q/k/v biases; Qwen3's q/k norm weights are replicated but act on each rank's
+heads only, so their gradients are partial sums until the tensor-parallel ranks add them up. Under pp the
+tied Qwen3's embedding lives on the first and the last stage, whose two gradients must be added up. The
+Llama folder (untied) has none of these. The data-parallel check keeps the Llama only: every parameter is
+replicated and summed over the replicas alike, whatever the family."""
+
+
+def _layout_invariance(h: Harness, layout: dict[str, int], capability: str,
+                       folders: tuple[str, ...] = ("llama",)) -> None:
+    """One process vs ``layout`` under torchrun, on each of ``folders`` (one launch builds their engines in
+    turn): log-probs, loss, grad norm and every gradient. A folder of :data:`PERTURBED_FAMILIES` the
+    single-process engine refuses with a ConfigError naming its model_type is noted as refused."""
     engine = h.training()
     if not getattr(engine.capabilities, capability):
         h.skip(f"backend declares {capability}=False")
@@ -156,41 +172,74 @@ def _layout_invariance(h: Harness, layout: dict[str, int], capability: str) -> N
     import json
 
     from verl_conformance import multirank
-    from verl_conformance.harness import exported_weights, recover_grads
     from verl_conformance.testkit import LaunchError, launch_torchrun
 
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     if h.device.startswith("cuda") and torch.cuda.device_count() < world:
         h.skip(f"{world} ranks on {h.device} need {world} GPUs; {torch.cuda.device_count()} visible")
     batch = multirank.dp_batch()
-    single = h.training(fresh=True, micro_batch_size=2)
-    base_lp = single.forward(batch)["log_probs"]
-    metrics, norm, grads = one_update(h, single, batch, TOKEN_MEAN_PG)
+    baselines: dict[str, tuple[torch.Tensor, dict[str, Tensor], dict[str, float], float, dict[str, object]]] = {}
+    refused: list[str] = []
+    for model in folders:
+        single = _single_process_actor(h, model, refused)
+        if single is None:
+            continue
+        before = exported_weights(single)
+        base_lp = single.forward(batch)["log_probs"]
+        metrics, norm, grads = one_update(h, single, batch, TOKEN_MEAN_PG)
+        baselines[model] = (base_lp, before, metrics, norm, grads)
+        h.close_fresh()  # one folder's engine at a time
     label = ", ".join(f"{k}={v}" for k, v in layout.items())
+    paths = [h.model_path(m) for m in baselines]
     try:
-        ranks = launch_torchrun(multirank.__file__, world, [
-            h.subject.name, h.model_path("llama"), json.dumps({"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device})
+        launched = launch_torchrun(multirank.__file__, world, [
+            h.subject.name, paths[0],
+            json.dumps({"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device}), *paths[1:]
         ], timeout=400)
     except LaunchError as e:
-        h.fail(f"the backend failed under torchrun with {label}: {str(e)[-2500:]}")
-    if layout.get("dp", 1) > 1:
-        lp = torch.cat([r["log_probs"] for r in ranks], 0)
-    else:
-        lp = ranks[0]["log_probs"]
-    h.close_to(lp, base_lp, "log_probs", f"log_probs with {label} (rank 0, dp shards concatenated) vs one process",
-               mask=batch["response_mask"])
-    for i, r in enumerate(ranks):
-        h.scalar_close(r["loss"], metrics["loss"], "loss",
-                       f"rank {i}: loss with {label} vs one process (metrics are global: summed over ranks)")
-        h.scalar_close(r["grad_norm"], norm, "loss", f"rank {i}: grad norm with {label} vs one process")
-    exported = next((r["weights"] for r in ranks if set(r["weights"]) >= set(grads)), None)
-    if exported is None:
-        h.fail(f"with {label} no rank exported the full weights (names per rank: "
-               f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
-    parallel_grads = recover_grads(exported_weights(h.training()), exported)
-    for name, g in grads.items():
-        h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
-                   f"gradient of {name} with {label} vs one process (framework averaging must be undone)")
+        h.fail(f"the backend failed under torchrun with {label} (folders {', '.join(baselines)}): {str(e)[-2500:]}")
+    for i, (model, (base_lp, before, metrics, norm, grads)) in enumerate(baselines.items()):
+        where = f"with {label} on {_folder(model)}"
+        ranks = [r[i] for r in launched]
+        lp = torch.cat([r["log_probs"] for r in ranks], 0) if layout.get("dp", 1) > 1 else ranks[0]["log_probs"]
+        h.close_to(lp, base_lp, "log_probs", f"log_probs {where} (rank 0, dp shards concatenated) vs one process",
+                   mask=batch["response_mask"])
+        for rank, r in enumerate(ranks):
+            h.scalar_close(r["loss"], metrics["loss"], "loss",
+                           f"rank {rank}: loss {where} vs one process (metrics are global: summed over ranks)")
+            h.scalar_close(r["grad_norm"], norm, "loss", f"rank {rank}: grad norm {where} vs one process")
+        exported = next((r["weights"] for r in ranks if set(r["weights"]) >= set(grads)), None)
+        if exported is None:
+            h.fail(f"{where} no rank exported the full weights (names per rank: "
+                   f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
+        parallel_grads = recover_grads(before, exported)
+        for name, g in grads.items():
+            h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
+                       f"gradient of {name} {where} vs one process (framework averaging must be undone)")
+    if len(folders) > 1:
+        h.note(f"compared on {', '.join(baselines)}"
+               + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))
+
+
+def _single_process_actor(h: Harness, model: str, refused: list[str]) -> TrainingEngine | None:
+    """A fresh single-process actor on ``model`` (micro_batch_size 2), or None where the folder is one of
+    :data:`PERTURBED_FAMILIES` and the engine refuses it with a ConfigError naming its model_type (appended to
+    ``refused``). Fails on another refusal or error (the suite's Llama folder is never refused here)."""
+    model_type = next((t for m, t, _ in PERTURBED_FAMILIES if m == model and t != "llama"), None)
+    if model_type is None:
+        return h.training(fresh=True, model=model, micro_batch_size=2)
+    what = _folder(model)
+    try:
+        return h.training(fresh=True, model=model, micro_batch_size=2)
+    except ConfigError as e:
+        h.expect(model_type in str(e).lower(),
+                 f"the training engine refused the folder {what} with a ConfigError that does not name the "
+                 f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
+        refused.append(model_type)
+        return None
+    except Exception as e:
+        h.fail(f"building the training engine on the folder {what} raised {type(e).__name__}: {e}; load it, or "
+               "refuse its model_type with verl_core.ConfigError")
 
 
 @check("invariance", gates=("training.data_parallel",))
@@ -201,11 +250,11 @@ def check_data_parallel_invariance(h: Harness) -> None:
 
 @check("invariance", gates=("training.tensor_parallel",))
 def check_tensor_parallel_invariance(h: Harness) -> None:
-    """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
-    _layout_invariance(h, {"tp": 2}, "tensor_parallel")
+    """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the q/k/v biases split with the heads, the replicated q/k norm weights whose gradients each rank computes on its own heads only); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    _layout_invariance(h, {"tp": 2}, "tensor_parallel", MODEL_PARALLEL_FOLDERS)
 
 
 @check("invariance", gates=("training.pipeline_parallel",))
 def check_pipeline_parallel_invariance(h: Harness) -> None:
-    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
-    _layout_invariance(h, {"pp": 2}, "pipeline_parallel")
+    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the tied embedding on the first and the last stage); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    _layout_invariance(h, {"pp": 2}, "pipeline_parallel", MODEL_PARALLEL_FOLDERS)

@@ -18,6 +18,7 @@ def verl_plugins() -> str:
     """The ``VERL_PLUGINS`` value registering every broken backend: ``name=module:attr``, comma-separated."""
     from verl_broken_backends import multiturn, plugin, prefix_cache
 
-    backends = (plugin.BrokenBackend, plugin.BrokenHFBackend, prefix_cache.PrefixCacheBackend)
+    backends = (plugin.BrokenBackend, plugin.BrokenHFBackend, plugin.BrokenMegatronBackend,
+                prefix_cache.PrefixCacheBackend)
     return ",".join(f"{obj.name}={module.__name__}:{attr}" for module in (plugin, multiturn, prefix_cache)
                     for attr, obj in vars(module).items() if isinstance(obj, backends))

@@ -91,6 +91,7 @@ __all__ = [
     "temperature",
     "tokenizer_ids_unchecked",
     "top_k",
+    "tp_qk_norm_grads",
     "truncated_at_limit",
     "truncated_log_probs",
     "unseeded",
@@ -119,7 +120,7 @@ class BrokenBackend:
     @hookimpl
     def verl_backend(self) -> BackendSpec:
         """The backend with its fault."""
-        extra = {"reference": self.reference} if self.reference else {}
+        extra: dict[Role, str] = {"reference": self.reference} if self.reference else {}
         return BackendSpec(
             name=self.name,
             roles={"actor": self.training, "critic": self.training, "rollout": self.rollout, **extra},
@@ -336,6 +337,37 @@ reward_parallel_ignored = BrokenHFBackend("broken-reward-parallel-ignored", "the
 reward_random_head = BrokenHFBackend("broken-reward-random-head", "the reward model loads a folder without score "
                                      "weights (a causal LM) with a head initialised at random", "reward",
                                      f"{_ENGINES}:RandomHeadAccepted")
+
+
+class BrokenMegatronBackend:
+    """A plugin declaring the ``megatron`` backend (megatron-core on gloo) with its training engine replaced."""
+
+    def __init__(self, name: str, fault: str, training: str) -> None:
+        self.name = name
+        self.fault = fault
+        self.training = training
+
+    @hookimpl
+    def verl_backend(self) -> BackendSpec:
+        """The backend with its fault (its rollout is megatron's)."""
+        from verl_megatron.capabilities import rollout_capabilities, training_capabilities
+
+        return BackendSpec(
+            name=self.name,
+            roles={"actor": self.training, "critic": self.training,
+                   "rollout": "verl_megatron.rollout:build_rollout_engine"},
+            capabilities={"actor": training_capabilities("actor"), "critic": training_capabilities("critic"),
+                          "rollout": rollout_capabilities()},
+            protocol_version=PROTOCOL_VERSION,
+            config_class="verl_megatron.options:MegatronOptions",
+            description=f"BROKEN on purpose: {self.fault}",
+        )
+
+
+_MEGATRON_ENGINES = "verl_broken_backends.megatron_engines"
+tp_qk_norm_grads = BrokenMegatronBackend("broken-tp-qk-norm-grads", "the megatron training engine does not sum "
+                                         "the gradients of Qwen3's replicated q/k-norm weights over the tp ranks",
+                                         f"{_MEGATRON_ENGINES}:QKNormGradsNotSummedOverTP")
 
 # the optimizer and its schedule as OptimConfig describes them
 warmup_from_zero = BrokenBackend("broken-warmup-from-zero", "the warmup counts the first step as 0 (its lr is 0)",
