@@ -82,6 +82,10 @@ FAULTS = [
     # the value-head folder's score.bias is 0: the critic's numerics pass on it, and fail on value-biased
     ("broken-critic-head-bias", ["numerics::values_match_reference", "numerics::value_loss_matches_reference"],
      ["numerics::values_match_reference"], ["critic values vs float64 reference of value-biased", "temperature 1.0"]),
+    # a direct engine whose forward folds with reshape(batch, seq, -1): the batch of one passes, 0 rows raise bare
+    ("broken-zero-rows", ["robustness::batch_of_one", "robustness::batch_of_zero"], ["robustness::batch_of_zero"],
+     ["the actor engine's forward of a batch of 0 rows (response width 8)", "raised RuntimeError",
+      "expected each output shaped [0, 8]"]),
     ("broken-wake-reload", ["stateful::sleep_wake_round_trip"], ["stateful::sleep_wake_round_trip"],
      ["after sleep() and wake()", "gave other tokens than before"]),
     # a sleep free to drop the weights (sleep_until_sync): refuse until the sync, and lose nothing it does not restore

@@ -192,3 +192,81 @@ def test_the_tiny_example_refuses_by_name_what_its_model_leaves_out(tmp_path: Pa
         with pytest.raises(ConfigError, match=f"does not implement {named}"):
             Cfg.load(str(folder))
     assert Cfg.load(str(src)).model_type == "llama"
+
+
+def _config_of(example: str, folder: Path) -> tuple[int, float, float, str]:
+    """(kv heads, rms_norm_eps, the RoPE's second inverse frequency, ``theta ** (-2 / head_dim)``, and the
+    rope type a refusal names, else "-") of ``folder`` as the ``tiny`` or the ``example`` backend reads its
+    config.json (the example backend computes default RoPE only and refuses any other type by name)."""
+    from verl_example_backend.model import DecoderConfig
+    from verl_tiny_backend.model import Cfg
+
+    from verl_core import ConfigError
+
+    if example == "tiny":
+        cfg = Cfg.load(str(folder))
+        return cfg.kv_heads, cfg.eps, float(cfg.rope.inv_freq[1]), "-"
+    try:
+        ex = DecoderConfig.from_folder(folder)
+    except ConfigError as e:
+        if "rope_type" not in str(e):
+            raise
+        return 0, 0.0, 0.0, str(e).rsplit("rope_type ", 1)[1]
+    return ex.num_kv_heads, ex.rms_norm_eps, float(ex.rope_theta ** (-2 / ex.head_dim)), "-"
+
+
+def _folder_with(tmp_path: Path, arch: str, name: str, drop: tuple[str, ...] = (), **keys: object) -> Path:
+    """A copy of the test kit's ``arch`` folder whose config.json leaves ``drop`` out and sets ``keys``."""
+    import json
+    import shutil
+
+    from verl_conformance.testkit import TinyModelSpec, tiny_model
+
+    folder = tmp_path / f"{arch}-{name}"
+    shutil.copytree(tiny_model(TinyModelSpec(arch=arch)), folder)  # type: ignore[arg-type]
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k not in drop}
+    (folder / "config.json").write_text(json.dumps({**config, **keys}))
+    return folder
+
+
+@pytest.mark.parametrize("example", ["tiny", "example"])
+def test_the_examples_read_rope_scaling_over_rope_parameters(tmp_path: Path, example: str) -> None:
+    """writing-a-backend.md, RoPE scaling: a non-empty top-level rope_scaling replaces rope_parameters as a whole
+    (its theta and its type); an empty one does not."""
+    d = 32  # the test kit's head_dim
+    both = _folder_with(tmp_path, "llama", "both", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        rope_scaling={"rope_type": "default", "rope_theta": 500.0})
+    assert _config_of(example, both)[2] == pytest.approx(500.0 ** (-2 / d)), "rope_parameters' theta read"
+    linear = _folder_with(tmp_path, "llama", "linear", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                          rope_scaling={"rope_type": "linear", "factor": 2.0})
+    _, _, freq, rope_type = _config_of(example, linear)
+    if example == "tiny":
+        assert freq == pytest.approx(1e4 ** (-2 / d) / 2), "rope_scaling's linear factor ignored"
+    else:  # the example computes default RoPE only and refuses another type by name
+        assert rope_type == "'linear'", f"rope_scaling's linear type not read (read {rope_type})"
+    empty = _folder_with(tmp_path, "llama", "empty-scaling", rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 500.0}, rope_scaling={})
+    assert _config_of(example, empty)[2] == pytest.approx(500.0 ** (-2 / d)), "an empty rope_scaling replaced it"
+
+
+@pytest.mark.parametrize("example", ["tiny", "example"])
+@pytest.mark.parametrize(("arch", "kv_heads"), [("llama", "heads"), ("qwen2", 32), ("qwen3", 32)])
+def test_the_examples_fill_omitted_keys_as_the_docs_table(tmp_path: Path, example: str, arch: str,
+                                                         kv_heads: object) -> None:
+    """writing-a-backend.md, Keys a config may omit: num_key_value_heads is num_attention_heads for Llama and 32
+    for Qwen2 and Qwen3 (null: num_attention_heads for all three); rms_norm_eps is 1e-6 (null: a ConfigError
+    naming the key and the file)."""
+    import json
+
+    from verl_core import ConfigError
+
+    folder = _folder_with(tmp_path, arch, "omitted", drop=("num_key_value_heads", "rms_norm_eps"))
+    heads = json.loads((folder / "config.json").read_text())["num_attention_heads"]
+    kv, eps, _, _ = _config_of(example, folder)
+    assert kv == (heads if kv_heads == "heads" else kv_heads), f"{arch} without num_key_value_heads gave {kv}"
+    assert eps == 1e-6, f"{arch} without rms_norm_eps gave {eps}"
+    null = _folder_with(tmp_path, arch, "null-kv", num_key_value_heads=None)
+    assert _config_of(example, null)[0] == heads
+    bad = _folder_with(tmp_path, arch, "null-eps", rms_norm_eps=None)
+    with pytest.raises(ConfigError, match=r"config\.json: rms_norm_eps is null"):
+        _config_of(example, bad)

@@ -1,4 +1,4 @@
-"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one, bad input, a failed call,
+"""Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one or of none, bad input, a failed call,
 model folders whose special token ids (config.json, the tokenizer, generation_config.json) lie outside the vocabulary."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from verl_core import (
     ConfigError,
     GlobalBatchStats,
     LossOutput,
+    ModelOutput,
     SamplingParams,
     TensorBatch,
 )
@@ -127,6 +128,51 @@ def check_batch_of_one(h: Harness) -> None:
         ran.append("rollout")
     if not ran:
         h.skip(f"backend {h.subject.name!r} provides no actor, critic, reward or rollout engine")
+
+
+@check("robustness")
+def check_batch_of_zero(h: Harness) -> None:
+    """forward of a batch of 0 rows (the model's inputs and the RL fields, each shaped [0, width] with the padded prompt and response widths kept) returns every output the engine declares (the actor's and the reference's log_probs, and entropy where declared; the critic's values) as float32 of shape [0, response width], with the input fields kept, in every training engine the backend provides (actor, critic, reference), without an error; skipped when it provides none. TrainingEngineBase.forward answers it without the model code; an engine built without the base answers it itself (no reshape of 0 elements). The trainers skip a step with no samples, so forward_backward of 0 rows may be refused (TrainingEngineBase raises BatchValidationError)."""
+    full = h.batch(seed=66, batch_size=3, empty=0, rl_fields=True)
+    batch = full.index(slice(0, 0))
+    width = full.response_len
+    h.expect(batch.batch_size == 0 and batch.response_len == width,
+             f"the 0-row batch has {batch.batch_size} rows and response width {batch.response_len}, "
+             f"expected 0 and {width}")
+    ran = []
+    for role in ("actor", "reference", "critic"):
+        if not h.provides(h.subject, role):
+            continue
+        engine = h.training(role)
+        outputs: tuple[ModelOutput, ...] = (
+            ("values",) if role == "critic" else ("log_probs", "entropy") if engine.capabilities.entropy
+            else ("log_probs",))
+        what = f"the {role} engine's forward of a batch of 0 rows (response width {width}) asked for {list(outputs)}"
+        try:
+            out = engine.forward(batch, outputs)
+        except Exception as e:
+            h.fail(f"{what} raised {type(e).__name__}: {str(e)[:300]}; expected each output shaped [0, {width}] "
+                   "(TrainingEngineBase.forward answers 0 rows itself)")
+        problems = []
+        if not isinstance(out, TensorBatch) or out.batch_size != 0:
+            problems.append(f"returned {type(out).__name__} of {getattr(out, 'batch_size', '?')} rows, "
+                            "expected a TensorBatch of 0 rows")
+        else:
+            for name in outputs:
+                if name not in out:
+                    problems.append(f"has no {name!r}")
+                    continue
+                t = out[name]
+                if tuple(t.shape) != (0, width) or t.dtype != torch.float32:
+                    problems.append(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected (0, {width}) "
+                                    "and torch.float32")
+            kept = [k for k in ("prompt_ids", "response_ids", "response_mask", "advantages") if k not in out]
+            if kept:
+                problems.append(f"dropped the input fields {kept} (forward returns the input batch updated)")
+        h.expect(not problems, f"{what}: " + "; ".join(problems))
+        ran.append(role)
+    if not ran:
+        h.skip(f"backend {h.subject.name!r} provides no actor, reference or critic engine")
 
 
 def _bad_training_inputs(batch: TensorBatch, role: str = "actor") -> dict[str, tuple[Callable[[], TensorBatch],

@@ -9,12 +9,14 @@ __all__ = ["validate"]
 
 def validate(
     batch: TensorBatch, *, where: str, needs: tuple[str, ...], vocab_size: int,
-    max_prompt_len: int | None = None, max_response_len: int | None = None,
+    max_prompt_len: int | None = None, max_response_len: int | None = None, allow_empty: bool = False,
 ) -> TensorBatch:
     """Re-validate ``batch`` (dtypes, shapes, padding sides, ids, NaN/inf) and return it.
 
     The batch is rebuilt through the public constructor so that even a batch assembled without
-    validation is checked, then value-checked with :meth:`TensorBatch.check`.
+    validation is checked, then value-checked with :meth:`TensorBatch.check`. A batch of 0 rows
+    is refused unless ``allow_empty`` (a training engine's ``forward`` answers one with
+    ``[0, width]`` outputs).
 
     Raises:
         BatchValidationError: naming ``where``, the field and what was expected.
@@ -28,6 +30,8 @@ def validate(
         raise BatchValidationError(f"{where}: {e}") from None
     rebuilt.check(where=where, vocab_size=vocab_size)
     if rebuilt.batch_size == 0:
+        if allow_empty:
+            return rebuilt
         raise BatchValidationError(f"{where}: the batch is empty; pass at least one sample")
     if max_prompt_len is not None and rebuilt.prompt_len > max_prompt_len:
         longest = int(rebuilt["prompt_mask"].sum(1).max())

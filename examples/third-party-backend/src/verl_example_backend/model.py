@@ -60,8 +60,9 @@ class DecoderConfig:
                 f"{model_type!r}"
             )
         check_special_token_ids(path, raw)
-        # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling, which
+        # (non-empty) replaces rope_parameters as a whole, as transformers 5 reads a folder with both
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -69,6 +70,12 @@ class DecoderConfig:
         heads = int(raw["num_attention_heads"])
         archs = raw.get("architectures") or []
         eos = raw.get("eos_token_id", 1)
+        # the keys a config may omit, filled as transformers 5's config classes fill them (null kv heads: all)
+        kv_heads = raw.get("num_key_value_heads", heads if model_type == "llama" else 32)
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if eps is None:
+            raise ConfigError(f"{Path(path) / 'config.json'}: rms_norm_eps is null; expected a number "
+                              "(leave the key out for 1e-6)")
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -76,9 +83,9 @@ class DecoderConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+            num_kv_heads=int(heads if kv_heads is None else kv_heads),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(eps),
             rope_theta=theta,
             tied=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),

@@ -153,11 +153,18 @@ class ExampleTrainingEngine(TrainingEngine):
     def forward(
         self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})
     ) -> TensorBatch:
-        """Compute ``outputs`` without gradients, micro-batch by micro-batch."""
+        """Compute ``outputs`` without gradients, micro-batch by micro-batch.
+
+        A batch of 0 rows gets ``[0, width]`` float32 outputs without running the model (the
+        rule ``TrainingEngineBase.forward`` keeps for the engines built on it).
+        """
         self._check_outputs(outputs)
         batch = validate(batch, where="forward", needs=_NEEDS, vocab_size=self.model.cfg.vocab_size,
                          max_prompt_len=self._spec.max_prompt_len,
-                         max_response_len=self._spec.max_response_len)
+                         max_response_len=self._spec.max_response_len, allow_empty=True)
+        if batch.batch_size == 0:
+            return batch.update({name: torch.zeros(0, batch.response_len, dtype=torch.float32)
+                                 for name in outputs})
         parts, mbs = self._split(batch)
         results = []
         with torch.no_grad():

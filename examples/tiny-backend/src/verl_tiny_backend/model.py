@@ -35,12 +35,13 @@ class Rope:
     @staticmethod
     def load(raw: dict[str, Any], head_dim: int, path: str) -> Rope:
         """The rotary embedding of a ``config.json``: ``rope_parameters`` (transformers 5) or a
-        top-level ``rope_scaling`` and ``rope_theta`` (transformers 4).
+        top-level ``rope_scaling`` and ``rope_theta`` (transformers 4); a non-empty ``rope_scaling``
+        replaces ``rope_parameters`` as a whole, as transformers 5 reads a folder with both.
 
         Raises:
             ConfigError: a rope type this model does not implement (it would compute another model).
         """
-        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
         if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
@@ -119,9 +120,14 @@ class Cfg:
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []
+        # the keys a config may omit, filled as transformers 5's config classes fill them
+        kv_heads = raw.get("num_key_value_heads", heads if mt == "llama" else 32)
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if eps is None:
+            raise ConfigError(f"{file}: rms_norm_eps is null; expected a number (leave the key out for 1e-6)")
         return Cfg(mt, int(raw["vocab_size"]), int(raw["hidden_size"]), int(raw["num_hidden_layers"]), heads,
-                   int(raw.get("num_key_value_heads", heads)), head_dim, int(raw["intermediate_size"]),
-                   float(raw["rms_norm_eps"]), Rope.load(raw, head_dim, path), bool(raw.get("tie_word_embeddings", False)),
+                   int(heads if kv_heads is None else kv_heads), head_dim, int(raw["intermediate_size"]),
+                   float(eps), Rope.load(raw, head_dim, path), bool(raw.get("tie_word_embeddings", False)),
                    mt == "qwen2", mt == "qwen3",
                    any("TokenClassification" in a for a in archs), raw.get("pad_token_id"))
 

@@ -144,9 +144,10 @@ class TinyTrainingEngine(TrainingEngineBase):
             out["values"] = self.model.values(h).masked_fill(~rmask, 0.0)
         return out
 
-    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
-        """Log-probs, entropy and values of the response tokens, without gradients."""
-        b = validate(batch, "forward", _SEQ, self.model.cfg.vocab_size, self._spec)
+    def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:
+        """Log-probs, entropy and values of the response tokens, without gradients (a batch of 0
+        rows never comes here: ``TrainingEngineBase.forward`` answers it)."""
+        b = validate(batch, where, _SEQ, self.model.cfg.vocab_size, self._spec)
         with torch.no_grad():
             return b.update(self._outputs(b, outputs))
 

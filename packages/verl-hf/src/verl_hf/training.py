@@ -271,11 +271,11 @@ class HFTrainingEngine(TrainingEngineBase):
             raise ConfigError(f"{where}: the engine is offloaded; call onload() first")
 
     # ------------------------------------------------------------------ compute
-    def forward(
-        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
-    ) -> TensorBatch:
-        """Compute ``outputs`` (float32, 0 where ``batch.loss_mask`` is False) without gradients."""
-        where = f"HFTrainingEngine.forward ({self._spec.role})"
+    def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:
+        """Compute ``outputs`` (float32, 0 where ``batch.loss_mask`` is False) without gradients.
+
+        A rank's 0-row share (data parallel) runs padding micro-batches, so the ranks' collectives match.
+        """
         wanted = set(outputs)
         self._check_outputs(wanted, where)
         self._require_onloaded(where)

@@ -208,13 +208,18 @@ class MegatronTrainingEngine(TrainingEngineBase):
             raise ConfigError(f"{where}: 'values' needs role='critic' (a value head); this engine is {self._spec.role}")
 
     # ------------------------------------------------------------------ compute
-    def forward(
-        self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY
-    ) -> TensorBatch:
-        """Compute ``outputs`` for the response tokens, without gradients (see TrainingEngine)."""
+    def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:
+        """Compute ``outputs`` for the response tokens, without gradients (see TrainingEngine).
+
+        A 0-row share (more than one process; the base answers a one-process engine's) gets
+        ``[0, width]`` float32 outputs without running the model.
+        """
         needed = frozenset(outputs)
-        self._validate(batch, "MegatronTrainingEngine.forward", needed)
-        if batch.batch_size == 0 or not needed:
+        self._validate(batch, where, needed)
+        if batch.batch_size == 0:
+            return batch.update({n: torch.zeros(0, batch.response_len, dtype=torch.float32, device=batch.device)
+                                 for n in needed})
+        if not needed:
             return batch
         return self._loop.forward(batch, needed)
 

@@ -154,6 +154,17 @@ class ShiftedLogProbs(ExampleTrainingEngine):
         return {k: v for k, v in out.items() if k in outputs}
 
 
+class ZeroRowsReshape(ExampleTrainingEngine):
+    """forward folds the hidden states back with ``reshape(batch, seq, -1)``: a batch of 0 rows raises a bare
+    RuntimeError (torch cannot infer the -1 of a tensor of 0 elements) instead of returning ``[0, width]`` outputs."""
+
+    def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The fold of a flat ``[batch * seq, hidden]`` tensor, then the example's forward."""
+        rows, seq = batch.batch_size, batch.prompt_len + batch.response_len
+        torch.zeros(rows * seq, self.model.cfg.hidden_size).reshape(rows, seq, -1)
+        return super().forward(batch, outputs)
+
+
 class TemperatureIgnored(ExampleTrainingEngine):
     """Computes log-probs at temperature 1 whatever the batch's temperature."""
 

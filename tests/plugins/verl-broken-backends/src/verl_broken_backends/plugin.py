@@ -98,6 +98,7 @@ __all__ = [
     "wake_reload",
     "warmup_from_zero",
     "weight_sync",
+    "zero_rows",
 ]
 
 _ENGINES = "verl_broken_backends.engines"
@@ -385,6 +386,8 @@ micro_batch_grad_clip = BrokenBackend("broken-micro-batch-grad-clip", "each micr
                                       "accumulates", training=f"{_ENGINES}:PerMicroBatchGradClip")
 entropy_temperature = BrokenBackend("broken-entropy-temperature", "entropy at temperature 1 (log_probs at the "
                                     "batch's)", training=f"{_ENGINES}:EntropyAtTemperatureOne")
+zero_rows = BrokenBackend("broken-zero-rows", "forward folds with reshape(batch, seq, -1): a batch of 0 rows "
+                         "raises a bare RuntimeError", training=f"{_ENGINES}:ZeroRowsReshape")
 truncated_log_probs = BrokenBackend("broken-truncated-log-probs", "rollout_log_probs of the truncated (top-k/top-p) "
                                     "distribution while declaring exact_log_probs_truncated",
                                     rollout=f"{_ENGINES}:TruncatedRolloutLogProbs")
