@@ -145,3 +145,26 @@ def test_a_zero_row_share_of_several_processes_goes_to_the_hooks() -> None:
     assert tuple(out["log_probs"].shape) == (0, full.response_len)
     engine.forward_backward(empty, _Loss(), GlobalBatchStats.of(full))
     assert engine.calls == [("_forward", 0), ("_forward_backward", 0)]
+
+
+def test_an_engine_that_overrides_forward_itself_still_builds_and_runs() -> None:
+    """Engines written before the ``_forward`` hook override ``forward``: they build, their forward
+    runs (0 rows included: the answer is theirs), and one with neither fails at its first forward."""
+
+    class _OwnForward(_NoModel):
+        _forward = TrainingEngineBase._forward  # type: ignore[assignment]  # the base's: not implemented
+
+        def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+            self.calls.append(("forward", batch.batch_size))
+            return batch.update({name: torch.ones(batch.batch_size, batch.response_len) for name in outputs})
+
+    own = _OwnForward()
+    batch = random_batch(batch_size=2, max_prompt=4, max_response=3, seed=1)
+    assert float(own.forward(batch)["log_probs"].sum()) == batch.batch_size * batch.response_len
+    assert own.calls == [("forward", 2)]
+
+    class _Neither(_NoModel):
+        _forward = TrainingEngineBase._forward  # type: ignore[assignment]
+
+    with pytest.raises(NotImplementedError, match=r"_Neither implements neither _forward"):
+        _Neither().forward(batch)

@@ -196,11 +196,14 @@ class TrainingEngineBase(TrainingEngine):
         self._grads_pending = False
 
     # ------------------------------------------------------------------ what a backend implements
-    @abstractmethod
     def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:
         """The engine's forward of a batch of at least one row (a one-process engine's 0-row batch is
         answered by :meth:`forward`; with more processes a rank's 0-row share comes here too, and
         must join the other ranks' collectives and return ``[0, width]`` outputs).
+
+        Not abstract, so that an engine written before this hook, which overrides :meth:`forward`
+        itself, still builds (it then answers 0-row batches itself, as ``robustness::batch_of_zero``
+        checks); an engine that overrides neither raises ``NotImplementedError`` at its first forward.
 
         Validate the batch at the boundary (:meth:`_check_outputs`, ``batch.require(*MODEL_INPUTS,
         where=where)``, the ``TensorBatch`` constructor, ``batch.check``, the spec's length limits)
@@ -208,6 +211,10 @@ class TrainingEngineBase(TrainingEngine):
         ``batch.loss_mask`` is False. ``where`` is ``"<class>.forward (<role>)"``, for the messages
         of the errors you raise.
         """
+        raise NotImplementedError(
+            f"{where}: {type(self).__name__} implements neither _forward(batch, outputs, *, where) (the hook "
+            "TrainingEngineBase.forward calls for a batch of at least one row) nor forward itself"
+        )
 
     @abstractmethod
     def _forward_backward(
