@@ -11,7 +11,12 @@ from verl_conformance.testkit import assert_close, random_batch
 from verl_core import GlobalBatchStats
 from verl_core.algorithms import Algorithm
 from verl_hf.config import HFOptions
-from verl_hf.fused_elementwise import compile_decoder_layers, compiled_layers, fuse_elementwise, fused_modules
+from verl_hf.fused_elementwise import (
+    compile_decoder_layers,
+    compiled_layers,
+    fuse_elementwise,
+    fused_modules,
+)
 from verl_hf.training import HFTrainingEngine
 
 PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)
