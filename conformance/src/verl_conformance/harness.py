@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, TypeVar
 
 import torch
 from torch import Tensor
@@ -68,6 +68,8 @@ __all__ = [
 
 EngineFactory = Callable[[EngineSpec], Any]
 """Builds an engine from an EngineSpec (the registry's, or a third party's own)."""
+
+_E = TypeVar("_E")
 
 SUITE_OPTIM: Final = OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0)
 """AdamW whose first update is ``-lr * g / (|g| + eps)``: invertible, so one step's weight change
@@ -364,6 +366,24 @@ class Harness:
         """Report ``text`` with the running check's pass (e.g. what it compared and what the backend
         refused): the message of its result in the report's table and JSON."""
         self.notes.append(text)
+
+    def unless_refused(self, build: Callable[[], _E], *, kind: str, what: str, model_type: str) -> _E | None:
+        """``build()``, or None where it raises a ConfigError naming ``model_type`` (a model family the
+        engine refuses, which the calling check lists as refused). Fails on a ConfigError that does
+        not name it and on any other error, naming the ``kind`` of engine ("rollout", "training",
+        "reward") and the folder (``what``)."""
+        try:
+            return build()
+        except ConfigError as e:
+            self.expect(model_type in str(e).lower(),
+                        f"the {kind} engine refused the folder {what} with a ConfigError that does not name the "
+                        f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
+            return None
+        except (CheckFailed, CheckSkipped):
+            raise
+        except Exception as e:
+            self.fail(f"building the {kind} engine on the folder {what} raised {type(e).__name__}: {e}; load it, or "
+                      "refuse its model_type with verl_core.ConfigError")
 
     def expect(self, condition: bool, message: str) -> None:
         """Fail with ``message`` unless ``condition`` holds."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Final
 
 import torch
@@ -11,7 +12,7 @@ from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import PERTURBED_FAMILIES, _folder, one_update
 from verl_conformance.harness import Harness, exported_weights, recover_grads
 from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
-from verl_core import ConfigError, ModelOutput, Role, SamplingParams, TensorBatch, TrainingEngine
+from verl_core import ModelOutput, Role, SamplingParams, TensorBatch, TrainingEngine
 
 
 def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> TensorBatch:
@@ -226,20 +227,13 @@ def _single_process_actor(h: Harness, model: str, refused: list[str]) -> Trainin
     :data:`PERTURBED_FAMILIES` and the engine refuses it with a ConfigError naming its model_type (appended to
     ``refused``). Fails on another refusal or error (the suite's Llama folder is never refused here)."""
     model_type = next((t for m, t, _ in PERTURBED_FAMILIES if m == model and t != "llama"), None)
+    build = partial(h.training, fresh=True, model=model, micro_batch_size=2)
     if model_type is None:
-        return h.training(fresh=True, model=model, micro_batch_size=2)
-    what = _folder(model)
-    try:
-        return h.training(fresh=True, model=model, micro_batch_size=2)
-    except ConfigError as e:
-        h.expect(model_type in str(e).lower(),
-                 f"the training engine refused the folder {what} with a ConfigError that does not name the "
-                 f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
+        return build()
+    engine = h.unless_refused(build, kind="training", what=_folder(model), model_type=model_type)
+    if engine is None:
         refused.append(model_type)
-        return None
-    except Exception as e:
-        h.fail(f"building the training engine on the folder {what} raised {type(e).__name__}: {e}; load it, or "
-               "refuse its model_type with verl_core.ConfigError")
+    return engine
 
 
 @check("invariance", gates=("training.data_parallel",))

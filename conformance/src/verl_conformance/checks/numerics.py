@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Final
 
 from verl_conformance.checks._registry import check
@@ -59,18 +60,13 @@ def family_rollouts(h: Harness) -> tuple[list[tuple[str, str, RolloutEngine]], l
         if model_type == "llama" and engines:
             continue
         what = _folder(model)
-        try:
-            engines.append((model, what, h.rollout(model)))
-        except ConfigError as e:
-            if model_type == "llama":
-                h.fail(f"the rollout engine refused the folder {what}, a Llama like the suite's: {e}")
-            h.expect(model_type in str(e).lower(),
-                     f"the rollout engine refused the folder {what} with a ConfigError that does not name the "
-                     f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
+        engine = h.unless_refused(partial(h.rollout, model), kind="rollout", what=what, model_type=model_type)
+        if engine is not None:
+            engines.append((model, what, engine))
+        elif model_type == "llama":
+            h.fail(f"the rollout engine refused the folder {what}, a Llama like the suite's")
+        else:
             refused.append(model_type)
-        except Exception as e:
-            h.fail(f"building the rollout engine on the folder {what} raised {type(e).__name__}: {e}; load it, or "
-                   "refuse its model_type with verl_core.ConfigError")
     return engines, refused
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Final
 
 import torch
@@ -229,18 +230,12 @@ def check_scores_match_reference(h: Harness) -> None:
     compared, refused = [], []
     for model, model_type, layers in _FAMILIES:
         if model != "reward":
-            try:
-                engine = h.reward(model, fresh=True)
-            except ConfigError as e:
-                h.expect(model_type in str(e).lower(),
-                         f"the reward engine refused the {model_type} reward folder {model} with a ConfigError that "
-                         f"does not name the model_type {model_type!r}: {e}; accept the folder ({layers} over the "
-                         "Llama layers) or say which model_type is not supported")
+            built = h.unless_refused(partial(h.reward, model, fresh=True), kind="reward",
+                                     what=f"{model} ({model_type}: {layers} over the Llama layers)", model_type=model_type)
+            if built is None:
                 refused.append(model_type)
                 continue
-            except Exception as e:
-                h.fail(f"building the reward engine on the {model_type} reward folder {model} raised "
-                       f"{type(e).__name__}: {e}; accept the folder or refuse its model_type with verl_core.ConfigError")
+            engine = built
         got = _scores(h, engine, batch, f"score on {model}")
         want = _reference_scores(h.model_path(model), batch)
         h.close_to(got, want, "scores",
