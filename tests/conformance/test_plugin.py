@@ -270,3 +270,48 @@ def test_the_examples_fill_omitted_keys_as_the_docs_table(tmp_path: Path, exampl
     bad = _folder_with(tmp_path, arch, "null-eps", rms_norm_eps=None)
     with pytest.raises(ConfigError, match=r"config\.json: rms_norm_eps is null"):
         _config_of(example, bad)
+
+
+@pytest.mark.parametrize("example", ["tiny", "example"])
+@pytest.mark.parametrize(("arch", "default"), [("llama", "hidden/heads"), ("qwen2", "hidden/heads"), ("qwen3", 128)])
+def test_the_examples_fill_head_dim_as_the_docs_table(tmp_path: Path, example: str, arch: str, default: object) -> None:
+    """writing-a-backend.md, Keys a config may omit: head_dim is hidden_size / num_attention_heads for Llama and
+    Qwen2 and 128 for Qwen3; a null head_dim is refused by Qwen3 (a ConfigError naming the key and the file)."""
+    import json
+
+    from verl_example_backend.model import DecoderConfig
+    from verl_tiny_backend.model import Cfg
+
+    from verl_core import ConfigError
+
+    def head_dim(folder: Path) -> int:
+        return Cfg.load(str(folder)).head_dim if example == "tiny" else DecoderConfig.from_folder(folder).head_dim
+
+    folder = _folder_with(tmp_path, arch, "no-head-dim", drop=("head_dim",))
+    raw = json.loads((folder / "config.json").read_text())
+    want = raw["hidden_size"] // raw["num_attention_heads"] if default == "hidden/heads" else default
+    assert head_dim(folder) == want, f"{arch} without head_dim"
+    null = _folder_with(tmp_path, arch, "null-head-dim", head_dim=None)
+    if arch == "qwen3":
+        with pytest.raises(ConfigError, match=r"config\.json: head_dim is null"):
+            head_dim(null)
+    else:
+        assert head_dim(null) == raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def test_the_tiny_example_reads_long_rope_without_max_position_embeddings(tmp_path: Path) -> None:
+    """A LongRoPE Llama folder that leaves max_position_embeddings out takes 2048 (the docs table), not a
+    bare KeyError."""
+    import json
+    import shutil
+
+    from verl_tiny_backend.model import Cfg
+
+    from verl_conformance.testkit import long_rope_model
+
+    folder = tmp_path / "long-rope"
+    shutil.copytree(long_rope_model(), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.pop("max_position_embeddings", None)
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert Cfg.load(str(folder)).model_type == "llama"

@@ -76,6 +76,13 @@ class DecoderConfig:
         if eps is None:
             raise ConfigError(f"{Path(path) / 'config.json'}: rms_norm_eps is null; expected a number "
                               "(leave the key out for 1e-6)")
+        if raw.get("head_dim") is not None:
+            head_dim = int(raw["head_dim"])
+        elif model_type == "qwen3" and "head_dim" in raw:
+            raise ConfigError(f"{Path(path) / 'config.json'}: head_dim is null; Qwen3 needs a number (leave the key "
+                              "out for 128)")
+        else:
+            head_dim = 128 if model_type == "qwen3" else int(raw["hidden_size"]) // heads
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -84,7 +91,7 @@ class DecoderConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(heads if kv_heads is None else kv_heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(eps),
             rope_theta=theta,
             tied=bool(raw.get("tie_word_embeddings", False)),

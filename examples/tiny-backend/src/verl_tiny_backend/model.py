@@ -53,9 +53,10 @@ class Rope:
         if rope_type == "linear":
             return Rope(base / float(params["factor"]))
         if rope_type == "longrope":
+            longest = raw.get("max_position_embeddings", 2048 if raw.get("model_type") == "llama" else 32768)
             original = int(params.get("original_max_position_embeddings")
-                           or raw.get("original_max_position_embeddings") or raw["max_position_embeddings"])
-            factor = float(params.get("factor") or raw["max_position_embeddings"] / original)
+                           or raw.get("original_max_position_embeddings") or longest)
+            factor = float(params.get("factor") or longest / original)
             scale = params.get("attention_factor")
             if scale is None:
                 scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -118,9 +119,14 @@ class Cfg:
             raise ConfigError(f"the tiny backend does not implement {', '.join(missing)}, which {path} declares")
         check_special_token_ids(path, raw)  # pad is the embedding's padding_idx; eos/bos (the tokenizer's too) rows
         heads = int(raw["num_attention_heads"])
-        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         archs = raw.get("architectures") or []
         # the keys a config may omit, filled as transformers 5's config classes fill them
+        if raw.get("head_dim") is not None:
+            head_dim = int(raw["head_dim"])
+        elif mt == "qwen3" and "head_dim" in raw:
+            raise ConfigError(f"{file}: head_dim is null; Qwen3 needs a number (leave the key out for 128)")
+        else:
+            head_dim = 128 if mt == "qwen3" else int(raw["hidden_size"]) // heads
         kv_heads = raw.get("num_key_value_heads", heads if mt == "llama" else 32)
         eps = raw.get("rms_norm_eps", 1e-6)
         if eps is None:
