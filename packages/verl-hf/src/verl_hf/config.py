@@ -113,7 +113,8 @@ class HFOptions:
         compile_layers: In the training engines, ``torch.compile`` each decoder layer whole
             (:func:`verl_hf.fused_elementwise.compile_decoder_layers`), so inductor also fuses the
             rotary embedding, residual adds and casts around the projections, forward and backward.
-            None (default): on for CUDA engines in bfloat16 (one ``forward_backward`` of 0.89B x
+            None (default): on for one-process CUDA engines in bfloat16 (data-parallel ranks keep
+            eager layers unless asked: not measured there; one ``forward_backward`` of 0.89B x
             18k packed tokens on an H100: 0.177 s against 0.210 s with ``fused_elementwise``
             alone, benchmarks/gpu/profile_update.py ``--compile-layers``); True also elsewhere
             (on CPU inductor compiles C++, slowly); False runs the layers eagerly. The first

@@ -164,7 +164,8 @@ class HFTrainingEngine(TrainingEngineBase):
         if fsdp:
             _apply_fsdp2(model)
         whole = self._options.compile_layers
-        if whole or (whole is None and cuda_bf16):
+        # auto: one-process engines only (measured there; data-parallel ranks keep eager layers unless asked)
+        if whole or (whole is None and cuda_bf16 and not self._dp.active):
             compile_decoder_layers(model)  # after FSDP2's wrapping, as torch recommends
         self._model: Any = model
         self._weights = (LoraWeightExport(self._lora) if self._lora is not None
