@@ -255,18 +255,6 @@ class HFTrainingEngine(TrainingEngineBase):
         return self._optim.master if self._optim is not None else None
 
     # ------------------------------------------------------------------ validation
-    def _check_outputs(self, outputs: Collection[str], where: str) -> None:
-        allowed = {"values"} if self._kind == "value" else {"log_probs", "entropy"}
-        unknown = set(outputs) - {"log_probs", "entropy", "values"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown model outputs {sorted(unknown)}; known: log_probs, entropy, values")
-        bad = set(outputs) - allowed
-        if bad:
-            raise ConfigError(
-                f"{where}: the {self._spec.role} engine computes {sorted(allowed)}, not {sorted(bad)}"
-                + ("; values need a critic engine" if "values" in bad else "; log-probs need a causal-LM engine")
-            )
-
     def _require_onloaded(self, where: str) -> None:
         if self._offloader.offloaded:
             raise ConfigError(f"{where}: the engine is offloaded; call onload() first")

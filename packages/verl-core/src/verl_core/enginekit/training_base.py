@@ -107,7 +107,10 @@ class TrainingEngineBase(TrainingEngine):
         allowed = {"values"} if self.capabilities.values else {"log_probs", "entropy"}
         bad = sorted(set(outputs) - allowed)
         if bad:
-            raise ConfigError(f"{where}: the {self.spec.role} engine computes {sorted(allowed)}, not {bad}")
+            raise ConfigError(
+                f"{where}: the {self.spec.role} engine computes {sorted(allowed)}, not {bad}"
+                + ("; values need a critic engine" if "values" in bad else "; log-probs need a causal-LM engine")
+            )
 
     def forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = _LOG_PROBS_ONLY) -> TensorBatch:
         """Compute ``outputs`` for the response tokens, without gradients (see :meth:`TrainingEngine.forward`).
