@@ -23,8 +23,9 @@ def implemented(name: str) -> str | None:
     return None
 
 
-def run_suite(name: str, against: str | None = None) -> None:
-    """Run every check on ``name`` (with its known gaps) and fail listing each failing check."""
+def run_suite(name: str, against: str | None = None, options: dict[str, object] | None = None) -> None:
+    """Run every check on ``name`` (with its known gaps and ``options`` for its engines) and fail
+    listing each failing check."""
     why = implemented(name)
     if why is not None:
         pytest.skip(why)
@@ -32,7 +33,7 @@ def run_suite(name: str, against: str | None = None) -> None:
         against = None
     gaps = GAPS / f"{name}.txt"
     t0 = time.perf_counter()
-    report = run_conformance(name, against=against, known_gaps=gaps if gaps.exists() else None)
+    report = run_conformance(name, against=against, known_gaps=gaps if gaps.exists() else None, options=options)
     print(report.table())
     print(f"conformance suite on {name}" + (f" against {against}" if against else "")
           + f": {time.perf_counter() - t0:.1f}s")

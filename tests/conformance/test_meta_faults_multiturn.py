@@ -110,3 +110,20 @@ def test_prefix_cache_dropped_at_every_commit_passes() -> None:
     report = check_backend("prefix-cache-ok", checks=PREFIX_CACHE_CHECKS)
     assert sorted((r.id, r.status) for r in report.results) == sorted((c, "passed") for c in PREFIX_CACHE_CHECKS), \
         [(r.id, r.status, r.message) for r in report.results if r.status != "passed"]
+
+
+@pytest.mark.slow
+def test_a_rollout_only_backend_is_held_to_the_direct_sync_of_its_pair() -> None:
+    """A rollout-only backend (paired with --verl-against's actor) whose cache survives the pair's direct
+    sync fails prefix_continuation_after_trainer_sync, which once skipped without an actor of its own;
+    the stream path drops the cache and passes."""
+    from verl_conformance import ConformanceError
+
+    checks = ["weight_sync::prefix_continuation_after_trainer_sync",
+              "invariance::prefix_continuation_after_weight_update"]
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-prefix-cache-direct-sync-rollout", against="tiny", checks=checks)
+    report = info.value.report
+    assert report is not None
+    assert {r.id: r.status for r in report.results} == {checks[0]: "failed", checks[1]: "passed"}
+    assert "PrefixCacheDirectSync.sync(actor, rollout, version=1)" in str(info.value)

@@ -300,6 +300,7 @@ def boundary_errors(par: ParallelSizes, ckpt: str) -> dict[str, Any]:
         "world": lambda: MegatronTrainingEngine(
             EngineSpec(str(path), "actor", parallel=ParallelSizes(tp=par.tp, pp=par.pp, dp=par.dp + 1))),
         "gc": lambda: MegatronTrainingEngine(EngineSpec(str(path), "actor", parallel=par, gradient_checkpointing=True)),
+        "fp16": lambda: MegatronTrainingEngine(EngineSpec(str(path), "actor", parallel=par, dtype="float16")),
         "option": lambda: get_training_engine("megatron", EngineSpec(str(path), "actor", parallel=par,
                                                                       options={"bogus": 1})),
     }

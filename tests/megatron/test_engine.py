@@ -216,8 +216,8 @@ def test_bad_inputs_and_configs_are_rejected_with_clear_errors(runs: Any) -> Non
     assert errors["missing"].startswith("BatchValidationError") and "response_mask" in errors["missing"]
     assert errors["world"].startswith("ConfigError") and "world size is 1" in errors["world"]
     assert errors["option"].startswith("ConfigError") and "bogus" in errors["option"]
-    if not torch.cuda.is_available():
-        assert errors["gc"].startswith("ConfigError") and "gradient_checkpointing" in errors["gc"]
+    assert errors["gc"].startswith("ConfigError") and "gradient_checkpointing" in errors["gc"]
+    assert errors["fp16"].startswith("ConfigError") and "dtype='float16'" in errors["fp16"]
     assert errors["unchanged"] == "yes"
 
 

@@ -346,3 +346,19 @@ def test_default_cpu_engine_runs_the_compiled_model(engine: VllmRolloutEngine) -
     assert vllm_config.model_config.enforce_eager is False
     assert int(vllm_config.compilation_config.mode) != 0
     assert os.environ.get("VLLM_USE_AOT_COMPILE") == "0"
+
+
+def test_cpu_engines_compute_rms_norm_with_the_native_ops_compiled_or_eager(engine: VllmRolloutEngine,
+                                                                            llama_path: Path) -> None:
+    # vLLM's CPU custom ops (its eager default) compute RMSNorm in bfloat16; the conformance suite
+    # runs the vllm engines eager and checks the bfloat16 norm (numerics::bfloat16_rms_norm_in_float32)
+    assert list(engine.llm.llm_engine.vllm_config.compilation_config.custom_ops) == ["none"]
+    eager = VllmRolloutEngine(EngineSpec(str(llama_path), "rollout", max_prompt_len=MAX_PROMPT,
+                                         max_response_len=MAX_RESPONSE),
+                              VllmRolloutConfig(kv_cache_bytes=KV_CACHE_BYTES, enforce_eager=True))
+    try:
+        config = eager.llm.llm_engine.vllm_config
+        assert config.model_config.enforce_eager is True
+        assert list(config.compilation_config.custom_ops) == ["none"]
+    finally:
+        eager.close()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Collection, Sequence
+import shlex
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from verl_conformance.errors import ConformanceError
 from verl_conformance.harness import (
@@ -33,11 +36,16 @@ def run_conformance(
     checks: Sequence[str] | None = None,
     areas: Sequence[str] | None = None,
     known_gaps: str | os.PathLike[str] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> ConformanceReport:
-    """Run checks on a backend and return the report (never raises for failing checks)."""
+    """Run checks on a backend and return the report (never raises for failing checks).
+
+    ``options``: backend options given to every engine of ``backend`` (as pytest's
+    ``--verl-options``); a check's own options win.
+    """
     subject = backend if isinstance(backend, Subject) else Subject.from_registry(backend)
     other = None if against is None else against if isinstance(against, Subject) else Subject.from_registry(against)
-    harness = Harness(subject, other, EngineCache())
+    harness = Harness(subject, other, EngineCache(), options=dict(options or {}))
     gaps = load_known_gaps(known_gaps) if known_gaps is not None else None
     try:
         return run_checks(harness, select_checks(checks, areas), gaps)
@@ -45,16 +53,19 @@ def run_conformance(
         harness.cache.close()
 
 
-def _raise_failures(report: ConformanceReport, subject: str | Subject | None = None) -> ConformanceReport:
+def _raise_failures(report: ConformanceReport, subject: str | Subject | None = None,
+                    options: Mapping[str, Any] | None = None) -> ConformanceReport:
     failures = report.failures
     if not failures:
         return report
     what = "replay buffer" if all(r.area == "buffer" for r in report.results) else "backend"
+    flags = ("--verl-options", shlex.quote(json.dumps(dict(options)))) if options else ()
     parts = [f"{what} {report.backend!r} failed {len(failures)} conformance check(s)"
              + (f" against {report.against!r}" if report.against else "") + ":"]
     for r in failures:
         parts.append(f"\n- {r.id}: {r.message}\n  reproduce:\n    "
-                     + reproduction(r.id, subject or report.backend, report.against).replace("\n", "\n    "))
+                     + reproduction(r.id, subject or report.backend, report.against, pytest_flags=flags
+                                    ).replace("\n", "\n    "))
     raise ConformanceError("\n".join(parts), report)
 
 
@@ -69,6 +80,7 @@ def check_backend(
     make_rollout_engine: EngineFactory | None = None,
     make_reward_engine: EngineFactory | None = None,
     roles: Collection[Role] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -91,6 +103,9 @@ def check_backend(
             factory given builds; otherwise every role of each factory given
             (``make_training_engine`` builds actor, reference and critic). A ConfigError of the
             training factory for a role it was taken to build says how to pass ``roles``.
+        options: Backend options given to every engine of ``backend`` (pytest's
+            ``--verl-options``), such as ``{"enforce_eager": True}`` for vllm; a check's own
+            options win.
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
@@ -108,8 +123,9 @@ def check_backend(
             raise ValueError(f"roles= declares the roles of engines given as factories; the installed backend "
                              f"{backend!r} provides the roles of its BackendSpec (see `verl backends`)")
         subject = backend
-    report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps)
-    return _raise_failures(report, subject)
+    report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps,
+                             options=options)
+    return _raise_failures(report, subject, options)
 
 
 def check_backends_match(

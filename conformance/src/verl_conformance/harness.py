@@ -43,12 +43,14 @@ from verl_core import (
     RewardEngine,
     Role,
     RolloutEngine,
+    StreamWeightSync,
     TensorBatch,
     TrainingEngine,
     WeightChunk,
     WeightCommit,
     WeightManifest,
     WeightMessage,
+    WeightSync,
 )
 from verl_core.kernel.engine import ROLES
 from verl_core.kernel.registry import InstalledBackend
@@ -479,6 +481,33 @@ class Harness:
         """Whether ``subject`` can build an engine of ``role``."""
         f = self._maker(subject, role)
         return f is not None and (subject.roles is None or role in subject.roles)
+
+    def sync_pair(self) -> tuple[Subject, Subject]:
+        """The backends of a trainer-to-rollout sync: the subject's actor and rollout, a missing one
+        taken from the ``--against`` backend; skips the check when neither provides it."""
+        src = dst = self.subject
+        if not self.provides(src, "actor") and self.against is not None and self.provides(self.against, "actor"):
+            src = self.against
+        if not self.provides(dst, "rollout") and self.against is not None and self.provides(self.against, "rollout"):
+            dst = self.against
+        for subject, role, kind in ((src, "actor", "training"), (dst, "rollout", "rollout")):
+            if not self.provides(subject, role):  # type: ignore[arg-type]
+                self.skip(f"backend {self.subject.name!r} provides no {kind} engine and no second backend provides "
+                          f"one: pass --against NAME to `verl conformance` (--verl-against NAME to pytest, against= "
+                          f"to check_backend) to pair it with another backend's {kind} engine")
+        return src, dst
+
+    def trainer_syncs(self, src: Subject, dst: Subject) -> list[WeightSync]:
+        """The sync a trainer uses from ``src``'s actor to ``dst``'s rollout (the pair's registered
+        direct sync), then the stream every pair falls back to; the stream alone for factories."""
+        syncs: list[WeightSync] = [StreamWeightSync()]
+        if src.registered and dst.registered:
+            from verl_core import get_weight_sync
+
+            direct = get_weight_sync(src.name, dst.name)
+            if type(direct) is not StreamWeightSync:
+                syncs.insert(0, direct)
+        return syncs
 
     def trained_role(self) -> Role:
         """The training role the checks of training in general build: the actor when the subject

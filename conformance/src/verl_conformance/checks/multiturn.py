@@ -53,7 +53,6 @@ from verl_core import (
     RolloutCapabilities,
     RolloutEngine,
     SamplingParams,
-    StreamWeightSync,
     TensorBatch,
 )
 from verl_core.agent import EPISODE_KEY, AgentLoop, EpisodeLimits, StepResult, prompts_from_ids
@@ -650,12 +649,11 @@ def check_prefix_continuation_across_concurrent_update(h: Harness) -> None:
 
 @check("weight_sync", gates=("rollout.prefix_continuation", "rollout.weight_update", "rollout.exact_log_probs"))
 def check_prefix_continuation_after_trainer_sync(h: Harness) -> None:
-    """An engine declaring prefix_continuation drops its cache on every weight path, the backend's own direct sync (verl_weight_sync) included: a turn sampled before a training step and the sync of its actor, continued with an observation, gets the actor's log-probs of those samples."""
+    """An engine declaring prefix_continuation drops its cache on every weight path, the trainer's direct sync (verl_weight_sync) included: a turn sampled before a training step and the sync of its actor, continued with an observation, gets the actor's log-probs of those samples (a rollout-only backend: --verl-against's actor and the pair's sync)."""
     _updatable_prefix_cache(h)
-    if not h.provides(h.subject, "actor"):
-        h.skip(f"backend {h.subject.name!r} provides no actor, so it has no sync of its own to a rollout engine")
+    src, _ = h.sync_pair()
     rollout = h.rollout(max_prompt_len=_CONTEXT, fresh=True)
-    actor = h.training(fresh=True, max_prompt_len=_CONTEXT)
+    actor = h.training(fresh=True, max_prompt_len=_CONTEXT, subject=src)
     g = torch.Generator().manual_seed(190)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=191)
     if not rollout.log_probs_exact(params):
@@ -666,12 +664,7 @@ def check_prefix_continuation_after_trainer_sync(h: Harness) -> None:
     batch = h.batch(seed=51, rl_fields=True)
     actor.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     actor.optimizer_step()
-    if h.subject.registered:
-        from verl_core import get_weight_sync
-
-        sync = get_weight_sync(h.subject.name, h.subject.name)
-    else:
-        sync = StreamWeightSync()
+    sync = h.trainer_syncs(src, h.subject)[0]
     sync.sync(actor, rollout, version=1)
     rows = _continued(first, prompts, g)
     out = _generate_rows(rollout, rows, groups, params)

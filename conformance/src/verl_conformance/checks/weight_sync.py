@@ -17,7 +17,6 @@ from verl_core import (
     RolloutEngine,
     SamplingParams,
     StaleWeightsError,
-    StreamWeightSync,
     TensorBatch,
     TensorInfo,
     TrainingEngine,
@@ -230,29 +229,12 @@ def check_bad_streams_rejected(h: Harness) -> None:
 @check("weight_sync")
 def check_trainer_to_rollout_sync(h: Harness) -> None:
     """After a training step and a sync, rollout log-probs equal the trainer's log-probs of the same samples, through the stream and, where the pair registers one, through its direct sync (pairs with --verl-against for a missing role)."""
-    # A backend with one of the two roles is paired with the --verl-against backend's other role.
-    src = dst = h.subject
-    if not h.provides(src, "actor") and h.against is not None and h.provides(h.against, "actor"):
-        src = h.against
-    if not h.provides(dst, "rollout") and h.against is not None and h.provides(h.against, "rollout"):
-        dst = h.against
-    for subject, role, kind in ((src, "actor", "training"), (dst, "rollout", "rollout")):
-        if not h.provides(subject, role):  # type: ignore[arg-type]
-            h.skip(f"backend {h.subject.name!r} provides no {kind} engine and no second backend provides one: pass "
-                   f"--against NAME to `verl conformance` (--verl-against NAME to pytest, against= to check_backend) "
-                   f"to pair it with another backend's {kind} engine")
+    src, dst = h.sync_pair()  # a backend with one of the two roles is paired with --verl-against's other
     actor = h.training(fresh=True, subject=src)
     batch = h.batch(seed=51, rl_fields=True)
     actor.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     actor.optimizer_step()
-    syncs: list[WeightSync] = [StreamWeightSync()]
-    if src.registered and dst.registered:
-        from verl_core import get_weight_sync
-
-        direct = get_weight_sync(src.name, dst.name)
-        if type(direct) is not StreamWeightSync:  # the trainer's path first; the stream is the fallback's
-            syncs.insert(0, direct)
-    for sync in syncs:
+    for sync in h.trainer_syncs(src, dst):  # the trainer's path first; the stream is the fallback's
         rollout = h.rollout(fresh=True, subject=dst)
         _synced_rollout_serves_trainer(h, actor, rollout, sync)
 

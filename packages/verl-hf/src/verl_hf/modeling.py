@@ -27,8 +27,7 @@ from verl_core.enginekit.packed_attention import packed_causal_attention
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
 from verl_core.kernel.batch import TensorBatch
-from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import BatchValidationError, ConfigError
+from verl_core.kernel.errors import ConfigError
 
 __all__ = [
     "FUSED_SDPA",
@@ -50,7 +49,6 @@ __all__ = [
     "register_packed_sdpa",
     "sequence_inputs",
     "token_outputs",
-    "validate_inputs",
 ]
 
 ModelKind = Literal["causal_lm", "value", "reward"]
@@ -487,21 +485,6 @@ def sequence_inputs(batch: TensorBatch) -> tuple[Tensor, Tensor, Tensor]:
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
     return ids, mask, position_ids(mask)
-
-
-def validate_inputs(batch: TensorBatch, where: str, vocab_size: int, spec: EngineSpec) -> None:
-    """Input fields present and valid (``TensorBatch.check``), lengths within the spec's limits."""
-    batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
-    batch.check(where=where, vocab_size=vocab_size)
-    if batch.batch_size:
-        p = int(batch["prompt_mask"].sum(1).max())
-        r = int(batch["response_mask"].sum(1).max())
-        if p > spec.max_prompt_len or r > spec.max_response_len:
-            raise BatchValidationError(
-                f"{where}: longest prompt has {p} tokens and longest response {r}, but the engine "
-                f"was built for max_prompt_len={spec.max_prompt_len}, "
-                f"max_response_len={spec.max_response_len}; raise them in the EngineSpec"
-            )
 
 
 def token_outputs(

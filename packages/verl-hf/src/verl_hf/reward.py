@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from verl_core.enginekit.gates import check_model_inputs
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.engine import EngineSpec
@@ -15,7 +16,7 @@ from verl_core.kernel.registry import parse_options
 from verl_core.kernel.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
 from verl_hf.config import HFOptions
-from verl_hf.modeling import load_model, sequence_inputs, validate_inputs
+from verl_hf.modeling import load_model, sequence_inputs
 from verl_hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["HFRewardEngine", "build_reward_engine"]
@@ -93,7 +94,7 @@ class HFRewardEngine(RewardEngine):
             RewardError: the model gave a NaN or inf score (naming the samples).
         """
         where = "HFRewardEngine.score"
-        validate_inputs(batch, where, self._vocab_size, self._spec)
+        check_model_inputs(batch, self._spec, where=where, vocab_size=self._vocab_size)
         step = self._options.rollout_batch_size or self._spec.micro_batch_size or max(batch.batch_size, 1)
         parts: list[Tensor] = []
         work = batch.to(self._device)

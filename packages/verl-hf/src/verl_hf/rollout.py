@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
     GraphCaptures,
@@ -108,11 +109,7 @@ class HFRolloutEngine(RolloutEngineBase):
                 f"the hf rollout engine runs on one device, got parallel={spec.parallel}; run one "
                 "engine per data-parallel rank instead"
             )
-        if spec.dtype == "float16":  # as the training engine: what capabilities.dtypes declares
-            raise ConfigError(
-                "the hf rollout engine runs float32 or bfloat16 (its declared dtypes); set EngineSpec.dtype "
-                "to 'bfloat16'"
-            )
+        refuse_undeclared(spec, ROLLOUT_CAPABILITIES, engine="the hf rollout engine")
         self._spec = spec
         self._options = options if options is not None else parse_options(
             HFOptions, spec.options, where="hf backend options"

@@ -25,6 +25,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from verl_core.enginekit.gates import check_model_inputs, refuse_undeclared
 from verl_core.enginekit.packed_attention import varlen_attn_available
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.enginekit.training_base import TrainingEngineBase
@@ -60,7 +61,6 @@ from verl_hf.modeling import (
     load_model,
     packing_unsupported,
     register_packed_sdpa,
-    validate_inputs,
 )
 from verl_hf.offload import Offloader
 from verl_hf.optim import HFOptimizer
@@ -113,11 +113,8 @@ class HFTrainingEngine(TrainingEngineBase):
                 f"the hf backend is data parallel only, got tp={spec.parallel.tp}, pp={spec.parallel.pp}; "
                 "use the megatron backend for tensor or pipeline parallelism"
             )
-        if spec.dtype == "float16":
-            raise ConfigError(
-                "the hf training engine runs float32 or bfloat16 (float16 would need loss scaling); "
-                "set EngineSpec.dtype to 'bfloat16'"
-            )
+        refuse_undeclared(spec, training_capabilities(spec.role), engine="the hf training engine",
+                          why="float16 would need loss scaling")
         self._spec = spec
         self._options = options if options is not None else parse_options(
             HFOptions, spec.options, where="hf backend options"
@@ -268,7 +265,7 @@ class HFTrainingEngine(TrainingEngineBase):
         wanted = set(outputs)
         self._check_outputs(wanted, where)
         self._require_onloaded(where)
-        validate_inputs(batch, where, self._vocab_size, self._spec)
+        check_model_inputs(batch, self._spec, where=where, vocab_size=self._vocab_size)
         max_tokens = self._options.forward_micro_batch_tokens or self._spec.micro_batch_tokens
         size = None if max_tokens is not None else self._spec.micro_batch_size
         with self._one_at_a_time():
@@ -304,7 +301,7 @@ class HFTrainingEngine(TrainingEngineBase):
         """
         self._check_outputs(set(loss_fn.needs), where)
         self._require_onloaded(where)
-        validate_inputs(mini_batch, where, self._vocab_size, self._spec)
+        check_model_inputs(mini_batch, self._spec, where=where, vocab_size=self._vocab_size)
         budget: int | None = max_tokens if max_tokens is not None else self._spec.micro_batch_tokens
         size = None if max_tokens is not None else self._spec.micro_batch_size
         with self._one_at_a_time():

@@ -40,6 +40,7 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
@@ -81,6 +82,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
             raise ConfigError(
                 f"the megatron rollout engine runs with pp=1 (tensor parallel only), got pp={spec.parallel.pp}"
             )
+        refuse_undeclared(spec, rollout_capabilities(), engine="the megatron rollout engine")
         self._spec = spec
         self._options = parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
         if spec.device.startswith("cuda") and torch.cuda.is_available():

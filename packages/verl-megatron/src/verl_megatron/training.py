@@ -42,6 +42,7 @@ from verl_core import (
     TrainingCapabilities,
     WeightMessage,
 )
+from verl_core.enginekit.gates import check_model_inputs, refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.precision import MasterWeights
 from verl_core.enginekit.training_base import TrainingEngineBase
@@ -94,11 +95,9 @@ class MegatronTrainingEngine(TrainingEngineBase):
         self._spec = spec
         self._options = parse_options(MegatronOptions, spec.options, where="backend 'megatron' options")
         self._device = _resolve_device(spec.device)
-        if spec.gradient_checkpointing and self._device.type != "cuda":
-            raise ConfigError(
-                "gradient_checkpointing needs a CUDA device here: megatron-core's activation recompute "
-                "saves and restores the CUDA RNG state; set EngineSpec.gradient_checkpointing=False on CPU"
-            )
+        # float16 (it would need loss scaling) and gradient checkpointing (megatron-core's recompute is
+        # not wired to the trainer's memory budget, and on CPU it cannot restore the CUDA RNG) are refused
+        refuse_undeclared(spec, training_capabilities(spec.role), engine="the megatron training engine")
         self._packed = _resolve_packing(self._options, pp=spec.parallel.pp)
         # the folder is refused (unreadable config, family, RoPE, special ids) before any process group exists
         self.dims = model_dims(spec.model_path, "value" if spec.role == "critic" else "lm")
@@ -117,7 +116,7 @@ class MegatronTrainingEngine(TrainingEngineBase):
         self._dtype: torch.dtype = spec.torch_dtype
         self.model: Any = build_stage(
             self.dims, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank, dtype=self._dtype,
-            device=self._device, recompute=spec.gradient_checkpointing, attention=self._options.attention,
+            device=self._device, attention=self._options.attention,
         )
         hf_state = load_hf_state_dict(spec.model_path)
         if self.dims.head == "value" and "score.weight" not in hf_state:
@@ -197,15 +196,8 @@ class MegatronTrainingEngine(TrainingEngineBase):
 
     # ------------------------------------------------------------------ input handling
     def _validate(self, batch: TensorBatch, where: str, outputs: Collection[str]) -> None:
-        batch.require("prompt_ids", "prompt_mask", "response_ids", "response_mask", where=where)
-        batch.check(where=where, vocab_size=self.dims.vocab_size)  # structure, values, non-empty prompts
-        unknown = set(outputs) - {"log_probs", "entropy", "values"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown outputs {sorted(unknown)}; valid: log_probs, entropy, values")
-        if self.dims.head == "value" and set(outputs) - {"values"}:
-            raise ConfigError(f"{where}: a critic computes only 'values', got {sorted(outputs)}")
-        if self.dims.head == "lm" and "values" in outputs:
-            raise ConfigError(f"{where}: 'values' needs role='critic' (a value head); this engine is {self._spec.role}")
+        self._check_outputs(outputs, where)
+        check_model_inputs(batch, self._spec, where=where, vocab_size=self.dims.vocab_size)
 
     # ------------------------------------------------------------------ compute
     def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:

@@ -131,6 +131,12 @@ def start_llm(spec: EngineSpec, cfg: VllmRolloutConfig, *, on_gpu: bool, max_mod
     }
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if not on_gpu:
+        # vLLM's own CPU kernels (its default custom ops when eager) compute RMSNorm in bfloat16,
+        # which tips tokens on a bfloat16 model (numerics::bfloat16_rms_norm_in_float32); the
+        # native torch ops compute the norm in float32, as transformers does. Compiled CPU engines
+        # use the native ops anyway; this makes eager ones (enforce_eager=True) do the same.
+        kwargs["compilation_config"] = {"custom_ops": ["none"]}
     if on_gpu:
         kwargs["enable_sleep_mode"] = True
     rope_log = logging.getLogger("transformers.modeling_rope_utils")

@@ -38,6 +38,7 @@ from verl_core import (
     WeightSyncError,
     apply_weight_stream,
 )
+from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import HFTokenizer
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_vllm._import import import_vllm
@@ -94,6 +95,7 @@ class VllmRolloutEngine(RolloutEngineBase):
                 f"tp={spec.parallel.tp} pp={spec.parallel.pp} dp={spec.parallel.dp}. Use tp=pp=dp=1 "
                 "and start one engine per replica"
             )
+        refuse_undeclared(spec, ROLLOUT_CAPABILITIES, engine="the vllm rollout engine")
         self._spec = spec
         self._config = config or VllmRolloutConfig()
         self._files: ModelFiles = read_model_files(spec.model_path, spec.torch_dtype)

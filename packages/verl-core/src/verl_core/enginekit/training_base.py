@@ -32,6 +32,7 @@ from collections.abc import Collection
 
 import torch
 
+from verl_core.enginekit.gates import MODEL_INPUTS, check_model_inputs
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.engine import EngineSpec
 from verl_core.kernel.errors import BatchValidationError, ConfigError
@@ -44,10 +45,7 @@ from verl_core.kernel.training import (
     TrainingEngine,
 )
 
-__all__ = ["MODEL_INPUTS", "TrainingEngineBase"]
-
-MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-"""The fields a training engine's forward reads (``batch.require(*MODEL_INPUTS, where=...)``)."""
+__all__ = ["MODEL_INPUTS", "TrainingEngineBase", "check_model_inputs"]
 
 _LOG_PROBS_ONLY: frozenset[ModelOutput] = frozenset({"log_probs"})
 _OUTPUTS = ("log_probs", "entropy", "values")
@@ -208,9 +206,9 @@ class TrainingEngineBase(TrainingEngine):
         itself, still builds (it then answers 0-row batches itself, as ``robustness::batch_of_zero``
         checks); an engine that overrides neither raises ``NotImplementedError`` at its first forward.
 
-        Validate the batch at the boundary (:meth:`_check_outputs`, ``batch.require(*MODEL_INPUTS,
-        where=where)``, the ``TensorBatch`` constructor, ``batch.check``, the spec's length limits)
-        and return it updated with ``outputs``, float32, shaped like ``response_ids``, 0 where
+        Validate the batch at the boundary (:meth:`_check_outputs`, then
+        :func:`~verl_core.enginekit.gates.check_model_inputs`: the fields, ``batch.check`` and the
+        spec's length limits) and return it updated with ``outputs``, float32, shaped like ``response_ids``, 0 where
         ``batch.loss_mask`` is False. ``where`` is ``"<class>.forward (<role>)"``, for the messages
         of the errors you raise.
         """
