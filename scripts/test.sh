@@ -21,17 +21,19 @@ run_phase() {
   printf '=== phase %s: %s in %dm%02ds ===\n' "$name" "$status" $(((SECONDS - t0) / 60)) $(((SECONDS - t0) % 60))
 }
 
-pytest_phase() {  # pytest_phase NAME PATH...: run the tests under the paths that exist
+pytest_phase() {  # pytest_phase NAME [--FLAG...] PATH...: run the tests under the paths that exist
   local name=$1; shift
-  local paths=()
-  for p in "$@"; do [ -e "$p" ] && paths+=("$p"); done
+  local paths=() flags=()
+  for p in "$@"; do
+    if [[ $p == --* ]]; then flags+=("$p"); elif [ -e "$p" ]; then paths+=("$p"); fi
+  done
   if [ ${#paths[@]} -eq 0 ]; then echo "no tests for $name yet"; return 0; fi
   # A fixed hypothesis seed and an empty example database keep runs reproducible (this machine
   # tries what a clean CI clone tries); HYPOTHESIS_SEED=random explores new examples and keeps them.
   local seed=()
   [ "${HYPOTHESIS_SEED:-0}" = random ] || seed=(--hypothesis-seed="${HYPOTHESIS_SEED:-0}")
   [ "${HYPOTHESIS_SEED:-0}" = random ] || export HYPOTHESIS_STORAGE_DIRECTORY="$REPORTS/hypothesis"
-  python -m pytest -q "${seed[@]}" "${paths[@]}" --junitxml="$REPORTS/$name.xml"
+  python -m pytest -q "${seed[@]}" "${flags[@]}" "${paths[@]}" --junitxml="$REPORTS/$name.xml"
 }
 
 ray_phase() {  # the Ray executor on a local 2-CPU cluster; installs verl-core's ray extra if setup did not
@@ -60,11 +62,12 @@ for phase in "${PHASES[@]}"; do
     lint) run_phase lint lint ;;
     core) run_phase core pytest_phase core tests/core ;;
     hf|megatron|vllm) run_phase "$phase" pytest_phase "$phase" "tests/$phase" ;;
-    conformance) run_phase conformance pytest_phase conformance tests/conformance ;;
+    conformance) run_phase conformance pytest_phase conformance --numprocesses=2 tests/conformance ;;
     trainer) run_phase trainer pytest_phase trainer tests/trainer tests/examples ;;
     reliability) run_phase reliability pytest_phase reliability tests/reliability ;;
     ray) run_phase ray ray_phase ;;
-    docs) run_phase docs pytest_phase docs tests/docs ;;  # mkdocs build --strict + runnable blocks
+    # mkdocs build --strict + runnable blocks, each block its own process: two at a time (pytest-xdist)
+    docs) run_phase docs pytest_phase docs --numprocesses=2 tests/docs ;;
     packaging) run_phase packaging bash scripts/check_wheels.sh ;;
     *) echo "unknown phase $phase"; failed+=("$phase") ;;
   esac
