@@ -62,7 +62,7 @@ for phase in "${PHASES[@]}"; do
     lint) run_phase lint lint ;;
     core) run_phase core pytest_phase core tests/core ;;
     hf|megatron|vllm) run_phase "$phase" pytest_phase "$phase" "tests/$phase" ;;
-    conformance) run_phase conformance pytest_phase conformance --numprocesses=2 tests/conformance ;;
+    conformance) run_phase conformance pytest_phase conformance tests/conformance ;;
     trainer) run_phase trainer pytest_phase trainer tests/trainer tests/examples ;;
     reliability) run_phase reliability pytest_phase reliability tests/reliability ;;
     ray) run_phase ray ray_phase ;;
