@@ -11,8 +11,9 @@ trap 'rm -rf "$DIST" "$(dirname "$FRESH")"' EXIT
 
 DISTS=(packages/verl-core packages/verl-hf packages/verl-megatron packages/verl-vllm conformance)
 [ -f examples/third-party-backend/pyproject.toml ] && DISTS+=(examples/third-party-backend)
+UV=("$VENV/bin/uv" --quiet)  # scripts/setup.sh installs uv beside the project
 for d in "${DISTS[@]}"; do
-  "$VENV/bin/python" -m build -q --sdist --wheel --outdir "$DIST" "$d" >/dev/null
+  "${UV[@]}" build --sdist --wheel --out-dir "$DIST" "$d" >/dev/null
 done
 ls "$DIST"
 # Each distribution's sdist carries its changelog.
@@ -41,14 +42,16 @@ PY
 
 python3 -m venv "$FRESH"
 PIP=("$FRESH/bin/python" -m pip --disable-pip-version-check -q)
-if command -v nvidia-smi >/dev/null 2>&1; then TORCH="torch>=2.11"; else TORCH="torch==2.13.0+cpu"; fi
+INSTALL=("${UV[@]}" pip install --python "$FRESH/bin/python")
 # Engines are heavy; the check installs the distributions whose tests it runs (core, hf,
 # conformance, the example backend) plus megatron's and vllm's wheels without their engines.
+# pip installs torch (on CPU machines from the local wheel folder pip.conf names, which uv does not read).
+if command -v nvidia-smi >/dev/null 2>&1; then TORCH="torch>=2.11"; else TORCH="torch==2.13.0+cpu"; fi
 "${PIP[@]}" install "$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install "$DIST"/verl_core-*.whl "$DIST"/verl_hf-*.whl "$DIST"/verl_conformance-*.whl \
-  $(ls "$DIST"/verl_example_backend-*.whl 2>/dev/null) 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install --no-deps "$DIST"/verl_megatron-*.whl "$DIST"/verl_vllm-*.whl 2>&1 | grep -v "^WARNING: Location" || true
-for m in torchvision torchaudio torchcodec triton; do "${PIP[@]}" uninstall -y "$m" >/dev/null 2>&1 || true; done
+"${INSTALL[@]}" "$TORCH" "$DIST"/verl_core-*.whl "$DIST"/verl_hf-*.whl "$DIST"/verl_conformance-*.whl \
+  $(ls "$DIST"/verl_example_backend-*.whl 2>/dev/null)
+"${INSTALL[@]}" --no-deps "$DIST"/verl_megatron-*.whl "$DIST"/verl_vllm-*.whl
+"${UV[@]}" pip uninstall --python "$FRESH/bin/python" torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 "$FRESH/bin/verl" --version
 "$FRESH/bin/verl" backends
 # The suite from the installed wheel, outside the source tree.
