@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -57,11 +58,15 @@ __all__ = [
     "MomentsResetOnLoad",
     "NonFiniteStepApplied",
     "NormAfterClipping",
+    "QwenThetaHardCodedRollout",
+    "QwenThetaHardCodedTraining",
     "RopeScalingIgnoredRollout",
     "RopeScalingIgnoredTraining",
     "SameStreamForEverySample",
     "SampledAtTemperatureOne",
     "SchedulerNotCheckpointed",
+    "SiluHardCodedRollout",
+    "SiluHardCodedTraining",
     "SeededByBatchPosition",
     "SkippedStepCounted",
     "StepCountNotCheckpointed",
@@ -119,6 +124,58 @@ class HardCodedThetaRollout(TinyRolloutEngine):
         super().__init__(spec)
         self.model.cfg = replace(self.model.cfg, rope=Rope.load({"rope_theta": 10000.0}, self.model.cfg.head_dim,
                                                                 spec.model_path))
+
+
+def _theta_10000_unless_llama(engine: TinyTrainingEngine | TinyRolloutEngine, path: str) -> None:
+    if engine.model.cfg.model_type != "llama":
+        engine.model.cfg = replace(engine.model.cfg, rope=Rope.load({"rope_theta": 10000.0},
+                                                                    engine.model.cfg.head_dim, path))
+
+
+class QwenThetaHardCodedTraining(TinyTrainingEngine):
+    """Reads ``rope_theta`` from a Llama folder, and uses 10000 on Qwen2 and Qwen3 folders whatever they set."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _theta_10000_unless_llama(self, spec.model_path)
+
+
+class QwenThetaHardCodedRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _theta_10000_unless_llama(self, spec.model_path)
+
+
+def _without_hidden_act(spec: EngineSpec) -> tuple[EngineSpec, tempfile.TemporaryDirectory[str]]:
+    """``spec`` on a copy of its folder whose config.json leaves ``hidden_act`` out (what an engine that
+    never reads the key sees); the folder lives as long as the returned handle."""
+    tmp = tempfile.TemporaryDirectory(prefix="verl-faulty-")
+    for f in Path(spec.model_path).iterdir():
+        if f.is_file():
+            (Path(tmp.name) / f.name).symlink_to(f)
+    config = json.loads((Path(spec.model_path) / "config.json").read_text())
+    config.pop("hidden_act", None)
+    (Path(tmp.name) / "config.json").unlink()
+    (Path(tmp.name) / "config.json").write_text(json.dumps(config))
+    return replace(spec, model_path=tmp.name), tmp
+
+
+class SiluHardCodedTraining(TinyTrainingEngine):
+    """Never reads ``hidden_act``: its MLP runs SiLU whatever the config names (no refusal)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        plain, self._folder = _without_hidden_act(spec)
+        super().__init__(plain)
+
+
+class SiluHardCodedRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        plain, self._folder = _without_hidden_act(spec)
+        super().__init__(plain)
 
 
 # ---------------------------------------------------------------------------------------- sampling

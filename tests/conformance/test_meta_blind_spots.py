@@ -50,6 +50,16 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      ["numerics::log_probs_match_reference", "numerics::config_constants_match_reference"],
      "numerics::config_constants_match_reference",
      ["forward log_probs on llama-constants", "rope_theta 500.0"]),
+    # and one that reads it for Llama only: every Qwen folder but the constants ones uses 10000 too
+    ("qwen-theta-hard-coded", faulty.QwenThetaHardCodedTraining, faulty.QwenThetaHardCodedRollout,
+     ["numerics::log_probs_match_reference", "numerics::config_constants_match_reference"],
+     "numerics::config_constants_match_reference",
+     ["forward log_probs on qwen2-constants", "rope_theta 500.0"]),
+    # the example and tiny backends hard-coded SiLU: every other folder runs silu
+    ("silu-hard-coded", faulty.SiluHardCodedTraining, faulty.SiluHardCodedRollout,
+     ["numerics::log_probs_match_reference", "numerics::hidden_act_honoured_or_refused"],
+     "numerics::hidden_act_honoured_or_refused",
+     ["forward log_probs on llama-gelu", "hidden_act 'gelu_pytorch_tanh'"]),
     ("sampled-at-t1", None, faulty.SampledAtTemperatureOne,
      ["numerics::rollout_log_probs_match_reference", "invariance::seeded_sampling_reproducible",
       "numerics::sampled_tokens_follow_log_probs"],

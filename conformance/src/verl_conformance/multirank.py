@@ -8,7 +8,8 @@ its :func:`~verl_core.dp_shard` of the suite's batch (the whole batch when dp = 
 one forward_backward with the global batch counts and one optimizer step, exports the weights and
 closes the engine; it writes the list of those results, one per folder in order. With
 ``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine on MODEL_PATH instead and
-writes what it generates for :func:`rollout_cases`.
+writes what it generates for :func:`rollout_cases`. With ``"checkpoint": FOLDER`` each rank runs
+:func:`checkpoint_round_trip` on MODEL_PATH instead.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from verl_core import ParallelSizes
 
-__all__ = ["dp_batch", "main", "rollout_cases", "rollout_generations"]
+__all__ = ["checkpoint_round_trip", "dp_batch", "main", "rollout_cases", "rollout_generations"]
 
 
-def dp_batch() -> Any:
+def dp_batch(seed: int = 70) -> Any:
     """The global batch of the data-parallel check (the single-process baseline uses the same)."""
     from verl_conformance.testkit import random_batch
 
-    b = random_batch(batch_size=6, max_prompt=8, max_response=8, seed=70, empty_responses=1, with_rl_fields=True)
+    b = random_batch(batch_size=6, max_prompt=8, max_response=8, seed=seed, empty_responses=1, with_rl_fields=True)
     return b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "truncated",
                     "old_log_probs", "advantages")
 
@@ -61,6 +62,10 @@ def main(argv: list[str]) -> None:
     backend, model_path, extra = argv[0], argv[1], json.loads(argv[2])
     rank = int(os.environ["RANK"])
     parallel = ParallelSizes(**extra.pop("parallel"))
+    folder = extra.pop("checkpoint", None)
+    if folder is not None:
+        write_rank_result(checkpoint_round_trip(backend, model_path, parallel, rank, extra, folder))
+        return
     if extra.pop("role", "actor") == "rollout":
         from verl_core import get_rollout_engine
 
@@ -90,6 +95,48 @@ def _actor_update(backend: str, model_path: str, parallel: ParallelSizes, rank: 
     weights = collect_stream(engine.export_weights())[1]
     engine.close()
     return {"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights}
+
+
+def checkpoint_round_trip(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any],
+                          folder: str) -> dict[str, Any]:
+    """Two updates of the actor under the stateful checks' warmup schedule, ``save_checkpoint(folder)`` on
+    every rank, two more updates; then a fresh engine that loads ``folder`` runs the same two. Returns
+    ``{"kept": ..., "loaded": ...}``, each the two updates' losses, grad norms and learning rates and
+    the weights exported after them."""
+    from verl_conformance.checks.stateful import STATE_OPTIM
+    from verl_conformance.harness import collect_stream
+    from verl_conformance.losses import TOKEN_MEAN_PG
+    from verl_core import (
+        EngineSpec,
+        GlobalBatchStats,
+        TrainingEngine,
+        dp_shard,
+        get_training_engine,
+    )
+
+    spec = EngineSpec(model_path=model_path, role="actor", optim=STATE_OPTIM, max_prompt_len=12,
+                      max_response_len=12, parallel=parallel, **extra)
+
+    def updates(engine: TrainingEngine, seeds: tuple[int, ...]) -> dict[str, Any]:
+        steps = []
+        for seed in seeds:
+            batch = dp_batch(seed)
+            shard = dp_shard(batch, rank, parallel.dp) if parallel.dp > 1 else batch
+            loss = engine.forward_backward(shard, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))["loss"]
+            step = engine.optimizer_step()
+            steps.append({"loss": loss, "grad_norm": step.grad_norm, "lr": step.lr})
+        return {"steps": steps, "weights": collect_stream(engine.export_weights())[1]}
+
+    engine = get_training_engine(backend, spec)
+    updates(engine, (60, 61))
+    engine.save_checkpoint(folder)
+    kept = updates(engine, (62, 66))
+    engine.close()
+    fresh = get_training_engine(backend, spec)
+    fresh.load_checkpoint(folder)
+    loaded = updates(fresh, (62, 66))
+    fresh.close()
+    return {"kept": kept, "loaded": loaded}
 
 
 if __name__ == "__main__":

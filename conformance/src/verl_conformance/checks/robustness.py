@@ -1,10 +1,15 @@
 """Robustness: ragged, empty and maximum-length responses, EOS first, a batch of one or of none, bad input, a failed call,
-model folders whose special token ids (config.json, the tokenizer, generation_config.json) lie outside the vocabulary."""
+model folders whose special token ids (config.json, the tokenizer, generation_config.json) lie outside the vocabulary,
+and what close() ends."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
+import psutil
 import torch
 
 from verl_conformance.checks._registry import check
@@ -400,3 +405,78 @@ def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
                "(tokenizer_config.json / special_tokens_map.json, the id from tokenizer.json) must be refused when "
                "the engine is built, with verl_core.ConfigError naming the file, the key, its value, the vocabulary "
                "size and the folder (verl_core.enginekit.model_folder.check_special_token_ids does it)")
+
+
+# Process-wide helpers that outlive any one engine by design: multiprocessing's resource tracker and
+# fork server (started on first use, shared by the whole process) and torch's compile workers.
+_SHARED_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
+_CLOSE_GRACE_S = 10.0
+
+
+def _running_children() -> dict[int, str]:
+    """This process's live descendants (zombies and the shared helpers left out), pid -> command line."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.cmdline())[:200]
+        except psutil.Error:  # it ended while we looked
+            continue
+        if not any(marker in cmd for marker in _SHARED_PROCESSES):
+            out[p.pid] = cmd
+    return out
+
+
+def _running_threads() -> dict[int, str]:
+    """The live non-daemon threads (a process does not exit while one runs), ident -> name."""
+    return {t.ident: t.name for t in threading.enumerate() if not t.daemon and t.ident is not None and t.is_alive()}
+
+
+@check("robustness")
+def check_close_ends_what_the_engine_started(h: Harness) -> None:
+    """close() of an engine of each role the backend provides (actor, reference, critic, rollout, reward), built for the check, used once (a forward, a generate, a score) and closed, ends within 10 s every child process and every non-daemon thread the engine started (a worker left running keeps the trainer's process alive after its run, or holds the device's memory for the next engine); a second close() raises nothing. Process-wide helpers that outlive any engine by design (multiprocessing's resource tracker and fork server, torch's compile workers) are not counted; zombies (ended, not yet reaped) count as ended."""
+    roles = [r for r in ROLES if h.provides(h.subject, r)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides no engine")
+    problems: list[str] = []
+    for role in roles:
+        procs, threads = _running_children(), _running_threads()
+        what = f"the {role} engine"
+        if role == "rollout":
+            engine: Any = h.rollout(fresh=True)
+            prompts = h.batch(seed=67, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+            engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=2))
+        elif role == "reward":
+            engine = h.reward(fresh=True)
+            engine.score(h.batch(seed=67, batch_size=2).select(*SCORER_INPUTS))
+        else:
+            engine = h.training(role, fresh=True)
+            engine.forward(h.batch(seed=67, batch_size=2, rl_fields=True), ["values"] if role == "critic" else ["log_probs"])
+        try:
+            engine.close()
+        except Exception as e:
+            problems.append(f"{what}'s close() raised {type(e).__name__}: {str(e)[:200]}")
+            continue
+        try:
+            engine.close()
+        except Exception as e:
+            problems.append(f"{what}'s second close() raised {type(e).__name__}: {str(e)[:200]} (close() may come "
+                            "twice: the trainer's error path and a user's script both close what they built)")
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while True:
+            left_procs = {pid: cmd for pid, cmd in _running_children().items() if pid not in procs}
+            left_threads = {ident: name for ident, name in _running_threads().items() if ident not in threads}
+            if not (left_procs or left_threads) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if left_procs:
+            problems.append(f"{what} left {len(left_procs)} child process(es) running {_CLOSE_GRACE_S:.0f} s after "
+                            "close(): " + "; ".join(f"pid {pid}: {cmd!r}" for pid, cmd in sorted(left_procs.items())))
+        if left_threads:
+            problems.append(f"{what} left {len(left_threads)} non-daemon thread(s) running {_CLOSE_GRACE_S:.0f} s "
+                            f"after close(): {sorted(left_threads.values())}")
+    if problems:
+        h.fail("; ".join(problems) + ". close() stops what the engine started (a worker: a stop message, a wait, "
+               "then a kill; a thread: a stop flag and a join) and may be called twice; docs/backend-rollout-engine.md, "
+               "'An engine in another process'")

@@ -1,4 +1,4 @@
-"""RoPE scaling: a backend honours the scaling its folder's config declares, or refuses the folder.
+"""RoPE scaling and other config keys: a backend honours what its folder's config declares, or refuses the folder.
 
 A backend that reads ``rope_theta`` but not the scaling (``rope_parameters.rope_type`` in
 transformers 5 configs, ``rope_scaling`` in transformers 4 ones) computes the model of another
@@ -26,6 +26,7 @@ from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import (
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
+    OTHER_ACTIVATION,
     ROPE_SCALINGS,
     near_tie_margin,
 )
@@ -167,16 +168,59 @@ def _summary(outcome: dict[str, dict[str, list[str]]]) -> str:
 
 @check("numerics")
 def check_config_constants_match_reference(h: Harness) -> None:
-    """On a Llama whose config sets rope_theta 500 and rms_norm_eps 0.05 (every other folder has the usual 10000 and 1e-6), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference: the engine reads both from the folder's config, never a hard-coded default."""
+    """On a Llama, a Qwen2 and a Qwen3 folder whose configs set rope_theta 500 and rms_norm_eps 0.05 (every other folder has the usual 10000 and 1e-6), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference: the engine reads both from each family's config, never a hard-coded default. A rollout engine may refuse a Qwen family with a ConfigError naming its model_type (listed in the pass); the actor may not."""
     roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
-    model = "llama-constants"
     advice = (f"the folder's config sets {', '.join(f'{k} {v}' for k, v in CONFIG_CONSTANTS.items())}: read them "
               "from the config (rope_theta inside rope_parameters in transformers 5 configs), not the usual defaults")
+    refused: list[str] = []
     for role in roles:
+        for model, model_type in _CONSTANTS_FOLDERS:
+            if role == "actor":
+                _forward(h, h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=97)
+            else:
+                def build(model: str = model) -> Any:
+                    return h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
+
+                engine = build() if model_type == "llama" else h.unless_refused(
+                    build, kind="rollout", what=model, model_type=model_type)
+                if engine is None:
+                    refused.append(f"the rollout engine refused {model_type}")
+                else:
+                    _generate(h, engine, model, advice, seed=98)
+            h.close_fresh()
+    if refused:
+        h.note("; ".join(refused))
+
+
+_CONSTANTS_FOLDERS = (("llama-constants", "llama"), ("qwen2-constants", "qwen2"), ("qwen3-constants", "qwen3"))
+"""The folders of :func:`check_config_constants_match_reference` and their model types."""
+
+
+@check("numerics")
+def check_hidden_act_honoured_or_refused(h: Harness) -> None:
+    """On the tiny Llama with hidden_act gelu_pytorch_tanh instead of silu (same weights; transformers applies the activation the config names), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming hidden_act (listed in the pass): never SiLU hard-coded. The actor and the rollout engine, where provided, each decide."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    model = "llama-gelu"
+    advice = (f"the folder's config sets hidden_act {OTHER_ACTIVATION!r}: apply the activation the config names "
+              "(transformers.activations.ACT2FN), or refuse the folder with a ConfigError naming hidden_act")
+    refused = []
+    for role in roles:
+        try:
+            engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
+                           else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+        except ConfigError as e:
+            h.expect("hidden_act" in str(e), f"the {role} engine refused {model} with a ConfigError that does not name "
+                     f"hidden_act: {str(e)[:300]}; {advice}")
+            refused.append(role)
+            continue
         if role == "actor":
-            _forward(h, h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=97)
+            _forward(h, engine, model, advice, seed=99)
         else:
-            _generate(h, h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=98)
+            _generate(h, engine, model, advice, seed=100)
         h.close_fresh()
+    if refused:
+        h.note(f"refused by the {' and the '.join(refused)} (ConfigError naming hidden_act)")

@@ -137,6 +137,48 @@ def check_checkpoint_round_trip(h: Harness) -> None:
         h.close_fresh()  # the role's engines, before the next role's are built
 
 
+@check("stateful", gates=("training.checkpoint", "training.tensor_parallel", "training.pipeline_parallel",
+                           "training.data_parallel"))
+def check_multi_rank_checkpoint_round_trip(h: Harness) -> None:
+    """Under torchrun with two ranks (tp=2 where the actor declares tensor_parallel, else pp=2 where it declares pipeline_parallel, else dp=2), every rank calls save_checkpoint with the same folder after two updates, runs two more; a fresh engine per rank loads the folder and runs the same two: each rank's losses, grad norms and learning rates and its exported weights after them equal the engine's that kept its state (ranks that overwrite each other's files, or save one rank's shard as the whole, fail). Skipped unless the actor declares checkpoint and one of those layouts."""
+    caps = h.training().capabilities
+    if not caps.checkpoint:
+        h.skip("backend declares checkpoint=False for the actor")
+    layouts = (("tensor_parallel", {"tp": 2}), ("pipeline_parallel", {"pp": 2}), ("data_parallel", {"dp": 2}))
+    layout = next((lay for name, lay in layouts if getattr(caps, name)), None)
+    if layout is None:
+        h.skip("the actor declares none of tensor_parallel, pipeline_parallel and data_parallel")
+    if not h.subject.registered:
+        h.skip("multi-rank checks build engines through the registry; install the backend as a plugin")
+    if h.device.startswith("cuda") and torch.cuda.device_count() < 2:
+        h.skip(f"2 ranks on {h.device} need 2 GPUs; {torch.cuda.device_count()} visible")
+    import json
+
+    from verl_conformance import multirank
+    from verl_conformance.testkit import LaunchError, launch_torchrun
+
+    label = ", ".join(f"{k}={v}" for k, v in layout.items())
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        spec = {"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device,
+                "checkpoint": str(Path(tmp) / "checkpoint")}
+        try:
+            ranks = launch_torchrun(multirank.__file__, 2, [h.subject.name, h.model_path(), json.dumps(spec)],
+                                    timeout=400)
+        except LaunchError as e:
+            h.fail(f"the backend failed a checkpoint round trip under torchrun with {label}: {str(e)[-2500:]}")
+    for rank, r in enumerate(ranks):
+        what = f"rank {rank} of {label}, after every rank's save_checkpoint and a fresh engine's load_checkpoint"
+        for i, (got, want) in enumerate(zip(r["loaded"]["steps"], r["kept"]["steps"], strict=True)):
+            label_i = f"{what}: the {('first', 'second')[i]} update after it"
+            h.scalar_close(got["loss"], want["loss"], "loss", f"{label_i}: loss")
+            h.scalar_close(got["grad_norm"], want["grad_norm"], "loss", f"{label_i}: grad norm")
+            h.expect(abs(got["lr"] - want["lr"]) <= 1e-9 * max(abs(want["lr"]), 1.0),
+                     f"{label_i} ran at lr {got['lr']:.6g}, the engine that kept its state at {want['lr']:.6g}")
+        _same_weights(h, r["loaded"]["weights"], r["kept"]["weights"],
+                      f"{what}: weights after two updates differ from the engine that kept its state")
+    h.note(f"under {label}")
+
+
 @check("stateful", gates=("training.checkpoint", "training.values"))
 def check_load_drops_pending_gradients(h: Harness) -> None:
     """forward_backward, then load_checkpoint: the gradients of the call before the load add nothing afterwards (the actor, and the critic where the backend provides one declaring values; a critic-only backend: the critic)."""

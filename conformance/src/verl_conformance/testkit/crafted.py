@@ -64,6 +64,7 @@ __all__ = [
     "EOS_AFTER_3",
     "EOS_FIRST",
     "EOS_LADDER_END",
+    "OTHER_ACTIVATION",
     "EOS_LADDER_START",
     "FOLDER_EOS_LISTS",
     "GENERATION_DEFAULTS",
@@ -85,6 +86,7 @@ __all__ = [
     "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
+    "other_activation_model",
     "out_of_vocab_file_model",
     "out_of_vocab_model",
     "perturbed_absolute_position_model",
@@ -288,12 +290,13 @@ CONFIG_CONSTANTS: Final = {"rope_theta": 500.0, "rms_norm_eps": 0.05}
 """What :func:`config_constants_model` sets, far from the values engines tend to hard-code (10000, 1e-6)."""
 
 
-def config_constants_model() -> Path:
-    """The test kit's tiny Llama whose ``config.json`` sets ``rope_theta`` 500 (in ``rope_parameters``, as
-    transformers 5 writes it) and ``rms_norm_eps`` 0.05: every other folder uses the usual 10000 and 1e-6,
-    so a backend that hard-codes them computes those folders right and real checkpoints (Llama 3's 5e5,
-    Qwen2's 1e6) wrong. Either change moves the log-probs well past the float32 tier."""
-    spec = TinyModelSpec()
+def config_constants_model(spec: TinyModelSpec | None = None) -> Path:
+    """The test kit's tiny model of ``spec`` (the Llama by default) whose ``config.json`` sets ``rope_theta``
+    500 (in ``rope_parameters``, as transformers 5 writes it) and ``rms_norm_eps`` 0.05: every other folder
+    uses the usual 10000 and 1e-6, so a backend that hard-codes them computes those folders right and
+    real checkpoints (Llama 3's 5e5, Qwen2's 1e6) wrong. Either change moves the log-probs well past the
+    float32 tier."""
+    spec = spec or TinyModelSpec()
 
     def build(out: Path) -> None:
         base = tiny_model(spec)
@@ -308,6 +311,26 @@ def config_constants_model() -> Path:
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
     return _crafted("config-constants", {"base": asdict(spec), "config": CONFIG_CONSTANTS}, build)
+
+
+OTHER_ACTIVATION: Final = "gelu_pytorch_tanh"
+"""The ``hidden_act`` of :func:`other_activation_model` (the MLP activation of Gemma-style configs)."""
+
+
+def other_activation_model() -> Path:
+    """The test kit's tiny Llama with ``hidden_act`` :data:`OTHER_ACTIVATION` instead of ``silu`` (same
+    weights): transformers' Llama applies whatever activation the config names, so a backend that
+    hard-codes SiLU computes another model; it must apply the activation or refuse the folder."""
+    spec = TinyModelSpec()
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        config["hidden_act"] = OTHER_ACTIVATION
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted("other-activation", {"base": asdict(spec), "hidden_act": OTHER_ACTIVATION}, build)
 
 
 BFLOAT16_NORM_ROPE_THETA: Final = 1e8

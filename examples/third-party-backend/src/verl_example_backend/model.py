@@ -60,6 +60,9 @@ class DecoderConfig:
                 f"{model_type!r}"
             )
         check_special_token_ids(path, raw)
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":  # the MLP below is SwiGLU; transformers applies whatever the config names
+            raise ConfigError(f"the example backend's MLP runs hidden_act 'silu'; {path} sets hidden_act {act!r}")
         # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling, which
         # (non-empty) replaces rope_parameters as a whole, as transformers 5 reads a folder with both
         rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}

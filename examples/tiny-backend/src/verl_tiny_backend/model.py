@@ -113,6 +113,8 @@ class Cfg:
         missing = ["mlp_bias"] if raw.get("mlp_bias") else []
         if mt == "llama" and raw.get("attention_bias"):
             missing.append("attention_bias (an o_proj bias)")
+        if raw.get("hidden_act", "silu") != "silu":
+            missing.append(f"hidden_act {raw['hidden_act']!r} (its MLP runs silu)")
         if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or []):
             missing.append("sliding-window attention")
         if missing:

@@ -41,6 +41,10 @@ class ModelFiles:
     vocab_size: int
 
 
+_SILU_ONLY = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+"""Model types whose vLLM MLP refuses any other ``hidden_act`` (with a bare ValueError, after loading)."""
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -64,7 +68,7 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
             or ``generation_config.json``, or a tokenizer pad, EOS or BOS token whose id lies
             there (:func:`verl_core.enginekit.model_folder.check_special_token_ids`, the rule
             every backend applies; vLLM itself would build the model and stop on ids it cannot
-            sample).
+            sample); a Llama, Qwen2, Qwen3 or Mistral config whose ``hidden_act`` is not ``silu``.
     """
     from safetensors import safe_open
 
@@ -75,6 +79,10 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
     config = json.loads(config_path.read_text())
     check_special_token_ids(folder, config)
     text_config = config.get("text_config", config)
+    model_type, act = text_config.get("model_type"), text_config.get("hidden_act", "silu")
+    if model_type in _SILU_ONLY and act != "silu":
+        raise ConfigError(f"vLLM's {model_type} MLP runs hidden_act 'silu' only; {str(folder)!r} sets hidden_act "
+                          f"{act!r}")
     tied = bool(text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     tensors: dict[str, TensorInfo] = {}
     for file in _safetensors_files(folder):

@@ -31,5 +31,9 @@ class RewardEngine(Protocol):
         """
 
     def close(self) -> None:
-        """Release resources."""
+        """Release resources.
+
+        Ends every child process and non-daemon thread the engine started, and may be called
+        more than once (``robustness::close_ends_what_the_engine_started``).
+        """
         return None

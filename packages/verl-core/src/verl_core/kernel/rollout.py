@@ -212,5 +212,9 @@ class RolloutEngine(Protocol):
         self.sleep()
 
     def close(self) -> None:
-        """Release resources; the engine is unusable afterwards."""
+        """Release resources; the engine is unusable afterwards.
+
+        Ends every child process and non-daemon thread the engine started, and may be called
+        more than once (``robustness::close_ends_what_the_engine_started``).
+        """
         return None

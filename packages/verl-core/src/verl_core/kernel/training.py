@@ -316,6 +316,10 @@ class TrainingEngine(Protocol):
         """Undo :meth:`offload`."""
 
     def close(self) -> None:
-        """Release resources (processes, memory). The engine is unusable afterwards."""
+        """Release resources (processes, memory). The engine is unusable afterwards.
+
+        Ends every child process and non-daemon thread the engine started, and may be called
+        more than once (``robustness::close_ends_what_the_engine_started``).
+        """
         return None
 

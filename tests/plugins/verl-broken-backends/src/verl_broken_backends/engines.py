@@ -57,6 +57,7 @@ from verl_hf.rollout_request import concat_responses
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
+    "OnlyRankZeroLoads",
     "Bfloat16NormRollout",
     "Bfloat16NormTraining",
     "Bfloat16Refused",
@@ -1340,3 +1341,13 @@ class TruncatedRolloutLogProbs(ExampleRolloutEngine):
 
     def tempered_log_probs(self, logits: Tensor, params: SamplingParams) -> Tensor:
         return torch.log_softmax(_truncate(logits / params.temperature, params.top_k, params.top_p), -1)
+
+
+class OnlyRankZeroLoads(HFTrainingEngine):
+    """load_checkpoint restores the state on data-parallel rank 0 only (the others keep the fresh engine's)."""
+
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Rank 0: the hf engine's load; another rank: nothing read."""
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return self._step
+        return super()._load_checkpoint(path)

@@ -29,6 +29,9 @@ __all__ = [
     "bfloat16",
     "bfloat16_norm",
     "checkpoint_optimizer",
+    "close_not_idempotent",
+    "close_thread_left",
+    "close_worker_left",
     "checkpointing_grads",
     "constant_schedule_decays",
     "cosine_past_total",
@@ -54,6 +57,7 @@ __all__ = [
     "micro_batch_loss",
     "norms_not_decayed",
     "offload_tensor",
+    "only_rank_zero_loads",
     "optimizer_state",
     "padding_idx",
     "padding_side",
@@ -288,6 +292,8 @@ class BrokenHFBackend:
 
 arange_positions = BrokenHFBackend("broken-positions", "position ids are arange over the left-padded row",
                                    "actor", f"{_ENGINES}:ArangePositions")
+only_rank_zero_loads = BrokenHFBackend("broken-only-rank-zero-loads", "load_checkpoint restores the state on "
+                                       "data-parallel rank 0 only", "actor", f"{_ENGINES}:OnlyRankZeroLoads")
 exports_masters = BrokenHFBackend("broken-export-masters", "a bfloat16 engine exports its float32 masters", "actor",
                                   f"{_ENGINES}:ExportsMasters")
 frozen_position_table = BrokenHFBackend("broken-gpt2-position-grad", "on a GPT-2 folder the position table gets no "
@@ -391,3 +397,10 @@ zero_rows = BrokenBackend("broken-zero-rows", "forward folds with reshape(batch,
 truncated_log_probs = BrokenBackend("broken-truncated-log-probs", "rollout_log_probs of the truncated (top-k/top-p) "
                                     "distribution while declaring exact_log_probs_truncated",
                                     rollout=f"{_ENGINES}:TruncatedRolloutLogProbs")
+_LIFETIME = "verl_broken_backends.lifetime"
+close_worker_left = BrokenBackend("broken-close-worker-left", "the rollout engine starts a worker process and no close() "
+                                  "stops it", rollout=f"{_LIFETIME}:WorkerLeftRunning")
+close_thread_left = BrokenBackend("broken-close-thread-left", "the rollout engine starts a non-daemon thread that its "
+                                  "close() leaves running", rollout=f"{_LIFETIME}:ThreadLeftRunning")
+close_not_idempotent = BrokenBackend("broken-close-twice", "the training engine's close() deletes its model: a second "
+                                     "close() raises AttributeError", training=f"{_LIFETIME}:CloseNotIdempotent")

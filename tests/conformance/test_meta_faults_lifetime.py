@@ -1,0 +1,62 @@
+"""Meta-tests of what the suite checks of an engine's lifetime across calls and processes.
+
+``robustness::close_ends_what_the_engine_started``: engines whose close() leaves a worker process or a
+thread running, or raises when called twice, fail it (the example backend they are built on passes it:
+test_suite_example.py). ``stateful::multi_rank_checkpoint_round_trip``: a checkpoint that only
+data-parallel rank 0 loads fails it (the hf backend passes it: test_suite_hf.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from verl_conformance import ConformanceError, check_backend
+
+pytestmark = pytest.mark.usefixtures("broken_backends")
+
+CHECK = "robustness::close_ends_what_the_engine_started"
+
+
+@pytest.fixture(autouse=True)
+def _end_what_the_faults_left() -> Iterator[None]:
+    """Stop the workers and threads the faulty engines leave, whatever the test's outcome."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    from verl_broken_backends.lifetime import RELEASE
+
+    RELEASE.set()
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            p.kill()
+            p.wait(10)
+    RELEASE.clear()
+
+
+@pytest.mark.parametrize(("backend", "fragments"), [
+    ("broken-close-worker-left", ["the rollout engine left 1 child process(es) running 10 s after close()",
+                                  "time.sleep(120)"]),
+    ("broken-close-thread-left", ["the rollout engine left 1 non-daemon thread(s) running 10 s after close()",
+                                  "['prefetch']"]),
+    ("broken-close-twice", ["the actor engine's second close() raised AttributeError",
+                            "the critic engine's second close() raised AttributeError"]),
+])
+def test_an_engine_whose_close_leaves_work_running_or_fails_twice_fails(backend: str, fragments: list[str]) -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_backend(backend, checks=[CHECK])
+    message = str(info.value)
+    assert CHECK in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_a_checkpoint_loaded_on_one_data_parallel_rank_only_fails_the_multi_rank_round_trip() -> None:
+    """The single-process round trip cannot see it: one process is rank 0."""
+    check_backend("broken-only-rank-zero-loads", checks=["stateful::checkpoint_round_trip"])
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-only-rank-zero-loads", checks=["stateful::multi_rank_checkpoint_round_trip"])
+    message = str(info.value)
+    # the loss and grad norm are global (summed over the ranks): rank 0's differ too
+    assert "of dp=2, after every rank's save_checkpoint and a fresh engine's load_checkpoint: the first update" \
+        in message, message
