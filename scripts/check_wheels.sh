@@ -42,7 +42,7 @@ PY
 
 python3 -m venv "$FRESH"
 PIP=("$FRESH/bin/python" -m pip --disable-pip-version-check -q)
-INSTALL=("${UV[@]}" pip install --python "$FRESH/bin/python")
+INSTALL=("${UV[@]}" pip install --compile-bytecode --python "$FRESH/bin/python")  # .pyc as pip writes them
 # Engines are heavy; the check installs the distributions whose tests it runs (core, hf,
 # conformance, the example backend) plus megatron's and vllm's wheels without their engines.
 # pip installs torch (on CPU machines from the local wheel folder pip.conf names, which uv does not read).

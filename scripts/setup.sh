@@ -25,7 +25,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # cold cache here, against about 8 for pip). pip installs uv itself and torch, whose CPU build it
 # takes from the machine's local wheel folder (pip.conf's find-links), which uv does not read.
 "${PIP[@]}" install "uv==0.13.9" 2>&1 | grep -v "^WARNING: Location" || true
+# --compile-bytecode: pip writes .pyc files at install, uv only when asked; where PYTHONDONTWRITEBYTECODE is
+# set (CI), a package without them is compiled again by every process that imports it.
 UV=("$VENV/bin/uv" pip --quiet)
+UV_INSTALL=("$VENV/bin/uv" pip install --quiet --compile-bytecode)
 PY=(--python "$VENV/bin/python")
 
 # Engines. On machines without an NVIDIA GPU torch must be the local CPU build: a plain `torch`
@@ -42,7 +45,7 @@ EDITABLE=(-e "packages/verl-core[dev,yaml,plot,docs,ray,data,tensorboard,wandb]"
 for d in "${DISTS[@]}"; do
   [ "$d" = packages/verl-core ] || EDITABLE+=(-e "$d")
 done
-"${UV[@]}" install "${PY[@]}" "${ENGINES[@]}" "${EDITABLE[@]}"
+"${UV_INSTALL[@]}" "${PY[@]}" "${ENGINES[@]}" "${EDITABLE[@]}"
 
 # A venv made before the broken backends stopped being installed still holds their entry points.
 "${UV[@]}" uninstall "${PY[@]}" verl-broken-backends >/dev/null 2>&1 || true
@@ -53,7 +56,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${UV[@]}" uninstall "${PY[@]}" torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   # Triton's interpreter runs the project's Triton kernels on CPU tensors (tests/core/test_decode_attention.py).
   # It lives in a folder of its own, outside the venv's path: only those tests' subprocesses import it.
-  "${UV[@]}" install "${PY[@]}" --no-deps --upgrade --target "$VENV/triton-interpreter" "triton==3.9.0"
+  "${UV_INSTALL[@]}" "${PY[@]}" --no-deps --upgrade --target "$VENV/triton-interpreter" "triton==3.9.0"
 fi
 "$VENV/bin/python" -c "import torch, transformers, verl_core, verl_hf, verl_megatron, verl_vllm, verl_conformance; print('setup: torch', torch.__version__, '| transformers', transformers.__version__, '| verl-core', verl_core.__version__)"
 echo "$want" > "$stamp"

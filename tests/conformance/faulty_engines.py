@@ -67,6 +67,8 @@ __all__ = [
     "SchedulerNotCheckpointed",
     "SiluHardCodedRollout",
     "SiluHardCodedTraining",
+    "SlidingWindowIgnoredRollout",
+    "SlidingWindowIgnoredTraining",
     "SeededByBatchPosition",
     "SkippedStepCounted",
     "StepCountNotCheckpointed",
@@ -148,16 +150,18 @@ class QwenThetaHardCodedRollout(TinyRolloutEngine):
         _theta_10000_unless_llama(self, spec.model_path)
 
 
-def _without_hidden_act(spec: EngineSpec) -> tuple[EngineSpec, tempfile.TemporaryDirectory[str]]:
-    """``spec`` on a copy of its folder whose config.json leaves ``hidden_act`` out (what an engine that
-    never reads the key sees); the folder lives as long as the returned handle."""
+def _config_read_without(spec: EngineSpec, *keys: str) -> tuple[EngineSpec, tempfile.TemporaryDirectory[str]]:
+    """``spec`` on a copy of its folder whose config.json leaves ``keys`` out (what an engine that never
+    reads them sees; ``layer_types`` all full attention where given); the folder lives as long as the handle."""
     tmp = tempfile.TemporaryDirectory(prefix="verl-faulty-")
     for f in Path(spec.model_path).iterdir():
-        if f.is_file():
+        if f.is_file() and f.name != "config.json":
             (Path(tmp.name) / f.name).symlink_to(f)
     config = json.loads((Path(spec.model_path) / "config.json").read_text())
-    config.pop("hidden_act", None)
-    (Path(tmp.name) / "config.json").unlink()
+    for key in keys:
+        config.pop(key, None)
+    if "layer_types" in config:
+        config["layer_types"] = ["full_attention"] * len(config["layer_types"])
     (Path(tmp.name) / "config.json").write_text(json.dumps(config))
     return replace(spec, model_path=tmp.name), tmp
 
@@ -166,7 +170,7 @@ class SiluHardCodedTraining(TinyTrainingEngine):
     """Never reads ``hidden_act``: its MLP runs SiLU whatever the config names (no refusal)."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _without_hidden_act(spec)
+        plain, self._folder = _config_read_without(spec, "hidden_act")
         super().__init__(plain)
 
 
@@ -174,7 +178,23 @@ class SiluHardCodedRollout(TinyRolloutEngine):
     """The rollout engine of the same fault."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _without_hidden_act(spec)
+        plain, self._folder = _config_read_without(spec, "hidden_act")
+        super().__init__(plain)
+
+
+class SlidingWindowIgnoredTraining(TinyTrainingEngine):
+    """Never reads the sliding-window keys: full attention on a folder that declares a window (no refusal)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        plain, self._folder = _config_read_without(spec, "use_sliding_window", "sliding_window")
+        super().__init__(plain)
+
+
+class SlidingWindowIgnoredRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        plain, self._folder = _config_read_without(spec, "use_sliding_window", "sliding_window")
         super().__init__(plain)
 
 

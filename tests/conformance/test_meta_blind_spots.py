@@ -60,6 +60,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      ["numerics::log_probs_match_reference", "numerics::hidden_act_honoured_or_refused"],
      "numerics::hidden_act_honoured_or_refused",
      ["forward log_probs on llama-gelu", "hidden_act 'gelu_pytorch_tanh'"]),
+    # the example backend ignored the sliding-window keys: no other folder declares a window
+    ("sliding-window-ignored", faulty.SlidingWindowIgnoredTraining, faulty.SlidingWindowIgnoredRollout,
+     ["numerics::log_probs_match_reference", "numerics::sliding_window_honoured_or_refused"],
+     "numerics::sliding_window_honoured_or_refused",
+     ["forward log_probs on qwen2-sliding", "sliding_window 8 on every layer"]),
     ("sampled-at-t1", None, faulty.SampledAtTemperatureOne,
      ["numerics::rollout_log_probs_match_reference", "invariance::seeded_sampling_reproducible",
       "numerics::sampled_tokens_follow_log_probs"],

@@ -28,6 +28,7 @@ from verl_conformance.testkit import (
     LONG_ROPE_TRAINED,
     OTHER_ACTIVATION,
     ROPE_SCALINGS,
+    SLIDING_WINDOW,
     near_tie_margin,
 )
 from verl_core import ConfigError, SamplingParams, TensorBatch
@@ -198,29 +199,45 @@ _CONSTANTS_FOLDERS = (("llama-constants", "llama"), ("qwen2-constants", "qwen2")
 """The folders of :func:`check_config_constants_match_reference` and their model types."""
 
 
-@check("numerics")
-def check_hidden_act_honoured_or_refused(h: Harness) -> None:
-    """On the tiny Llama with hidden_act gelu_pytorch_tanh instead of silu (same weights; transformers applies the activation the config names), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming hidden_act (listed in the pass): never SiLU hard-coded. The actor and the rollout engine, where provided, each decide."""
+def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice: str, seed: int) -> None:
+    """The actor's forward and the rollout's greedy tokens on ``model`` equal the float64 reference, or the
+    engine refuses the folder with a ConfigError whose message holds one of ``names`` (lower case; noted);
+    each role provided decides."""
     roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
-    model = "llama-gelu"
-    advice = (f"the folder's config sets hidden_act {OTHER_ACTIVATION!r}: apply the activation the config names "
-              "(transformers.activations.ACT2FN), or refuse the folder with a ConfigError naming hidden_act")
     refused = []
     for role in roles:
         try:
             engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
                            else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
         except ConfigError as e:
-            h.expect("hidden_act" in str(e), f"the {role} engine refused {model} with a ConfigError that does not name "
-                     f"hidden_act: {str(e)[:300]}; {advice}")
+            h.expect(any(word in str(e).lower() for word in names), f"the {role} engine refused {model} with a "
+                     f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}")
             refused.append(role)
             continue
         if role == "actor":
-            _forward(h, engine, model, advice, seed=99)
+            _forward(h, engine, model, advice, seed=seed)
         else:
-            _generate(h, engine, model, advice, seed=100)
+            _generate(h, engine, model, advice, seed=seed + 1)
         h.close_fresh()
     if refused:
-        h.note(f"refused by the {' and the '.join(refused)} (ConfigError naming hidden_act)")
+        h.note(f"refused by the {' and the '.join(refused)} (ConfigError naming {names[0]})")
+
+
+@check("numerics")
+def check_hidden_act_honoured_or_refused(h: Harness) -> None:
+    """On the tiny Llama with hidden_act gelu_pytorch_tanh instead of silu (same weights; transformers applies the activation the config names), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming hidden_act (listed in the pass): never SiLU hard-coded. The actor and the rollout engine, where provided, each decide."""
+    _honoured_or_refused(h, "llama-gelu", ("hidden_act",),
+                         f"the folder's config sets hidden_act {OTHER_ACTIVATION!r}: apply the activation the config "
+                         "names (transformers.activations.ACT2FN), or refuse the folder with a ConfigError naming "
+                         "hidden_act", seed=99)
+
+
+@check("numerics")
+def check_sliding_window_honoured_or_refused(h: Harness) -> None:
+    """On the tiny Qwen2 with sliding-window attention on every layer (use_sliding_window, sliding_window 8, layer_types all sliding_attention; same weights), forward log-probs of left-padded sequences of 26 to 42 tokens and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming sliding_window or sliding(-)window attention (listed in the pass): never full attention over a folder that declares a window. The actor and the rollout engine, where provided, each decide."""
+    _honoured_or_refused(h, "qwen2-sliding", ("sliding_window", "sliding window", "sliding-window"),
+                         f"the folder's config sets use_sliding_window with sliding_window {SLIDING_WINDOW} on every "
+                         "layer (layer_types sliding_attention): attend to the last sliding_window positions only, "
+                         "or refuse the folder with a ConfigError naming sliding_window", seed=101)

@@ -30,6 +30,7 @@ from verl_conformance.testkit.crafted import (
     OUT_OF_VOCAB_IDS,
     OUT_OF_VOCAB_TOKEN,
     ROPE_SCALINGS,
+    SLIDING_WINDOW,
     VALUE_HEAD_BIAS,
     ShuffledTokenizer,
     absolute_position_model,
@@ -47,6 +48,7 @@ from verl_conformance.testkit.crafted import (
     perturbed_absolute_position_model,
     perturbed_model,
     rope_scaled_model,
+    sliding_window_model,
     value_bias_model,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
@@ -81,6 +83,7 @@ __all__ = [
     "OUT_OF_VOCAB_IDS",
     "OUT_OF_VOCAB_TOKEN",
     "ROPE_SCALINGS",
+    "SLIDING_WINDOW",
     "TOLERANCES",
     "VALUE_HEAD_BIAS",
     "Arch",
@@ -112,6 +115,7 @@ __all__ = [
     "reference_forward",
     "config_constants_model",
     "rope_scaled_model",
+    "sliding_window_model",
     "tiny_model",
     "tolerance",
     "value_bias_model",

@@ -75,6 +75,7 @@ __all__ = [
     "OUT_OF_VOCAB_TOKEN",
     "ROPE_SCALED_MAX_POSITIONS",
     "ROPE_SCALINGS",
+    "SLIDING_WINDOW",
     "VALUE_HEAD_BIAS",
     "ShuffledTokenizer",
     "absolute_position_model",
@@ -92,6 +93,7 @@ __all__ = [
     "perturbed_absolute_position_model",
     "perturbed_model",
     "rope_scaled_model",
+    "sliding_window_model",
     "value_bias_model",
 ]
 
@@ -331,6 +333,28 @@ def other_activation_model() -> Path:
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
     return _crafted("other-activation", {"base": asdict(spec), "hidden_act": OTHER_ACTIVATION}, build)
+
+
+SLIDING_WINDOW: Final = 8
+"""The ``sliding_window`` of :func:`sliding_window_model`: far below the suite's sequences (26 to 42 tokens)."""
+
+
+def sliding_window_model() -> Path:
+    """The test kit's tiny Qwen2 with sliding-window attention on every layer (``use_sliding_window``,
+    ``sliding_window`` :data:`SLIDING_WINDOW`, ``max_window_layers`` 0, ``layer_types`` all
+    ``sliding_attention``; same weights): each token attends to the last 8 positions only, so a
+    backend that ignores the keys computes full attention; it must apply the window or refuse."""
+    spec = TinyModelSpec(arch="qwen2")
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        config.update(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=0,
+                      layer_types=["sliding_attention"] * int(config["num_hidden_layers"]))
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted("sliding-window", {"base": asdict(spec), "sliding_window": SLIDING_WINDOW}, build)
 
 
 BFLOAT16_NORM_ROPE_THETA: Final = 1e8

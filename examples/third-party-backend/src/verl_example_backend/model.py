@@ -63,6 +63,9 @@ class DecoderConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":  # the MLP below is SwiGLU; transformers applies whatever the config names
             raise ConfigError(f"the example backend's MLP runs hidden_act 'silu'; {path} sets hidden_act {act!r}")
+        if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or []):
+            raise ConfigError(f"the example backend attends to every earlier position; {path} declares "
+                              "sliding_window attention (use_sliding_window or layer_types)")
         # transformers 5 writes rope_parameters; transformers 4 folders a top-level rope_scaling, which
         # (non-empty) replaces rope_parameters as a whole, as transformers 5 reads a folder with both
         rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
