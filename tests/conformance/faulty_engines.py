@@ -166,36 +166,38 @@ def _config_read_without(spec: EngineSpec, *keys: str) -> tuple[EngineSpec, temp
     return replace(spec, model_path=tmp.name), tmp
 
 
-class SiluHardCodedTraining(TinyTrainingEngine):
+class _ConfigKeysIgnored:
+    """An engine built on its folder with :attr:`ignored` left out of config.json (see :func:`_config_read_without`)."""
+
+    ignored: tuple[str, ...] = ()
+
+    def __init__(self, spec: EngineSpec) -> None:
+        plain, self._folder = _config_read_without(spec, *self.ignored)
+        super().__init__(plain)  # type: ignore[call-arg]
+
+
+class SiluHardCodedTraining(_ConfigKeysIgnored, TinyTrainingEngine):
     """Never reads ``hidden_act``: its MLP runs SiLU whatever the config names (no refusal)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _config_read_without(spec, "hidden_act")
-        super().__init__(plain)
+    ignored = ("hidden_act",)
 
 
-class SiluHardCodedRollout(TinyRolloutEngine):
+class SiluHardCodedRollout(_ConfigKeysIgnored, TinyRolloutEngine):
     """The rollout engine of the same fault."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _config_read_without(spec, "hidden_act")
-        super().__init__(plain)
+    ignored = ("hidden_act",)
 
 
-class SlidingWindowIgnoredTraining(TinyTrainingEngine):
+class SlidingWindowIgnoredTraining(_ConfigKeysIgnored, TinyTrainingEngine):
     """Never reads the sliding-window keys: full attention on a folder that declares a window (no refusal)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _config_read_without(spec, "use_sliding_window", "sliding_window")
-        super().__init__(plain)
+    ignored = ("use_sliding_window", "sliding_window")
 
 
-class SlidingWindowIgnoredRollout(TinyRolloutEngine):
+class SlidingWindowIgnoredRollout(_ConfigKeysIgnored, TinyRolloutEngine):
     """The rollout engine of the same fault."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        plain, self._folder = _config_read_without(spec, "use_sliding_window", "sliding_window")
-        super().__init__(plain)
+    ignored = ("use_sliding_window", "sliding_window")
 
 
 # ---------------------------------------------------------------------------------------- sampling

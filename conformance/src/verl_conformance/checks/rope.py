@@ -15,6 +15,7 @@ decides per sequence, per batch, at prefill or from its maximum model length.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -181,9 +182,7 @@ def check_config_constants_match_reference(h: Harness) -> None:
             if role == "actor":
                 _forward(h, h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT), model, advice, seed=97)
             else:
-                def build(model: str = model) -> Any:
-                    return h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
-
+                build = partial(h.rollout, model, fresh=True, max_prompt_len=_MAX_PROMPT)
                 engine = build() if model_type == "llama" else h.unless_refused(
                     build, kind="rollout", what=model, model_type=model_type)
                 if engine is None:

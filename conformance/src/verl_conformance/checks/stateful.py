@@ -70,6 +70,15 @@ def _same_weights(h: Harness, got: dict[str, Tensor], want: dict[str, Tensor], w
         h.close_to(got[name].float(), w.float(), "weights", f"{what}: {name}")
 
 
+def _same_step(h: Harness, got: tuple[float, float, float], kept: tuple[float, float, float], label: str) -> None:
+    """The loss, grad norm and learning rate of one update equal those of the engine that kept its state."""
+    h.scalar_close(got[0], kept[0], "loss", f"{label}: loss")
+    h.scalar_close(got[1], kept[1], "loss", f"{label}: grad norm")
+    h.expect(abs(got[2] - kept[2]) <= 1e-9 * max(abs(kept[2]), 1.0),
+             f"{label} ran at lr {got[2]:.6g}, the engine that kept its state at {kept[2]:.6g} (the schedule's "
+             "position was not restored)")
+
+
 def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngine, what: str, cause: str) -> None:
     """The same forward, then the same next updates (loss, grad norm, lr, weights after each) on both engines."""
     batch = h.batch(seed=_FORWARD_SEED)
@@ -82,11 +91,7 @@ def compare_next_update(h: Harness, restored: TrainingEngine, kept: TrainingEngi
         batch = h.batch(seed=seed, rl_fields=True)
         loss_r, step_r = _update(restored, batch)
         loss_k, step_k = _update(kept, batch)
-        h.scalar_close(loss_r, loss_k, "loss", f"{label}: loss")
-        h.scalar_close(step_r.grad_norm, step_k.grad_norm, "loss", f"{label}: grad norm")
-        h.expect(abs(step_r.lr - step_k.lr) <= 1e-9 * max(abs(step_k.lr), 1.0),
-                 f"{label} ran at lr {step_r.lr:.6g}, the engine that kept its state at {step_k.lr:.6g} (the "
-                 "schedule's position was not restored)")
+        _same_step(h, (loss_r, step_r.grad_norm, step_r.lr), (loss_k, step_k.grad_norm, step_k.lr), label)
         _same_weights(h, exported_weights(restored), exported_weights(kept),
                       f"{label}: weights differ from the engine that kept its state ({cause})")
 
@@ -170,10 +175,8 @@ def check_multi_rank_checkpoint_round_trip(h: Harness) -> None:
         what = f"rank {rank} of {label}, after every rank's save_checkpoint and a fresh engine's load_checkpoint"
         for i, (got, want) in enumerate(zip(r["loaded"]["steps"], r["kept"]["steps"], strict=True)):
             label_i = f"{what}: the {('first', 'second')[i]} update after it"
-            h.scalar_close(got["loss"], want["loss"], "loss", f"{label_i}: loss")
-            h.scalar_close(got["grad_norm"], want["grad_norm"], "loss", f"{label_i}: grad norm")
-            h.expect(abs(got["lr"] - want["lr"]) <= 1e-9 * max(abs(want["lr"]), 1.0),
-                     f"{label_i} ran at lr {got['lr']:.6g}, the engine that kept its state at {want['lr']:.6g}")
+            _same_step(h, (got["loss"], got["grad_norm"], got["lr"]), (want["loss"], want["grad_norm"], want["lr"]),
+                       label_i)
         _same_weights(h, r["loaded"]["weights"], r["kept"]["weights"],
                       f"{what}: weights after two updates differ from the engine that kept its state")
     h.note(f"under {label}")

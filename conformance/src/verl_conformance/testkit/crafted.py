@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import torch
 
@@ -64,12 +64,12 @@ __all__ = [
     "EOS_AFTER_3",
     "EOS_FIRST",
     "EOS_LADDER_END",
-    "OTHER_ACTIVATION",
     "EOS_LADDER_START",
     "FOLDER_EOS_LISTS",
     "GENERATION_DEFAULTS",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
+    "OTHER_ACTIVATION",
     "OUT_OF_VOCAB_FILES",
     "OUT_OF_VOCAB_IDS",
     "OUT_OF_VOCAB_TOKEN",
@@ -288,6 +288,21 @@ ROPE_SCALINGS: Final[dict[str, dict[str, object]]] = {
 """The RoPE scalings of :func:`rope_scaled_model`, as the ``config.json`` entries that declare them."""
 
 
+def _config_variant(name: str, spec: TinyModelSpec, recipe: dict[str, object],
+                    edit: Callable[[dict[str, Any]], None]) -> Path:
+    """``tiny_model(spec)``'s weights and files under a ``config.json`` that ``edit`` changed in place
+    (cached as ``name`` with ``recipe``)."""
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        _copy_with_weights(base, out, _weights(base))
+        config = json.loads((base / "config.json").read_text())
+        edit(config)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted(name, {"base": asdict(spec), **recipe}, build)
+
+
 CONFIG_CONSTANTS: Final = {"rope_theta": 500.0, "rms_norm_eps": 0.05}
 """What :func:`config_constants_model` sets, far from the values engines tend to hard-code (10000, 1e-6)."""
 
@@ -300,19 +315,15 @@ def config_constants_model(spec: TinyModelSpec | None = None) -> Path:
     float32 tier."""
     spec = spec or TinyModelSpec()
 
-    def build(out: Path) -> None:
-        base = tiny_model(spec)
-        _copy_with_weights(base, out, _weights(base))
-        config = json.loads((base / "config.json").read_text())
+    def edit(config: dict[str, Any]) -> None:
         config["rms_norm_eps"] = CONFIG_CONSTANTS["rms_norm_eps"]
         rope = config.get("rope_parameters")
         if isinstance(rope, dict):
             rope["rope_theta"] = CONFIG_CONSTANTS["rope_theta"]
         else:
             config["rope_theta"] = CONFIG_CONSTANTS["rope_theta"]
-        (out / "config.json").write_text(json.dumps(config, indent=1))
 
-    return _crafted("config-constants", {"base": asdict(spec), "config": CONFIG_CONSTANTS}, build)
+    return _config_variant("config-constants", spec, {"config": CONFIG_CONSTANTS}, edit)
 
 
 OTHER_ACTIVATION: Final = "gelu_pytorch_tanh"
@@ -323,16 +334,8 @@ def other_activation_model() -> Path:
     """The test kit's tiny Llama with ``hidden_act`` :data:`OTHER_ACTIVATION` instead of ``silu`` (same
     weights): transformers' Llama applies whatever activation the config names, so a backend that
     hard-codes SiLU computes another model; it must apply the activation or refuse the folder."""
-    spec = TinyModelSpec()
-
-    def build(out: Path) -> None:
-        base = tiny_model(spec)
-        _copy_with_weights(base, out, _weights(base))
-        config = json.loads((base / "config.json").read_text())
-        config["hidden_act"] = OTHER_ACTIVATION
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-
-    return _crafted("other-activation", {"base": asdict(spec), "hidden_act": OTHER_ACTIVATION}, build)
+    return _config_variant("other-activation", TinyModelSpec(), {"hidden_act": OTHER_ACTIVATION},
+                           lambda config: config.update(hidden_act=OTHER_ACTIVATION))
 
 
 SLIDING_WINDOW: Final = 8
@@ -344,17 +347,11 @@ def sliding_window_model() -> Path:
     ``sliding_window`` :data:`SLIDING_WINDOW`, ``max_window_layers`` 0, ``layer_types`` all
     ``sliding_attention``; same weights): each token attends to the last 8 positions only, so a
     backend that ignores the keys computes full attention; it must apply the window or refuse."""
-    spec = TinyModelSpec(arch="qwen2")
-
-    def build(out: Path) -> None:
-        base = tiny_model(spec)
-        _copy_with_weights(base, out, _weights(base))
-        config = json.loads((base / "config.json").read_text())
+    def edit(config: dict[str, Any]) -> None:
         config.update(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=0,
                       layer_types=["sliding_attention"] * int(config["num_hidden_layers"]))
-        (out / "config.json").write_text(json.dumps(config, indent=1))
 
-    return _crafted("sliding-window", {"base": asdict(spec), "sliding_window": SLIDING_WINDOW}, build)
+    return _config_variant("sliding-window", TinyModelSpec(arch="qwen2"), {"sliding_window": SLIDING_WINDOW}, edit)
 
 
 BFLOAT16_NORM_ROPE_THETA: Final = 1e8
