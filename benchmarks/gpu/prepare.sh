@@ -17,6 +17,10 @@ ls .whl/annotated_types-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no
   "annotated-types==$(.venv/bin/python -c 'from importlib.metadata import version; print(version("annotated-types"))')"
 # datasets (verl's data loading) and TRL 1.16.0 (the other side of bench_grpo_vs_trl.py), which the GPU
 # image lacks, with the two packages of datasets' it lacks too (the rest of TRL's needs are there)
+# psutil (the conformance suite's process checks): the GPU image may lack it
+ls .whl/psutil-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl "psutil==$(.venv/bin/python -c 'import psutil; print(psutil.__version__)')"
 ls .whl/trl-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl "trl==1.16.0"
 ls .whl/datasets-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -60,3 +60,13 @@ def test_a_checkpoint_loaded_on_one_data_parallel_rank_only_fails_the_multi_rank
     # the loss and grad norm are global (summed over the ranks): rank 0's differ too
     assert "of dp=2, after every rank's save_checkpoint and a fresh engine's load_checkpoint: the first update" \
         in message, message
+
+
+def test_a_checkpoint_whose_optimizer_state_is_dropped_at_another_layout_fails_the_one_process_load() -> None:
+    """Each rank loads the two-rank checkpoint whole (the ranks' round trip passes); one process restores
+    the weights and the schedule but restarts Adam's moments, so its second update differs."""
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-other-layout-drops-optimizer", checks=["stateful::multi_rank_checkpoint_round_trip"])
+    message = str(info.value)
+    assert "one process, after load_checkpoint of the checkpoint saved under dp=2" in message, message
+    assert "rank 0 of dp=2, after every rank's save_checkpoint" not in message, message

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from verl_core import ParallelSizes
 
-__all__ = ["checkpoint_round_trip", "dp_batch", "main", "rollout_cases", "rollout_generations"]
+__all__ = ["CHECKPOINT_SEEDS", "checkpoint_round_trip", "dp_batch", "main", "rollout_cases", "rollout_generations"]
+
+
+CHECKPOINT_SEEDS: tuple[int, ...] = (62, 66)
+"""Batches (:func:`dp_batch` seeds) of the two updates :func:`checkpoint_round_trip` compares after the load."""
 
 
 def dp_batch(seed: int = 70) -> Any:
@@ -130,11 +134,11 @@ def checkpoint_round_trip(backend: str, model_path: str, parallel: ParallelSizes
     engine = get_training_engine(backend, spec)
     updates(engine, (60, 61), export=False)
     engine.save_checkpoint(folder)
-    kept = updates(engine, (62, 66))
+    kept = updates(engine, CHECKPOINT_SEEDS)
     engine.close()
     fresh = get_training_engine(backend, spec)
     fresh.load_checkpoint(folder)
-    loaded = updates(fresh, (62, 66))
+    loaded = updates(fresh, CHECKPOINT_SEEDS)
     fresh.close()
     return {"kept": kept, "loaded": loaded}
 

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from verl_conformance.checks.weight_sync import folder_stream, folder_weights, s
 from verl_conformance.harness import SUITE_OPTIM, Harness, exported_weights
 from verl_conformance.losses import role_loss, role_output
 from verl_core import (
+    CheckpointError,
     EngineAsleepError,
     GlobalBatchStats,
     Role,
@@ -145,7 +147,7 @@ def check_checkpoint_round_trip(h: Harness) -> None:
 @check("stateful", gates=("training.checkpoint", "training.tensor_parallel", "training.pipeline_parallel",
                            "training.data_parallel"))
 def check_multi_rank_checkpoint_round_trip(h: Harness) -> None:
-    """Under torchrun with two ranks (tp=2 where the actor declares tensor_parallel, else pp=2 where it declares pipeline_parallel, else dp=2), every rank calls save_checkpoint with the same folder after two updates, runs two more; a fresh engine per rank loads the folder and runs the same two: each rank's losses, grad norms and learning rates and its exported weights after them equal the engine's that kept its state (ranks that overwrite each other's files, or save one rank's shard as the whole, fail). Skipped unless the actor declares checkpoint and one of those layouts."""
+    """Under torchrun with two ranks (tp=2 where the actor declares tensor_parallel, else pp=2 where it declares pipeline_parallel, else dp=2), every rank calls save_checkpoint with the same folder after two updates, runs two more; a fresh engine per rank loads the folder and runs the same two: each rank's losses, grad norms and learning rates and its exported weights after them equal the engine's that kept its state (ranks that overwrite each other's files, or save one rank's shard as the whole, fail). Then one process loads the same folder (another layout): the same two updates and weights as the ranks that kept their state, or a CheckpointError refusing the layout (a load that drops state it cannot reshard fails). Skipped unless the actor declares checkpoint and one of those layouts."""
     caps = h.training().capabilities
     if not caps.checkpoint:
         h.skip("backend declares checkpoint=False for the actor")
@@ -164,22 +166,57 @@ def check_multi_rank_checkpoint_round_trip(h: Harness) -> None:
 
     label = ", ".join(f"{k}={v}" for k, v in layout.items())
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as tmp:
+        folder = Path(tmp) / "checkpoint"
         spec = {"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device,
-                "checkpoint": str(Path(tmp) / "checkpoint")}
+                "checkpoint": str(folder)}
         try:
             ranks = launch_torchrun(multirank.__file__, 2, [h.subject.name, h.model_path(), json.dumps(spec)],
                                     timeout=400)
         except LaunchError as e:
             h.fail(f"the backend failed a checkpoint round trip under torchrun with {label}: {str(e)[-2500:]}")
-    for rank, r in enumerate(ranks):
-        what = f"rank {rank} of {label}, after every rank's save_checkpoint and a fresh engine's load_checkpoint"
-        for i, (got, want) in enumerate(zip(r["loaded"]["steps"], r["kept"]["steps"], strict=True)):
-            label_i = f"{what}: the {('first', 'second')[i]} update after it"
-            _same_step(h, (got["loss"], got["grad_norm"], got["lr"]), (want["loss"], want["grad_norm"], want["lr"]),
-                       label_i)
-        _same_weights(h, r["loaded"]["weights"], r["kept"]["weights"],
-                      f"{what}: weights after two updates differ from the engine that kept its state")
-    h.note(f"under {label}")
+        for rank, r in enumerate(ranks):
+            what = f"rank {rank} of {label}, after every rank's save_checkpoint and a fresh engine's load_checkpoint"
+            _same_steps(h, r["loaded"]["steps"], r["kept"]["steps"], what)
+            _same_weights(h, r["loaded"]["weights"], r["kept"]["weights"],
+                          f"{what}: weights after two updates differ from the engine that kept its state")
+        refusal = _one_process_load(h, folder, ranks, label)
+    h.note(f"under {label}; one process {refusal or 'loaded it'}")
+
+
+def _same_steps(h: Harness, got: list[dict[str, float]], kept: list[dict[str, float]], what: str) -> None:
+    """:func:`_same_step` on each of the updates after a load (``{"loss", "grad_norm", "lr"}`` each)."""
+    for i, (g, k) in enumerate(zip(got, kept, strict=True)):
+        _same_step(h, (g["loss"], g["grad_norm"], g["lr"]), (k["loss"], k["grad_norm"], k["lr"]),
+                   f"{what}: the {('first', 'second')[i]} update after it")
+
+
+def _one_process_load(h: Harness, folder: Path, ranks: list[dict[str, Any]], label: str) -> str | None:
+    """A fresh single-process actor loads the checkpoint the ranks of ``label`` saved and runs their two
+    updates on the whole batch: the same global loss, grad norm, lr and weights as the ranks that kept
+    their state. Returns how the engine refused the layout (a CheckpointError), or None when it loaded."""
+    from verl_conformance import multirank
+
+    engine = h.training(fresh=True, optim=STATE_OPTIM, micro_batch_size=2)
+    what = f"one process, after load_checkpoint of the checkpoint saved under {label}"
+    try:
+        engine.load_checkpoint(folder)
+    except CheckpointError as e:
+        h.close_fresh()
+        return f"refused it with a CheckpointError ({str(e)[:160]})"
+    steps = []
+    for seed in multirank.CHECKPOINT_SEEDS:
+        batch = multirank.dp_batch(seed)
+        loss, step = _update(engine, batch)
+        steps.append({"loss": loss, "grad_norm": step.grad_norm, "lr": step.lr})
+    kept = ranks[0]["kept"]
+    _same_steps(h, steps, kept["steps"], f"{what} (vs rank 0 of {label}, which kept its state; its metrics are "
+                "global)")
+    whole = max((r["kept"]["weights"] for r in ranks), key=len)  # the rank whose stream holds every tensor
+    _same_weights(h, exported_weights(engine), whole, f"{what}: weights after two updates differ from the ranks "
+                  "that kept their state (a load at another layout must restore all of it, or refuse with a "
+                  "CheckpointError)")
+    h.close_fresh()
+    return None
 
 
 @check("stateful", gates=("training.checkpoint", "training.values"))

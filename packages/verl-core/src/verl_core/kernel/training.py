@@ -300,7 +300,12 @@ class TrainingEngine(Protocol):
 
     @abstractmethod
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` exactly (weights-only loading)."""
+        """Restore a checkpoint written by :meth:`save_checkpoint` exactly (weights-only loading).
+
+        Every rank calls it with the same ``path``. A checkpoint saved under another parallel layout
+        (``EngineSpec.parallel``) is restored whole, optimizer state included, or refused with a
+        :class:`~verl_core.kernel.errors.CheckpointError` naming both layouts; never loaded in part.
+        """
 
     @abstractmethod
     def offload(self) -> None:

@@ -58,6 +58,7 @@ from verl_hf.training import HFTrainingEngine
 
 __all__ = [
     "OnlyRankZeroLoads",
+    "OtherLayoutDropsOptimizer",
     "Bfloat16NormRollout",
     "Bfloat16NormTraining",
     "Bfloat16Refused",
@@ -1341,6 +1342,22 @@ class TruncatedRolloutLogProbs(ExampleRolloutEngine):
 
     def tempered_log_probs(self, logits: Tensor, params: SamplingParams) -> Tensor:
         return torch.log_softmax(_truncate(logits / params.temperature, params.top_k, params.top_p), -1)
+
+
+class OtherLayoutDropsOptimizer(HFTrainingEngine):
+    """A checkpoint loaded under another number of ranks than saved it restores the weights, the step and
+    the schedule but starts the optimizer's moments afresh (an author's "cannot reshard the optimizer")."""
+
+    def _load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """The hf engine's load; then, where the saved world size differs, the Adam moments dropped."""
+        from verl_hf.checkpoint import current_state_dir
+
+        step = super()._load_checkpoint(path)
+        saved_world = len(list(current_state_dir(path).glob("rng_rank*.pt")))
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if saved_world != world and self._optim is not None:
+            self._optim.optimizer.state.clear()
+        return step
 
 
 class OnlyRankZeroLoads(HFTrainingEngine):

@@ -59,6 +59,7 @@ __all__ = [
     "offload_tensor",
     "only_rank_zero_loads",
     "optimizer_state",
+    "other_layout_drops_optimizer",
     "padding_idx",
     "padding_side",
     "qkv_biases",
@@ -294,6 +295,9 @@ arange_positions = BrokenHFBackend("broken-positions", "position ids are arange 
                                    "actor", f"{_ENGINES}:ArangePositions")
 only_rank_zero_loads = BrokenHFBackend("broken-only-rank-zero-loads", "load_checkpoint restores the state on "
                                        "data-parallel rank 0 only", "actor", f"{_ENGINES}:OnlyRankZeroLoads")
+other_layout_drops_optimizer = BrokenHFBackend(
+    "broken-other-layout-drops-optimizer", "a checkpoint loaded under another number of ranks than saved it "
+    "restarts the optimizer's moments", "actor", f"{_ENGINES}:OtherLayoutDropsOptimizer")
 exports_masters = BrokenHFBackend("broken-export-masters", "a bfloat16 engine exports its float32 masters", "actor",
                                   f"{_ENGINES}:ExportsMasters")
 frozen_position_table = BrokenHFBackend("broken-gpt2-position-grad", "on a GPT-2 folder the position table gets no "
