@@ -134,6 +134,24 @@ def _theta_10000_unless_llama(engine: TinyTrainingEngine | TinyRolloutEngine, pa
                                                                     engine.model.cfg.head_dim, path))
 
 
+class Qwen2TiedSplitTraining(TinyTrainingEngine):
+    """Reads ``tie_word_embeddings`` for Llama and Qwen3 only: on a tied Qwen2 folder the lm_head is a
+    parameter of its own, copied from the embedding (the forward is right; the first update is not)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        m = self.model
+        if m.cfg.model_type == "qwen2" and m.cfg.tied and not m.cfg.value_head:
+            m.cfg = replace(m.cfg, tied=False)
+            embed = m.model.embed_tokens.weight
+            m.lm_head = torch.nn.Linear(m.cfg.hidden, m.cfg.vocab_size, bias=False, dtype=embed.dtype)
+            with torch.no_grad():
+                m.lm_head.weight.copy_(embed)
+            o = spec.optim
+            self.optimizer = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                               weight_decay=o.weight_decay)
+
+
 class QwenThetaHardCodedTraining(TinyTrainingEngine):
     """Reads ``rope_theta`` from a Llama folder, and uses 10000 on Qwen2 and Qwen3 folders whatever they set."""
 

@@ -135,6 +135,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     # checks of each family (llama-perturbed-a is the Llama one)
     "qwen2-perturbed": lambda: perturbed_model(MODELS["qwen2"], 1),
     "qwen3-tied-perturbed": lambda: perturbed_model(MODELS["qwen3-tied"], 1),
+    "qwen2-tied-perturbed": lambda: perturbed_model(TinyModelSpec(arch="qwen2", tied=True), 1),
     "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
     # the value-head folder with score.bias 0.5: a random folder's is 0, which a critic that never loads it computes
     "value-biased": value_bias_model,
