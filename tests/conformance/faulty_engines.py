@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -150,6 +151,21 @@ class Qwen2TiedSplitTraining(TinyTrainingEngine):
             o = spec.optim
             self.optimizer = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                                weight_decay=o.weight_decay)
+
+
+class WaitsForASecondRow(TinyRolloutEngine):
+    """Serves prompts in pairs: a call with one prompt waits, without a timeout, for a partner that never
+    comes (a batching worker's mistake); every other call is the tiny engine's."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self._partners: queue.Queue[TensorBatch] = queue.Queue()
+
+    def generate(self, prompts: TensorBatch, params: SamplingParams) -> TensorBatch:
+        """The tiny engine's generate, after a partner for a lone prompt (which never arrives)."""
+        if prompts.batch_size == 1:
+            self._partners.get()
+        return super().generate(prompts, params)
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):

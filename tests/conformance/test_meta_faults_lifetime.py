@@ -3,14 +3,18 @@
 ``robustness::close_ends_what_the_engine_started``: engines whose close() leaves a worker process or a
 thread running, or raises when called twice, fail it (the example backend they are built on passes it:
 test_suite_example.py). ``stateful::multi_rank_checkpoint_round_trip``: a checkpoint that only
-data-parallel rank 0 loads fails it (the hf backend passes it: test_suite_hf.py)."""
+data-parallel rank 0 loads fails it (the hf backend passes it: test_suite_hf.py). The check time
+limit: a generate that never returns fails its check, naming the backend's frame, and the run goes on."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
+import faulty_engines as faulty
 import psutil
 import pytest
+from verl_tiny_backend.training import TinyTrainingEngine
 
 from verl_conformance import ConformanceError, check_backend
 
@@ -70,3 +74,19 @@ def test_a_checkpoint_whose_optimizer_state_is_dropped_at_another_layout_fails_t
     message = str(info.value)
     assert "one process, after load_checkpoint of the checkpoint saved under dp=2" in message, message
     assert "rank 0 of dp=2, after every rank's save_checkpoint" not in message, message
+
+
+def test_a_generate_that_never_returns_fails_its_check_within_the_limit_and_the_run_goes_on() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ConformanceError) as info:
+        check_backend("waits-for-a-second-row", make_training_engine=TinyTrainingEngine,
+                      make_rollout_engine=faulty.WaitsForASecondRow, check_timeout_s=20,
+                      checks=["robustness::batch_of_one", "schema::generate_layout"])
+    assert time.monotonic() - t0 < 120
+    report = info.value.report
+    assert report is not None
+    assert {r.id: r.status for r in report.results} == {"robustness::batch_of_one": "failed",
+                                                         "schema::generate_layout": "passed"}
+    message = str(info.value)
+    assert "robustness::batch_of_one did not finish within 20 s" in message, message
+    assert "faulty_engines.py" in message and "in generate" in message, message

@@ -186,3 +186,45 @@ def test_against_greedy_fails_a_backend_apart_where_the_reference_has_no_near_ti
     assert [r.status for r in report.results] == ["passed"]
     with pytest.raises(ConformanceError, match=r"apart at token 2, where the float64 reference .* has no near-tie"):
         check_backend("runner-up", make_rollout_engine=faulty.RunnerUpAtThirdToken, against="example", checks=check)
+
+
+def test_the_check_time_limit_interrupts_a_wait_that_swallows_exceptions_and_restores_the_handler() -> None:
+    import contextlib
+    import signal
+    import threading
+    import time
+
+    from verl_conformance.timelimit import CheckTimedOut, check_time_limit
+
+    def backend_call() -> None:
+        with contextlib.suppress(Exception):  # a backend's broad handler must not swallow the limit
+            threading.Event().wait()
+
+    before = signal.getsignal(signal.SIGALRM)
+    t0 = time.monotonic()
+    with pytest.raises(CheckTimedOut) as info, check_time_limit(0.3, "area::name"):
+        backend_call()
+    assert time.monotonic() - t0 < 5
+    assert "area::name did not finish within 0.3 s" in str(info.value)
+    assert "in backend_call" in str(info.value) and "test_runner.py" in str(info.value)
+    assert signal.getsignal(signal.SIGALRM) == before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with check_time_limit(None, "area::name"):  # no limit: nothing installed
+        assert signal.getsignal(signal.SIGALRM) == before
+
+
+def test_the_check_time_limit_leaves_another_alarm_handler_alone() -> None:
+    import signal
+
+    from verl_conformance.timelimit import check_time_limit
+
+    def theirs(signum: int, frame: object) -> None:
+        raise AssertionError("their timer")
+
+    previous = signal.signal(signal.SIGALRM, theirs)
+    try:
+        with check_time_limit(0.1, "area::name"):
+            assert signal.getsignal(signal.SIGALRM) is theirs
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)

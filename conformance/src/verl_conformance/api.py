@@ -24,6 +24,7 @@ from verl_conformance.runner import (
     run_checks,
     select_checks,
 )
+from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
 from verl_core import Role
 
 __all__ = ["check_backend", "check_backends_match", "check_buffer", "run_conformance"]
@@ -37,15 +38,17 @@ def run_conformance(
     areas: Sequence[str] | None = None,
     known_gaps: str | os.PathLike[str] | None = None,
     options: Mapping[str, Any] | None = None,
+    check_timeout_s: float | None = DEFAULT_CHECK_TIMEOUT_S,
 ) -> ConformanceReport:
     """Run checks on a backend and return the report (never raises for failing checks).
 
     ``options``: backend options given to every engine of ``backend`` (as pytest's
-    ``--verl-options``); a check's own options win.
+    ``--verl-options``); a check's own options win. ``check_timeout_s``: seconds one check may run
+    before it fails, naming where the run was (None: no limit; see :mod:`verl_conformance.timelimit`).
     """
     subject = backend if isinstance(backend, Subject) else Subject.from_registry(backend)
     other = None if against is None else against if isinstance(against, Subject) else Subject.from_registry(against)
-    harness = Harness(subject, other, EngineCache(), options=dict(options or {}))
+    harness = Harness(subject, other, EngineCache(), options=dict(options or {}), time_limit_s=check_timeout_s)
     gaps = load_known_gaps(known_gaps) if known_gaps is not None else None
     try:
         return run_checks(harness, select_checks(checks, areas), gaps)
@@ -81,6 +84,7 @@ def check_backend(
     make_reward_engine: EngineFactory | None = None,
     roles: Collection[Role] | None = None,
     options: Mapping[str, Any] | None = None,
+    check_timeout_s: float | None = DEFAULT_CHECK_TIMEOUT_S,
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -106,6 +110,9 @@ def check_backend(
         options: Backend options given to every engine of ``backend`` (pytest's
             ``--verl-options``), such as ``{"enforce_eager": True}`` for vllm; a check's own
             options win.
+        check_timeout_s: Seconds one check may run; past it the check fails, naming the backend
+            frame the run was in (an engine call that never returns), and the next check runs.
+            None: no limit. See :mod:`verl_conformance.timelimit`.
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
@@ -124,7 +131,7 @@ def check_backend(
                              f"{backend!r} provides the roles of its BackendSpec (see `verl backends`)")
         subject = backend
     report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps,
-                             options=options)
+                             options=options, check_timeout_s=check_timeout_s)
     return _raise_failures(report, subject, options)
 
 

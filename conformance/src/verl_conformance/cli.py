@@ -27,6 +27,8 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
                    help="run only this area (schema, numerics, invariance, differential, weight_sync, robustness, "
                         "reward, stateful, buffer)")
     p.add_argument("--xfails-file", default=None, metavar="PATH", help="known gaps of the backend")
+    p.add_argument("--check-timeout", type=float, default=None, metavar="S",
+                   help="seconds one check may run before it fails, naming where it hung (default 900; 0: no limit)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="where to write the JSON report (default: conformance-NAME.json)")
     return _handle
@@ -35,10 +37,12 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 def _handle(args: argparse.Namespace) -> int:
     from verl_conformance.api import run_conformance
     from verl_conformance.runner import reproduction
+    from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
 
+    limit = DEFAULT_CHECK_TIMEOUT_S if args.check_timeout is None else args.check_timeout or None
     try:
         report = run_conformance(args.backend, against=args.against, checks=args.checks, areas=args.areas,
-                                 known_gaps=args.xfails_file)
+                                 known_gaps=args.xfails_file, check_timeout_s=limit)
     except (ValueError, OSError) as e:  # an unknown area or check pattern, an unreadable gaps file
         print(f"verl conformance: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from verl_conformance.testkit import (
     tolerance,
     value_bias_model,
 )
+from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
 from verl_core import (
     ConfigError,
     EngineSpec,
@@ -347,6 +348,8 @@ class Harness:
         options: Backend options given to every engine of the subject (``--verl-options``); a
             check's own options win.
         buffer: The replay buffer implementation the ``buffer`` area checks, or None.
+        time_limit_s: Seconds one check may run before it fails (None: no limit); see
+            :mod:`verl_conformance.timelimit`.
         notes: What the running check reports on a pass (see :meth:`note`).
     """
 
@@ -357,6 +360,7 @@ class Harness:
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)
     buffer: BufferSubject | None = None
+    time_limit_s: float | None = DEFAULT_CHECK_TIMEOUT_S
     notes: list[str] = field(default_factory=list)
     _fresh: list[Any] = field(default_factory=list)
 

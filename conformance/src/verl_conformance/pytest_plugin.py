@@ -47,6 +47,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--verl-options", default=None, metavar="JSON",
                     help="backend options (a JSON object) for every engine of the backend under test, "
                          'e.g. \'{"optimizer": "megatron"}\'')
+    group.addoption("--verl-check-timeout", default=None, type=float, metavar="S",
+                    help="seconds one check may run before it fails, naming where it hung (default 900; 0: no "
+                         "limit; pytest-timeout's --timeout, where given, replaces it)")
     group.addoption("--verl-xfails-file", default=None, metavar="PATH",
                     help="known gaps: one check id (area::name or TestArea::test_name) per line, '# reason'")
 
@@ -321,7 +324,16 @@ def verl_harness(
             f"the installed backend {subject.name!r} provides the roles of its BackendSpec (see `verl backends`)")
     return Harness(subject, verl_against_subject, verl_engine_cache,
                    dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
-                   options=_options(request.config), buffer=verl_buffer_subject)
+                   options=_options(request.config), buffer=verl_buffer_subject,
+                   time_limit_s=_check_timeout(request.config))
+
+
+def _check_timeout(config: pytest.Config) -> float | None:
+    """``--verl-check-timeout`` in seconds (the default where not given; None for 0: no limit)."""
+    from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
+
+    raw = config.getoption("--verl-check-timeout", None)
+    return DEFAULT_CHECK_TIMEOUT_S if raw is None else float(raw) or None
 
 
 def _options(config: pytest.Config) -> dict[str, Any]:

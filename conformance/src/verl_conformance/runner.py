@@ -16,6 +16,7 @@ from typing import Literal
 from verl_conformance.checks import AREAS, CHECKS, Check
 from verl_conformance.errors import CheckFailed, CheckSkipped
 from verl_conformance.harness import Harness, Subject
+from verl_conformance.timelimit import CheckTimedOut, check_time_limit
 
 __all__ = [
     "CheckResult",
@@ -256,7 +257,10 @@ def run_one(check: Check, harness: Harness) -> tuple[Status, str]:
     crash the exception's type and text, then its notes), or what a pass reports (:meth:`Harness.note`)."""
     harness.notes.clear()
     try:
-        check.func(harness)
+        with check_time_limit(harness.time_limit_s, check.id):
+            check.func(harness)
+    except CheckTimedOut as e:
+        return "failed", str(e)
     except CheckSkipped as e:
         return "skipped", str(e)
     except CheckFailed as e:

@@ -35,6 +35,7 @@ import pytest
 from verl_conformance.checks import AREAS, CHECKS, Check
 from verl_conformance.errors import CheckSkipped
 from verl_conformance.harness import Harness
+from verl_conformance.timelimit import CheckTimedOut, check_time_limit
 
 __all__ = [
     "BufferSuite",
@@ -52,9 +53,13 @@ __all__ = [
 
 
 def run_check(check: Check, harness: Harness) -> None:
-    """Run one check under pytest: skips become pytest skips, failures assertion errors."""
+    """Run one check under pytest: skips become pytest skips, failures assertion errors, a check past
+    its time limit (``--verl-check-timeout``) a failure."""
     try:
-        check.func(harness)
+        with check_time_limit(harness.time_limit_s, check.id):
+            check.func(harness)
+    except CheckTimedOut as e:
+        pytest.fail(str(e), pytrace=False)
     except CheckSkipped as e:
         pytest.skip(str(e))
     finally:
