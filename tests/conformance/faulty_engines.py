@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Final
 
 import torch
 from torch import Tensor
@@ -23,6 +24,7 @@ from verl_tiny_backend.rollout import TinyRolloutEngine
 from verl_tiny_backend.training import DTYPES, TinyTrainingEngine
 
 from verl_core import (
+    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossFn,
@@ -166,6 +168,54 @@ class WaitsForASecondRow(TinyRolloutEngine):
         if prompts.batch_size == 1:
             self._partners.get()
         return super().generate(prompts, params)
+
+
+_BLAND_REFUSALS: Final = ("crafted-rope-", "crafted-sliding-window-", "crafted-oov-")
+
+
+def _refuse_blandly(spec: EngineSpec) -> None:
+    """A ConfigError naming only the folder, for the folders that hold a setting the engine could refuse
+    (RoPE scaling, a sliding window, special ids past the vocabulary): their names hold those words."""
+    if Path(spec.model_path).name.startswith(_BLAND_REFUSALS):
+        raise ConfigError(f"could not load {spec.model_path}: internal error")
+
+
+class BlandRefusalTraining(TinyTrainingEngine):
+    """Refuses the rope-scaled, sliding-window and out-of-vocabulary folders naming nothing but the folder."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        _refuse_blandly(spec)
+        super().__init__(spec)
+
+
+class BlandRefusalRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        _refuse_blandly(spec)
+        super().__init__(spec)
+
+
+class CriticPadRowTrained(TinyTrainingEngine):
+    """The critic's embedding has no padding_idx (the actor's keeps it): where the pad id is a real response
+    token, the pad row of the critic's embedding gets a gradient that transformers' does not."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if spec.role == "critic":
+            self.model.model.embed_tokens.padding_idx = None
+
+
+class CriticQKNormsUnit(TinyTrainingEngine):
+    """The critic's Qwen3 q/k norm weights stay at one (never loaded from the folder); the actor's are loaded."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        if spec.role == "critic" and self.model.cfg.qk_norm:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name.endswith(("q_norm.weight", "k_norm.weight")):
+                        p.fill_(1.0)
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):

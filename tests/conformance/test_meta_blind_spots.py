@@ -61,6 +61,15 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
      ["numerics::log_probs_match_reference", "numerics::loss_and_grads_match_reference"],
      "numerics::loss_and_grads_match_reference",
      ["on qwen2-tied-perturbed", "model.embed_tokens.weight"]),
+    # the pad-id update compared the actor only: a critic without padding_idx trained the pad row
+    ("critic-pad-row-trained", faulty.CriticPadRowTrained, None,
+     ["numerics::value_loss_matches_reference", "numerics::pad_token_as_real_token_update"],
+     "numerics::pad_token_as_real_token_update",
+     ["critic value_mse with the pad id as a real response token grad norm"]),
+    # no critic check built on a Qwen folder: the critic's q/k norms could be left at one
+    ("critic-qk-norms-unit", faulty.CriticQKNormsUnit, None,
+     ["numerics::value_loss_matches_reference", "numerics::values_match_reference"],
+     "numerics::values_match_reference", ["critic values on value-qwen3-perturbed"]),
     # the example and tiny backends hard-coded SiLU: every other folder runs silu
     ("silu-hard-coded", faulty.SiluHardCodedTraining, faulty.SiluHardCodedRollout,
      ["numerics::log_probs_match_reference", "numerics::hidden_act_honoured_or_refused"],
@@ -192,6 +201,22 @@ def test_planted_fault_fails_only_its_check(label: str, training: Factory | None
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{label}: the error does not point at the fault ({fragment!r}):\n{message}"
+
+
+def test_a_refusal_naming_only_the_folder_does_not_pass_for_one_naming_the_setting() -> None:
+    """The test kit's folder names hold the words the refusal checks look for (``crafted-rope-yarn-...``,
+    ``crafted-sliding-window-...``, ``crafted-oov-causal_lm-pad_token_id-...``): a ConfigError that
+    names only the folder must fail each check that wants the setting named."""
+    targets = ["numerics::rope_scaling_matches_reference", "numerics::sliding_window_honoured_or_refused",
+               "robustness::special_token_ids_outside_vocab_refused"]
+    with pytest.raises(ConformanceError) as info:
+        check_backend("bland-refusal", make_training_engine=faulty.BlandRefusalTraining,
+                      make_rollout_engine=faulty.BlandRefusalRollout, checks=targets)
+    report = info.value.report
+    assert report is not None
+    assert sorted(r.id for r in report.failures) == sorted(targets), report.table()
+    message = str(info.value)
+    assert "could not load" in message and "internal error" in message, message
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from verl_conformance.testkit import (
     tiny_model,
     tolerance,
     value_bias_model,
+    without_folders,
 )
 from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
 from verl_core import (
@@ -137,6 +138,10 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "qwen2-perturbed": lambda: perturbed_model(MODELS["qwen2"], 1),
     "qwen3-tied-perturbed": lambda: perturbed_model(MODELS["qwen3-tied"], 1),
     "qwen2-tied-perturbed": lambda: perturbed_model(TinyModelSpec(arch="qwen2", tied=True), 1),
+    # the value-head folders of the Qwen families with every tensor moved: a critic's q/k/v biases and
+    # norm weights (Qwen3's q/k norms too), which a random folder holds at zeros and ones
+    "value-qwen2-perturbed": lambda: perturbed_model(TinyModelSpec(arch="qwen2", head="value"), 1),
+    "value-qwen3-perturbed": lambda: perturbed_model(TinyModelSpec(arch="qwen3", head="value"), 1),
     "gpt2-perturbed": lambda: perturbed_absolute_position_model(1),
     # the value-head folder with score.bias 0.5: a random folder's is 0, which a critic that never loads it computes
     "value-biased": value_bias_model,
@@ -388,7 +393,7 @@ class Harness:
         try:
             return build()
         except ConfigError as e:
-            self.expect(model_type in str(e).lower(),
+            self.expect(model_type in without_folders(str(e)).lower(),
                         f"the {kind} engine refused the folder {what} with a ConfigError that does not name the "
                         f"model_type {model_type!r}: {e}; load the folder, or say which model_type is not supported")
             return None

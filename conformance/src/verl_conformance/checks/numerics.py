@@ -134,7 +134,7 @@ def check_entropy_matches_reference(h: Harness) -> None:
 
 @check("numerics", gates=("training.values",))
 def check_values_match_reference(h: Harness) -> None:
-    """A critic's values equal the float64 reference of the value-head folder with a nonzero score.bias (0.5; a random folder's is 0), at T=1 and T=0.7: values do not depend on the sampling temperature."""
+    """A critic's values equal the float64 reference of the value-head folder with a nonzero score.bias (0.5; a random folder's is 0), at T=1 and T=0.7: values do not depend on the sampling temperature; and on Qwen2 and Qwen3 value-head folders with every tensor moved (q/k/v biases, norm weights, Qwen3's q/k norms), a family refused with a ConfigError naming its model_type listed as refused."""
     # on the value-head folder (score.bias 0) a critic that never loads the bias computes its values
     critic = h.training("critic", "value-biased")
     if not critic.capabilities.values:
@@ -146,6 +146,26 @@ def check_values_match_reference(h: Harness) -> None:
         h.close_to(got, ref, "values", f"critic values vs float64 reference of value-biased (the value-head folder "
                    f"with score.bias {VALUE_HEAD_BIAS}) at temperature {temp} (values do not depend on the sampling "
                    "temperature in the batch's meta)", mask=batch["response_mask"])
+    batch = h.batch(seed=12)
+    refused = []
+    for model, model_type in VALUE_FAMILIES:
+        what = f"{model} ({model_type} value-head folder with every tensor moved)"
+        engine = h.unless_refused(partial(h.training, "critic", model, fresh=True), kind="training", what=what,
+                                  model_type=model_type)
+        if engine is None:
+            refused.append(model_type)
+            continue
+        got = engine.forward(batch, ["values"])["values"]
+        ref = cached_outputs(h.model_path(model), batch, ("values",))["values"]
+        h.close_to(got, ref, "values", f"critic values on {what} vs float64 reference", mask=batch["response_mask"])
+        h.close_fresh()
+    if refused:
+        h.note(f"refused (ConfigError naming the model_type): {', '.join(refused)}")
+
+
+VALUE_FAMILIES: Final = (("value-qwen2-perturbed", "qwen2"), ("value-qwen3-perturbed", "qwen3"))
+"""The Qwen value-head folders of :func:`check_values_match_reference` (the other critic checks build on the
+Llama ones), with every tensor moved as in :data:`PERTURBED_FAMILIES`."""
 
 
 def one_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: LossFn, *,
@@ -202,7 +222,7 @@ def check_loss_and_grads_match_reference(h: Harness) -> None:
 
 @check("numerics")
 def check_pad_token_as_real_token_update(h: Harness) -> None:
-    """One update on a batch whose responses hold the pad id as a real token (a sampled pad, or a pad id equal to EOS) equals the float64 reference: transformers' embedding has padding_idx=pad_token_id, so the pad row gets no gradient from the lookup (a tied model's lm_head share of the row stays)."""
+    """One update on a batch whose responses hold the pad id as a real token (a sampled pad, or a pad id equal to EOS) equals the float64 reference: transformers' embedding has padding_idx=pad_token_id, so the pad row gets no gradient from the lookup (a tied model's lm_head share of the row stays); the actor's on Llama and tied Qwen3, and a critic's value-loss update where the backend provides one declaring values."""
     batch = h.batch(seed=17, rl_fields=True)
     pad = batch.meta.pad_token_id
     ids, mask = batch["response_ids"].clone(), batch["response_mask"]
@@ -212,6 +232,22 @@ def check_pad_token_as_real_token_update(h: Harness) -> None:
     batch = batch.update(response_ids=ids)
     for model in ("llama", "qwen3-tied"):
         compare_update(h, suite_losses()[0], model, batch)
+    if h.provides(h.subject, "critic") and h.training("critic").capabilities.values:
+        compare_critic_update(h, h.training("critic", fresh=True), batch, VALUE_MSE,
+                              "critic value_mse with the pad id as a real response token")
+
+
+def compare_critic_update(h: Harness, engine: TrainingEngine, batch: TensorBatch, loss: SuiteLoss | NamedLoss,
+                          label: str) -> None:
+    """One update of a fresh critic on the value-head folder vs the float64 reference: loss, grad norm,
+    every gradient."""
+    metrics, grad_norm, grads = one_update(h, engine, batch, loss)
+    ref = ReferenceModel(h.model_path("value"), SUITE_OPTIM).loss_and_grads(batch, loss, GlobalBatchStats.of(batch))
+    h.scalar_close(metrics["loss"], ref.loss, "loss", f"{label} loss vs float64 reference")
+    h.scalar_close(grad_norm, ref.grad_norm, "loss", f"{label} grad norm vs float64 reference")
+    for name, g in ref.grads.items():
+        h.expect(name in grads, f"critic export lacks {name}")
+        h.close_to(grads[name], g, "grad", f"{label}: gradient of {name} vs float64 reference")  # type: ignore[arg-type]
 
 
 @check("numerics", gates=("training.values",))
@@ -226,15 +262,8 @@ def check_value_loss_matches_reference(h: Harness) -> None:
     if registered is not None:
         losses.append(registered)
     for loss in losses:
-        engine = h.training("critic", fresh=True, micro_batch_size=2)
-        metrics, grad_norm, grads = one_update(h, engine, batch, loss)
-        ref = ReferenceModel(h.model_path("value"), SUITE_OPTIM).loss_and_grads(batch, loss, GlobalBatchStats.of(batch))
-        label = f"critic {loss.name}"
-        h.scalar_close(metrics["loss"], ref.loss, "loss", f"{label} loss vs float64 reference")
-        h.scalar_close(grad_norm, ref.grad_norm, "loss", f"{label} grad norm vs float64 reference")
-        for name, g in ref.grads.items():
-            h.expect(name in grads, f"critic export lacks {name}")
-            h.close_to(grads[name], g, "grad", f"{label}: gradient of {name} vs float64 reference")  # type: ignore[arg-type]
+        compare_critic_update(h, h.training("critic", fresh=True, micro_batch_size=2), batch, loss,
+                              f"critic {loss.name}")
 
 
 @check("numerics", gates=("rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.exact_log_probs",

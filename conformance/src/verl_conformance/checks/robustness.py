@@ -18,7 +18,12 @@ from verl_conformance.checks.reward import SCORER_INPUTS
 from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
 from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE, role_loss, role_output
 from verl_conformance.reference import cached_outputs
-from verl_conformance.testkit import OUT_OF_VOCAB_FILES, OUT_OF_VOCAB_IDS, TinyModelSpec
+from verl_conformance.testkit import (
+    OUT_OF_VOCAB_FILES,
+    OUT_OF_VOCAB_IDS,
+    TinyModelSpec,
+    without_folders,
+)
 from verl_core import (
     BatchMeta,
     BatchValidationError,
@@ -389,7 +394,7 @@ def check_special_token_ids_outside_vocab_refused(h: Harness) -> None:
                 else:
                     h.training(role, model, fresh=True, causal_folder=True)
             except ConfigError as e:
-                missing = [n for n in names if n not in str(e)]
+                missing = [n for n in names if n not in without_folders(str(e))]
                 if missing:
                     problems.append(f"{what} raised a ConfigError that does not name {' and '.join(missing)}: "
                                     f"{str(e)[:300]}")

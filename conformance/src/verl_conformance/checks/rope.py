@@ -31,6 +31,7 @@ from verl_conformance.testkit import (
     ROPE_SCALINGS,
     SLIDING_WINDOW,
     near_tie_margin,
+    without_folders,
 )
 from verl_core import ConfigError, SamplingParams, TensorBatch
 
@@ -55,8 +56,8 @@ def _scaling(kind: str) -> str:
 
 
 def _names_scaling(message: str, kind: str) -> bool:
-    """Whether a refusal names RoPE or the rope type it refuses."""
-    text = message.lower()
+    """Whether a refusal names RoPE or the rope type it refuses (the folder's path and name aside)."""
+    text = without_folders(message).lower()
     rope_type = kind.removesuffix("-legacy")
     return "rope" in text or rope_type in text
 
@@ -211,7 +212,7 @@ def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice:
             engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
                            else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
         except ConfigError as e:
-            h.expect(any(word in str(e).lower() for word in names), f"the {role} engine refused {model} with a "
+            h.expect(any(word in without_folders(str(e)).lower() for word in names), f"the {role} engine refused {model} with a "
                      f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}")
             refused.append(role)
             continue

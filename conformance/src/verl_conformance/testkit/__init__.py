@@ -50,6 +50,7 @@ from verl_conformance.testkit.crafted import (
     rope_scaled_model,
     sliding_window_model,
     value_bias_model,
+    without_folders,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
 from verl_conformance.testkit.models import (
@@ -119,5 +120,6 @@ __all__ = [
     "tiny_model",
     "tolerance",
     "value_bias_model",
+    "without_folders",
     "write_rank_result",
 ]

@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -95,6 +96,7 @@ __all__ = [
     "rope_scaled_model",
     "sliding_window_model",
     "value_bias_model",
+    "without_folders",
 ]
 
 _RECIPE: Final = 1  # bump when a recipe changes: the cache key includes it
@@ -116,6 +118,23 @@ LONG_ROPE_TRAINED: Final = 24
 def _cache_root() -> Path:
     # the folder tiny_model() caches in, so one cleanup removes both
     return Path(os.environ.get("VERL_TESTKIT_CACHE") or Path(tempfile.gettempdir()) / "verl-testkit")
+
+
+_FOLDER_NAME: Final = re.compile(r"[\w.-]*-[0-9a-f]{16}[\w.-]*")
+"""A cached folder's name (``crafted-rope-yarn-<16 hex>``, ``qwen2-causal_lm-untied-<16 hex>``)."""
+
+
+def without_folders(message: str) -> str:
+    """``message`` with every test-kit folder (a path under the cache, or a cached folder's name)
+    replaced by ``<folder>``.
+
+    Checks that want a refusal to name a setting (``sliding_window``, a rope type, a config key, a
+    model_type) read the message through this: the folders' names hold those words, and a message
+    that names only the folder must not pass for one that names the setting.
+    """
+    for root in {str(_cache_root()), str(_cache_root().resolve())}:
+        message = re.sub(re.escape(root) + r"[^\s'\"`,;)]*", "<folder>", message)
+    return _FOLDER_NAME.sub("<folder>", message)
 
 
 def _crafted(name: str, recipe: dict[str, object], build: Callable[[Path], None]) -> Path:
