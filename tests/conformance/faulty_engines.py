@@ -29,6 +29,7 @@ from verl_core import (
     GlobalBatchStats,
     LossFn,
     Metrics,
+    ParallelSizes,
     RolloutCapabilities,
     SamplingParams,
     StepMetrics,
@@ -216,6 +217,13 @@ class CriticQKNormsUnit(TinyTrainingEngine):
                 for name, p in self.model.named_parameters():
                     if name.endswith(("q_norm.weight", "k_norm.weight")):
                         p.fill_(1.0)
+
+
+class ParallelIgnoredRollout(TinyRolloutEngine):
+    """Builds whatever EngineSpec.parallel says, running alone as if every size were 1 (no refusal)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, parallel=ParallelSizes()))
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):

@@ -70,6 +70,10 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
     ("critic-qk-norms-unit", faulty.CriticQKNormsUnit, None,
      ["numerics::value_loss_matches_reference", "numerics::values_match_reference"],
      "numerics::values_match_reference", ["critic values on value-qwen3-perturbed"]),
+    # the undeclared-settings check tried dtypes and gradient checkpointing only
+    ("rollout-parallel-ignored", None, faulty.ParallelIgnoredRollout,
+     ["schema::generate_layout", "robustness::undeclared_settings_refused"],
+     "robustness::undeclared_settings_refused", ["the rollout engine built with parallel tp=2"]),
     # the example and tiny backends hard-coded SiLU: every other folder runs silu
     ("silu-hard-coded", faulty.SiluHardCodedTraining, faulty.SiluHardCodedRollout,
      ["numerics::log_probs_match_reference", "numerics::hidden_act_honoured_or_refused"],

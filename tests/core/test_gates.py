@@ -45,6 +45,27 @@ def test_undeclared_gradient_checkpointing_is_refused() -> None:
     refuse_undeclared(spec(gradient_checkpointing=True), declared, engine="the x engine")
 
 
+def test_undeclared_parallel_sizes_and_devices_are_refused_naming_them() -> None:
+    from verl_core import ParallelSizes
+
+    for key, name in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("dp", "data_parallel")):
+        with pytest.raises(ConfigError, match=rf"the x engine does not declare EngineSpec.parallel {key}=2 "
+                                              rf"\({name}=False\); set those sizes to 1"):
+            refuse_undeclared(spec(parallel=ParallelSizes(**{key: 2})), TRAINING, engine="the x engine")
+        refuse_undeclared(spec(parallel=ParallelSizes(**{key: 2})), dataclasses.replace(TRAINING, **{name: True}),
+                          engine="the x engine")
+    # a rollout engine never serves dp > 1 (replicas are separate engines), whatever it declares
+    with pytest.raises(ConfigError, match=r"dp=2 \(data_parallel=False\).*rollout replicas"):
+        refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(dp=2)),
+                          dataclasses.replace(ROLLOUT, tensor_parallel=True), engine="the x rollout")
+    refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(tp=2)), dataclasses.replace(ROLLOUT, tensor_parallel=True),
+                      engine="the x rollout")
+    with pytest.raises(ConfigError, match=r"runs on cpu \(its declared devices\), not EngineSpec.device='cuda:1'"):
+        refuse_undeclared(spec(device="cuda:1"), TRAINING, engine="the x engine")
+    refuse_undeclared(spec(device="cuda:1"), dataclasses.replace(TRAINING, devices=frozenset({"cpu", "cuda"})),
+                      engine="the x engine")
+
+
 def test_model_inputs_within_the_spec_limits() -> None:
     batch = random_batch(batch_size=3, max_prompt=6, max_response=5, seed=1)
     limits = spec(max_prompt_len=6, max_response_len=5)

@@ -20,7 +20,7 @@ from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import near_tie_margin
-from verl_core import ConfigError, Role, SamplingParams, TensorBatch
+from verl_core import ConfigError, ParallelSizes, Role, SamplingParams, TensorBatch
 
 
 def device_available(device: str) -> bool:
@@ -228,7 +228,8 @@ def check_rollout_pipeline_parallel_invariance(h: Harness) -> None:
 
 
 def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, Any]]]:
-    """Spec settings the engine of ``role`` does not declare: other dtypes, gradient checkpointing."""
+    """Spec settings the engine of ``role`` does not declare: other dtypes, gradient checkpointing, parallel
+    sizes of 2 (tp, pp, and a training engine's dp; a rollout's dp, which replicas serve, always)."""
     caps = _role_caps(h, role)
     out: list[tuple[str, dict[str, Any]]] = [
         (f"dtype={dtype!r} (declared dtypes: {sorted(caps.dtypes)})", {"dtype": dtype})
@@ -237,12 +238,18 @@ def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, An
     if role != "rollout" and not caps.gradient_checkpointing:
         out.append(("gradient_checkpointing=True (declared gradient_checkpointing=False)",
                     {"gradient_checkpointing": True}))
+    for key, name in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("dp", "data_parallel")):
+        if not getattr(caps, name, False):
+            declared = f"declared {name}=False" if hasattr(caps, name) else "a rollout engine serves dp=1"
+            out.append((f"parallel {key}=2 ({declared})", {"parallel": ParallelSizes(**{key: 2})}))
     return out
 
 
-@check("robustness", gates=("training.dtypes", "rollout.dtypes", "training.gradient_checkpointing"))
+@check("robustness", gates=("training.dtypes", "rollout.dtypes", "training.gradient_checkpointing",
+                             "training.tensor_parallel", "training.pipeline_parallel", "training.data_parallel",
+                             "rollout.tensor_parallel", "rollout.pipeline_parallel"))
 def check_undeclared_settings_refused(h: Harness) -> None:
-    """An engine (actor, critic, rollout) asked for a dtype or gradient checkpointing it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting."""
+    """An engine (actor, critic, rollout) asked for a dtype, gradient checkpointing or a parallel size of 2 (tp, pp, dp) it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting (a rollout engine is never built with dp > 1)."""
     tried = 0
     roles: tuple[Role, ...] = tuple(r for r in ("actor", "critic", "rollout") if h.provides(h.subject, r))
     if not roles:
@@ -262,11 +269,14 @@ def check_undeclared_settings_refused(h: Harness) -> None:
                        "backend does not declare with verl_core.ConfigError naming it")
             else:
                 why = ("the trainer's memory budget assumes recomputed activations when it asks for them"
-                       if "gradient_checkpointing" in kw else "the suite checks an engine in its declared dtypes only")
+                       if "gradient_checkpointing" in kw else "a process that runs alone while the spec says its "
+                       "group has two ranks computes a different update" if "parallel" in kw
+                       else "the suite checks an engine in its declared dtypes only")
                 h.fail(f"the {role} engine built with {setting}: refuse a setting the backend does not declare with "
                        "a ConfigError naming it, or declare it and be checked in it (nothing upstream compares an "
                        f"EngineSpec with the capabilities; {why})")
             finally:
                 h.close_fresh()
     if not tried:
-        h.skip(f"the backend's {', '.join(roles)} engine(s) declare every dtype and gradient checkpointing")
+        h.skip(f"the backend's {', '.join(roles)} engine(s) declare every dtype, gradient checkpointing and "
+               "parallel layout")

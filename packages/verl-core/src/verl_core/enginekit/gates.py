@@ -22,8 +22,11 @@ MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 def refuse_undeclared(spec: EngineSpec, capabilities: TrainingCapabilities | RolloutCapabilities, *,
                       engine: str, why: str = "") -> None:
     """Refuse a ``spec`` asking for what ``capabilities`` do not declare: a dtype outside
-    ``capabilities.dtypes``, or ``gradient_checkpointing`` of a training engine that does not
-    declare it (a rollout ignores the setting).
+    ``capabilities.dtypes``, a device type outside ``capabilities.devices``, a parallel degree above 1
+    the engine does not declare (``tensor_parallel``, ``pipeline_parallel``, a training engine's
+    ``data_parallel``; a rollout engine is never built with dp > 1: replicas are separate engines), or
+    ``gradient_checkpointing`` of a training engine that does not declare it (a rollout ignores the
+    setting).
 
     Args:
         spec: The spec the engine is being built from.
@@ -39,6 +42,24 @@ def refuse_undeclared(spec: EngineSpec, capabilities: TrainingCapabilities | Rol
         raise ConfigError(
             f"{engine} runs in {' or '.join(declared)} (its declared dtypes), not EngineSpec.dtype={spec.dtype!r}"
             + (f" ({why})" if why else "") + f"; set EngineSpec.dtype to {declared[-1]!r}"
+        )
+    device = spec.device.split(":")[0]
+    if device not in capabilities.devices:
+        raise ConfigError(
+            f"{engine} runs on {' or '.join(sorted(capabilities.devices))} (its declared devices), not "
+            f"EngineSpec.device={spec.device!r}; set EngineSpec.device to one of them"
+        )
+    training = isinstance(capabilities, TrainingCapabilities)
+    p = spec.parallel
+    undeclared = [f"{key}={size} ({name}=False)" for key, size, name, ok in (
+        ("tp", p.tp, "tensor_parallel", capabilities.tensor_parallel),
+        ("pp", p.pp, "pipeline_parallel", capabilities.pipeline_parallel),
+        ("dp", p.dp, "data_parallel", isinstance(capabilities, TrainingCapabilities) and capabilities.data_parallel),
+    ) if size > 1 and not ok]
+    if undeclared:
+        raise ConfigError(
+            f"{engine} does not declare EngineSpec.parallel {', '.join(undeclared)}; set those sizes to 1"
+            + ("" if training else " (rollout replicas are separate engines, each with dp=1)")
         )
     if (isinstance(capabilities, TrainingCapabilities) and spec.gradient_checkpointing
             and not capabilities.gradient_checkpointing):
