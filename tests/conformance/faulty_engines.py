@@ -47,6 +47,8 @@ from verl_core.enginekit.sampling import (
     tempered_log_probs,
     uniform_table,
 )
+from verl_hf.modeling import sequence_inputs
+from verl_hf.reward import HFRewardEngine
 
 __all__ = [
     "BudgetIgnored",
@@ -224,6 +226,34 @@ class ParallelIgnoredRollout(TinyRolloutEngine):
 
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(replace(spec, parallel=ParallelSizes()))
+
+
+class UncheckedReward(HFRewardEngine):
+    """The hf reward model's score without validating its input (no check_model_inputs)."""
+
+    def score(self, batch: TensorBatch) -> TensorBatch:
+        """hf's score with the input check taken out for the call."""
+        import verl_hf.reward as module
+
+        checked = module.__dict__["check_model_inputs"]
+        setattr(module, "check_model_inputs", lambda *args, **kwargs: None)  # noqa: B010
+        try:
+            return super().score(batch)
+        finally:
+            setattr(module, "check_model_inputs", checked)  # noqa: B010
+
+
+class LastTokenFromPadReward(HFRewardEngine):
+    """Reads the head at the last token whose id is not the pad id (instead of the masks)."""
+
+    def _score(self, chunk: TensorBatch) -> Tensor:
+        ids, mask, pos = sequence_inputs(chunk)
+        hidden = self._model.base_model(input_ids=ids, attention_mask=mask.long(), position_ids=pos,
+                                        use_cache=False).last_hidden_state
+        real = (ids != chunk.meta.pad_token_id).long()
+        last = (real * torch.arange(ids.shape[1])).argmax(-1)
+        scores: Tensor = self._head(hidden[torch.arange(ids.shape[0]), last])[:, 0].float()
+        return scores
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):

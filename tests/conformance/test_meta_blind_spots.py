@@ -223,6 +223,24 @@ def test_a_refusal_naming_only_the_folder_does_not_pass_for_one_naming_the_setti
     assert "could not load" in message and "internal error" in message, message
 
 
+@pytest.mark.parametrize(("label", "reward", "target", "fragment"), [
+    # no reward check sent a bad batch: a reward model without check_model_inputs scored over-long prompts
+    ("reward-input-unchecked", faulty.UncheckedReward, "reward::bad_input_rejected",
+     "score(token id beyond the vocabulary) raised"),
+    # no sample's last real token was the pad id
+    ("reward-last-token-from-pad", faulty.LastTokenFromPadReward, "reward::scores_match_reference",
+     "whose last real response token is the pad id"),
+])
+def test_a_reward_model_fault_fails_its_check(label: str, reward: Factory, target: str, fragment: str) -> None:
+    checks = ["reward::scores_match_reference", "reward::bad_input_rejected", "reward::score_layout"]
+    with pytest.raises(ConformanceError) as info:
+        check_backend(label, make_reward_engine=reward, checks=checks)
+    report = info.value.report
+    assert report is not None
+    assert [r.id for r in report.failures] == [target], report.table()
+    assert fragment in str(info.value), str(info.value)
+
+
 @pytest.mark.slow
 def test_the_tiny_backend_passes_the_new_checks() -> None:
     """The unbroken engines the faults start from pass every check the faults fail (the tiny rollout's

@@ -26,6 +26,7 @@ from verl_conformance.testkit import ShuffledTokenizer, load_tokenizer
 from verl_conformance.testkit.models import SPECIAL_TOKENS
 from verl_core import (
     BatchMeta,
+    BatchValidationError,
     ConfigError,
     NonFiniteError,
     ParallelSizes,
@@ -221,7 +222,7 @@ _FAMILIES: Final = (  # (suite folder, model_type, what the family adds to Llama
 
 @check("reward", gates=("reward.sequence_classifier",))
 def check_scores_match_reference(h: Harness) -> None:
-    """An engine that declares sequence_classifier scores each sample as the float64 reference of the folder's sequence-classification model (the head read at the last real token of prompt + response, EOS included, an empty response at the prompt's last token) on the Llama, Qwen2 and Qwen3 reward folders (the Qwen ones with every tensor perturbed, so q/k/v biases and norm weights count); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    """An engine that declares sequence_classifier scores each sample as the float64 reference of the folder's sequence-classification model (the head read at the last real token of prompt + response, EOS included, an empty response at the prompt's last token; a last response token equal to the pad id included) on the Llama, Qwen2 and Qwen3 reward folders (the Qwen ones with every tensor perturbed, so q/k/v biases and norm weights count); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
     engine = h.reward()
     if not engine.capabilities.sequence_classifier:
         h.skip("the engine declares sequence_classifier=False (its scores are not a folder's classification head)")
@@ -244,6 +245,18 @@ def check_scores_match_reference(h: Harness) -> None:
                    "response)")
         compared.append(model_type)
         h.close_fresh()
+    # the pad id as a real token, last of its response (a pad id equal to EOS): the last real token must
+    # come from the masks, not from the ids
+    padded = _batch(h, seed=76)
+    ids, mask = padded["response_ids"].clone(), padded["response_mask"]
+    rows = (mask.sum(1) >= 1).nonzero().flatten()
+    ids[rows, mask[rows].sum(1) - 1] = padded.meta.pad_token_id
+    padded = padded.update(response_ids=ids)
+    h.close_to(_scores(h, h.reward(), padded, "score with the pad id as the last response token"),
+               _reference_scores(h.model_path("reward"), padded), "scores",
+               f"scores on reward of {len(rows)} samples whose last real response token is the pad id "
+               f"({padded.meta.pad_token_id}, a real token where pad equals EOS) vs the float64 reference: find "
+               "the last real token from the masks, never from the pad id")
     h.note(f"compared: {', '.join(compared)}"
            + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))
 
@@ -437,3 +450,39 @@ def check_unsupported_settings_refused(h: Harness) -> None:
         h.close_fresh()
     h.note(f"refused: the causal-LM and headless folders, tp/pp/dp=2; dtypes computed in: {', '.join(ran) or 'none'}; "
            f"dtypes refused: {', '.join(refused) or 'none'}")
+
+
+@check("reward", gates=("reward.scores", "reward.token_scores", "reward.sequence_classifier"))
+def check_bad_input_rejected(h: Harness) -> None:
+    """Every reward engine answers a batch of 0 rows with 0 scores; a reward model (sequence_classifier) rejects what a training engine's forward rejects (a token id beyond the vocabulary, right-padded prompts, a missing mask, int32 ids, a mask of another length, a prompt or response over the spec's limits) with BatchValidationError naming the field."""
+    from verl_conformance.checks.robustness import _bad_training_inputs
+
+    engine = h.reward(fresh=True)
+    empty = _batch(h, seed=75).index(slice(0, 0))
+    try:
+        out = engine.score(empty)
+    except Exception as e:
+        h.fail(f"score of a batch of 0 rows raised {type(e).__name__}: {e}; answer it with 0 scores (an async "
+               "step or a filter can leave no samples)")
+    if engine.capabilities.scores:
+        _valid_scores(h, out, empty, "score of a batch of 0 rows")
+    if not engine.capabilities.sequence_classifier:
+        h.note("0 rows only: the engine declares sequence_classifier=False (reward functions read text)")
+        return
+    batch = h.batch(seed=75, rl_fields=True)
+    for what, (make, names) in _bad_training_inputs(batch).items():
+        if what.startswith("NaN in "):
+            continue  # a scorer reads no advantages
+        bad = make()
+        bad = bad.select(*(k for k in (*SCORER_INPUTS, "group_ids") if k in bad))
+        try:
+            engine.score(bad)
+        except BatchValidationError as e:
+            h.expect(any(n in str(e) for n in names),
+                     f"score({what}) raised an unclear error {str(e)!r}: it should name {' or '.join(names)}")
+        except Exception as e:
+            h.fail(f"score({what}) raised {type(e).__name__}: {e}; expected a BatchValidationError "
+                   "(verl_core.enginekit.gates.check_model_inputs validates a scorer's inputs as a training engine's)")
+        else:
+            h.fail(f"score({what}) returned scores; expected a BatchValidationError naming {' or '.join(names)} "
+                   "(verl_core.enginekit.gates.check_model_inputs)")

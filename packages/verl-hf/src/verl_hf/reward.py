@@ -11,7 +11,7 @@ from verl_core.enginekit.gates import check_model_inputs
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.capabilities import RewardCapabilities
 from verl_core.kernel.engine import EngineSpec
-from verl_core.kernel.errors import ConfigError, RewardError
+from verl_core.kernel.errors import ConfigError, RewardError, VerlError
 from verl_core.kernel.registry import parse_options
 from verl_core.kernel.reward import RewardEngine
 from verl_hf.capabilities import REWARD_CAPABILITIES
@@ -92,8 +92,11 @@ class HFRewardEngine(RewardEngine):
 
         Raises:
             RewardError: the model gave a NaN or inf score (naming the samples).
+            VerlError: the engine is closed.
         """
         where = "HFRewardEngine.score"
+        if self._model is None:
+            raise VerlError(f"{where}: the engine is closed; build a new one")
         check_model_inputs(batch, self._spec, where=where, vocab_size=self._vocab_size)
         step = self._options.rollout_batch_size or self._spec.micro_batch_size or max(batch.batch_size, 1)
         parts: list[Tensor] = []
