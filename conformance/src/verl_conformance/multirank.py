@@ -144,4 +144,8 @@ def checkpoint_round_trip(backend: str, model_path: str, parallel: ParallelSizes
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # record: torchrun's summary then names the first rank that failed and prints its traceback (the last
+    # lines of the output, which a LaunchError keeps), not only the symptom of a rank that outlived it
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)(sys.argv[1:])
