@@ -54,10 +54,10 @@ def test_undeclared_parallel_sizes_and_devices_are_refused_naming_them() -> None
             refuse_undeclared(spec(parallel=ParallelSizes(**{key: 2})), TRAINING, engine="the x engine")
         refuse_undeclared(spec(parallel=ParallelSizes(**{key: 2})), dataclasses.replace(TRAINING, **{name: True}),
                           engine="the x engine")
-    # a rollout engine never serves dp > 1 (replicas are separate engines), whatever it declares
-    with pytest.raises(ConfigError, match=r"dp=2 \(data_parallel=False\).*rollout replicas"):
-        refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(dp=2)),
-                          dataclasses.replace(ROLLOUT, tensor_parallel=True), engine="the x rollout")
+    # a rollout's dp is its ranks' shares (colocated with the actor): not refused here
+    refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(dp=2)), ROLLOUT, engine="the x rollout")
+    with pytest.raises(ConfigError, match=r"the x rollout does not declare EngineSpec.parallel pp=2"):
+        refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(pp=2)), ROLLOUT, engine="the x rollout")
     refuse_undeclared(spec(role="rollout", parallel=ParallelSizes(tp=2)), dataclasses.replace(ROLLOUT, tensor_parallel=True),
                       engine="the x rollout")
     with pytest.raises(ConfigError, match=r"runs on cpu \(its declared devices\), not EngineSpec.device='cuda:1'"):

@@ -229,7 +229,7 @@ def check_rollout_pipeline_parallel_invariance(h: Harness) -> None:
 
 def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, Any]]]:
     """Spec settings the engine of ``role`` does not declare: other dtypes, gradient checkpointing, parallel
-    sizes of 2 (tp, pp, and a training engine's dp; a rollout's dp, which replicas serve, always)."""
+    sizes of 2 (tp, pp, and a training engine's dp)."""
     caps = _role_caps(h, role)
     out: list[tuple[str, dict[str, Any]]] = [
         (f"dtype={dtype!r} (declared dtypes: {sorted(caps.dtypes)})", {"dtype": dtype})
@@ -239,9 +239,8 @@ def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, An
         out.append(("gradient_checkpointing=True (declared gradient_checkpointing=False)",
                     {"gradient_checkpointing": True}))
     for key, name in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("dp", "data_parallel")):
-        if not getattr(caps, name, False):
-            declared = f"declared {name}=False" if hasattr(caps, name) else "a rollout engine serves dp=1"
-            out.append((f"parallel {key}=2 ({declared})", {"parallel": ParallelSizes(**{key: 2})}))
+        if hasattr(caps, name) and not getattr(caps, name):
+            out.append((f"parallel {key}=2 (declared {name}=False)", {"parallel": ParallelSizes(**{key: 2})}))
     return out
 
 
@@ -249,7 +248,7 @@ def _undeclared_settings(h: Harness, role: Role) -> list[tuple[str, dict[str, An
                              "training.tensor_parallel", "training.pipeline_parallel", "training.data_parallel",
                              "rollout.tensor_parallel", "rollout.pipeline_parallel"))
 def check_undeclared_settings_refused(h: Harness) -> None:
-    """An engine (actor, critic, rollout) asked for a dtype, gradient checkpointing or a parallel size of 2 (tp, pp, dp) it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting (a rollout engine is never built with dp > 1)."""
+    """An engine (actor, critic, rollout) asked for a dtype, gradient checkpointing or a parallel size of 2 (tp, pp, a training engine's dp) it does not declare refuses to build with a ConfigError, instead of running an unchecked configuration or ignoring the setting."""
     tried = 0
     roles: tuple[Role, ...] = tuple(r for r in ("actor", "critic", "rollout") if h.provides(h.subject, r))
     if not roles:

@@ -24,7 +24,8 @@ def refuse_undeclared(spec: EngineSpec, capabilities: TrainingCapabilities | Rol
     """Refuse a ``spec`` asking for what ``capabilities`` do not declare: a dtype outside
     ``capabilities.dtypes``, a device type outside ``capabilities.devices``, a parallel degree above 1
     the engine does not declare (``tensor_parallel``, ``pipeline_parallel``, a training engine's
-    ``data_parallel``; a rollout engine is never built with dp > 1: replicas are separate engines), or
+    ``data_parallel``; a rollout's dp is not refused here: a rollout that shares its ranks with the
+    actor's takes the actor's sizes, each dp rank generating its own share), or
     ``gradient_checkpointing`` of a training engine that does not declare it (a rollout ignores the
     setting).
 
@@ -54,13 +55,10 @@ def refuse_undeclared(spec: EngineSpec, capabilities: TrainingCapabilities | Rol
     undeclared = [f"{key}={size} ({name}=False)" for key, size, name, ok in (
         ("tp", p.tp, "tensor_parallel", capabilities.tensor_parallel),
         ("pp", p.pp, "pipeline_parallel", capabilities.pipeline_parallel),
-        ("dp", p.dp, "data_parallel", isinstance(capabilities, TrainingCapabilities) and capabilities.data_parallel),
+        ("dp", p.dp, "data_parallel", not training or capabilities.data_parallel),  # type: ignore[union-attr]
     ) if size > 1 and not ok]
     if undeclared:
-        raise ConfigError(
-            f"{engine} does not declare EngineSpec.parallel {', '.join(undeclared)}; set those sizes to 1"
-            + ("" if training else " (rollout replicas are separate engines, each with dp=1)")
-        )
+        raise ConfigError(f"{engine} does not declare EngineSpec.parallel {', '.join(undeclared)}; set those sizes to 1")
     if (isinstance(capabilities, TrainingCapabilities) and spec.gradient_checkpointing
             and not capabilities.gradient_checkpointing):
         raise ConfigError(
