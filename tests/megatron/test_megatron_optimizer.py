@@ -145,3 +145,20 @@ def test_tp2_checkpoint_loads_into_the_distributed_optimizer_at_dp2(megatron_lau
 def test_unsupported_optimizer_options_are_rejected(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         MegatronOptions(**options)
+
+
+def test_restored_adam_step_lives_where_the_optimizer_keeps_it() -> None:
+    """A fused or capturable AdamW keeps ``step`` on the parameter's device (its CUDA kernel refuses a CPU
+    step: the bfloat16 round trip on CUDA failed with "state_steps is on cpu"); a plain one on the CPU."""
+    import torch
+
+    from verl_megatron.core_optimizer import adam_step_tensor
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    on_meta = torch.zeros(2, device="meta")
+    plain = adam_step_tensor(opt, 3, on_meta)
+    assert plain.device.type == "cpu" and plain.dtype == torch.float32 and float(plain) == 3.0
+    for flag in ("fused", "capturable"):
+        opt.defaults[flag] = True
+        assert adam_step_tensor(opt, 3, on_meta).device.type == "meta"
+        opt.defaults[flag] = False

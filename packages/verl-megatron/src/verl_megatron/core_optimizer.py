@@ -30,7 +30,14 @@ from torch import Tensor
 
 from verl_core import ConfigError, OptimConfig
 
-__all__ = ["CoreOptimizer"]
+__all__ = ["CoreOptimizer", "adam_step_tensor"]
+
+
+def adam_step_tensor(optimizer: torch.optim.Optimizer, step: float, param: Tensor) -> Tensor:
+    """Adam's step counter for restored state, where torch keeps it: on the parameter's device for a
+    fused or capturable optimizer (its CUDA kernel refuses a CPU ``step``), else a CPU scalar."""
+    on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu")
 
 StateKey = Literal["master", "exp_avg", "exp_avg_sq"]
 
@@ -207,7 +214,7 @@ class CoreOptimizer:
                 group["step"] = int(step) if moments is not None else 0
         if moments is not None and step > 0:
             owner.inner.state[owner.main] = {
-                "step": torch.tensor(float(step)),
+                "step": adam_step_tensor(owner.inner, step, owner.main),
                 "exp_avg": part(moments["exp_avg"]).view_as(owner.main),
                 "exp_avg_sq": part(moments["exp_avg_sq"]).view_as(owner.main),
             }

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from verl_core import CheckpointError, ConfigError, TensorInfo
 from verl_core.enginekit.checkpoint import verify_step_count, verify_tensors
+from verl_megatron.core_optimizer import adam_step_tensor
 from verl_megatron.stage import Stage
 from verl_megatron.stage_optimizer import StageOptimizer
 from verl_megatron.weight_export import StageWeights
@@ -147,7 +148,7 @@ class StageCheckpoint:
                     optimizer.state.pop(stepped, None)
                     if moments is not None and payload["adam_step"] > 0:
                         optimizer.state[stepped] = {
-                            "step": torch.tensor(float(payload["adam_step"])),
+                            "step": adam_step_tensor(optimizer, payload["adam_step"], stepped),
                             "exp_avg": piece(moments["exp_avg"][global_name], _like=stepped).clone(),
                             "exp_avg_sq": piece(moments["exp_avg_sq"][global_name], _like=stepped).clone(),
                         }
