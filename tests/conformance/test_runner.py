@@ -228,3 +228,11 @@ def test_the_check_time_limit_leaves_another_alarm_handler_alone() -> None:
             assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_check_timeout_option_reads_none_as_the_default_and_zero_as_no_limit() -> None:
+    from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S, limit_from_option
+
+    assert limit_from_option(None) == DEFAULT_CHECK_TIMEOUT_S
+    assert limit_from_option(0) is None
+    assert limit_from_option(12.5) == 12.5

@@ -37,12 +37,11 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
 def _handle(args: argparse.Namespace) -> int:
     from verl_conformance.api import run_conformance
     from verl_conformance.runner import reproduction
-    from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
+    from verl_conformance.timelimit import limit_from_option
 
-    limit = DEFAULT_CHECK_TIMEOUT_S if args.check_timeout is None else args.check_timeout or None
     try:
         report = run_conformance(args.backend, against=args.against, checks=args.checks, areas=args.areas,
-                                 known_gaps=args.xfails_file, check_timeout_s=limit)
+                                 known_gaps=args.xfails_file, check_timeout_s=limit_from_option(args.check_timeout))
     except (ValueError, OSError) as e:  # an unknown area or check pattern, an unreadable gaps file
         print(f"verl conformance: error: {e}", file=sys.stderr)
         return 2

@@ -301,6 +301,7 @@ def verl_harness(
 ) -> Any:
     """What each conformance check runs against."""
     from verl_conformance.harness import Harness, Subject
+    from verl_conformance.timelimit import limit_from_option
 
     subject = verl_backend_subject
     marker = request.node.get_closest_marker("verl_check")
@@ -325,15 +326,7 @@ def verl_harness(
     return Harness(subject, verl_against_subject, verl_engine_cache,
                    dtype=request.config.getoption("--verl-dtype"), device=request.config.getoption("--verl-device"),
                    options=_options(request.config), buffer=verl_buffer_subject,
-                   time_limit_s=_check_timeout(request.config))
-
-
-def _check_timeout(config: pytest.Config) -> float | None:
-    """``--verl-check-timeout`` in seconds (the default where not given; None for 0: no limit)."""
-    from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
-
-    raw = config.getoption("--verl-check-timeout", None)
-    return DEFAULT_CHECK_TIMEOUT_S if raw is None else float(raw) or None
+                   time_limit_s=limit_from_option(request.config.getoption("--verl-check-timeout", None)))
 
 
 def _options(config: pytest.Config) -> dict[str, Any]:

@@ -23,13 +23,19 @@ from pathlib import Path
 from types import FrameType
 from typing import Final
 
-__all__ = ["DEFAULT_CHECK_TIMEOUT_S", "CheckTimedOut", "check_time_limit"]
+__all__ = ["DEFAULT_CHECK_TIMEOUT_S", "CheckTimedOut", "check_time_limit", "limit_from_option"]
 
 DEFAULT_CHECK_TIMEOUT_S: Final = 900.0
 """The default limit of one check, in seconds: the slowest check of the suite takes about 60 s on 2
 CPU cores (a two-rank checkpoint round trip under torchrun); 900 leaves a busy machine room."""
 
 _SUITE: Final = str(Path(__file__).resolve().parent)
+
+
+def limit_from_option(seconds: float | None) -> float | None:
+    """The limit a ``--check-timeout`` / ``--verl-check-timeout`` value asks for: the default where not
+    given, None (no limit) for 0."""
+    return DEFAULT_CHECK_TIMEOUT_S if seconds is None else float(seconds) or None
 
 
 class CheckTimedOut(BaseException):

@@ -50,17 +50,16 @@ def refuse_undeclared(spec: EngineSpec, capabilities: TrainingCapabilities | Rol
             f"{engine} runs on {' or '.join(sorted(capabilities.devices))} (its declared devices), not "
             f"EngineSpec.device={spec.device!r}; set EngineSpec.device to one of them"
         )
-    training = isinstance(capabilities, TrainingCapabilities)
+    training = capabilities if isinstance(capabilities, TrainingCapabilities) else None
     p = spec.parallel
     undeclared = [f"{key}={size} ({name}=False)" for key, size, name, ok in (
         ("tp", p.tp, "tensor_parallel", capabilities.tensor_parallel),
         ("pp", p.pp, "pipeline_parallel", capabilities.pipeline_parallel),
-        ("dp", p.dp, "data_parallel", not training or capabilities.data_parallel),  # type: ignore[union-attr]
+        ("dp", p.dp, "data_parallel", training is None or training.data_parallel),  # a rollout's dp: the engine's
     ) if size > 1 and not ok]
     if undeclared:
         raise ConfigError(f"{engine} does not declare EngineSpec.parallel {', '.join(undeclared)}; set those sizes to 1")
-    if (isinstance(capabilities, TrainingCapabilities) and spec.gradient_checkpointing
-            and not capabilities.gradient_checkpointing):
+    if training is not None and spec.gradient_checkpointing and not training.gradient_checkpointing:
         raise ConfigError(
             f"{engine} does not declare gradient checkpointing (capabilities.gradient_checkpointing=False); "
             "set EngineSpec.gradient_checkpointing=False"
