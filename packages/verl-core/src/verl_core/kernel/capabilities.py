@@ -42,7 +42,12 @@ def _name_sets(caps: Capabilities) -> None:
 
 @dataclass(frozen=True)
 class TrainingCapabilities:
-    """Capabilities of a training engine (actor, reference or critic role)."""
+    """Capabilities of a training engine (actor, reference or critic role).
+
+    An engine refuses, with ``ConfigError``, an ``EngineSpec`` asking for a dtype, a device type, a
+    parallel size above 1 or gradient checkpointing its capabilities do not declare
+    (:func:`verl_core.enginekit.gates.refuse_undeclared`; ``robustness::undeclared_settings_refused``).
+    """
 
     log_probs: bool = True
     """forward computes log_probs of the response tokens."""
@@ -79,7 +84,13 @@ class TrainingCapabilities:
 
 @dataclass(frozen=True)
 class RolloutCapabilities:
-    """Capabilities of a rollout engine."""
+    """Capabilities of a rollout engine.
+
+    An engine refuses, with ``ConfigError``, an ``EngineSpec`` asking for a dtype, a device type, or a
+    tensor or pipeline parallel size above 1 its capabilities do not declare
+    (:func:`verl_core.enginekit.gates.refuse_undeclared`; ``robustness::undeclared_settings_refused``).
+    Its dp is its own to take or refuse: a rollout that shares its actor's ranks takes the actor's sizes.
+    """
 
     temperature: bool = True
     """Samples at any temperature > 0 and reports log-probs at that temperature."""
