@@ -60,8 +60,10 @@ __all__ = [
     "CriticPadRowTrained",
     "CriticQKNormsUnit",
     "DefaultBetas",
+    "EmptyStepApplied",
     "EosIgnoredWithStopTokens",
     "ExportDtypeIgnored",
+    "FirstLabelReward",
     "GradientsKeptOnLoad",
     "GreedyLogProbsAtTemperatureOne",
     "GreedyWhileReportingSoftmax",
@@ -237,6 +239,15 @@ class CriticQKNormsUnit(TinyTrainingEngine):
                         p.fill_(1.0)
 
 
+class EmptyStepApplied(TinyTrainingEngine):
+    """Steps AdamW after a mini-batch with no loss token: the backward through the model left zero gradients,
+    so weight decay and Adam's momentum move every weight (the step must change none)."""
+
+    @property
+    def _nothing_to_learn(self) -> bool:
+        return False
+
+
 class ParallelIgnoredRollout(TinyRolloutEngine):
     """Builds whatever EngineSpec.parallel says, running alone as if every size were 1 (no refusal)."""
 
@@ -270,6 +281,28 @@ class LastTokenFromPadReward(HFRewardEngine):
         last = (real * torch.arange(ids.shape[1])).argmax(-1)
         scores: Tensor = self._head(hidden[torch.arange(ids.shape[0]), last])[:, 0].float()
         return scores
+
+
+class FirstLabelReward(HFRewardEngine):
+    """Scores with row 0 of a score head of several labels, where it must refuse the folder (built on a copy
+    whose ``score.weight`` keeps its first row only)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from safetensors.torch import load_file, save_file
+
+        self._folder = tempfile.TemporaryDirectory(prefix="verl-faulty-")
+        for f in Path(spec.model_path).iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+                (Path(self._folder.name) / f.name).symlink_to(f)
+        weights = load_file(str(Path(spec.model_path) / "model.safetensors"))
+        if "score.weight" in weights:
+            weights["score.weight"] = weights["score.weight"][:1].contiguous()
+        save_file(weights, str(Path(self._folder.name) / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((Path(spec.model_path) / "config.json").read_text())
+        for key in ("id2label", "label2id"):
+            config.pop(key, None)
+        (Path(self._folder.name) / "config.json").write_text(json.dumps(config))
+        super().__init__(replace(spec, model_path=self._folder.name))
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):

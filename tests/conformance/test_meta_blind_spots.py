@@ -70,6 +70,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
     ("critic-qk-norms-unit", faulty.CriticQKNormsUnit, None,
      ["numerics::value_loss_matches_reference", "numerics::values_match_reference"],
      "numerics::values_match_reference", ["critic values on value-qwen3-perturbed"]),
+    # the all-empty step was checked on a fresh engine without weight decay, where zero gradients move nothing
+    ("empty-step-applied", faulty.EmptyStepApplied, None,
+     ["robustness::edge_lengths", "robustness::empty_responses_train"],
+     "robustness::empty_responses_train",
+     ["the step after an all-empty mini-batch (no loss token) must change no weight", "weight_decay=0.1"]),
     # the undeclared-settings check tried dtypes and gradient checkpointing only
     ("rollout-parallel-ignored", None, faulty.ParallelIgnoredRollout,
      ["schema::generate_layout", "robustness::undeclared_settings_refused"],
@@ -230,9 +235,13 @@ def test_a_refusal_naming_only_the_folder_does_not_pass_for_one_naming_the_setti
     # no sample's last real token was the pad id
     ("reward-last-token-from-pad", faulty.LastTokenFromPadReward, "reward::scores_match_reference",
      "whose last real response token is the pad id"),
+    # no folder's score head had several labels: row 0 of a classifier was read as the reward
+    ("reward-first-label-read", faulty.FirstLabelReward, "reward::unsupported_settings_refused",
+     "the reward engine built on a reward folder whose score head has two labels"),
 ])
 def test_a_reward_model_fault_fails_its_check(label: str, reward: Factory, target: str, fragment: str) -> None:
-    checks = ["reward::scores_match_reference", "reward::bad_input_rejected", "reward::score_layout"]
+    checks = ["reward::scores_match_reference", "reward::bad_input_rejected", "reward::score_layout",
+              "reward::unsupported_settings_refused"]
     with pytest.raises(ConformanceError) as info:
         check_backend(label, make_reward_engine=reward, checks=checks)
     report = info.value.report

@@ -168,3 +168,36 @@ def test_an_engine_that_overrides_forward_itself_still_builds_and_runs() -> None
 
     with pytest.raises(NotImplementedError, match=r"_Neither implements neither _forward"):
         _Neither().forward(batch)
+
+
+class _Recording(_NoModel):
+    """Records what :attr:`_nothing_to_learn` said at each ``_optimizer_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def _optimizer_step(self, *, where: str) -> StepMetrics:
+        self.seen.append(self._nothing_to_learn)
+        return super()._optimizer_step(where=where)
+
+
+def test_nothing_to_learn_follows_the_global_loss_tokens_of_the_pending_call() -> None:
+    from verl_conformance.testkit import emptied
+
+    engine = _Recording()
+    full, _ = _batches()
+    empty = emptied(full)
+    assert GlobalBatchStats.of(empty).num_tokens == 0 and GlobalBatchStats.of(full).num_tokens > 0
+    # the flag follows the global stats, not this rank's share: a rank whose share is all empty learns
+    # when the global batch has loss tokens
+    for batch, stats, expected in [(empty, GlobalBatchStats.of(empty), True), (full, GlobalBatchStats.of(full), False),
+                                   (empty, GlobalBatchStats.of(full), False)]:
+        engine.forward_backward(batch, _Loss(), stats)
+        engine.optimizer_step()
+        assert engine.seen[-1] is expected
+    assert engine.step == 3, "a step with nothing to learn still counts (the schedule moves on)"
+    assert engine._nothing_to_learn is False, "the flag outlives its step"
+    engine.forward_backward(empty, _Loss(), GlobalBatchStats.of(empty))
+    engine.load_checkpoint("unused")
+    assert engine._nothing_to_learn is False, "a load drops the pending call and its flag"

@@ -332,3 +332,45 @@ def test_claims_racing_for_one_folder_have_exactly_one_winner(tmp_path: Path, mo
         assert read_marker(out) == won[0].marker
         assert sorted(os.listdir(out)) == [MARKER_FILE]
         won[0].release()
+
+
+# ---------------------------------------------------------------------------- a setup that fails
+@pytest.mark.parametrize("place", ["new folder, tiny model", "empty folder of the user's"])
+def test_a_run_whose_setup_fails_after_the_claim_gives_the_folder_back(model: Path, world: Path, place: str) -> None:
+    """A reward model the engine refuses (here a causal LM) is found after the claim, once the engines are
+    built: the failed run takes back its marker and the tiny model it built, and the folder when it made it,
+    so the corrected run starts in the same ``output_dir``; the user's files around it stay."""
+    out = world / "reward-run"
+    tiny = place.startswith("new")
+    if not tiny:
+        out.mkdir()
+    refused = ["backends.reward=hf", f"reward_model={json.dumps(str(model))}"]
+    before = {k: v for k, v in _snapshot(world).items() if not k.startswith("reward-run")}
+    with Trainer(tiny_config(out, "steps=1", *refused, model=None if tiny else model)) as trainer:
+        with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+            trainer.train()
+        if tiny:
+            assert trainer.run_dir is None
+    if tiny:
+        assert not out.exists(), f"the failed run left {sorted(p.name for p in out.iterdir())}"
+    else:
+        assert out.is_dir() and not any(out.iterdir()), "the user's empty folder must stay, empty"
+    assert {k: v for k, v in _snapshot(world).items() if not k.startswith("reward-run")} == before
+    with Trainer(tiny_config(out, "steps=1", model=model)) as t:
+        assert len(t.train()) == 1
+
+
+def test_abandon_removes_only_the_claim_s_own_marker_and_entries(world: Path, model: Path) -> None:
+    """What abandon leaves: a file that appeared in the folder, a run it opened, a run with a checkpoint."""
+    cfg = tiny_config(world / "a", "steps=1", model=model)
+    run = RunDir.claim(str(world / "a"), cfg, mode="fresh")
+    (world / "a" / "mine.txt").write_text("a user's file")
+    (world / "a" / "model").mkdir()
+    assert run.abandon(("model",)) is True
+    assert sorted(p.name for p in (world / "a").iterdir()) == ["mine.txt"], "only the marker and model go"
+    # a claim that opened the run that was there only lets it go
+    other = world / "opened"
+    shutil.copytree(model.parent, other)
+    before = _snapshot(other)
+    opened = RunDir.claim(str(other), tiny_config(other, "steps=1", model=model), mode="resume")
+    assert opened.abandon(("model",)) is False and _snapshot(other) == before and not opened.held

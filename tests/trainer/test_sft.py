@@ -246,9 +246,15 @@ BAD_DATA: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
 def test_bad_data_is_one_config_error_naming_it(case: str, tmp_path: Path, data: Path) -> None:
+    """A column found wrong once the tokenizer is loaded (after the folder was claimed and the tiny model
+    built) is refused, and the run gives the folder back: the corrected run starts in it."""
     overrides, match = BAD_DATA[case]
     with pytest.raises(ConfigError, match=match), SFTTrainer(sft_config(tmp_path / "run", data, *overrides(tmp_path))) as t:
         t.train()
+    assert not (tmp_path / "run").exists(), "the failed run kept its claim on the folder"
+    if case == "no response column":
+        with SFTTrainer(sft_config(tmp_path / "run", data, "steps=1")) as t:
+            assert len(t.train()) == 1
 
 
 def _bad_rows(tmp: Path) -> Path:

@@ -35,6 +35,7 @@ from verl_conformance.testkit import (
     sliding_window_model,
     tiny_model,
     tolerance,
+    two_label_reward_model,
     value_bias_model,
     without_folders,
 )
@@ -69,7 +70,9 @@ __all__ = [
     "Harness",
     "Subject",
     "collect_stream",
+    "exported_weights",
     "recover_grads",
+    "weights_moved",
 ]
 
 EngineFactory = Callable[[EngineSpec], Any]
@@ -126,6 +129,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "llama-bf16-norm": bfloat16_norm_model,
     "reward-nan": nan_reward_model,
     "reward-headless": headless_reward_model,
+    "reward-two-labels": two_label_reward_model,
     # the Qwen reward folders with every tensor moved: in a random folder Qwen2's q/k/v biases are zeros
     # and every norm weight (Qwen3's q/k norms too) is one, which an engine that leaves them out computes
     "reward-qwen2": lambda: perturbed_model(TinyModelSpec(arch="qwen2", head="reward"), 1),
@@ -632,6 +636,11 @@ def collect_stream(stream: Iterable[WeightMessage]) -> tuple[list[WeightMessage]
 def exported_weights(engine: TrainingEngine) -> dict[str, Tensor]:
     """The engine's weights in transformers naming, through its export stream."""
     return collect_stream(engine.export_weights())[1]
+
+
+def weights_moved(before: Mapping[str, Tensor], after: Mapping[str, Tensor]) -> list[str]:
+    """Names of the tensors of ``before`` that ``after`` holds with another value (bitwise), in order."""
+    return [name for name, t in before.items() if name in after and not torch.equal(after[name], t)]
 
 
 def recover_grads(before: Mapping[str, Tensor], after: Mapping[str, Tensor],

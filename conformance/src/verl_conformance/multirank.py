@@ -5,8 +5,9 @@ Usage: ``python -m torch.distributed.run --nproc_per_node N multirank.py BACKEND
 EngineSpec fields. For each model folder in turn (MODEL_PATH, then the ones after SPEC_JSON: one
 launch serves several folders), each rank builds the backend's actor through the registry, takes
 its :func:`~verl_core.dp_shard` of the suite's batch (the whole batch when dp = 1), runs forward,
-one forward_backward with the global batch counts and one optimizer step, exports the weights and
-closes the engine; it writes the list of those results, one per folder in order. With
+one forward_backward with the global batch counts and one optimizer step, exports the weights, runs
+one more update on the batch with every response emptied (no loss token), exports the weights again
+and closes the engine; it writes the list of those results, one per folder in order. With
 ``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine on MODEL_PATH instead and
 writes what it generates for :func:`rollout_cases`. With ``"checkpoint": FOLDER`` each rank runs
 :func:`checkpoint_round_trip` on MODEL_PATH instead.
@@ -85,6 +86,7 @@ def _actor_update(backend: str, model_path: str, parallel: ParallelSizes, rank: 
     """One rank's forward, update and exported weights of the actor on ``model_path`` (closed after)."""
     from verl_conformance.harness import SUITE_OPTIM, collect_stream
     from verl_conformance.losses import TOKEN_MEAN_PG
+    from verl_conformance.testkit import emptied
     from verl_core import EngineSpec, GlobalBatchStats, dp_shard, get_training_engine
 
     spec = EngineSpec(model_path=model_path, role="actor", optim=SUITE_OPTIM, max_prompt_len=12,
@@ -97,8 +99,14 @@ def _actor_update(backend: str, model_path: str, parallel: ParallelSizes, rank: 
     metrics = engine.forward_backward(shard, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
     step = engine.optimizer_step()
     weights = collect_stream(engine.export_weights())[1]
+    empty = emptied(batch)  # then a step with no loss token, which must change no weight
+    engine.forward_backward(dp_shard(empty, rank, parallel.dp) if parallel.dp > 1 else empty, TOKEN_MEAN_PG,
+                            GlobalBatchStats.of(empty))
+    engine.optimizer_step()
+    after_empty = collect_stream(engine.export_weights())[1]
     engine.close()
-    return {"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights}
+    return {"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights,
+            "after_empty": after_empty}
 
 
 def checkpoint_round_trip(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any],

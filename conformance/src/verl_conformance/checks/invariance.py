@@ -10,7 +10,7 @@ from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import PERTURBED_FAMILIES, _folder, one_update
-from verl_conformance.harness import Harness, exported_weights, recover_grads
+from verl_conformance.harness import Harness, exported_weights, recover_grads, weights_moved
 from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
 from verl_core import ModelOutput, Role, SamplingParams, TensorBatch, TrainingEngine
 
@@ -213,6 +213,11 @@ def _layout_invariance(h: Harness, layout: dict[str, int], capability: str,
         if exported is None:
             h.fail(f"{where} no rank exported the full weights (names per rank: "
                    f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
+        for rank, r in enumerate(ranks):
+            moved = weights_moved(r["weights"], r["after_empty"])
+            h.expect(not moved, f"rank {rank} {where}: the step after an all-empty mini-batch (no loss token) "
+                     f"changed {len(moved)} tensors (first: {', '.join(moved[:3])}); it must drop the gradients "
+                     "and change no weight, as in one process (TrainingEngine.optimizer_step)")
         parallel_grads = recover_grads(before, exported)
         for name, g in grads.items():
             h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
@@ -238,17 +243,17 @@ def _single_process_actor(h: Harness, model: str, refused: list[str]) -> Trainin
 
 @check("invariance", gates=("training.data_parallel",))
 def check_data_parallel_invariance(h: Harness) -> None:
-    """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients."""
+    """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients; a following step whose mini-batch has no loss token changes no weight on any rank."""
     _layout_invariance(h, {"dp": 2}, "data_parallel")
 
 
 @check("invariance", gates=("training.tensor_parallel",))
 def check_tensor_parallel_invariance(h: Harness) -> None:
-    """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the q/k/v biases split with the heads, the replicated q/k norm weights whose gradients each rank computes on its own heads only); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    """tp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the q/k/v biases split with the heads, the replicated q/k norm weights whose gradients each rank computes on its own heads only); a following step whose mini-batch has no loss token changes no weight; a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
     _layout_invariance(h, {"tp": 2}, "tensor_parallel", MODEL_PARALLEL_FOLDERS)
 
 
 @check("invariance", gates=("training.pipeline_parallel",))
 def check_pipeline_parallel_invariance(h: Harness) -> None:
-    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the tied embedding on the first and the last stage); a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
+    """pp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients on Llama and on Qwen2 and tied Qwen3 folders with every tensor moved (the tied embedding on the first and the last stage); a following step whose mini-batch has no loss token changes no weight; a Qwen folder refused with a ConfigError naming its model_type is listed as refused."""
     _layout_invariance(h, {"pp": 2}, "pipeline_parallel", MODEL_PARALLEL_FOLDERS)

@@ -390,10 +390,18 @@ def check_declared_devices(h: Harness) -> None:
         _same(h, _scored(h, other, moved, where, out), base, f"{where} vs on {h.device}")
 
 
-_NO_HEAD: Final = (  # (suite folder, what it is)
-    ("llama", "the causal-LM Llama folder (architectures LlamaForCausalLM, an lm_head and no score.* weights)"),
+_NO_TRAINED_HEAD: Final = ("refuse a folder without a trained score head with verl_core.ConfigError naming the folder and "
+                           "saying to set reward_model: a head initialised at random scores noise")
+
+_NO_HEAD: Final = (  # (suite folder, what it is, what to do)
+    ("llama", "the causal-LM Llama folder (architectures LlamaForCausalLM, an lm_head and no score.* weights)",
+     _NO_TRAINED_HEAD),
     ("reward-headless", "a reward folder whose config names LlamaForSequenceClassification but whose weights hold "
-                        "no score.weight"),
+                        "no score.weight", _NO_TRAINED_HEAD),
+    ("reward-two-labels", "a reward folder whose score head has two labels (score.weight [2, hidden], id2label "
+                          "naming two)", "a scalar reward reads one label: refuse a score.weight of other than one "
+                                         "row with verl_core.ConfigError naming num_labels (reading row 0 scores with "
+                                         "half of a classifier)"),
 )
 
 
@@ -410,13 +418,11 @@ def _refused(h: Harness, setting: str, advice: str, **kw: Any) -> RewardEngine |
 
 @check("reward", gates=("reward.sequence_classifier",))
 def check_unsupported_settings_refused(h: Harness) -> None:
-    """An engine that declares sequence_classifier refuses with a ConfigError a folder without a trained score head (the causal-LM Llama, a classifier folder without score.weight) and parallel sizes above 1; a dtype it builds in it computes in (its scores are not the suite dtype's and match the float64 reference in that dtype's tier), else refuses it with a ConfigError: RewardCapabilities declares no dtypes."""
+    """An engine that declares sequence_classifier refuses with a ConfigError a folder without a trained one-label score head (the causal-LM Llama, a classifier folder without score.weight, one whose score head has two labels) and parallel sizes above 1; a dtype it builds in it computes in (its scores are not the suite dtype's and match the float64 reference in that dtype's tier), else refuses it with a ConfigError: RewardCapabilities declares no dtypes."""
     engine = h.reward()
     if not engine.capabilities.sequence_classifier:
         h.skip("the engine declares sequence_classifier=False (its scores need not read a folder's head or dtype)")
-    for model, what in _NO_HEAD:
-        advice = ("refuse a folder without a trained score head with verl_core.ConfigError naming the folder and "
-                  "saying to set reward_model: a head initialised at random scores noise")
+    for model, what, advice in _NO_HEAD:
         built = _refused(h, f"the folder {model}, {what}", advice, model=model)
         h.expect(built is None, f"the reward engine built on {what}: {advice}")
         h.close_fresh()
@@ -448,7 +454,7 @@ def check_unsupported_settings_refused(h: Harness) -> None:
                                          f"(in the {dtype} tier; {advice})")
         ran.append(dtype)
         h.close_fresh()
-    h.note(f"refused: the causal-LM and headless folders, tp/pp/dp=2; dtypes computed in: {', '.join(ran) or 'none'}; "
+    h.note(f"refused: the causal-LM, headless and two-label folders, tp/pp/dp=2; dtypes computed in: {', '.join(ran) or 'none'}; "
            f"dtypes refused: {', '.join(refused) or 'none'}")
 
 

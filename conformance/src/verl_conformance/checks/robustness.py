@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import psutil
 import torch
@@ -15,13 +15,20 @@ import torch
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
 from verl_conformance.checks.reward import SCORER_INPUTS
-from verl_conformance.harness import MAX_PROMPT, MAX_RESPONSE, Harness
+from verl_conformance.harness import (
+    MAX_PROMPT,
+    MAX_RESPONSE,
+    Harness,
+    exported_weights,
+    weights_moved,
+)
 from verl_conformance.losses import TOKEN_MEAN_PG, VALUE_MSE, role_loss, role_output
 from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import (
     OUT_OF_VOCAB_FILES,
     OUT_OF_VOCAB_IDS,
     TinyModelSpec,
+    emptied,
     without_folders,
 )
 from verl_core import (
@@ -31,6 +38,7 @@ from verl_core import (
     GlobalBatchStats,
     LossOutput,
     ModelOutput,
+    OptimConfig,
     SamplingParams,
     TensorBatch,
 )
@@ -38,6 +46,10 @@ from verl_core.kernel.engine import ROLES
 
 _EOS = 1
 _PAD = 0
+
+EMPTY_STEP_OPTIM: Final = OptimConfig(lr=0.01, weight_decay=0.1, grad_clip=0.0)
+"""The optimizer of ``robustness::empty_responses_train``: weight decay on, so a step that is not dropped moves
+every weight."""
 
 
 def edge_batch() -> TensorBatch:
@@ -82,20 +94,26 @@ def check_edge_lengths(h: Harness) -> None:
 
 @check("robustness")
 def check_empty_responses_train(h: Harness) -> None:
-    """A mini-batch whose responses are all empty trains to loss 0, grad norm 0, with no NaN (the actor; a critic-only backend: the critic)."""
+    """A mini-batch whose responses are all empty trains to loss 0 and grad norm 0 with no NaN, and its step changes no weight: under weight decay, after an update that left Adam momentum (the actor; a critic-only backend: the critic)."""
     role = h.trained_role()
     loss = role_loss(role)
-    engine = h.training(role, fresh=True, micro_batch_size=2)
+    engine = h.training(role, fresh=True, micro_batch_size=2, optim=EMPTY_STEP_OPTIM)
     batch = edge_batch()
-    empty = batch.update(response_mask=torch.zeros_like(batch["response_mask"]),
-                         response_ids=torch.full_like(batch["response_ids"], _PAD),
-                         old_log_probs=torch.zeros_like(batch["old_log_probs"]),
-                         advantages=torch.zeros_like(batch["advantages"]), returns=torch.zeros_like(batch["returns"]))
+    empty = emptied(batch)
+    m = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch))
+    engine.optimizer_step()
+    before = exported_weights(engine)
     m = engine.forward_backward(empty, loss, GlobalBatchStats.of(empty))
     h.expect(m["loss"] == 0.0, f"an all-empty mini-batch must give loss 0, got {m['loss']} (never divide by zero)")
     s = engine.optimizer_step()
     h.expect(s.grad_norm == 0.0 and not s.skipped,
              f"an all-empty mini-batch must give grad norm 0 and no skip, got {s.grad_norm}, skipped={s.skipped}")
+    moved = weights_moved(before, exported_weights(engine))
+    h.expect(not moved, f"the step after an all-empty mini-batch (no loss token) must change no weight, but "
+             f"{len(moved)} tensors moved (first: {', '.join(moved[:3])}) under weight_decay="
+             f"{EMPTY_STEP_OPTIM.weight_decay} after one update: drop the call's gradients and step the schedule "
+             "only; zero gradients through the model let AdamW decay and follow its momentum "
+             "(TrainingEngine.optimizer_step)")
     m = engine.forward_backward(batch, loss, GlobalBatchStats.of(batch))
     s = engine.optimizer_step()
     h.expect(bool(torch.isfinite(torch.tensor([m["loss"], s.grad_norm])).all()),

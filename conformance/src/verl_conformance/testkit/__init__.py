@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from verl_conformance.testkit.batches import random_batch
+from verl_conformance.testkit.batches import emptied, random_batch
 from verl_conformance.testkit.crafted import (
     BFLOAT16_NORM_ROPE_THETA,
     CONFIG_CONSTANTS,
@@ -49,6 +49,7 @@ from verl_conformance.testkit.crafted import (
     perturbed_model,
     rope_scaled_model,
     sliding_window_model,
+    two_label_reward_model,
     value_bias_model,
     without_folders,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "assert_close",
     "bfloat16_norm_model",
     "build_tiny_model",
+    "emptied",
     "eos_model",
     "eos_model_continuation",
     "folder_defaults_model",
@@ -118,6 +120,7 @@ __all__ = [
     "rope_scaled_model",
     "sliding_window_model",
     "tiny_model",
+    "two_label_reward_model",
     "tolerance",
     "value_bias_model",
     "without_folders",

@@ -84,3 +84,19 @@ def random_batch(
         )
     meta = BatchMeta(temperature=temperature, pad_token_id=pad_token_id)
     return TensorBatch(fields, meta=meta)
+
+
+def emptied(batch: TensorBatch) -> TensorBatch:
+    """``batch`` with every response empty: ``response_mask`` all False, ``response_ids`` the pad id,
+    every other per-token field (log-probs, advantages, returns, values) 0 and ``truncated`` False.
+    Its :class:`~verl_core.GlobalBatchStats` count no loss token."""
+    shape = batch["response_ids"].shape
+    fields: dict[str, torch.Tensor] = {
+        name: torch.zeros_like(t) for name, t in batch.items()
+        if t.is_floating_point() and t.shape == shape
+    }
+    fields["response_mask"] = torch.zeros_like(batch["response_mask"])
+    fields["response_ids"] = torch.full_like(batch["response_ids"], batch.meta.pad_token_id)
+    if "truncated" in batch:
+        fields["truncated"] = torch.zeros_like(batch["truncated"])
+    return batch.update(fields)

@@ -21,6 +21,7 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
 * :func:`value_bias_model`: the value-head folder with a nonzero ``score.bias`` (a random folder's is 0).
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
+* :func:`two_label_reward_model`: a reward model's folder whose score head has two labels.
 * :func:`out_of_vocab_model`: the tiny Llama (or reward model) whose ``config.json`` sets one special
   token id outside the vocabulary (:data:`OUT_OF_VOCAB_IDS`), which an engine must refuse.
 * :func:`out_of_vocab_file_model`: the same folders with the config right but the tokenizer's EOS or
@@ -95,6 +96,7 @@ __all__ = [
     "perturbed_model",
     "rope_scaled_model",
     "sliding_window_model",
+    "two_label_reward_model",
     "value_bias_model",
     "without_folders",
 ]
@@ -607,6 +609,26 @@ def headless_reward_model() -> Path:
         _copy_with_weights(base, out, w)
 
     return _crafted("reward-headless", {"base": asdict(spec)}, build)
+
+
+def two_label_reward_model() -> Path:
+    """The test kit's reward-model folder with a score head of two labels: ``score.weight`` [2, hidden] (the
+    folder's row, then its negation) and ``config.json``'s ``id2label`` naming two labels, as a two-class
+    classifier's folder holds. A scalar reward has one label: an engine refuses it (reading row 0 would
+    score with half of a classifier)."""
+    spec = TinyModelSpec(head="reward")
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(base)
+        w["score.weight"] = torch.cat([w["score.weight"], -w["score.weight"]])
+        _copy_with_weights(base, out, w)
+        config = json.loads((out / "config.json").read_text())
+        config["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
+        config["label2id"] = {"LABEL_0": 0, "LABEL_1": 1}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    return _crafted("reward-two-labels", {"base": asdict(spec)}, build)
 
 
 _VOCAB: Final = TinyModelSpec().vocab_size

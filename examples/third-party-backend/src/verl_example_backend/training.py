@@ -111,6 +111,7 @@ class ExampleTrainingEngine(TrainingEngine):
         )
         self.step = 0
         self._pending = False  # a forward_backward's gradients wait for optimizer_step
+        self._pending_tokens = -1  # the loss tokens of that call's global mini-batch
 
     @property
     def spec(self) -> EngineSpec:
@@ -220,18 +221,24 @@ class ExampleTrainingEngine(TrainingEngine):
             self.optimizer.zero_grad(set_to_none=True)  # a failed call leaves no gradients
             raise
         self._pending = True
+        self._pending_tokens = stats.num_tokens
         metrics: Metrics = {k: float(v) for k, v in sums.items()}
         metrics["loss"] = float(total)
         metrics["num_micro_batches"] = float(len(parts))
         return metrics
 
     def optimizer_step(self) -> StepMetrics:
-        """Clip, step AdamW at the scheduled learning rate, zero the gradients."""
+        """Clip, step AdamW at the scheduled learning rate, zero the gradients; after a mini-batch with no
+        loss token, drop the gradients and change nothing else (the step still counts)."""
         self._pending = False
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.sqrt(sum((p.grad.double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64)))  # type: ignore[union-attr]
         grad_norm = float(norm)
         lr = self._spec.optim.lr_at(self.step)
+        if self._pending_tokens == 0:  # no loss token: nothing to learn, no decay, no momentum; the step counts
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            return StepMetrics(grad_norm=0.0, lr=lr, skipped=False)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return StepMetrics(grad_norm=grad_norm, lr=lr, skipped=True)

@@ -175,13 +175,17 @@ class TinyTrainingEngine(TrainingEngineBase):
         return {**sums, "loss": total, "num_micro_batches": float(len(parts))}
 
     def _optimizer_step(self, *, where: str) -> StepMetrics:
-        """Clip, step AdamW at ``lr_at(step)``; a non-finite grad norm skips (schedule untouched)."""
+        """Clip, step AdamW at ``lr_at(step)``; a non-finite grad norm skips (schedule untouched); after a
+        mini-batch with no loss token, drop the gradients and change nothing else."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
         for g in grads:
             sq = sq + g.double().pow(2).sum()
         norm = float(sq.sqrt())
         lr = self._spec.optim.lr_at(self._step)
+        if self._nothing_to_learn:  # no loss token: the step changes no weight and no Adam state
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepMetrics(grad_norm=0.0, lr=lr, skipped=False)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return StepMetrics(grad_norm=norm, lr=lr, skipped=True)

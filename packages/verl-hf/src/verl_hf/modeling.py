@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import json
 import math
 import os
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import torch
@@ -385,6 +387,44 @@ def _folder_config(path: str) -> Any:
         return None
 
 
+def _stored_shape(path: str, name: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``name`` in the folder's safetensors files (read from their headers, nothing
+    loaded): the shard the index names, else each ``*.safetensors`` file; None where none holds it."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    try:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shard = index.get("weight_map", {}).get(name)
+        files = [folder / shard] if isinstance(shard, str) else []
+    except (OSError, ValueError):
+        files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                stored: list[str] = list(f.keys())  # the header's names (the handle itself has no `in`)
+                if name in stored:
+                    return tuple(f.get_slice(name).get_shape())
+        except (OSError, ValueError, RuntimeError):
+            continue  # an unreadable file: loading says why
+    return None
+
+
+def _check_one_label(path: str, kind: ModelKind) -> None:
+    """Refuse a value or reward folder whose stored ``score.weight`` has other than one row (labels):
+    transformers would stop with a bare RuntimeError about mismatched sizes, or a head of several
+    labels would be read as one."""
+    shape = _stored_shape(path, "score.weight")
+    if shape is None or shape[0] == 1:
+        return
+    gives = {"value": "a critic's value head gives one number per token",
+             "reward": "a reward model gives one score per sequence"}[kind]
+    raise ConfigError(
+        f"{kind} model {path!r} has a score head of {shape[0]} labels (score.weight {list(shape)}); {gives}: "
+        f"expected num_labels 1 (score.weight [1, hidden])" + (_REWARD_MODEL_KEY if kind == "reward" else "")
+    )
+
+
 def load_model(
     path: str | os.PathLike[str],
     kind: ModelKind,
@@ -439,7 +479,8 @@ def load_model(
     # never run code shipped with a model folder (False refuses at once; the default may prompt)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
     if kind != "causal_lm":
-        kwargs["num_labels"] = 1
+        _check_one_label(path, kind)
+        kwargs["num_labels"] = 1  # the stored rows decide (config.json's num_labels is 2 when it names no labels)
     if kind == "reward":  # before the weights load: a causal LM's folder is refused at once
         archs = list(getattr(config, "architectures", None) or [])
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):

@@ -55,8 +55,17 @@ class HFOptimizer:
         lr = optim.lr
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: optim.lr_at(step) / lr)
 
-    def step(self) -> StepMetrics:
-        """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm."""
+    def step(self, *, learn: bool = True) -> StepMetrics:
+        """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm.
+
+        ``learn=False`` (the mini-batch had no loss token) drops the gradients and steps the schedule
+        only: no weight or Adam state changes, grad norm 0.
+        """
+        if not learn:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            self.zero_grad()
+            self.scheduler.step()
+            return StepMetrics(grad_norm=0.0, lr=lr, skipped=False)
         if self.master is not None:
             self.master.load_grads()
             params: list[Tensor] = list(self.master.masters)

@@ -310,11 +310,12 @@ class HFTrainingEngine(TrainingEngineBase):
             )
 
     def _optimizer_step(self, *, where: str) -> StepMetrics:
-        """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm."""
+        """Clip, step AdamW and the schedule, zero the gradients; skip on a non-finite grad norm; after
+        a call with no loss token, drop the gradients and step the schedule only."""
         if self._optim is None:
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         self._require_onloaded(where)
-        return self._optim.step()
+        return self._optim.step(learn=not self._nothing_to_learn)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def export_weights(

@@ -93,9 +93,18 @@ class StageOptimizer:
         return float(sq.sqrt())
 
     # ------------------------------------------------------------------ step
-    def step(self, step: int) -> StepMetrics:
-        """Clip and step at the learning rate of optimizer step ``step``; all ranks skip together on a non-finite norm."""
+    def step(self, step: int, *, learn: bool = True) -> StepMetrics:
+        """Clip and step at the learning rate of optimizer step ``step``; all ranks skip together on a non-finite norm.
+
+        ``learn=False`` (the mini-batch had no loss token) drops the gradients and changes no weight or
+        Adam state: grad norm 0, not skipped.
+        """
         lr = self._optim.lr_at(step)
+        if not learn:
+            self.clear_grads()
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            return StepMetrics(grad_norm=0.0, lr=lr, skipped=False)
         if self.core is not None:
             norm, skipped = self.core.step(lr, self._optim.grad_clip)
             return StepMetrics(grad_norm=norm, lr=lr, skipped=skipped)

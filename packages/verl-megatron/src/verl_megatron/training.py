@@ -235,12 +235,13 @@ class MegatronTrainingEngine(TrainingEngineBase):
         return metrics
 
     def _optimizer_step(self, *, where: str) -> StepMetrics:
-        """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite."""
+        """Clip, step and zero gradients; all ranks skip together when the grad norm is not finite; after a
+        call with no loss token, drop the gradients and change nothing else."""
         if self._opt is None:
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         if self._opt.core is None:
             self._switch.ensure_onloaded()
-        return self._opt.step(self._step)
+        return self._opt.step(self._step, learn=not self._nothing_to_learn)
 
     # ------------------------------------------------------------------ weights
     def _full_tensor(self, name: str, *, what: Gatherable = "param") -> Tensor:

@@ -56,11 +56,21 @@ class TrainingEngineBase(TrainingEngine):
 
     _step: int
     _grads_pending: bool
+    _pending_loss_tokens: int | None
 
     def _init_training(self) -> None:
         """Start with step 0 and no pending gradients (call from the subclass's constructor)."""
         self._step = 0
         self._grads_pending = False
+        self._pending_loss_tokens = None
+
+    @property
+    def _nothing_to_learn(self) -> bool:
+        """Whether the pending gradients come from a call whose global mini-batch has no loss token
+        (``GlobalBatchStats.num_tokens == 0``). Read it in :meth:`_optimizer_step`: such a step drops
+        the gradients, steps the schedule only and returns grad norm 0, not skipped (see
+        :meth:`TrainingEngine.optimizer_step`); ``stats`` is global, so every rank agrees."""
+        return getattr(self, "_pending_loss_tokens", None) == 0
 
     @property
     @abstractmethod
@@ -170,10 +180,14 @@ class TrainingEngineBase(TrainingEngine):
             )
         metrics = self._forward_backward(mini_batch, loss_fn, stats, max_tokens=max_tokens, where=where)
         self._grads_pending = True
+        self._pending_loss_tokens = stats.num_tokens
         return metrics
 
     def optimizer_step(self) -> StepMetrics:
         """Apply the pending gradients; the step counts unless it was skipped (non-finite grad norm).
+
+        After a call with no loss token the backend's :meth:`_optimizer_step` reads
+        :attr:`_nothing_to_learn` and changes no weight (see :meth:`TrainingEngine.optimizer_step`).
 
         Raises:
             ConfigError: the engine is a frozen reference (it has no optimizer).
@@ -182,7 +196,10 @@ class TrainingEngineBase(TrainingEngine):
         if not self.trainable:
             raise ConfigError(f"{where}: the reference engine has no optimizer")
         self._grads_pending = False
-        result = self._optimizer_step(where=where)
+        try:
+            result = self._optimizer_step(where=where)
+        finally:
+            self._pending_loss_tokens = None
         if not result.skipped:
             self._step += 1
         return result
@@ -195,6 +212,7 @@ class TrainingEngineBase(TrainingEngine):
         """
         self._step = self._load_checkpoint(path)
         self._grads_pending = False
+        self._pending_loss_tokens = None
 
     # ------------------------------------------------------------------ what a backend implements
     def _forward(self, batch: TensorBatch, outputs: Collection[ModelOutput], *, where: str) -> TensorBatch:

@@ -232,6 +232,15 @@ class TrainingEngine(Protocol):
         If the global grad norm is not finite on any rank, every rank skips the update (agreed by
         all-reduce), the weights and optimizer state are untouched, and ``skipped`` is True (a
         critic's non-finite value loss as an actor's policy loss).
+
+        A step whose mini-batch has no loss token (the ``stats.num_tokens`` of the
+        :meth:`forward_backward` call before it is 0: every response empty or masked out) has nothing
+        to learn: it changes no weight and no optimizer state (no weight decay, no momentum, Adam's
+        step counter as it was), drops the call's gradients, and returns grad norm 0 with
+        ``skipped`` False; it counts as an applied step, so the learning-rate schedule moves on.
+        Every rank agrees, since ``stats`` is global. (Gradients of zero through the model, as a
+        data-parallel backward gives, would let AdamW decay the weights and move them along its
+        momentum.)
         """
 
     @abstractmethod

@@ -244,6 +244,17 @@ class Trainer:
         check_backends(cfg, self.backend_roles())
         check_model_folders(cfg, use_critic=self.use_critic)  # so does a critic_model or reward_model that is no folder
         run = self.ctx.prepare(resume)
+        try:
+            self._build(run)
+        except BaseException:
+            self.ctx.abandon()  # a run that never started gives its folder back (the corrected run may use it)
+            raise
+        self._built = True
+
+    def _build(self, run: RunDir) -> None:
+        """The rest of :meth:`setup` once the output folder is claimed: the model, the memory plan,
+        every engine and the stages."""
+        cfg = self.config
         path = self.model_path()
         # what the engines will hold on the device: printed, and refused before any model loads when it cannot fit
         self.memory_plan = plan_run_memory(cfg, path, max_prompt_len=self.source.prompt_limit(),
@@ -306,7 +317,6 @@ class Trainer:
             # frozen base instead of its own copy (hf), before any generate call holds it
             self.weights.resync()
         self.evaluator = Evaluator(cfg, e, self.source, p, episodes=episodes)
-        self._built = True
 
     # ------------------------------------------------------------------ one step
     def sampling_params(self) -> SamplingParams:

@@ -173,6 +173,17 @@ class RunContext:
         """``config.json``, written once the run is known to start (a refused resume leaves it as it was)."""
         write_text_atomic(self.out / "config.json", json.dumps(config_to_dict(self.config), indent=1))
 
+    def abandon(self) -> None:
+        """The run's setup failed after :meth:`prepare`: give the output folder back when this process
+        started the run there (its marker and the tiny model it built go, and the folder if the claim
+        made it: :meth:`RunDir.abandon`), so the corrected run can use the same ``output_dir``."""
+        run, self.run_dir = self.run_dir, None
+        if run is None:
+            return
+        written = (run.model_tmp.name, run.spill_root.name) + (() if self.config.model.path else ("model",))
+        if run.abandon(written):
+            _log.info("the run never started: %s is free again", self.out)
+
     def release(self) -> None:
         """Give up the claim on the output folder."""
         if self.run_dir is not None:

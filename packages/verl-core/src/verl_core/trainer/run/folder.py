@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 import uuid
 import weakref
@@ -128,12 +129,14 @@ class RunDir:
     """
 
     def __init__(
-        self, path: Path, marker: RunMarker, *, created: bool, lock: IO[bytes] | None, moved_aside: Path | None
+        self, path: Path, marker: RunMarker, *, created: bool, lock: IO[bytes] | None, moved_aside: Path | None,
+        made_folder: bool = False,
     ) -> None:
         self.path = path
         self.marker = marker
         self.created = created
         self.moved_aside = moved_aside
+        self._made_folder = made_folder
         self._lock = lock
         _HELD[_key(path)] = self
 
@@ -180,6 +183,7 @@ class RunDir:
                     f"(so two runs never mix): {_ways_out(path, run=found.kind == 'run')}"
                 )
             moved = _move_aside(path, found)
+        made = not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -191,7 +195,7 @@ class RunDir:
             created=datetime.now(UTC).isoformat(timespec="seconds"),
         )
         lock = _write_marker(path, marker)
-        return cls(path, marker, created=True, lock=lock, moved_aside=moved)
+        return cls(path, marker, created=True, lock=lock, moved_aside=moved, made_folder=made)
 
     @classmethod
     def _open(cls, path: Path, found: _Found) -> RunDir:
@@ -277,6 +281,36 @@ class RunDir:
             self._lock = _lock_marker(self.path)
             _HELD[_key(self.path)] = self
         self.check_owned()
+
+    def abandon(self, written: tuple[str, ...] = ()) -> bool:
+        """Give the folder back after the run's setup failed, before it trained or saved anything.
+
+        Where this claim started the run (:attr:`created`), the marker goes, with the entries of
+        ``written`` (names in the folder the run wrote during its setup, such as its tiny ``model``),
+        and the folder itself when this claim made it and nothing else is in it; so the same
+        ``output_dir`` takes the corrected run. Anything else stays: a folder holding a checkpoint is
+        left whole, and a claim that opened a run that was there (``created`` False) is only released.
+        What ``overwrite`` moved aside stays where it was moved. Returns whether the marker was removed.
+        """
+        gone = False
+        if self.created and not _checkpoints(self.path):
+            for name in written:
+                entry = self.path / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.exists() or entry.is_symlink():
+                    entry.unlink(missing_ok=True)
+            now = None
+            with contextlib.suppress(OSError, ValueError):
+                now = _read_marker(self.path / MARKER_FILE)
+            if now is not None and now.run_id == self.run_id:
+                (self.path / MARKER_FILE).unlink(missing_ok=True)
+                gone = True
+        self.release()
+        if gone and self._made_folder:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only when empty
+        return gone
 
     def release(self) -> None:
         """Let the folder go (another process may then resume or overwrite the run)."""

@@ -383,6 +383,16 @@ class SFTTrainer:
         # the tools' schemas are rendered into conversations as in the multi-turn runs (imported first)
         tools = [t.schema for t in resolve_tools(cfg.agent, base_dir=self.base_dir)] or None
         self.ctx.prepare(resume)
+        try:
+            self._build(tools)
+        except BaseException:
+            self.ctx.abandon()  # a run that never started gives its folder back (the corrected run may use it)
+            raise
+        self._built = True
+
+    def _build(self, tools: list[dict[str, Any]] | None) -> None:
+        """The rest of :meth:`setup` once the output folder is claimed: the model, the actor, the data."""
+        cfg = self.config
         path = self.ctx.model_path(max_position=_TINY_MAX_POSITION)
         context = _context_length(path)
         limit = context or _NO_LIMIT
@@ -409,7 +419,6 @@ class SFTTrainer:
             cfg, ("actor",), model_path=path, gradient_checkpointing=spec.gradient_checkpointing, probe=self._probe,
             peak_probe=self._peak_probe,
         )["actor"]
-        self._built = True
 
     # ------------------------------------------------------------------ steps
     def train_step(self) -> dict[str, Any]:
