@@ -49,6 +49,7 @@ from verl_core.enginekit.sampling import (
 )
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
+from verl_hf.training import HFTrainingEngine
 
 __all__ = [
     "BlandRefusalRollout",
@@ -106,6 +107,7 @@ __all__ = [
     "WaitsForASecondRow",
     "WeightDecayIgnored",
     "WeightsWrittenDuringGenerate",
+    "WindowlessSlidingBuilt",
 ]
 
 
@@ -303,6 +305,21 @@ class FirstLabelReward(HFRewardEngine):
             config.pop(key, None)
         (Path(self._folder.name) / "config.json").write_text(json.dumps(config))
         super().__init__(replace(spec, model_path=self._folder.name))
+
+
+class WindowlessSlidingBuilt(HFTrainingEngine):
+    """The hf actor without its layer_types rule: it builds on a folder whose layer_types marks sliding layers
+    while use_sliding_window is false (transformers' forward then fails at the first call)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        import verl_hf.modeling as modeling
+
+        rule = modeling.check_layer_types
+        modeling.check_layer_types = lambda *args, **kwargs: None
+        try:
+            super().__init__(spec)
+        finally:
+            modeling.check_layer_types = rule
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):
@@ -578,6 +595,9 @@ def _optimizer_step(engine: TinyTrainingEngine, *, clip: bool = True, decay: boo
     norm = norm_of()
     o = engine.spec.optim
     lr = o.lr_at(engine.step) if schedule else o.lr
+    if engine._nothing_to_learn:  # as the tiny engine: a mini-batch with no loss token changes nothing
+        engine.optimizer.zero_grad(set_to_none=True)
+        return StepMetrics(grad_norm=0.0, lr=lr, skipped=False)
     if skip and not math.isfinite(norm):
         engine.optimizer.zero_grad(set_to_none=True)
         if count_skipped:

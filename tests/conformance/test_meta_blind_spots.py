@@ -79,6 +79,11 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
     ("rollout-parallel-ignored", None, faulty.ParallelIgnoredRollout,
      ["schema::generate_layout", "robustness::undeclared_settings_refused"],
      "robustness::undeclared_settings_refused", ["the rollout engine built with parallel tp=2"]),
+    # no folder marked sliding layers without a window: the hf and megatron actors and the vllm rollout built
+    # on one (transformers' forward then fails at the first call)
+    ("windowless-sliding-built", faulty.WindowlessSlidingBuilt, None,
+     ["numerics::log_probs_match_reference", "numerics::sliding_window_honoured_or_refused"],
+     "numerics::sliding_window_honoured_or_refused", ["the actor engine built on qwen2-sliding-windowless"]),
     # the example and tiny backends hard-coded SiLU: every other folder runs silu
     ("silu-hard-coded", faulty.SiluHardCodedTraining, faulty.SiluHardCodedRollout,
      ["numerics::log_probs_match_reference", "numerics::hidden_act_honoured_or_refused"],

@@ -90,3 +90,14 @@ def test_a_generate_that_never_returns_fails_its_check_within_the_limit_and_the_
     message = str(info.value)
     assert "robustness::batch_of_one did not finish within 20 s" in message, message
     assert "faulty_engines.py" in message and "in generate" in message, message
+
+
+def test_a_critic_whose_gradients_are_not_summed_over_the_ranks_fails_the_dp_check() -> None:
+    """The dp check built the actor only: a critic stepping on its own rank's gradient (loss and metrics
+    still summed, so they look global) passed every check. Its gradients under dp=2 now differ from one
+    process's; the actor's (correct) pass."""
+    with pytest.raises(ConformanceError) as info:
+        check_backend("broken-critic-dp-unreduced", checks=["invariance::data_parallel_invariance"])
+    message = str(info.value)
+    assert "critic grad norm with dp=2 on the value-head folder vs one process" in message, message
+    assert "actor " not in message, message

@@ -1,5 +1,5 @@
 """The model-folder rule every backend applies at build: pad, EOS and BOS ids are rows of the vocabulary, in
-config.json, generation_config.json and the tokenizer's files."""
+config.json, generation_config.json and the tokenizer's files; sliding_attention layers have a window."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ from verl_conformance.testkit import (
     tiny_model,
 )
 from verl_core import ConfigError, HFTokenizer
-from verl_core.enginekit.model_folder import check_special_token_ids, check_tokenizer_ids
+from verl_core.enginekit.model_folder import (
+    check_layer_types,
+    check_special_token_ids,
+    check_tokenizer_ids,
+)
 
 _OK: dict[str, Any] = {"vocab_size": 128, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 
@@ -243,3 +247,23 @@ def test_tokenizer_ids_past_the_embedding_are_refused_by_name(tok: Any, fragment
         assert fragment in message, message
     if "not a token id" not in message:
         assert "give it a" in message and "resize the model's embedding to the tokenizer" in message
+
+
+@pytest.mark.parametrize(("config", "refused"), [
+    ({"use_sliding_window": False, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, True),
+    ({"use_sliding_window": True, "sliding_window": None, "layer_types": ["sliding_attention"]}, True),
+    ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention"]}, False),
+    ({"use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention", "full_attention"]}, False),
+    ({"use_sliding_window": False}, False),  # no layer_types: transformers derives full attention
+    ({"layer_types": ["sliding_attention"]}, False),  # no use_sliding_window key (Llama reads no window)
+])
+def test_sliding_layers_without_a_window_are_refused_naming_layer_types(
+    tmp_path: Path, config: dict[str, object], refused: bool
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **config}))
+    if not refused:
+        check_layer_types(tmp_path)
+        return
+    with pytest.raises(ConfigError, match=r"layer_types marks layers \[0\] 'sliding_attention'.*no window"):
+        check_layer_types(tmp_path)
+    check_layer_types(tmp_path, {"model_type": "qwen2"})  # the config given wins over the file

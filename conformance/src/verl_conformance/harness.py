@@ -37,6 +37,7 @@ from verl_conformance.testkit import (
     tolerance,
     two_label_reward_model,
     value_bias_model,
+    windowless_sliding_model,
     without_folders,
 )
 from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
@@ -126,6 +127,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "qwen3-constants": lambda: config_constants_model(TinyModelSpec(arch="qwen3")),
     "llama-gelu": other_activation_model,
     "qwen2-sliding": sliding_window_model,
+    "qwen2-sliding-windowless": windowless_sliding_model,
     "llama-bf16-norm": bfloat16_norm_model,
     "reward-nan": nan_reward_model,
     "reward-headless": headless_reward_model,

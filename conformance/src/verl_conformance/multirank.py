@@ -3,11 +3,13 @@
 Usage: ``python -m torch.distributed.run --nproc_per_node N multirank.py BACKEND MODEL_PATH SPEC_JSON
 [MODEL_PATH ...]`` where SPEC_JSON holds ``parallel`` (tp, pp, dp; their product is N) and other
 EngineSpec fields. For each model folder in turn (MODEL_PATH, then the ones after SPEC_JSON: one
-launch serves several folders), each rank builds the backend's actor through the registry, takes
+launch serves several folders), each rank builds the backend's actor (or, with ``"role": "critic"``,
+its critic: values and the value loss) through the registry, takes
 its :func:`~verl_core.dp_shard` of the suite's batch (the whole batch when dp = 1), runs forward,
 one forward_backward with the global batch counts and one optimizer step, exports the weights, runs
-one more update on the batch with every response emptied (no loss token), exports the weights again
-and closes the engine; it writes the list of those results, one per folder in order. With
+one more update on the batch with every response emptied (no loss token), exports the weights again,
+runs an update on the batch's first row alone (under dp=2 one rank's share has 0 rows) and closes the
+engine; it writes the list of those results, one per folder in order. With
 ``"role": "rollout"`` in SPEC_JSON each rank builds the rollout engine on MODEL_PATH instead and
 writes what it generates for :func:`rollout_cases`. With ``"checkpoint": FOLDER`` each rank runs
 :func:`checkpoint_round_trip` on MODEL_PATH instead.
@@ -36,7 +38,7 @@ def dp_batch(seed: int = 70) -> Any:
 
     b = random_batch(batch_size=6, max_prompt=8, max_response=8, seed=seed, empty_responses=1, with_rl_fields=True)
     return b.select("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "truncated",
-                    "old_log_probs", "advantages")
+                    "old_log_probs", "advantages", "returns")
 
 
 def rollout_cases() -> dict[str, Any]:
@@ -71,7 +73,8 @@ def main(argv: list[str]) -> None:
     if folder is not None:
         write_rank_result(checkpoint_round_trip(backend, model_path, parallel, rank, extra, folder))
         return
-    if extra.pop("role", "actor") == "rollout":
+    role = extra.pop("role", "actor")
+    if role == "rollout":
         from verl_core import get_rollout_engine
 
         rollout = get_rollout_engine(backend, EngineSpec(model_path=model_path, role="rollout", max_prompt_len=12,
@@ -79,34 +82,41 @@ def main(argv: list[str]) -> None:
         write_rank_result(rollout_generations(rollout))
         rollout.close()
         return
-    write_rank_result([_actor_update(backend, path, parallel, rank, extra) for path in [model_path, *argv[3:]]])
+    write_rank_result([_update(backend, path, parallel, rank, extra, role) for path in [model_path, *argv[3:]]])
 
 
-def _actor_update(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """One rank's forward, update and exported weights of the actor on ``model_path`` (closed after)."""
+def _update(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any],
+            role: str) -> dict[str, Any]:
+    """One rank's forward, update and exported weights of the ``role`` engine (``actor``: log-probs under the
+    policy loss; ``critic``: values under the value loss) on ``model_path`` (closed after)."""
     from verl_conformance.harness import SUITE_OPTIM, collect_stream
-    from verl_conformance.losses import TOKEN_MEAN_PG
+    from verl_conformance.losses import role_loss, role_output
     from verl_conformance.testkit import emptied
     from verl_core import EngineSpec, GlobalBatchStats, dp_shard, get_training_engine
 
-    spec = EngineSpec(model_path=model_path, role="actor", optim=SUITE_OPTIM, max_prompt_len=12,
+    spec = EngineSpec(model_path=model_path, role=role, optim=SUITE_OPTIM, max_prompt_len=12,  # type: ignore[arg-type]
                       max_response_len=12, parallel=parallel, **extra)
     engine = get_training_engine(backend, spec)
+    loss, output = role_loss(role), role_output(role)
     batch = dp_batch()
     # With only dp > 1 the data-parallel rank is the global rank; otherwise every rank takes it all.
     shard = dp_shard(batch, rank, parallel.dp) if parallel.dp > 1 else batch
-    log_probs = engine.forward(shard)["log_probs"]
-    metrics = engine.forward_backward(shard, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))
+    outputs = engine.forward(shard, [output])[output]
+    metrics = engine.forward_backward(shard, loss, GlobalBatchStats.of(batch))
     step = engine.optimizer_step()
     weights = collect_stream(engine.export_weights())[1]
     empty = emptied(batch)  # then a step with no loss token, which must change no weight
-    engine.forward_backward(dp_shard(empty, rank, parallel.dp) if parallel.dp > 1 else empty, TOKEN_MEAN_PG,
+    engine.forward_backward(dp_shard(empty, rank, parallel.dp) if parallel.dp > 1 else empty, loss,
                             GlobalBatchStats.of(empty))
     engine.optimizer_step()
     after_empty = collect_stream(engine.export_weights())[1]
+    one = batch.index(slice(0, 1))  # then a global batch of one row: under dp=2 the second rank's share has 0 rows
+    one_metrics = engine.forward_backward(dp_shard(one, rank, parallel.dp) if parallel.dp > 1 else one, loss,
+                                          GlobalBatchStats.of(one))
+    one_step = engine.optimizer_step()
     engine.close()
-    return {"log_probs": log_probs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights,
-            "after_empty": after_empty}
+    return {"outputs": outputs, "loss": metrics["loss"], "grad_norm": step.grad_norm, "weights": weights,
+            "after_empty": after_empty, "one_row": (one_metrics["loss"], one_step.grad_norm)}
 
 
 def checkpoint_round_trip(backend: str, model_path: str, parallel: ParallelSizes, rank: int, extra: dict[str, Any],

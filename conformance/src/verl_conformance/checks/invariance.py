@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -11,8 +11,15 @@ from torch import Tensor
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import PERTURBED_FAMILIES, _folder, one_update
 from verl_conformance.harness import Harness, exported_weights, recover_grads, weights_moved
-from verl_conformance.losses import TOKEN_MEAN_PG, role_loss, role_output
-from verl_core import ModelOutput, Role, SamplingParams, TensorBatch, TrainingEngine
+from verl_conformance.losses import role_loss, role_output
+from verl_core import (
+    GlobalBatchStats,
+    ModelOutput,
+    Role,
+    SamplingParams,
+    TensorBatch,
+    TrainingEngine,
+)
 
 
 def pad_more(batch: TensorBatch, prompt_cols: int, response_cols: int) -> TensorBatch:
@@ -170,61 +177,118 @@ def _layout_invariance(h: Harness, layout: dict[str, int], capability: str,
         h.skip(f"backend declares {capability}=False")
     if not h.subject.registered:
         h.skip("multi-rank checks build engines through the registry; install the backend as a plugin")
-    import json
-
     from verl_conformance import multirank
-    from verl_conformance.testkit import LaunchError, launch_torchrun
 
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     if h.device.startswith("cuda") and torch.cuda.device_count() < world:
         h.skip(f"{world} ranks on {h.device} need {world} GPUs; {torch.cuda.device_count()} visible")
     batch = multirank.dp_batch()
-    baselines: dict[str, tuple[torch.Tensor, dict[str, Tensor], dict[str, float], float, dict[str, object]]] = {}
+    baselines: dict[str, _Baseline] = {}
     refused: list[str] = []
     for model in folders:
         single = _single_process_actor(h, model, refused)
         if single is None:
             continue
-        before = exported_weights(single)
-        base_lp = single.forward(batch)["log_probs"]
-        metrics, norm, grads = one_update(h, single, batch, TOKEN_MEAN_PG)
-        baselines[model] = (base_lp, before, metrics, norm, grads)
+        baselines[model] = _baseline(h, single, batch, "actor")
         h.close_fresh()  # one folder's engine at a time
     label = ", ".join(f"{k}={v}" for k, v in layout.items())
     paths = [h.model_path(m) for m in baselines]
-    try:
-        launched = launch_torchrun(multirank.__file__, world, [
-            h.subject.name, paths[0],
-            json.dumps({"parallel": layout, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device}), *paths[1:]
-        ], timeout=400)
-    except LaunchError as e:
-        h.fail(f"the backend failed under torchrun with {label} (folders {', '.join(baselines)}): {str(e)[-2500:]}")
-    for i, (model, (base_lp, before, metrics, norm, grads)) in enumerate(baselines.items()):
-        where = f"with {label} on {_folder(model)}"
-        ranks = [r[i] for r in launched]
-        lp = torch.cat([r["log_probs"] for r in ranks], 0) if layout.get("dp", 1) > 1 else ranks[0]["log_probs"]
-        h.close_to(lp, base_lp, "log_probs", f"log_probs {where} (rank 0, dp shards concatenated) vs one process",
-                   mask=batch["response_mask"])
-        for rank, r in enumerate(ranks):
-            h.scalar_close(r["loss"], metrics["loss"], "loss",
-                           f"rank {rank}: loss {where} vs one process (metrics are global: summed over ranks)")
-            h.scalar_close(r["grad_norm"], norm, "loss", f"rank {rank}: grad norm {where} vs one process")
-        exported = next((r["weights"] for r in ranks if set(r["weights"]) >= set(grads)), None)
-        if exported is None:
-            h.fail(f"{where} no rank exported the full weights (names per rank: "
-                   f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
-        for rank, r in enumerate(ranks):
-            moved = weights_moved(r["weights"], r["after_empty"])
-            h.expect(not moved, f"rank {rank} {where}: the step after an all-empty mini-batch (no loss token) "
-                     f"changed {len(moved)} tensors (first: {', '.join(moved[:3])}); it must drop the gradients "
-                     "and change no weight, as in one process (TrainingEngine.optimizer_step)")
-        parallel_grads = recover_grads(before, exported)
-        for name, g in grads.items():
-            h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
-                       f"gradient of {name} {where} vs one process (framework averaging must be undone)")
+    launched = _launch(h, world, paths, {"parallel": layout}, f"with {label} (folders {', '.join(baselines)})")
+    for i, (model, baseline) in enumerate(baselines.items()):
+        _compare_ranks(h, [r[i] for r in launched], batch, baseline, layout, "actor", f"with {label} on {_folder(model)}")
     if len(folders) > 1:
         h.note(f"compared on {', '.join(baselines)}"
                + (f"; refused (ConfigError naming the model_type): {', '.join(refused)}" if refused else ""))
+    if layout == {"dp": 2}:
+        h.note(_critic_data_parallel(h))
+
+
+_Baseline = tuple[Tensor, dict[str, Tensor], dict[str, float], float, dict[str, object], tuple[float, float]]
+"""One process's outputs (log-probs or values), weights before the update, metrics, grad norm and gradients,
+then the loss and grad norm of the next update, on the batch's first row alone."""
+
+
+def _baseline(h: Harness, engine: TrainingEngine, batch: TensorBatch, role: Role) -> _Baseline:
+    """What one process computes on ``batch``: the role's outputs, one update of the role's loss, then an
+    update on the first row alone (what the ranks run after their all-empty step, which changes nothing)."""
+    before = exported_weights(engine)
+    output = role_output(role)
+    base = engine.forward(batch, [output])[output]
+    loss = role_loss(role)
+    metrics, norm, grads = one_update(h, engine, batch, loss)
+    one = batch.index(slice(0, 1))
+    one_loss = engine.forward_backward(one, loss, GlobalBatchStats.of(one))["loss"]
+    return base, before, metrics, norm, grads, (one_loss, engine.optimizer_step().grad_norm)
+
+
+def _launch(h: Harness, world: int, paths: list[str], spec: dict[str, object], what: str) -> list[list[dict[str, Any]]]:
+    """Each rank's results of :mod:`verl_conformance.multirank` on ``paths`` (its spec: ``spec`` with the
+    suite's micro-batch size, dtype and device); fails naming ``what`` when the launch fails."""
+    import json
+
+    from verl_conformance import multirank
+    from verl_conformance.testkit import LaunchError, launch_torchrun
+
+    full = {**spec, "micro_batch_size": 2, "dtype": h.dtype, "device": h.device}
+    try:
+        ranks: list[list[dict[str, Any]]] = launch_torchrun(
+            multirank.__file__, world, [h.subject.name, paths[0], json.dumps(full), *paths[1:]], timeout=400)
+    except LaunchError as e:
+        h.fail(f"the backend failed under torchrun {what}: {str(e)[-2500:]}")
+    return ranks
+
+
+def _compare_ranks(h: Harness, ranks: list[dict[str, Any]], batch: TensorBatch, baseline: _Baseline,
+                   layout: dict[str, int], role: Role, where: str) -> None:
+    """Each rank's outputs, loss, grad norm, gradients and all-empty step against one process's."""
+    base, before, metrics, norm, grads, (one_loss, one_norm) = baseline
+    output = role_output(role)
+    out = torch.cat([r["outputs"] for r in ranks], 0) if layout.get("dp", 1) > 1 else ranks[0]["outputs"]
+    h.close_to(out, base, output, f"{role} {output} {where} (rank 0, dp shards concatenated) vs one process",
+               mask=batch["response_mask"])
+    for rank, r in enumerate(ranks):
+        h.scalar_close(r["loss"], metrics["loss"], "loss",
+                       f"rank {rank}: {role} loss {where} vs one process (metrics are global: summed over ranks)")
+        h.scalar_close(r["grad_norm"], norm, "loss", f"rank {rank}: {role} grad norm {where} vs one process")
+    exported = next((r["weights"] for r in ranks if set(r["weights"]) >= set(grads)), None)
+    if exported is None:
+        h.fail(f"{where} no rank exported the {role}'s full weights (names per rank: "
+               f"{[len(r['weights']) for r in ranks]}, expected {len(grads)})")
+    for rank, r in enumerate(ranks):
+        moved = weights_moved(r["weights"], r["after_empty"])
+        h.expect(not moved, f"rank {rank} {where}: the {role}'s step after an all-empty mini-batch (no loss token) "
+                 f"changed {len(moved)} tensors (first: {', '.join(moved[:3])}); it must drop the gradients "
+                 "and change no weight, as in one process (TrainingEngine.optimizer_step)")
+    zero = " (the second rank's share has 0 rows: it joins the collectives with none)" if layout.get("dp", 1) > 1 else ""
+    for rank, r in enumerate(ranks):
+        got_loss, got_norm = r["one_row"]
+        h.scalar_close(got_loss, one_loss, "loss", f"rank {rank}: {role} loss of a one-row update{zero} {where} "
+                       "vs one process")
+        h.scalar_close(got_norm, one_norm, "loss", f"rank {rank}: {role} grad norm of a one-row update{zero} "
+                       f"{where} vs one process")
+    parallel_grads = recover_grads(before, exported)
+    for name, g in grads.items():
+        h.close_to(parallel_grads[name], g, "grad",  # type: ignore[arg-type]
+                   f"{role} gradient of {name} {where} vs one process (framework averaging must be undone)")
+
+
+def _critic_data_parallel(h: Harness) -> str:
+    """The critic's values, value loss, grad norm, gradients and all-empty step under dp=2 against one
+    process, on the value-head folder; returns what the pass notes."""
+    if not h.provides(h.subject, "critic"):
+        return "no critic provided"
+    single = h.training("critic", fresh=True, micro_batch_size=2)
+    if not single.capabilities.data_parallel:
+        return "the critic declares data_parallel=False"
+    from verl_conformance import multirank
+
+    batch = multirank.dp_batch()
+    baseline = _baseline(h, single, batch, "critic")
+    h.close_fresh()
+    ranks = _launch(h, 2, [h.model_path("value")], {"parallel": {"dp": 2}, "role": "critic"},
+                    "with dp=2 (the critic on the value-head folder)")
+    _compare_ranks(h, [r[0] for r in ranks], batch, baseline, {"dp": 2}, "critic", "with dp=2 on the value-head folder")
+    return "the critic compared too"
 
 
 def _single_process_actor(h: Harness, model: str, refused: list[str]) -> TrainingEngine | None:
@@ -243,7 +307,7 @@ def _single_process_actor(h: Harness, model: str, refused: list[str]) -> Trainin
 
 @check("invariance", gates=("training.data_parallel",))
 def check_data_parallel_invariance(h: Harness) -> None:
-    """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients; a following step whose mini-batch has no loss token changes no weight on any rank."""
+    """dp=2 under torchrun gives the single-process log-probs, loss, grad norm and gradients; a following step whose mini-batch has no loss token changes no weight on any rank, and an update on one row (the second rank's share has 0 rows) gives the single-process loss and grad norm. The same for the critic's values and value loss on the value-head folder where the backend provides a critic declaring data_parallel."""
     _layout_invariance(h, {"dp": 2}, "data_parallel")
 
 

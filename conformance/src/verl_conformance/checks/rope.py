@@ -236,8 +236,22 @@ def check_hidden_act_honoured_or_refused(h: Harness) -> None:
 
 @check("numerics")
 def check_sliding_window_honoured_or_refused(h: Harness) -> None:
-    """On the tiny Qwen2 with sliding-window attention on every layer (use_sliding_window, sliding_window 8, layer_types all sliding_attention; same weights), forward log-probs of left-padded sequences of 26 to 42 tokens and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming sliding_window or sliding(-)window attention (listed in the pass): never full attention over a folder that declares a window. The actor and the rollout engine, where provided, each decide."""
+    """On the tiny Qwen2 with sliding-window attention on every layer (use_sliding_window, sliding_window 8, layer_types all sliding_attention; same weights), forward log-probs of left-padded sequences of 26 to 42 tokens and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming sliding_window or sliding(-)window attention (listed in the pass): never full attention over a folder that declares a window. The actor and the rollout engine, where provided, each decide; each refuses with a ConfigError naming layer_types (or sliding-window attention, where it has none) the folder whose layer_types marks sliding_attention layers while use_sliding_window is false."""
     _honoured_or_refused(h, "qwen2-sliding", ("sliding_window", "sliding window", "sliding-window"),
                          f"the folder's config sets use_sliding_window with sliding_window {SLIDING_WINDOW} on every "
                          "layer (layer_types sliding_attention): attend to the last sliding_window positions only, "
                          "or refuse the folder with a ConfigError naming sliding_window", seed=101)
+    advice = ("its layer_types marks every layer sliding_attention while use_sliding_window is false: transformers "
+              "sets sliding_window to None and its forward fails, so no computation is the folder's; refuse it "
+              "with a ConfigError naming layer_types (verl_core.enginekit.model_folder.check_layer_types)")
+    for role in [role for role in ("actor", "rollout") if h.provides(h.subject, role)]:
+        try:
+            (h.training(model="qwen2-sliding-windowless", fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
+             else h.rollout("qwen2-sliding-windowless", fresh=True, max_prompt_len=_MAX_PROMPT))
+        except ConfigError as e:
+            said = without_folders(str(e)).lower()  # an engine without sliding windows may say so instead
+            h.expect(any(word in said for word in ("layer_types", "sliding_window", "sliding window", "sliding-window")),
+                     f"the {role} engine refused qwen2-sliding-windowless with a ConfigError that names neither "
+                     f"layer_types nor sliding-window attention: {str(e)[:300]}; {advice}")
+            continue
+        h.fail(f"the {role} engine built on qwen2-sliding-windowless: {advice}")

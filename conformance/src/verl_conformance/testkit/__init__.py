@@ -51,6 +51,7 @@ from verl_conformance.testkit.crafted import (
     sliding_window_model,
     two_label_reward_model,
     value_bias_model,
+    windowless_sliding_model,
     without_folders,
 )
 from verl_conformance.testkit.launcher import LaunchError, launch_torchrun, write_rank_result
@@ -121,6 +122,7 @@ __all__ = [
     "sliding_window_model",
     "tiny_model",
     "two_label_reward_model",
+    "windowless_sliding_model",
     "tolerance",
     "value_bias_model",
     "without_folders",

@@ -98,6 +98,7 @@ __all__ = [
     "sliding_window_model",
     "two_label_reward_model",
     "value_bias_model",
+    "windowless_sliding_model",
     "without_folders",
 ]
 
@@ -373,6 +374,19 @@ def sliding_window_model() -> Path:
                       layer_types=["sliding_attention"] * int(config["num_hidden_layers"]))
 
     return _config_variant("sliding-window", TinyModelSpec(arch="qwen2"), {"sliding_window": SLIDING_WINDOW}, edit)
+
+
+def windowless_sliding_model() -> Path:
+    """The test kit's tiny Qwen2 whose ``layer_types`` marks every layer ``sliding_attention`` while
+    ``use_sliding_window`` is false (``sliding_window`` :data:`SLIDING_WINDOW` beside it): transformers
+    then sets ``sliding_window`` to None and its forward fails, so whether those layers see a window or
+    every key is unknowable. An engine refuses the folder with a ConfigError naming ``layer_types``."""
+    def edit(config: dict[str, Any]) -> None:
+        config.update(use_sliding_window=False, sliding_window=SLIDING_WINDOW, max_window_layers=0,
+                      layer_types=["sliding_attention"] * int(config["num_hidden_layers"]))
+
+    return _config_variant("sliding-windowless", TinyModelSpec(arch="qwen2"), {"sliding_window": SLIDING_WINDOW,
+                                                                                "use_sliding_window": False}, edit)
 
 
 BFLOAT16_NORM_ROPE_THETA: Final = 1e8

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from verl_core.enginekit.decode_attention import grouped_decode_attention
-from verl_core.enginekit.model_folder import check_special_token_ids
+from verl_core.enginekit.model_folder import check_layer_types, check_special_token_ids
 from verl_core.enginekit.packed_attention import packed_causal_attention
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.weight_stream import fusion_group
@@ -463,6 +463,7 @@ def load_model(
 
     path = str(path)
     check_special_token_ids(path)
+    check_layer_types(path)  # sliding_attention layers without a window
     config = _folder_config(path) if sequence_len is not None or kind == "reward" else None
     table = getattr(config, "n_positions", None)  # a learned position table (GPT-2); rotary models have none
     if isinstance(table, int) and sequence_len is not None and sequence_len > table:

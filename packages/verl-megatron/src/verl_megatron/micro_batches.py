@@ -254,16 +254,20 @@ class MicroBatchLoop:
         opt = self._opt
         assert opt is not None
         needed = frozenset(loss_fn.needs)
-        preps, _ = self._micro_batches(mini_batch, max_tokens)
+        # a rank's 0-row share (the global mini-batch has fewer samples than ranks) runs padding only
+        preps = self._micro_batches(mini_batch, max_tokens)[0] if mini_batch.batch_size else []
         n_mb = torch.tensor([len(preps)], dtype=torch.int64, device=s.device)
         if s.dp > 1:
             dist.all_reduce(n_mb, op=dist.ReduceOp.MAX, group=s.ps.get_data_parallel_group())
         if int(n_mb) > len(preps):
             # Every data-parallel rank runs the same number of micro-batches: pad with empty ones.
-            empty = preps[-1].batch.pad_to_multiple(preps[-1].batch.batch_size + 1)[0]
-            empty = empty.index(slice(preps[-1].batch.batch_size, None))
-            if s.pp > 1:
-                empty = empty.pad_to_multiple(preps[-1].batch.batch_size)[0]
+            if preps:
+                empty = preps[-1].batch.pad_to_multiple(preps[-1].batch.batch_size + 1)[0]
+                empty = empty.index(slice(preps[-1].batch.batch_size, None))
+                if s.pp > 1:
+                    empty = empty.pad_to_multiple(preps[-1].batch.batch_size)[0]
+            else:
+                empty = _padding_sample(mini_batch)
             preps += [self._prepare(empty, 0)] * (int(n_mb) - len(preps))
         temperature = mini_batch.meta.temperature
 
@@ -330,3 +334,19 @@ class MicroBatchLoop:
             for p in params.values():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+
+
+def _padding_sample(batch: TensorBatch) -> TensorBatch:
+    """One sample shaped like ``batch``'s columns that contributes nothing: a prompt of pad ids whose last
+    token is real, an empty response, every other field 0 (a 0-row share's stand-in, so its rank joins
+    the collectives of the others' micro-batches)."""
+    pad = batch.meta.pad_token_id
+    fields: dict[str, Tensor] = {}
+    for name, t in batch.items():
+        one = torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        if name in ("prompt_ids", "response_ids"):
+            one.fill_(pad)
+        elif name == "prompt_mask":
+            one[:, -1] = True
+        fields[name] = one
+    return TensorBatch(fields, meta=batch.meta)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verl_core.enginekit.model_folder import check_special_token_ids
+from verl_core.enginekit.model_folder import check_layer_types, check_special_token_ids
 from verl_core.kernel.errors import ConfigError
 from verl_megatron.convert import HeadKind, ModelDims, StateDictAdapter
 
@@ -338,6 +338,7 @@ def model_dims(path: str | os.PathLike[str], head: HeadKind) -> ModelDims:
     from transformers import AutoConfig
 
     check_special_token_ids(path)
+    check_layer_types(path)  # sliding_attention layers without a window
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:

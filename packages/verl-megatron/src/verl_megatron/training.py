@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from verl_core import (
-    BatchValidationError,
     ConfigError,
     EngineSpec,
     GlobalBatchStats,
@@ -222,11 +221,11 @@ class MegatronTrainingEngine(TrainingEngineBase):
         """The gradients of ``loss_fn`` over this rank's share of one optimizer step.
 
         Megatron's schedule (``num_microbatches``) runs the micro-batches the kernel partitioner
-        cuts under ``max_tokens`` (else the spec's budget or size).
+        cuts under ``max_tokens`` (else the spec's budget or size). A 0-row share (more than one
+        process; the base refuses a one-process engine's) runs padding micro-batches only, joining the
+        other ranks' collectives, and adds nothing to the gradients or metrics.
         """
         self._validate(mini_batch, where, frozenset(loss_fn.needs))
-        if mini_batch.batch_size == 0:
-            raise BatchValidationError("forward_backward got an empty mini-batch; every data-parallel rank needs >= 1 sample")
         onload_s = self._switch.ensure_onloaded()
         metrics = self._loop.forward_backward(mini_batch, loss_fn, stats, max_tokens)
         if onload_s is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from verl_core import ConfigError, TensorInfo
-from verl_core.enginekit.model_folder import check_special_token_ids
+from verl_core.enginekit.model_folder import check_layer_types, check_special_token_ids
 
 __all__ = ["ModelFiles", "read_model_files"]
 
@@ -68,7 +68,9 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
             or ``generation_config.json``, or a tokenizer pad, EOS or BOS token whose id lies
             there (:func:`verl_core.enginekit.model_folder.check_special_token_ids`, the rule
             every backend applies; vLLM itself would build the model and stop on ids it cannot
-            sample); a Llama, Qwen2, Qwen3 or Mistral config whose ``hidden_act`` is not ``silu``.
+            sample); a Llama, Qwen2, Qwen3 or Mistral config whose ``hidden_act`` is not ``silu``; a
+            ``layer_types`` marking ``sliding_attention`` layers while ``use_sliding_window`` is false
+            (:func:`verl_core.enginekit.model_folder.check_layer_types`).
     """
     from safetensors import safe_open
 
@@ -78,6 +80,7 @@ def read_model_files(path: str | os.PathLike[str], dtype: torch.dtype) -> ModelF
         raise ConfigError(f"model folder {str(folder)!r} has no config.json; expected a transformers folder")
     config = json.loads(config_path.read_text())
     check_special_token_ids(folder, config)
+    check_layer_types(folder, config.get("text_config", config))  # sliding_attention layers without a window
     text_config = config.get("text_config", config)
     model_type, act = text_config.get("model_type"), text_config.get("hidden_act", "silu")
     if model_type in _SILU_ONLY and act != "silu":

@@ -1,4 +1,5 @@
-"""Rules every engine applies to a transformers model folder's special token ids when it is built.
+"""Rules every engine applies to a transformers model folder when it is built: its special token ids
+and its attention layer types.
 
 :func:`check_special_token_ids` refuses a folder whose pad, EOS or BOS id is not a row of the
 vocabulary, wherever the folder sets it: ``config.json``, ``generation_config.json`` and the
@@ -11,6 +12,9 @@ on an EOS the model cannot emit (the tokenizer's, or the generation config's) ru
 backend calls it where it reads the folder's config, before any weights load, so the user learns it
 as a :class:`~verl_core.kernel.errors.ConfigError` naming the file, the key, its value, the
 vocabulary size and the folder.
+
+:func:`check_layer_types` refuses a Qwen2 or Qwen3 config whose ``layer_types`` marks layers
+``sliding_attention`` while ``use_sliding_window`` is false (no window: transformers' forward fails).
 
 :func:`check_tokenizer_ids` applies the same rule to a tokenizer object given with a model built in
 memory (``rollout_from_model`` of each backend), against the rows of the model's input embedding.
@@ -33,6 +37,7 @@ __all__ = [
     "SPECIAL_TOKEN_FILES",
     "SPECIAL_TOKEN_KEYS",
     "TOKENIZER_TOKEN_KEYS",
+    "check_layer_types",
     "check_special_token_ids",
     "check_tokenizer_ids",
     "vocab_size",
@@ -291,6 +296,44 @@ def check_special_token_ids(folder: str | os.PathLike[str], config: Mapping[str,
     _check_config_json(folder, raw)
     _check_generation_config(folder, vocab)
     _check_tokenizer(folder, vocab)
+
+
+def check_layer_types(folder: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
+    """Refuse a folder whose ``layer_types`` lists ``sliding_attention`` layers that have no window.
+
+    Qwen2 and Qwen3 configs carry ``use_sliding_window``; when it is false (or ``sliding_window`` is
+    ``null``) transformers sets ``sliding_window`` to None, and a ``layer_types`` that still marks a
+    layer ``sliding_attention`` makes its forward raise at the first call. Such a folder is
+    contradictory: no engine can tell whether the layers attend to a window or to every key, so it is
+    refused before any weights load, naming ``layer_types``. A config without ``use_sliding_window``
+    (Llama, whose modelling reads no window) passes, as does one whose ``layer_types`` is absent or
+    all ``full_attention``.
+
+    Args:
+        folder: The model folder (named in the error).
+        config: Its parsed ``config.json``; None reads it from ``folder`` (an unreadable one passes:
+            the loader says what is missing).
+
+    Raises:
+        ConfigError: naming ``layer_types``, the sliding layers, ``use_sliding_window``,
+            ``sliding_window`` and the folder.
+    """
+    raw = _read_json(Path(folder) / "config.json") if config is None else config
+    if raw is None or "use_sliding_window" not in raw:
+        return
+    types = raw.get("layer_types")
+    if not isinstance(types, list):
+        return
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+    if not sliding or (raw.get("use_sliding_window") and raw.get("sliding_window")):
+        return
+    raise ConfigError(
+        f"model folder {str(folder)!r}: config.json's layer_types marks layers {sliding} "
+        f"{types[sliding[0]]!r}, but use_sliding_window is {raw.get('use_sliding_window')} and sliding_window "
+        f"{raw.get('sliding_window')}, so those layers have no window (transformers sets sliding_window to None "
+        "and its forward fails); expected layer_types all 'full_attention', or use_sliding_window true with a "
+        "sliding_window"
+    )
 
 
 def check_tokenizer_ids(tokenizer: Any, vocab_size: int) -> None:

@@ -58,6 +58,7 @@ from verl_hf.training import HFTrainingEngine
 
 __all__ = [
     "OnlyRankZeroLoads",
+    "CriticGradsNotReduced",
     "OtherLayoutDropsOptimizer",
     "Bfloat16NormRollout",
     "Bfloat16NormTraining",
@@ -1358,6 +1359,20 @@ class OtherLayoutDropsOptimizer(HFTrainingEngine):
         if saved_world != world and self._optim is not None:
             self._optim.optimizer.state.clear()
         return step
+
+
+class CriticGradsNotReduced(HFTrainingEngine):
+    """Under data parallelism the critic's gradients are not summed over the ranks (the actor's are): each
+    rank steps on the gradient of its own share, and the ranks' critics drift apart. The loss and the
+    metrics are still summed, so they look global."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        critic = spec.role == "critic" and spec.parallel.dp > 1
+        if critic:  # the all-reduce mode, whose gradient sum is one call to leave out
+            spec = replace(spec, options={**spec.options, "data_parallel": "allreduce"})
+        super().__init__(spec)
+        if critic:
+            self._loop._reduce_grads = lambda params: None  # type: ignore[method-assign]
 
 
 class OnlyRankZeroLoads(HFTrainingEngine):

@@ -38,6 +38,7 @@ __all__ = [
     "critic_checkpoint_head",
     "critic_checkpoint_optimizer",
     "critic_grad_clip",
+    "critic_grads_not_reduced",
     "critic_head_bias",
     "critic_nonfinite",
     "critic_offload_tensor",
@@ -298,6 +299,9 @@ only_rank_zero_loads = BrokenHFBackend("broken-only-rank-zero-loads", "load_chec
 other_layout_drops_optimizer = BrokenHFBackend(
     "broken-other-layout-drops-optimizer", "a checkpoint loaded under another number of ranks than saved it "
     "restarts the optimizer's moments", "actor", f"{_ENGINES}:OtherLayoutDropsOptimizer")
+critic_grads_not_reduced = BrokenHFBackend(
+    "broken-critic-dp-unreduced", "under data parallelism the critic's gradients are not summed over the ranks",
+    "critic", f"{_ENGINES}:CriticGradsNotReduced")
 exports_masters = BrokenHFBackend("broken-export-masters", "a bfloat16 engine exports its float32 masters", "actor",
                                   f"{_ENGINES}:ExportsMasters")
 frozen_position_table = BrokenHFBackend("broken-gpt2-position-grad", "on a GPT-2 folder the position table gets no "
