@@ -150,6 +150,10 @@ def test_cli_table_and_json(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[invariance]" in r.stdout and "FAILED   seeded_sampling_reproducible" in r.stdout
     assert "SKIPPED  data_parallel_invariance" in r.stdout and "backend declares data_parallel=False" in r.stdout
+    # a line per check on stderr as it ends, before the tables (a long run is never silent)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("[")]
+    assert lines and lines[-1].startswith(f"[{len(lines)}/{len(lines)}] invariance::"), r.stderr[-3000:]
+    assert any(" invariance::seeded_sampling_reproducible failed (" in line for line in lines), lines
     import json
 
     data = json.loads(out_json.read_text())

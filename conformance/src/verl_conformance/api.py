@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from verl_conformance.errors import ConformanceError
@@ -18,6 +18,7 @@ from verl_conformance.harness import (
     Subject,
 )
 from verl_conformance.runner import (
+    CheckResult,
     ConformanceReport,
     load_known_gaps,
     reproduction,
@@ -39,19 +40,21 @@ def run_conformance(
     known_gaps: str | os.PathLike[str] | None = None,
     options: Mapping[str, Any] | None = None,
     check_timeout_s: float | None = DEFAULT_CHECK_TIMEOUT_S,
+    progress: Callable[[CheckResult, int, int], None] | None = None,
 ) -> ConformanceReport:
     """Run checks on a backend and return the report (never raises for failing checks).
 
     ``options``: backend options given to every engine of ``backend`` (as pytest's
     ``--verl-options``); a check's own options win. ``check_timeout_s``: seconds one check may run
     before it fails, naming where the run was (None: no limit; see :mod:`verl_conformance.timelimit`).
+    ``progress``: called after each check with its result, its position and the number of checks.
     """
     subject = backend if isinstance(backend, Subject) else Subject.from_registry(backend)
     other = None if against is None else against if isinstance(against, Subject) else Subject.from_registry(against)
     harness = Harness(subject, other, EngineCache(), options=dict(options or {}), time_limit_s=check_timeout_s)
     gaps = load_known_gaps(known_gaps) if known_gaps is not None else None
     try:
-        return run_checks(harness, select_checks(checks, areas), gaps)
+        return run_checks(harness, select_checks(checks, areas), gaps, progress)
     finally:
         harness.cache.close()
 

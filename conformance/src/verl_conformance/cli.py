@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from verl_conformance.runner import CheckResult
 
 __all__ = ["register"]
 
@@ -15,8 +18,8 @@ def register(subparsers: Any) -> Callable[[argparse.Namespace], int]:
     """Add the ``conformance`` subcommand to the ``verl`` command; return its handler."""
     p = subparsers.add_parser(
         "conformance", help="run the conformance suite on an installed backend",
-        description="Run the conformance suite on an installed backend: print a table per area "
-                    "(passed, failed, skipped with the reason) and write a JSON report.",
+        description="Run the conformance suite on an installed backend: print a line per check on stderr as it "
+                    "ends, then a table per area (passed, failed, skipped with the reason) and write a JSON report.",
     )
     p.add_argument("backend", metavar="NAME", help="installed backend (see `verl backends`)")
     p.add_argument("--against", metavar="OTHER", default=None,
@@ -41,7 +44,8 @@ def _handle(args: argparse.Namespace) -> int:
 
     try:
         report = run_conformance(args.backend, against=args.against, checks=args.checks, areas=args.areas,
-                                 known_gaps=args.xfails_file, check_timeout_s=limit_from_option(args.check_timeout))
+                                 known_gaps=args.xfails_file, check_timeout_s=limit_from_option(args.check_timeout),
+                                 progress=_progress)
     except (ValueError, OSError) as e:  # an unknown area or check pattern, an unreadable gaps file
         print(f"verl conformance: error: {e}", file=sys.stderr)
         return 2
@@ -53,3 +57,8 @@ def _handle(args: argparse.Namespace) -> int:
     out.write_text(report.to_json())
     print(f"\nJSON report: {out}")
     return 1 if report.failures else 0
+
+
+def _progress(result: CheckResult, done: int, total: int) -> None:
+    """One line on stderr per check as it ends (the tables come at the end, on stdout)."""
+    print(f"[{done}/{total}] {result.id} {result.status} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)

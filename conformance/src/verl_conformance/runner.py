@@ -8,7 +8,7 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -288,8 +288,13 @@ def raised_at(error: BaseException) -> str:
     return f" (raised at {f.filename}:{f.lineno} in {f.name})"
 
 
-def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None = None) -> ConformanceReport:
-    """Run ``checks`` on the harness and collect a report (known gaps turn failures into xfails)."""
+def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None = None,
+               progress: Callable[[CheckResult, int, int], None] | None = None) -> ConformanceReport:
+    """Run ``checks`` on the harness and collect a report (known gaps turn failures into xfails).
+
+    ``progress``, when given, is called after each check with its result, its position (1-based) and
+    the number of checks (``verl conformance`` prints a line per check with it).
+    """
     report = ConformanceReport(harness.subject.name, harness.subject.version,
                                harness.against.name if harness.against else None)
     if gaps is not None:
@@ -306,5 +311,7 @@ def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None
             elif status == "passed":
                 status, message = "xpassed", f"declared a known gap ({why}) but passed: remove it from {gaps.source}"  # type: ignore[union-attr]
         report.results.append(CheckResult(c.id, c.area, status, message, time.perf_counter() - t0))
+        if progress is not None:
+            progress(report.results[-1], len(report.results), len(checks))
     report.seconds = time.perf_counter() - t_all
     return report
