@@ -322,6 +322,36 @@ class WindowlessSlidingBuilt(HFTrainingEngine):
             modeling.check_layer_types = rule
 
 
+def _old_defaults_where_omitted(engine: TinyTrainingEngine | TinyRolloutEngine, path: str) -> None:
+    """Where config.json leaves ``rms_norm_eps`` or ``tie_word_embeddings`` out, use Llama 2's 1e-5 and a
+    tied lm_head (the defaults of older configs) instead of what transformers 5 fills in (1e-6, untied)."""
+    from verl_tiny_backend.model import RMSNorm
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    if "rms_norm_eps" not in raw:
+        for module in engine.model.modules():
+            if isinstance(module, RMSNorm):
+                module.eps = 1e-5
+    if "tie_word_embeddings" not in raw and not engine.model.cfg.value_head:
+        engine.model.cfg = replace(engine.model.cfg, tied=True)
+
+
+class OmittedKeysOldDefaultsTraining(TinyTrainingEngine):
+    """Fills the ``rms_norm_eps`` and ``tie_word_embeddings`` a config leaves out with older defaults (1e-5, tied)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _old_defaults_where_omitted(self, spec.model_path)
+
+
+class OmittedKeysOldDefaultsRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        _old_defaults_where_omitted(self, spec.model_path)
+
+
 class QwenThetaHardCodedTraining(TinyTrainingEngine):
     """Reads ``rope_theta`` from a Llama folder, and uses 10000 on Qwen2 and Qwen3 folders whatever they set."""
 

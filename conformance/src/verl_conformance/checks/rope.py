@@ -27,6 +27,7 @@ from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import (
     CONFIG_CONSTANTS,
     LONG_ROPE_TRAINED,
+    OMITTED_KEYS,
     OTHER_ACTIVATION,
     ROPE_SCALINGS,
     SLIDING_WINDOW,
@@ -223,6 +224,42 @@ def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice:
         h.close_fresh()
     if refused:
         h.note(f"refused by the {' and the '.join(refused)} (ConfigError naming {names[0]})")
+
+
+@check("numerics")
+def check_omitted_config_keys_take_family_defaults(h: Harness) -> None:
+    """On a Llama and a Qwen3 folder whose config.json leaves out the keys transformers fills from the family's defaults (head_dim, num_key_value_heads, rms_norm_eps, the RoPE entry, tie_word_embeddings, attention_bias, hidden_act, and Qwen3's sliding-window keys; the Qwen3's heads are 128 wide, its head_dim default, not hidden_size / heads = 32; the embedding scaled so that an rms_norm_eps other than 1e-6 moves the outputs by nats), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming an omitted key (a rollout engine may instead name qwen3, as in config_constants_match_reference; listed in the pass). The actor and the rollout engine, where provided, each decide."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    refused: list[str] = []
+    for model, arch in _OMITTED_FOLDERS:
+        keys = OMITTED_KEYS[arch]
+        advice = (f"the folder's config.json leaves out {', '.join(keys)}: read it as transformers 5 does (the "
+                  f"{arch} config class's defaults: see 'Keys a config may omit' in the backend guide), or refuse "
+                  "the folder with a ConfigError naming the key")
+        for role in roles:
+            try:
+                engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
+                               else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+            except ConfigError as e:
+                said = without_folders(str(e)).lower()
+                names = keys + ((arch,) if role == "rollout" and arch != "llama" else ())
+                h.expect(any(word in said for word in names), f"the {role} engine refused {model} with a "
+                         f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}")
+                refused.append(f"the {role} engine refused {model}")
+                continue
+            if role == "actor":
+                _forward(h, engine, model, advice, seed=103)
+            else:
+                _generate(h, engine, model, advice, seed=104)
+            h.close_fresh()
+    if refused:
+        h.note("; ".join(refused))
+
+
+_OMITTED_FOLDERS = (("llama-omitted-keys", "llama"), ("qwen3-omitted-keys", "qwen3"))
+"""The folders of :func:`check_omitted_config_keys_take_family_defaults` and their families."""
 
 
 @check("numerics")

@@ -16,6 +16,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   transformers 4 format, YaRN, Llama 3, LongRoPE): positions past :data:`LONG_ROPE_TRAINED` move
   every output by nats when the scaling is ignored.
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
+* :func:`omitted_keys_model`: a Llama and a Qwen3 whose ``config.json`` leaves out the keys transformers
+  fills from the family's defaults (Qwen3's ``head_dim`` is 128, not ``hidden_size / heads``).
 * :func:`bfloat16_norm_model`: a Llama whose normalised rows sit just beside bfloat16 rounding
   points: an RMSNorm computed in bfloat16 (no float32 upcast) moves its log-probs by nats.
 * :func:`value_bias_model`: the value-head folder with a nonzero ``score.bias`` (a random folder's is 0).
@@ -71,6 +73,8 @@ __all__ = [
     "GENERATION_DEFAULTS",
     "LONG_ROPE_TRAINED",
     "NEVER_EOS",
+    "OMITTED_KEYS",
+    "OMITTED_KEYS_EMBED_SCALE",
     "OTHER_ACTIVATION",
     "OUT_OF_VOCAB_FILES",
     "OUT_OF_VOCAB_IDS",
@@ -89,6 +93,7 @@ __all__ = [
     "headless_reward_model",
     "long_rope_model",
     "nan_reward_model",
+    "omitted_keys_model",
     "other_activation_model",
     "out_of_vocab_file_model",
     "out_of_vocab_model",
@@ -348,6 +353,50 @@ def config_constants_model(spec: TinyModelSpec | None = None) -> Path:
     return _config_variant("config-constants", spec, {"config": CONFIG_CONSTANTS}, edit)
 
 
+OMITTED_KEYS: Final[dict[str, tuple[str, ...]]] = {
+    "llama": ("head_dim", "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_parameters",
+              "rope_scaling", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act"),
+    "qwen3": ("head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+              "tie_word_embeddings", "attention_bias", "hidden_act", "use_sliding_window", "sliding_window",
+              "max_window_layers", "layer_types"),
+}
+"""The ``config.json`` keys :func:`omitted_keys_model` leaves out, by family (transformers 5 fills each
+from its config class: see the table "Keys a config may omit" of the backend guide)."""
+
+OMITTED_KEYS_EMBED_SCALE: Final = 0.01
+"""How :func:`omitted_keys_model` scales the embedding: its rows' mean square falls to about 1e-6, the
+``rms_norm_eps`` default, so the first norm's output depends on the eps by tens of percent."""
+
+
+def omitted_keys_model(arch: Literal["llama", "qwen3"]) -> Path:
+    """A tiny Llama or Qwen3 whose ``config.json`` leaves out every key of :data:`OMITTED_KEYS` that
+    transformers 5 fills from the family's defaults (the test kit's other folders set them all).
+
+    The weights are those the defaults describe: the Llama's 4 key/value heads (``num_key_value_heads``
+    defaults to ``num_attention_heads``) and untied ``lm_head``; the Qwen3's heads 128 wide (its
+    ``head_dim`` default, not ``hidden_size / num_attention_heads`` = 32) and untied ``lm_head``. The
+    embedding is scaled by :data:`OMITTED_KEYS_EMBED_SCALE` so that an ``rms_norm_eps`` other than 1e-6
+    moves the outputs, and every tensor is moved as in :func:`perturbed_model` (no norm weight at one).
+    A backend that guesses another family's default (``head_dim`` 32 for Qwen3, tied embeddings,
+    ``rms_norm_eps`` 1e-5) computes another model or fails to load the weights.
+    """
+    spec = (TinyModelSpec(num_kv_heads=4) if arch == "llama"
+            else TinyModelSpec(arch="qwen3", head_dim=128))
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _perturbed_weights(base, 3)
+        w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"] * OMITTED_KEYS_EMBED_SCALE
+        _copy_with_weights(base, out, w)
+        config = json.loads((base / "config.json").read_text())
+        for key in OMITTED_KEYS[arch]:
+            config.pop(key, None)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    return _crafted(f"omitted-keys-{arch}", {"base": asdict(spec), "omitted": OMITTED_KEYS[arch],
+                                             "embed_scale": OMITTED_KEYS_EMBED_SCALE, "seed": 3}, build)
+
+
 OTHER_ACTIVATION: Final = "gelu_pytorch_tanh"
 """The ``hidden_act`` of :func:`other_activation_model` (the MLP activation of Gemma-style configs)."""
 
@@ -546,15 +595,20 @@ def rope_scaled_model(kind: str) -> Path:
                                      "max_positions": ROPE_SCALED_MAX_POSITIONS}, build)
 
 
-def _perturb(base: Path, out: Path, seed: int) -> None:
-    """``base``'s folder written to ``out`` with every tensor moved by its own seeded delta (see :func:`perturbed_model`)."""
+def _perturbed_weights(base: Path, seed: int) -> dict[str, torch.Tensor]:
+    """``base``'s tensors, each moved by its own seeded delta (see :func:`perturbed_model`)."""
     w = _weights(base)
     for name, t in w.items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         spread = float(t.float().std()) if t.numel() > 1 else 0.0
         scale = spread if spread > 1e-6 else 0.3
         w[name] = t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
-    _copy_with_weights(base, out, w)
+    return w
+
+
+def _perturb(base: Path, out: Path, seed: int) -> None:
+    """``base``'s folder written to ``out`` with every tensor moved by its own seeded delta (see :func:`perturbed_model`)."""
+    _copy_with_weights(base, out, _perturbed_weights(base, seed))
 
 
 def perturbed_model(spec: TinyModelSpec, seed: int) -> Path:
