@@ -162,6 +162,34 @@ def test_cli_table_and_json(tmp_path: Path) -> None:
     assert status["invariance::micro_batch_invariance"] == "passed"
 
 
+def test_cli_dtype_device_and_options(tmp_path: Path) -> None:
+    """``verl conformance`` runs in the dtype and with the options asked, records them in the report, and
+    refuses a dtype the backend never declares and options that are not a JSON object (exit 2)."""
+    import json
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "verl_core.cli", "conformance", *args], capture_output=True,
+                              text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+    r = cli("example", "--dtype", "bfloat16")
+    assert r.returncode == 2 and "dtype bfloat16: backend 'example' declares bfloat16 for none of its roles" in r.stderr, \
+        r.stderr[-2000:]
+    r = cli("hf", "--options", "[1]")
+    assert r.returncode == 2 and "--options must be a JSON object, got '[1]'" in r.stderr, r.stderr[-2000:]
+    out_json = tmp_path / "bf16.json"
+    r = cli("hf", "--dtype", "bfloat16", "--check", "schema::forward_layout", "--options", '{"rollout_cache": "dynamic"}',
+            "--json", str(out_json))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert ", bfloat16 on cpu" in r.stdout.splitlines()[0], r.stdout[:500]
+    data = json.loads(out_json.read_text())
+    assert (data["dtype"], data["device"]) == ("bfloat16", "cpu")
+    assert [(x["id"], x["status"]) for x in data["results"]] == [("schema::forward_layout", "passed")]
+    r = cli("hf", "--check", "schema::forward_layout", "--options", '{"rollout_cache": "bogus"}',
+            "--json", str(tmp_path / "bogus.json"))
+    assert r.returncode == 1 and "rollout_cache': 'bogus' is not valid" in r.stdout, r.stdout[-3000:]
+    assert "--verl-options '{\"rollout_cache\": \"bogus\"}'" in r.stdout, r.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_verl_options_reach_every_engine_of_the_backend_under_test() -> None:
     # An invalid value proves the options reach the engines: the backend's own validation refuses it.

@@ -81,7 +81,8 @@ def test_report_names_the_suite_that_made_it() -> None:
     data = json.loads(ConformanceReport("b", "dist 1", None).to_json())
     assert data["suite_version"] == suite_version() == version("verl-conformance")
     assert data["checks_registered"] == len(CHECKS)
-    assert list(data) == ["backend", "version", "against", "suite_version", "checks_registered", "results", "seconds"]
+    assert list(data) == ["backend", "version", "against", "suite_version", "checks_registered", "results", "seconds",
+                          "dtype", "device"]
     result = CheckResult("schema::forward_layout", "schema", "passed", "", 0.1)
     report = ConformanceReport("b", "dist 1", None, results=[result])
     assert json.loads(report.to_json())["results"] == [

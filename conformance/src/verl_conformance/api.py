@@ -28,7 +28,8 @@ from verl_conformance.runner import (
 from verl_conformance.timelimit import DEFAULT_CHECK_TIMEOUT_S
 from verl_core import Role
 
-__all__ = ["check_backend", "check_backends_match", "check_buffer", "run_conformance"]
+__all__ = ["DTYPES", "check_backend", "check_backends_match", "check_buffer", "parse_options", "run_conformance",
+           "undeclared_dtype"]
 
 
 def run_conformance(
@@ -41,6 +42,8 @@ def run_conformance(
     options: Mapping[str, Any] | None = None,
     check_timeout_s: float | None = DEFAULT_CHECK_TIMEOUT_S,
     progress: Callable[[CheckResult, int, int], None] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> ConformanceReport:
     """Run checks on a backend and return the report (never raises for failing checks).
 
@@ -48,15 +51,73 @@ def run_conformance(
     ``--verl-options``); a check's own options win. ``check_timeout_s``: seconds one check may run
     before it fails, naming where the run was (None: no limit; see :mod:`verl_conformance.timelimit`).
     ``progress``: called after each check with its result, its position and the number of checks.
+    ``dtype`` and ``device``: what every engine the suite builds runs in (pytest's ``--verl-dtype``
+    and ``--verl-device``; the dtype selects the tolerance tier).
+
+    Raises:
+        ValueError: ``dtype`` is not float32, bfloat16 or float16, or no role of an installed
+            ``backend`` declares it (:func:`undeclared_dtype`).
     """
     subject = backend if isinstance(backend, Subject) else Subject.from_registry(backend)
+    refusal = undeclared_dtype(subject, dtype)
+    if refusal:
+        raise ValueError(refusal)
     other = None if against is None else against if isinstance(against, Subject) else Subject.from_registry(against)
-    harness = Harness(subject, other, EngineCache(), options=dict(options or {}), time_limit_s=check_timeout_s)
+    harness = Harness(subject, other, EngineCache(), dtype=dtype, device=device, options=dict(options or {}),
+                      time_limit_s=check_timeout_s)
     gaps = load_known_gaps(known_gaps) if known_gaps is not None else None
     try:
         return run_checks(harness, select_checks(checks, areas), gaps, progress)
     finally:
         harness.cache.close()
+
+
+def parse_options(raw: str | None, flag: str = "--options") -> dict[str, Any]:
+    """The backend options of a command line: a JSON object (empty when ``raw`` is empty or None).
+
+    Raises:
+        ValueError: ``raw`` is not JSON or not an object, naming ``flag``.
+    """
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r}: {e} (e.g. '{{\"enforce_eager\": true}}')") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {raw!r} (backend options by name)")
+    return value
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes the suite builds engines in (each has its tolerance tier)."""
+
+
+def undeclared_dtype(backend: str | Subject, dtype: str) -> str | None:
+    """Why the suite cannot run ``backend`` in ``dtype``, or None: the dtype is not one of :data:`DTYPES`,
+    or no role of an installed backend declares it (engines given as factories declare nothing
+    up front; their dtype checks decide)."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype!r} is not one the suite runs in; expected one of {', '.join(DTYPES)}"
+    if dtype == "float32":
+        return None
+    from verl_conformance.harness import declared_dtypes
+    from verl_core import VerlError, get_backend
+
+    name = backend.name if isinstance(backend, Subject) else backend
+    if isinstance(backend, Subject) and not backend.registered:
+        return None
+    try:
+        spec = get_backend(name)
+    except VerlError:
+        return None  # building the subject reports it
+    declared = declared_dtypes(spec)
+    if declared and not any(dtype in d for d in declared.values()):
+        listed = ", ".join(f"{role} {'/'.join(sorted(d))}" for role, d in declared.items())
+        return (f"dtype {dtype}: backend {name!r} declares {dtype} for none of its roles (capabilities.dtypes: "
+                f"{listed}); run in {'/'.join(sorted({t for d in declared.values() for t in d}))}, or declare "
+                f"{dtype} on the roles that build in it")
+    return None
 
 
 def _raise_failures(report: ConformanceReport, subject: str | Subject | None = None,
@@ -65,7 +126,11 @@ def _raise_failures(report: ConformanceReport, subject: str | Subject | None = N
     if not failures:
         return report
     what = "replay buffer" if all(r.area == "buffer" for r in report.results) else "backend"
-    flags = ("--verl-options", shlex.quote(json.dumps(dict(options)))) if options else ()
+    flags = [f"--verl-dtype {report.dtype}"] if report.dtype != "float32" else []
+    if report.device != "cpu":
+        flags.append(f"--verl-device {report.device}")
+    if options:
+        flags.append(f"--verl-options {shlex.quote(json.dumps(dict(options)))}")
     parts = [f"{what} {report.backend!r} failed {len(failures)} conformance check(s)"
              + (f" against {report.against!r}" if report.against else "") + ":"]
     for r in failures:
@@ -88,6 +153,8 @@ def check_backend(
     roles: Collection[Role] | None = None,
     options: Mapping[str, Any] | None = None,
     check_timeout_s: float | None = DEFAULT_CHECK_TIMEOUT_S,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> ConformanceReport:
     """Run the conformance suite on ``backend`` and raise ConformanceError if any check fails.
 
@@ -116,6 +183,9 @@ def check_backend(
         check_timeout_s: Seconds one check may run; past it the check fails, naming the backend
             frame the run was in (an engine call that never returns), and the next check runs.
             None: no limit. See :mod:`verl_conformance.timelimit`.
+        dtype: The dtype every engine is built in (``float32``, ``bfloat16``, ``float16``; pytest's
+            ``--verl-dtype``): it selects the tolerance tier.
+        device: The device every engine is built on (``cpu``, ``cuda``; pytest's ``--verl-device``).
 
     Returns:
         The report (every check passed, was skipped with a reason, or is a declared gap).
@@ -123,7 +193,8 @@ def check_backend(
     Raises:
         ConformanceError: naming each failing check, what was wrong and how to re-run it alone.
         ValueError: ``roles`` without factories (an installed backend provides the roles of its
-            ``BackendSpec``), an unknown role, or a role whose factory is not given.
+            ``BackendSpec``), an unknown role, a role whose factory is not given, or a ``dtype``
+            the suite does not run in or no role of the installed backend declares.
     """
     if make_training_engine is not None or make_rollout_engine is not None or make_reward_engine is not None:
         subject: str | Subject = Subject.from_factories(backend, make_training_engine, make_rollout_engine,
@@ -134,7 +205,7 @@ def check_backend(
                              f"{backend!r} provides the roles of its BackendSpec (see `verl backends`)")
         subject = backend
     report = run_conformance(subject, against=against, checks=checks, areas=areas, known_gaps=known_gaps,
-                             options=options, check_timeout_s=check_timeout_s)
+                             options=options, check_timeout_s=check_timeout_s, dtype=dtype, device=device)
     return _raise_failures(report, subject, options)
 
 

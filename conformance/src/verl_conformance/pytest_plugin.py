@@ -15,7 +15,6 @@ test and ``verl_<area>`` (e.g. ``-m verl_numerics``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 import warnings
@@ -66,22 +65,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def _check_dtype_declared(config: pytest.Config) -> None:
     """Refuse a ``--verl-dtype`` that no role of the ``--verl-backend`` declares, in one message."""
     name, dtype = _backend_name(config), config.getoption("--verl-dtype", None)
-    if not name or not dtype or dtype == "float32":
+    if not name or not dtype:
         return
-    from verl_conformance.harness import declared_dtypes
-    from verl_core import VerlError, get_backend
+    from verl_conformance.api import undeclared_dtype
 
-    try:
-        backend = get_backend(name)
-    except VerlError:
-        return  # the backend fixture reports it
-    declared = declared_dtypes(backend)
-    if declared and not any(dtype in d for d in declared.values()):
-        listed = ", ".join(f"{role} {'/'.join(sorted(d))}" for role, d in declared.items())
-        raise pytest.UsageError(
-            f"--verl-dtype {dtype}: backend {name!r} declares {dtype} for none of its roles (capabilities.dtypes: "
-            f"{listed}); run with --verl-dtype {'/'.join(sorted({t for d in declared.values() for t in d}))}, or "
-            f"declare {dtype} on the roles that build in it")
+    refusal = undeclared_dtype(name, dtype)
+    if refusal:
+        raise pytest.UsageError(f"--verl-{refusal}")  # "--verl-dtype bfloat16: backend ..."
 
 
 def _backend_name(config: pytest.Config) -> str | None:
@@ -331,13 +321,9 @@ def verl_harness(
 
 def _options(config: pytest.Config) -> dict[str, Any]:
     """The ``--verl-options`` object (empty when not given)."""
-    raw = config.getoption("--verl-options", None)
-    if not raw:
-        return {}
+    from verl_conformance.api import parse_options
+
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise pytest.UsageError(f"--verl-options must be a JSON object, got {raw!r}: {e}") from None
-    if not isinstance(value, dict):
-        raise pytest.UsageError(f"--verl-options must be a JSON object, got {raw!r}")
-    return value
+        return parse_options(config.getoption("--verl-options", None), "--verl-options")
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None

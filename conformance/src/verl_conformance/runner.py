@@ -79,6 +79,8 @@ class ConformanceReport:
             ``suite_version`` it tells reports of different suites apart.
         results: One result per check run, in suite order.
         seconds: Wall time of the whole run.
+        dtype: The dtype every engine was built in (the tolerance tier).
+        device: The device every engine was built on.
     """
 
     backend: str
@@ -88,6 +90,8 @@ class ConformanceReport:
     checks_registered: int = field(default_factory=lambda: len(CHECKS))
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
+    dtype: str = "float32"
+    device: str = "cpu"
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -102,7 +106,7 @@ class ConformanceReport:
         """A text table per area: status, check, time, and under each check its whole message (a skip's
         reason, an expected failure's, what a pass compared) or the first line of its failure."""
         lines = [f"verl conformance: {self.backend} ({self.version or 'engines given as factories'})"
-                 + (f" against {self.against}" if self.against else "")]
+                 + (f" against {self.against}" if self.against else "") + f", {self.dtype} on {self.device}"]
         for area in AREAS:
             rows = [r for r in self.results if r.area == area]
             if not rows:
@@ -296,7 +300,8 @@ def run_checks(harness: Harness, checks: Sequence[Check], gaps: KnownGaps | None
     the number of checks (``verl conformance`` prints a line per check with it).
     """
     report = ConformanceReport(harness.subject.name, harness.subject.version,
-                               harness.against.name if harness.against else None)
+                               harness.against.name if harness.against else None,
+                               dtype=harness.dtype, device=harness.device)
     if gaps is not None:
         for entry in gaps.unmatched():
             warnings.warn(f"known-gaps file {gaps.source}: {entry!r} matches no conformance check", stacklevel=2)

@@ -1,7 +1,8 @@
 """Test classes of the suite, one per area, for pytest (subclass them to test your own engines).
 
 A third party whose backend is not installed as a plugin subclasses the classes and overrides the
-``make_training_engine`` / ``make_rollout_engine`` fixtures (callables taking an EngineSpec)::
+``make_training_engine`` / ``make_rollout_engine`` / ``make_reward_engine`` fixtures (callables taking
+an EngineSpec; a fixture left alone provides no engine, and that role's checks are skipped)::
 
     from verl_conformance.suite import ConformanceSuite
 
@@ -15,8 +16,12 @@ A third party whose backend is not installed as a plugin subclasses the classes 
             return MyRolloutEngine           # or None when there is no rollout role
 
         @pytest.fixture
+        def make_reward_engine(self):
+            return MyRewardEngine            # only with a reward model
+
+        @pytest.fixture
         def provided_roles(self):
-            return {"actor", "reference", "rollout"}   # no critic: its checks are skipped
+            return {"actor", "reference", "rollout", "reward"}   # no critic: its checks are skipped
 
 ``provided_roles`` is optional (default: every role of each factory given, so
 ``make_training_engine`` must then build a critic on a value-head folder too).
