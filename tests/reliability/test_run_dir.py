@@ -16,6 +16,7 @@ import shutil
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from reliability_helpers import TINY, tiny_config
@@ -336,7 +337,8 @@ def test_claims_racing_for_one_folder_have_exactly_one_winner(tmp_path: Path, mo
 
 # ---------------------------------------------------------------------------- a setup that fails
 @pytest.mark.parametrize("place", ["new folder, tiny model", "empty folder of the user's"])
-def test_a_run_whose_setup_fails_after_the_claim_gives_the_folder_back(model: Path, world: Path, place: str) -> None:
+def test_a_run_whose_setup_fails_after_the_claim_gives_the_folder_back(model: Path, world: Path, place: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A reward model the engine refuses (here a causal LM) is found after the claim, once the engines are
     built: the failed run takes back its marker and the tiny model it built, and the folder when it made it,
     so the corrected run starts in the same ``output_dir``; the user's files around it stay."""
@@ -346,11 +348,14 @@ def test_a_run_whose_setup_fails_after_the_claim_gives_the_folder_back(model: Pa
         out.mkdir()
     refused = ["backends.reward=hf", f"reward_model={json.dumps(str(model))}"]
     before = {k: v for k, v in _snapshot(world).items() if not k.startswith("reward-run")}
+    closed = _record_closes(monkeypatch)
     with Trainer(tiny_config(out, "steps=1", *refused, model=None if tiny else model)) as trainer:
         with pytest.raises(ConfigError, match="LlamaForCausalLM"):
             trainer.train()
         if tiny:
             assert trainer.run_dir is None
+        # the engines built before the failure are released then, not left for the process's end
+        assert sorted(closed) == ["actor", "reference", "rollout"], closed
     if tiny:
         assert not out.exists(), f"the failed run left {sorted(p.name for p in out.iterdir())}"
     else:
@@ -358,6 +363,21 @@ def test_a_run_whose_setup_fails_after_the_claim_gives_the_folder_back(model: Pa
     assert {k: v for k, v in _snapshot(world).items() if not k.startswith("reward-run")} == before
     with Trainer(tiny_config(out, "steps=1", model=model)) as t:
         assert len(t.train()) == 1
+
+
+def _record_closes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The roles of the hf engines closed from now on (the list fills as they close)."""
+    from verl_hf.rollout import HFRolloutEngine
+    from verl_hf.training import HFTrainingEngine
+
+    closed: list[str] = []
+    for cls in (HFTrainingEngine, HFRolloutEngine):
+        def recording(engine: Any, _close: Any = cls.close) -> None:
+            closed.append(engine.spec.role)
+            _close(engine)
+
+        monkeypatch.setattr(cls, "close", recording)
+    return closed
 
 
 def test_abandon_removes_only_the_claim_s_own_marker_and_entries(world: Path, model: Path) -> None:

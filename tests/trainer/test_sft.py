@@ -245,13 +245,28 @@ BAD_DATA: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
-def test_bad_data_is_one_config_error_naming_it(case: str, tmp_path: Path, data: Path) -> None:
-    """A column found wrong once the tokenizer is loaded (after the folder was claimed and the tiny model
-    built) is refused, and the run gives the folder back: the corrected run starts in it."""
+def test_bad_data_is_one_config_error_naming_it(case: str, tmp_path: Path, data: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A column found wrong once the tokenizer is loaded (after the folder was claimed, the tiny model and
+    the actor built) is refused, the actor is closed, and the run gives the folder back: the corrected run
+    starts in it."""
+    from verl_hf.training import HFTrainingEngine
+
+    closed: list[str] = []
+    close = HFTrainingEngine.close
+
+    def recording_close(engine: HFTrainingEngine) -> None:
+        closed.append(engine.spec.role)
+        close(engine)
+
+    monkeypatch.setattr(HFTrainingEngine, "close", recording_close)
     overrides, match = BAD_DATA[case]
     with pytest.raises(ConfigError, match=match), SFTTrainer(sft_config(tmp_path / "run", data, *overrides(tmp_path))) as t:
         t.train()
     assert not (tmp_path / "run").exists(), "the failed run kept its claim on the folder"
+    # the columns are read with the actor's tokenizer; the other cases are refused before any engine is built
+    built = case in ("no response column", "a number as response")
+    assert closed == (["actor"] if built else []), f"{case}: closed {closed}"
     if case == "no response column":
         with SFTTrainer(sft_config(tmp_path / "run", data, "steps=1")) as t:
             assert len(t.train()) == 1

@@ -263,12 +263,15 @@ class RLEngines:
         return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
 
     def close(self) -> None:
-        """Release every engine and the executor."""
+        """Release every engine and the executor; after a :meth:`build` that failed part way, those built."""
         reference = None if isinstance(self.reference, BaseModelReference) else self.reference
-        engines: tuple[Any, ...] = (self.rollout, self.actor, reference, self.critic, self.reward)
+        engines: tuple[Any, ...] = (getattr(self, "rollout", None), getattr(self, "actor", None), reference,
+                                    self.critic, getattr(self, "reward", None))
         for engine in engines:
             if engine is not None:
                 close: Callable[[], None] | None = getattr(engine, "close", None)
                 if close is not None:
                     close()
-        self.executor.close()
+        executor: Executor | None = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()

@@ -247,7 +247,14 @@ class Trainer:
         try:
             self._build(run)
         except BaseException:
-            self.ctx.abandon()  # a run that never started gives its folder back (the corrected run may use it)
+            # the engines built before the failure are released (their processes and device memory),
+            # and a run that never started gives its folder back (the corrected run may use it)
+            engines, self.engines = self.engines, RLEngines()
+            try:
+                engines.close()
+            except Exception as e:  # the failure being raised is the one to report
+                log.warning("closing the engines of a setup that failed raised %s: %s", type(e).__name__, e)
+            self.ctx.abandon()
             raise
         self._built = True
 

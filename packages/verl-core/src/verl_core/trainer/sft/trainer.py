@@ -386,9 +386,22 @@ class SFTTrainer:
         try:
             self._build(tools)
         except BaseException:
-            self.ctx.abandon()  # a run that never started gives its folder back (the corrected run may use it)
+            # the actor and executor built before the failure are released, and a run that never
+            # started gives its folder back (the corrected run may use it)
+            self._release_engines()
+            self.ctx.abandon()
             raise
         self._built = True
+
+    def _release_engines(self) -> None:
+        """Close the actor and the executor, those that exist (a setup may fail before either)."""
+        actor, executor = getattr(self, "actor", None), getattr(self, "executor", None)
+        try:
+            if actor is not None:
+                actor.close()
+        finally:
+            if executor is not None:
+                executor.close()
 
     def _build(self, tools: list[dict[str, Any]] | None) -> None:
         """The rest of :meth:`setup` once the output folder is claimed: the model, the actor, the data."""
@@ -400,17 +413,12 @@ class SFTTrainer:
                            max_prompt_len=limit, max_response_len=limit)
         self.executor = make_executor(cfg.executor, cfg.ray, device=cfg.model.device)
         self.actor = self.executor.training_engine("actor", cfg.backends.actor, spec)
-        try:
-            tokenizer = self.actor.tokenizer
-            self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context, tools=tools,
-                                                     base_dir=self.base_dir)
-            if cfg.data.eval_paths:
-                self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context,
-                                                        tools=tools, base_dir=self.base_dir)
-        except BaseException:
-            self.actor.close()
-            self.executor.close()
-            raise
+        tokenizer = self.actor.tokenizer
+        self.train_data = SFTDataset.from_config(cfg.data, tokenizer, split="train", context=context, tools=tools,
+                                                 base_dir=self.base_dir)
+        if cfg.data.eval_paths:
+            self.eval_data = SFTDataset.from_config(cfg.data, tokenizer, split="eval", context=context,
+                                                    tools=tools, base_dir=self.base_dir)
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.seed, shuffle=cfg.data.shuffle)
         # as in verl train: the budget is read once (refined once by the first update) and
         # checkpointed, so a resumed run splits its steps (and sums their gradients) exactly like
@@ -610,8 +618,7 @@ class SFTTrainer:
             self.ctx.close_sinks(failed=False, step=self.step)
         finally:
             if self._built:
-                self.actor.close()
-                self.executor.close()
+                self._release_engines()
                 self._built = False
             self.ctx.release()
 
