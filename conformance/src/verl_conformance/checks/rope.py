@@ -200,6 +200,17 @@ _CONSTANTS_FOLDERS = (("llama-constants", "llama"), ("qwen2-constants", "qwen2")
 """The folders of :func:`check_config_constants_match_reference` and their model types."""
 
 
+_FAMILY_HINT = ("; this refusal names the model family: the actor, the reference and the rollout must load every "
+                "llama, qwen2 and qwen3 folder (writing-a-backend.md, Model types), refusing only the setting they "
+                "do not implement")
+
+
+def _family_hint(message: str) -> str:
+    """:data:`_FAMILY_HINT` where a refusal names a model family or ``model_type`` rather than a setting."""
+    text = without_folders(message).lower()
+    return _FAMILY_HINT if any(word in text for word in ("model_type", "qwen2", "qwen3", "llama")) else ""
+
+
 def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice: str, seed: int) -> None:
     """The actor's forward and the rollout's greedy tokens on ``model`` equal the float64 reference, or the
     engine refuses the folder with a ConfigError whose message holds one of ``names`` (lower case; noted);
@@ -214,7 +225,7 @@ def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice:
                            else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
         except ConfigError as e:
             h.expect(any(word in without_folders(str(e)).lower() for word in names), f"the {role} engine refused {model} with a "
-                     f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}")
+                     f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}{_family_hint(str(e))}")
             refused.append(role)
             continue
         if role == "actor":
@@ -246,7 +257,8 @@ def check_omitted_config_keys_take_family_defaults(h: Harness) -> None:
                 said = without_folders(str(e)).lower()
                 names = keys + ((arch,) if role == "rollout" and arch != "llama" else ())
                 h.expect(any(word in said for word in names), f"the {role} engine refused {model} with a "
-                         f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}")
+                         f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}"
+                         f"{_family_hint(str(e))}")
                 refused.append(f"the {role} engine refused {model}")
                 continue
             if role == "actor":
@@ -289,6 +301,6 @@ def check_sliding_window_honoured_or_refused(h: Harness) -> None:
             said = without_folders(str(e)).lower()  # an engine without sliding windows may say so instead
             h.expect(any(word in said for word in ("layer_types", "sliding_window", "sliding window", "sliding-window")),
                      f"the {role} engine refused qwen2-sliding-windowless with a ConfigError that names neither "
-                     f"layer_types nor sliding-window attention: {str(e)[:300]}; {advice}")
+                     f"layer_types nor sliding-window attention: {str(e)[:300]}; {advice}{_family_hint(str(e))}")
             continue
         h.fail(f"the {role} engine built on qwen2-sliding-windowless: {advice}")

@@ -17,12 +17,13 @@ from verl_core import (
     WeightMessage,
     apply_weight_stream,
 )
+from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import TokenSampler, uniform_table
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ROLLOUT_CAPABILITIES
-from verl_tiny_backend.training import DTYPES, refuse_undeclared
+from verl_tiny_backend.training import DTYPES
 
 __all__ = ["TinyRolloutEngine", "build_rollout_engine"]
 
@@ -42,7 +43,7 @@ class TinyRolloutEngine(RolloutEngineBase):
     """
 
     def __init__(self, spec: EngineSpec) -> None:
-        refuse_undeclared(spec, ROLLOUT_CAPABILITIES)
+        refuse_undeclared(spec, ROLLOUT_CAPABILITIES, engine="the tiny rollout engine")
         self._spec = spec
         self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype])
         self._tok = load_tokenizer(spec.model_path, self.model.cfg.vocab_size)

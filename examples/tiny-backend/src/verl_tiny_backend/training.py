@@ -14,13 +14,11 @@ from torch import Tensor
 from verl_core import (
     BatchValidationError,
     CheckpointError,
-    ConfigError,
     EngineSpec,
     GlobalBatchStats,
     LossFn,
     Metrics,
     ModelOutput,
-    RolloutCapabilities,
     StepMetrics,
     TensorBatch,
     TensorInfo,
@@ -30,13 +28,15 @@ from verl_core import (
     WeightMessage,
     stream_weights,
 )
+from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.token_stats import token_log_probs
 from verl_core.enginekit.training_base import TrainingEngineBase
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_tiny_backend.model import Model
 from verl_tiny_backend.plugin import ACTOR_CAPABILITIES, CRITIC_CAPABILITIES
 
-__all__ = ["DTYPES", "TinyTrainingEngine", "build_training_engine", "refuse_undeclared", "validate"]
+__all__ = ["DTYPES", "TinyTrainingEngine", "build_training_engine", "validate"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -67,26 +67,6 @@ def validate(batch: TensorBatch, where: str, needs: tuple[str, ...], vocab_size:
     return rebuilt
 
 
-def refuse_undeclared(spec: EngineSpec, caps: TrainingCapabilities | RolloutCapabilities) -> None:
-    """Refuse spec settings the backend does not declare: nothing upstream compares a spec with the
-    capabilities, and an engine that ran them would run a configuration the suite never checked.
-
-    Raises:
-        ConfigError: naming the setting and what the backend supports.
-    """
-    if spec.dtype not in caps.dtypes:
-        raise ConfigError(f"the tiny backend runs in {', '.join(sorted(caps.dtypes))}; got EngineSpec.dtype "
-                          f"{spec.dtype!r}")
-    if torch.device(spec.device).type not in caps.devices:
-        raise ConfigError(f"the tiny backend runs on {', '.join(sorted(caps.devices))}; got EngineSpec.device "
-                          f"{spec.device!r}")
-    if spec.parallel.world_size != 1:
-        raise ConfigError(f"the tiny backend runs in one process; got parallel sizes {spec.parallel}")
-    if spec.gradient_checkpointing and not getattr(caps, "gradient_checkpointing", False):
-        raise ConfigError("the tiny backend does not implement gradient checkpointing; set "
-                          "EngineSpec.gradient_checkpointing=False")
-
-
 class TinyTrainingEngine(TrainingEngineBase):
     """Actor, reference or critic (on a value-head folder) in plain torch.
 
@@ -98,7 +78,7 @@ class TinyTrainingEngine(TrainingEngineBase):
     """
 
     def __init__(self, spec: EngineSpec) -> None:
-        refuse_undeclared(spec, ACTOR_CAPABILITIES)
+        refuse_undeclared(spec, ACTOR_CAPABILITIES, engine="the tiny training engine")
         self._spec = spec
         self.model = Model.from_folder(spec.model_path, DTYPES[spec.dtype], value_head=spec.role == "critic",
                                        seed=spec.seed)
@@ -200,7 +180,7 @@ class TinyTrainingEngine(TrainingEngineBase):
         return StepMetrics(grad_norm=norm, lr=lr, skipped=False)
 
     def export_weights(self, *, dtype: torch.dtype | None = None,
-                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
         """The weights as a stream whose version is the count of applied steps."""
         named = self.model.named_weights()
         infos = {n: TensorInfo(tuple(t.shape), dtype or t.dtype) for n, t in named}
