@@ -11,7 +11,7 @@ import math
 import os
 import queue
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Final
@@ -47,19 +47,23 @@ from verl_core.enginekit.sampling import (
     tempered_log_probs,
     uniform_table,
 )
+from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
+    "Bfloat16NormReward",
     "BlandRefusalRollout",
     "BlandRefusalTraining",
+    "BucketDefaultChangedTraining",
     "BudgetIgnored",
     "ClipIgnored",
     "ConstantLearningRate",
     "CoupledWeightDecay",
     "CriticPadRowTrained",
     "CriticQKNormsUnit",
+    "CriticWithoutMasterWeights",
     "DefaultBetas",
     "EmptyStepApplied",
     "EosIgnoredWithStopTokens",
@@ -76,6 +80,8 @@ __all__ = [
     "MomentsResetOnLoad",
     "NonFiniteStepApplied",
     "NormAfterClipping",
+    "OmittedKeysOldDefaultsRollout",
+    "OmittedKeysOldDefaultsTraining",
     "ParallelIgnoredRollout",
     "Qwen2TiedSplitTraining",
     "QwenThetaHardCodedRollout",
@@ -307,6 +313,38 @@ class FirstLabelReward(HFRewardEngine):
         super().__init__(replace(spec, model_path=self._folder.name))
 
 
+class Bfloat16NormReward(HFRewardEngine):
+    """The hf reward model whose RMSNorms compute in the model's dtype: in bfloat16 the mean of squares, its
+    rsqrt and the product round to bfloat16 (no float32 upcast; in float32 it is hf's reward model)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        for module in self._model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.forward = _norm_in_input_dtype(module)
+
+
+def _norm_in_input_dtype(norm: torch.nn.Module) -> Callable[[Tensor], Tensor]:
+    """``norm``'s forward computed in its input's dtype."""
+
+    def forward(x: Tensor) -> Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        out: Tensor = norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+        return out
+
+    return forward
+
+
+class CriticWithoutMasterWeights(HFTrainingEngine):
+    """The hf training engine whose critic steps its bfloat16 parameters directly (hf option
+    ``master_weights=False`` for the critic alone: no float32 master weights); the actor keeps its masters."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if spec.role == "critic":
+            spec = replace(spec, options={**spec.options, "master_weights": False})
+        super().__init__(spec)
+
+
 class WindowlessSlidingBuilt(HFTrainingEngine):
     """The hf actor without its layer_types rule: it builds on a folder whose layer_types marks sliding layers
     while use_sliding_window is false (transformers' forward then fails at the first call)."""
@@ -350,6 +388,16 @@ class OmittedKeysOldDefaultsRollout(TinyRolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         _old_defaults_where_omitted(self, spec.model_path)
+
+
+class BucketDefaultChangedTraining(TinyTrainingEngine):
+    """``export_weights`` with a bucket_bytes default of its own (256 MiB, the protocol's is 512 MiB): every
+    stream it sends is valid, and a caller that leaves the argument out gets other chunks than it asked for."""
+
+    def export_weights(self, *, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+        """The tiny engine's stream."""
+        return super().export_weights(dtype=dtype, bucket_bytes=bucket_bytes)
 
 
 class QwenThetaHardCodedTraining(TinyTrainingEngine):
@@ -726,7 +774,7 @@ class ExportDtypeIgnored(TinyTrainingEngine):
     """export_weights sends the parameters' own dtype whatever dtype the receiver asks for."""
 
     def export_weights(self, *, dtype: torch.dtype | None = None,
-                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
         """The stream in float32."""
         return super().export_weights(dtype=None, bucket_bytes=bucket_bytes)
 
@@ -744,7 +792,7 @@ class VersionCountsSkippedSteps(TinyTrainingEngine):
         return super()._optimizer_step(where=where)
 
     def export_weights(self, *, dtype: torch.dtype | None = None,
-                       bucket_bytes: int = 256 * 1024 * 1024) -> Iterator[WeightMessage]:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightMessage]:
         """The stream, versioned by the count of calls (the manifest is built when called)."""
         applied, self._step = self._step, self.calls
         try:

@@ -67,6 +67,12 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
       "numerics::omitted_config_keys_take_family_defaults"],
      "numerics::omitted_config_keys_take_family_defaults",
      ["forward log_probs on llama-omitted-keys", "leaves out head_dim"]),
+    # "keep the protocol's signatures and defaults" was a rule without a check (an example backend broke it)
+    ("export-default-changed", faulty.BucketDefaultChangedTraining, None,
+     ["weight_sync::export_matches_folder", "schema::protocol_signatures_kept"],
+     "schema::protocol_signatures_kept",
+     ["BucketDefaultChangedTraining.export_weights", "the default of 'bucket_bytes' is 268435456, the protocol's is "
+      "536870912"]),
     # the pad-id update compared the actor only: a critic without padding_idx trained the pad row
     ("critic-pad-row-trained", faulty.CriticPadRowTrained, None,
      ["numerics::value_loss_matches_reference", "numerics::pad_token_as_real_token_update"],
@@ -249,10 +255,16 @@ def test_a_refusal_naming_only_the_folder_does_not_pass_for_one_naming_the_setti
     # no folder's score head had several labels: row 0 of a classifier was read as the reward
     ("reward-first-label-read", faulty.FirstLabelReward, "reward::unsupported_settings_refused",
      "the reward engine built on a reward folder whose score head has two labels"),
+    # the bfloat16 norm check built the actor and rollout alone: a reward model's norms computed in bfloat16
+    # passed, as its bfloat16 scores on the random reward folder stay in the tier (unsupported_settings_refused)
+    ("reward-bfloat16-norm", faulty.Bfloat16NormReward, "numerics::bfloat16_rms_norm_in_float32",
+     "scores in bfloat16 on reward-bf16-norm"),
 ])
 def test_a_reward_model_fault_fails_its_check(label: str, reward: Factory, target: str, fragment: str) -> None:
     checks = ["reward::scores_match_reference", "reward::bad_input_rejected", "reward::score_layout",
               "reward::unsupported_settings_refused"]
+    if target not in checks:
+        checks.append(target)
     with pytest.raises(ConformanceError) as info:
         check_backend(label, make_reward_engine=reward, checks=checks)
     report = info.value.report
@@ -581,3 +593,20 @@ def test_a_bfloat16_engine_without_float32_masters_fails_the_small_updates_check
     assert status == "failed" and "keep float32 master weights" in message, message
     h = Harness(Subject.from_registry("hf"), None, EngineCache(), dtype="float32")
     assert run_one(check, h)[0] == "skipped"
+
+
+@pytest.mark.slow
+def test_a_bfloat16_critic_without_float32_masters_fails_the_small_updates_check() -> None:
+    """The small-updates check trained the actor alone: a critic that steps its bfloat16 parameters directly
+    (the hf critic with master_weights=False, its actor with masters) passed it, and its value loss passes at
+    the suite's lr=1. The check now trains the critic too, under the value loss."""
+    checks = ["numerics::value_loss_matches_reference", "numerics::bfloat16_small_updates_accumulate"]
+    with pytest.raises(ConformanceError) as info:
+        check_backend("critic-without-masters", make_training_engine=faulty.CriticWithoutMasterWeights,
+                      roles=["actor", "reference", "critic"], checks=checks, dtype="bfloat16")
+    report = info.value.report
+    assert report is not None
+    assert [r.id for r in report.failures] == ["numerics::bfloat16_small_updates_accumulate"], report.table()
+    message = str(info.value)
+    assert "the critic: after 32 AdamW steps at lr=1e-05 in bfloat16 under the value loss" in message, message
+    assert "keep float32 master weights" in message, message

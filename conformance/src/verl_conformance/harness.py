@@ -19,6 +19,7 @@ from verl_conformance.testkit import (
     TinyModelSpec,
     absolute_position_model,
     bfloat16_norm_model,
+    bfloat16_norm_reward_model,
     config_constants_model,
     eos_model,
     folder_defaults_model,
@@ -132,6 +133,8 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "qwen2-sliding": sliding_window_model,
     "qwen2-sliding-windowless": windowless_sliding_model,
     "llama-bf16-norm": bfloat16_norm_model,
+    # its reward-model variant: a score head reading the attention output
+    "reward-bf16-norm": bfloat16_norm_reward_model,
     "reward-nan": nan_reward_model,
     "reward-headless": headless_reward_model,
     "reward-two-labels": two_label_reward_model,

@@ -20,7 +20,7 @@ from verl_conformance.harness import Harness
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
 from verl_conformance.testkit import near_tie_margin
-from verl_core import ConfigError, ParallelSizes, Role, SamplingParams, TensorBatch
+from verl_core import ConfigError, ParallelSizes, RewardEngine, Role, SamplingParams, TensorBatch
 
 
 def device_available(device: str) -> bool:
@@ -79,6 +79,7 @@ def _declared_combination(h: Harness, role: str) -> None:
 
 
 _NORM_MODEL = "llama-bf16-norm"
+_NORM_REWARD_MODEL = "reward-bf16-norm"
 _NORM_ADVICE = ("on this folder the normalised rows sit just beside bfloat16 rounding points: compute RMSNorm's mean "
                 "of squares, rsqrt and x * rsqrt in float32 and round once to bfloat16, as transformers' LlamaRMSNorm "
                 "does (hidden_states.to(torch.float32)); a norm computed in bfloat16 tips them and moves this "
@@ -91,14 +92,11 @@ def _declared_dtypes(h: Harness, role: Role) -> frozenset[str]:
     return frozenset(declared) if declared is not None else frozenset(_role_caps(h, role).dtypes)
 
 
-@check("numerics", gates=("training.dtypes", "rollout.dtypes"))
+@check("numerics", gates=("training.dtypes", "rollout.dtypes", "reward.sequence_classifier"))
 def check_bfloat16_rms_norm_in_float32(h: Harness) -> None:
-    """In bfloat16, RMSNorm normalises in float32 and rounds once, as transformers does: on a Llama whose normalised rows sit just beside bfloat16 rounding points (the test kit's llama-bf16-norm), forward log-probs, greedy tokens and their rollout log-probs equal the float64 reference in the bfloat16 tier, which a norm computed in bfloat16 misses by nats; runs the actor and rollout engines that declare bfloat16, whatever --verl-dtype says."""
+    """In bfloat16, RMSNorm normalises in float32 and rounds once, as transformers does: on a Llama whose normalised rows sit just beside bfloat16 rounding points (the test kit's llama-bf16-norm), forward log-probs, greedy tokens and their rollout log-probs equal the float64 reference in the bfloat16 tier, and so do a reward model's scores on its reward-model variant (reward-bf16-norm: the same layers under a score head); a norm computed in bfloat16 misses the log-probs by nats and the scores by several times the tier. Runs the actor and rollout engines that declare bfloat16, and a reward engine that declares sequence_classifier and builds in bfloat16 (RewardCapabilities declares no dtypes: one that refuses bfloat16 with a ConfigError is left out), whatever --verl-dtype says."""
     roles: list[Role] = [role for role in ("actor", "rollout")
                          if h.provides(h.subject, role) and "bfloat16" in _declared_dtypes(h, role)]
-    if not roles:
-        h.skip(f"backend {h.subject.name!r} declares no actor or rollout engine in bfloat16 (capabilities.dtypes): "
-               "the float32 norms of a bfloat16 engine are what this check proves")
     bf = replace(h, dtype="bfloat16")
     path = bf.model_path(_NORM_MODEL)
     for role in roles:
@@ -120,7 +118,43 @@ def check_bfloat16_rms_norm_in_float32(h: Harness) -> None:
                             f"rollout_log_probs of greedy samples in bfloat16 on {_NORM_MODEL} vs the float64 "
                             f"reference ({_NORM_ADVICE})", mask=out["response_mask"])
         bf.close_fresh()
-    h.note(f"{' and '.join(roles)} in bfloat16 on {_NORM_MODEL}")
+    reward, reward_note = _bfloat16_reward(bf)  # after the others: close_fresh() above would close it
+    if not roles and reward is None:
+        h.skip(f"backend {h.subject.name!r} declares no actor or rollout engine in bfloat16 (capabilities.dtypes) "
+               f"and {reward_note}: the float32 norms of a bfloat16 engine are what this check proves")
+    if reward is not None:
+        from verl_conformance.checks.reward import SCORER_INPUTS, _reference_scores, _valid_scores
+
+        batch = bf.batch(seed=69, batch_size=6, max_prompt=12, max_response=12).select(*SCORER_INPUTS, "group_ids")
+        got = _valid_scores(bf, reward.score(batch), batch, f"score in bfloat16 on {_NORM_REWARD_MODEL}")
+        bf.close_to(got, _reference_scores(bf.model_path(_NORM_REWARD_MODEL), batch), "scores",
+                    f"scores in bfloat16 on {_NORM_REWARD_MODEL} (the layers of {_NORM_MODEL} under a score head) "
+                    f"vs the float64 reference of its sequence-classification model ({_NORM_ADVICE})")
+        bf.close_fresh()
+    ran = ([f"{' and '.join(roles)} on {_NORM_MODEL}"] if roles else []) + (
+        [f"the reward model on {_NORM_REWARD_MODEL}"] if reward is not None else [f"no reward model ({reward_note})"])
+    h.note(f"in bfloat16: {'; '.join(ran)}")
+
+
+def _bfloat16_reward(bf: Harness) -> tuple[RewardEngine | None, str]:
+    """A fresh reward model of the subject built in bfloat16 on :data:`_NORM_REWARD_MODEL`, or None and why
+    not: no reward engine, one that does not declare sequence_classifier, or one that refuses bfloat16 (a
+    ConfigError, as ``reward::unsupported_settings_refused`` allows)."""
+    subject = bf.subject
+    if not bf.provides(subject, "reward"):
+        return None, "it provides no reward engine"
+    declared = None if subject.dtypes is None else subject.dtypes.get("reward")
+    if declared is not None and "bfloat16" not in declared:
+        return None, f"its reward engine declares dtypes {sorted(declared)}"
+    try:
+        engine = bf.reward(_NORM_REWARD_MODEL, fresh=True)
+    except ConfigError:
+        bf.close_fresh()
+        return None, "its reward engine refuses bfloat16 (a ConfigError)"
+    if not engine.capabilities.sequence_classifier:
+        bf.close_fresh()
+        return None, "its reward engine declares sequence_classifier=False (its scores read no folder's head)"
+    return engine, ""
 
 
 @check("invariance", gates=("training.gradient_checkpointing",))

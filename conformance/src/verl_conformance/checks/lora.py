@@ -3,9 +3,10 @@
 Every check is gated by ``training.lora`` and starts the engine from the test kit's crafted PEFT
 adapter (:func:`~verl_conformance.testkit.lora.lora_adapter`: rank 4, alpha 8, nonzero ``A`` and
 ``B`` on every projection), so a wrong scale, a swapped factor or a disabled adapter shows in
-every output. The sync check starts from that adapter plus a fully trained ``model.norm``
-(``LoraSpec.full``) far from the base's, and the two-thread check calls ``forward`` and
-``base_forward`` at once, as the trainer does. The float64 references are the suite's own: the base
+every output. The sync, two-thread and checkpoint checks start from that adapter plus a fully trained
+``model.norm`` (``LoraSpec.full``) far from the base's; the sync check also samples from an adapter
+rollout built from that folder, and the two-thread check calls ``forward`` and ``base_forward`` at
+once, as the trainer does. The float64 references are the suite's own: the base
 folder with ``W + alpha / rank * B A`` merged in float64, and a float64 base model with the suite's
 LoRA layers for the gradients of ``A`` and ``B``.
 """
@@ -57,7 +58,7 @@ from verl_core import (
     WeightManifest,
     WeightSync,
 )
-from verl_core.enginekit.lora import LORA_A, LORA_B, write_adapter_folder
+from verl_core.enginekit.lora import LORA_A, LORA_B, read_adapter_folder, write_adapter_folder
 from verl_core.kernel.engine import DEFAULT_LORA_TARGETS
 
 _SCALE = LORA_ALPHA / LORA_RANK
@@ -238,36 +239,41 @@ def _forwards_on_two_threads(engine: TrainingEngine, batch: TensorBatch) -> tupl
 
 @check("stateful", gates=("training.lora",))
 def check_lora_forwards_on_two_threads(h: Harness) -> None:
-    """forward and base_forward of a LoRA engine called at once from two threads (as the trainer does for the actor and the reference) each give what they give alone: the adapter's on or off per call, not per engine."""
-    engine = h.training(fresh=True, lora=_lora(h))
-    batch = h.batch(seed=91)
-    mask = batch["response_mask"].cpu()
-    alone = {"forward": engine.forward(batch, ["log_probs"])["log_probs"],
-             "base_forward": engine.base_forward(batch, ["log_probs"])["log_probs"]}
-    apart = float((alone["forward"].double() - alone["base_forward"].double()).abs().cpu()[mask].max())
-    h.expect(apart > 1e-2, f"forward and base_forward of an engine with a nonzero adapter agree (max log-prob "
-             f"difference {apart:.3g}): the adapter is not applied, so a mix-up between them cannot show")
-    got, errors, ended = _forwards_on_two_threads(engine, batch)
-    h.expect(ended, f"forward and base_forward, called at once from two threads, did not return within "
-             f"{_THREADS_DEADLINE_S:g} s: they wait for each other (a deadlock)")
-    h.expect(not errors, errors[0] if errors else "")
-    tol = tolerance(h.dtype, "log_probs")
-    for method, other in (("forward", "base_forward"), ("base_forward", "forward")):
-        want, wrong = alone[method].double().cpu(), alone[other].double().cpu()
-        bad = []
-        for i, out in enumerate(got[method]):
-            lp = out.double().cpu()
-            off = (lp - want).abs()[mask]
-            if not bool((off <= tol.atol + tol.rtol * want.abs()[mask]).all()) or \
-                    float(off.max()) >= float((lp - wrong).abs()[mask].max()):
-                bad.append((i, float(off.max()), float((lp - wrong).abs()[mask].max())))
-        if bad:
-            i, off_max, wrong_max = bad[0]
-            h.fail(f"{method} called while {other} ran on another thread: {len(bad)} of {len(got[method])} calls "
-                   f"give other log_probs than {method} alone (call {i}: max difference {off_max:.3g} from "
-                   f"{method} alone, {wrong_max:.3g} from {other} alone; {h.dtype} tier atol={tol.atol:g}). The "
-                   "adapter was switched on or off for the whole engine by the other thread: pass the choice down "
-                   "the call, or hold one lock over the switch and the forward")
+    """forward and base_forward of a LoRA engine that also trains model.norm fully (LoraSpec.full, started far from the folder's values) called at once from two threads (as the trainer does for the actor and the reference) each give what they give alone: the adapter on or off and the fully trained module's trained or base values per call, not per engine."""
+    with tempfile.TemporaryDirectory(prefix="verl-conformance-lora-") as tmp:
+        # the full module far from the base's: a swap of its values that another thread sees shows too
+        engine = h.training(fresh=True, lora=_adapter_with_full(h, Path(tmp) / "adapter"))
+        batch = h.batch(seed=91)
+        mask = batch["response_mask"].cpu()
+        alone = {"forward": engine.forward(batch, ["log_probs"])["log_probs"],
+                 "base_forward": engine.base_forward(batch, ["log_probs"])["log_probs"]}
+        apart = float((alone["forward"].double() - alone["base_forward"].double()).abs().cpu()[mask].max())
+        h.expect(apart > 1e-2, f"forward and base_forward of an engine with a nonzero adapter agree (max log-prob "
+                 f"difference {apart:.3g}): the adapter and the fully trained {_FULL} are not applied, so a "
+                 "mix-up between them cannot show")
+        got, errors, ended = _forwards_on_two_threads(engine, batch)
+        h.expect(ended, f"forward and base_forward, called at once from two threads, did not return within "
+                 f"{_THREADS_DEADLINE_S:g} s: they wait for each other (a deadlock)")
+        h.expect(not errors, errors[0] if errors else "")
+        tol = tolerance(h.dtype, "log_probs")
+        for method, other in (("forward", "base_forward"), ("base_forward", "forward")):
+            want, wrong = alone[method].double().cpu(), alone[other].double().cpu()
+            bad = []
+            for i, out in enumerate(got[method]):
+                lp = out.double().cpu()
+                off = (lp - want).abs()[mask]
+                if not bool((off <= tol.atol + tol.rtol * want.abs()[mask]).all()) or \
+                        float(off.max()) >= float((lp - wrong).abs()[mask].max()):
+                    bad.append((i, float(off.max()), float((lp - wrong).abs()[mask].max())))
+            if bad:
+                i, off_max, wrong_max = bad[0]
+                h.fail(f"{method} called while {other} ran on another thread (LoraSpec.full=({_FULL!r},)): "
+                       f"{len(bad)} of {len(got[method])} calls give other log_probs than {method} alone (call {i}: "
+                       f"max difference {off_max:.3g} from {method} alone, {wrong_max:.3g} from {other} alone; "
+                       f"{h.dtype} tier atol={tol.atol:g}). The adapter was switched on or off, or the fully trained "
+                       f"{_FULL}'s values swapped between trained and base, for the whole engine by the other "
+                       "thread: pass the choice down the call, or hold one lock over the switch (or the swap and "
+                       "the swap back) and the forward")
 
 
 def _sync(h: Harness) -> WeightSync:
@@ -293,31 +299,63 @@ def _adapter_with_full(h: Harness, out: Path) -> LoraSpec:
     return dataclasses.replace(spec, full=(_FULL,), init_path=str(out))
 
 
+def _merged_folder(h: Harness, adapter: dict[str, Tensor], out: Path) -> Path:
+    """The base folder with ``adapter`` merged in, written to ``out``: each target's W + alpha/rank * B A
+    (float64) and the adapter's fully trained tensors in place of the base's."""
+    folder = dict(folder_weights(h.model_path("llama")))
+    for module in target_weights(Path(h.model_path("llama"))):
+        w = folder[module + ".weight"]
+        folder[module + ".weight"] = (w.double() + _SCALE * adapter[module + LORA_B].double()
+                                      @ adapter[module + LORA_A].double())
+    for name, t in adapter.items():
+        if name in folder and not name.endswith((LORA_A, LORA_B)):
+            folder[name] = t  # a fully trained module's values, as the engine exports them
+    out.mkdir()
+    _copy_with_weights(Path(h.model_path("llama")), out, folder)
+    return out
+
+
+def _samples_as_loaded(h: Harness, got: TensorBatch, want: TensorBatch, merged: Path, what: str, served: str) -> None:
+    """``got`` (a rollout's samples) are ``want``'s (a rollout loaded with the ``merged`` folder): in float32
+    the same tokens and close rollout_log_probs; in every dtype rollout_log_probs close to the folder's
+    float64 reference."""
+    if h.dtype == "float32":
+        h.expect(torch.equal(got["response_ids"], want["response_ids"]),
+                 f"{what}: the rollout samples other tokens than a rollout loaded with {served} (first rows "
+                 f"{got['response_ids'][:2].tolist()} vs {want['response_ids'][:2].tolist()})")
+        h.close_to(got["rollout_log_probs"], want["rollout_log_probs"], "log_probs",
+                   f"{what}: rollout_log_probs vs a rollout loaded with {served}", mask=want["response_mask"])
+    ref = ReferenceModel(str(merged)).outputs(got)["log_probs"]
+    h.close_to(got["rollout_log_probs"], ref, "log_probs", f"{what}: rollout_log_probs vs the float64 reference of "
+               f"{served}", mask=got["response_mask"])
+
+
 @check("weight_sync", gates=("training.lora", "rollout.lora_adapters"))
 def check_lora_sync_serves_merged_weights(h: Harness) -> None:
-    """After a LoRA update (an adapter and a fully trained module, LoraSpec.full) and a sync (merged weights; the adapter where the rollout declares lora_adapters) the rollout samples exactly as a rollout loaded with W + alpha/rank * B A and the trained module."""
+    """After a LoRA update (an adapter and a fully trained module, LoraSpec.full) and a sync (merged weights; the adapter where the rollout declares lora_adapters) the rollout samples exactly as a rollout loaded with W + alpha/rank * B A and the trained module; a rollout declaring lora_adapters built from LoraSpec.init_path samples, before any sync, exactly as a rollout loaded with that folder's adapter and module merged in."""
     with tempfile.TemporaryDirectory(prefix="verl-conformance-lora-") as tmp:
         spec = _adapter_with_full(h, Path(tmp) / "adapter")
-        engine = h.training(fresh=True, lora=spec)
-        _update(engine, h.batch(seed=86, rl_fields=True))
-        adapter = _adapter(engine)
-        h.expect(_FULL + ".weight" in adapter, f"with LoraSpec(full=({_FULL!r},)) export_adapter streams no "
-                 f"{_FULL}.weight: a fully trained module must be streamed under its name")
-        folder = dict(folder_weights(h.model_path("llama")))
-        for module in target_weights(Path(h.model_path("llama"))):
-            w = folder[module + ".weight"]
-            folder[module + ".weight"] = (w.double() + _SCALE * adapter[module + LORA_B].double()
-                                          @ adapter[module + LORA_A].double())
-        folder[_FULL + ".weight"] = adapter[_FULL + ".weight"]  # the trained values, as the engine exports them
         prompts = h.batch(seed=87, batch_size=4).select("prompt_ids", "prompt_mask", "group_ids")
         params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=13)
         modes = ["merged weights"]
         probe = h.rollout()
         if probe.capabilities.lora_adapters:
             modes.append("the adapter")
-        merged = Path(tmp) / "merged"
-        merged.mkdir()
-        _copy_with_weights(Path(h.model_path("llama")), merged, folder)
+            # built from the folder, as the actor is: it serves the folder's adapter and full module until a sync
+            merged_init = _merged_folder(h, read_adapter_folder(spec.init_path, spec), Path(tmp) / "merged-init")
+            want = h.rollout(fresh=True, model_path=str(merged_init)).generate(prompts, params)
+            got = h.rollout(fresh=True, lora=spec).generate(prompts, params)
+            _samples_as_loaded(
+                h, got, want, merged_init, f"a rollout declaring lora_adapters built with LoraSpec.init_path (the "
+                f"crafted adapter and a {_FULL} far from the base's, LoraSpec.full=({_FULL!r},)), before any sync",
+                f"the folder's W + alpha/rank * B A and {_FULL} merged in; an adapter rollout starts from "
+                "init_path like the actor (read_adapter_folder), not from B = 0 and the base")
+        engine = h.training(fresh=True, lora=spec)
+        _update(engine, h.batch(seed=86, rl_fields=True))
+        adapter = _adapter(engine)
+        h.expect(_FULL + ".weight" in adapter, f"with LoraSpec(full=({_FULL!r},)) export_adapter streams no "
+                 f"{_FULL}.weight: a fully trained module must be streamed under its name")
+        merged = _merged_folder(h, adapter, Path(tmp) / "merged")
         loaded = h.rollout(fresh=True, model_path=str(merged))
         want = loaded.generate(prompts, params)
         ref = ReferenceModel(str(merged)).outputs(want)["log_probs"]
@@ -330,20 +368,10 @@ def check_lora_sync_serves_merged_weights(h: Harness) -> None:
                                       if mode == "the adapter" else h.rollout(fresh=True))
             _sync(h).sync(engine, rollout, version=1)
             got = rollout.generate(prompts, params)
-            what = f"after a LoRA sync of {mode} (LoraSpec.full=({_FULL!r},))"
-            if h.dtype == "float32":
-                h.expect(torch.equal(got["response_ids"], want["response_ids"]),
-                         f"{what}: the rollout samples other tokens than a rollout loaded with the merged weights "
-                         f"W + alpha/rank * B A and the trained {_FULL} (first rows "
-                         f"{got['response_ids'][:2].tolist()} vs {want['response_ids'][:2].tolist()}); the sync "
-                         "must apply every tensor of the stream, the fully trained modules' too")
-                h.close_to(got["rollout_log_probs"], want["rollout_log_probs"], "log_probs",
-                           f"{what}: rollout_log_probs vs a rollout loaded with the merged weights",
-                           mask=want["response_mask"])
-            ref_got = ReferenceModel(str(merged)).outputs(got)["log_probs"]
-            h.close_to(got["rollout_log_probs"], ref_got, "log_probs",
-                       f"{what}: rollout_log_probs vs the float64 reference of the merged weights W + alpha/rank * "
-                       f"B A and the trained {_FULL}", mask=got["response_mask"])
+            _samples_as_loaded(
+                h, got, want, merged, f"after a LoRA sync of {mode} (LoraSpec.full=({_FULL!r},))",
+                f"the merged weights W + alpha/rank * B A and the trained {_FULL}; the sync must apply every "
+                "tensor of the stream, the fully trained modules' too")
 
 
 @check("stateful", gates=("training.lora", "training.checkpoint"))

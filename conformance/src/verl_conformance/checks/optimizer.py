@@ -20,7 +20,7 @@ from torch import Tensor
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
 from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
-from verl_conformance.losses import TOKEN_MEAN_PG, SuiteLoss, role_loss
+from verl_conformance.losses import SuiteLoss, role_loss
 from verl_conformance.reference import ReferenceModel
 from verl_core import (
     GlobalBatchStats,
@@ -217,21 +217,33 @@ bfloat16 parameter stepped directly keeps almost none of it, while 32 of them ad
 spacings."""
 
 
-@check("numerics")
+@check("numerics", gates=("training.values",))
 def check_bfloat16_small_updates_accumulate(h: Harness) -> None:
-    """In bfloat16, updates each below half of bfloat16's spacing around a weight still add up: after 32 AdamW steps at lr=1e-5 the exported projection weights moved as the float64 reference's did (float32 master weights keep them), not stayed put (by the size of the displacement); runs in bfloat16 only."""
+    """In bfloat16, updates each below half of bfloat16's spacing around a weight still add up: after 32 AdamW steps at lr=1e-5 the exported projection weights moved at least 0.5 of the float64 reference's displacement (L2; float32 master weights keep them), not stayed put; for the actor, and for the critic under the value loss on the value-head folder where the backend provides one declaring values (a critic-only backend: the critic); runs in bfloat16 only."""
     if h.dtype != "bfloat16":
         h.skip(f"runs in bfloat16 only (--verl-dtype bfloat16); {h.dtype} parameters keep every update")
     optim = OptimConfig(lr=SMALL_LR, eps=1e-8, weight_decay=0.0, grad_clip=0.0)
-    engine = h.training(fresh=True, optim=optim)
-    ref = ReferenceModel(h.model_path("llama"), optim)
-    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     batch = h.batch(seed=90, rl_fields=True)  # the same batch every step: each weight keeps its direction
+    moved = []
+    for role in h.trained_roles():
+        moved.append(f"{role} {_small_updates_accumulate(h, role, optim, batch):.3f}")
+        h.close_fresh()  # the role's engine, before the next role's is built
+    h.note(f"share of the float64 reference's displacement (L2) the projection weights moved: {', '.join(moved)}")
+
+
+def _small_updates_accumulate(h: Harness, role: Role, optim: OptimConfig, batch: TensorBatch) -> float:
+    """:func:`check_bfloat16_small_updates_accumulate` on an engine of ``role``: how much of the float64
+    reference's displacement (L2) its projection weights moved (an actor's messages unprefixed)."""
+    who = "" if role == "actor" else f"the {role}: "
+    loss = role_loss(role)
+    engine = h.training(role, fresh=True, optim=optim)
+    ref = ReferenceModel(h.model_path("value" if role == "critic" else "llama"), optim)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     stats = GlobalBatchStats.of(batch)
     for _ in range(SMALL_STEPS):
-        engine.forward_backward(batch, TOKEN_MEAN_PG, stats)
+        engine.forward_backward(batch, loss, stats)
         engine.optimizer_step()
-        ref.step(batch, TOKEN_MEAN_PG, stats)
+        ref.step(batch, loss, stats)
     got = exported_weights(engine)
     want = dict(ref.named_parameters())
     moved = kept = 0.0
@@ -240,13 +252,14 @@ def check_bfloat16_small_updates_accumulate(h: Harness) -> None:
             continue  # the projections: 2-D weights of a typical magnitude (norm weights sit at 1.0)
         moved += float((want[name].detach() - w0).pow(2).sum())
         kept += float((got[name].double() - w0.to(torch.bfloat16).double()).pow(2).sum())
-    h.expect(moved > 0, "the float64 reference did not move: no projection weights to compare")
+    h.expect(moved > 0, f"{who}the float64 reference did not move: no projection weights to compare")
     # the size of the displacement, not its direction: AdamW moves every weight by about lr a step,
     # and in bfloat16 the sign of a tiny gradient may differ from float64's
     rel = math.sqrt(kept / moved)
     h.expect(rel >= 0.5,
-             f"after {SMALL_STEPS} AdamW steps at lr={SMALL_LR:g} in bfloat16 the projection weights moved "
+             f"{who}after {SMALL_STEPS} AdamW steps at lr={SMALL_LR:g} in bfloat16 "
+             f"{'under the value loss ' if role == 'critic' else ''}the projection weights moved "
              f"{rel:.2f} of the float64 reference's displacement (L2); at least 0.5 keeps the updates. Each "
              "step is below half of bfloat16's spacing around a weight, so stepping bfloat16 parameters "
              "directly drops it: keep float32 master weights (backend-training-engine.md, Declaring bfloat16)")
-    h.note(f"the projection weights moved {rel:.3f} of the float64 reference's displacement (L2)")
+    return rel

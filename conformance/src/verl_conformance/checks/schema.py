@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 
@@ -18,6 +20,9 @@ from verl_core import (
     StepMetrics,
     TensorBatch,
 )
+from verl_core.kernel.reward import RewardEngine
+from verl_core.kernel.rollout import RolloutEngine
+from verl_core.kernel.training import TrainingEngine
 
 _INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -86,6 +91,75 @@ def check_declared_outputs_served(h: Harness) -> None:
                        f"{name}=False for a role without it (values is declared by the critic alone, whose "
                        "folder or seeded head gives it one)")
             _float_outputs(h, out, batch, (name,), where)
+
+
+@check("schema")
+def check_protocol_signatures_kept(h: Harness) -> None:
+    """Each engine the backend provides (actor, reference, critic, rollout, reward) keeps the signature of every protocol method its class has (TrainingEngine, RolloutEngine, RewardEngine): the same parameters, in order, of the same kind and with the same defaults (export_weights' bucket_bytes is DEFAULT_BUCKET_BYTES, forward's outputs log_probs only); a parameter of its own comes after them and has a default. Callers (the trainer, weight syncs, users) pass the protocol's arguments by keyword or leave them out."""
+    protocols: dict[Role, type] = {"actor": TrainingEngine, "reference": TrainingEngine, "critic": TrainingEngine,
+                                   "rollout": RolloutEngine, "reward": RewardEngine}
+    roles = [role for role in protocols if h.provides(h.subject, role)]
+    if not roles:
+        h.skip("the backend provides no engine")
+    compared = []
+    for role in roles:
+        engine: Any = (h.training(role) if role in ("actor", "reference", "critic")
+                       else h.rollout() if role == "rollout" else h.reward())
+        protocol = protocols[role]
+        for name in _protocol_methods(protocol):
+            if not callable(getattr(type(engine), name, None)):
+                continue  # a method the class does not have is a schema check of its own (the protocol's)
+            problems = signature_differences(inspect.signature(getattr(protocol, name)),
+                                             inspect.signature(getattr(type(engine), name)))
+            if problems:
+                h.fail(f"the {role} engine's {type(engine).__name__}.{name} does not keep "
+                       f"{protocol.__name__}.{name}{inspect.signature(getattr(protocol, name))}: "
+                       f"{'; '.join(problems)}. Keep the protocol's parameters and defaults (a caller that leaves "
+                       "an argument out gets the protocol's default), and give any parameter of your own a default")
+            compared.append(f"{role}.{name}")
+    h.note(f"{len(compared)} methods compared")
+
+
+def _protocol_methods(protocol: type) -> list[str]:
+    """The public methods of ``protocol`` (properties aside)."""
+    return [name for name in dir(protocol) if not name.startswith("_") and callable(getattr(protocol, name))
+            and not isinstance(inspect.getattr_static(protocol, name), property)]
+
+
+def signature_differences(want: inspect.Signature, got: inspect.Signature) -> list[str]:
+    """How ``got`` differs from the protocol's ``want`` (``self`` included in both): a parameter of
+    ``want`` missing, renamed, of another kind (positional, keyword-only) or with another default, or
+    a parameter of ``got``'s own without a default. Annotations are not compared."""
+    problems = []
+    mine = list(got.parameters.values())
+    by_name = got.parameters
+    for i, p in enumerate(want.parameters.values()):
+        q = by_name.get(p.name)
+        if q is None:
+            problems.append(f"parameter {p.name!r} is missing")
+            continue
+        if q.kind != p.kind and not (q.kind == q.POSITIONAL_OR_KEYWORD and p.kind == p.KEYWORD_ONLY):
+            problems.append(f"{p.name!r} is {q.kind.description}, the protocol's is {p.kind.description}")
+        if p.kind != p.KEYWORD_ONLY and (i >= len(mine) or mine[i].name != p.name):
+            problems.append(f"{p.name!r} is not parameter {i + 1} as in the protocol")
+        if q.default is not q.empty or p.default is not p.empty:
+            same = q.default is p.default or (q.default is not q.empty and p.default is not p.empty
+                                               and _same_default(q.default, p.default))
+            if not same:
+                problems.append(f"the default of {p.name!r} is {q.default!r}, the protocol's is {p.default!r}")
+    for q in mine:
+        if q.name not in want.parameters and q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
+            problems.append(f"parameter {q.name!r} of its own has no default")
+    return problems
+
+
+def _same_default(a: object, b: object) -> bool:
+    """Equal defaults of one type (a set and a frozenset of the same names count as one)."""
+    sets = (set, frozenset)
+    try:
+        return bool(a == b) and (type(a) is type(b) or (isinstance(a, sets) and isinstance(b, sets)))
+    except Exception:  # a default whose == is not a truth value
+        return False
 
 
 @check("schema", gates=("training.values",))

@@ -12,7 +12,7 @@
   with absolute positions, a Llama with LongRoPE, Llamas under other RoPE scalings, perturbed weights, a
   NaN reward model, a reward model without its head's weights, folders whose special token ids (in
   ``config.json``, the tokenizer or ``generation_config.json``) lie outside the vocabulary, a Llama
-  that shows an RMSNorm computed in bfloat16, folders that list further EOS ids and set sampling defaults
+  and a reward model that show an RMSNorm computed in bfloat16, folders that list further EOS ids and set sampling defaults
   in ``generation_config.json``) and a shuffled tokenizer.
 """
 
@@ -37,6 +37,7 @@ from verl_conformance.testkit.crafted import (
     ShuffledTokenizer,
     absolute_position_model,
     bfloat16_norm_model,
+    bfloat16_norm_reward_model,
     config_constants_model,
     eos_model,
     eos_model_continuation,
@@ -104,6 +105,7 @@ __all__ = [
     "absolute_position_model",
     "assert_close",
     "bfloat16_norm_model",
+    "bfloat16_norm_reward_model",
     "build_tiny_model",
     "emptied",
     "eos_model",

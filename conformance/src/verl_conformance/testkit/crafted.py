@@ -20,6 +20,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
   fills from the family's defaults (Qwen3's ``head_dim`` is 128, not ``hidden_size / heads``).
 * :func:`bfloat16_norm_model`: a Llama whose normalised rows sit just beside bfloat16 rounding
   points: an RMSNorm computed in bfloat16 (no float32 upcast) moves its log-probs by nats.
+* :func:`bfloat16_norm_reward_model`: its reward-model variant (a score head), whose scores such a norm
+  moves far past the bfloat16 tier.
 * :func:`value_bias_model`: the value-head folder with a nonzero ``score.bias`` (a random folder's is 0).
 * :func:`nan_reward_model`: a reward model whose score head outputs NaN.
 * :func:`headless_reward_model`: a reward model's folder without the score head's weights.
@@ -86,6 +88,7 @@ __all__ = [
     "ShuffledTokenizer",
     "absolute_position_model",
     "bfloat16_norm_model",
+    "bfloat16_norm_reward_model",
     "config_constants_model",
     "eos_model",
     "eos_model_continuation",
@@ -551,15 +554,57 @@ def bfloat16_norm_model() -> Path:
             if name.endswith("norm.weight"):
                 w[name] = torch.ones(hidden)
         _copy_with_weights(base, out, w)
-        config = json.loads((base / "config.json").read_text())
-        rope = config.get("rope_parameters")
-        if isinstance(rope, dict):
-            rope["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
-        else:
-            config["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
-        (out / "config.json").write_text(json.dumps(config, indent=1))
+        _write_bfloat16_norm_config(base, out)
 
     return _crafted("bfloat16-norm", recipe, build)
+
+
+def _write_bfloat16_norm_config(base: Path, out: Path) -> None:
+    """``base``'s ``config.json`` in ``out`` with ``rope_theta`` :data:`BFLOAT16_NORM_ROPE_THETA`."""
+    config = json.loads((base / "config.json").read_text())
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict):
+        rope["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
+    else:
+        config["rope_theta"] = BFLOAT16_NORM_ROPE_THETA
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+_NORM_SCORE_STD: Final = 0.3  # the score head's weights on the attention output's columns
+
+
+def bfloat16_norm_reward_model() -> Path:
+    """The reward-model variant of :func:`bfloat16_norm_model`: the same layers and embedding under the
+    test kit's reward config (``LlamaForSequenceClassification``, one label, ``rope_theta``
+    :data:`BFLOAT16_NORM_ROPE_THETA`), the lm_head replaced by a ``score.weight`` that reads the
+    attention output's 16 columns (seeded normal draws of std 0.3, exact in bfloat16) and zeros elsewhere.
+
+    The score read at the last real token is then a weighted sum of the average of the value columns of
+    the tokens up to it, which a correct engine takes evenly and a norm computed in bfloat16 tilts by e^5 to
+    some tokens. Seen with the hf reward engine (100 batches of 6 samples of up to 24 random ids, scores
+    of |s| <= 8.1): bfloat16 with float32 norms at most 0.12 of the bfloat16 scores tolerance; norms in
+    bfloat16 (the whole norm, or the mean of squares in float32 and its product with x in bfloat16) at
+    least 4.1 times it in every batch (18 times on ``numerics::bfloat16_rms_norm_in_float32``'s batch).
+    """
+    spec = TinyModelSpec(head="reward")
+    causal = bfloat16_norm_model()
+    recipe: dict[str, object] = {"base": asdict(spec), "causal": causal.name, "score_std": _NORM_SCORE_STD, "seed": 1}
+
+    def build(out: Path) -> None:
+        base = tiny_model(spec)
+        w = _weights(causal)
+        del w["lm_head.weight"]
+        hidden = w["model.embed_tokens.weight"].shape[1]
+        g = torch.Generator().manual_seed(1)
+        score = torch.zeros(1, hidden)
+        score[0, list(_NORM_OUTPUT)] = (torch.randn(len(_NORM_OUTPUT), generator=g) * _NORM_SCORE_STD
+                                        ).to(torch.bfloat16).float()
+        w["score.weight"] = score
+        assert set(w) == set(_weights(base)), sorted(set(w) ^ set(_weights(base)))
+        _copy_with_weights(base, out, w)
+        _write_bfloat16_norm_config(base, out)
+
+    return _crafted("bfloat16-norm-reward", recipe, build)
 
 
 def rope_scaled_model(kind: str) -> Path:

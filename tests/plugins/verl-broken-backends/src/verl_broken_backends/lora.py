@@ -24,6 +24,7 @@ from verl_core import (
 )
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_hf import checkpoint as ckpt
+from verl_hf.config import HFOptions
 from verl_hf.optim import HFOptimizer
 from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
@@ -34,6 +35,7 @@ __all__ = [
     "BaseForwardKeepsAdapter",
     "BaseForwardKeepsTrainedFull",
     "BaseForwardSharedSwitch",
+    "BaseForwardSwapsFullUnlocked",
     "BaseTrained",
     "CheckpointWithoutAdapterMoments",
     "DropoutAlwaysOn",
@@ -41,6 +43,7 @@ __all__ = [
     "LmHeadAdapterBypassed",
     "LoadKeepsStaleMasters",
     "MergedStreamUnmerged",
+    "RolloutIgnoresInitPath",
     "ScaleIsAlpha",
     "UnseededAdapterInit",
     "lora_base_forward",
@@ -50,7 +53,9 @@ __all__ = [
     "lora_dropout_always_on",
     "lora_dropout_ignored",
     "lora_forward_switch",
+    "lora_full_swap",
     "lora_lm_head_bypassed",
+    "lora_rollout_ignores_init",
     "lora_scale",
     "lora_stale_masters",
     "lora_sync_drops_full",
@@ -176,6 +181,55 @@ class BaseForwardSharedSwitch(HFTrainingEngine):
             self._adapter_off = False
 
 
+class BaseForwardSwapsFullUnlocked(HFTrainingEngine):
+    """base_forward copies the base values of the fully trained modules over their trained values, runs
+    the forward (the adapters disabled under the engine's lock) and copies the trained values back, the
+    two copies outside the lock: a forward of another thread meanwhile serves the base's full modules."""
+
+    def base_forward(self, batch: TensorBatch, outputs: Collection[ModelOutput] = frozenset({"log_probs"})) -> TensorBatch:
+        """The swap in, some work, the forward with the LoRA layers off, some work, the swap back."""
+        from peft.utils.other import ModulesToSaveWrapper
+
+        wrappers = [] if self._lora is None else [
+            m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        if not wrappers:
+            return super().base_forward(batch, outputs)
+        pairs = [(p, dict(w.original_module.named_parameters())[n])
+                 for w in wrappers for n, p in w.modules_to_save["default"].named_parameters()]
+        trained = [p.detach().clone() for p, _ in pairs]
+        with torch.no_grad():
+            for p, base in pairs:
+                p.copy_(base)  # base values in, in place, for every thread's forward
+        try:
+            time.sleep(0.01)  # work before the forward (the batch's preparation): the swap stays in across it
+            assert self._lora is not None
+            with self._lora.disabled():
+                for w in wrappers:
+                    w._disable_adapters = False  # the LoRA layers off, the (swapped) copies on
+                try:
+                    return self.forward(batch, outputs)
+                finally:
+                    for w in wrappers:
+                        w._disable_adapters = True
+        finally:
+            time.sleep(0.01)  # work after the forward, before the swap back
+            with torch.no_grad():
+                for (p, _), t in zip(pairs, trained, strict=True):
+                    p.copy_(t)  # trained values back
+
+
+class RolloutIgnoresInitPath(HFRolloutEngine):
+    """An adapter rollout ignores LoraSpec.init_path: it starts from B = 0 and the base's full modules."""
+
+    def __init__(self, spec: EngineSpec, options: HFOptions | None = None) -> None:
+        lora = spec.lora
+        if lora is not None and lora.init_path:
+            super().__init__(dataclasses.replace(spec, lora=dataclasses.replace(lora, init_path="")), options)
+            self._spec = spec  # reports the spec it was given
+        else:
+            super().__init__(spec, options)
+
+
 class AdapterSyncDropsFull(HFRolloutEngine):
     """The adapter sync applies only the lora_A / lora_B tensors: the fully trained modules keep their values."""
 
@@ -281,12 +335,18 @@ lora_stale_masters = BrokenHFBackend("broken-lora-stale-masters", "a LoRA checkp
 lora_forward_switch = BrokenHFBackend("broken-lora-forward-switch", "base_forward switches the adapter off for the "
                                       "whole engine with a flag and no lock", "actor",
                                       f"{_LORA}:BaseForwardSharedSwitch")
+lora_full_swap = BrokenHFBackend("broken-lora-full-swap", "base_forward swaps the fully trained modules' base values "
+                                 "in and the trained ones back in place, outside the lock", "actor",
+                                 f"{_LORA}:BaseForwardSwapsFullUnlocked")
 lora_dropout_always_on = BrokenHFBackend("broken-lora-dropout-always-on", "the adapter's dropout runs outside the "
                                         "update too", "actor", f"{_LORA}:DropoutAlwaysOn")
 lora_dropout_ignored = BrokenHFBackend("broken-lora-dropout-ignored", "LoraSpec.dropout is ignored", "actor",
                                       f"{_LORA}:DropoutIgnored")
 lora_sync_drops_full = BrokenHFBackend("broken-lora-sync-full", "the adapter sync ignores the fully trained modules' "
                                        "tensors (LoraSpec.full)", "rollout", f"{_LORA}:AdapterSyncDropsFull")
+lora_rollout_ignores_init = BrokenHFBackend("broken-lora-rollout-init", "an adapter rollout ignores "
+                                            "LoraSpec.init_path (B = 0 and the base's full modules until a sync)",
+                                            "rollout", f"{_LORA}:RolloutIgnoresInitPath")
 
 lora_unseeded_init = BrokenHFBackend("broken-lora-unseeded-init", "a fresh adapter's A comes from the OS's entropy, not "
                                      "spec.seed", "actor", f"{_LORA}:UnseededAdapterInit")
