@@ -10,7 +10,10 @@ import json
 import math
 import os
 import queue
+import subprocess
+import sys
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +53,7 @@ from verl_core.enginekit.sampling import (
 from verl_core.kernel.training import DEFAULT_BUCKET_BYTES
 from verl_hf.modeling import sequence_inputs
 from verl_hf.reward import HFRewardEngine
+from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
 __all__ = [
@@ -68,6 +72,8 @@ __all__ = [
     "EmptyStepApplied",
     "EosIgnoredWithStopTokens",
     "ExportDtypeIgnored",
+    "Float32UnderBfloat16Rollout",
+    "Float32UnderBfloat16Training",
     "FirstLabelReward",
     "GradientsKeptOnLoad",
     "GreedyLogProbsAtTemperatureOne",
@@ -95,6 +101,8 @@ __all__ = [
     "SeededByBatchPosition",
     "SiluHardCodedRollout",
     "SiluHardCodedTraining",
+    "SingleFileOnlyRollout",
+    "SingleFileOnlyTraining",
     "SkippedStepCounted",
     "SleepingButTakingWeights",
     "SleepingRollout",
@@ -114,6 +122,8 @@ __all__ = [
     "WeightDecayIgnored",
     "WeightsWrittenDuringGenerate",
     "WindowlessSlidingBuilt",
+    "WorkerEndedByClose",
+    "WorkerEndedByCloseOnly",
 ]
 
 
@@ -345,6 +355,30 @@ class CriticWithoutMasterWeights(HFTrainingEngine):
         super().__init__(spec)
 
 
+class Float32UnderBfloat16Rollout(HFRolloutEngine):
+    """The hf rollout (it declares float32 and bfloat16) that loads its model in float32 whatever the spec's dtype
+    says, as a worker that upcasts the weight stream does; it reports the spec it was given. Its bfloat16 outputs
+    are float32's, within the bfloat16 tier of every check."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32"))
+        self._spec = spec
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """float32, whatever the spec says (weight messages are upcast to it)."""
+        return torch.float32
+
+
+class Float32UnderBfloat16Training(HFTrainingEngine):
+    """The hf training engine that builds its model in float32 whatever the spec's dtype says, reporting the spec
+    it was given (an actor that declares bfloat16 and computes in float32)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(replace(spec, dtype="float32"))
+        self._spec = spec
+
+
 class WindowlessSlidingBuilt(HFTrainingEngine):
     """The hf actor without its layer_types rule: it builds on a folder whose layer_types marks sliding layers
     while use_sliding_window is false (transformers' forward then fails at the first call)."""
@@ -388,6 +422,28 @@ class OmittedKeysOldDefaultsRollout(TinyRolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         super().__init__(spec)
         _old_defaults_where_omitted(self, spec.model_path)
+
+
+def _single_file_only(path: str) -> None:
+    """Refuse a folder without one ``model.safetensors``, as the tiny example once did."""
+    if not (Path(path) / "model.safetensors").is_file():
+        raise ConfigError(f"{path} has no model.safetensors; this backend reads single-file safetensors folders")
+
+
+class SingleFileOnlyTraining(TinyTrainingEngine):
+    """Reads one ``model.safetensors`` and refuses a sharded folder (model-0000k-of-0000n files and an index)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        _single_file_only(spec.model_path)
+        super().__init__(spec)
+
+
+class SingleFileOnlyRollout(TinyRolloutEngine):
+    """The rollout engine of the same fault."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        _single_file_only(spec.model_path)
+        super().__init__(spec)
 
 
 class BucketDefaultChangedTraining(TinyTrainingEngine):
@@ -954,3 +1010,36 @@ class RunnerUpAtThirdToken(_SamplerRollout):
 
     def _sampler(self, params: SamplingParams, stops: Tensor, uniforms: Tensor | None) -> TokenSampler:
         return _RunnerUpAtThirdToken(params, self.tokenizer.pad_token_id, stops, uniforms)
+
+
+# ---------------------------------------------------------------------------------------- lifetime
+_WORKER = "import time; time.sleep(600)  # a dropped engine's worker"
+
+
+class WorkerEndedByCloseOnly(TinyRolloutEngine):
+    """Starts a worker process at build (an inference server's stand-in) that close() ends (a kill and a wait), and
+    registers no weakref.finalize: an engine dropped without close() leaves it running."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.worker = subprocess.Popen([sys.executable, "-c", _WORKER])
+
+    def close(self) -> None:
+        """Kill the worker and wait for it (twice is harmless)."""
+        _end(self.worker)
+        super().close()
+
+
+class WorkerEndedByClose(WorkerEndedByCloseOnly):
+    """:class:`WorkerEndedByCloseOnly` with the finalizer docs/backend-rollout-engine.md asks for: a dropped engine
+    ends its worker too (the callback holds the worker, not the engine)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        weakref.finalize(self, _end, self.worker)
+
+
+def _end(worker: subprocess.Popen[bytes]) -> None:
+    if worker.poll() is None:
+        worker.kill()
+        worker.wait(10)

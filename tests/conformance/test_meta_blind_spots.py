@@ -67,6 +67,12 @@ BLIND_SPOTS: list[tuple[str, Factory | None, Factory | None, list[str], str, lis
       "numerics::omitted_config_keys_take_family_defaults"],
      "numerics::omitted_config_keys_take_family_defaults",
      ["forward log_probs on llama-omitted-keys", "leaves out head_dim"]),
+    # "read every *.safetensors file" had no check: every test-kit folder holds one model.safetensors
+    ("sharded-folder-refused", faulty.SingleFileOnlyTraining, faulty.SingleFileOnlyRollout,
+     ["numerics::log_probs_match_reference", "numerics::rollout_log_probs_match_reference",
+      "numerics::sharded_folder_loads"],
+     "numerics::sharded_folder_loads",
+     ["the actor engine refused llama-sharded", "read every *.safetensors file of the folder"]),
     # "keep the protocol's signatures and defaults" was a rule without a check (an example backend broke it)
     ("export-default-changed", faulty.BucketDefaultChangedTraining, None,
      ["weight_sync::export_matches_folder", "schema::protocol_signatures_kept"],
@@ -610,3 +616,31 @@ def test_a_bfloat16_critic_without_float32_masters_fails_the_small_updates_check
     message = str(info.value)
     assert "the critic: after 32 AdamW steps at lr=1e-05 in bfloat16 under the value loss" in message, message
     assert "keep float32 master weights" in message, message
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("role", "training", "rollout", "reference_check"), [
+    ("actor", faulty.Float32UnderBfloat16Training, None, "numerics::log_probs_match_reference"),
+    ("rollout", None, faulty.Float32UnderBfloat16Rollout, "numerics::rollout_log_probs_match_reference"),
+])
+def test_a_bfloat16_engine_that_computes_in_float32_fails_the_declared_dtypes_check(
+        dtype: str, role: str, training: Factory | None, rollout: Factory | None, reference_check: str) -> None:
+    """An engine that declares bfloat16 but computes in float32 (its model or weight stream upcast) is within the
+    bfloat16 tier everywhere: a whole --dtype bfloat16 run passed it, and so did the declared-dtypes check of a
+    float32 run. Its bfloat16 outputs are now compared with its float32 ones: bit-equal fails, in either run; the
+    hf engines it is built on pass."""
+    target = "numerics::declared_dtypes_and_devices"
+    with pytest.raises(ConformanceError) as info:
+        check_backend(f"{role}-float32-under-bfloat16", make_training_engine=training, make_rollout_engine=rollout,
+                      checks=[reference_check, target], dtype=dtype)
+    report = info.value.report
+    assert report is not None
+    assert [r.id for r in report.failures] == [target], report.table()
+    message = str(info.value)
+    what = ("forward log_probs of 6 samples" if role == "actor"
+            else "tokens and rollout_log_probs of 6 seeded samples (T=1, seed 9)")
+    assert (f"the {role} engine built with dtype='bfloat16' on device cpu gives {what} bit-equal to the same role "
+            "built in float32") in message, message
+    assert "it computes in float32" in message, message
+    report = run_conformance("hf", checks=[target], dtype=dtype)
+    assert [r.status for r in report.results] == ["passed"], report.table()

@@ -101,3 +101,21 @@ def test_a_critic_whose_gradients_are_not_summed_over_the_ranks_fails_the_dp_che
     message = str(info.value)
     assert "critic grad norm with dp=2 on the value-head folder vs one process" in message, message
     assert "actor " not in message, message
+
+
+def test_an_engine_dropped_without_close_that_leaves_its_worker_running_fails() -> None:
+    """close() ended the worker, so the close check passed an engine without the weakref.finalize the docs ask
+    for; a user's script that stops early drops the engine and its worker ran on. The check now drops an engine
+    of each role too (built through the factory, no reference kept, gc.collect()): the same engine with the
+    finalizer passes."""
+    report = check_backend("dropped-worker-finalized", make_training_engine=TinyTrainingEngine,
+                           make_rollout_engine=faulty.WorkerEndedByClose, checks=[CHECK])
+    assert [r.status for r in report.results] == ["passed"], report.table()
+    with pytest.raises(ConformanceError) as info:
+        check_backend("dropped-worker-left", make_training_engine=TinyTrainingEngine,
+                      make_rollout_engine=faulty.WorkerEndedByCloseOnly, checks=[CHECK])
+    message = str(info.value)
+    assert ("the rollout engine, dropped without close(), left 1 child process(es) running 10 s after its last "
+            "reference went and gc.collect() ran") in message, message
+    assert "a dropped engine's worker" in message and "weakref.finalize" in message, message
+    assert "after close()" not in message and "actor" not in message, message

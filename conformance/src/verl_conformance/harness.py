@@ -34,6 +34,7 @@ from verl_conformance.testkit import (
     perturbed_model,
     random_batch,
     rope_scaled_model,
+    sharded_model,
     sliding_window_model,
     tiny_model,
     tolerance,
@@ -83,6 +84,9 @@ EngineFactory = Callable[[EngineSpec], Any]
 
 _E = TypeVar("_E")
 
+BFLOAT16_RUN: Final = "verl conformance NAME --dtype bfloat16, or pytest --verl-dtype bfloat16"
+"""How a user runs the whole suite in bfloat16 (skip reasons of the bfloat16-only checks name it)."""
+
 SUITE_OPTIM: Final = OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0)
 """AdamW whose first update is ``-lr * g / (|g| + eps)``: invertible, so one step's weight change
 recovers the gradient exactly (see :func:`recover_grads`), and well conditioned over a few steps."""
@@ -128,6 +132,7 @@ CRAFTED: Final[dict[str, Callable[[], Any]]] = {
     "qwen2-constants": lambda: config_constants_model(MODELS["qwen2"]),
     "qwen3-constants": lambda: config_constants_model(TinyModelSpec(arch="qwen3")),
     "llama-gelu": other_activation_model,
+    "llama-sharded": sharded_model,
     "llama-omitted-keys": partial(omitted_keys_model, "llama"),
     "qwen3-omitted-keys": partial(omitted_keys_model, "qwen3"),
     "qwen2-sliding": sliding_window_model,

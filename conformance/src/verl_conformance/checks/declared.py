@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.numerics import one_update
@@ -38,44 +39,84 @@ def _role_caps(h: Harness, role: Role) -> Any:
 
 @check("numerics", gates=("training.dtypes", "training.devices", "rollout.dtypes", "rollout.devices"))
 def check_declared_dtypes_and_devices(h: Harness) -> None:
-    """Each declared dtype on each declared device present here builds, and one actor forward's log-probs and one rollout generate's rollout_log_probs match the float64 reference in its tier (no update runs: --verl-dtype runs the whole suite in a dtype)."""
+    """Each declared dtype on each declared device present here builds, and one actor forward's log-probs and one rollout generate's rollout_log_probs match the float64 reference in its tier (no update runs: --verl-dtype runs the whole suite in a dtype). An actor or rollout engine that declares float32 and another dtype computes in that other dtype: built in it (the suite's dtype included) on a device, its forward log-probs (the actor's) or its seeded samples' tokens and rollout_log_probs (the rollout's) are not bit-equal to those of the same role built in float32 on that device, as the reward role's scores are not (an engine that upcasts its model or weight stream to float32 stays within every dtype's tier)."""
     suite_device = torch.device(h.device).type
     tried: list[str] = []
+    compared: list[str] = []
     roles: tuple[Role, ...] = ("actor", "rollout")
     for role in roles:
         if not h.provides(h.subject, role):
             continue
         caps = _role_caps(h, role)
+        dtypes = sorted(caps.dtypes)
+        compare = "float32" in dtypes and len(dtypes) > 1
         for device in sorted(d for d in caps.devices if device_available(d)):
-            for dtype in sorted(caps.dtypes):
+            outputs: dict[str, dict[str, Tensor]] = {}
+            for dtype in dtypes:
                 if (dtype, device) == (h.dtype, suite_device):
-                    continue  # the rest of the suite runs this one
+                    if compare:  # the rest of the suite checks its tier; only its outputs are compared here
+                        outputs[dtype] = _declared_combination(h, role, suite=True)
+                    continue
                 tried.append(f"{role} {dtype} on {device}")
-                _declared_combination(replace(h, dtype=dtype, device=device), role)
+                outputs[dtype] = _declared_combination(replace(h, dtype=dtype, device=device), role)
+                h.close_fresh()
+            if compare:
+                for dtype in dtypes:
+                    if dtype != "float32":
+                        _computes_in_its_dtype(h, role, f"dtype={dtype!r} on device {device}", outputs[dtype],
+                                               outputs["float32"])
+                        compared.append(f"{role} {dtype} on {device}")
     if not tried:
         h.skip(f"the backend declares no dtype and device present here besides the suite's own ({h.dtype} on "
                f"{h.device})")
+    h.note(f"this run's engines are {h.dtype} on {h.device}; built besides them and compared with the float64 "
+           f"reference: {', '.join(tried)}; computing otherwise than the same role in float32 (outputs not "
+           f"bit-equal): {', '.join(compared) or 'none compared'}")
 
 
-def _declared_combination(h: Harness, role: str) -> None:
-    """One role built in ``h.dtype`` on ``h.device``: its log-probs against the float64 reference in that tier."""
+_ROLLOUT_PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=9)
+
+
+def _declared_combination(h: Harness, role: str, *, suite: bool = False) -> dict[str, Tensor]:
+    """One role built in ``h.dtype`` on ``h.device`` (``suite``: the suite's cached engine, whose tier the rest of
+    the suite checks): its log-probs against the float64 reference in that tier, and the outputs (on the CPU,
+    zero past each response) that :func:`_computes_in_its_dtype` compares."""
     where = f"dtype {h.dtype} on device {h.device}"
     try:
-        engine: Any = h.rollout(fresh=True) if role == "rollout" else h.training(fresh=True)
+        engine: Any = ((h.rollout() if suite else h.rollout(fresh=True)) if role == "rollout"
+                       else h.training() if suite else h.training(fresh=True))
     except Exception as e:
         h.fail(f"the {role} engine declares {where} but building it raised {type(e).__name__}: {e}")
     if role == "rollout":
-        params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=9)
         prompts = h.batch(seed=65, batch_size=3).select("prompt_ids", "prompt_mask", "group_ids")
-        batch: TensorBatch = engine.generate(prompts, params)
-        if not engine.log_probs_exact(params):
-            return
+        batch: TensorBatch = engine.generate(prompts, _ROLLOUT_PARAMS)
         got = batch["rollout_log_probs"]
+        exact = engine.log_probs_exact(_ROLLOUT_PARAMS)
     else:
         batch = h.batch(seed=65)
         got = engine.forward(batch)["log_probs"]
-    ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
-    h.close_to(got, ref, "log_probs", f"{role} log-probs with {where} vs float64 reference", mask=batch["response_mask"])
+        exact = True
+    mask = batch["response_mask"].cpu()
+    outputs = {"response_ids": batch["response_ids"].cpu(), "response_mask": mask,
+               "log_probs": got.detach().float().cpu().masked_fill(~mask, 0.0)}
+    if exact and not suite:
+        ref = cached_outputs(h.model_path("llama"), batch)["log_probs"]
+        h.close_to(got, ref, "log_probs", f"{role} log-probs with {where} vs float64 reference",
+                   mask=batch["response_mask"])
+    return outputs
+
+
+def _computes_in_its_dtype(h: Harness, role: str, where: str, got: dict[str, Tensor], f32: dict[str, Tensor]) -> None:
+    """Fail where ``role``'s outputs built with ``where`` are bit-equal to its outputs built in float32."""
+    if not all(torch.equal(got[k], f32[k]) for k in f32):
+        return
+    mask = f32["response_mask"]
+    what = ("forward log_probs of 6 samples" if role == "actor"
+            else f"tokens and rollout_log_probs of {mask.shape[0]} seeded samples (T=1, seed 9)")
+    h.fail(f"the {role} engine built with {where} gives {what} bit-equal to the same role built in float32 "
+           f"(log-probs {[round(v, 6) for v in f32['log_probs'][mask][:4].tolist()]}, ...): it computes in float32 "
+           "(an upcast model or weight stream), not in the dtype it declares; compute in the dtype the spec asks "
+           "for, or leave it out of capabilities.dtypes and refuse it with verl_core.ConfigError")
 
 
 _NORM_MODEL = "llama-bf16-norm"

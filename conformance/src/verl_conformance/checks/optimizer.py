@@ -19,7 +19,13 @@ from torch import Tensor
 
 from verl_conformance.checks._registry import check
 from verl_conformance.checks.stateful import STATE_OPTIM, compare_next_update
-from verl_conformance.harness import SUITE_OPTIM, Harness, collect_stream, exported_weights
+from verl_conformance.harness import (
+    BFLOAT16_RUN,
+    SUITE_OPTIM,
+    Harness,
+    collect_stream,
+    exported_weights,
+)
 from verl_conformance.losses import SuiteLoss, role_loss
 from verl_conformance.reference import ReferenceModel
 from verl_core import (
@@ -221,7 +227,7 @@ spacings."""
 def check_bfloat16_small_updates_accumulate(h: Harness) -> None:
     """In bfloat16, updates each below half of bfloat16's spacing around a weight still add up: after 32 AdamW steps at lr=1e-5 the exported projection weights moved at least 0.5 of the float64 reference's displacement (L2; float32 master weights keep them), not stayed put; for the actor, and for the critic under the value loss on the value-head folder where the backend provides one declaring values (a critic-only backend: the critic); runs in bfloat16 only."""
     if h.dtype != "bfloat16":
-        h.skip(f"runs in bfloat16 only (--verl-dtype bfloat16); {h.dtype} parameters keep every update")
+        h.skip(f"runs in bfloat16 only ({BFLOAT16_RUN}); {h.dtype} parameters keep every update")
     optim = OptimConfig(lr=SMALL_LR, eps=1e-8, weight_decay=0.0, grad_clip=0.0)
     batch = h.batch(seed=90, rl_fields=True)  # the same batch every step: each weight keeps its direction
     moved = []

@@ -4,9 +4,11 @@ and what close() ends."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Final
 
 import psutil
@@ -39,6 +41,7 @@ from verl_core import (
     LossOutput,
     ModelOutput,
     OptimConfig,
+    Role,
     SamplingParams,
     TensorBatch,
 )
@@ -456,26 +459,76 @@ def _running_threads() -> dict[int, str]:
     return {t.ident: t.name for t in threading.enumerate() if not t.daemon and t.ident is not None and t.is_alive()}
 
 
+def _use_once(h: Harness, role: str, engine: Any) -> None:
+    """One call of ``engine`` of ``role``: a generate, a score, or a forward."""
+    if role == "rollout":
+        prompts = h.batch(seed=67, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
+        engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=2))
+    elif role == "reward":
+        engine.score(h.batch(seed=67, batch_size=2).select(*SCORER_INPUTS))
+    else:
+        engine.forward(h.batch(seed=67, batch_size=2, rl_fields=True), ["values"] if role == "critic" else ["log_probs"])
+
+
+def _build_use_and_drop(h: Harness, role: Role) -> None:
+    """An engine of ``role`` built by the subject's factory (as ``h.training(fresh=True)`` and the others build it,
+    but kept by neither the harness's cache nor its list of fresh engines) and used once; no reference to it is
+    left when this returns."""
+    model = {"critic": "value", "reward": "reward"}.get(role, "llama")
+    spec = h.spec(role, model)
+    if h.options:
+        spec = replace(spec, options={**h.options, **spec.options})
+    factory = {"rollout": h.subject.make_rollout, "reward": h.subject.make_reward}.get(role, h.subject.make_training)
+    if factory is None:
+        raise AssertionError(f"backend {h.subject.name!r} has no factory of role {role!r}")
+    engine = factory(spec)
+    _use_once(h, role, engine)
+
+
+def _left_running(procs: dict[int, str], threads: dict[int, str], *,
+                  collect: bool = False) -> tuple[dict[int, str], dict[int, str]]:
+    """The child processes and non-daemon threads not in ``procs`` and ``threads`` still running
+    :data:`_CLOSE_GRACE_S` later (or as soon as none is); ``collect``: a ``gc.collect()`` on each look."""
+    deadline = time.monotonic() + _CLOSE_GRACE_S
+    while True:
+        if collect:
+            gc.collect()
+        left_procs = {pid: cmd for pid, cmd in _running_children().items() if pid not in procs}
+        left_threads = {ident: name for ident, name in _running_threads().items() if ident not in threads}
+        if not (left_procs or left_threads) or time.monotonic() > deadline:
+            return left_procs, left_threads
+        time.sleep(0.1)
+
+
+def _left_problems(what: str, when: str, left_procs: dict[int, str], left_threads: dict[int, str]) -> list[str]:
+    out = []
+    if left_procs:
+        out.append(f"{what} left {len(left_procs)} child process(es) running {_CLOSE_GRACE_S:.0f} s after {when}: "
+                   + "; ".join(f"pid {pid}: {cmd!r}" for pid, cmd in sorted(left_procs.items())))
+    if left_threads:
+        out.append(f"{what} left {len(left_threads)} non-daemon thread(s) running {_CLOSE_GRACE_S:.0f} s after "
+                   f"{when}: {sorted(left_threads.values())}")
+    return out
+
+
 @check("robustness")
 def check_close_ends_what_the_engine_started(h: Harness) -> None:
-    """close() of an engine of each role the backend provides (actor, reference, critic, rollout, reward), built for the check, used once (a forward, a generate, a score) and closed, ends within 10 s every child process and every non-daemon thread the engine started (a worker left running keeps the trainer's process alive after its run, or holds the device's memory for the next engine); a second close() raises nothing. Process-wide helpers that outlive any engine by design (multiprocessing's resource tracker and fork server, torch's compile workers) are not counted; zombies (ended, not yet reaped) count as ended."""
+    """close() of an engine of each role the backend provides (actor, reference, critic, rollout, reward), built for the check, used once (a forward, a generate, a score) and closed, ends within 10 s every child process and every non-daemon thread the engine started (a worker left running keeps the trainer's process alive after its run, or holds the device's memory for the next engine); a second close() raises nothing. So does dropping one without close(): an engine of each role built by the backend's factory, used once, every reference to it dropped and gc.collect() run, leaves within 10 s no child process or non-daemon thread it started (a user's script that stops early never calls close(): register a weakref.finalize on the engine that ends its worker, and let nothing the worker or a thread holds keep the engine alive). Process-wide helpers that outlive any engine by design (multiprocessing's resource tracker and fork server, torch's compile workers) are not counted; zombies (ended, not yet reaped) count as ended."""
     roles = [r for r in ROLES if h.provides(h.subject, r)]
     if not roles:
         h.skip(f"backend {h.subject.name!r} provides no engine")
     problems: list[str] = []
+    dropped: list[str] = []
     for role in roles:
         procs, threads = _running_children(), _running_threads()
         what = f"the {role} engine"
         if role == "rollout":
             engine: Any = h.rollout(fresh=True)
-            prompts = h.batch(seed=67, batch_size=2).select("prompt_ids", "prompt_mask", "group_ids")
-            engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=2))
         elif role == "reward":
             engine = h.reward(fresh=True)
-            engine.score(h.batch(seed=67, batch_size=2).select(*SCORER_INPUTS))
         else:
             engine = h.training(role, fresh=True)
-            engine.forward(h.batch(seed=67, batch_size=2, rl_fields=True), ["values"] if role == "critic" else ["log_probs"])
+        _use_once(h, role, engine)
         try:
             engine.close()
         except Exception as e:
@@ -486,20 +539,17 @@ def check_close_ends_what_the_engine_started(h: Harness) -> None:
         except Exception as e:
             problems.append(f"{what}'s second close() raised {type(e).__name__}: {str(e)[:200]} (close() may come "
                             "twice: the trainer's error path and a user's script both close what they built)")
-        deadline = time.monotonic() + _CLOSE_GRACE_S
-        while True:
-            left_procs = {pid: cmd for pid, cmd in _running_children().items() if pid not in procs}
-            left_threads = {ident: name for ident, name in _running_threads().items() if ident not in threads}
-            if not (left_procs or left_threads) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        if left_procs:
-            problems.append(f"{what} left {len(left_procs)} child process(es) running {_CLOSE_GRACE_S:.0f} s after "
-                            "close(): " + "; ".join(f"pid {pid}: {cmd!r}" for pid, cmd in sorted(left_procs.items())))
-        if left_threads:
-            problems.append(f"{what} left {len(left_threads)} non-daemon thread(s) running {_CLOSE_GRACE_S:.0f} s "
-                            f"after close(): {sorted(left_threads.values())}")
+        problems += _left_problems(what, "close()", *_left_running(procs, threads))
+        del engine
+        procs, threads = _running_children(), _running_threads()
+        _build_use_and_drop(h, role)
+        left = _left_problems(f"{what}, dropped without close(),", "its last reference went and gc.collect() ran",
+                              *_left_running(procs, threads, collect=True))
+        problems += left
+        dropped += [role] if left else []
     if problems:
         h.fail("; ".join(problems) + ". close() stops what the engine started (a worker: a stop message, a wait, "
-               "then a kill; a thread: a stop flag and a join) and may be called twice; docs/backend-rollout-engine.md, "
-               "'An engine in another process'")
+               "then a kill; a thread: a stop flag and a join) and may be called twice"
+               + (("; a weakref.finalize registered on the engine (its callback holding the worker, not the engine) "
+                   "stops them when the engine is dropped without close()") if dropped else "")
+               + "; docs/backend-rollout-engine.md, 'An engine in another process'")

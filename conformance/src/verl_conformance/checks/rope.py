@@ -275,6 +275,29 @@ _OMITTED_FOLDERS = (("llama-omitted-keys", "llama"), ("qwen3-omitted-keys", "qwe
 
 
 @check("numerics")
+def check_sharded_folder_loads(h: Harness) -> None:
+    """On the tiny Llama saved as a sharded folder (three model-0000k-of-00003.safetensors files and a model.safetensors.index.json naming each tensor's file, no model.safetensors; every tensor moved, the embedding in the first file and the lm_head in the last), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference: an engine reads every safetensors file of a folder (real checkpoints past a few GB are sharded). The actor and the rollout engine, where provided; a refusal fails."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    model = "llama-sharded"
+    advice = ("the folder holds its weights in three model-0000k-of-00003.safetensors files listed by "
+              "model.safetensors.index.json: read every *.safetensors file of the folder (or the index's weight_map), "
+              "as transformers does")
+    for role in roles:
+        try:
+            engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
+                           else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+        except ConfigError as e:
+            h.fail(f"the {role} engine refused {model}: {str(e)[:300]}; {advice}")
+        if role == "actor":
+            _forward(h, engine, model, advice, seed=105)
+        else:
+            _generate(h, engine, model, advice, seed=106)
+        h.close_fresh()
+
+
+@check("numerics")
 def check_hidden_act_honoured_or_refused(h: Harness) -> None:
     """On the tiny Llama with hidden_act gelu_pytorch_tanh instead of silu (same weights; transformers applies the activation the config names), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming hidden_act (listed in the pass): never SiLU hard-coded. The actor and the rollout engine, where provided, each decide."""
     _honoured_or_refused(h, "llama-gelu", ("hidden_act",),

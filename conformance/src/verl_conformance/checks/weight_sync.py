@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from verl_conformance.checks._registry import check
-from verl_conformance.harness import Harness, collect_stream, messages_kinds
+from verl_conformance.harness import BFLOAT16_RUN, Harness, collect_stream, messages_kinds
 from verl_conformance.losses import TOKEN_MEAN_PG
 from verl_conformance.reference import cached_outputs
 from verl_core import (
@@ -67,7 +67,8 @@ def _serves(h: Harness, engine: RolloutEngine, model: str, what: str) -> None:
 def check_bfloat16_export_after_update_is_the_rounded_model(h: Harness) -> None:
     """In bfloat16, after an update (float32 masters where the engine keeps them), export_weights() streams the model's bfloat16 tensors and export_weights(dtype=float32) the same values: what the rollout serves, never the float32 masters."""
     if h.dtype != "bfloat16":
-        h.skip(f"a check of bfloat16 engines (their float32 masters must not be exported); the suite runs {h.dtype}")
+        h.skip(f"a check of bfloat16 engines (their float32 masters must not be exported); this run builds {h.dtype} "
+               f"(bfloat16: {BFLOAT16_RUN})")
     engine = h.training(fresh=True)
     batch = h.batch(seed=96, rl_fields=True)
     engine.forward_backward(batch, TOKEN_MEAN_PG, GlobalBatchStats.of(batch))

@@ -18,6 +18,8 @@ loads with transformers, vLLM and the Megatron converter like any test-kit folde
 * :func:`perturbed_model`: a folder's weights with every tensor moved by its own known delta.
 * :func:`omitted_keys_model`: a Llama and a Qwen3 whose ``config.json`` leaves out the keys transformers
   fills from the family's defaults (Qwen3's ``head_dim`` is 128, not ``hidden_size / heads``).
+* :func:`sharded_model`: the tiny Llama (tensors moved) in three safetensors files with an index, as
+  every real checkpoint past a few GB is saved.
 * :func:`bfloat16_norm_model`: a Llama whose normalised rows sit just beside bfloat16 rounding
   points: an RMSNorm computed in bfloat16 (no float32 upcast) moves its log-probs by nats.
 * :func:`bfloat16_norm_reward_model`: its reward-model variant (a score head), whose scores such a norm
@@ -83,6 +85,7 @@ __all__ = [
     "OUT_OF_VOCAB_TOKEN",
     "ROPE_SCALED_MAX_POSITIONS",
     "ROPE_SCALINGS",
+    "SHARDS",
     "SLIDING_WINDOW",
     "VALUE_HEAD_BIAS",
     "ShuffledTokenizer",
@@ -103,6 +106,7 @@ __all__ = [
     "perturbed_absolute_position_model",
     "perturbed_model",
     "rope_scaled_model",
+    "sharded_model",
     "sliding_window_model",
     "two_label_reward_model",
     "value_bias_model",
@@ -398,6 +402,50 @@ def omitted_keys_model(arch: Literal["llama", "qwen3"]) -> Path:
 
     return _crafted(f"omitted-keys-{arch}", {"base": asdict(spec), "omitted": OMITTED_KEYS[arch],
                                              "embed_scale": OMITTED_KEYS_EMBED_SCALE, "seed": 3}, build)
+
+
+SHARDS: Final = 3
+"""How many ``model-0000k-of-00003.safetensors`` files :func:`sharded_model` splits the weights into."""
+
+
+def sharded_model() -> Path:
+    """The test kit's tiny Llama with every tensor moved (as :func:`perturbed_model`'s, seed 4) saved as a
+    sharded folder, the layout of every real checkpoint past a few GB: :data:`SHARDS` files
+    ``model-0000k-of-00003.safetensors`` and a ``model.safetensors.index.json`` whose ``weight_map``
+    names each tensor's file, and no ``model.safetensors``. The embedding and the first layer lie in
+    the first file, the last layer, the final norm and the ``lm_head`` in the last: an engine that
+    reads one file computes another model or fails to load."""
+    spec = TinyModelSpec()
+
+    def build(out: Path) -> None:
+        from safetensors.torch import save_file
+
+        base = tiny_model(spec)
+        weights = _perturbed_weights(base, 4)
+        names = sorted(weights, key=_shard_order)
+        size = -(-len(names) // SHARDS)
+        weight_map: dict[str, str] = {}
+        for k in range(SHARDS):
+            part = names[k * size:(k + 1) * size]
+            file = f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors"
+            save_file({n: weights[n].contiguous() for n in part}, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        for f in base.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "verl_tiny_model.json"):
+                shutil.copy(f, out / f.name)
+
+    return _crafted("sharded", {"base": asdict(spec), "shards": SHARDS, "seed": 4}, build)
+
+
+def _shard_order(name: str) -> tuple[int, int, str]:
+    """Embedding first, then the layers in order, then the final norm and the head."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0, 0, name) if "embed_tokens" in name else (2, 0, name)
 
 
 OTHER_ACTIVATION: Final = "gelu_pytorch_tanh"

@@ -256,10 +256,12 @@ class Model(nn.Module):
         cfg = Cfg.load(path)
         fresh_head = value_head and not cfg.value_head
         m = Model(replace(cfg, value_head=True) if fresh_head else cfg)
-        weights = Path(path) / "model.safetensors"
-        if not weights.is_file():
-            raise ConfigError(f"{path} has no model.safetensors; the tiny backend reads single-file safetensors folders")
-        state = load_file(str(weights))
+        files = sorted(Path(path).glob("*.safetensors"))  # one model.safetensors, or the shards of a large folder
+        if not files:
+            raise ConfigError(f"{path} has no *.safetensors file; expected a transformers model folder")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
         if fresh_head:
             state.pop("lm_head.weight", None)
             std = float(json.loads((Path(path) / "config.json").read_text()).get("initializer_range", 0.02))

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
@@ -60,9 +61,10 @@ __all__ = ["EngineAsleepError", "VllmRolloutEngine", "build_rollout_engine", "sa
 
 # vLLM raises temperatures in (0, 0.01) to 0.01; sampling there would not follow the request.
 _MIN_TEMPERATURE: Final = 1e-2
-_OPEN_ENGINES: set[int] = set()
-"""Ids of this process's open engines: in-process vLLM engines share one process-wide distributed
-state, which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`)."""
+_OPEN_ENGINES: weakref.WeakSet[VllmRolloutEngine] = weakref.WeakSet()
+"""This process's open engines: in-process vLLM engines share one process-wide distributed state,
+which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`). Weak: an engine dropped
+without close() leaves the set when it is collected, so the last open engine still shuts all down."""
 
 
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
@@ -110,7 +112,7 @@ class VllmRolloutEngine(RolloutEngineBase):
         self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
         self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu,
                                          prefix_continuation=self._config.enable_prefix_caching)
-        _OPEN_ENGINES.add(id(self))
+        _OPEN_ENGINES.add(self)
         self.last_sync_seconds: Mapping[str, float] = {}
         """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
 
@@ -284,7 +286,7 @@ class VllmRolloutEngine(RolloutEngineBase):
         if self._closed:
             return
         self._closed = True
-        _OPEN_ENGINES.discard(id(self))
+        _OPEN_ENGINES.discard(self)
         shutdown_llm(self._llm, others_open=bool(_OPEN_ENGINES))
         del self._llm
         gc.collect()
