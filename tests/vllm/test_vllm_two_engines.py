@@ -27,3 +27,25 @@ def test_closing_one_engine_keeps_the_other_serving(llama_path: Path) -> None:
         assert torch.equal(after["response_ids"], before["response_ids"])
     finally:
         first.close()
+
+
+def test_dropping_one_engine_without_close_keeps_the_other_serving(llama_path: Path) -> None:
+    """An engine dropped without close() is shut down by its finalizer, its own parts only while another
+    is open: vLLM's client finalizer alone ran the full shutdown when the dropped LLM was collected."""
+    import gc
+
+    spec = EngineSpec(str(llama_path), "rollout", max_prompt_len=MAX_PROMPT, max_response_len=MAX_RESPONSE)
+    config = VllmRolloutConfig(kv_cache_bytes=KV_CACHE_BYTES, max_num_seqs=16)
+    prompts = make_prompts([[4, 5, 6], [7, 8]], [0, 1])
+    greedy = SamplingParams(greedy=True, max_new_tokens=4)
+    first = VllmRolloutEngine(spec, config)
+    try:
+        before = first.generate(prompts, greedy)
+        second = VllmRolloutEngine(spec, config)
+        second.generate(prompts, greedy)
+        del second
+        gc.collect()
+        after = first.generate(prompts, greedy)  # raised "pipeline model parallel group is not initialized"
+        assert torch.equal(after["response_ids"], before["response_ids"])
+    finally:
+        first.close()

@@ -93,10 +93,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes the suite builds engines in (each has its tolerance tier)."""
 
 
-def undeclared_dtype(backend: str | Subject, dtype: str) -> str | None:
+def undeclared_dtype(backend: str | Subject, dtype: str, flag: str = "--dtype") -> str | None:
     """Why the suite cannot run ``backend`` in ``dtype``, or None: the dtype is not one of :data:`DTYPES`,
     or no role of an installed backend declares it (engines given as factories declare nothing
-    up front; their dtype checks decide)."""
+    up front; their dtype checks decide). ``flag`` is the option the advice names (``--dtype`` of
+    ``verl conformance``, pytest's ``--verl-dtype``)."""
     if dtype not in DTYPES:
         return f"dtype {dtype!r} is not one the suite runs in; expected one of {', '.join(DTYPES)}"
     if dtype == "float32":
@@ -115,8 +116,8 @@ def undeclared_dtype(backend: str | Subject, dtype: str) -> str | None:
     if declared and not any(dtype in d for d in declared.values()):
         listed = ", ".join(f"{role} {'/'.join(sorted(d))}" for role, d in declared.items())
         return (f"dtype {dtype}: backend {name!r} declares {dtype} for none of its roles (capabilities.dtypes: "
-                f"{listed}); run in {'/'.join(sorted({t for d in declared.values() for t in d}))}, or declare "
-                f"{dtype} on the roles that build in it")
+                f"{listed}); run with {flag} {'/'.join(sorted({t for d in declared.values() for t in d}))}, or "
+                f"declare {dtype} on the roles that build in it")
     return None
 
 

@@ -69,7 +69,7 @@ def _check_dtype_declared(config: pytest.Config) -> None:
         return
     from verl_conformance.api import undeclared_dtype
 
-    refusal = undeclared_dtype(name, dtype)
+    refusal = undeclared_dtype(name, dtype, "--verl-dtype")
     if refusal:
         raise pytest.UsageError(f"--verl-{refusal}")  # "--verl-dtype bfloat16: backend ..."
 

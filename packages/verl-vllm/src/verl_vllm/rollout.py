@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -61,10 +62,18 @@ __all__ = ["EngineAsleepError", "VllmRolloutEngine", "build_rollout_engine", "sa
 
 # vLLM raises temperatures in (0, 0.01) to 0.01; sampling there would not follow the request.
 _MIN_TEMPERATURE: Final = 1e-2
-_OPEN_ENGINES: weakref.WeakSet[VllmRolloutEngine] = weakref.WeakSet()
-"""This process's open engines: in-process vLLM engines share one process-wide distributed state,
-which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`). Weak: an engine dropped
-without close() leaves the set when it is collected, so the last open engine still shuts all down."""
+_OPEN_ENGINES: set[int] = set()
+"""Keys of this process's open engines: in-process vLLM engines share one process-wide distributed
+state, which a full shutdown tears down (see :meth:`VllmRolloutEngine.close`)."""
+_ENGINE_KEYS = itertools.count()
+
+
+def _release(llm: Any, key: int) -> None:
+    """Shut an engine's vLLM down, its own parts only while other engines of this process are open:
+    what ``close()`` runs, and the finalizer of an engine dropped without it (vLLM's own client
+    finalizer would run the full shutdown when the LLM is collected, under the engines still open)."""
+    _OPEN_ENGINES.discard(key)
+    shutdown_llm(llm, others_open=bool(_OPEN_ENGINES))
 
 
 def build_rollout_engine(spec: EngineSpec) -> VllmRolloutEngine:
@@ -112,7 +121,10 @@ class VllmRolloutEngine(RolloutEngineBase):
         self._tokenizer = HFTokenizer(self._llm.get_tokenizer(), self._files.vocab_size)
         self._caps = dataclasses.replace(ROLLOUT_CAPABILITIES, sleep_frees_memory=self._on_gpu,
                                          prefix_continuation=self._config.enable_prefix_caching)
-        _OPEN_ENGINES.add(self)
+        key = next(_ENGINE_KEYS)
+        _OPEN_ENGINES.add(key)
+        # holds the LLM, not the engine: a dropped engine is collected, and this shuts its vLLM down
+        self._shutdown = weakref.finalize(self, _release, self._llm, key)
         self.last_sync_seconds: Mapping[str, float] = {}
         """Wall time of the last update_weights: ``receive_apply`` and ``reset_cache`` seconds."""
 
@@ -286,7 +298,6 @@ class VllmRolloutEngine(RolloutEngineBase):
         if self._closed:
             return
         self._closed = True
-        _OPEN_ENGINES.discard(self)
-        shutdown_llm(self._llm, others_open=bool(_OPEN_ENGINES))
+        self._shutdown()  # runs _release once (a dropped engine's finalizer would otherwise)
         del self._llm
         gc.collect()
