@@ -66,9 +66,7 @@ def _names_scaling(message: str, kind: str) -> bool:
 def _build(h: Harness, role: str, model: str, kind: str) -> Any:
     """The subject's fresh engine of ``role`` on ``model``, or the refusal's text (a ConfigError)."""
     try:
-        if role == "actor":
-            return h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT)
-        return h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
+        return _fresh_engine(h, role, model)
     except ConfigError as e:
         if not _names_scaling(str(e), kind):
             h.fail(f"the {role} engine refused the folder {model} ({_scaling(kind)}) with a ConfigError that names "
@@ -200,6 +198,31 @@ _CONSTANTS_FOLDERS = (("llama-constants", "llama"), ("qwen2-constants", "qwen2")
 """The folders of :func:`check_config_constants_match_reference` and their model types."""
 
 
+def _policy_roles(h: Harness) -> list[str]:
+    """The actor and rollout roles the subject provides (skips the check when it provides neither)."""
+    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
+    if not roles:
+        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    return roles
+
+
+def _fresh_engine(h: Harness, role: str, model: str) -> Any:
+    """A fresh actor or rollout engine of the subject on ``model``."""
+    if role == "actor":
+        return h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT)
+    return h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT)
+
+
+def _matches_reference(h: Harness, role: str, engine: Any, model: str, advice: str, seed: int) -> None:
+    """The actor's forward (``seed``) or the rollout's greedy tokens (``seed + 1``) against the float64
+    reference, then the engine closed."""
+    if role == "actor":
+        _forward(h, engine, model, advice, seed=seed)
+    else:
+        _generate(h, engine, model, advice, seed=seed + 1)
+    h.close_fresh()
+
+
 _FAMILY_HINT = ("; this refusal names the model family: the actor, the reference and the rollout must load every "
                 "llama, qwen2 and qwen3 folder (writing-a-backend.md, Model types), refusing only the setting they "
                 "do not implement")
@@ -215,24 +238,16 @@ def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice:
     """The actor's forward and the rollout's greedy tokens on ``model`` equal the float64 reference, or the
     engine refuses the folder with a ConfigError whose message holds one of ``names`` (lower case; noted);
     each role provided decides."""
-    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
-    if not roles:
-        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
     refused = []
-    for role in roles:
+    for role in _policy_roles(h):
         try:
-            engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
-                           else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+            engine = _fresh_engine(h, role, model)
         except ConfigError as e:
             h.expect(any(word in without_folders(str(e)).lower() for word in names), f"the {role} engine refused {model} with a "
                      f"ConfigError that names none of {list(names)}: {str(e)[:300]}; {advice}{_family_hint(str(e))}")
             refused.append(role)
             continue
-        if role == "actor":
-            _forward(h, engine, model, advice, seed=seed)
-        else:
-            _generate(h, engine, model, advice, seed=seed + 1)
-        h.close_fresh()
+        _matches_reference(h, role, engine, model, advice, seed)
     if refused:
         h.note(f"refused by the {' and the '.join(refused)} (ConfigError naming {names[0]})")
 
@@ -240,9 +255,7 @@ def _honoured_or_refused(h: Harness, model: str, names: tuple[str, ...], advice:
 @check("numerics")
 def check_omitted_config_keys_take_family_defaults(h: Harness) -> None:
     """On a Llama and a Qwen3 folder whose config.json leaves out the keys transformers fills from the family's defaults (head_dim, num_key_value_heads, rms_norm_eps, the RoPE entry, tie_word_embeddings, attention_bias, hidden_act, and Qwen3's sliding-window keys; the Qwen3's heads are 128 wide, its head_dim default, not hidden_size / heads = 32; the embedding scaled so that an rms_norm_eps other than 1e-6 moves the outputs by nats), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference, or the engine refuses the folder with a ConfigError naming an omitted key (a rollout engine may instead name qwen3, as in config_constants_match_reference; listed in the pass). The actor and the rollout engine, where provided, each decide."""
-    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
-    if not roles:
-        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    roles = _policy_roles(h)
     refused: list[str] = []
     for model, arch in _OMITTED_FOLDERS:
         keys = OMITTED_KEYS[arch]
@@ -251,8 +264,7 @@ def check_omitted_config_keys_take_family_defaults(h: Harness) -> None:
                   "the folder with a ConfigError naming the key")
         for role in roles:
             try:
-                engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
-                               else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+                engine = _fresh_engine(h, role, model)
             except ConfigError as e:
                 said = without_folders(str(e)).lower()
                 names = keys + ((arch,) if role == "rollout" and arch != "llama" else ())
@@ -261,11 +273,7 @@ def check_omitted_config_keys_take_family_defaults(h: Harness) -> None:
                          f"{_family_hint(str(e))}")
                 refused.append(f"the {role} engine refused {model}")
                 continue
-            if role == "actor":
-                _forward(h, engine, model, advice, seed=103)
-            else:
-                _generate(h, engine, model, advice, seed=104)
-            h.close_fresh()
+            _matches_reference(h, role, engine, model, advice, seed=103)
     if refused:
         h.note("; ".join(refused))
 
@@ -277,24 +285,17 @@ _OMITTED_FOLDERS = (("llama-omitted-keys", "llama"), ("qwen3-omitted-keys", "qwe
 @check("numerics")
 def check_sharded_folder_loads(h: Harness) -> None:
     """On the tiny Llama saved as a sharded folder (three model-0000k-of-00003.safetensors files and a model.safetensors.index.json naming each tensor's file, no model.safetensors; every tensor moved, the embedding in the first file and the lm_head in the last), forward log-probs and greedy tokens with their rollout log-probs equal the float64 reference: an engine reads every safetensors file of a folder (real checkpoints past a few GB are sharded). The actor and the rollout engine, where provided; a refusal fails."""
-    roles = [role for role in ("actor", "rollout") if h.provides(h.subject, role)]
-    if not roles:
-        h.skip(f"backend {h.subject.name!r} provides neither a training nor a rollout engine")
+    roles = _policy_roles(h)
     model = "llama-sharded"
     advice = ("the folder holds its weights in three model-0000k-of-00003.safetensors files listed by "
               "model.safetensors.index.json: read every *.safetensors file of the folder (or the index's weight_map), "
               "as transformers does")
     for role in roles:
         try:
-            engine: Any = (h.training(model=model, fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
-                           else h.rollout(model, fresh=True, max_prompt_len=_MAX_PROMPT))
+            engine = _fresh_engine(h, role, model)
         except ConfigError as e:
             h.fail(f"the {role} engine refused {model}: {str(e)[:300]}; {advice}")
-        if role == "actor":
-            _forward(h, engine, model, advice, seed=105)
-        else:
-            _generate(h, engine, model, advice, seed=106)
-        h.close_fresh()
+        _matches_reference(h, role, engine, model, advice, seed=105)
 
 
 @check("numerics")
@@ -316,10 +317,9 @@ def check_sliding_window_honoured_or_refused(h: Harness) -> None:
     advice = ("its layer_types marks every layer sliding_attention while use_sliding_window is false: transformers "
               "sets sliding_window to None and its forward fails, so no computation is the folder's; refuse it "
               "with a ConfigError naming layer_types (verl_core.enginekit.model_folder.check_layer_types)")
-    for role in [role for role in ("actor", "rollout") if h.provides(h.subject, role)]:
+    for role in _policy_roles(h):
         try:
-            (h.training(model="qwen2-sliding-windowless", fresh=True, max_prompt_len=_MAX_PROMPT) if role == "actor"
-             else h.rollout("qwen2-sliding-windowless", fresh=True, max_prompt_len=_MAX_PROMPT))
+            _fresh_engine(h, role, "qwen2-sliding-windowless")
         except ConfigError as e:
             said = without_folders(str(e)).lower()  # an engine without sliding windows may say so instead
             h.expect(any(word in said for word in ("layer_types", "sliding_window", "sliding window", "sliding-window")),
