@@ -22,6 +22,7 @@ from bench_gpu import SPEC, graph_time
 
 from verl_conformance.testkit import build_tiny_model
 from verl_core import BatchMeta, EngineSpec, SamplingParams, TensorBatch, get_rollout_engine
+from verl_core.enginekit.sampling import sampling_step
 
 
 def main() -> None:
@@ -90,7 +91,12 @@ def main() -> None:
     sampler = dec.sampler
     if sampler.uniforms is None:
         sampler.uniforms = torch.rand(chunk.batch_size, args.new, dtype=torch.float64, device="cuda")
-    rows.append(("sampling of a step alone (graph)", graph_time(lambda: sampler.step(logits, 3, alive))))
+    t = torch.full((1,), 3, dtype=torch.int64, device="cuda")
+    rows.append(("sampling of a step alone, eager (graph)",
+                 graph_time(lambda: sampling_step(sampler.params, sampler.pad, sampler.stops, sampler.uniforms,
+                                                  logits, t, alive))))
+    if sampler.compiled:
+        rows.append(("sampling of a step alone, compiled (graph)", graph_time(lambda: sampler.step(logits, t, alive))))
     model = engine.model
     x = torch.randn(chunk.batch_size, SPEC.hidden_size, device="cuda", dtype=torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
-# profile-update | vs-trl | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-update|vs-trl|pending [args]   (writes under $OUT)
+# profile-decode | profile-update | vs-trl | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-decode|profile-update|vs-trl|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
 set -uo pipefail
@@ -46,6 +46,8 @@ case $step in
     timeout 250 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
       --turn-tokens 340 --max-turns 6 --out "$OUT/async"
     timeout 200 bash "$0" lora --size 14b --modes lora --steps 2 --json "$OUT/lora-14b.json" ;;
+  #   profile-decode ARGS: where the hf rollout's decode step goes (benchmarks/gpu/profile_decode.py ARGS, e.g. --out "$OUT/pd")
+  profile-decode) (cd "$(dirname "$0")" && python3 profile_decode.py "$@") 2>&1 | tee -a "$OUT/profile_decode.log" ;;
   #   profile-update ARGS: where the hf actor's update goes (benchmarks/gpu/profile_update.py ARGS; model under /tmp)
   profile-update) python3 benchmarks/gpu/profile_update.py --out /tmp/profile-update "$@" 2>&1 | tee -a "$OUT/profile_update.log" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from verl_core import BatchValidationError, SamplingParams, TensorBatch
 from verl_core.enginekit.sampling import (
@@ -13,6 +14,7 @@ from verl_core.enginekit.sampling import (
     inverse_cdf,
     kept_probs,
     sample_seed,
+    sampling_step,
     uniform_table,
 )
 
@@ -192,3 +194,49 @@ def test_inverse_cdf_in_blocks_picks_what_one_full_row_cdf_picks(vocab: int) -> 
     got = inverse_cdf(probs, u)
     assert torch.equal(got, want)
     assert (probs.gather(-1, got.unsqueeze(-1)) > 0).all()
+
+
+def _sampling_inputs(rows: int = 6, vocab: int = 700) -> tuple[SamplingParams, Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=5, seed=0)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    uniforms = torch.rand(rows, 5, generator=g, dtype=torch.float64)
+    alive = torch.tensor([True, True, False, True, True, True])[:rows]
+    return params, logits, uniforms, alive, torch.tensor([5, 9])
+
+
+def test_a_compiled_sampling_step_draws_what_the_eager_step_draws() -> None:
+    """The compiled step (aot_eager here: inductor's CPU code generation takes minutes; the CUDA
+    path is timed by benchmarks/gpu/profile_decode.py) traces the same operations the eager one runs."""
+    params, logits, uniforms, alive, stops = _sampling_inputs()
+    t = torch.tensor([2])
+    compiled = torch.compile(sampling_step, dynamic=False, backend="aot_eager")
+    got = compiled(params, 0, stops, uniforms, logits, t, alive)
+    want = TokenSampler(params, 0, stops, uniforms).step(logits, 2, alive)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_sampling_step_that_fails_to_compile_samples_eagerly_after_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo.exc as dynamo_exc
+
+    from verl_core.enginekit import sampling
+
+    calls: list[int] = []
+
+    def cannot_compile(*args: object) -> None:
+        calls.append(1)
+        raise dynamo_exc.TorchDynamoException("inductor cannot lower this")
+
+    monkeypatch.setattr(sampling, "compiled_sampling_step", lambda: cannot_compile)
+    monkeypatch.setattr(sampling, "_COMPILE_FAILED", [])
+    params, logits, uniforms, alive, stops = _sampling_inputs()
+    want = TokenSampler(params, 0, stops, uniforms).step(logits, 2, alive)
+    sampler = TokenSampler(params, 0, stops, uniforms, compiled=True)
+    with pytest.warns(RuntimeWarning, match="inductor cannot lower this.*samples eagerly from now on"):
+        got = sampler.step(logits, torch.tensor([2]), alive)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    other = TokenSampler(params, 0, stops, uniforms, compiled=True)
+    other.step(logits, torch.tensor([2]), alive)  # no second try, no second warning
+    assert calls == [1]

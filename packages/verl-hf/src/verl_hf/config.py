@@ -45,9 +45,10 @@ class HFOptions:
         rollout_cuda_graphs: Capture the decode step (forward, sampling, bookkeeping) in a CUDA
             graph and replay it; needs ``rollout_cache='static'`` and a CUDA device. None
             (default): on wherever the static cache is used on CUDA.
-        rollout_compile: Run the static decode step's model forward through ``torch.compile``
-            (inductor fuses the per-token elementwise work: norms, rotary embeddings,
-            activations); needs ``rollout_cache='static'``. Compiled once per shape, on the first
+        rollout_compile: Run the static decode step's model forward and its sampling through
+            ``torch.compile`` (inductor fuses the per-token elementwise work: norms, rotary
+            embeddings, activations, and the sampling's softmax and CDF scans:
+            :class:`~verl_core.enginekit.sampling.TokenSampler`); needs ``rollout_cache='static'``. Compiled once per shape, on the first
             ``generate`` of that shape (inductor's on-disk cache makes later runs' compiles
             shorter); combines with ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.

@@ -291,7 +291,8 @@ class HFRolloutEngine(RolloutEngineBase):
                                   device=self._device, step_model=self._compiled, window=window)
 
         return self._decoders.get(self._model, rows, width, params, stop_ids, uniforms,
-                                  self._tokenizer.pad_token_id, self._device, build)
+                                  self._tokenizer.pad_token_id, self._device, build,
+                                  compile_sampling=bool(self._options.rollout_compile))
 
     # ------------------------------------------------------------------ weights
     def _targets(self) -> dict[str, Tensor]:

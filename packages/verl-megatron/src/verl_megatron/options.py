@@ -45,9 +45,9 @@ class MegatronOptions:
         rollout_cuda_graphs: Capture that decode step in a CUDA graph and replay it; needs
             the static cache, a CUDA device and tp=1. None (default): on wherever the static
             cache is used on CUDA with tp=1.
-        rollout_compile: Run that decode step's model forward through ``torch.compile``
-            (inductor fuses the per-token elementwise work: norms, rotary embeddings,
-            activations); needs the static cache. Compiled on the first ``generate`` of each
+        rollout_compile: Run that decode step's model forward and its sampling through
+            ``torch.compile`` (inductor fuses the per-token elementwise work: norms, rotary
+            embeddings, activations, the sampling's softmax and CDF scans); needs the static cache. Compiled on the first ``generate`` of each
             shape; combines with ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies

@@ -203,7 +203,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
                                  step_logits=self._compiled, window=self._options.rollout_decode_window or 0)
 
         return self._decoders.get(self.model, rows, width, params, stop_ids, uniforms, self._tokenizer.pad_token_id,
-                                  self._device, build)
+                                  self._device, build, compile_sampling=bool(self._options.rollout_compile))
 
     @property
     def decode_mode(self) -> str:

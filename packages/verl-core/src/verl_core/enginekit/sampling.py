@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import warnings
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_CACHE_WINDOWS",
     "TokenSampler",
     "cache_windows",
+    "compiled_sampling_step",
     "cuda_graph_capture",
     "eager_decode",
     "expand_prompts",
@@ -47,6 +49,7 @@ __all__ = [
     "kept_probs",
     "mark_window_dynamic",
     "sample_seed",
+    "sampling_step",
     "static_prompt_width",
     "tempered_log_probs",
     "uniform_table",
@@ -159,6 +162,11 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     instead of the whole vocabulary in one sequential pass (on an H200 at 128 x 32,000: about 4x
     less time than a full-row float64 cumsum). Zero-probability tokens are never chosen, except
     where float64 rounding puts the target within one ulp of a row's total.
+
+    Where the target lies is counted (how many running sums are at most the target: sums of
+    non-negative terms never decrease, so the count is the index of the first sum above it,
+    ``searchsorted(..., right=True)``), a comparison and a sum that ``torch.compile`` fuses into
+    the scans (inductor cannot lower ``searchsorted`` over these views).
     """
     rows, vocab = probs.shape
     block = _CDF_BLOCK
@@ -168,10 +176,10 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     sums = p.view(rows, -1, block).cumsum(-1)  # [rows, blocks, block]: running sums within each block
     ends = sums[..., -1].cumsum(-1)  # [rows, blocks]: the CDF at each block's last token
     target = (uniforms.double() * ends[:, -1]).unsqueeze(-1)
-    b = torch.searchsorted(ends, target, right=True).clamp_max(ends.shape[1] - 1)
+    b = (ends <= target).sum(-1, keepdim=True).clamp_max(ends.shape[1] - 1)
     before = torch.where(b > 0, ends.gather(-1, (b - 1).clamp_min(0)), 0.0)
     within = sums.gather(1, b.unsqueeze(-1).expand(rows, 1, block)).squeeze(1)
-    i = torch.searchsorted(within, target - before, right=True).clamp_max(block - 1)
+    i = (within <= target - before).sum(-1, keepdim=True).clamp_max(block - 1)
     return (b * block + i).squeeze(-1).clamp_max(vocab - 1)
 
 
@@ -184,34 +192,77 @@ class TokenSampler:
     the nucleus rank tokens by the same logits with the same tie rule (:func:`kept_probs`), so
     ``top_k=1`` samples exactly the greedy token, in bfloat16 too.
 
+    With ``compiled``, a step whose index is a device tensor (a static decode loop's steps, the
+    ones a CUDA graph replays) runs through one ``torch.compile`` of the step shared by every
+    sampler of the process (:func:`compiled_sampling_step`): inductor fuses the log-softmax, the
+    softmax, the kept set and the CDF's scans into a few kernels instead of about twenty (on an
+    H200 at 128 x 32,000 logits: ``benchmarks/gpu/profile_decode.py``'s sampling rows). The
+    compiled CDF sums in another order, so where a uniform lands within float64 rounding of a
+    token's boundary the two may pick neighbours; nowhere else do they differ.
+
     Args:
         params: The sampling parameters.
         pad: Token id written where a row is no longer alive.
         stops: Stop token ids (1-D, on the logits' device).
         uniforms: The uniform table, or None for greedy decoding.
+        compiled: Run device-indexed steps through :func:`compiled_sampling_step`.
     """
 
-    def __init__(self, params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None) -> None:
+    def __init__(self, params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None, *,
+                 compiled: bool = False) -> None:
         self.params = params
         self.pad = pad
         self.stops = stops
         self.uniforms = uniforms
+        self.compiled = compiled
 
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token (pad where not alive), log-prob (0 where not alive) and "stopped now" of step ``t``."""
-        p = self.params
-        logp = tempered_log_probs(logits, p.temperature)
-        if p.greedy or self.uniforms is None:
-            tok = torch.argmax(logits, -1)
-        else:
-            u = self.uniforms[:, t] if isinstance(t, int) else self.uniforms.index_select(1, t).squeeze(1)
-            # softmax(logp) = softmax(logits / T); ranked by the logits themselves, as greedy's argmax
-            tok = inverse_cdf(kept_probs(logp, p.top_k, p.top_p, ranking=logits), u)
-        tok = torch.where(alive, tok, self.pad)
-        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
-        stopped = alive & (tok.unsqueeze(-1) == self.stops).any(-1)
-        return tok, torch.where(alive, lp, 0.0), stopped
+        if self.compiled and isinstance(t, Tensor) and not _COMPILE_FAILED:
+            try:
+                return compiled_sampling_step()(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                _give_up_compiling(e)
+        return sampling_step(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
+
+
+_COMPILE_FAILED: list[str] = []
+"""The error of a failed compile of :func:`sampling_step`, after which every sampler runs eagerly."""
+
+
+def _give_up_compiling(error: Exception) -> None:
+    """Record that the sampling step does not compile here, and warn once; the caller runs it eagerly."""
+    _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    warnings.warn(f"token sampling: torch.compile of the sampling step failed ({_COMPILE_FAILED[0]}); every "
+                  "decode step of this process samples eagerly from now on (the same tokens, more kernels)",
+                  RuntimeWarning, stacklevel=3)
+
+
+def sampling_step(params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None, logits: Tensor,
+                  t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:meth:`TokenSampler.step` as a free function of the sampler's fields (one compile serves every sampler)."""
+    logp = tempered_log_probs(logits, params.temperature)
+    if params.greedy or uniforms is None:
+        tok = torch.argmax(logits, -1)
+    else:
+        u = uniforms[:, t] if isinstance(t, int) else uniforms.index_select(1, t).squeeze(1)
+        # softmax(logp) = softmax(logits / T); ranked by the logits themselves, as greedy's argmax
+        tok = inverse_cdf(kept_probs(logp, params.top_k, params.top_p, ranking=logits), u)
+    tok = torch.where(alive, tok, pad)
+    lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    # A broadcast compare, not torch.isin: isin may sort (a host sync) for larger stop sets.
+    stopped = alive & (tok.unsqueeze(-1) == stops).any(-1)
+    return tok, torch.where(alive, lp, 0.0), stopped
+
+
+@functools.cache
+def compiled_sampling_step() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """``torch.compile`` of :func:`sampling_step` (``dynamic=False``), made once per process.
+
+    It specialises to each shape and sampling configuration it meets (a recompile each); a static
+    decode loop compiles it during its warm-up steps, before a CUDA graph captures it.
+    """
+    return torch.compile(sampling_step, dynamic=False)
 
 
 def cuda_graph_capture(step: Callable[[], None], pool: Any) -> Any:
@@ -584,7 +635,7 @@ class StaticDecoders(Generic[DecoderT]):
 
     def get(self, model: torch.nn.Module, rows: int, width: int, params: SamplingParams, stop_ids: Sequence[int],
             uniforms: Tensor | None, pad: int, device: torch.device,
-            build: Callable[[TokenSampler], DecoderT]) -> DecoderT:
+            build: Callable[[TokenSampler], DecoderT], *, compile_sampling: bool = False) -> DecoderT:
         """The decoder for ``rows`` prompts of ``width`` columns sampled with ``params``.
 
         Args:
@@ -599,6 +650,7 @@ class StaticDecoders(Generic[DecoderT]):
             device: Where the decoder's state lives.
             build: Makes a new decoder around a :class:`TokenSampler` whose uniform table
                 :meth:`StaticDecodeLoop.start` refills.
+            compile_sampling: The sampler runs the loop's steps compiled (``TokenSampler(compiled=True)``).
         """
         key = (rows, width, params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.greedy,
                tuple(stop_ids), uniforms is None)
@@ -607,7 +659,7 @@ class StaticDecoders(Generic[DecoderT]):
         self.clear()
         table = None if uniforms is None else torch.empty_like(uniforms)
         stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=device)
-        decoder = build(TokenSampler(params, pad, stops, table))
+        decoder = build(TokenSampler(params, pad, stops, table, compiled=compile_sampling))
         decoder.shape = key
         self._key, self._decoder = key, decoder
         return decoder
