@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
-# profile-decode | profile-update | vs-trl | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-decode|profile-update|vs-trl|pending [args]   (writes under $OUT)
+# profile-decode | profile-prefill | profile-update | vs-trl | targets | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-decode|profile-prefill|profile-update|vs-trl|targets|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
 set -uo pipefail
@@ -48,6 +48,19 @@ case $step in
     timeout 200 bash "$0" lora --size 14b --modes lora --steps 2 --json "$OUT/lora-14b.json" ;;
   #   profile-decode ARGS: where the hf rollout's decode step goes (benchmarks/gpu/profile_decode.py ARGS, e.g. --out "$OUT/pd")
   profile-decode) (cd "$(dirname "$0")" && python3 profile_decode.py "$@") 2>&1 | tee -a "$OUT/profile_decode.log" ;;
+  #   profile-prefill ARGS: where the hf rollout's prefill goes (benchmarks/gpu/profile_prefill.py ARGS, e.g. --out "$OUT/pp")
+  profile-prefill) (cd "$(dirname "$0")" && python3 profile_prefill.py "$@") 2>&1 | tee -a "$OUT/profile_prefill.log" ;;
+  #   targets: the GPU performance targets in one call of under 10 minutes (about 8 on an H100): 16 x 8 x 128
+  #   and 32 x 8 x 512 against TRL, the 2048-token decode against the whole-cache decode (the card's bandwidth
+  #   from its name), the prefill's parts
+  targets)
+    bash "$0" vs-trl --shape 0.9b-16x8x128 > /dev/null 2>&1; grep -E "^(TRL GRPOTrainer|verl train) +[0-9]|speed-up" "$OUT/vs_trl.log"
+    bw=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
+    bash "$0" decode-long --lengths 2048 --calls 2 --bandwidth "$bw" --variant default={} \
+      --variant 'whole-cache={"rollout_decode_window":0,"rollout_decode_kernel":false}' > /dev/null 2>&1
+    tail -6 "$OUT/decode_long.log"
+    bash "$0" profile-prefill --out "$OUT/pp" > /dev/null 2>&1; head -4 "$OUT/pp/profile_prefill.md"
+    bash "$0" vs-trl --shape 0.9b-32x8x512 > /dev/null 2>&1; grep -E "^(TRL GRPOTrainer|verl train) +[0-9]|speed-up" "$OUT/vs_trl.log" | tail -3 ;;
   #   profile-update ARGS: where the hf actor's update goes (benchmarks/gpu/profile_update.py ARGS; model under /tmp)
   profile-update) python3 benchmarks/gpu/profile_update.py --out /tmp/profile-update "$@" 2>&1 | tee -a "$OUT/profile_update.log" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)

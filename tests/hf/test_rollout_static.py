@@ -273,3 +273,22 @@ def test_prompts_of_other_widths_share_one_static_decoder() -> None:
         assert static._decoders.current is not None
         decoders.append(static._decoders.current)
     assert decoders[0] is decoders[1] is decoders[2]
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_the_prefill_hands_the_frozen_output_head_a_contiguous_input(cache: str) -> None:
+    """The prefill's last-position slice of the hidden states is strided; against a weight that does
+    not require grad torch's matmul would read the head once per row (a batched product), so the
+    engine loads its model with a hook that makes the head's input contiguous (verl_hf.modeling.contiguous_head_input)."""
+    eng = engine("llama", rollout_cache=cache)
+    head = eng._model.get_output_embeddings()
+    assert not head.weight.requires_grad
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    head.register_forward_pre_hook(lambda m, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    eng.generate(prompts(3, seed=2), PARAMS[0])
+    rows = 3 * PARAMS[0].n
+    assert seen and seen[0][0][0] == rows, seen[:1]
+    assert all(ok for _, ok in seen), [s for s in seen if not s[1]]
+    # what the hook undoes: transformers' slice of the prefill's hidden states is not contiguous
+    hidden = torch.zeros(rows, 8, head.in_features)
+    assert not hidden[:, -1:, :].is_contiguous()
