@@ -8,6 +8,7 @@ from torch import Tensor
 
 from verl_core import BatchValidationError, SamplingParams, TensorBatch
 from verl_core.enginekit.sampling import (
+    CompiledOrEager,
     StaticDecodeLoop,
     StaticDecoders,
     TokenSampler,
@@ -217,26 +218,51 @@ def test_a_compiled_sampling_step_draws_what_the_eager_step_draws() -> None:
         assert torch.equal(g, w)
 
 
-def test_a_sampling_step_that_fails_to_compile_samples_eagerly_after_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_that_fails_to_compile_runs_eagerly_after_one_warning() -> None:
     import torch._dynamo.exc as dynamo_exc
 
-    from verl_core.enginekit import sampling
+    calls: list[str] = []
 
-    calls: list[int] = []
-
-    def cannot_compile(*args: object) -> None:
-        calls.append(1)
+    def cannot_compile(*args: object, **kwargs: object) -> None:
+        calls.append("compiled")
         raise dynamo_exc.TorchDynamoException("inductor cannot lower this")
 
-    monkeypatch.setattr(sampling, "compiled_sampling_step", lambda: cannot_compile)
-    monkeypatch.setattr(sampling, "_COMPILE_FAILED", [])
     params, logits, uniforms, alive, stops = _sampling_inputs()
     want = TokenSampler(params, 0, stops, uniforms).step(logits, 2, alive)
-    sampler = TokenSampler(params, 0, stops, uniforms, compiled=True)
-    with pytest.warns(RuntimeWarning, match="inductor cannot lower this.*samples eagerly from now on"):
-        got = sampler.step(logits, torch.tensor([2]), alive)
+    step = CompiledOrEager(sampling_step, "token sampling", cannot_compile)
+    t = torch.tensor([2])
+    with pytest.warns(RuntimeWarning, match="token sampling: .*inductor cannot lower this.*runs eagerly"):
+        got = step(params, 0, stops, uniforms, logits, t, alive)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    other = TokenSampler(params, 0, stops, uniforms, compiled=True)
-    other.step(logits, torch.tensor([2]), alive)  # no second try, no second warning
-    assert calls == [1]
+    assert step.error == "TorchDynamoException: inductor cannot lower this"
+    again = step(params, 0, stops, uniforms, logits, t, alive)  # no second try, no second warning
+    assert calls == ["compiled"] and torch.equal(again[0], want[0])
+
+
+def test_other_errors_of_a_compiled_step_propagate() -> None:
+    def broken(*args: object) -> None:
+        raise ValueError("a real bug")
+
+    step = CompiledOrEager(sampling_step, "token sampling", broken)
+    with pytest.raises(ValueError, match="a real bug"):
+        step()
+    assert step.error is None
+
+
+def test_a_compiled_sampler_samples_through_the_process_wide_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_core.enginekit import sampling
+
+    seen: list[object] = []
+
+    def record(*args: object) -> tuple[Tensor, Tensor, Tensor]:
+        seen.append(args[5])
+        return sampling_step(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "compiled_sampling_step", lambda: record)
+    params, logits, uniforms, alive, stops = _sampling_inputs()
+    sampler = TokenSampler(params, 0, stops, uniforms, compiled=True)
+    sampler.step(logits, 0, alive)  # a host step index (a prefill's first sample): eager
+    t = torch.tensor([2])
+    sampler.step(logits, t, alive)
+    assert seen == [t]

@@ -292,3 +292,42 @@ def test_the_prefill_hands_the_frozen_output_head_a_contiguous_input(cache: str)
     # what the hook undoes: transformers' slice of the prefill's hidden states is not contiguous
     hidden = torch.zeros(rows, 8, head.in_features)
     assert not hidden[:, -1:, :].is_contiguous()
+
+
+def test_a_decode_step_that_fails_to_compile_decodes_uncompiled_after_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model whose decode step inductor cannot compile still decodes (the model itself runs the
+    steps), says so once, and names the error in decode_mode. The sampling compiles with aot_eager."""
+    import warnings
+
+    import torch._dynamo.exc as dynamo_exc
+
+    from verl_core.enginekit import sampling
+
+    real = torch.compile
+
+    def cannot_compile(*args: Any, **kwargs: Any) -> Any:
+        raise dynamo_exc.TorchDynamoException("no lowering for this operator")
+
+    def compile_(fn: Any, **kwargs: Any) -> Any:
+        return cannot_compile if isinstance(fn, torch.nn.Module) else real(fn, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    sampling.compiled_sampling_step.cache_clear()
+    try:
+        eager = engine("llama", rollout_cache="static")
+        compiled = engine("llama", rollout_cache="static", rollout_compile=True)
+        p = prompts(3, seed=7)
+        with pytest.warns(RuntimeWarning, match="hf rollout decode step: torch.compile failed .*no lowering"):
+            got = compiled.generate(p, PARAMS[0])
+        want = eager.generate(p, PARAMS[0])
+        for field in ("response_ids", "response_mask", "truncated"):
+            assert torch.equal(got[field], want[field]), field
+        assert ("the decode step runs uncompiled after torch.compile failed: TorchDynamoException: no lowering"
+                in compiled.decode_mode), compiled.decode_mode
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            compiled.generate(p, PARAMS[0])  # no second warning
+    finally:
+        sampling.compiled_sampling_step.cache_clear()

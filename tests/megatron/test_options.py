@@ -45,3 +45,13 @@ def test_contradictory_choices_are_refused() -> None:
         MegatronOptions(rollout_static_cache=True, attention="local")
     with pytest.raises(ConfigError, match="rollout_decode_window"):
         MegatronOptions(rollout_decode_window=-2)
+
+
+def test_the_compiled_decode_step_falls_back_to_last_logits_where_it_fails_to_compile() -> None:
+    """The megatron rollout's compiled step is a CompiledOrEager around last_logits: where inductor
+    cannot compile it, last_logits itself runs the step (tests/core/test_sampling.py tests the fallback)."""
+    from verl_core.enginekit.sampling import CompiledOrEager
+    from verl_megatron.static_decode import compiled_last_logits, last_logits
+
+    step = compiled_last_logits()
+    assert isinstance(step, CompiledOrEager) and step.fn is last_logits and step.error is None

@@ -26,6 +26,7 @@ from torch import Tensor
 from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
+    CompiledOrEager,
     GraphCaptures,
     StaticDecoders,
     TokenSampler,
@@ -145,8 +146,9 @@ class HFRolloutEngine(RolloutEngineBase):
             )
         self._expected: dict[str, TensorInfo] = {}
         self._dropped = False  # sleep_until_sync() dropped the weight buffer's values
-        # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use.
-        self._compiled: Any = None
+        # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use;
+        # the model itself runs the steps if compiling fails.
+        self._compiled: CompiledOrEager | None = None
         # Seconds of the first decode of each (rows, prompt width) with a compiled step (it compiles).
         self._first_compiled: dict[tuple[int, int], float] = {}
         # The static decoder of the last shape and sampling configuration, kept for reuse.
@@ -193,7 +195,7 @@ class HFRolloutEngine(RolloutEngineBase):
         """How ``generate`` decodes: ``dynamic``, ``static``, ``static+cuda-graphs``, ``static+compile``
         or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over cache windows (and
         which shapes decode eagerly after their CUDA-graph captures failed)."""
-        return decode_mode(self._options, self._graphs)
+        return decode_mode(self._options, self._graphs, None if self._compiled is None else self._compiled.error)
 
     @property
     def graph_captures(self) -> GraphCaptures:
@@ -278,7 +280,8 @@ class HFRolloutEngine(RolloutEngineBase):
         rows, width = chunk["prompt_ids"].shape
         if self._options.rollout_compile and self._compiled is None:
             allow_recompiles()
-            self._compiled = torch.compile(self._model, dynamic=False)
+            self._compiled = CompiledOrEager(self._model, "hf rollout decode step",
+                                             torch.compile(self._model, dynamic=False))
 
         # windows need the attention that reads a narrower mask as "the first slots only" (a
         # user's own model object keeps its attention, and the whole cache)

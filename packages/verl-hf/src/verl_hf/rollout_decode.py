@@ -156,10 +156,12 @@ def _dynamic_logits(model: Any, chunk: TensorBatch) -> Generator[Tensor, Tensor,
                     use_cache=True, **{cache_kw: getattr(out, cache_kw)})
 
 
-def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None) -> str:
+def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None, compile_error: str | None = None) -> str:
     """How the engine decodes under ``options``: ``dynamic``, ``static``, ``static+cuda-graphs``,
     ``static+compile`` or ``static+compile+cuda-graphs``, with ``+windows`` where steps attend
-    over cache windows, ``+fused-attention`` where they run the fused decode-attention kernel, and the shapes that decode eagerly after their CUDA-graph captures failed."""
+    over cache windows, ``+fused-attention`` where they run the fused decode-attention kernel, the
+    shapes that decode eagerly after their CUDA-graph captures failed, and the error after which
+    the decode step runs uncompiled (``compile_error``)."""
     if options.rollout_cache == "dynamic":
         return "dynamic+fused-attention" if options.rollout_decode_kernel else "dynamic"
     mode = "static+compile" if options.rollout_compile else "static"
@@ -173,6 +175,8 @@ def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None) -> str:
     if eager:
         last = next(reversed(eager.values()))
         mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
+    if compile_error is not None and options.rollout_compile:
+        mode += f" (the decode step runs uncompiled after torch.compile failed: {compile_error})"
     return mode
 
 

@@ -44,6 +44,7 @@ from verl_core.enginekit.gates import refuse_undeclared
 from verl_core.enginekit.hf_tokenizer import load_tokenizer
 from verl_core.enginekit.rollout_base import GenerateLimits, Responses, RolloutEngineBase
 from verl_core.enginekit.sampling import (
+    CompiledOrEager,
     GraphCaptures,
     StaticDecoders,
     TokenSampler,
@@ -58,7 +59,7 @@ from verl_megatron.eager_decode import cached_logits, recomputed_logits
 from verl_megatron.model import build_stage, load_hf_state_dict, load_stage_weights, model_dims
 from verl_megatron.options import MegatronOptions
 from verl_megatron.parallel import rollout_groups
-from verl_megatron.static_decode import StaticDecoder, StepLogits, compiled_last_logits
+from verl_megatron.static_decode import StaticDecoder, compiled_last_logits
 
 __all__ = ["MegatronRolloutEngine", "build_rollout_engine"]
 
@@ -121,7 +122,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
         self._decoders: StaticDecoders[StaticDecoder] = StaticDecoders()
         self._graphs = GraphCaptures("megatron rollout")
         # torch.compile of the decode step's forward (MegatronOptions.rollout_compile), made on first use.
-        self._compiled: StepLogits | None = None
+        self._compiled: CompiledOrEager | None = None
         for name, module in self.model.named_modules():
             if name.endswith("core_attention"):
                 module.explicit_mask = True  # decoding passes its own masks (see eager_decode.cached_logits)
@@ -209,7 +210,8 @@ class MegatronRolloutEngine(RolloutEngineBase):
     def decode_mode(self) -> str:
         """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static``, ``static+compile``,
         ``static+cuda-graphs`` or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over
-        cache windows (and which shapes decode eagerly after their CUDA-graph captures failed)."""
+        cache windows (and which shapes decode eagerly after their CUDA-graph captures failed, and
+        the error after which the decode step runs uncompiled)."""
         if not self._options.rollout_static_cache:
             return "kv-cache" if self._kv_cache else "recompute"
         mode = "static+compile" if self._options.rollout_compile else "static"
@@ -221,6 +223,8 @@ class MegatronRolloutEngine(RolloutEngineBase):
         if eager:
             last = next(reversed(eager.values()))
             mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
+        if self._compiled is not None and self._compiled.error is not None:
+            mode += f" (the decode step runs uncompiled after torch.compile failed: {self._compiled.error})"
         return mode
 
     @property

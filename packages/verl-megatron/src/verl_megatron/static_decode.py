@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from verl_core.enginekit.sampling import (
+    CompiledOrEager,
     StaticDecodeLoop,
     TokenSampler,
     cache_windows,
@@ -51,10 +52,11 @@ def last_logits(model: Any, tokens: Tensor, masked: Tensor, rotary: Tensor) -> T
     return out
 
 
-def compiled_last_logits() -> StepLogits:
+def compiled_last_logits() -> CompiledOrEager:
     """``torch.compile`` of :func:`last_logits` (``dynamic=False``: one shape per decoder, except the
     cache windows below the whole cache, whose width is marked dynamic: one compile serves them all,
-    :func:`~verl_core.enginekit.sampling.mark_window_dynamic`).
+    :func:`~verl_core.enginekit.sampling.mark_window_dynamic`); where compiling fails,
+    :func:`last_logits` itself runs the steps (:class:`~verl_core.enginekit.sampling.CompiledOrEager`).
 
     Two megatron-core helpers stop dynamo, so inside compiled code (only there: eager calls keep
     Megatron's functions) they are replaced, once per process, by traceable equivalents:
@@ -87,8 +89,7 @@ def compiled_last_logits() -> StepLogits:
             return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
         _SUBSTITUTED = True
-    compiled: StepLogits = torch.compile(last_logits, dynamic=False)
-    return compiled
+    return CompiledOrEager(last_logits, "megatron rollout decode step")
 
 
 _SUBSTITUTED = False

@@ -35,6 +35,7 @@ from verl_core.kernel.schema import FIELDS
 
 __all__ = [
     "PROMPT_WIDTH_MULTIPLE",
+    "CompiledOrEager",
     "GraphCaptures",
     "StaticDecodeLoop",
     "StaticDecoders",
@@ -194,9 +195,10 @@ class TokenSampler:
 
     With ``compiled``, a step whose index is a device tensor (a static decode loop's steps, the
     ones a CUDA graph replays) runs through one ``torch.compile`` of the step shared by every
-    sampler of the process (:func:`compiled_sampling_step`): inductor fuses the log-softmax, the
-    softmax, the kept set and the CDF's scans into a few kernels instead of about twenty (on an
-    H200 at 128 x 32,000 logits: ``benchmarks/gpu/profile_decode.py``'s sampling rows). The
+    sampler of the process (:func:`compiled_sampling_step`; eager where it fails to compile):
+    inductor fuses the log-softmax, the softmax, the kept set and the CDF's scans into a few
+    kernels instead of about twenty (on an H100 at 128 x 32,000 logits 0.059 ms a step against
+    0.145 ms: ``benchmarks/gpu/profile_decode.py``'s sampling rows). The
     compiled CDF sums in another order, so where a uniform lands within float64 rounding of a
     token's boundary the two may pick neighbours; nowhere else do they differ.
 
@@ -218,24 +220,45 @@ class TokenSampler:
 
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token (pad where not alive), log-prob (0 where not alive) and "stopped now" of step ``t``."""
-        if self.compiled and isinstance(t, Tensor) and not _COMPILE_FAILED:
-            try:
-                return compiled_sampling_step()(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
-            except torch._dynamo.exc.TorchDynamoException as e:
-                _give_up_compiling(e)
+        if self.compiled and isinstance(t, Tensor):
+            return compiled_sampling_step()(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)  # type: ignore[no-any-return]
         return sampling_step(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
 
 
-_COMPILE_FAILED: list[str] = []
-"""The error of a failed compile of :func:`sampling_step`, after which every sampler runs eagerly."""
+class CompiledOrEager:
+    """``torch.compile`` of ``fn`` that runs ``fn`` itself once compiling has failed.
 
+    A decode step that runs eagerly may still fail to compile on some device or library version
+    (inductor cannot lower every operator everywhere). The first failure warns once, naming the
+    error, and from then on every call runs ``fn`` eagerly (the same values up to float rounding,
+    more kernels); :attr:`error` keeps the error, for an engine's ``decode_mode``. The failing call
+    itself is run again eagerly: the compiled code may have run up to a graph break before the
+    failure, so ``fn``'s side effects must be idempotent (a decode step writes its cache slot; a
+    sampling step has none). Errors other than dynamo's and inductor's propagate.
 
-def _give_up_compiling(error: Exception) -> None:
-    """Record that the sampling step does not compile here, and warn once; the caller runs it eagerly."""
-    _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-    warnings.warn(f"token sampling: torch.compile of the sampling step failed ({_COMPILE_FAILED[0]}); every "
-                  "decode step of this process samples eagerly from now on (the same tokens, more kernels)",
-                  RuntimeWarning, stacklevel=3)
+    Args:
+        fn: The function or module.
+        name: Who compiles, for the warning.
+        compiled: ``fn``'s compiled version (default ``torch.compile(fn, dynamic=False)``).
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str, compiled: Callable[..., Any] | None = None) -> None:
+        self.fn = fn
+        self.name = name
+        self.compiled = compiled if compiled is not None else torch.compile(fn, dynamic=False)
+        self.error: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``compiled(*args, **kwargs)``, or ``fn``'s where compiling has failed."""
+        if self.error is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                text = str(e).splitlines()
+                self.error = f"{type(e).__name__}: {text[0] if text else ''}"
+                warnings.warn(f"{self.name}: torch.compile failed ({self.error}); this and every later call "
+                              "runs eagerly (the same values, more kernels)", RuntimeWarning, stacklevel=2)
+        return self.fn(*args, **kwargs)
 
 
 def sampling_step(params: SamplingParams, pad: int, stops: Tensor, uniforms: Tensor | None, logits: Tensor,
@@ -256,13 +279,14 @@ def sampling_step(params: SamplingParams, pad: int, stops: Tensor, uniforms: Ten
 
 
 @functools.cache
-def compiled_sampling_step() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
-    """``torch.compile`` of :func:`sampling_step` (``dynamic=False``), made once per process.
+def compiled_sampling_step() -> CompiledOrEager:
+    """``torch.compile`` of :func:`sampling_step` (``dynamic=False``), made once per process; where
+    it fails to compile, every sampler of the process samples eagerly (:class:`CompiledOrEager`).
 
     It specialises to each shape and sampling configuration it meets (a recompile each); a static
     decode loop compiles it during its warm-up steps, before a CUDA graph captures it.
     """
-    return torch.compile(sampling_step, dynamic=False)
+    return CompiledOrEager(sampling_step, "token sampling")
 
 
 def cuda_graph_capture(step: Callable[[], None], pool: Any) -> Any:
