@@ -198,9 +198,10 @@ class TokenSampler:
     sampler of the process (:func:`compiled_sampling_step`; eager where it fails to compile):
     inductor fuses the log-softmax, the softmax, the kept set and the CDF's scans into a few
     kernels instead of about twenty (on an H100 at 128 x 32,000 logits 0.059 ms a step against
-    0.145 ms: ``benchmarks/gpu/profile_decode.py``'s sampling rows). The
-    compiled CDF sums in another order, so where a uniform lands within float64 rounding of a
-    token's boundary the two may pick neighbours; nowhere else do they differ.
+    0.145 ms: ``benchmarks/gpu/profile_decode.py``'s sampling rows). The compiled step's
+    log-probs equal the eager step's up to float32 rounding, and its CDF sums in another order,
+    so where a uniform lands within float64 rounding of a token's boundary the two may pick
+    neighbours; nowhere else do their tokens differ.
 
     Args:
         params: The sampling parameters.
@@ -221,7 +222,9 @@ class TokenSampler:
     def step(self, logits: Tensor, t: int | Tensor, alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token (pad where not alive), log-prob (0 where not alive) and "stopped now" of step ``t``."""
         if self.compiled and isinstance(t, Tensor):
-            return compiled_sampling_step()(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)  # type: ignore[no-any-return]
+            out: tuple[Tensor, Tensor, Tensor] = compiled_sampling_step()(
+                self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
+            return out
         return sampling_step(self.params, self.pad, self.stops, self.uniforms, logits, t, alive)
 
 
