@@ -1,34 +1,22 @@
 """Where the hf rollout's prefill goes on a GPU, at the GRPO benchmark's shape (16 x 8 rows, 32-token prompts).
 
-Run on a CUDA machine: ``python benchmarks/gpu/profile_prefill.py --out DIR``. Times (median of 5, device
-synchronised) the decoder's start (prefill and first sample), its prefill alone, and a plain
-transformers forward of the same tokens with no cache and no mask, then prints the kernel table of one prefill.
+Run on a CUDA machine: ``python benchmarks/gpu/profile_prefill.py --out DIR``. Times (mean of 5
+after 2 warm-up calls, device work included: ``bench_gpu.cuda_time``) the decoder's start (prefill
+and first sample), its prefill alone, and a plain transformers forward of the same tokens with no
+cache and no mask, then prints the kernel table of one prefill.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_gpu import SPEC
+from bench_gpu import SPEC, cuda_time
 
 from verl_conformance.testkit import build_tiny_model
 from verl_core import BatchMeta, EngineSpec, SamplingParams, TensorBatch, get_rollout_engine
-
-
-def timed(fn: Any, reps: int = 5) -> float:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -51,10 +39,10 @@ def main() -> None:
     chunk = prompts.repeat_interleave(8).to("cuda")
     ids = chunk["prompt_ids"]
     with torch.no_grad():
-        rows = [("start: prefill + first sample", timed(lambda: dec.start(chunk, None))),
-                ("prefill alone", timed(lambda: dec._prefill(chunk))),
-                ("plain forward, no cache or mask, last logits", timed(lambda: engine.model(input_ids=ids, logits_to_keep=1))),
-                ("cache reset", timed(lambda: dec.cache.reset()))]
+        rows = [("start: prefill + first sample", cuda_time(lambda: dec.start(chunk, None), 5)),
+                ("prefill alone", cuda_time(lambda: dec._prefill(chunk), 5)),
+                ("plain forward, no cache or mask, last logits", cuda_time(lambda: engine.model(input_ids=ids, logits_to_keep=1), 5)),
+                ("cache reset", cuda_time(lambda: dec.cache.reset(), 5))]
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -48,9 +48,11 @@ class HFOptions:
         rollout_compile: Run the static decode step's model forward and its sampling through
             ``torch.compile`` (inductor fuses the per-token elementwise work: norms, rotary
             embeddings, activations, and the sampling's softmax and CDF scans:
-            :class:`~verl_core.enginekit.sampling.TokenSampler`); needs ``rollout_cache='static'``. Compiled once per shape, on the first
-            ``generate`` of that shape (inductor's on-disk cache makes later runs' compiles
-            shorter); combines with ``rollout_cuda_graphs``. None (default): on wherever the
+            :class:`~verl_core.enginekit.sampling.TokenSampler`); needs ``rollout_cache='static'``.
+            Where compiling fails the step runs uncompiled after one warning (``decode_mode``
+            names the error). Compiled once per shape, on the first ``generate`` of that shape
+            (inductor's on-disk cache makes later runs' compiles shorter); combines with
+            ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.
         rollout_fused_projections: Run each layer's q/k/v projections as one matmul and its
             gate/up projections as another in the rollout, where their weights lie back to back

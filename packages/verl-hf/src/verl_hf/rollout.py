@@ -195,7 +195,7 @@ class HFRolloutEngine(RolloutEngineBase):
         """How ``generate`` decodes: ``dynamic``, ``static``, ``static+cuda-graphs``, ``static+compile``
         or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over cache windows (and
         which shapes decode eagerly after their CUDA-graph captures failed)."""
-        return decode_mode(self._options, self._graphs, None if self._compiled is None else self._compiled.error)
+        return decode_mode(self._options, self._graphs, self._compiled)
 
     @property
     def graph_captures(self) -> GraphCaptures:
@@ -280,8 +280,7 @@ class HFRolloutEngine(RolloutEngineBase):
         rows, width = chunk["prompt_ids"].shape
         if self._options.rollout_compile and self._compiled is None:
             allow_recompiles()
-            self._compiled = CompiledOrEager(self._model, "hf rollout decode step",
-                                             torch.compile(self._model, dynamic=False))
+            self._compiled = CompiledOrEager(self._model, "hf rollout decode step")
 
         # windows need the attention that reads a narrower mask as "the first slots only" (a
         # user's own model object keeps its attention, and the whole cache)

@@ -15,12 +15,14 @@ import torch
 from torch import Tensor
 
 from verl_core.enginekit.sampling import (
+    CompiledOrEager,
     GraphCaptures,
     StaticDecodeLoop,
     TokenSampler,
     cache_windows,
     eager_decode,
     mark_window_dynamic,
+    slow_path_notes,
 )
 from verl_core.kernel.batch import TensorBatch
 from verl_core.kernel.errors import ConfigError
@@ -156,12 +158,12 @@ def _dynamic_logits(model: Any, chunk: TensorBatch) -> Generator[Tensor, Tensor,
                     use_cache=True, **{cache_kw: getattr(out, cache_kw)})
 
 
-def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None, compile_error: str | None = None) -> str:
+def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None, compiled: CompiledOrEager | None = None) -> str:
     """How the engine decodes under ``options``: ``dynamic``, ``static``, ``static+cuda-graphs``,
     ``static+compile`` or ``static+compile+cuda-graphs``, with ``+windows`` where steps attend
     over cache windows, ``+fused-attention`` where they run the fused decode-attention kernel, the
     shapes that decode eagerly after their CUDA-graph captures failed, and the error after which
-    the decode step runs uncompiled (``compile_error``)."""
+    the decode step runs uncompiled (:func:`~verl_core.enginekit.sampling.slow_path_notes`)."""
     if options.rollout_cache == "dynamic":
         return "dynamic+fused-attention" if options.rollout_decode_kernel else "dynamic"
     mode = "static+compile" if options.rollout_compile else "static"
@@ -171,13 +173,7 @@ def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None, compile
         mode += "+windows"
     if options.rollout_decode_kernel:
         mode += "+fused-attention"
-    eager = graphs.eager_shapes if graphs is not None and options.rollout_cuda_graphs else {}
-    if eager:
-        last = next(reversed(eager.values()))
-        mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
-    if compile_error is not None and options.rollout_compile:
-        mode += f" (the decode step runs uncompiled after torch.compile failed: {compile_error})"
-    return mode
+    return mode + slow_path_notes(graphs if options.rollout_cuda_graphs else None, compiled)
 
 
 RECOMPILE_LIMIT = 64

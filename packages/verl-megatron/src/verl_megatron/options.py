@@ -47,8 +47,9 @@ class MegatronOptions:
             cache is used on CUDA with tp=1.
         rollout_compile: Run that decode step's model forward and its sampling through
             ``torch.compile`` (inductor fuses the per-token elementwise work: norms, rotary
-            embeddings, activations, the sampling's softmax and CDF scans); needs the static cache. Compiled on the first ``generate`` of each
-            shape; combines with ``rollout_cuda_graphs``. None (default): on wherever the
+            embeddings, activations, the sampling's softmax and CDF scans); needs the static
+            cache. Where compiling fails the step runs uncompiled after one warning
+            (``decode_mode`` names the error). Compiled on the first ``generate`` of each shape; combines with ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step

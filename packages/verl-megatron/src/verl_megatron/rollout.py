@@ -49,6 +49,7 @@ from verl_core.enginekit.sampling import (
     StaticDecoders,
     TokenSampler,
     eager_decode,
+    slow_path_notes,
     static_prompt_width,
     uniform_table,
 )
@@ -219,13 +220,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
             mode += "+cuda-graphs"
         if self._options.rollout_decode_window:
             mode += "+windows"
-        eager = self._graphs.eager_shapes if self._options.rollout_cuda_graphs else {}
-        if eager:
-            last = next(reversed(eager.values()))
-            mode += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
-        if self._compiled is not None and self._compiled.error is not None:
-            mode += f" (the decode step runs uncompiled after torch.compile failed: {self._compiled.error})"
-        return mode
+        return mode + slow_path_notes(self._graphs if self._options.rollout_cuda_graphs else None, self._compiled)
 
     @property
     def graph_captures(self) -> GraphCaptures:

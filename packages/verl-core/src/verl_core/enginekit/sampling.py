@@ -51,6 +51,7 @@ __all__ = [
     "mark_window_dynamic",
     "sample_seed",
     "sampling_step",
+    "slow_path_notes",
     "static_prompt_width",
     "tempered_log_probs",
     "uniform_table",
@@ -398,6 +399,20 @@ class GraphCaptures:
         """Graphs captured, captures failed, and shapes given up on (decoding eagerly)."""
         return {"graph_captures": float(self.captured), "graph_capture_failures": float(self.failures),
                 "graph_eager_shapes": float(len(self.eager_shapes))}
+
+
+def slow_path_notes(graphs: GraphCaptures | None, compiled: CompiledOrEager | None) -> str:
+    """What an engine's ``decode_mode`` appends for the slow paths its decode took ('' for none):
+    the shapes that decode eagerly after failed CUDA-graph captures (``graphs``, None where graphs
+    are off) and the error after which the decode step runs uncompiled (``compiled``)."""
+    notes = ""
+    eager = graphs.eager_shapes if graphs is not None else {}
+    if eager:
+        last = next(reversed(eager.values()))
+        notes += f" ({len(eager)} shape(s) decode eagerly after failed CUDA graph captures; last error: {last})"
+    if compiled is not None and compiled.error is not None:
+        notes += f" (the decode step runs uncompiled after torch.compile failed: {compiled.error})"
+    return notes
 
 
 @contextlib.contextmanager
