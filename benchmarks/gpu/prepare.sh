@@ -21,6 +21,10 @@ ls .whl/annotated_types-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no
 ls .whl/psutil-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "psutil==$(.venv/bin/python -c 'import psutil; print(psutil.__version__)')"
+# pytest-xdist and execnet (the conformance step's CONF_WORKERS): pure-Python wheels
+ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl \
+  "pytest-xdist==$(.venv/bin/python -c 'import xdist; print(xdist.__version__)')" \
+  "execnet==$(.venv/bin/python -c 'import execnet; print(execnet.__version__)')"
 ls .whl/trl-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl "trl==1.16.0"
 ls .whl/datasets-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

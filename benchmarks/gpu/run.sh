@@ -4,7 +4,8 @@
 # profile-decode | profile-prefill | profile-update | vs-trl | targets | pending.
 # Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-decode|profile-prefill|profile-update|vs-trl|targets|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
-#   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only)
+#   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only),
+#   CONF_WORKERS (pytest-xdist processes sharing the GPU: each engine's compile runs on its own CPU core)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,7 +24,7 @@ case $step in
       for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
         (cd /tmp && timeout ${CONF_TIMEOUT:-300} python3 -m pytest -v --tb=short -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
-           --verl-device cuda --verl-dtype "$dtype" ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} ${CONF_K:+-k "$CONF_K"} \
+           --verl-device cuda --verl-dtype "$dtype" ${CONF_WORKERS:+-n "$CONF_WORKERS"} ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} ${CONF_K:+-k "$CONF_K"} \
            2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
         echo "conformance $backend $dtype ${CONF_OPTIONS:-}: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log")"
       done
