@@ -60,7 +60,9 @@ case $step in
     bash "$0" decode-long --lengths 2048 --calls 2 --bandwidth "$bw" --variant default={} \
       --variant 'whole-cache={"rollout_decode_window":0,"rollout_decode_kernel":false}' > /dev/null 2>&1
     tail -6 "$OUT/decode_long.log"
-    bash "$0" profile-prefill --out "$OUT/pp" > /dev/null 2>&1; head -4 "$OUT/pp/profile_prefill.md"
+    bash "$0" profile-prefill --out "$OUT/pp" > /dev/null 2>&1; head -5 "$OUT/pp/profile_prefill.md"
+    bash "$0" profile-prefill --out "$OUT/pp-plain" --options '{"fused_elementwise": false}' > /dev/null 2>&1
+    head -5 "$OUT/pp-plain/profile_prefill.md"
     bash "$0" vs-trl --shape 0.9b-32x8x512 > /dev/null 2>&1; grep -E "^(TRL GRPOTrainer|verl train) +[0-9]|speed-up" "$OUT/vs_trl.log" | tail -3 ;;
   #   profile-update ARGS: where the hf actor's update goes (benchmarks/gpu/profile_update.py ARGS; model under /tmp)
   profile-update) python3 benchmarks/gpu/profile_update.py --out /tmp/profile-update "$@" 2>&1 | tee -a "$OUT/profile_update.log" ;;

@@ -8,7 +8,7 @@ import torch
 from hf_helpers import actor_spec, flat_grads, model_path
 
 from verl_conformance.testkit import assert_close, random_batch
-from verl_core import GlobalBatchStats
+from verl_core import EngineSpec, GlobalBatchStats, SamplingParams
 from verl_core.algorithms import Algorithm
 from verl_hf.config import HFOptions
 from verl_hf.fused_elementwise import (
@@ -17,6 +17,7 @@ from verl_hf.fused_elementwise import (
     fuse_elementwise,
     fused_modules,
 )
+from verl_hf.rollout import HFRolloutEngine
 from verl_hf.training import HFTrainingEngine
 
 PPO = Algorithm.ppo(kl_coef=0.0, entropy_coef=0.01)
@@ -68,6 +69,40 @@ def test_auto_leaves_cpu_engines_unfused() -> None:
     assert HFOptions().fused_elementwise is None
     engine = HFTrainingEngine(actor_spec(model_path()))
     assert engine.fused_elementwise_modules == 0 and fused_modules(engine.model) == 0
+    rollout = HFRolloutEngine(_rollout_spec("static"))
+    assert rollout.fused_elementwise_modules == 0
+
+
+def test_auto_fuses_cuda_engines_in_bfloat16_only() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert HFOptions().fuses_elementwise(cuda, torch.bfloat16)
+    assert not HFOptions().fuses_elementwise(cuda, torch.float32)
+    assert not HFOptions().fuses_elementwise(cpu, torch.bfloat16)
+    assert not HFOptions(fused_elementwise=False).fuses_elementwise(cuda, torch.bfloat16)
+    assert HFOptions(fused_elementwise=True).fuses_elementwise(cpu, torch.float32)
+
+
+def _rollout_spec(cache: str, **options: object) -> EngineSpec:
+    return EngineSpec(model_path=model_path("llama"), role="rollout", max_prompt_len=32, max_response_len=16,
+                      options={"rollout_cache": cache, **options})
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_the_rollout_routes_its_modules_and_samples_what_transformers_does(cache: str) -> None:
+    """The rollout engine routes its norms and MLPs too (its prefill runs uncompiled); uncompiled, the
+    routed modules sample the plain engine's tokens with its log-probs, bit for bit."""
+    plain, routed = HFRolloutEngine(_rollout_spec(cache)), HFRolloutEngine(_rollout_spec(cache))
+    layers = routed.model.config.num_hidden_layers
+    assert fuse_elementwise(routed.model, compile=False) == 3 * layers + 1  # 2 norms a layer, the final norm, MLPs
+    assert routed.fused_elementwise_modules == 3 * layers + 1
+    batch = random_batch(batch_size=4, max_prompt=6, max_response=1, seed=3).select("prompt_ids", "prompt_mask",
+                                                                                      "group_ids")
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=5)
+    a, b = plain.generate(batch, params), routed.generate(batch, params)
+    assert torch.equal(b["response_ids"], a["response_ids"])
+    assert torch.equal(b["rollout_log_probs"], a["rollout_log_probs"])
+    asked = HFRolloutEngine(_rollout_spec(cache, fused_elementwise=True))  # compiles on its first generate
+    assert asked.fused_elementwise_modules == 3 * layers + 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

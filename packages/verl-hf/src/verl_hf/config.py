@@ -103,7 +103,7 @@ class HFOptions:
             this kernel) runs 1.77x the tokens/s of the whole-cache matrix-product decode, 0.70 of the
             bandwidth bound (``benchmarks/gpu/bench_decode_long.py``,
             benchmarks/results/gpu-2026-12-06-kernel.md).
-        fused_elementwise: In the training engines, run each RMSNorm and each SiLU-gated MLP's
+        fused_elementwise: In the training and rollout engines, run each RMSNorm and each SiLU-gated MLP's
             ``silu(gate) * up`` through one ``torch.compile``d function each (inductor fuses each
             chain of element-wise kernels into one kernel forward and one backward:
             :mod:`verl_hf.fused_elementwise`), for the llama, mistral, qwen2 and qwen3 families;
@@ -112,7 +112,9 @@ class HFOptions:
             bfloat16, where those chains took about half of ``forward_backward``'s kernel time
             (0.89B x 18k tokens on an H100); True also elsewhere (on CPU inductor compiles C++,
             slowly); False keeps transformers' modules. The first micro-batch of each kind
-            (with and without gradients) compiles.
+            (with and without gradients) compiles. In the rollout it fuses the prefill's chains
+            (the prefill runs the model uncompiled); a compiled decode step traces the same
+            functions inline.
         compile_layers: In the training engines, ``torch.compile`` each decoder layer whole
             (:func:`verl_hf.fused_elementwise.compile_decoder_layers`), so inductor also fuses the
             rotary embedding, residual adds and casts around the projections, forward and backward.
@@ -200,6 +202,13 @@ class HFOptions:
                 "PyTorch's CUDA wheels); set rollout_decode_kernel=False"
             )
         return True
+
+    def fuses_elementwise(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether an engine on ``device`` in ``dtype`` routes its norms and gated activations through
+        compiled functions (``fused_elementwise``; None: on CUDA in bfloat16)."""
+        if self.fused_elementwise is not None:
+            return self.fused_elementwise
+        return device.type == "cuda" and dtype == torch.bfloat16
 
     def resolve_rollout(self, device: torch.device, *, static_ok: bool = True) -> HFOptions:
         """These options with the rollout's ``auto`` choices made for ``device``.

@@ -50,6 +50,7 @@ from verl_core.kernel.weights import (
 )
 from verl_hf.capabilities import ROLLOUT_CAPABILITIES
 from verl_hf.config import HFOptions
+from verl_hf.fused_elementwise import fuse_elementwise, fused_modules
 from verl_hf.fused_projections import FusedProjections
 from verl_hf.lora import HFLora
 from verl_hf.modeling import (
@@ -130,6 +131,9 @@ class HFRolloutEngine(RolloutEngineBase):
         self._tied = bool(getattr(self._model.config, "tie_word_embeddings", False))
         self._lora = HFLora(self._model, spec.lora, tied=self._tied, seed=spec.seed) if spec.lora is not None else None
         self._model.requires_grad_(False)
+        # Norms and gated activations as compiled kernels: the prefill runs the model uncompiled.
+        if self._options.fuses_elementwise(self._device, spec.torch_dtype):
+            fuse_elementwise(self._model)
         # "auto" decode choices: the fast static path on CUDA, when the model allows a static cache
         self._options = dataclasses.replace(
             self._options.resolve_rollout(self._device, static_ok=full_attention(self._model.config)),
@@ -202,6 +206,11 @@ class HFRolloutEngine(RolloutEngineBase):
         """The record of CUDA-graph captures: graphs captured, failures, shapes decoding eagerly
         (``graph_captures.metrics()``)."""
         return self._graphs
+
+    @property
+    def fused_elementwise_modules(self) -> int:
+        """How many modules run through the compiled element-wise functions (``HFOptions.fused_elementwise``)."""
+        return fused_modules(self._model)
 
     @property
     def fused_projection_groups(self) -> int:

@@ -153,8 +153,7 @@ class HFTrainingEngine(TrainingEngineBase):
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cuda_bf16 = self._device.type == "cuda" and spec.torch_dtype == torch.bfloat16
-        fused = self._options.fused_elementwise
-        if fused or (fused is None and cuda_bf16):
+        if self._options.fuses_elementwise(self._device, spec.torch_dtype):
             fuse_elementwise(model)
         if not self._trainable:
             model.requires_grad_(False)
