@@ -101,3 +101,32 @@ def test_in_memory_spec_names_the_dtype_and_placeholder_path() -> None:
     assert spec.model_path == IN_MEMORY_MODEL and spec.dtype == "bfloat16" and spec.parallel.tp == 2
     with pytest.raises(ConfigError, match="float32, bfloat16 or float16"):
         in_memory_spec(dtype=torch.float64, device="cpu")
+
+
+def test_hf_tokenizer_decodes_arrays_for_transformers_and_lists_for_others() -> None:
+    """A transformers tokenizer gets the ids as one array (the same text as from a list); another
+    tokenizer-like object gets a list of Python ints."""
+    from verl_core.trainer.inputs.tiny_model import char_tokenizer
+
+    inner = char_tokenizer(128)
+    wrapped = HFTokenizer(inner)
+    ids = inner.encode("hello world", add_special_tokens=False) + [inner.eos_token_id]
+    assert wrapped.decode(ids) == inner.decode(ids, skip_special_tokens=True) == "hello world"
+    assert wrapped.decode(tuple(ids), skip_special_tokens=False) == inner.decode(ids, skip_special_tokens=False)
+
+    class Plain:
+        eos_token_id, pad_token_id = 1, 0
+
+        def __init__(self) -> None:
+            self.seen: list[object] = []
+
+        def __len__(self) -> int:
+            return 8
+
+        def decode(self, ids: object, skip_special_tokens: bool = True) -> str:
+            self.seen.append(ids)
+            return "x"
+
+    plain = Plain()
+    assert HFTokenizer(plain).decode(torch.tensor([3, 4])) == "x"
+    assert plain.seen == [[3, 4]] and all(type(i) is int for i in plain.seen[0])  # type: ignore[union-attr]

@@ -347,3 +347,24 @@ def test_a_function_that_edits_its_inputs_changes_nothing_the_next_one_gets(tok:
     assert list(out.extras["reward/vandal"]) == list(out.extras["reward/witness"]) == [1.0, 0.0, 0.0]
     assert out["scores"].tolist() == [2.0, 0.0, 0.0]
     assert list(batch.extras["answer"]) == ["ab", "x", "y"] and batch.extras["meta"][1] == {"k": [2]}  # the batch too
+
+
+def test_completion_ids_are_the_masked_tokens_of_each_row_holes_included(tok: HFTokenizer) -> None:
+    """A response mask with holes (a multi-turn episode's tool output) and rows with no token: each
+    row's ``completion_ids`` and text are its tokens where the mask is True, in order."""
+    batch = scored_batch(tok, ["abcd", "ef", "ghij"])
+    ids, mask = batch["response_ids"], batch["response_mask"].clone()
+    mask[0, 1] = False  # a hole
+    mask[1, :] = False  # no token at all
+    mask[2, 0] = False
+    batch = batch.update(response_mask=mask, truncated=torch.tensor([True, True, True]))
+    seen: dict[str, Any] = {}
+
+    def record(completions: list[str], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        seen.update(ids=completion_ids, texts=completions)
+        return [0.0] * len(completions)
+
+    RewardFunctions([record], tok).score(batch)
+    expected = [[int(t) for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), mask.tolist())]
+    assert seen["ids"] == expected and expected[1] == [] and len(expected[0]) == int(mask[0].sum()) > 0
+    assert seen["texts"] == [tok.decode(e) for e in expected] and seen["texts"][0] == "acd"

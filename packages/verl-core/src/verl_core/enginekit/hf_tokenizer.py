@@ -41,6 +41,9 @@ class HFTokenizer(ChatTokenizer):
             )
         self._tok = tokenizer
         self._vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+        # transformers' tokenizers take an array of ids and list it in one call; a list of ids they
+        # check element by element (half of a 512-token decode's time)
+        self._arrays = any(c.__name__ == "PreTrainedTokenizerBase" for c in type(tokenizer).__mro__)
 
     @property
     def wrapped(self) -> Any:
@@ -69,6 +72,10 @@ class HFTokenizer(ChatTokenizer):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
+        if self._arrays:
+            import numpy as np  # a dependency of transformers
+
+            return str(self._tok.decode(np.asarray(ids, dtype=np.int64), skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
 
     @property

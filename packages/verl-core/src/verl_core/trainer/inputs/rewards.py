@@ -351,7 +351,8 @@ class RewardFunctions(RewardEngine):
         term: _Term, sample: Mapping[str, Sequence[Any]], columns: Mapping[str, Sequence[Any]], size: int
     ) -> list[float]:
         # copies of its own: a function that edits its inputs in place changes nothing the next one gets
-        kwargs = {k: _own_copy(v) for k, v in {**sample, **columns}.items()
+        ids = sample.get("completion_ids")  # lists of ints (_rows): copied without a check of each element
+        kwargs = {k: [list(row) for row in v] if v is ids else _own_copy(v) for k, v in {**sample, **columns}.items()
                   if term.accepts is None or k in term.accepts}
         try:
             out = term.fn(**kwargs)
@@ -451,4 +452,7 @@ def _own_copy(values: Sequence[Any]) -> list[Any]:
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """The ids of each row where the mask is True."""
-    return [[t for t, m in zip(row, keep) if m] for row, keep in zip(ids.cpu().tolist(), mask.cpu().tolist())]
+    mask = mask.cpu().bool()
+    kept: list[int] = ids.cpu()[mask].tolist()  # row after row
+    ends = mask.sum(dim=1).cumsum(0).tolist()
+    return [kept[start:end] for start, end in zip([0, *ends[:-1]], ends)]
