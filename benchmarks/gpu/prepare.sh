@@ -29,6 +29,20 @@ ls .whl/trl-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only
 ls .whl/datasets-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "datasets==4.8.5" "dill==0.4.1" "multiprocess==0.70.19"
+# the decode before cache windows and the decode kernel (commit 1170138, the code whose 2048-token decode
+# ran at 21k tokens/s on an H200): verl-core and verl-hf wheels in .whl-today, the baseline of
+# run.sh decode-today
+today=1170138
+grep -qx '/.whl-today/' .git/info/exclude || echo /.whl-today/ >> .git/info/exclude
+if [ "$(cat .whl-today/commit 2>/dev/null)" != "$today" ]; then
+  rm -rf .whl-today /tmp/verl-today-src && mkdir -p .whl-today
+  git worktree add -q --detach /tmp/verl-today-src "$today"
+  for d in packages/verl-core packages/verl-hf; do
+    .venv/bin/python -m build -q --wheel --outdir .whl-today "/tmp/verl-today-src/$d" >/dev/null
+  done
+  git worktree remove --force /tmp/verl-today-src
+  echo "$today" > .whl-today/commit
+fi
 for d in packages/verl-core packages/verl-hf packages/verl-megatron packages/verl-vllm conformance; do
   .venv/bin/python -m build -q --wheel --outdir .whl "$d" >/dev/null
 done

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
-# profile-decode | profile-prefill | profile-update | vs-trl | targets | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|profile-decode|profile-prefill|profile-update|vs-trl|targets|pending [args]   (writes under $OUT)
+# decode-today | profile-decode | profile-prefill | profile-update | vs-trl | targets | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|decode-today|profile-decode|profile-prefill|profile-update|vs-trl|targets|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only),
 #   CONF_WORKERS (pytest-xdist processes sharing the GPU: each engine's compile runs on its own CPU core)
@@ -38,6 +38,31 @@ case $step in
   async) python3 benchmarks/bench_async.py --device cuda "$@" 2>&1 | tee -a "$OUT/async.log" ;;
   #   decode-long ARGS: hf rollout decode tokens/s as responses grow, against the bandwidth bound
   decode-long) python3 benchmarks/gpu/bench_decode_long.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/decode_long.log" ;;
+  #   decode-today ARGS: bench_decode_long.py ARGS twice in this call: the code of the decode before cache
+  #   windows and the decode kernel (the wheels of .whl-today, built by prepare.sh; carry it too), then
+  #   this code; prints both rows and this code's tokens/s over that code's
+  decode-today)
+    if [ ! -f /tmp/site-today/commit ] || [ "$(cat /tmp/site-today/commit)" != "$(cat .whl-today/commit)" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-today \
+        .whl-today/*.whl || exit 1
+      cp .whl-today/commit /tmp/site-today/commit
+    fi
+    PYTHONPATH=/tmp/site-today:/tmp/site python3 benchmarks/gpu/bench_decode_long.py --variant "today-$(cat .whl-today/commit)={}" \
+      "$@" 2>&1 | tee -a "$OUT/decode_today.log"
+    python3 benchmarks/gpu/bench_decode_long.py --variant this={} "$@" 2>&1 | tee -a "$OUT/decode_today.log"
+    python3 - "$OUT/decode_today.log" <<'PY'
+import sys
+rows = {}
+for line in open(sys.argv[1]):
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    if len(cells) == 13 and cells[0] != "variant" and not cells[0].startswith("-"):
+        rows[(cells[0].split("-")[0], cells[2])] = float(cells[6].replace(",", ""))
+for (name, length), tok_s in sorted(rows.items()):
+    if name == "this" and ("today", length) in rows:
+        print(f"{length} new tokens: this code {tok_s:,.0f} tok/s, the decode before cache windows "
+              f"{rows[('today', length)]:,.0f} tok/s: {tok_s / rows[('today', length)]:.2f}x")
+PY
+    ;;
   #   pending: the open GPU measurements in one call of under 10 minutes, each under its own limit:
   #   the bfloat16 hf checks that failed on CUDA, the ragged async benchmark, a 14B LoRA run
   pending)
@@ -57,9 +82,8 @@ case $step in
   targets)
     bash "$0" vs-trl --shape 0.9b-16x8x128 > /dev/null 2>&1; grep -E "^(TRL GRPOTrainer|verl train) +[0-9]|speed-up" "$OUT/vs_trl.log"
     bw=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
-    bash "$0" decode-long --lengths 2048 --calls 2 --bandwidth "$bw" --variant default={} \
-      --variant 'whole-cache={"rollout_decode_window":0,"rollout_decode_kernel":false}' > /dev/null 2>&1
-    tail -6 "$OUT/decode_long.log"
+    bash "$0" decode-today --lengths 2048 --calls 2 --bandwidth "$bw" > /dev/null 2>&1
+    grep -E "^\| (today|this)|tok/s:" "$OUT/decode_today.log"
     bash "$0" profile-prefill --out "$OUT/pp" > /dev/null 2>&1; head -5 "$OUT/pp/profile_prefill.md"
     bash "$0" profile-prefill --out "$OUT/pp-plain" --options '{"fused_elementwise": false}' > /dev/null 2>&1
     head -5 "$OUT/pp-plain/profile_prefill.md"
