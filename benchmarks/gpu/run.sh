@@ -24,7 +24,7 @@ case $step in
       for dtype in ${CONF_DTYPES:-float32 bfloat16}; do
         t0=$SECONDS
         (cd /tmp && timeout ${CONF_TIMEOUT:-300} python3 -m pytest -v --tb=short -p no:cacheprovider --pyargs verl_conformance --verl-backend "$backend" \
-           --verl-device cuda --verl-dtype "$dtype" ${CONF_WORKERS:+-n "$CONF_WORKERS"} ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} ${CONF_K:+-k "$CONF_K"} \
+           --verl-device cuda --verl-dtype "$dtype" ${CONF_WORKERS:+-n "$CONF_WORKERS" --dist loadscope} ${CONF_OPTIONS:+--verl-options "$CONF_OPTIONS"} ${CONF_K:+-k "$CONF_K"} \
            2>&1) > "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log"
         echo "conformance $backend $dtype ${CONF_OPTIONS:-}: rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/conformance-$backend-$dtype${CONF_TAG:-}.log")"
       done
