@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
-# decode-today | profile-decode | profile-prefill | profile-update | vs-trl | targets | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|decode-today|profile-decode|profile-prefill|profile-update|vs-trl|targets|pending [args]   (writes under $OUT)
+# decode-today | profile-decode | profile-prefill | profile-update | vs-trl | targets | levers | pending.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|decode-today|profile-decode|profile-prefill|profile-update|vs-trl|targets|levers|pending [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only),
 #   CONF_WORKERS (pytest-xdist processes sharing the GPU: each engine's compile runs on its own CPU core),
@@ -86,6 +86,13 @@ PY
     bash "$0" decode-today --lengths 2048 --calls 2 --bandwidth "$bw" > /dev/null 2>&1
     grep -E "^\| (today|this)|tok/s:" "$OUT/decode_today.log"
     bash "$0" vs-trl --shape 0.9b-32x8x512 > /dev/null 2>&1; grep -E "^(TRL GRPOTrainer|verl train) +[0-9]|speed-up" "$OUT/vs_trl.log" | tail -3 ;;
+  #   levers: where the 32 x 8 x 512 step goes, in one call of about 4 minutes: the decode step's parts and
+  #   kernels at 256 rows x 512 new tokens, then one forward_backward of 256 x (32 + 512) tokens by operator (micro-batches of 32,768 tokens: they fit 80 GB)
+  levers)
+    bash "$0" profile-decode --out "$OUT/pd512" --prompts 32 --new 512 --calls 2 > /dev/null 2>&1
+    head -14 "$OUT/pd512/profile_decode.md"
+    bash "$0" profile-update --size 0.9b --rows 256 --prompt 32 --response 512 --budgets 32768 --reps 2 --top 15 \
+      > /dev/null 2>&1; grep -vE "^(/tmp|  warnings)" "$OUT/profile_update.log" | tail -30 ;;
   #   profile-update ARGS: where the hf actor's update goes (benchmarks/gpu/profile_update.py ARGS; model under /tmp)
   profile-update) python3 benchmarks/gpu/profile_update.py --out /tmp/profile-update "$@" 2>&1 | tee -a "$OUT/profile_update.log" ;;
   #   vs-trl ARGS: bench_grpo_vs_trl.py on CUDA (e.g. --shape 0.9b-16x8x2048 --sides verl --out /tmp/vs-trl-2048)
