@@ -93,3 +93,11 @@ def test_bench_async_counts_every_step_of_a_run(monkeypatch: pytest.MonkeyPatch)
     sync_run = [{"time/step": 36.0}, {"time/step": 34.0}, {"time/step": 34.0}]
     assert bench._seconds_per_step(async_run) == pytest.approx(32.0)
     assert bench._seconds_per_step(sync_run) == pytest.approx(104.0 / 3)
+
+
+def test_bench_reward_inputs_compares_each_path_with_its_baseline() -> None:
+    """The script checks that both paths score alike before timing them, and prints both ratios."""
+    text = _run("benchmarks/bench_reward_inputs.py", "--rows", "8", "--response", "16", "--repeat", "1")
+    ratios = re.findall(r"\| (score|masked tokens: one boolean index) \| [0-9.]+ \| ([0-9.]+)x \|", text)
+    assert [name for name, _ in ratios] == ["score", "masked tokens: one boolean index"], text
+    assert all(float(r) > 0 for _, r in ratios)
