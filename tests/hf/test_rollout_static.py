@@ -331,3 +331,40 @@ def test_a_decode_step_that_fails_to_compile_decodes_uncompiled_after_one_warnin
             compiled.generate(p, PARAMS[0])  # no second warning
     finally:
         sampling.compiled_sampling_step.cache_clear()
+
+
+def test_a_compiled_step_compiles_a_few_times_however_many_shapes_it_meets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-turn episode's turns (other rows, longer prompts) and evaluation batches bring new
+    shapes: the compiled decode step specialises to the first, compiles one graph with symbolic
+    sizes when the rows change and once more when the prompt width does, and every later shape
+    reuses it, sampling what the eager step samples; ``compile_seconds`` names the shapes that
+    compiled. The backend is aot_eager (dynamo and AOT autograd trace as under inductor, without
+    its code generation, which takes minutes on a CPU)."""
+    import functools
+
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+    def build(**options: Any) -> HFRolloutEngine:
+        return HFRolloutEngine(EngineSpec(model_path=model_path("llama"), role="rollout", max_prompt_len=200,
+                                          max_response_len=8, options={"rollout_cache": "static", **options}))
+
+    eager, compiled = build(), build(rollout_compile=True)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    params = SamplingParams(max_new_tokens=6, seed=4)
+    shapes = [(4, 8), (6, 8), (6, 40), (5, 72), (7, 104), (3, 136)]  # rows, prompt tokens
+    graphs = []
+    for i, (rows, width) in enumerate(shapes):
+        batch = random_batch(batch_size=rows, max_prompt=width, max_response=1, seed=i)
+        batch = batch.select("prompt_ids", "prompt_mask", "group_ids")
+        got, want = compiled.generate(batch, params), eager.generate(batch, params)
+        for field in ("response_ids", "response_mask", "truncated"):
+            assert torch.equal(got[field], want[field]), f"{field} differs at {rows} rows x {width} tokens"
+        assert_close(got["rollout_log_probs"], want["rollout_log_probs"], dtype="float32", quantity="log_probs")
+        graphs.append(int(dynamo_utils.counters["stats"]["unique_graphs"]))
+    # the step and its sampling at the first shape, both again at new rows, the step at a new width
+    assert graphs[:3] == [2, 4, 5], graphs
+    assert graphs[3:] == [graphs[2]] * 3, f"later shapes compiled again: {graphs}"
+    assert sorted(compiled.compile_seconds) == [(4, 32), (6, 32), (6, 64)]

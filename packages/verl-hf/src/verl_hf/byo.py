@@ -89,6 +89,7 @@ class HFModelRollout(HFRolloutEngine):
         self._graphs = GraphCaptures("hf rollout")
         self._compiled = None
         self._first_compiled: dict[tuple[int, int], float] = {}
+        self._shapes: set[tuple[int, int]] = set()
         self._decoders = StaticDecoders()
         self._flat = None  # the user's parameters stay where they are (no shared weight buffer)
         self._fused = None  # and the user's modules keep their own forwards

@@ -50,8 +50,11 @@ class HFOptions:
             embeddings, activations, and the sampling's softmax and CDF scans:
             :class:`~verl_core.enginekit.sampling.TokenSampler`); needs ``rollout_cache='static'``.
             Where compiling fails the step runs uncompiled after one warning (``decode_mode``
-            names the error). Compiled once per shape, on the first ``generate`` of that shape
-            (inductor's on-disk cache makes later runs' compiles shorter); combines with
+            names the error). Compiled on the first ``generate``, specialised to its shape; the
+            first ``generate`` whose rows (or prompt width) differ compiles once more with that
+            size symbolic, and later shapes reuse those graphs
+            (:class:`~verl_core.enginekit.sampling.CompiledOrEager`; inductor's on-disk cache
+            makes later runs' compiles shorter); combines with
             ``rollout_cuda_graphs``. None (default): on wherever the
             static cache is used on CUDA.
         rollout_fused_projections: Run each layer's q/k/v projections as one matmul and its

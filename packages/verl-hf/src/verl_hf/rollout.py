@@ -63,6 +63,7 @@ from verl_hf.modeling import (
 from verl_hf.rollout_decode import (
     HFStaticDecoder,
     allow_recompiles,
+    compiled_graphs,
     decode_dynamic,
     decode_mode,
     full_attention,
@@ -153,8 +154,9 @@ class HFRolloutEngine(RolloutEngineBase):
         # torch.compile of the model for decode steps (HFOptions.rollout_compile), made on first use;
         # the model itself runs the steps if compiling fails.
         self._compiled: CompiledOrEager | None = None
-        # Seconds of the first decode of each (rows, prompt width) with a compiled step (it compiles).
+        # Seconds of the first decode of each (rows, prompt width) that compiled (see compile_seconds).
         self._first_compiled: dict[tuple[int, int], float] = {}
+        self._shapes: set[tuple[int, int]] = set()  # the shapes decoded under rollout_compile
         # The static decoder of the last shape and sampling configuration, kept for reuse.
         self._decoders: StaticDecoders[HFStaticDecoder] = StaticDecoders()
         # The weights in one buffer, in export order (see FlatParameters); rebuilt on wake.
@@ -219,8 +221,9 @@ class HFRolloutEngine(RolloutEngineBase):
 
     @property
     def compile_seconds(self) -> Mapping[tuple[int, int], float]:
-        """Wall seconds of the first decode of each (rows, prompt width) under ``rollout_compile``:
-        compiling the decode step for that shape, then decoding (later calls of the shape reuse it)."""
+        """Wall seconds of the first decode of each (rows, prompt width) that compiled under
+        ``rollout_compile``, compiling included: the first shape's, and the first whose rows (or
+        prompt width) differ (a graph with that size symbolic, which later shapes reuse)."""
         return dict(self._first_compiled)
 
     def log_probs_exact(self, params: SamplingParams) -> bool:
@@ -267,16 +270,18 @@ class HFRolloutEngine(RolloutEngineBase):
             chunk = chunk.pad_prompts(static_prompt_width(chunk["prompt_ids"].shape[1]))
             decoder = self._static_decoder(chunk, params, stop_ids, uniforms)
             rows, width = chunk["prompt_ids"].shape
-            compiling = self._options.rollout_compile and (rows, width) not in self._first_compiled
-            started = time.perf_counter()
+            first = self._options.rollout_compile and (rows, width) not in self._shapes
+            started, graphs = time.perf_counter(), compiled_graphs()
             decoder.start(chunk, uniforms)
             # On a GPU, ask whether every row finished only every few steps (each ask is a sync).
             decoder.run(check_every=8 if self._device.type == "cuda" else 1,
                         graphs=self._graphs if self._options.rollout_cuda_graphs else None)
             result = decoder.result()
-            if compiling:
-                self._first_compiled[(rows, width)] = seconds = time.perf_counter() - started
-                log_compile(rows, width, seconds)
+            if first:
+                self._shapes.add((rows, width))
+                if compiled_graphs() > graphs:
+                    self._first_compiled[(rows, width)] = seconds = time.perf_counter() - started
+                    log_compile(rows, width, seconds)
             return result
         sampler = TokenSampler(params, self._tokenizer.pad_token_id, stops, uniforms)
         return decode_dynamic(self._model, chunk, sampler, params.max_new_tokens, self._device)
@@ -473,6 +478,7 @@ class HFRolloutEngine(RolloutEngineBase):
             self._decoders.clear()
             self._compiled = None
             self._first_compiled.clear()
+            self._shapes.clear()
             self._weights = None
             self._shares_base = True
         return freed

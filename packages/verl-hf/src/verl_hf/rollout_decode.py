@@ -33,6 +33,7 @@ __all__ = [
     "RECOMPILE_LIMIT",
     "HFStaticDecoder",
     "allow_recompiles",
+    "compiled_graphs",
     "decode_dynamic",
     "decode_mode",
     "full_attention",
@@ -178,9 +179,10 @@ def decode_mode(options: HFOptions, graphs: GraphCaptures | None = None, compile
 
 RECOMPILE_LIMIT = 64
 """Compiled versions of one function dynamo keeps (``torch._dynamo.config.recompile_limit``) while a
-rollout compiles its decode step: two per (rows, prompt width) with cache windows (the windows below
-the whole cache, and the whole cache), more than dynamo's default of 8, past which it would run the
-step uncompiled."""
+rollout compiles its decode step: a few in all (the first shape, then once per size that changes, made
+symbolic; twice each with cache windows: the windows below the whole cache, and the whole
+cache), more where the traced code fixes a size; above dynamo's default of 8, past which it would
+run the step uncompiled."""
 
 
 def allow_recompiles() -> None:
@@ -198,9 +200,16 @@ def allow_recompiles() -> None:
         dynamo_config.recompile_limit = RECOMPILE_LIMIT
 
 
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (every function's): a decode whose call raises it compiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def log_compile(rows: int, width: int, seconds: float) -> None:
-    """Log the first decode of a shape under ``rollout_compile`` (it compiled the decode step) and
-    where inductor caches what it compiled, which shortens the next run's compile of that shape."""
+    """Log a first decode of a shape under ``rollout_compile`` that compiled (the decode step, its
+    sampling) and where inductor caches what it compiled, which shortens the next run's compile."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -208,7 +217,8 @@ def log_compile(rows: int, width: int, seconds: float) -> None:
     except (ImportError, AttributeError):  # another torch layout: the message names no folder
         where = "inductor's on-disk cache"
     log.info("hf rollout: first decode of %d rows x %d prompt tokens took %.1f s, compiling the decode step "
-             "(later calls of this shape reuse it; %s)", rows, width, seconds, where)
+             "(later calls of this shape reuse it, and so do other shapes once the sizes that change are symbolic; %s)",
+             rows, width, seconds, where)
 
 
 def full_attention(config: Any) -> bool:

@@ -49,8 +49,10 @@ class MegatronOptions:
             ``torch.compile`` (inductor fuses the per-token elementwise work: norms, rotary
             embeddings, activations, the sampling's softmax and CDF scans); needs the static
             cache. Where compiling fails the step runs uncompiled after one warning
-            (``decode_mode`` names the error). Compiled on the first ``generate`` of each shape; combines with ``rollout_cuda_graphs``. None (default): on wherever the
-            static cache is used on CUDA.
+            (``decode_mode`` names the error). Compiled on the first ``generate``, specialised to
+            its shape; the first ``generate`` whose rows (or prompt width) differ compiles once
+            more with that size symbolic, and later shapes reuse those graphs; combines with
+            ``rollout_cuda_graphs``. None (default): on wherever the static cache is used on CUDA.
         master_weights: With a bfloat16 spec, let the optimizer update float32 master copies
             of the parameters and round them into the model after each step
             (:class:`verl_core.enginekit.precision.MasterWeights`), so updates smaller than bfloat16's

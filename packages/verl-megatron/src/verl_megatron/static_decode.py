@@ -53,9 +53,10 @@ def last_logits(model: Any, tokens: Tensor, masked: Tensor, rotary: Tensor) -> T
 
 
 def compiled_last_logits() -> CompiledOrEager:
-    """``torch.compile`` of :func:`last_logits` (``dynamic=False``: one shape per decoder, except the
-    cache windows below the whole cache, whose width is marked dynamic: one compile serves them all,
-    :func:`~verl_core.enginekit.sampling.mark_window_dynamic`); where compiling fails,
+    """``torch.compile`` of :func:`last_logits` (specialised to the first shape, then once more for
+    each size that changes, made symbolic: :class:`~verl_core.enginekit.sampling.CompiledOrEager`; the
+    cache windows below the whole cache have their width marked dynamic, so one compile serves
+    them all: :func:`~verl_core.enginekit.sampling.mark_window_dynamic`); where compiling fails,
     :func:`last_logits` itself runs the steps (:class:`~verl_core.enginekit.sampling.CompiledOrEager`).
 
     Two megatron-core helpers stop dynamo, so inside compiled code (only there: eager calls keep

@@ -240,16 +240,22 @@ class CompiledOrEager:
     failure, so ``fn``'s side effects must be idempotent (a decode step writes its cache slot; a
     sampling step has none). Errors other than dynamo's and inductor's propagate.
 
+    The default compile specialises to the first shape it meets; the first call in which a size
+    differs (the rows, a prompt's width) compiles once more with that size symbolic, and later
+    calls reuse those graphs whatever that size (dynamo's automatic dynamic shapes). A decode loop that always runs one shape (a GRPO step's
+    batch) keeps kernels specialised to it; one whose shapes keep changing (the turns of multi-turn
+    episodes: other rows, longer prompts) compiles a few times in all, not once per shape.
+
     Args:
         fn: The function or module.
         name: Who compiles, for the warning.
-        compiled: ``fn``'s compiled version (default ``torch.compile(fn, dynamic=False)``).
+        compiled: ``fn``'s compiled version (default ``torch.compile(fn)``, as above).
     """
 
     def __init__(self, fn: Callable[..., Any], name: str, compiled: Callable[..., Any] | None = None) -> None:
         self.fn = fn
         self.name = name
-        self.compiled = compiled if compiled is not None else torch.compile(fn, dynamic=False)
+        self.compiled = compiled if compiled is not None else torch.compile(fn)
         self.error: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,11 +290,12 @@ def sampling_step(params: SamplingParams, pad: int, stops: Tensor, uniforms: Ten
 
 @functools.cache
 def compiled_sampling_step() -> CompiledOrEager:
-    """``torch.compile`` of :func:`sampling_step` (``dynamic=False``), made once per process; where
-    it fails to compile, every sampler of the process samples eagerly (:class:`CompiledOrEager`).
+    """``torch.compile`` of :func:`sampling_step`, made once per process; where it fails to compile,
+    every sampler of the process samples eagerly (:class:`CompiledOrEager`).
 
-    It specialises to each shape and sampling configuration it meets (a recompile each); a static
-    decode loop compiles it during its warm-up steps, before a CUDA graph captures it.
+    It specialises to each sampling configuration it meets, and to the first number of rows (a
+    second number compiles a graph for any number: :class:`CompiledOrEager`); a static decode loop
+    compiles it during its warm-up steps, before a CUDA graph captures it.
     """
     return CompiledOrEager(sampling_step, "token sampling")
 
@@ -457,9 +464,9 @@ def mark_window_dynamic(tensor: Tensor, dim: int, window: int, windows: Sequence
     """Mark ``tensor``'s ``dim`` (``window`` slots wide) as a dynamic size for ``torch.compile``
     when ``window`` is narrower than the whole cache (the last of ``windows``); returns ``tensor``.
 
-    A decode step compiled with ``dynamic=False`` then compiles once for every window below the
-    whole cache, with the window a symbolic size, and once for the whole cache (whose read is a
-    contiguous tensor, another graph), instead of once per window. The mark is a hint
+    A compiled decode step then compiles once for every window below the whole cache, with the
+    window a symbolic size, and once for the whole cache (whose read is a contiguous tensor, another
+    graph), instead of once per window. The mark is a hint
     (``maybe_mark_dynamic``): where the traced code fixes the size (a window as wide as another
     dimension of the step, say), that window compiles on its own instead of failing. Outside
     ``torch.compile`` the mark does nothing.
