@@ -43,10 +43,13 @@ Sizes (``--size``):
   once by ``examples/math/make_model.py`` into ``--model-dir`` (reused when that folder already
   holds a model), for every workload; 16 prompts x 8 samples per step, learning rate 1e-6;
   ``slow-tool`` turns of ``--turn-tokens`` tokens. For a GPU: ``--device cuda`` (bfloat16 by
-  default). On CUDA the multi-turn workloads set ``backends.options.rollout.rollout_compile=false``:
-  the compiled decode step is compiled anew for each (rows, prompt width) it meets (about 30 s
-  each on an H200: ``benchmarks/results/gpu-h200-math-2026-12-04.md``), and an episode's turns meet
-  a new one nearly every turn; the static KV cache and CUDA graphs stay on.
+  default). On CUDA the multi-turn workloads set ``backends.options.rollout.rollout_compile=false``
+  unless ``--multi-turn-compile``: the compiled decode step was compiled anew for each (rows, prompt
+  width) it met (about 30 s each on an H200: ``benchmarks/results/gpu-h200-math-2026-12-04.md``),
+  and an episode's turns meet a new one nearly every turn. It now compiles for the first shape and
+  once more per size that changes (``CompiledOrEager``); whether it then pays over a multi-turn
+  run is what ``--multi-turn-compile`` measures (not yet on a GPU). The static KV cache and CUDA
+  graphs stay on either way.
 
 Executors (``--executor``):
 
@@ -187,7 +190,7 @@ def _sized_model(size: str, folder: Path) -> str:
 
 
 def _workload(name: str, tmp: Path, *, size: str, model: Path | None, turn_tokens: int, max_turns: int,
-              device: str) -> list[str]:
+              device: str, multi_turn_compile: bool = False) -> list[str]:
     """The ``verl train`` overrides of workload ``name`` (``model``: the sized model folder, None for tiny)."""
     sized = SIZES[size]
     base = ["seed=0", "logging.progress=false", "logging.plot=false", "checkpoint.final=false",
@@ -200,7 +203,7 @@ def _workload(name: str, tmp: Path, *, size: str, model: Path | None, turn_token
         raise SystemExit(f"unknown workload {name!r}; choices: tokensN (e.g. tokens64), {', '.join(MULTI_TURN)}")
     if model is None:
         base.append(f"model.path={json.dumps(str(_agent_model(tmp)))}")
-    if device != "cpu":  # a compile per (rows, prompt width), met anew nearly every turn (module doc)
+    if device != "cpu" and not multi_turn_compile:  # the module doc says why
         base.append("backends.options.rollout.rollout_compile=false")
     if name == "slow-tool":
         per_turn, per_episode = sized.slow_tool or (turn_tokens, 4 * turn_tokens)
@@ -287,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="where the engines run: this process, or split Ray worker processes")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="model.device of every run")
+    p.add_argument("--multi-turn-compile", action="store_true",
+                   help="keep the rollout's compiled decode step on for the multi-turn workloads on CUDA (module doc)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="model.dtype of every run (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the model (see the module doc)")
@@ -332,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{'workload':<11} {'setting':<14} {'s/step (median)':>16} {'runs':>24} {'sync/this':>10}", flush=True)
         for workload in args.workloads:
             base = [*_workload(workload, tmp, size=args.size, model=model, turn_tokens=turn_tokens,
-                               max_turns=max_turns, device=args.device), *placement]
+                               max_turns=max_turns, device=args.device,
+                               multi_turn_compile=args.multi_turn_compile), *placement]
             times: dict[str, list[float]] = {name: [] for name, _ in settings}
             steps_seen: list[dict[str, Any]] = []
             for r in range(args.repeats):  # settings in turn, so a change of load touches each alike
