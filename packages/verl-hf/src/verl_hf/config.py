@@ -106,10 +106,10 @@ class HFOptions:
             this kernel) runs 1.77x the tokens/s of the whole-cache matrix-product decode, 0.70 of the
             bandwidth bound (``benchmarks/gpu/bench_decode_long.py``,
             benchmarks/results/gpu-2026-12-06-kernel.md).
-        fused_elementwise: In the training and rollout engines, run each RMSNorm and each SiLU-gated MLP's
-            ``silu(gate) * up`` through one ``torch.compile``d function each (inductor fuses each
-            chain of element-wise kernels into one kernel forward and one backward:
-            :mod:`verl_hf.fused_elementwise`), for the llama, mistral, qwen2 and qwen3 families;
+        fused_elementwise: In the training and rollout engines, run each RMSNorm and each
+            SiLU-gated MLP's ``silu(gate) * up`` through one ``torch.compile``d function each
+            (inductor fuses each chain of element-wise kernels into one kernel forward and one
+            backward: :mod:`verl_hf.fused_elementwise`), for the llama, mistral, qwen2 and qwen3 families;
             other modules keep their forward. transformers' arithmetic in the same dtypes, up to
             the order of the float32 mean's additions. None (default): on for CUDA engines in
             bfloat16, where those chains took about half of ``forward_backward``'s kernel time

@@ -201,7 +201,7 @@ def allow_recompiles() -> None:
 
 
 def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (every function's): a decode whose call raises it compiled."""
+    """Graphs dynamo has compiled in this process, every function's (a call that raises it compiled)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

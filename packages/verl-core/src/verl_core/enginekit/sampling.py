@@ -242,9 +242,10 @@ class CompiledOrEager:
 
     The default compile specialises to the first shape it meets; the first call in which a size
     differs (the rows, a prompt's width) compiles once more with that size symbolic, and later
-    calls reuse those graphs whatever that size (dynamo's automatic dynamic shapes). A decode loop that always runs one shape (a GRPO step's
-    batch) keeps kernels specialised to it; one whose shapes keep changing (the turns of multi-turn
-    episodes: other rows, longer prompts) compiles a few times in all, not once per shape.
+    calls reuse those graphs whatever that size (dynamo's automatic dynamic shapes). A decode loop
+    that always runs one shape (a GRPO step's batch) keeps kernels specialised to it; one whose
+    shapes keep changing (the turns of multi-turn episodes: other rows, longer prompts) compiles a
+    few times in all, not once per shape.
 
     Args:
         fn: The function or module.
