@@ -12,8 +12,8 @@ batch (the GRPO benchmark's character tokenizer, 32-token prompts, full-length r
 - ``score, ids as lists``: the same with the tokenizer seen through a plain object, so
   ``HFTokenizer.decode`` passes a list of ints, which transformers checks element by element (the
   path every decode took before);
-- the two ways of gathering the masked tokens alone: one boolean index of the whole batch, and a
-  Python filter of each row (the former ``_rows``).
+- the two ways of gathering the masked tokens alone: one boolean index of the whole batch (the
+  trainer's ``_rows``), and a Python filter of each row (what it did before).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from verl_core import BatchMeta, HFTokenizer, TensorBatch
 from verl_core.trainer.inputs.rewards import RewardFunctions
+from verl_core.trainer.inputs.rewards import _rows as rows_by_index  # what score() gathers with
 from verl_core.trainer.inputs.tiny_model import char_tokenizer
 
 REWARD = "verl_core.trainer.inputs.reward_functions:exact_match"
@@ -50,12 +51,6 @@ class PlainTokenizer:
 
 def rows_by_filter(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [[t for t, m in zip(row, keep) if m] for row, keep in zip(ids.tolist(), mask.tolist())]
-
-
-def rows_by_index(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    kept: list[int] = ids[mask].tolist()
-    ends = mask.sum(dim=1).cumsum(0).tolist()
-    return [kept[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def main() -> None:
