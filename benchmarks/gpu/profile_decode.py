@@ -6,7 +6,9 @@ default options (16 prompts x 8 samples, 32-token prompts, 128 new tokens, as
 ``benchmarks/bench_grpo_vs_trl.py --size 0.9b``), then prints, each against anchors measured in
 the same run: the whole ``generate`` call, one captured decode step replayed, the step's model
 forward and its sampling each in a graph of their own, the step's matrix multiplies alone and the
-time to read the weights once (a device copy of the same bytes), and the profiler's kernel table.
+time to read the weights once (a device copy of the same bytes), the wall time of 20 replayed steps
+against the sum of their kernels (what the device spends between kernels), and the profiler's
+kernel table.
 """
 
 from __future__ import annotations
@@ -120,12 +122,28 @@ def main() -> None:
     if dec.graph is not None:
         from torch.profiler import ProfilerActivity, profile
 
+        # The same 20 replays right after the prefill, timed without the profiler, then profiled: the
+        # step's wall time against its kernels' sum is the time the device waits between kernels.
+        dec.start(chunk, None)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            dec.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        wall_ms = start.elapsed_time(end) / 20
         dec.start(chunk, None)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 dec.graph.replay()
             torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 20
+        launches = sum(e.count for e in kernels) / 20
+        lines += [f"| 20 replays right after the prefill, a step (timed without the profiler) | {wall_ms:.3f} |",
+                  f"| their kernels' sum, a step ({launches:.0f} kernels) | {kernel_ms:.3f} |",
+                  f"| the device between kernels, a step | {wall_ms - kernel_ms:.3f} |"]
         lines.append("```\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n```")
     text = "\n".join(lines)
     print(text, flush=True)
