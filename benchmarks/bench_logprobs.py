@@ -3,8 +3,9 @@
 The reference is what the engines computed before: ``tempered_log_probs(logits, T)`` (a float32
 log-softmax over all ``[tokens, vocab]`` logits), gathered at the targets, and the entropy
 ``-(exp(logp) * logp).sum(-1)``. The chunked function is ``verl_core.enginekit.token_stats.
-token_log_probs``. For each, the table gives the median time and the peak memory above the inputs
-of
+token_log_probs``, with each chunk's passes eager and fused (one compiled function per chunk for
+the forward and one for the backward; the default on CUDA). For each, the table gives the median
+time and the peak memory above the inputs of
 
 * a training step's part: forward of the log-probs and entropy, then backward of a weighted sum of
   both into the logits (whose gradient, in the logits' dtype, both must allocate);
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 
 from verl_core.enginekit.sampling import tempered_log_probs
-from verl_core.enginekit.token_stats import default_chunk_tokens, token_log_probs
+from verl_core.enginekit.token_stats import default_chunk_tokens, fuses_log_probs, token_log_probs
 
 Impl = Callable[[Tensor, Tensor, float, bool], tuple[Tensor, Tensor | None]]
 
@@ -54,9 +55,10 @@ def reference(logits: Tensor, targets: Tensor, temperature: float, entropy: bool
     return lp, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
-def chunked(chunk_tokens: int | None) -> Impl:
+def chunked(chunk_tokens: int | None, fused: bool) -> Impl:
     def run(logits: Tensor, targets: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, Tensor | None]:
-        return token_log_probs(logits, targets, temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+        return token_log_probs(logits, targets, temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens,
+                               fused=fused)
     return run
 
 
@@ -159,7 +161,9 @@ def main() -> None:
     for c in (args.chunks or ("auto,128,2048" if cuda else "auto,64,512")).split(","):
         size = None if c == "auto" else int(c)
         shown = default_chunk_tokens(args.vocab, device) if size is None else size
-        impls[f"chunked {shown}" + (" (default)" if size is None else "")] = chunked(size)
+        for fused in (False, True):
+            default = size is None and fused == fuses_log_probs(device)
+            impls[f"chunked {shown}{', fused' if fused else ''}" + (" (default)" if default else "")] = chunked(size, fused)
 
     exact_lp, exact_grad = exact(logits, targets, w, temperature, entropy)
     errors: dict[str, tuple[float, float]] = {}

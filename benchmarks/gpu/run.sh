@@ -64,15 +64,19 @@ for (name, length), tok_s in sorted(rows.items()):
               f"{rows[('today', length)]:,.0f} tok/s: {tok_s / rows[('today', length)]:.2f}x")
 PY
     ;;
-  #   pending: the open GPU measurements in one call of under 10 minutes, each under its own limit:
-  #   the bfloat16 hf checks that failed on CUDA, the ragged async benchmark, a 14B LoRA run
+  #   pending: the open GPU measurements in one call of under 10 minutes, each under its own limit: the
+  #   fused token log-probs against the eager passes (a 32,000 and a 151,936 vocabulary), the decode
+  #   step's time between kernels at 256 rows, the multi-turn workload with and without its compiled step
   pending)
-    CONF_DTYPES=bfloat16 CONF_TIMEOUT=90 CONF_K="seeded_sampling_reproducible or positions_under_left_padding or rollout_continues_multi_turn_prefix or greedy_matches_reference or truncated_sampling" \
-      bash "$0" conformance hf
-    grep -E "PASSED|FAILED|^E " "$OUT/conformance-hf-bfloat16.log" | head -20
-    timeout 250 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
-      --turn-tokens 340 --max-turns 6 --out "$OUT/async"
-    timeout 200 bash "$0" lora --size 14b --modes lora --steps 2 --json "$OUT/lora-14b.json" ;;
+    timeout 100 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --chunks auto 2>&1 | tee "$OUT/logprobs.log" | grep -E "^\|"
+    timeout 100 python3 benchmarks/bench_logprobs.py --device cuda --dtype bfloat16 --chunks auto --vocab 151936 --batch 4 \
+      2>&1 | tee -a "$OUT/logprobs.log" | grep -E "^\|"
+    timeout 150 bash "$0" profile-decode --out "$OUT/pd512" --prompts 32 --new 512 --calls 2 > /dev/null 2>&1
+    head -17 "$OUT/pd512/profile_decode.md"
+    for compile in "" --multi-turn-compile; do
+      timeout 120 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
+        --turn-tokens 340 --max-turns 6 $compile --out "$OUT/async${compile:+-compile}" 2>&1 | tail -8
+    done ;;
   #   profile-decode ARGS: where the hf rollout's decode step goes (benchmarks/gpu/profile_decode.py ARGS, e.g. --out "$OUT/pd")
   profile-decode) (cd "$(dirname "$0")" && python3 profile_decode.py "$@") 2>&1 | tee -a "$OUT/profile_decode.log" ;;
   #   profile-prefill ARGS: where the hf rollout's prefill goes (benchmarks/gpu/profile_prefill.py ARGS, e.g. --out "$OUT/pp")

@@ -202,3 +202,117 @@ def test_no_float32_tensor_is_larger_than_one_chunk(entropy: bool) -> None:
 
     assert run(lambda x: reference(x, targets, 0.7)) == 36 * 50  # the check sees the reference's tensors
     assert run(lambda x: token_log_probs(x, targets, temperature=0.7, entropy=entropy, chunk_tokens=5)) <= 5 * 50
+
+
+# ---------------------------------------------------------------------------------------- fused
+# ``fused=True`` (the default on CUDA) runs each chunk through two compiled functions; on CPU torch
+# compiles them with its C++ backend, so these tests run the traced code the GPU runs, compiled for
+# another device.
+
+
+def _both(x: Tensor, targets: Tensor, *, fused: bool, temperature: float = 1.0, chunk: int = 4
+          ) -> tuple[Tensor, Tensor]:
+    lp, ent = token_log_probs(x, targets, temperature=temperature, entropy=True, chunk_tokens=chunk, fused=fused)
+    assert ent is not None
+    return lp, ent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_values_and_gradients_match_the_eager_passes(dtype: torch.dtype, temperature: float) -> None:
+    logits, targets = inputs((3, 5), 50, dtype)  # 15 tokens, chunks of 4: the last chunk is smaller
+    w_lp, w_ent = torch.randn(3, 5), torch.randn(3, 5)
+    got = []
+    for fused in (False, True):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = _both(x, targets, fused=fused, temperature=temperature)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        assert x.grad is not None and x.grad.dtype == dtype and lp.dtype == ent.dtype == torch.float32
+        got.append((lp, ent, x.grad))
+    (lp_e, ent_e, grad_e), (lp_f, ent_f, grad_f) = got
+    torch.testing.assert_close(lp_f, lp_e, atol=2e-6, rtol=1e-6)  # float32 rounding, not bit for bit
+    torch.testing.assert_close(ent_f, ent_e, atol=2e-6, rtol=1e-6)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(grad_f, grad_e, **tol)
+    assert not torch.equal(grad_f, torch.zeros_like(grad_f))
+
+
+def test_fused_gradcheck_in_double_through_both_outputs_and_through_one() -> None:
+    logits, targets = inputs((2, 5), 7, torch.float64)
+    logits.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: _both(x, targets, fused=True, temperature=0.6, chunk=3), (logits,))
+    assert torch.autograd.gradcheck(
+        lambda x: token_log_probs(x, targets, temperature=0.6, chunk_tokens=3, fused=True)[0], (logits,))
+    assert torch.autograd.gradcheck(lambda x: _both(x, targets, fused=True, chunk=3)[1], (logits,))
+
+
+def test_fused_gradients_stay_float32_accurate_for_peaked_distributions() -> None:
+    logits, targets = inputs((8, 4), 200, torch.float64)
+    logits = logits * 300.0
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 4, dtype=torch.float64, generator=g)
+    x64 = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(x64 / 0.5, -1)
+    (logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * w).sum().backward()
+    x = logits.float().requires_grad_(True)
+    (token_log_probs(x, targets, temperature=0.5, chunk_tokens=5, fused=True)[0] * w.float()).sum().backward()
+    assert x.grad is not None and x64.grad is not None
+    assert float((x.grad.double() - x64.grad).abs().max()) < 1e-5
+
+
+def test_fused_reads_a_strided_slice_and_gives_it_its_gradient() -> None:
+    full, targets = inputs((3, 5), 13, torch.float32)
+    targets = targets[:, :4]
+    x_ref, x = full.clone().requires_grad_(True), full.clone().requires_grad_(True)
+    lp_ref, ent_ref = reference(x_ref[:, :4], targets, 1.0)
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    lp, ent = _both(x[:, :4], targets, fused=True, chunk=3)  # chunks straddle rows
+    torch.testing.assert_close(lp, lp_ref, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, ent_ref, atol=2e-6, rtol=1e-6)
+    (lp.sum() + ent.sum()).backward()
+    assert x.grad is not None and float(x.grad[:, 4].abs().sum()) == 0.0
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_zero_tokens_give_empty_outputs() -> None:
+    x = torch.randn(2, 0, 8, requires_grad=True)
+    lp, ent = _both(x, torch.zeros(2, 0, dtype=torch.int64), fused=True)
+    assert lp.shape == ent.shape == (2, 0)
+    (lp.sum() + ent.sum()).backward()
+    assert x.grad is not None and x.grad.shape == (2, 0, 8)
+
+
+def test_fused_is_the_default_on_cuda_only() -> None:
+    from verl_core.enginekit.token_stats import fuses_log_probs
+
+    assert fuses_log_probs(torch.device("cuda")) and not fuses_log_probs(torch.device("cpu"))
+    logits, targets = inputs((2, 3), 5, torch.float32)
+    assert torch.equal(token_log_probs(logits, targets)[0], reference(logits, targets, 1.0)[0])  # eager on CPU
+
+
+def test_a_fused_chunk_that_fails_to_compile_warns_once_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo.exc as dynamo_exc
+
+    from verl_core.enginekit import token_stats
+    from verl_core.enginekit.sampling import CompiledOrEager
+
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise dynamo_exc.TorchDynamoException("inductor cannot lower this")
+
+    made = {which: CompiledOrEager(fn, f"token log-probs ({which})", compiled=failing)
+            for which, fn in (("forward", token_stats._fused_forward), ("backward", token_stats._fused_backward))}
+    monkeypatch.setattr(token_stats, "_compiled", made.__getitem__)
+    logits, targets = inputs((3, 5), 50, torch.float32)
+    x_ref, x = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    lp_ref, ent_ref = _both(x_ref, targets, fused=False)
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    with pytest.warns(RuntimeWarning, match=r"token log-probs \(forward\): torch.compile failed"):
+        lp, ent = _both(x, targets, fused=True)
+    with pytest.warns(RuntimeWarning, match=r"token log-probs \(backward\): torch.compile failed"):
+        (lp.sum() + ent.sum()).backward()
+    assert len(calls) == 2  # one failure each; the later chunks run eagerly without trying again
+    torch.testing.assert_close(lp, lp_ref, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)

@@ -12,10 +12,18 @@ keeps the targets, those floats and the entropy.
 That computation keeps two float32 ``[tokens, vocab]`` tensors from the forward until the backward
 (the log-softmax and, for the entropy, its exponential) and makes more in both passes: at 8192
 tokens and a 150k vocabulary each is 5 GB.
+
+Fused (``fused=True``, the default on CUDA: :func:`fuses_log_probs`), each chunk's forward and
+backward is one ``torch.compile``d function instead of a few eager passes over a float32 copy of the
+chunk: the backward reads the logits once and writes the gradient once, where the eager backward
+makes six float32 passes over every chunk (measured on an H100 at 135k tokens x 32,000: 77 ms of a
+1.28 s update). The same formulas in float32, not bit for bit: within float32 rounding of the eager
+values (the reductions run in another order).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -23,10 +31,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from verl_core.enginekit.sampling import CompiledOrEager
 from verl_core.kernel.errors import BatchValidationError, ConfigError
 from verl_core.kernel.schema import check_temperature
 
-__all__ = ["CHUNK_ELEMENTS", "default_chunk_tokens", "token_log_probs"]
+__all__ = ["CHUNK_ELEMENTS", "default_chunk_tokens", "fuses_log_probs", "token_log_probs"]
 
 CHUNK_ELEMENTS: Final = {"cpu": 1 << 19, "cuda": 1 << 26}
 """Default chunk size in logits (tokens x vocab) by device type; other devices take the CUDA size.
@@ -44,6 +53,15 @@ def default_chunk_tokens(vocab: int, device: torch.device) -> int:
     return max(1, CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"]) // vocab)
 
 
+def fuses_log_probs(device: torch.device) -> bool:
+    """Whether :func:`token_log_probs` fuses each chunk's passes by default on ``device``: on CUDA.
+
+    Elsewhere the eager passes stay the default: they give the whole-tensor computation's values
+    bit for bit, and a CPU process would compile the two functions before its first step.
+    """
+    return device.type == "cuda"
+
+
 def token_log_probs(
     logits: Tensor,
     targets: Tensor,
@@ -51,6 +69,7 @@ def token_log_probs(
     temperature: float = 1.0,
     entropy: bool = False,
     chunk_tokens: int | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``targets`` and (optionally) the entropy under ``softmax(logits / T)``.
 
@@ -65,6 +84,9 @@ def token_log_probs(
         temperature: The sampling temperature T (at least ``kernel.schema.MIN_TEMPERATURE``).
         entropy: Also return the entropy of each token's distribution.
         chunk_tokens: Tokens per chunk (default: :func:`default_chunk_tokens`).
+        fused: Run each chunk's forward and backward as one compiled function (the module's
+            docstring); None: :func:`fuses_log_probs` of the logits' device. Where compiling
+            fails, a warning names the error and the process computes eagerly from then on.
 
     Returns:
         ``(log_probs, entropy)``, both of shape ``logits.shape[:-1]`` in float32 (float64 for
@@ -93,7 +115,9 @@ def token_log_probs(
         chunk_tokens = default_chunk_tokens(logits.shape[-1], logits.device)
     elif isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"token_log_probs: chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    out = _TokenLogProbs.apply(logits, targets, t, entropy, chunk_tokens)  # type: ignore[no-untyped-call]
+    if fused is None:
+        fused = fuses_log_probs(logits.device)
+    out = _TokenLogProbs.apply(logits, targets, t, entropy, chunk_tokens, bool(fused))  # type: ignore[no-untyped-call]
     if entropy:
         lp, ent = out
         return lp, ent
@@ -138,8 +162,50 @@ def _chunks(views: list[Tensor], chunk_tokens: int) -> Iterator[tuple[int, int, 
 
 def _scaled(pieces: list[Tensor], temperature: float, dtype: torch.dtype) -> Tensor:
     """``logits / T`` of one chunk in the compute dtype: the same operations as ``tempered_log_probs``."""
-    z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dtype)
+    z = _joined(pieces).to(dtype)
     return z / temperature if temperature != 1.0 else z
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """One chunk's logits as one ``[rows, vocab]`` tensor (a copy only where the chunk straddles views)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _fused_forward(x: Tensor, targets: Tensor, temperature: float, entropy: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk's forward, compiled into few kernels: ``(max z, log sum exp(z - max z), log-prob at
+    the targets, entropy or None)`` with ``z = x / T`` in the compute dtype (``x / 1.0`` is ``x``)."""
+    z = x.to(_compute_dtype(x.dtype)) / temperature
+    z_max = z.amax(-1, keepdim=True)
+    shifted = z - z_max
+    log_sum = shifted.exp().sum(-1, keepdim=True).log()
+    lp = (shifted.gather(-1, targets) - log_sum).squeeze(-1)
+    if not entropy:
+        return z_max, log_sum, lp, None
+    logp = shifted - log_sum
+    return z_max, log_sum, lp, -(logp.exp() * logp).sum(-1)
+
+
+def _fused_backward(x: Tensor, out: Tensor, targets: Tensor, z_max: Tensor, log_sum: Tensor, lp_coef: Tensor,
+                    ent_coef: Tensor | None, ent: Tensor, temperature: float) -> None:
+    """One chunk's gradient into ``out`` (the logits' dtype), compiled into one pass over ``x``:
+    ``lp_coef * (onehot(t) - p)``, plus ``-ent_coef * p * (logp + H)`` where the entropy has a gradient."""
+    z = x.to(z_max.dtype) / temperature
+    logp = (z - z_max) - log_sum
+    p = logp.exp()
+    hit = torch.arange(x.shape[-1], device=x.device) == targets
+    if ent_coef is None:
+        g = torch.where(hit, lp_coef, 0.0) - p * lp_coef
+    else:
+        g = torch.where(hit, lp_coef, 0.0) - p * (lp_coef + ent_coef * (logp + ent))
+    out.copy_(g)
+
+
+@functools.cache
+def _compiled(which: str) -> CompiledOrEager:
+    """The compiled chunk function ``which`` (``forward`` or ``backward``), made once per process."""
+    fn = _fused_forward if which == "forward" else _fused_backward
+    return CompiledOrEager(fn, f"token log-probs ({which})")
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -147,7 +213,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, targets: Tensor, temperature: float, entropy: bool, chunk_tokens: int
+        ctx: Any, logits: Tensor, targets: Tensor, temperature: float, entropy: bool, chunk_tokens: int, fused: bool
     ) -> Tensor | tuple[Tensor, Tensor]:
         dtype = _compute_dtype(logits.dtype)
         lead = logits.shape[:-1]
@@ -161,6 +227,12 @@ class _TokenLogProbs(torch.autograd.Function):
         z_max = torch.empty(flat_targets.shape, dtype=dtype, device=logits.device)
         log_sum = torch.empty_like(z_max)
         for a, b, pieces in _chunks(_row_views(logits), chunk_tokens):
+            if fused:
+                parts = _compiled("forward")(_joined(pieces), flat_targets[a:b], temperature, entropy)
+                z_max[a:b], log_sum[a:b], flat_lp[a:b] = parts[:3]
+                if entropy:
+                    flat_ent[a:b] = parts[3]
+                continue
             z = _scaled(pieces, temperature, dtype)
             torch.amax(z, -1, keepdim=True, out=z_max[a:b])
             logp = torch.log_softmax(z, -1)
@@ -172,28 +244,36 @@ class _TokenLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # the backward's own copy of the entropy, which an in-place edit of the output leaves intact
         ctx.save_for_backward(logits, flat_targets, z_max, log_sum, flat_ent.clone())
-        ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
+        ctx.temperature, ctx.entropy, ctx.chunk_tokens, ctx.fused = temperature, entropy, chunk_tokens, fused
         if entropy:
             return lp, ent
         return lp
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None, None, None, None]:
         logits, flat_targets, z_max, log_sum, ent = ctx.saved_tensors
         g_lp = grads[0]
         g_ent = grads[1] if ctx.entropy else None
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         temperature: float = ctx.temperature
         dtype = _compute_dtype(logits.dtype)
         # z = logits / T;  d logp_t / dz = onehot(t) - p;  d H / dz = -p * (logp + H)
         lp_coef = None if g_lp is None else g_lp.reshape(-1, 1).to(dtype) / temperature
         ent_coef = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype) / temperature
-        # -p * (lp_coef + ent_coef * (logp + H)) = p * (logp * -ent_coef - shift)
-        shift = None if ent_coef is None else ent_coef * ent.unsqueeze(-1) + (0.0 if lp_coef is None else lp_coef)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(-1, logits.shape[-1])
+        if ctx.fused:
+            coef = lp_coef if lp_coef is not None else torch.zeros_like(z_max)
+            ent_col = ent.unsqueeze(-1)
+            for a, b, pieces in _chunks(_row_views(logits), ctx.chunk_tokens):
+                _compiled("backward")(_joined(pieces), flat_grad[a:b], flat_targets[a:b], z_max[a:b], log_sum[a:b],
+                                      coef[a:b], None if ent_coef is None else ent_coef[a:b],
+                                      ent_col[a:b], temperature)
+            return grad, None, None, None, None, None
+        # -p * (lp_coef + ent_coef * (logp + H)) = p * (logp * -ent_coef - shift)
+        shift = None if ent_coef is None else ent_coef * ent.unsqueeze(-1) + (0.0 if lp_coef is None else lp_coef)
         for a, b, pieces in _chunks(_row_views(logits), ctx.chunk_tokens):
             logp = (_scaled(pieces, temperature, dtype) - z_max[a:b]).sub_(log_sum[a:b])
             p = logp.exp()
@@ -205,4 +285,4 @@ class _TokenLogProbs(torch.autograd.Function):
             if lp_coef is not None:
                 g.scatter_add_(-1, flat_targets[a:b], lp_coef[a:b])
             flat_grad[a:b] = g
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
