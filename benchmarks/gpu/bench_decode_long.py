@@ -3,11 +3,14 @@
 Run on a CUDA machine: ``python benchmarks/gpu/bench_decode_long.py [--out DIR]``. For each response
 length (``--lengths``, default 128 512 2048 new tokens) the rollout engine generates for ``--prompts``
 x ``--n`` rows (16 x 8 = 128, the GRPO benchmark's batch) of ``--prompt-len``-token prompts (32),
+every row to the full length, or with ``--stop-every N`` each ending at a step with a chance of
+about 1/N (rows finish at different steps, as real responses do),
 first ``--warmup`` calls (they compile the decode step and capture its CUDA graphs: one per cache
 window), then ``--calls`` timed calls (median). Printed per length and engine variant: tokens,
 seconds, tokens/s, and the memory-bandwidth bound of the shape: every decode step must read the
 weights once (every parameter but the input embedding, of which only the rows' embeddings are
-read) and the KV cache written so far (rows x (prompt + tokens drawn) x layers x keys and values),
+read) and the KV cache written so far of the rows still decoding (prompt + tokens drawn, x layers
+x keys and values),
 at ``--bandwidth`` bytes/s (4.8e12: the H200's HBM3e); the bound's tokens/s is the rows x steps
 over the sum of those reads, and the ratio is what the engine reached of it. Prefill and sampling
 are not in the bound, so a ratio near 1 is out of reach at short lengths.
@@ -47,18 +50,22 @@ SIZES = {
 DEFAULT_VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "whole-cache": {"rollout_decode_window": 0, "rollout_decode_kernel": False}}
 
 
-def bound(spec: TinyModelSpec, rows: int, width: int, steps: int, dtype_bytes: int, bandwidth: float) -> dict[str, float]:
-    """The bandwidth bound of ``steps`` decode steps after a ``width``-slot prompt (see the module docstring)."""
+def bound(spec: TinyModelSpec, lengths: list[int], width: int, dtype_bytes: int, bandwidth: float) -> dict[str, float]:
+    """The bandwidth bound of decoding responses of ``lengths`` tokens after a ``width``-slot prompt
+    (see the module docstring): a row of ``n`` tokens takes ``n - 1`` decode steps, each reading its
+    slots written so far; the weights are read at every step until the longest row ends."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     layer = 2 * h * q + 2 * h * kv + 3 * h * spec.intermediate_size + 2 * h
     embedding = spec.vocab_size * h
     head = 0 if spec.tied else embedding  # the LM head is read whole every step
+    rows = len(lengths)
     weights = (spec.num_layers * layer + head + h + rows * h) * dtype_bytes
-    per_slot = rows * spec.num_layers * 2 * kv * dtype_bytes
-    kv_total = sum(per_slot * (width + t) for t in range(1, steps + 1))
-    seconds = (steps * weights + kv_total) / bandwidth
-    return {"weights_gb": weights / 1e9, "kv_last_gb": per_slot * (width + steps) / 1e9,
-            "bound_tok_s": rows * steps / seconds if seconds > 0 else float("inf")}
+    per_slot = spec.num_layers * 2 * kv * dtype_bytes  # one row's keys and values of one slot
+    steps = [max(0, n - 1) for n in lengths]
+    kv_total = sum(per_slot * (width * s + s * (s + 1) // 2) for s in steps)  # slots width + 1 .. width + s
+    seconds = (max(steps, default=0) * weights + kv_total) / bandwidth
+    return {"weights_gb": weights / 1e9, "kv_last_gb": sum(per_slot * (width + s) for s in steps) / 1e9,
+            "bound_tok_s": sum(steps) / seconds if seconds > 0 else float("inf")}
 
 
 def timed_generate(engine: Any, prompts: TensorBatch, params: SamplingParams, cuda: bool) -> tuple[float, TensorBatch]:
@@ -82,6 +89,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per length (compilation, capture)")
     parser.add_argument("--calls", type=int, default=2, help="timed calls per length (median)")
+    parser.add_argument("--stop-every", type=int, default=0, metavar="N",
+                        help="responses end at each step with a chance of about 1/N (stop ids: an N-th of the "
+                             "vocabulary), so rows finish at different steps; 0: every row decodes the full length")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="device memory bandwidth, bytes/s")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an engine variant: hf options as a JSON object (default: default and whole-cache)")
@@ -90,7 +100,18 @@ def main() -> None:
     parser.add_argument("--kernel-launch", metavar="BLOCK,WARPS,STAGES",
                         help="the fused decode-attention kernel's launch for every call (default: the kernel's own "
                              "choice, verl_core.enginekit._triton_decode.default_launch); see sweep_decode_kernel.py")
+    parser.add_argument("--finished-rows-read", action="store_true",
+                        help="the baseline of --stop-every: a finished row's decode steps attend every slot it "
+                             "wrote, as before StaticDecodeLoop.step_attends (the same samples, more cache read)")
     args = parser.parse_args()
+    if args.finished_rows_read:
+        from verl_core.enginekit.sampling import StaticDecodeLoop
+
+        def every_written_slot(self: StaticDecodeLoop, valid: torch.Tensor, slots: torch.Tensor, slot: torch.Tensor,
+                               seen: int) -> torch.Tensor:
+            return valid[:, :seen] & (slots[:seen] <= slot)
+
+        StaticDecodeLoop.step_attends = every_written_slot  # type: ignore[method-assign]
     if args.kernel_launch:
         from verl_core.enginekit import _triton_decode
 
@@ -119,10 +140,16 @@ def main() -> None:
         "group_ids": torch.arange(args.prompts),
     }, meta=BatchMeta())
     rows = args.prompts * args.n
+    # --stop-every N: a random model draws each id about equally often, so N-th of the vocabulary as
+    # stop ids ends a response at each step with a chance of about 1 / N
+    stops = tuple(range(4, 4 + max(1, spec.vocab_size // args.stop_every))) if args.stop_every else ()
     width = static_prompt_width(args.prompt_len)
     lines = [f"# hf rollout decode as responses grow: {args.size} ({dtype}) on {args.device}, {rows} rows, "
              f"{args.prompt_len}-token prompts, bound at {args.bandwidth / 1e12:.1f} TB/s, torch {torch.__version__}"
-             + (f", kernel launch {args.kernel_launch}" if args.kernel_launch else ""),
+             + (f", {len(stops)} stop ids (a response ends at a step with a chance of about 1/{args.stop_every})"
+                if stops else "")
+             + (f", kernel launch {args.kernel_launch}" if args.kernel_launch else "")
+             + (", finished rows attend every slot they wrote (baseline)" if args.finished_rows_read else ""),
              "| variant | mode | new tokens | tokens | mean length | s | tok/s | bound tok/s | of bound | weights GB "
              "| KV at end GB | first call s | graphs (captured/failed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -133,14 +160,14 @@ def main() -> None:
             model_path=str(model_dir), role="rollout", dtype=dtype, device=args.device,
             max_prompt_len=args.prompt_len, max_response_len=max(args.lengths), options=options))
         for length in args.lengths:
-            params = SamplingParams(temperature=1.0, max_new_tokens=length, n=args.n, seed=0)
+            params = SamplingParams(temperature=1.0, max_new_tokens=length, n=args.n, seed=0, stop_token_ids=stops)
             first = [timed_generate(engine, prompts, params, cuda)[0] for _ in range(args.warmup)]
             timed = [timed_generate(engine, prompts, params, cuda) for _ in range(args.calls)]
             seconds = statistics.median(t for t, _ in timed)
             out = timed[-1][1]
             tokens = int(out["response_mask"].sum())
             mean_len = tokens / rows
-            b = bound(spec, rows, width, max(1, round(mean_len) - 1), dtype_bytes, args.bandwidth)
+            b = bound(spec, out["response_mask"].sum(1).tolist(), width, dtype_bytes, args.bandwidth)
             graphs = getattr(engine, "graph_captures", None)
             counts = "-" if graphs is None else f"{graphs.captured}/{graphs.failures}"
             row = (f"| {name} | {engine.decode_mode} | {length} | {tokens} | {mean_len:.1f} | {seconds:.3f} | "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried wheels (.whl: megatron-core and this project's wheels,
 # built by benchmarks/gpu/prepare.sh), then run one step: conformance | bench | grpo | lora | async | decode-long |
-# decode-today | profile-decode | profile-prefill | profile-update | vs-trl | targets | levers | pending.
-# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|decode-today|profile-decode|profile-prefill|profile-update|vs-trl|targets|levers|pending [args]   (writes under $OUT)
+# decode-today | profile-decode | profile-prefill | profile-update | vs-trl | targets | levers | pending | ragged.
+# Usage: bash benchmarks/gpu/run.sh conformance|bench|grpo|lora|async|decode-long|decode-today|profile-decode|profile-prefill|profile-update|vs-trl|targets|levers|pending|ragged [args]   (writes under $OUT)
 #   conformance BACKEND...: CONF_DTYPES (default "float32 bfloat16"), CONF_TIMEOUT (s a dtype, default 300: the whole suite took about 130 s on an H100), CONF_OPTIONS
 #   (a JSON object passed as --verl-options), CONF_TAG (suffix of the log names), CONF_K (pytest -k: some checks only),
 #   CONF_WORKERS (pytest-xdist processes sharing the GPU: each engine's compile runs on its own CPU core),
@@ -76,6 +76,15 @@ PY
     for compile in "" --multi-turn-compile; do
       timeout 120 bash "$0" async --size 0.9b --workloads ragged --staleness 1 --steps 3 --repeats 1 --tool-s 0.1 \
         --turn-tokens 340 --max-turns 6 $compile --out "$OUT/async${compile:+-compile}" 2>&1 | tail -8
+    done ;;
+  #   ragged ARGS: 2048-token responses that end at different steps (a stop chance of 1/512 a step), the
+  #   decode where finished rows attend only the slot they write against finished rows reading all they
+  #   wrote, in this call (bench_decode_long.py --finished-rows-read; the card's bandwidth from its name)
+  ragged)
+    bw=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4.8e12 || echo 3.35e12)
+    for baseline in --finished-rows-read ""; do
+      python3 benchmarks/gpu/bench_decode_long.py --lengths 2048 --stop-every 512 --calls 3 --bandwidth "$bw" \
+        --variant "default${baseline:+-finished-rows-read}={}" $baseline "$@" 2>&1 | tee -a "$OUT/ragged.log" | grep -E "^\|"
     done ;;
   #   profile-decode ARGS: where the hf rollout's decode step goes (benchmarks/gpu/profile_decode.py ARGS, e.g. --out "$OUT/pd")
   profile-decode) (cd "$(dirname "$0")" && python3 profile_decode.py "$@") 2>&1 | tee -a "$OUT/profile_decode.log" ;;

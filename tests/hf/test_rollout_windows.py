@@ -62,14 +62,18 @@ def test_attention_over_a_window_equals_attention_over_the_whole_cache(groups: i
 
 
 class Spy:
-    """(query length, mask width, cache length) of every call of the rollout's attention, once installed."""
+    """(query length, mask width, cache length) of every call of the rollout's attention, and the
+    masks of its one-token calls, once installed."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int]] = []
+        self.step_masks: list[torch.Tensor] = []
 
     def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
                  *args: Any, **kwargs: Any) -> Any:
         self.calls.append((query.shape[2], -1 if mask is None else mask.shape[-1], key.shape[2]))
+        if query.shape[2] == 1 and mask is not None:
+            self.step_masks.append(mask.clone())
         return grouped_decode_sdpa(module, query, key, value, mask, *args, **kwargs)
 
     def install(self) -> None:
@@ -129,6 +133,40 @@ def test_windowed_decode_samples_what_the_whole_cache_and_the_dynamic_cache_samp
         # step k (k tokens drawn) reads 32 + k slots, at the smallest window holding them
         for k, w in enumerate(steps[::layers], start=1):
             assert w == next(x for x in decoder.windows if x >= 32 + k)
+
+
+def test_a_finished_row_attends_only_the_slot_its_step_writes(spy: Spy) -> None:
+    """Once a row drew a stop token, each later decode step's mask attends one slot of it, the one
+    the step writes (the fused kernel then reads one block of that row's cache, not all it wrote);
+    live rows attend their real slots so far, and the samples stay the dynamic cache's."""
+    dynamic = engine()
+    windowed = engine(rollout_cache="static", rollout_decode_window=36)
+    spy.install()
+    vocab = windowed.tokenizer.vocab_size
+    params = SamplingParams(n=4, max_new_tokens=40, seed=6, stop_token_ids=tuple(range(4, 4 + vocab // 12)))
+    p = prompts(3, seed=2)
+    want = dynamic.generate(p, params)
+    spy.step_masks.clear()
+    got = windowed.generate(p, params)
+    for field in ("response_ids", "response_mask", "truncated"):
+        assert torch.equal(got[field], want[field]), f"{field}: the windowed decode differs from the dynamic cache"
+    lengths = got["response_mask"].sum(1)
+    assert int(lengths.min()) < int(lengths.max()) - 2, f"the responses must end at different steps: {lengths}"
+    real = got["prompt_mask"].sum(1)
+    layers = windowed.model.config.num_hidden_layers
+    steps = spy.step_masks[::layers]
+    assert len(steps) == got.response_len - 1
+    width, mixed = 32, 0
+    for k, mask in enumerate(steps, start=1):  # step k feeds token k - 1 and writes slot width + k - 1
+        attended = mask[:, 0, 0]
+        done = lengths <= k
+        mixed += int(done.any() and not done.all())
+        for row in range(attended.shape[0]):
+            if done[row]:
+                assert attended[row].nonzero().flatten().tolist() == [width + k - 1], (row, k)
+            else:
+                assert int(attended[row].sum()) == int(real[row]) + k, (row, k)
+    assert mixed > 0, "no step had finished and live rows together"
 
 
 def test_window_options_are_resolved_per_device_and_validated() -> None:

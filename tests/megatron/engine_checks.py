@@ -210,6 +210,11 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
     again = rollout.generate(prompts, sampled)
     reordered = rollout.generate(prompts.index([2, 1, 0]), sampled)
     greedy = rollout.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    # a quarter of the vocabulary stops a response: rows end at different steps, and the static loop's
+    # finished rows attend only the slot their step writes
+    stopping = SamplingParams(n=2, max_new_tokens=6, seed=5, temperature=0.8,
+                              stop_token_ids=tuple(range(4, 4 + rollout.tokenizer.vocab_size // 4)))
+    stopped = rollout.generate(prompts, stopping)
     # the same engine without its KV cache (the whole sequence recomputed at every step)
     recompute = get_rollout_engine("megatron", EngineSpec(path, "rollout", parallel=par, max_response_len=8,
                                                           options={"rollout_kv_cache": False}))
@@ -225,6 +230,7 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
                                                                 "rollout_decode_window": 34}))
     static_first, static_again = static.generate(prompts, sampled), static.generate(prompts, sampled)
     static_greedy = static.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, temperature=0.8))
+    static_stopped = static.generate(prompts, stopping)
     static_windows = static._decoders.current.windows
     static_mode = static.decode_mode
     static.close()
@@ -251,6 +257,8 @@ def run_rollout(par: ParallelSizes, optim: OptimConfig) -> dict[str, Any]:
         "static": {k: static_first[k] for k in ("response_ids", "response_mask", "rollout_log_probs")},
         "static_again_ids": static_again["response_ids"], "static_greedy_ids": static_greedy["response_ids"],
         "static_windows": static_windows, "static_mode": static_mode,
+        "stopped": {k: stopped[k] for k in ("response_ids", "response_mask")},
+        "static_stopped": {k: static_stopped[k] for k in ("response_ids", "response_mask")},
         "compiled": compiled_out,
         "train_lp": actor.forward(first)["log_probs"],
         "temperature": first.meta.temperature,

@@ -292,6 +292,12 @@ def test_rollout_static_decode_loop_samples_what_megatron_s_kv_cache_samples(
     assert torch.equal(res["static_again_ids"], static["response_ids"]), "a reused static decoder sampled differently"
     assert torch.equal(res["static_greedy_ids"], res["greedy_ids"])
     assert res["static_windows"] == (34, 38) and res["static_mode"] == "static+windows"
+    lengths = res["stopped"]["response_mask"].sum(1)
+    assert int(lengths.min()) < int(lengths.max()), f"the stop tokens must end rows at different steps: {lengths}"
+    for field in ("response_ids", "response_mask"):
+        assert torch.equal(res["static_stopped"][field], res["stopped"][field]), (
+            f"{field}: the static loop differs from Megatron's KV cache once rows finish"
+        )
 
 
 @pytest.mark.parametrize("layout", [lay for lay in ROLLOUT_LAYOUTS if lay[0] == 2], ids=_id)

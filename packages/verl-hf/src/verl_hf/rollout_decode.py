@@ -48,8 +48,9 @@ class HFStaticDecoder(StaticDecodeLoop):
 
     Besides the loop's state (:class:`~verl_core.enginekit.sampling.StaticDecodeLoop`), the position to
     feed and the cache slot are device tensors updated in place. The attention mask is built here
-    as a 4D mask (prompt padding and not-yet-written slots masked), which keeps transformers' own
-    mask code (with its host synchronisations) out of the step.
+    as a 4D mask (prompt padding and not-yet-written slots masked, and a finished row's slots but
+    the one the step writes: :meth:`~verl_core.enginekit.sampling.StaticDecodeLoop.step_attends`),
+    which keeps transformers' own mask code (with its host synchronisations) out of the step.
 
     With ``window`` > 0 the model's attention must read a mask narrower than the cache as "the
     first mask-width slots only" (:func:`verl_hf.modeling.grouped_decode_sdpa`): the prefill's mask
@@ -119,7 +120,7 @@ class HFStaticDecoder(StaticDecodeLoop):
 
     def _advance(self) -> Tensor:
         seen = self.window if self.narrow else self.slots.shape[0]
-        mask = self._attention((self.valid[:, :seen] & (self.slots[:seen] <= self.slot))[:, None, None, :])
+        mask = self._attention(self.step_attends(self.valid, self.slots, self.slot, seen)[:, None, None, :])
         out: Any = self.step_model(
             input_ids=self.tok.unsqueeze(-1), attention_mask=mark_window_dynamic(mask, 3, seen, self.windows),
             position_ids=self.pos.unsqueeze(-1), use_cache=True, **{self.cache_kw: self.cache},

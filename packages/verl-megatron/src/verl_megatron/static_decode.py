@@ -209,7 +209,7 @@ class StaticDecoder(StaticDecodeLoop):
 
     def _advance(self) -> Tensor:
         seen = self.window  # the cache window of this step (the whole cache without windows)
-        masked = ~(self.valid[:, :seen] & (self.slots[:seen] <= self.slot))[:, None, None, :]
+        masked = ~self.step_attends(self.valid, self.slots, self.slot, seen)[:, None, None, :]
         logits = self.step_logits(self.model, self.tok.unsqueeze(-1), mark_window_dynamic(masked, 3, seen, self.windows),
                                   self.freqs.index_select(0, self.slot))
         self.slot.add_(1)

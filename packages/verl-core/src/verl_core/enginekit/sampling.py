@@ -537,6 +537,27 @@ class StaticDecodeLoop:
         place; float32 logits [rows, vocab]."""
         raise NotImplementedError
 
+    def step_attends(self, valid: Tensor, slots: Tensor, slot: Tensor, seen: int) -> Tensor:
+        """The boolean mask ``[rows, seen]`` of a decode step (True = attend) over the first ``seen`` cache slots.
+
+        A live row attends its real slots written so far (``valid`` and not past ``slot``, the slot
+        this step writes); a finished row attends only ``slot``. A finished row's output is never
+        read, so it needs no keys but its own: an attention that reads only the slots a mask
+        attends (the fused decode kernel, :mod:`verl_core.enginekit.decode_attention`) then reads
+        one block of a finished row's cache instead of all it wrote, and a batch whose responses
+        end at different lengths reads the cache of its live rows only. Live rows attend what
+        they did before, so they draw the same tokens.
+
+        Args:
+            valid: ``[rows, slots]``, False at the prompts' padding.
+            slots: The slot indices ``0 .. slots - 1``.
+            slot: ``[1]``, the slot this step writes.
+            seen: Slots the step's attention reads (the cache window, or the whole cache).
+        """
+        slots = slots[:seen]
+        written = valid[:, :seen] & (slots <= slot)
+        return written & ((slots == slot) | ~self.finished[:, None])
+
     # ------------------------------------------------------------------ the loop
     def _param_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
