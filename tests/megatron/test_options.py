@@ -38,6 +38,36 @@ def test_choices_set_by_the_user_are_kept() -> None:
     assert resolved.resolve_rollout(CUDA) == resolved  # resolving again changes nothing
 
 
+def test_the_fused_decode_kernel_is_on_where_it_can_run_and_refused_where_it_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``rollout_decode_kernel``: the hf rollout's kernel and the same rules
+    (:func:`verl_core.enginekit.decode_attention.resolve_decode_kernel`), for the static decode only."""
+    import verl_core.enginekit.decode_attention as decode_attention
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: object())  # as where Triton is installed
+    assert MegatronOptions().resolve_rollout(CUDA, dtype=bf16).rollout_decode_kernel is True
+    assert MegatronOptions().resolve_rollout(CUDA, dtype=torch.float32).rollout_decode_kernel is False
+    assert MegatronOptions().resolve_rollout(CPU, dtype=bf16).rollout_decode_kernel is False
+    assert MegatronOptions(rollout_decode_kernel=False).resolve_rollout(CUDA, dtype=bf16).rollout_decode_kernel is False
+    assert MegatronOptions(rollout_static_cache=False).resolve_rollout(CUDA, dtype=bf16).rollout_decode_kernel is False
+    resolved = MegatronOptions().resolve_rollout(CUDA, dtype=bf16)
+    assert resolved.resolve_rollout(CUDA, dtype=bf16) == resolved
+    # set on the CPU, it asks for the static cache (as the other fast-path options) and is refused there
+    with pytest.raises(ConfigError, match="megatron option rollout_decode_kernel=True needs a CUDA device .* runs on "
+                                          "cpu in bfloat16; set rollout_decode_kernel=False"):
+        MegatronOptions(rollout_decode_kernel=True).resolve_rollout(CPU, dtype=bf16)
+    with pytest.raises(ConfigError, match="in float32"):
+        MegatronOptions(rollout_decode_kernel=True).resolve_rollout(CUDA)
+    with pytest.raises(ConfigError, match="rollout_decode_kernel is the static decode step's attention"):
+        MegatronOptions(rollout_static_cache=False, rollout_decode_kernel=True)
+    monkeypatch.setattr(decode_attention, "fused_decode_kernel", lambda: None)  # no Triton
+    assert MegatronOptions().resolve_rollout(CUDA, dtype=bf16).rollout_decode_kernel is False
+    with pytest.raises(ConfigError, match="needs Triton, which is not installed"):
+        MegatronOptions(rollout_decode_kernel=True).resolve_rollout(CUDA, dtype=bf16)
+
+
 def test_contradictory_choices_are_refused() -> None:
     with pytest.raises(ConfigError, match="rollout_decode_window sets the attention windows"):
         MegatronOptions(rollout_static_cache=False, rollout_decode_window=64)

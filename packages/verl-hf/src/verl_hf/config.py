@@ -185,26 +185,13 @@ class HFOptions:
 
     def fused_decode(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a rollout on ``device`` in ``dtype`` runs the fused decode-attention kernel
-        (``rollout_decode_kernel``): None decides from where it can run, True refuses where it cannot."""
-        from verl_core.enginekit.decode_attention import fused_decode_kernel
+        (``rollout_decode_kernel``): None decides from where it can run, True refuses where it cannot
+        (:func:`verl_core.enginekit.decode_attention.resolve_decode_kernel`)."""
+        from verl_core.enginekit.decode_attention import resolve_decode_kernel
 
-        if self.rollout_decode_kernel is False:
-            return False
-        takes = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-        if self.rollout_decode_kernel is None:
-            return takes and self.attn_implementation == "sdpa" and fused_decode_kernel() is not None
-        if not takes:
-            raise ConfigError(
-                f"HFOptions.rollout_decode_kernel=True needs a CUDA device and a bfloat16 rollout, the engine "
-                f"runs on {device} in {str(dtype).removeprefix('torch.')}; set rollout_decode_kernel=False "
-                f"(or leave it unset: on where it can run)"
-            )
-        if fused_decode_kernel() is None:
-            raise ConfigError(
-                "HFOptions.rollout_decode_kernel=True needs Triton, which is not installed (it comes with "
-                "PyTorch's CUDA wheels); set rollout_decode_kernel=False"
-            )
-        return True
+        if self.rollout_decode_kernel is None and self.attn_implementation != "sdpa":
+            return False  # the kernel replaces sdpa's decode step (True with another attention is refused)
+        return resolve_decode_kernel(self.rollout_decode_kernel, device, dtype, "HFOptions.rollout_decode_kernel")
 
     def fuses_elementwise(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether an engine on ``device`` in ``dtype`` routes its norms and gated activations through

@@ -74,6 +74,12 @@ class MegatronOptions:
             graph, and a compiled step compiles once for the windows below the whole cache and once
             for the whole cache. 0 reads the whole cache at every step. None (default): 256
             where the static cache is used on CUDA, 0 elsewhere.
+        rollout_decode_kernel: Run each static decode step's attention through the fused Triton
+            kernel (:func:`verl_core.enginekit.decode_attention.grouped_decode_attention`, the hf
+            rollout's: keys and values read once per group, no block past the last attended slot
+            read, and a finished row's cache skipped) instead of two matrix products around a
+            softmax. None (default): on where it can run (CUDA, bfloat16, Triton installed);
+            True: on, refused with the reason where it cannot run; False: off.
         pack_sequences: Run the training engine's micro-batches (``forward`` and
             ``forward_backward``) without padding: the real tokens of a micro-batch are laid end to
             end in one row (megatron-core's ``thd`` format, ``PackedSeqParams``), rotary positions
@@ -100,6 +106,7 @@ class MegatronOptions:
     optimizer: Literal["torch", "megatron"] = "torch"
     distributed_optimizer: bool = False
     rollout_decode_window: Annotated[int, Ge(0)] | None = None
+    rollout_decode_kernel: bool | None = None
     pack_sequences: bool | None = None
 
     def __post_init__(self) -> None:
@@ -118,6 +125,11 @@ class MegatronOptions:
             raise ConfigError(
                 "megatron option rollout_decode_window sets the attention windows of the static decode step; set "
                 "rollout_static_cache=True as well (or leave rollout_decode_window unset)"
+            )
+        if self.rollout_decode_kernel and static_off:
+            raise ConfigError(
+                "megatron option rollout_decode_kernel is the static decode step's attention; set "
+                "rollout_static_cache=True as well (or leave rollout_decode_kernel unset)"
             )
         if self.rollout_static_cache and self.attention != "sdpa":
             raise ConfigError("megatron option rollout_static_cache needs attention='sdpa'")
@@ -140,19 +152,29 @@ class MegatronOptions:
                 "(megatron-core's optimizer always steps float32 main parameters); use optimizer='torch'"
             )
 
-    def resolve_rollout(self, device: torch.device, *, tp: int = 1) -> MegatronOptions:
-        """These options with the rollout's ``None`` (automatic) choices made for ``device``.
+    def resolve_rollout(self, device: torch.device, *, tp: int = 1,
+                        dtype: torch.dtype | None = None) -> MegatronOptions:
+        """These options with the rollout's ``None`` (automatic) choices made for ``device`` and the
+        rollout's ``dtype`` (None: float32).
 
         On CUDA the fast decode path is the default, as for the hf rollout: the engine's static
-        cache (with sdpa attention), ``torch.compile`` of its decode step, CUDA graphs (at tp=1)
-        and attention over cache windows; each can be turned off by setting it. Elsewhere
-        Megatron's own KV cache, without graphs or compilation, unless a fast-path option is set
-        (it then asks for the static cache too).
+        cache (with sdpa attention), ``torch.compile`` of its decode step, CUDA graphs (at tp=1),
+        attention over cache windows, and in bfloat16 the fused decode-attention kernel; each can be
+        turned off by setting it. Elsewhere Megatron's own KV cache, without graphs or compilation,
+        unless a fast-path option is set (it then asks for the static cache too).
+
+        Raises:
+            ConfigError: ``rollout_decode_kernel=True`` where the kernel cannot run.
         """
+        import torch
+
+        from verl_core.enginekit.decode_attention import resolve_decode_kernel
+
         cuda = device.type == "cuda"
         static = self.rollout_static_cache
         if static is None:
-            wanted = cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs) or bool(self.rollout_decode_window)
+            wanted = (cuda or bool(self.rollout_compile) or bool(self.rollout_cuda_graphs)
+                      or bool(self.rollout_decode_window) or bool(self.rollout_decode_kernel))
             static = wanted and self.attention == "sdpa"
         fast = cuda and static
         graphs = self.rollout_cuda_graphs if self.rollout_cuda_graphs is not None else fast and tp == 1
@@ -160,5 +182,8 @@ class MegatronOptions:
         window = self.rollout_decode_window
         if window is None or not static:
             window = DEFAULT_DECODE_WINDOW if fast and window is None else 0
+        kernel = bool(static) and resolve_decode_kernel(self.rollout_decode_kernel, device, dtype or torch.float32,
+                                                        "megatron option rollout_decode_kernel")
         return dataclasses.replace(self, rollout_static_cache=static, rollout_cuda_graphs=graphs,
-                                   rollout_compile=compiled, rollout_decode_window=window)
+                                   rollout_compile=compiled, rollout_decode_window=window,
+                                   rollout_decode_kernel=kernel)

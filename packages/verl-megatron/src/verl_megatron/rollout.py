@@ -111,7 +111,7 @@ class MegatronRolloutEngine(RolloutEngineBase):
         self.model.requires_grad_(False)
         self.model.eval()
         # automatic decode choices: the fast static path on CUDA (graphs at tp=1), Megatron's KV cache elsewhere
-        self._options = self._options.resolve_rollout(self._device, tp=self.tp)
+        self._options = self._options.resolve_rollout(self._device, tp=self.tp, dtype=self._dtype)
         self._kv_cache = self._options.rollout_kv_cache
         if self._options.rollout_cuda_graphs and (self._device.type != "cuda" or self.tp != 1):
             raise ConfigError(
@@ -202,7 +202,8 @@ class MegatronRolloutEngine(RolloutEngineBase):
 
         def build(sampler: TokenSampler) -> StaticDecoder:
             return StaticDecoder(self.model, rows, width, sampler, params.max_new_tokens, self._device,
-                                 step_logits=self._compiled, window=self._options.rollout_decode_window or 0)
+                                 step_logits=self._compiled, window=self._options.rollout_decode_window or 0,
+                                 fused_attention=bool(self._options.rollout_decode_kernel))
 
         return self._decoders.get(self.model, rows, width, params, stop_ids, uniforms, self._tokenizer.pad_token_id,
                                   self._device, build, compile_sampling=bool(self._options.rollout_compile))
@@ -211,8 +212,9 @@ class MegatronRolloutEngine(RolloutEngineBase):
     def decode_mode(self) -> str:
         """How ``generate`` decodes: ``recompute``, ``kv-cache``, ``static``, ``static+compile``,
         ``static+cuda-graphs`` or ``static+compile+cuda-graphs``, ``+windows`` when steps attend over
-        cache windows (and which shapes decode eagerly after their CUDA-graph captures failed, and
-        the error after which the decode step runs uncompiled)."""
+        cache windows, ``+fused-attention`` when they run the fused decode-attention kernel (and
+        which shapes decode eagerly after their CUDA-graph captures failed, and the error after
+        which the decode step runs uncompiled)."""
         if not self._options.rollout_static_cache:
             return "kv-cache" if self._kv_cache else "recompute"
         mode = "static+compile" if self._options.rollout_compile else "static"
@@ -220,6 +222,8 @@ class MegatronRolloutEngine(RolloutEngineBase):
             mode += "+cuda-graphs"
         if self._options.rollout_decode_window:
             mode += "+windows"
+        if self._options.rollout_decode_kernel:
+            mode += "+fused-attention"
         return mode + slow_path_notes(self._graphs if self._options.rollout_cuda_graphs else None, self._compiled)
 
     @property

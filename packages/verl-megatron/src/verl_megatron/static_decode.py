@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from verl_core.enginekit.decode_attention import grouped_decode_attention
 from verl_core.enginekit.sampling import (
     CompiledOrEager,
     StaticDecodeLoop,
@@ -103,11 +104,14 @@ class LayerCache:
         length: Cache slots (prompt width plus new tokens).
         where: A one-element list holding the slot indices the current call writes (the
             decoder swaps the tensor between the prefill and the decode steps).
+        fused: A one-token step's attention runs the fused decode kernel where it takes the
+            tensors (``MegatronOptions.rollout_decode_kernel``).
     """
 
-    def __init__(self, length: int, where: list[Tensor]) -> None:
+    def __init__(self, length: int, where: list[Tensor], *, fused: bool = False) -> None:
         self.length = length
         self.where = where
+        self.fused = fused
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
@@ -117,8 +121,10 @@ class LayerCache:
         ``masked`` is [b, 1, sq, n], True where a query must not see a key: the attention reads
         the first ``n`` slots of the cache only (a cache window, or the prompt's slots in the
         prefill), the rest is never read. Returns [sq, b, heads * d]. Head ``h`` reads group
-        ``h // (heads / groups)``, as Megatron's attention does; a one-token step folds a group's
-        heads instead of repeating its keys, a longer call repeats them over the ``n`` slots only.
+        ``h // (heads / groups)``, as Megatron's attention does; a one-token step is
+        :func:`~verl_core.enginekit.decode_attention.grouped_decode_attention` (a group's heads
+        folded instead of its keys repeated; the fused kernel with :attr:`fused`), a longer call
+        repeats the keys over the ``n`` slots only.
         """
         sq, b, heads, d = query.shape
         if self.k is None or self.v is None:
@@ -129,14 +135,13 @@ class LayerCache:
         self.k.index_copy_(2, slots, key.permute(1, 2, 0, 3))
         self.v.index_copy_(2, slots, value.permute(1, 2, 0, 3))
         keep = ~masked
+        if sq == 1:
+            out = grouped_decode_attention(query.permute(1, 2, 0, 3), self.k, self.v, keep,
+                                           d**-0.5 if scale is None else scale, fused=self.fused)
+            return out.reshape(1, b, heads * d)
         seen = masked.shape[-1]
         k, v = self.k[:, :, :seen], self.v[:, :, :seen]  # views: the slots past the mask are not read
-        groups = k.shape[1]
-        rep = heads // groups
-        if sq == 1 and rep > 1:
-            folded = query.reshape(b, groups, rep, d)
-            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=keep, scale=scale)
-            return out.reshape(1, b, heads * d)
+        rep = heads // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), k, v, attn_mask=keep, scale=scale)
@@ -158,10 +163,12 @@ class StaticDecoder(StaticDecodeLoop):
         window: Smallest attention window of a decode step (0: every step reads the whole
             cache); see :func:`~verl_core.enginekit.sampling.cache_windows`. The prefill reads the
             prompt's slots only either way.
+        fused_attention: Decode steps attend through the fused kernel (:class:`LayerCache`).
     """
 
     def __init__(self, model: Any, rows: int, width: int, sampler: TokenSampler, max_new: int,
-                 device: torch.device, step_logits: StepLogits | None = None, window: int = 0) -> None:
+                 device: torch.device, step_logits: StepLogits | None = None, window: int = 0,
+                 fused_attention: bool = False) -> None:
         length = width + max_new
         super().__init__(rows, max_new, sampler, device, model, "megatron rollout",
                          windows=cache_windows(width, length, window), filled=width)
@@ -172,7 +179,7 @@ class StaticDecoder(StaticDecodeLoop):
         self.caches = []
         for name, module in model.named_modules():
             if name.endswith("core_attention"):
-                cache = LayerCache(length, self._where)
+                cache = LayerCache(length, self._where, fused=fused_attention)
                 module.static_cache = cache
                 self.caches.append(cache)
         self.freqs: Tensor = model.rotary_pos_emb(length)  # [length, 1, 1, rotary dim]

@@ -15,7 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["fused_decode_kernel", "fused_decode_takes", "grouped_decode_attention"]
+from verl_core.kernel.errors import ConfigError
+
+__all__ = ["fused_decode_kernel", "fused_decode_takes", "grouped_decode_attention", "resolve_decode_kernel"]
 
 FusedKernel = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
@@ -44,6 +46,33 @@ def fused_decode_takes(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) 
     return (query.is_cuda and mask.dtype == torch.bool and query.dtype in (torch.bfloat16, torch.float16)
             and key.dtype == value.dtype == query.dtype and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
             and fused_decode_kernel() is not None)
+
+
+def resolve_decode_kernel(wanted: bool | None, device: torch.device, dtype: torch.dtype, option: str) -> bool:
+    """Whether a rollout on ``device`` in ``dtype`` runs the fused kernel, the engine's option
+    ``option`` (its name in messages, e.g. ``HFOptions.rollout_decode_kernel``) set to ``wanted``.
+
+    None: on exactly where it can run (CUDA, bfloat16 or float16, Triton installed), never an error.
+    True: on, and a :class:`~verl_core.kernel.errors.ConfigError` naming what is missing where it
+    cannot run. False: off.
+    """
+    if wanted is False:
+        return False
+    takes = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if wanted is None:
+        return takes and fused_decode_kernel() is not None
+    name = option.split(".")[-1].split()[-1]
+    if not takes:
+        raise ConfigError(
+            f"{option}=True needs a CUDA device and a bfloat16 rollout, the engine runs on {device} in "
+            f"{str(dtype).removeprefix('torch.')}; set {name}=False (or leave it unset: on where it can run)"
+        )
+    if fused_decode_kernel() is None:
+        raise ConfigError(
+            f"{option}=True needs Triton, which is not installed (it comes with PyTorch's CUDA wheels); "
+            f"set {name}=False"
+        )
+    return True
 
 
 def grouped_decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float, *,
