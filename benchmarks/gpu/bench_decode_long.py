@@ -1,4 +1,4 @@
-"""Decode tokens/s of the hf rollout as responses grow, against the memory-bandwidth bound of each length.
+"""Decode tokens/s of the hf (or megatron) rollout as responses grow, against the memory-bandwidth bound of each length.
 
 Run on a CUDA machine: ``python benchmarks/gpu/bench_decode_long.py [--out DIR]``. For each response
 length (``--lengths``, default 128 512 2048 new tokens) the rollout engine generates for ``--prompts``
@@ -21,8 +21,9 @@ windows in the fused kernel) and ``whole-cache`` (``rollout_decode_window=0`` an
 ``rollout_decode_kernel=False``: every step attends over the whole preallocated cache through
 matrix products, as before the windows and the kernel), plus on CUDA ``matmul-attention``
 (``rollout_decode_kernel=False``: the windows' attention as two matrix products around a softmax
-instead of the default's fused Triton kernel). ``--size tiny --device cpu`` is a smoke run of the
-script on a CPU (float32), not a measurement.
+instead of the default's fused Triton kernel). ``--backend megatron`` runs the megatron rollout
+(one process, tp=1) with the same variants (its options of the same names). ``--size tiny
+--device cpu`` is a smoke run of the script on a CPU (float32), not a measurement.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def timed_generate(engine: Any, prompts: TensorBatch, params: SamplingParams, cu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size", choices=sorted(SIZES), default="0.9b")
+    parser.add_argument("--backend", choices=("hf", "megatron"), default="hf",
+                        help="the rollout engine (the variants' options are that backend's)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--prompts", type=int, default=16)
@@ -144,7 +147,7 @@ def main() -> None:
     # stop ids ends a response at each step with a chance of about 1 / N
     stops = tuple(range(4, 4 + max(1, spec.vocab_size // args.stop_every))) if args.stop_every else ()
     width = static_prompt_width(args.prompt_len)
-    lines = [f"# hf rollout decode as responses grow: {args.size} ({dtype}) on {args.device}, {rows} rows, "
+    lines = [f"# {args.backend} rollout decode as responses grow: {args.size} ({dtype}) on {args.device}, {rows} rows, "
              f"{args.prompt_len}-token prompts, bound at {args.bandwidth / 1e12:.1f} TB/s, torch {torch.__version__}"
              + (f", {len(stops)} stop ids (a response ends at a step with a chance of about 1/{args.stop_every})"
                 if stops else "")
@@ -156,7 +159,7 @@ def main() -> None:
     for line in lines:
         print(line, flush=True)
     for name, options in variants.items():
-        engine: Any = get_rollout_engine("hf", EngineSpec(
+        engine: Any = get_rollout_engine(args.backend, EngineSpec(
             model_path=str(model_dir), role="rollout", dtype=dtype, device=args.device,
             max_prompt_len=args.prompt_len, max_response_len=max(args.lengths), options=options))
         for length in args.lengths:

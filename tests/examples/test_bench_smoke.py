@@ -1,6 +1,6 @@
 """The GPU benchmarks run on a CPU at their tiny size: ``bench_grpo_vs_trl.py`` (the verl side, its
 memory plan and peak memory; TRL is not installed here), ``gpu/bench_decode_long.py`` (every
-decode path of the hf rollout, its bandwidth bound) and ``bench_async.py``'s ragged multi-turn
+decode path of the hf rollout, its bandwidth bound; responses of different lengths on both rollouts) and ``bench_async.py``'s ragged multi-turn
 workload (sync against async). A smoke test of the scripts, not a measurement."""
 
 from __future__ import annotations
@@ -53,6 +53,24 @@ def test_bench_decode_long_runs_every_decode_path_at_the_tiny_size(tmp_path: Pat
     for r in rows:
         assert float(r[6].replace(",", "")) > 0 and float(r[7].replace(",", "")) > 0  # tok/s and its bound
     assert (tmp_path / "bench_decode_long.md").read_text().count("| windows |") == 2
+
+
+@pytest.mark.parametrize("backend", ["hf", "megatron"])
+def test_bench_decode_long_times_responses_of_different_lengths_against_finished_rows_reading_all(
+    tmp_path: Path, backend: str
+) -> None:
+    """``--stop-every``: rows end at different steps; ``--finished-rows-read`` (the baseline) samples the same."""
+    rows = []
+    for baseline in ([], ["--finished-rows-read"]):
+        text = _run("benchmarks/gpu/bench_decode_long.py", "--backend", backend, "--size", "tiny", "--device", "cpu",
+                    "--lengths", "40", "--stop-every", "8", "--prompts", "2", "--n", "3", "--calls", "1",
+                    "--model-dir", str(tmp_path / "model"),
+                    "--variant", 'windows={"rollout_decode_window": 16, "rollout_compile": false}', *baseline)
+        rows += [ln.split("|")[1:-1] for ln in text.splitlines() if ln.startswith("| windows ")]
+    assert len(rows) == 2 and rows[0][1].strip() == rows[1][1].strip() == "static+windows", rows
+    tokens, mean = rows[0][3].strip(), float(rows[0][4])
+    assert rows[1][3].strip() == tokens, "the baseline sampled other tokens"
+    assert 1 < mean < 40, f"responses must end at different steps before the limit: mean length {mean}"
 
 
 def test_bench_async_runs_the_ragged_workload_sync_and_async_at_the_tiny_size(tmp_path: Path) -> None:
