@@ -121,23 +121,30 @@ def test_without_entropy_no_entropy_is_returned_and_the_gradient_matches() -> No
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
 
 
-def test_a_strided_slice_is_read_in_place_and_gets_its_gradient() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_strided_slice_is_read_in_place_and_gets_its_gradient(fused: bool) -> None:
     """The engines pass ``logits[:, :r]`` of ``[batch, r + 1, vocab]``: its rows do not flatten to a view."""
     full, targets = inputs((3, 5), 13, torch.float32)
     targets = targets[:, :4]
     x_ref, x = full.clone().requires_grad_(True), full.clone().requires_grad_(True)
     lp_ref, ent_ref = reference(x_ref[:, :4], targets, 1.0)
     (lp_ref.sum() + ent_ref.sum()).backward()
-    lp, ent = token_log_probs(x[:, :4], targets, entropy=True, chunk_tokens=3)  # chunks straddle rows
-    assert ent is not None and torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref)
+    lp, ent = token_log_probs(x[:, :4], targets, entropy=True, chunk_tokens=3, fused=fused)  # chunks straddle rows
+    assert ent is not None
+    if fused:  # within float32 rounding
+        torch.testing.assert_close(lp, lp_ref, atol=2e-6, rtol=1e-6)
+        torch.testing.assert_close(ent, ent_ref, atol=2e-6, rtol=1e-6)
+    else:  # bit for bit
+        assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref)
     (lp.sum() + ent.sum()).backward()
     assert x.grad is not None and float(x.grad[:, 4].abs().sum()) == 0.0
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
 
 
-def test_zero_tokens_give_empty_outputs_and_an_empty_gradient() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_tokens_give_empty_outputs_and_an_empty_gradient(fused: bool) -> None:
     x = torch.randn(2, 0, 8, requires_grad=True)
-    lp, ent = token_log_probs(x, torch.zeros(2, 0, dtype=torch.int64), entropy=True)
+    lp, ent = token_log_probs(x, torch.zeros(2, 0, dtype=torch.int64), entropy=True, fused=fused)
     assert ent is not None and lp.shape == ent.shape == (2, 0)
     (lp.sum() + ent.sum()).backward()
     assert x.grad is not None and x.grad.shape == (2, 0, 8)
@@ -258,28 +265,6 @@ def test_fused_gradients_stay_float32_accurate_for_peaked_distributions() -> Non
     (token_log_probs(x, targets, temperature=0.5, chunk_tokens=5, fused=True)[0] * w.float()).sum().backward()
     assert x.grad is not None and x64.grad is not None
     assert float((x.grad.double() - x64.grad).abs().max()) < 1e-5
-
-
-def test_fused_reads_a_strided_slice_and_gives_it_its_gradient() -> None:
-    full, targets = inputs((3, 5), 13, torch.float32)
-    targets = targets[:, :4]
-    x_ref, x = full.clone().requires_grad_(True), full.clone().requires_grad_(True)
-    lp_ref, ent_ref = reference(x_ref[:, :4], targets, 1.0)
-    (lp_ref.sum() + ent_ref.sum()).backward()
-    lp, ent = _both(x[:, :4], targets, fused=True, chunk=3)  # chunks straddle rows
-    torch.testing.assert_close(lp, lp_ref, atol=2e-6, rtol=1e-6)
-    torch.testing.assert_close(ent, ent_ref, atol=2e-6, rtol=1e-6)
-    (lp.sum() + ent.sum()).backward()
-    assert x.grad is not None and float(x.grad[:, 4].abs().sum()) == 0.0
-    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
-
-
-def test_fused_zero_tokens_give_empty_outputs() -> None:
-    x = torch.randn(2, 0, 8, requires_grad=True)
-    lp, ent = _both(x, torch.zeros(2, 0, dtype=torch.int64), fused=True)
-    assert lp.shape == ent.shape == (2, 0)
-    (lp.sum() + ent.sum()).backward()
-    assert x.grad is not None and x.grad.shape == (2, 0, 8)
 
 
 def test_fused_is_the_default_on_cuda_only() -> None:
